@@ -1,0 +1,31 @@
+"""Checkpoint directories: `config.json`, `model.safetensors`, `tokenizer.json`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from gpu_service.config import ModelConfig
+from gpu_service.model.weights import WEIGHTS_FILE, init_weights, save_weights
+from gpu_service.tokenizer import TOKENIZER_FILE, ByteTokenizer
+
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "models" / "default"
+DEFAULT_SEED = 0
+
+
+def init_model(directory: Path, cfg: ModelConfig | None = None, seed: int = DEFAULT_SEED) -> Path:
+    """Write a checkpoint with seeded random weights. An existing config.json is kept and
+    used, so the shipped default directory only gains its weights."""
+    directory.mkdir(parents=True, exist_ok=True)
+    if cfg is None:
+        cfg = ModelConfig.load(directory) if (directory / "config.json").exists() else ModelConfig()
+    (directory / "config.json").write_text(cfg.to_json())
+    if not (directory / TOKENIZER_FILE).exists():
+        (directory / TOKENIZER_FILE).write_text(ByteTokenizer.default().to_json())
+    save_weights(init_weights(cfg, seed), directory)
+    return directory / WEIGHTS_FILE
+
+
+def ensure_weights(directory: Path) -> None:
+    """Write the seeded weights of a shipped checkpoint that has none yet."""
+    if not (directory / WEIGHTS_FILE).exists():
+        init_model(directory)

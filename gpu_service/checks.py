@@ -1,0 +1,56 @@
+"""Input checks shared by the engine's operations. Each raises a `ModelError` with a sentence,
+before any state is touched."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from gpu_service.interface import FailedPrecondition, InvalidArgument
+
+
+def same_length(what: str, **lists: Sequence) -> None:
+    sizes = {name: len(v) for name, v in lists.items()}
+    if len(set(sizes.values())) > 1:
+        parts = ", ".join(f"{n} has {s}" for n, s in sizes.items())
+        raise InvalidArgument(f"{what}: the lists differ in length ({parts})")
+
+
+def not_empty(what: str, items: Sequence) -> None:
+    if not items:
+        raise InvalidArgument(f"{what} names no sequence")
+
+
+def distinct(what: str, ids: Sequence[int]) -> None:
+    if len(set(ids)) != len(ids):
+        raise InvalidArgument(f"{what} names a sequence more than once")
+
+
+def tokens_in_vocab(tokens: Sequence[int], vocab: int) -> None:
+    for i, t in enumerate(tokens):
+        if not 0 <= t < vocab:
+            raise InvalidArgument(
+                f"token id {t} at index {i} is outside the vocabulary (0 .. {vocab - 1})"
+            )
+
+
+def fits_context(seq_id: int, seq_len: int, extra: int, max_context: int) -> None:
+    if seq_len + extra > max_context:
+        raise InvalidArgument(
+            f"sequence {seq_id} holds {seq_len} tokens; {extra} more exceed the context of "
+            f"{max_context}"
+        )
+
+
+def within(name: str, value: int, low: int, high: int) -> None:
+    if not low <= value <= high:
+        raise InvalidArgument(f"{name} is {value}; it must be in {low} ..= {high}")
+
+
+def phase(seq_id: int, actual: str, expected: str, action: str) -> None:
+    if actual != expected:
+        reasons = {
+            "idle": "no verify is pending",
+            "verified": "its last verify is not folded yet",
+            "folded": "its last verify is folded but not committed",
+        }
+        raise FailedPrecondition(f"cannot {action} sequence {seq_id}: {reasons[actual]}")

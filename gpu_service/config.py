@@ -1,0 +1,130 @@
+"""Model configuration with HF `Qwen3NextConfig` field names, and the service's own settings."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+LINEAR = "linear_attention"
+FULL = "full_attention"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 320
+    hidden_size: int = 256
+    intermediate_size: int = 512
+    num_hidden_layers: int = 8
+    layer_types: tuple[str, ...] = (LINEAR, LINEAR, LINEAR, FULL) * 2
+    # gated full attention
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    partial_rotary_factor: float = 0.25
+    rope_theta: float = 10000.0
+    # Gated DeltaNet
+    linear_num_key_heads: int = 2
+    linear_num_value_heads: int = 4
+    linear_key_head_dim: int = 64
+    linear_value_head_dim: int = 64
+    linear_conv_kernel_dim: int = 4
+    num_nextn_predict_layers: int = 1
+    rms_norm_eps: float = 1e-6
+    hidden_act: str = "silu"
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    bos_token_id: int = 256
+    eos_token_id: int = 257
+    torch_dtype: str = "float32"
+    model_type: str = "qwen3_next"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers"
+            )
+        for i, kind in enumerate(self.layer_types):
+            if kind not in (LINEAR, FULL):
+                raise ValueError(f"layer_types[{i}] is {kind!r}; expected {LINEAR!r} or {FULL!r}")
+        if self.hidden_act != "silu":
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (only 'silu')")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+
+    @property
+    def linear_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == LINEAR]
+
+    @property
+    def full_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == FULL]
+
+    @property
+    def key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def has_mtp(self) -> bool:
+        return self.num_nextn_predict_layers > 0
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["layer_types"] = list(self.layer_types)
+        d["architectures"] = ["Qwen3NextForCausalLM"]
+        return json.dumps(d, indent=2) + "\n"
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ModelConfig:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    @classmethod
+    def load(cls, directory: Path) -> ModelConfig:
+        return cls.from_dict(json.loads((directory / "config.json").read_text()))
+
+
+def parse_tiers(spec: str) -> tuple[int, ...]:
+    """`"8:3,8:2,16:1"` -> per-slot verify capacity in drafts: (3,)*8 + (2,)*8 + (1,)*16."""
+    caps: list[int] = []
+    for part in spec.split(","):
+        try:
+            count, drafts = (int(x) for x in part.split(":"))
+        except ValueError:
+            raise ValueError(f"bad verify tier {part!r}; expected SLOTS:DRAFTS") from None
+        if count < 1 or drafts < 0:
+            raise ValueError(f"bad verify tier {part!r}; slots >= 1 and drafts >= 0")
+        caps.extend([drafts] * count)
+    return tuple(caps)
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    verify_tiers: str = "8:3,8:2,16:1"
+    max_context: int = 1024  # a multiple of the attention key block (64)
+    max_rows: int = 64  # row budget of one batched call
+    max_batch: int = 32  # sequences in one batched verify or propose (stash width)
+    max_prefill_tokens: int = 4096  # tokens in one prefill call, over all sequences
+
+    @property
+    def slot_verify_drafts(self) -> tuple[int, ...]:
+        return parse_tiers(self.verify_tiers)
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.slot_verify_drafts)

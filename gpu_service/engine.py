@@ -1,0 +1,363 @@
+"""The in-process `Model`: owns the weights and every piece of device state, and executes one
+batched operation per call. It never decides what runs next."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from gpu_service import checks
+from gpu_service.config import ModelConfig, ServiceConfig
+from gpu_service.interface import (
+    FORWARDS,
+    Capabilities,
+    FailedPrecondition,
+    InvalidArgument,
+    Logits,
+    NotFound,
+    Proposal,
+    ResourceExhausted,
+    SequenceHandle,
+)
+from gpu_service.model.hybrid import PREFILL, VERIFY, HybridModel, Segment
+from gpu_service.model.weights import load_weights
+from gpu_service.state import DeviceState
+from kernels.common import exp
+
+IDLE, VERIFIED, FOLDED = "idle", "verified", "folded"
+
+
+@dataclass
+class _Seq:
+    seq_id: int
+    slot: int
+    tokens: list[int] = field(default_factory=list)
+    phase: str = IDLE
+    pending_k: int = 0  # rows of the last verify, while one is pending
+    folded_rows: int = 0
+    own_drafts: list[int] = field(default_factory=list)  # drafter positions from its own hidden
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.tokens)
+
+
+class Engine:
+    def __init__(self, model_dir: Path, svc: ServiceConfig | None = None,
+                 dtype: str | None = None) -> None:
+        self.cfg = ModelConfig.load(model_dir)
+        self.svc = svc or ServiceConfig()
+        self.name = model_dir.resolve().name
+        torch_dtype = getattr(torch, dtype or self.cfg.torch_dtype)
+        weights = load_weights(self.cfg, model_dir, torch_dtype)
+        self.model = HybridModel(self.cfg, weights, self.svc.max_context)
+        self.state = DeviceState(self.cfg, self.svc, torch_dtype)
+        self.forward_name = "eager"
+        self._seqs: dict[int, _Seq] = {}
+        self._next_id = 1
+        self._free = set(range(self.svc.num_slots))
+        self._lock = threading.Lock()
+
+    # -- slots ---------------------------------------------------------------------------
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(
+            model_name=self.name, vocab_size=self.cfg.vocab_size, num_slots=self.svc.num_slots,
+            free_slots=len(self._free), slot_verify_drafts=self.svc.slot_verify_drafts,
+            max_rows=self.svc.max_rows, forwards=FORWARDS, current_forward=self.forward_name,
+            device="cpu", max_context=self.svc.max_context,
+            dtype=str(self.model.dtype).removeprefix("torch."), hidden_size=self.cfg.hidden_size,
+            eos_token_ids=(self.cfg.eos_token_id,), has_mtp=self.cfg.has_mtp,
+            max_batch=self.svc.max_batch,
+        )
+
+    def alloc_sequence(self) -> SequenceHandle:
+        with self._lock:
+            if not self._free:
+                raise ResourceExhausted(f"all {self.svc.num_slots} slots are taken")
+            slot = min(self._free)
+            self._free.remove(slot)
+            seq = _Seq(self._next_id, slot)
+            self._next_id += 1
+            self._seqs[seq.seq_id] = seq
+            self.state.reset_slot(slot)
+            return SequenceHandle(seq.seq_id, slot, 0)
+
+    def free_sequence(self, seq: SequenceHandle) -> None:
+        with self._lock:
+            s = self._get(seq.seq_id)
+            del self._seqs[s.seq_id]
+            self._free.add(s.slot)
+
+    def _get(self, seq_id: int) -> _Seq:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise NotFound(f"sequence {seq_id} is unknown or already freed") from None
+
+    def _lookup(self, what: str, handles: Sequence[SequenceHandle]) -> list[_Seq]:
+        checks.not_empty(what, handles)
+        ids = [h.seq_id for h in handles]
+        checks.distinct(what, ids)
+        return [self._get(i) for i in ids]
+
+    # -- target forward ------------------------------------------------------------------
+
+    def _run(self, fn: Callable[[list[int]], torch.Tensor], groups: list[list[int]]) -> torch.Tensor:
+        """fn(indices) -> hidden rows of those sequences; `*-serial` calls it one at a time."""
+        if self.forward_name.endswith("-serial"):
+            return torch.cat([fn([i]) for i in range(len(groups))])
+        return fn(list(range(len(groups))))
+
+    def _segments(self, seqs: list[_Seq], counts: list[int], starts: list[int]) -> list[Segment]:
+        segs, row = [], 0
+        for s, n, start in zip(seqs, counts, starts, strict=True):
+            segs.append(Segment(s.slot, start, n, row))
+            row += n
+        return segs
+
+    def prefill(self, seqs: Sequence[SequenceHandle], prompts: Sequence[Sequence[int]]) -> list[int]:
+        with self._lock:
+            checks.same_length("prefill", seqs=seqs, prompts=prompts)
+            states = self._lookup("prefill", seqs)
+            total = 0
+            for s, p in zip(states, prompts, strict=True):
+                checks.phase(s.seq_id, s.phase, IDLE, "prefill")
+                if not p:
+                    raise InvalidArgument(f"the prompt for sequence {s.seq_id} is empty")
+                checks.tokens_in_vocab(p, self.cfg.vocab_size)
+                checks.fits_context(s.seq_id, s.seq_len, len(p), self.svc.max_context)
+                total += len(p)
+            if total > self.svc.max_prefill_tokens:
+                raise InvalidArgument(f"a prefill of {total} tokens exceeds the budget of "
+                                      f"{self.svc.max_prefill_tokens}; send it in chunks")
+            prompts = [list(p) for p in prompts]
+
+            def run(idx: list[int]) -> torch.Tensor:
+                group = [states[i] for i in idx]
+                toks = [prompts[i] for i in idx]
+                segs = self._segments(group, [len(t) for t in toks], [s.seq_len for s in group])
+                flat = torch.tensor([t for ts in toks for t in ts])
+                hidden = self.model.forward(flat, segs, self.state, PREFILL)
+                self._prime_drafter(group, toks, segs, hidden)
+                return hidden[[sg.row + sg.count - 1 for sg in segs]]
+
+            last_hidden = self._run(run, [[i] for i in range(len(states))])
+            for s, p in zip(states, prompts, strict=True):
+                s.tokens.extend(p)
+            self.state.logits = self.model.logits(last_hidden)
+            out = self.state.logits.argmax(-1).tolist()
+            self._mirror(seqs, states)
+            return out
+
+    def _prime_drafter(self, group: list[_Seq], toks: list[list[int]], segs: list[Segment],
+                       hidden: torch.Tensor) -> None:
+        """The drafter's entries for a prompt chunk: token j + 1 with the target's hidden of
+        position j, starting from the previous chunk's last hidden when there is one."""
+        if not self.cfg.has_mtp:
+            return
+        pair_tokens, pair_hidden, mtp_segs, row = [], [], [], 0
+        for s, t, sg in zip(group, toks, segs, strict=True):
+            carry = self.state.mtp_carry_valid[s.slot]
+            hid = hidden[sg.rows]
+            tok = t[1:]
+            if carry:
+                tok = t
+                hid = torch.cat([self.state.mtp_carry[s.slot][None], hid])
+            count = len(tok)
+            if count:
+                pair_tokens.extend(tok)
+                pair_hidden.append(hid[:count])
+                mtp_segs.append(Segment(s.slot, sg.start - (1 if carry else 0), count, row))
+                row += count
+            self.state.mtp_carry[s.slot] = hidden[sg.row + sg.count - 1]
+            self.state.mtp_carry_valid[s.slot] = True
+        if mtp_segs:
+            self.model.mtp_forward(torch.tensor(pair_tokens), torch.cat(pair_hidden), mtp_segs,
+                                   self.state)
+
+    def decode_verify_batched(self, tokens: Sequence[int], ks: Sequence[int],
+                              seqs: Sequence[SequenceHandle], write_on_accept: bool = True) -> list[int]:
+        with self._lock:
+            states = self._check_verify(tokens, ks, seqs)
+            tokens, ks = list(tokens), list(ks)
+            starts = [0]
+            for k in ks:
+                starts.append(starts[-1] + k)
+
+            def run(idx: list[int]) -> torch.Tensor:
+                group = [states[i] for i in idx]
+                counts = [ks[i] for i in idx]
+                segs = self._segments(group, counts, [s.seq_len for s in group])
+                flat = torch.tensor([t for i in idx for t in tokens[starts[i]:starts[i + 1]]])
+                hidden = self.model.forward(flat, segs, self.state, VERIFY, not write_on_accept)
+                return hidden[: sum(counts)]
+
+            hidden = self._run(run, [[i] for i in range(len(states))])
+            self.state.verify_hidden = hidden
+            self.state.logits = self.model.logits(hidden)
+            for s, k, lo in zip(states, ks, starts, strict=False):
+                s.tokens.extend(tokens[lo:lo + k])
+                s.phase, s.pending_k = VERIFIED, k
+                self.state.mtp_carry_valid[s.slot] = False
+            self._mirror(seqs, states)
+            return self.state.logits.argmax(-1).tolist()
+
+    def _check_verify(self, tokens: Sequence[int], ks: Sequence[int],
+                      seqs: Sequence[SequenceHandle]) -> list[_Seq]:
+        checks.same_length("decode_verify_batched", seqs=seqs, ks=ks)
+        states = self._lookup("decode_verify_batched", seqs)
+        if sum(ks) != len(tokens):
+            raise InvalidArgument(f"ks sum to {sum(ks)} rows but {len(tokens)} tokens were given")
+        if not self.can_batch_verify(ks):
+            raise InvalidArgument(f"a verify of {len(ks)} sequences and {sum(ks)} rows exceeds "
+                                  f"the budget of {self.svc.max_batch} sequences and "
+                                  f"{self.svc.max_rows} rows")
+        checks.tokens_in_vocab(tokens, self.cfg.vocab_size)
+        for s, k in zip(states, ks, strict=True):
+            cap = self.svc.slot_verify_drafts[s.slot]
+            checks.within(f"k of sequence {s.seq_id} (slot {s.slot} verifies up to {cap} drafts)",
+                          k, 1, cap + 1)
+            checks.phase(s.seq_id, s.phase, IDLE, "verify")
+            checks.fits_context(s.seq_id, s.seq_len, k, self.svc.max_context)
+        return states
+
+    def can_batch_verify(self, ks: Sequence[int]) -> bool:
+        return 1 <= len(ks) <= self.svc.max_batch and sum(ks) <= self.svc.max_rows
+
+    # -- verdict -------------------------------------------------------------------------
+
+    def gdn_fold_accepted(self, seqs: Sequence[SequenceHandle], fold_rows: Sequence[int]) -> None:
+        with self._lock:
+            checks.same_length("gdn_fold_accepted", seqs=seqs, fold_rows=fold_rows)
+            states = self._lookup("gdn_fold_accepted", seqs)
+            for s, a in zip(states, fold_rows, strict=True):
+                checks.phase(s.seq_id, s.phase, VERIFIED, "fold")
+                checks.within(f"fold_rows of sequence {s.seq_id} (its last verify had "
+                              f"{s.pending_k} rows)", a, 1, s.pending_k)
+            for s, a in zip(states, fold_rows, strict=True):
+                row = self.state.verify_offset[s.slot] + a - 1
+                self.state.gdn[:, s.slot] = self.state.verify_gdn[:, row]
+                self.state.conv[:, s.slot] = self.state.verify_conv[:, row]
+                s.phase, s.folded_rows = FOLDED, a
+
+    def commit_accepted_prefix(self, seqs: Sequence[SequenceHandle], kept_rows: Sequence[int],
+                               ks: Sequence[int]) -> list[int]:
+        with self._lock:
+            checks.same_length("commit_accepted_prefix", seqs=seqs, kept_rows=kept_rows, ks=ks)
+            states = self._lookup("commit_accepted_prefix", seqs)
+            for s, kept, k in zip(states, kept_rows, ks, strict=True):
+                checks.phase(s.seq_id, s.phase, FOLDED, "commit")
+                if k != s.pending_k:
+                    raise InvalidArgument(f"sequence {s.seq_id}'s last verify had "
+                                          f"{s.pending_k} rows, not {k}")
+                if kept != s.folded_rows:
+                    raise InvalidArgument(f"sequence {s.seq_id} was folded at {s.folded_rows} "
+                                          f"rows; it cannot keep {kept}")
+            for s, kept in zip(states, kept_rows, strict=True):
+                del s.tokens[len(s.tokens) - (s.pending_k - kept):]
+                s.phase, s.pending_k = IDLE, 0
+            self._mirror(seqs, states)
+            return [s.seq_len for s in states]
+
+    def stash_verify_hidden_rows(self, rows: Sequence[int]) -> None:
+        with self._lock:
+            have = self.state.verify_hidden.shape[0]
+            if have == 0:
+                raise FailedPrecondition("no verify has run, so there is no hidden row to stash")
+            checks.within("the number of stash rows", len(rows), 1, self.svc.max_batch)
+            for r in rows:
+                checks.within("a stash row", r, 0, have - 1)
+            self.state.stash[: len(rows)] = self.state.verify_hidden[list(rows)]
+            for i in range(len(rows)):
+                self.state.stash_valid[i] = True
+
+    # -- drafter -------------------------------------------------------------------------
+
+    def run_mtp_propose_batched(self, last: Sequence[int], stash: Sequence[int], num_drafts: int,
+                                seqs: Sequence[SequenceHandle]) -> Proposal:
+        with self._lock:
+            states = self._check_propose(last, stash, num_drafts, seqs)
+
+            def run(idx: list[int]) -> tuple[list[list[int]], list[list[float]], torch.Tensor]:
+                group = [states[i] for i in idx]
+                tok = torch.tensor([last[i] for i in idx])
+                hidden = self.state.stash[[stash[i] for i in idx]]
+                drafts, confs = [], []
+                for j in range(num_drafts):
+                    segs = self._segments(group, [1] * len(group),
+                                          [s.seq_len - 1 + j for s in group])
+                    hidden = self.model.mtp_forward(tok, hidden, segs, self.state)[: len(group)]
+                    logits = self.model.logits(hidden)
+                    tok, conf = _argmax_confidence(logits)
+                    drafts.append(tok.tolist())
+                    confs.append(conf.tolist())
+                return drafts, confs, logits
+
+            parts = ([run([i]) for i in range(len(states))]
+                     if self.forward_name.endswith("-serial") else [run(list(range(len(states))))])
+            drafts = [list(col) for d, _, _ in parts for col in zip(*d, strict=True)]
+            confs = [list(col) for _, c, _ in parts for col in zip(*c, strict=True)]
+            self.state.logits = torch.cat([lg for _, _, lg in parts])
+            for s in states:
+                s.own_drafts = [s.seq_len - 1 + j for j in range(1, num_drafts)]
+            return Proposal(drafts, confs)
+
+    def _check_propose(self, last: Sequence[int], stash: Sequence[int], num_drafts: int,
+                       seqs: Sequence[SequenceHandle]) -> list[_Seq]:
+        if not self.cfg.has_mtp:
+            raise FailedPrecondition("this model has no MTP head; it cannot propose drafts")
+        checks.same_length("run_mtp_propose_batched", seqs=seqs, last=last, stash=stash)
+        states = self._lookup("run_mtp_propose_batched", seqs)
+        checks.within("the number of sequences", len(states), 1, self.svc.max_batch)
+        checks.tokens_in_vocab(last, self.cfg.vocab_size)
+        checks.within("num_drafts", num_drafts, 1, max(self.svc.slot_verify_drafts) + 1)
+        for s, slot in zip(states, stash, strict=True):
+            checks.within("a stash slot", slot, 0, self.svc.max_batch - 1)
+            if not self.state.stash_valid[slot]:
+                raise FailedPrecondition(f"stash slot {slot} holds no hidden yet")
+            checks.phase(s.seq_id, s.phase, IDLE, "propose for")
+            if s.seq_len == 0:
+                raise FailedPrecondition(f"sequence {s.seq_id} is empty; prefill it first")
+            checks.fits_context(s.seq_id, s.seq_len - 1, num_drafts, self.svc.max_context)
+        return states
+
+    def trim_proposer_state(self, seqs: Sequence[SequenceHandle], keep_own: int = 0) -> None:
+        with self._lock:
+            states = self._lookup("trim_proposer_state", seqs)
+            if keep_own < 0:
+                raise InvalidArgument(f"keep_own is {keep_own}; it must be at least 0")
+            for s in states:
+                for pos in s.own_drafts[keep_own:]:
+                    self.state.mtp_valid[s.slot, pos] = False
+                s.own_drafts = s.own_drafts[:keep_own]
+
+    # -- misc ----------------------------------------------------------------------------
+
+    def set_forward(self, name: str) -> None:
+        if name not in FORWARDS:
+            raise InvalidArgument(f"unknown forward {name!r}; this service has {', '.join(FORWARDS)}")
+        with self._lock:
+            self.forward_name = name
+
+    def read_logits(self) -> Logits:
+        with self._lock:
+            t = self.state.logits.contiguous()
+            data = t.view(torch.uint8).numpy().tobytes()
+            return Logits(data, str(t.dtype).removeprefix("torch."), tuple(t.shape))
+
+    def _mirror(self, handles: Sequence[SequenceHandle], states: list[_Seq]) -> None:
+        for h, s in zip(handles, states, strict=True):
+            h.seq_len = s.seq_len
+
+
+def _argmax_confidence(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: the argmax and its softmax probability. logits: [n, V] -> ([n], [n])"""
+    lf = logits.float()
+    top = lf.argmax(-1)
+    peak = lf.amax(-1, keepdim=True)
+    return top, 1.0 / exp(lf - peak).sum(-1)

@@ -1,0 +1,176 @@
+"""The `Model` protocol: every operation the control plane may ask of the GPU service.
+
+Two implementations: `gpu_service.engine.Engine` (in process) and
+`control_plane.client.GrpcModel` (over `met.v1.ModelService`). The scheduler and the circuit
+diff are written against this protocol only. Nothing here imports torch or protobuf.
+
+Lifecycle of one sequence (each step checked by the service, out-of-order calls are
+`FailedPrecondition`):
+
+    alloc_sequence -> prefill* -> [decode_verify_batched -> stash? -> fold -> commit
+                                   -> (propose -> trim)?]* -> free_sequence
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class ModelError(Exception):
+    """A request the service refused; `code` names the gRPC status it travels as."""
+
+    code = "INTERNAL"
+
+
+class InvalidArgument(ModelError):
+    code = "INVALID_ARGUMENT"
+
+
+class NotFound(ModelError):
+    code = "NOT_FOUND"
+
+
+class ResourceExhausted(ModelError):
+    code = "RESOURCE_EXHAUSTED"
+
+
+class FailedPrecondition(ModelError):
+    code = "FAILED_PRECONDITION"
+
+
+ERRORS_BY_CODE: dict[str, type[ModelError]] = {
+    cls.code: cls for cls in (InvalidArgument, NotFound, ResourceExhausted, FailedPrecondition)
+}
+
+
+@dataclass
+class SequenceHandle:
+    """The caller's handle on a sequence the service owns; every reply updates `seq_len`."""
+
+    seq_id: int  # never reused by the service
+    slot: int  # state slot: attention KV rows, GDN state, conv window, drafter KV
+    seq_len: int = 0  # tokens in the target's cache, mirrored from the last reply
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    model_name: str
+    vocab_size: int
+    num_slots: int
+    free_slots: int
+    slot_verify_drafts: tuple[int, ...]  # per slot: drafts it can verify (rows = drafts + 1)
+    max_rows: int  # row budget of one batched call
+    forwards: tuple[str, ...]
+    current_forward: str
+    device: str
+    max_context: int
+    dtype: str
+    hidden_size: int
+    eos_token_ids: tuple[int, ...]
+    has_mtp: bool
+    max_batch: int  # sequences in one batched verify or propose (the stash width)
+
+
+@dataclass(frozen=True)
+class Proposal:
+    drafts: list[list[int]]  # [sequences][num_drafts]
+    confidences: list[list[float]]  # softmax probability of each draft, same layout
+
+
+@dataclass(frozen=True)
+class Logits:
+    data: bytes  # row-major, little-endian, in `dtype`
+    dtype: str  # torch dtype name without the prefix: "float32", "bfloat16", ...
+    shape: tuple[int, ...]  # (rows, vocab)
+
+
+FORWARDS = ("eager", "eager-serial")
+
+
+class Model(Protocol):
+    """Synchronous model operations, each one batched RPC of `met.v1.ModelService`."""
+
+    def capabilities(self) -> Capabilities:
+        """Model name, vocabulary, slots (count, free, per-slot verify capacity), row budget,
+        forwards and the current one, device."""
+
+    def alloc_sequence(self) -> SequenceHandle:
+        """A new sequence (id never reused) on the lowest free slot, with an empty cache.
+        `ResourceExhausted` when every slot is taken."""
+
+    def free_sequence(self, seq: SequenceHandle) -> None:
+        """Release the sequence and its slot. An unknown or freed id is `NotFound`."""
+
+    def prefill(self, seqs: Sequence[SequenceHandle], prompts: Sequence[Sequence[int]]) -> list[int]:
+        """Append each prompt to its sequence's cache (a long prompt may come in chunks) and
+        return each one's last-row argmax. The last rows' logits stay in the logits buffer;
+        the drafter's cache is primed with the prompt's (token, hidden) pairs.
+        Empty prompts, ids outside the vocabulary and prompts past the context are
+        `InvalidArgument`; a sequence with a verify pending is `FailedPrecondition`."""
+
+    def decode_verify_batched(
+        self,
+        tokens: Sequence[int],
+        ks: Sequence[int],
+        seqs: Sequence[SequenceHandle],
+        write_on_accept: bool = True,
+    ) -> list[int]:
+        """One batched forward over `R = sum(ks)` rows; sequence i contributes its rows
+        `[last, d1 .. d_{k_i - 1}]` at positions `seq_len .. seq_len + k_i - 1`, attending to
+        its own cache and causally within its rows. Returns the argmax of every row.
+
+        Every row's GDN state and conv window is kept in the slot's verify buffer; the rows'
+        KV are written into the cache and `seq_len` advances by `k_i` (the commit rewinds
+        the rejected rows). `write_on_accept=True` leaves the live GDN state untouched and the
+        fold writes the accepted row's state into it; `False` advances the live state through
+        all rows and the fold puts the accepted row's state back. Both give identical bytes.
+        A plain one-token decode is `k = 1`. Each `k` is in `1 ..= capacity(slot) + 1`."""
+
+    def can_batch_verify(self, ks: Sequence[int]) -> bool:
+        """Whether one batched call of these widths fits the row budget and the stash width.
+        Slot capacities are the caller's job (it clamps drafts to them)."""
+
+    def gdn_fold_accepted(self, seqs: Sequence[SequenceHandle], fold_rows: Sequence[int]) -> None:
+        """For each sequence, the GDN state and conv window after row `fold_rows[i] - 1` of its
+        last verify become its live state. A row outside that verify is `InvalidArgument`;
+        no verify pending is `FailedPrecondition`."""
+
+    def commit_accepted_prefix(
+        self, seqs: Sequence[SequenceHandle], kept_rows: Sequence[int], ks: Sequence[int]
+    ) -> list[int]:
+        """Each sequence keeps rows `0 .. kept_rows[i] - 1` of its last verify: the service
+        rewinds `seq_len` by `k - kept_rows` and returns the new lengths (the handles are
+        updated). The fold must come first; `ks` must match the pending verify."""
+
+    def stash_verify_hidden_rows(self, rows: Sequence[int]) -> None:
+        """Stash slot i takes the final hidden of row `rows[i]` of the last verify (one row
+        per sequence: its last accepted row). Call it before fold and commit."""
+
+    def run_mtp_propose_batched(
+        self,
+        last: Sequence[int],
+        stash: Sequence[int],
+        num_drafts: int,
+        seqs: Sequence[SequenceHandle],
+    ) -> Proposal:
+        """For each sequence, `num_drafts` greedy drafts from the MTP head, starting from its
+        stash slot's hidden and `last` (the token after its committed history). The first
+        drafter entry sits at position `seq_len - 1` (the hidden's position, as vLLM's MTP);
+        draft j feeds back the drafter's own hidden. The last position's logits stay in the
+        logits buffer, one row per sequence."""
+
+    def trim_proposer_state(self, seqs: Sequence[SequenceHandle], keep_own: int = 0) -> None:
+        """Drop the drafter entries the last propose built from its own hidden, keeping the
+        first `keep_own` of them. With `keep_own = 0` (the seed's `(seq, 0, 0)`) the drafter
+        keeps only entries built from the target's hiddens, so its state is a function of the
+        committed history and a replay reproduces it exactly."""
+
+    def set_forward(self, name: str) -> None:
+        """Select the forward: `eager` (plain torch) or `eager-serial` (a batched call run one
+        sequence at a time inside the service, same buffers and replies). Unknown names are
+        `InvalidArgument`."""
+
+    def read_logits(self) -> Logits:
+        """The logits buffer of the last prefill, verify or propose, in the model's dtype."""

@@ -1,0 +1,59 @@
+"""Attention of a sequence's new rows over its KV cache, plain torch, in fixed tiles.
+
+Queries go in tiles of `QUERY_TILE` rows and keys in blocks of `KEY_BLOCK`, so every matmul
+has one shape whatever the row count or cache length; blocks past the last key are masked
+and contribute exact zeros. A row's output is then the same bytes whether it is verified
+with other rows or decoded alone."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.common import exp
+
+QUERY_TILE = 16
+KEY_BLOCK = 64
+
+
+def tiled_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    q_pos: torch.Tensor,
+    key_valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention, grouped KV heads, scale `d ** -0.5`.
+
+    q: [T, Hq, d] rows at positions q_pos: [T]; keys, values: [L, Hkv, d] with L a multiple of
+    KEY_BLOCK (the cache, position j at row j); key_valid: [L] bool or None (all valid).
+    Row t sees key j when j <= q_pos[t] and key_valid[j]. -> [T, Hq, d]
+    """
+    rows, heads, dim = q.shape
+    length, kv_heads = keys.shape[0], keys.shape[1]
+    if length % KEY_BLOCK:
+        raise ValueError(f"the cache length {length} is not a multiple of {KEY_BLOCK}")
+    group = heads // kv_heads
+    padded = -(-rows // QUERY_TILE) * QUERY_TILE
+    qp = q.new_zeros(padded, heads, dim)
+    qp[:rows] = q * dim**-0.5
+    nq, nb = padded // QUERY_TILE, length // KEY_BLOCK
+    # [Hq, nq, 1, Tq, d] @ [Hq, 1, nb, d, Kb] -> [Hq, nq, nb, Tq, Kb]
+    qt = qp.permute(1, 0, 2).reshape(heads, nq, 1, QUERY_TILE, dim)
+    kt = keys.repeat_interleave(group, dim=1).permute(1, 0, 2).reshape(heads, 1, nb, KEY_BLOCK, dim)
+    vt = values.repeat_interleave(group, dim=1).permute(1, 0, 2).reshape(heads, 1, nb, KEY_BLOCK, dim)
+    scores = (qt @ kt.transpose(-1, -2)).float()
+    pos = torch.full((padded,), -1, dtype=torch.long)
+    pos[:rows] = q_pos
+    key_pos = torch.arange(length)
+    visible = key_pos[None, :] <= pos[:, None]  # [padded, L]
+    if key_valid is not None:
+        visible = visible & key_valid[None, :]
+    # [padded, L] -> [1, nq, nb, Tq, Kb], aligned with scores.
+    visible = visible.view(nq, QUERY_TILE, nb, KEY_BLOCK).permute(0, 2, 1, 3).unsqueeze(0)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    peak = scores.amax(dim=(2, 4), keepdim=True).clamp_min(-1e30)  # rows that see nothing
+    probs = exp(scores - peak)
+    denom = probs.sum(dim=4, keepdim=True).sum(dim=2, keepdim=True).clamp_min(1e-30)
+    probs = (probs / denom).to(q.dtype)
+    out = (probs @ vt).sum(dim=2)  # [Hq, nq, Tq, d]
+    return out.reshape(heads, padded, dim).permute(1, 0, 2)[:rows]

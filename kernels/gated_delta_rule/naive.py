@@ -1,0 +1,103 @@
+"""Gated delta rule, plain torch: the recurrent form (verify and decode) and the chunked form
+(prefill), for one sequence.
+
+Per value head h (key head `h // (Hv / Hk)`), with l2-normalised q and k and q scaled by
+`dk ** -0.5`, state `S: [dk, dv]` in fp32:
+
+    S = exp(g_t) * S
+    S = S + k_t (beta_t * (v_t - S^T k_t))^T
+    o_t = S^T q_t
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.common import exp
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def prepare_qk(q: torch.Tensor, k: torch.Tensor, num_v_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """l2-norm, scale and expand q, k to the value heads. q, k: [T, Hk, dk] -> [T, Hv, dk] fp32"""
+    ratio = num_v_heads // q.shape[1]
+    q = _l2norm(q.float()) * q.shape[-1] ** -0.5
+    k = _l2norm(k.float())
+    return q.repeat_interleave(ratio, dim=1), k.repeat_interleave(ratio, dim=1)
+
+
+def recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row by row, keeping the state after every row.
+
+    q, k: [T, Hk, dk]; v: [T, Hv, dv]; g, beta: [T, Hv]; state: [Hv, dk, dv] fp32
+    -> (o [T, Hv, dv] fp32, states [T, Hv, dk, dv] fp32)
+    """
+    q, k = prepare_qk(q, k, v.shape[1])
+    v, decay, beta = v.float(), exp(g.float()), beta.float()
+    s = state.float()
+    outs, states = [], []
+    for t in range(q.shape[0]):
+        s = s * decay[t, :, None, None]
+        kv = (s * k[t, :, :, None]).sum(-2)  # [Hv, dv]
+        delta = (v[t] - kv) * beta[t, :, None]
+        s = s + k[t, :, :, None] * delta[:, None, :]
+        outs.append((s * q[t, :, :, None]).sum(-2))
+        states.append(s)
+    return torch.stack(outs), torch.stack(states)
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunked (WY) form: same math as the recurrent form, matmuls within each chunk.
+
+    Shapes as `recurrent_gated_delta_rule`; returns (o [T, Hv, dv], final state [Hv, dk, dv]).
+    """
+    length = q.shape[0]
+    q, k = prepare_qk(q, k, v.shape[1])
+    pad = (-length) % chunk_size
+    # [T, H, d] -> [H, N, C, d]: heads first, then chunks of C rows.
+    def chunks(x: torch.Tensor) -> torch.Tensor:
+        x = torch.nn.functional.pad(x.float(), (0, 0) * (x.dim() - 2) + (0, 0, 0, pad))
+        return x.transpose(0, 1).reshape(x.shape[1], -1, chunk_size, *x.shape[2:])
+
+    q, k, v = chunks(q), chunks(k), chunks(v)
+    g, beta = chunks(g.unsqueeze(-1))[..., 0], chunks(beta.unsqueeze(-1))[..., 0]  # [H, N, C]
+    g = g.cumsum(-1)
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    lower = torch.tril(torch.ones(chunk_size, chunk_size, dtype=torch.bool))
+    strict = torch.tril(lower, diagonal=-1)
+    decay = torch.exp((g[..., :, None] - g[..., None, :]).masked_fill(~lower, float("-inf")))
+    # Solve (I + A) T = I for the strictly lower A of each chunk, row by row.
+    a = -(k_beta @ k.transpose(-1, -2) * decay).masked_fill(~strict, 0)
+    for i in range(1, chunk_size):
+        a[..., i, :i] = a[..., i, :i] + (a[..., i, :i, None] * a[..., :i, :i]).sum(-2)
+    a = a + torch.eye(chunk_size)
+    u = a @ v_beta  # [H, N, C, dv]
+    w = a @ (k_beta * g.exp()[..., None])  # [H, N, C, dk]
+    s = state.float()
+    out = torch.empty_like(u)
+    for n in range(q.shape[1]):
+        qn, kn, gn = q[:, n], k[:, n], g[:, n]
+        attn = (qn @ kn.transpose(-1, -2) * decay[:, n]).masked_fill(~lower, 0)
+        v_new = u[:, n] - w[:, n] @ s
+        out[:, n] = (qn * gn.exp()[..., None]) @ s + attn @ v_new
+        tail = (gn[:, -1:] - gn).exp()[..., None]  # decay from each row to the chunk's end
+        s = s * gn[:, -1].exp()[:, None, None] + (kn * tail).transpose(-1, -2) @ v_new
+    o = out.reshape(out.shape[0], -1, out.shape[-1])[:, :length].transpose(0, 1)
+    return o, s

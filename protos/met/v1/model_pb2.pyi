@@ -1,0 +1,221 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class CapabilitiesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CapabilitiesReply(_message.Message):
+    __slots__ = ("model_name", "vocab_size", "num_slots", "free_slots", "slot_verify_drafts", "max_rows", "forwards", "current_forward", "device", "max_context", "dtype", "hidden_size", "eos_token_ids", "has_mtp", "max_batch")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    FREE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_VERIFY_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_ROWS_FIELD_NUMBER: _ClassVar[int]
+    FORWARDS_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_FORWARD_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    HAS_MTP_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    vocab_size: int
+    num_slots: int
+    free_slots: int
+    slot_verify_drafts: _containers.RepeatedScalarFieldContainer[int]
+    max_rows: int
+    forwards: _containers.RepeatedScalarFieldContainer[str]
+    current_forward: str
+    device: str
+    max_context: int
+    dtype: str
+    hidden_size: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    has_mtp: bool
+    max_batch: int
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_slots: _Optional[int] = ..., free_slots: _Optional[int] = ..., slot_verify_drafts: _Optional[_Iterable[int]] = ..., max_rows: _Optional[int] = ..., forwards: _Optional[_Iterable[str]] = ..., current_forward: _Optional[str] = ..., device: _Optional[str] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., hidden_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_mtp: _Optional[bool] = ..., max_batch: _Optional[int] = ...) -> None: ...
+
+class AllocSequenceRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SequenceHandle(_message.Message):
+    __slots__ = ("seq_id", "slot", "seq_len")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    slot: int
+    seq_len: int
+    def __init__(self, seq_id: _Optional[int] = ..., slot: _Optional[int] = ..., seq_len: _Optional[int] = ...) -> None: ...
+
+class FreeSequenceRequest(_message.Message):
+    __slots__ = ("seq_id",)
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    def __init__(self, seq_id: _Optional[int] = ...) -> None: ...
+
+class FreeSequenceReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PrefillItem(_message.Message):
+    __slots__ = ("seq_id", "tokens")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[PrefillItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[PrefillItem, _Mapping]]] = ...) -> None: ...
+
+class PrefillReply(_message.Message):
+    __slots__ = ("argmax", "seq_lens")
+    ARGMAX_FIELD_NUMBER: _ClassVar[int]
+    SEQ_LENS_FIELD_NUMBER: _ClassVar[int]
+    argmax: _containers.RepeatedScalarFieldContainer[int]
+    seq_lens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, argmax: _Optional[_Iterable[int]] = ..., seq_lens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("seq_ids", "ks", "tokens", "write_on_accept")
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    KS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WRITE_ON_ACCEPT_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    ks: _containers.RepeatedScalarFieldContainer[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    write_on_accept: bool
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., ks: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., write_on_accept: _Optional[bool] = ...) -> None: ...
+
+class VerifyReply(_message.Message):
+    __slots__ = ("argmax", "seq_lens")
+    ARGMAX_FIELD_NUMBER: _ClassVar[int]
+    SEQ_LENS_FIELD_NUMBER: _ClassVar[int]
+    argmax: _containers.RepeatedScalarFieldContainer[int]
+    seq_lens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, argmax: _Optional[_Iterable[int]] = ..., seq_lens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CanBatchVerifyRequest(_message.Message):
+    __slots__ = ("ks",)
+    KS_FIELD_NUMBER: _ClassVar[int]
+    ks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ks: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CanBatchVerifyReply(_message.Message):
+    __slots__ = ("ok",)
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    def __init__(self, ok: _Optional[bool] = ...) -> None: ...
+
+class FoldRequest(_message.Message):
+    __slots__ = ("seq_ids", "fold_rows")
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    FOLD_ROWS_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    fold_rows: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., fold_rows: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class FoldReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CommitRequest(_message.Message):
+    __slots__ = ("seq_ids", "kept_rows", "ks")
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    KEPT_ROWS_FIELD_NUMBER: _ClassVar[int]
+    KS_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    kept_rows: _containers.RepeatedScalarFieldContainer[int]
+    ks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., kept_rows: _Optional[_Iterable[int]] = ..., ks: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CommitReply(_message.Message):
+    __slots__ = ("seq_lens",)
+    SEQ_LENS_FIELD_NUMBER: _ClassVar[int]
+    seq_lens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_lens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StashRequest(_message.Message):
+    __slots__ = ("rows",)
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    rows: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, rows: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StashReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ProposeRequest(_message.Message):
+    __slots__ = ("seq_ids", "last", "stash", "num_drafts", "positions")
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    STASH_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    last: _containers.RepeatedScalarFieldContainer[int]
+    stash: _containers.RepeatedScalarFieldContainer[int]
+    num_drafts: int
+    positions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., last: _Optional[_Iterable[int]] = ..., stash: _Optional[_Iterable[int]] = ..., num_drafts: _Optional[int] = ..., positions: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ProposeReply(_message.Message):
+    __slots__ = ("drafts", "confidences")
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    CONFIDENCES_FIELD_NUMBER: _ClassVar[int]
+    drafts: _containers.RepeatedScalarFieldContainer[int]
+    confidences: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, drafts: _Optional[_Iterable[int]] = ..., confidences: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class TrimRequest(_message.Message):
+    __slots__ = ("seq_ids", "keep_own")
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    KEEP_OWN_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    keep_own: int
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., keep_own: _Optional[int] = ...) -> None: ...
+
+class TrimReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SetForwardRequest(_message.Message):
+    __slots__ = ("forward",)
+    FORWARD_FIELD_NUMBER: _ClassVar[int]
+    forward: str
+    def __init__(self, forward: _Optional[str] = ...) -> None: ...
+
+class SetForwardReply(_message.Message):
+    __slots__ = ("current_forward",)
+    CURRENT_FORWARD_FIELD_NUMBER: _ClassVar[int]
+    current_forward: str
+    def __init__(self, current_forward: _Optional[str] = ...) -> None: ...
+
+class ReadLogitsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReadLogitsReply(_message.Message):
+    __slots__ = ("data", "dtype", "shape")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, data: _Optional[bytes] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
