@@ -326,6 +326,15 @@ class Engine:
             checks.fits_context(s.seq_id, s.seq_len - 1, num_drafts, self.svc.max_context)
         return states
 
+    def check_positions(self, seqs: Sequence[SequenceHandle], positions: Sequence[int]) -> None:
+        """A caller's mirrored `seq_len`s, checked against the service's."""
+        checks.same_length("run_mtp_propose_batched", seqs=seqs, positions=positions)
+        for h, pos in zip(seqs, positions, strict=True):
+            s = self._get(h.seq_id)
+            if pos != s.seq_len:
+                raise InvalidArgument(f"sequence {s.seq_id} holds {s.seq_len} tokens; the "
+                                      f"request says {pos}")
+
     def trim_proposer_state(self, seqs: Sequence[SequenceHandle], keep_own: int = 0) -> None:
         with self._lock:
             states = self._lookup("trim_proposer_state", seqs)
