@@ -44,8 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--seed", type=int, default=DEFAULT_SEED)
     init.set_defaults(fn=_init_model)
 
-    up = sub.add_parser("up", help="start the GPU service on the default model and run one "
-                                   "prefill + verify + propose round against it")
+    up = sub.add_parser(
+        "up",
+        help="start the GPU service on the default model and run one "
+        "prefill + verify + propose round against it",
+    )
     up.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
     up.add_argument("--prompt", default="def fibonacci(n):")
     up.add_argument("--num-drafts", type=int, default=3)

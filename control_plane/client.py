@@ -55,11 +55,21 @@ class GrpcModel:
     def capabilities(self) -> Capabilities:
         c = self._rpc(self._stub.Capabilities, pb.CapabilitiesRequest())
         return Capabilities(
-            model_name=c.model_name, vocab_size=c.vocab_size, num_slots=c.num_slots,
-            free_slots=c.free_slots, slot_verify_drafts=tuple(c.slot_verify_drafts),
-            max_rows=c.max_rows, forwards=tuple(c.forwards), current_forward=c.current_forward,
-            device=c.device, max_context=c.max_context, dtype=c.dtype, hidden_size=c.hidden_size,
-            eos_token_ids=tuple(c.eos_token_ids), has_mtp=c.has_mtp, max_batch=c.max_batch,
+            model_name=c.model_name,
+            vocab_size=c.vocab_size,
+            num_slots=c.num_slots,
+            free_slots=c.free_slots,
+            slot_verify_drafts=tuple(c.slot_verify_drafts),
+            max_rows=c.max_rows,
+            forwards=tuple(c.forwards),
+            current_forward=c.current_forward,
+            device=c.device,
+            max_context=c.max_context,
+            dtype=c.dtype,
+            hidden_size=c.hidden_size,
+            eos_token_ids=tuple(c.eos_token_ids),
+            has_mtp=c.has_mtp,
+            max_batch=c.max_batch,
         )
 
     def alloc_sequence(self) -> SequenceHandle:
@@ -69,18 +79,31 @@ class GrpcModel:
     def free_sequence(self, seq: SequenceHandle) -> None:
         self._rpc(self._stub.FreeSequence, pb.FreeSequenceRequest(seq_id=seq.seq_id))
 
-    def prefill(self, seqs: Sequence[SequenceHandle], prompts: Sequence[Sequence[int]]) -> list[int]:
+    def prefill(
+        self, seqs: Sequence[SequenceHandle], prompts: Sequence[Sequence[int]]
+    ) -> list[int]:
         # A request pairs each sequence with its prompt, so a mismatch cannot be sent.
         checks.same_length("prefill", seqs=seqs, prompts=prompts)
-        items = [pb.PrefillItem(seq_id=s.seq_id, tokens=p) for s, p in zip(seqs, prompts)]
+        items = [
+            pb.PrefillItem(seq_id=s.seq_id, tokens=p) for s, p in zip(seqs, prompts, strict=True)
+        ]
         r = self._rpc(self._stub.Prefill, pb.PrefillRequest(items=items))
         self._mirror(seqs, r.seq_lens)
         return list(r.argmax)
 
-    def decode_verify_batched(self, tokens: Sequence[int], ks: Sequence[int],
-                              seqs: Sequence[SequenceHandle], write_on_accept: bool = True) -> list[int]:
-        r = self._rpc(self._stub.DecodeVerifyBatched, pb.VerifyRequest(
-            seq_ids=self._ids(seqs), ks=ks, tokens=tokens, write_on_accept=write_on_accept))
+    def decode_verify_batched(
+        self,
+        tokens: Sequence[int],
+        ks: Sequence[int],
+        seqs: Sequence[SequenceHandle],
+        write_on_accept: bool = True,
+    ) -> list[int]:
+        r = self._rpc(
+            self._stub.DecodeVerifyBatched,
+            pb.VerifyRequest(
+                seq_ids=self._ids(seqs), ks=ks, tokens=tokens, write_on_accept=write_on_accept
+            ),
+        )
         self._mirror(seqs, r.seq_lens)
         return list(r.argmax)
 
@@ -88,32 +111,49 @@ class GrpcModel:
         return self._rpc(self._stub.CanBatchVerify, pb.CanBatchVerifyRequest(ks=ks)).ok
 
     def gdn_fold_accepted(self, seqs: Sequence[SequenceHandle], fold_rows: Sequence[int]) -> None:
-        self._rpc(self._stub.FoldAccepted,
-                  pb.FoldRequest(seq_ids=self._ids(seqs), fold_rows=fold_rows))
+        self._rpc(
+            self._stub.FoldAccepted, pb.FoldRequest(seq_ids=self._ids(seqs), fold_rows=fold_rows)
+        )
 
-    def commit_accepted_prefix(self, seqs: Sequence[SequenceHandle], kept_rows: Sequence[int],
-                               ks: Sequence[int]) -> list[int]:
-        r = self._rpc(self._stub.CommitAcceptedPrefix, pb.CommitRequest(
-            seq_ids=self._ids(seqs), kept_rows=kept_rows, ks=ks))
+    def commit_accepted_prefix(
+        self, seqs: Sequence[SequenceHandle], kept_rows: Sequence[int], ks: Sequence[int]
+    ) -> list[int]:
+        r = self._rpc(
+            self._stub.CommitAcceptedPrefix,
+            pb.CommitRequest(seq_ids=self._ids(seqs), kept_rows=kept_rows, ks=ks),
+        )
         self._mirror(seqs, r.seq_lens)
         return list(r.seq_lens)
 
     def stash_verify_hidden_rows(self, rows: Sequence[int]) -> None:
         self._rpc(self._stub.StashVerifyHiddenRows, pb.StashRequest(rows=rows))
 
-    def run_mtp_propose_batched(self, last: Sequence[int], stash: Sequence[int], num_drafts: int,
-                                seqs: Sequence[SequenceHandle]) -> Proposal:
-        r = self._rpc(self._stub.Propose, pb.ProposeRequest(
-            seq_ids=self._ids(seqs), last=last, stash=stash, num_drafts=num_drafts,
-            positions=[s.seq_len for s in seqs]))
+    def run_mtp_propose_batched(
+        self,
+        last: Sequence[int],
+        stash: Sequence[int],
+        num_drafts: int,
+        seqs: Sequence[SequenceHandle],
+    ) -> Proposal:
+        r = self._rpc(
+            self._stub.Propose,
+            pb.ProposeRequest(
+                seq_ids=self._ids(seqs),
+                last=last,
+                stash=stash,
+                num_drafts=num_drafts,
+                positions=[s.seq_len for s in seqs],
+            ),
+        )
         n = num_drafts
-        drafts = [list(r.drafts[i * n:(i + 1) * n]) for i in range(len(seqs))]
-        confs = [list(r.confidences[i * n:(i + 1) * n]) for i in range(len(seqs))]
+        drafts = [list(r.drafts[i * n : (i + 1) * n]) for i in range(len(seqs))]
+        confs = [list(r.confidences[i * n : (i + 1) * n]) for i in range(len(seqs))]
         return Proposal(drafts, confs)
 
     def trim_proposer_state(self, seqs: Sequence[SequenceHandle], keep_own: int = 0) -> None:
-        self._rpc(self._stub.TrimProposer, pb.TrimRequest(seq_ids=self._ids(seqs),
-                                                          keep_own=keep_own))
+        self._rpc(
+            self._stub.TrimProposer, pb.TrimRequest(seq_ids=self._ids(seqs), keep_own=keep_own)
+        )
 
     def set_forward(self, name: str) -> None:
         self._rpc(self._stub.SetForward, pb.SetForwardRequest(forward=name))

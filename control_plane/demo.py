@@ -37,9 +37,15 @@ def one_round(model: Model, prompt: list[int], num_drafts: int) -> dict:
         model.stash_verify_hidden_rows([na])
         model.gdn_fold_accepted([seq], [na + 1])
         model.commit_accepted_prefix([seq], [na + 1], [len(rows)])
-        return {"prefill_argmax": first, "decoded": bonus, "drafts": proposal.drafts[0],
-                "confidences": proposal.confidences[0], "verify_argmax": argmax,
-                "accepted": na, "seq_len": seq.seq_len}
+        return {
+            "prefill_argmax": first,
+            "decoded": bonus,
+            "drafts": proposal.drafts[0],
+            "confidences": proposal.confidences[0],
+            "verify_argmax": argmax,
+            "accepted": na,
+            "seq_len": seq.seq_len,
+        }
     finally:
         model.free_sequence(seq)
 

@@ -13,12 +13,23 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
-def start_gpu_service(model_dir: Path, *extra: str, timeout: float = 120.0
-                      ) -> tuple[subprocess.Popen, str]:
+def start_gpu_service(
+    model_dir: Path, *extra: str, timeout: float = 120.0
+) -> tuple[subprocess.Popen, str]:
     """A `met gpu-service serve` child on a free loopback port; returns it and its address
     once its health check says SERVING."""
-    cmd = [sys.executable, "-m", "control_plane.cli", "gpu-service", "serve",
-           "--model", str(model_dir), "--port", "0", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "control_plane.cli",
+        "gpu-service",
+        "serve",
+        "--model",
+        str(model_dir),
+        "--port",
+        "0",
+        *extra,
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     line = proc.stdout.readline()

@@ -43,7 +43,8 @@ class ModelConfig:
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
         if len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(
-                f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers"
+                f"layer_types has {len(self.layer_types)} entries for "
+                f"{self.num_hidden_layers} layers"
             )
         for i, kind in enumerate(self.layer_types):
             if kind not in (LINEAR, FULL):

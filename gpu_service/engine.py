@@ -47,8 +47,9 @@ class _Seq:
 
 
 class Engine:
-    def __init__(self, model_dir: Path, svc: ServiceConfig | None = None,
-                 dtype: str | None = None) -> None:
+    def __init__(
+        self, model_dir: Path, svc: ServiceConfig | None = None, dtype: str | None = None
+    ) -> None:
         self.cfg = ModelConfig.load(model_dir)
         self.svc = svc or ServiceConfig()
         self.name = model_dir.resolve().name
@@ -66,12 +67,20 @@ class Engine:
 
     def capabilities(self) -> Capabilities:
         return Capabilities(
-            model_name=self.name, vocab_size=self.cfg.vocab_size, num_slots=self.svc.num_slots,
-            free_slots=len(self._free), slot_verify_drafts=self.svc.slot_verify_drafts,
-            max_rows=self.svc.max_rows, forwards=FORWARDS, current_forward=self.forward_name,
-            device="cpu", max_context=self.svc.max_context,
-            dtype=str(self.model.dtype).removeprefix("torch."), hidden_size=self.cfg.hidden_size,
-            eos_token_ids=(self.cfg.eos_token_id,), has_mtp=self.cfg.has_mtp,
+            model_name=self.name,
+            vocab_size=self.cfg.vocab_size,
+            num_slots=self.svc.num_slots,
+            free_slots=len(self._free),
+            slot_verify_drafts=self.svc.slot_verify_drafts,
+            max_rows=self.svc.max_rows,
+            forwards=FORWARDS,
+            current_forward=self.forward_name,
+            device="cpu",
+            max_context=self.svc.max_context,
+            dtype=str(self.model.dtype).removeprefix("torch."),
+            hidden_size=self.cfg.hidden_size,
+            eos_token_ids=(self.cfg.eos_token_id,),
+            has_mtp=self.cfg.has_mtp,
             max_batch=self.svc.max_batch,
         )
 
@@ -107,7 +116,9 @@ class Engine:
 
     # -- target forward ------------------------------------------------------------------
 
-    def _run(self, fn: Callable[[list[int]], torch.Tensor], groups: list[list[int]]) -> torch.Tensor:
+    def _run(
+        self, fn: Callable[[list[int]], torch.Tensor], groups: list[list[int]]
+    ) -> torch.Tensor:
         """fn(indices) -> hidden rows of those sequences; `*-serial` calls it one at a time."""
         if self.forward_name.endswith("-serial"):
             return torch.cat([fn([i]) for i in range(len(groups))])
@@ -120,7 +131,9 @@ class Engine:
             row += n
         return segs
 
-    def prefill(self, seqs: Sequence[SequenceHandle], prompts: Sequence[Sequence[int]]) -> list[int]:
+    def prefill(
+        self, seqs: Sequence[SequenceHandle], prompts: Sequence[Sequence[int]]
+    ) -> list[int]:
         with self._lock:
             checks.same_length("prefill", seqs=seqs, prompts=prompts)
             states = self._lookup("prefill", seqs)
@@ -133,8 +146,10 @@ class Engine:
                 checks.fits_context(s.seq_id, s.seq_len, len(p), self.svc.max_context)
                 total += len(p)
             if total > self.svc.max_prefill_tokens:
-                raise InvalidArgument(f"a prefill of {total} tokens exceeds the budget of "
-                                      f"{self.svc.max_prefill_tokens}; send it in chunks")
+                raise InvalidArgument(
+                    f"a prefill of {total} tokens exceeds the budget of "
+                    f"{self.svc.max_prefill_tokens}; send it in chunks"
+                )
             prompts = [list(p) for p in prompts]
 
             def run(idx: list[int]) -> torch.Tensor:
@@ -154,8 +169,9 @@ class Engine:
             self._mirror(seqs, states)
             return out
 
-    def _prime_drafter(self, group: list[_Seq], toks: list[list[int]], segs: list[Segment],
-                       hidden: torch.Tensor) -> None:
+    def _prime_drafter(
+        self, group: list[_Seq], toks: list[list[int]], segs: list[Segment], hidden: torch.Tensor
+    ) -> None:
         """The drafter's entries for a prompt chunk: token j + 1 with the target's hidden of
         position j, starting from the previous chunk's last hidden when there is one."""
         if not self.cfg.has_mtp:
@@ -177,11 +193,17 @@ class Engine:
             self.state.mtp_carry[s.slot] = hidden[sg.row + sg.count - 1]
             self.state.mtp_carry_valid[s.slot] = True
         if mtp_segs:
-            self.model.mtp_forward(torch.tensor(pair_tokens), torch.cat(pair_hidden), mtp_segs,
-                                   self.state)
+            self.model.mtp_forward(
+                torch.tensor(pair_tokens), torch.cat(pair_hidden), mtp_segs, self.state
+            )
 
-    def decode_verify_batched(self, tokens: Sequence[int], ks: Sequence[int],
-                              seqs: Sequence[SequenceHandle], write_on_accept: bool = True) -> list[int]:
+    def decode_verify_batched(
+        self,
+        tokens: Sequence[int],
+        ks: Sequence[int],
+        seqs: Sequence[SequenceHandle],
+        write_on_accept: bool = True,
+    ) -> list[int]:
         with self._lock:
             states = self._check_verify(tokens, ks, seqs)
             tokens, ks = list(tokens), list(ks)
@@ -193,7 +215,7 @@ class Engine:
                 group = [states[i] for i in idx]
                 counts = [ks[i] for i in idx]
                 segs = self._segments(group, counts, [s.seq_len for s in group])
-                flat = torch.tensor([t for i in idx for t in tokens[starts[i]:starts[i + 1]]])
+                flat = torch.tensor([t for i in idx for t in tokens[starts[i] : starts[i + 1]]])
                 hidden = self.model.forward(flat, segs, self.state, VERIFY, not write_on_accept)
                 return hidden[: sum(counts)]
 
@@ -201,27 +223,34 @@ class Engine:
             self.state.verify_hidden = hidden
             self.state.logits = self.model.logits(hidden)
             for s, k, lo in zip(states, ks, starts, strict=False):
-                s.tokens.extend(tokens[lo:lo + k])
+                s.tokens.extend(tokens[lo : lo + k])
                 s.phase, s.pending_k = VERIFIED, k
                 self.state.mtp_carry_valid[s.slot] = False
             self._mirror(seqs, states)
             return self.state.logits.argmax(-1).tolist()
 
-    def _check_verify(self, tokens: Sequence[int], ks: Sequence[int],
-                      seqs: Sequence[SequenceHandle]) -> list[_Seq]:
+    def _check_verify(
+        self, tokens: Sequence[int], ks: Sequence[int], seqs: Sequence[SequenceHandle]
+    ) -> list[_Seq]:
         checks.same_length("decode_verify_batched", seqs=seqs, ks=ks)
         states = self._lookup("decode_verify_batched", seqs)
         if sum(ks) != len(tokens):
             raise InvalidArgument(f"ks sum to {sum(ks)} rows but {len(tokens)} tokens were given")
         if not self.can_batch_verify(ks):
-            raise InvalidArgument(f"a verify of {len(ks)} sequences and {sum(ks)} rows exceeds "
-                                  f"the budget of {self.svc.max_batch} sequences and "
-                                  f"{self.svc.max_rows} rows")
+            raise InvalidArgument(
+                f"a verify of {len(ks)} sequences and {sum(ks)} rows exceeds "
+                f"the budget of {self.svc.max_batch} sequences and "
+                f"{self.svc.max_rows} rows"
+            )
         checks.tokens_in_vocab(tokens, self.cfg.vocab_size)
         for s, k in zip(states, ks, strict=True):
             cap = self.svc.slot_verify_drafts[s.slot]
-            checks.within(f"k of sequence {s.seq_id} (slot {s.slot} verifies up to {cap} drafts)",
-                          k, 1, cap + 1)
+            checks.within(
+                f"k of sequence {s.seq_id} (slot {s.slot} verifies up to {cap} drafts)",
+                k,
+                1,
+                cap + 1,
+            )
             checks.phase(s.seq_id, s.phase, IDLE, "verify")
             checks.fits_context(s.seq_id, s.seq_len, k, self.svc.max_context)
         return states
@@ -237,29 +266,37 @@ class Engine:
             states = self._lookup("gdn_fold_accepted", seqs)
             for s, a in zip(states, fold_rows, strict=True):
                 checks.phase(s.seq_id, s.phase, VERIFIED, "fold")
-                checks.within(f"fold_rows of sequence {s.seq_id} (its last verify had "
-                              f"{s.pending_k} rows)", a, 1, s.pending_k)
+                checks.within(
+                    f"fold_rows of sequence {s.seq_id} (its last verify had {s.pending_k} rows)",
+                    a,
+                    1,
+                    s.pending_k,
+                )
             for s, a in zip(states, fold_rows, strict=True):
                 row = self.state.verify_offset[s.slot] + a - 1
                 self.state.gdn[:, s.slot] = self.state.verify_gdn[:, row]
                 self.state.conv[:, s.slot] = self.state.verify_conv[:, row]
                 s.phase, s.folded_rows = FOLDED, a
 
-    def commit_accepted_prefix(self, seqs: Sequence[SequenceHandle], kept_rows: Sequence[int],
-                               ks: Sequence[int]) -> list[int]:
+    def commit_accepted_prefix(
+        self, seqs: Sequence[SequenceHandle], kept_rows: Sequence[int], ks: Sequence[int]
+    ) -> list[int]:
         with self._lock:
             checks.same_length("commit_accepted_prefix", seqs=seqs, kept_rows=kept_rows, ks=ks)
             states = self._lookup("commit_accepted_prefix", seqs)
             for s, kept, k in zip(states, kept_rows, ks, strict=True):
                 checks.phase(s.seq_id, s.phase, FOLDED, "commit")
                 if k != s.pending_k:
-                    raise InvalidArgument(f"sequence {s.seq_id}'s last verify had "
-                                          f"{s.pending_k} rows, not {k}")
+                    raise InvalidArgument(
+                        f"sequence {s.seq_id}'s last verify had {s.pending_k} rows, not {k}"
+                    )
                 if kept != s.folded_rows:
-                    raise InvalidArgument(f"sequence {s.seq_id} was folded at {s.folded_rows} "
-                                          f"rows; it cannot keep {kept}")
+                    raise InvalidArgument(
+                        f"sequence {s.seq_id} was folded at {s.folded_rows} "
+                        f"rows; it cannot keep {kept}"
+                    )
             for s, kept in zip(states, kept_rows, strict=True):
-                del s.tokens[len(s.tokens) - (s.pending_k - kept):]
+                del s.tokens[len(s.tokens) - (s.pending_k - kept) :]
                 s.phase, s.pending_k = IDLE, 0
             self._mirror(seqs, states)
             return [s.seq_len for s in states]
@@ -278,8 +315,13 @@ class Engine:
 
     # -- drafter -------------------------------------------------------------------------
 
-    def run_mtp_propose_batched(self, last: Sequence[int], stash: Sequence[int], num_drafts: int,
-                                seqs: Sequence[SequenceHandle]) -> Proposal:
+    def run_mtp_propose_batched(
+        self,
+        last: Sequence[int],
+        stash: Sequence[int],
+        num_drafts: int,
+        seqs: Sequence[SequenceHandle],
+    ) -> Proposal:
         with self._lock:
             states = self._check_propose(last, stash, num_drafts, seqs)
 
@@ -289,8 +331,9 @@ class Engine:
                 hidden = self.state.stash[[stash[i] for i in idx]]
                 drafts, confs = [], []
                 for j in range(num_drafts):
-                    segs = self._segments(group, [1] * len(group),
-                                          [s.seq_len - 1 + j for s in group])
+                    segs = self._segments(
+                        group, [1] * len(group), [s.seq_len - 1 + j for s in group]
+                    )
                     hidden = self.model.mtp_forward(tok, hidden, segs, self.state)[: len(group)]
                     logits = self.model.logits(hidden)
                     tok, conf = _argmax_confidence(logits)
@@ -298,8 +341,11 @@ class Engine:
                     confs.append(conf.tolist())
                 return drafts, confs, logits
 
-            parts = ([run([i]) for i in range(len(states))]
-                     if self.forward_name.endswith("-serial") else [run(list(range(len(states))))])
+            parts = (
+                [run([i]) for i in range(len(states))]
+                if self.forward_name.endswith("-serial")
+                else [run(list(range(len(states))))]
+            )
             drafts = [list(col) for d, _, _ in parts for col in zip(*d, strict=True)]
             confs = [list(col) for _, c, _ in parts for col in zip(*c, strict=True)]
             self.state.logits = torch.cat([lg for _, _, lg in parts])
@@ -307,8 +353,13 @@ class Engine:
                 s.own_drafts = [s.seq_len - 1 + j for j in range(1, num_drafts)]
             return Proposal(drafts, confs)
 
-    def _check_propose(self, last: Sequence[int], stash: Sequence[int], num_drafts: int,
-                       seqs: Sequence[SequenceHandle]) -> list[_Seq]:
+    def _check_propose(
+        self,
+        last: Sequence[int],
+        stash: Sequence[int],
+        num_drafts: int,
+        seqs: Sequence[SequenceHandle],
+    ) -> list[_Seq]:
         if not self.cfg.has_mtp:
             raise FailedPrecondition("this model has no MTP head; it cannot propose drafts")
         checks.same_length("run_mtp_propose_batched", seqs=seqs, last=last, stash=stash)
@@ -332,8 +383,9 @@ class Engine:
         for h, pos in zip(seqs, positions, strict=True):
             s = self._get(h.seq_id)
             if pos != s.seq_len:
-                raise InvalidArgument(f"sequence {s.seq_id} holds {s.seq_len} tokens; the "
-                                      f"request says {pos}")
+                raise InvalidArgument(
+                    f"sequence {s.seq_id} holds {s.seq_len} tokens; the request says {pos}"
+                )
 
     def trim_proposer_state(self, seqs: Sequence[SequenceHandle], keep_own: int = 0) -> None:
         with self._lock:
@@ -349,7 +401,9 @@ class Engine:
 
     def set_forward(self, name: str) -> None:
         if name not in FORWARDS:
-            raise InvalidArgument(f"unknown forward {name!r}; this service has {', '.join(FORWARDS)}")
+            raise InvalidArgument(
+                f"unknown forward {name!r}; this service has {', '.join(FORWARDS)}"
+            )
         with self._lock:
             self.forward_name = name
 

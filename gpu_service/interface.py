@@ -103,7 +103,9 @@ class Model(Protocol):
     def free_sequence(self, seq: SequenceHandle) -> None:
         """Release the sequence and its slot. An unknown or freed id is `NotFound`."""
 
-    def prefill(self, seqs: Sequence[SequenceHandle], prompts: Sequence[Sequence[int]]) -> list[int]:
+    def prefill(
+        self, seqs: Sequence[SequenceHandle], prompts: Sequence[Sequence[int]]
+    ) -> list[int]:
         """Append each prompt to its sequence's cache (a long prompt may come in chunks) and
         return each one's last-row argmax. The last rows' logits stay in the logits buffer;
         the drafter's cache is primed with the prompt's (token, hidden) pairs.

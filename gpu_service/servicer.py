@@ -27,8 +27,9 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
         self.engine: Engine | None = None
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
 
-    async def _call(self, context: grpc.aio.ServicerContext, fn: Callable[..., Any],
-                    *args: Any) -> Any:
+    async def _call(
+        self, context: grpc.aio.ServicerContext, fn: Callable[..., Any], *args: Any
+    ) -> Any:
         if self.engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
         return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
@@ -36,11 +37,20 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
     async def Capabilities(self, request, context):
         c = await self._call(context, lambda: self.engine.capabilities())
         return pb.CapabilitiesReply(
-            model_name=c.model_name, vocab_size=c.vocab_size, num_slots=c.num_slots,
-            free_slots=c.free_slots, slot_verify_drafts=c.slot_verify_drafts,
-            max_rows=c.max_rows, forwards=c.forwards, current_forward=c.current_forward,
-            device=c.device, max_context=c.max_context, dtype=c.dtype,
-            hidden_size=c.hidden_size, eos_token_ids=c.eos_token_ids, has_mtp=c.has_mtp,
+            model_name=c.model_name,
+            vocab_size=c.vocab_size,
+            num_slots=c.num_slots,
+            free_slots=c.free_slots,
+            slot_verify_drafts=c.slot_verify_drafts,
+            max_rows=c.max_rows,
+            forwards=c.forwards,
+            current_forward=c.current_forward,
+            device=c.device,
+            max_context=c.max_context,
+            dtype=c.dtype,
+            hidden_size=c.hidden_size,
+            eos_token_ids=c.eos_token_ids,
+            has_mtp=c.has_mtp,
             max_batch=c.max_batch,
         )
 
@@ -60,8 +70,12 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
 
     async def DecodeVerifyBatched(self, request, context):
         seqs = _handles(request.seq_ids)
-        argmax = await self._call(context, lambda: self.engine.decode_verify_batched(
-            list(request.tokens), list(request.ks), seqs, request.write_on_accept))
+        argmax = await self._call(
+            context,
+            lambda: self.engine.decode_verify_batched(
+                list(request.tokens), list(request.ks), seqs, request.write_on_accept
+            ),
+        )
         return pb.VerifyReply(argmax=argmax, seq_lens=[s.seq_len for s in seqs])
 
     async def CanBatchVerify(self, request, context):
@@ -70,14 +84,19 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
 
     async def FoldAccepted(self, request, context):
         seqs = _handles(request.seq_ids)
-        await self._call(context, lambda: self.engine.gdn_fold_accepted(
-            seqs, list(request.fold_rows)))
+        await self._call(
+            context, lambda: self.engine.gdn_fold_accepted(seqs, list(request.fold_rows))
+        )
         return pb.FoldReply()
 
     async def CommitAcceptedPrefix(self, request, context):
         seqs = _handles(request.seq_ids)
-        lens = await self._call(context, lambda: self.engine.commit_accepted_prefix(
-            seqs, list(request.kept_rows), list(request.ks)))
+        lens = await self._call(
+            context,
+            lambda: self.engine.commit_accepted_prefix(
+                seqs, list(request.kept_rows), list(request.ks)
+            ),
+        )
         return pb.CommitReply(seq_lens=lens)
 
     async def StashVerifyHiddenRows(self, request, context):
@@ -87,18 +106,23 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
     async def Propose(self, request, context):
         seqs = _handles(request.seq_ids)
         p = await self._call(context, lambda: self._propose(request, seqs))
-        return pb.ProposeReply(drafts=[t for row in p.drafts for t in row],
-                               confidences=[c for row in p.confidences for c in row])
+        return pb.ProposeReply(
+            drafts=[t for row in p.drafts for t in row],
+            confidences=[c for row in p.confidences for c in row],
+        )
 
     def _propose(self, request, seqs: list[SequenceHandle]):
         if request.positions:
             self.engine.check_positions(seqs, list(request.positions))
         return self.engine.run_mtp_propose_batched(
-            list(request.last), list(request.stash), request.num_drafts, seqs)
+            list(request.last), list(request.stash), request.num_drafts, seqs
+        )
 
     async def TrimProposer(self, request, context):
-        await self._call(context, lambda: self.engine.trim_proposer_state(
-            _handles(request.seq_ids), request.keep_own))
+        await self._call(
+            context,
+            lambda: self.engine.trim_proposer_state(_handles(request.seq_ids), request.keep_own),
+        )
         return pb.TrimReply()
 
     async def SetForward(self, request, context):
@@ -126,5 +150,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 await context.abort(getattr(grpc.StatusCode, e.code), str(e))
 
         return grpc.unary_unary_rpc_method_handler(
-            guarded, request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer)
+            guarded,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )

@@ -25,10 +25,18 @@ class ByteTokenizer:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
     def to_json(self) -> str:
-        return json.dumps({
-            "type": "byte", "special_tokens": self.special_tokens,
-            "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id,
-        }, indent=2) + "\n"
+        return (
+            json.dumps(
+                {
+                    "type": "byte",
+                    "special_tokens": self.special_tokens,
+                    "bos_token_id": self.bos_token_id,
+                    "eos_token_id": self.eos_token_id,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
 
     @classmethod
     def default(cls) -> ByteTokenizer:
@@ -38,6 +46,8 @@ class ByteTokenizer:
     def load(cls, directory: Path) -> ByteTokenizer:
         d = json.loads((directory / TOKENIZER_FILE).read_text())
         if d.get("type") != "byte":
-            raise ValueError(f"{directory / TOKENIZER_FILE}: tokenizer type {d.get('type')!r} "
-                             "is not supported (only 'byte')")
+            raise ValueError(
+                f"{directory / TOKENIZER_FILE}: tokenizer type {d.get('type')!r} "
+                "is not supported (only 'byte')"
+            )
         return cls(dict(d["special_tokens"]), int(d["bos_token_id"]), int(d["eos_token_id"]))

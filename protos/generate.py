@@ -20,14 +20,22 @@ def generate(out: Path) -> None:
     """Write *_pb2.py, *_pb2.pyi and *_pb2_grpc.py for every proto into `out` (same tree)."""
     protos = [str(p.relative_to(ROOT)) for p in proto_files()]
     include = str(Path(protoc.__file__).parent / "_proto")
-    args = ["protoc", f"-I{ROOT}", f"-I{include}", f"--python_out={out}",
-            f"--pyi_out={out}", f"--grpc_python_out={out}", *protos]
+    args = [
+        "protoc",
+        f"-I{ROOT}",
+        f"-I{include}",
+        f"--python_out={out}",
+        f"--pyi_out={out}",
+        f"--grpc_python_out={out}",
+        *protos,
+    ]
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed")
     for stub in out.rglob("*_pb2_grpc.py"):
         # The stubs import their messages as a top-level `met` package; ours lives in `protos`.
-        text = re.sub(r"^from met\.v1 import", "from protos.met.v1 import",
-                      stub.read_text(), flags=re.M)
+        text = re.sub(
+            r"^from met\.v1 import", "from protos.met.v1 import", stub.read_text(), flags=re.M
+        )
         stub.write_text(text)
 
 

@@ -51,7 +51,11 @@ class HybridModel:
     # -- target model ------------------------------------------------------------------
 
     def forward(
-        self, tokens: torch.Tensor, segs: list[Segment], state: DeviceState, mode: str,
+        self,
+        tokens: torch.Tensor,
+        segs: list[Segment],
+        state: DeviceState,
+        mode: str,
         write_live: bool = True,
     ) -> torch.Tensor:
         """tokens: [R] -> final hidden after the model's norm: [P, H] (P = R padded).
@@ -69,8 +73,9 @@ class HybridModel:
                 cache = (state.k_cache[i], state.v_cache[i], None)
                 h = self._attention(f"{p}.self_attn", h, segs, positions, cache)
             else:
-                h = self._gdn(f"{p}.linear_attn", self.linear_index[n], h, segs, state, mode,
-                              write_live)
+                h = self._gdn(
+                    f"{p}.linear_attn", self.linear_index[n], h, segs, state, mode, write_live
+                )
             x = x + h
             x = x + self._mlp(f"{p}.mlp", self._norm(x, f"{p}.post_attention_layernorm"))
         return self._norm(x, "model.norm")
@@ -87,15 +92,17 @@ class HybridModel:
         """One drafter pass: row r pairs token r with hidden r (the hidden of the position
         before it) at its segment's positions, writing the drafter's KV there.
         tokens: [R], hidden: [R, H] -> the drafter's hidden after its norm: [P, H]"""
-        emb = self._norm(pad_rows(self.w["model.embed_tokens.weight"][tokens]),
-                         "mtp.pre_fc_norm_embedding")
+        emb = self._norm(
+            pad_rows(self.w["model.embed_tokens.weight"][tokens]), "mtp.pre_fc_norm_embedding"
+        )
         hid = self._norm(pad_rows(hidden), "mtp.pre_fc_norm_hidden")
         x = linear(torch.cat([emb, hid], dim=-1), self.w["mtp.fc.weight"])
         positions = self._positions(segs, x.shape[0])
         p = "mtp.layers.0"
         cache = (state.mtp_k, state.mtp_v, state.mtp_valid)
-        x = x + self._attention(f"{p}.self_attn", self._norm(x, f"{p}.input_layernorm"), segs,
-                                positions, cache)
+        x = x + self._attention(
+            f"{p}.self_attn", self._norm(x, f"{p}.input_layernorm"), segs, positions, cache
+        )
         x = x + self._mlp(f"{p}.mlp", self._norm(x, f"{p}.post_attention_layernorm"))
         return self._norm(x, "mtp.norm")
 
@@ -116,7 +123,11 @@ class HybridModel:
         return linear(silu(gate) * up, self.w[f"{p}.down_proj.weight"])
 
     def _attention(
-        self, p: str, x: torch.Tensor, segs: list[Segment], positions: torch.Tensor,
+        self,
+        p: str,
+        x: torch.Tensor,
+        segs: list[Segment],
+        positions: torch.Tensor,
         cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
     ) -> torch.Tensor:
         cfg, rows = self.cfg, x.shape[0]
@@ -138,14 +149,21 @@ class HybridModel:
                 valid[s.slot, pos] = True
             end = _key_blocks(s.start + s.count)
             seen = None if valid is None else valid[s.slot, :end]
-            out[s.rows] = tiled_attention(q[s.rows], k_cache[s.slot, :end],
-                                          v_cache[s.slot, :end], pos, seen)
+            out[s.rows] = tiled_attention(
+                q[s.rows], k_cache[s.slot, :end], v_cache[s.slot, :end], pos, seen
+            )
         out = out.reshape(rows, hq * d) * sigmoid(gate.reshape(rows, hq * d))
         return linear(out, self.w[f"{p}.o_proj.weight"])
 
     def _gdn(
-        self, p: str, layer: int, x: torch.Tensor, segs: list[Segment], state: DeviceState,
-        mode: str, write_live: bool,
+        self,
+        p: str,
+        layer: int,
+        x: torch.Tensor,
+        segs: list[Segment],
+        state: DeviceState,
+        mode: str,
+        write_live: bool,
     ) -> torch.Tensor:
         cfg, rows = self.cfg, x.shape[0]
         hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
@@ -157,22 +175,30 @@ class HybridModel:
         mixed = torch.cat([q.reshape(rows, -1), k.reshape(rows, -1), v.reshape(rows, -1)], -1)
         beta = sigmoid(b.reshape(rows, hv).float())
         g = -exp(self.w[f"{p}.A_log"].float()) * softplus(
-            a.reshape(rows, hv).float() + self.w[f"{p}.dt_bias"].float())
+            a.reshape(rows, hv).float() + self.w[f"{p}.dt_bias"].float()
+        )
         weight = self.w[f"{p}.conv1d.weight"][:, 0]
         out = torch.zeros(rows, hv, dv)
         for s in segs:
             conv_in = mixed[s.rows]
             if mode == PREFILL:
-                y, state.conv[layer, s.slot] = causal_conv1d(conv_in, state.conv[layer, s.slot],
-                                                             weight)
+                y, state.conv[layer, s.slot] = causal_conv1d(
+                    conv_in, state.conv[layer, s.slot], weight
+                )
             else:
                 y, windows = causal_conv1d_update(conv_in, state.conv[layer, s.slot], weight)
                 state.verify_conv[layer, state.verify_slice(s.slot, s.count)] = windows
                 if write_live:
                     state.conv[layer, s.slot] = windows[-1]
             yq, yk, yv = y.split([cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
-            args = (yq.reshape(-1, hk, dk), yk.reshape(-1, hk, dk), yv.reshape(-1, hv, dv),
-                    g[s.rows], beta[s.rows], state.gdn[layer, s.slot])
+            args = (
+                yq.reshape(-1, hk, dk),
+                yk.reshape(-1, hk, dk),
+                yv.reshape(-1, hv, dv),
+                g[s.rows],
+                beta[s.rows],
+                state.gdn[layer, s.slot],
+            )
             if mode == PREFILL:
                 out[s.rows], state.gdn[layer, s.slot] = chunk_gated_delta_rule(*args)
             else:
@@ -180,8 +206,9 @@ class HybridModel:
                 state.verify_gdn[layer, state.verify_slice(s.slot, s.count)] = states
                 if write_live:
                     state.gdn[layer, s.slot] = states[-1]
-        normed = gated_rms_norm(out.to(x.dtype), z.reshape(rows, hv, dv),
-                                self.w[f"{p}.norm.weight"], cfg.rms_norm_eps)
+        normed = gated_rms_norm(
+            out.to(x.dtype), z.reshape(rows, hv, dv), self.w[f"{p}.norm.weight"], cfg.rms_norm_eps
+        )
         return linear(normed.reshape(rows, hv * dv), self.w[f"{p}.out_proj.weight"])
 
 

@@ -64,12 +64,14 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     for n in range(cfg.num_nextn_predict_layers):
         shapes.update(_layer_shapes(cfg, f"mtp.layers.{n}", FULL))
     if cfg.has_mtp:
-        shapes.update({
-            "mtp.fc.weight": (h, 2 * h),
-            "mtp.pre_fc_norm_embedding.weight": (h,),
-            "mtp.pre_fc_norm_hidden.weight": (h,),
-            "mtp.norm.weight": (h,),
-        })
+        shapes.update(
+            {
+                "mtp.fc.weight": (h, 2 * h),
+                "mtp.pre_fc_norm_embedding.weight": (h,),
+                "mtp.pre_fc_norm_hidden.weight": (h,),
+                "mtp.norm.weight": (h,),
+            }
+        )
     return shapes
 
 
@@ -93,8 +95,11 @@ def init_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
 
 def save_weights(weights: dict[str, torch.Tensor], directory: Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(directory / WEIGHTS_FILE),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in weights.items()},
+        str(directory / WEIGHTS_FILE),
+        metadata={"format": "pt"},
+    )
 
 
 def load_weights(cfg: ModelConfig, directory: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -111,5 +116,7 @@ def load_weights(cfg: ModelConfig, directory: Path, dtype: torch.dtype) -> dict[
         raise ValueError(f"{path} lacks {len(missing)} tensors, first {missing[0]!r}")
     for name, shape in expected.items():
         if tuple(tensors[name].shape) != shape:
-            raise ValueError(f"{name} has shape {tuple(tensors[name].shape)}; the config says {shape}")
+            raise ValueError(
+                f"{name} has shape {tuple(tensors[name].shape)}; the config says {shape}"
+            )
     return {n: tensors[n].to(dtype) for n in expected}

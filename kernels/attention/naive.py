@@ -40,7 +40,11 @@ def tiled_attention(
     # [Hq, nq, 1, Tq, d] @ [Hq, 1, nb, d, Kb] -> [Hq, nq, nb, Tq, Kb]
     qt = qp.permute(1, 0, 2).reshape(heads, nq, 1, QUERY_TILE, dim)
     kt = keys.repeat_interleave(group, dim=1).permute(1, 0, 2).reshape(heads, 1, nb, KEY_BLOCK, dim)
-    vt = values.repeat_interleave(group, dim=1).permute(1, 0, 2).reshape(heads, 1, nb, KEY_BLOCK, dim)
+    vt = (
+        values.repeat_interleave(group, dim=1)
+        .permute(1, 0, 2)
+        .reshape(heads, 1, nb, KEY_BLOCK, dim)
+    )
     scores = (qt @ kt.transpose(-1, -2)).float()
     pos = torch.full((padded,), -1, dtype=torch.long)
     pos[:rows] = q_pos

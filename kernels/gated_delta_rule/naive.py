@@ -20,7 +20,9 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def prepare_qk(q: torch.Tensor, k: torch.Tensor, num_v_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+def prepare_qk(
+    q: torch.Tensor, k: torch.Tensor, num_v_heads: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """l2-norm, scale and expand q, k to the value heads. q, k: [T, Hk, dk] -> [T, Hv, dk] fp32"""
     ratio = num_v_heads // q.shape[1]
     q = _l2norm(q.float()) * q.shape[-1] ** -0.5
@@ -71,6 +73,7 @@ def chunk_gated_delta_rule(
     length = q.shape[0]
     q, k = prepare_qk(q, k, v.shape[1])
     pad = (-length) % chunk_size
+
     # [T, H, d] -> [H, N, C, d]: heads first, then chunks of C rows.
     def chunks(x: torch.Tensor) -> torch.Tensor:
         x = torch.nn.functional.pad(x.float(), (0, 0) * (x.dim() - 2) + (0, 0, 0, pad))

@@ -14,7 +14,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * inv_rms(xf, eps) * (1.0 + weight.float())).to(x.dtype)
 
 
-def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def gated_rms_norm(
+    x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
     """x, z: [..., D], weight: [D]"""
     xf = x.float()
     normed = (weight.float() * (xf * inv_rms(xf, eps))).to(x.dtype)

@@ -1,0 +1,63 @@
+"""What batch invariance by construction costs: `python -m gpu_service.bench`.
+
+Prints the tiled linear against a plain `F.linear` at the default model's widest projection,
+and one batched verify step of the default model at a few batch shapes."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from gpu_service.checkpoint import DEFAULT_MODEL_DIR, ensure_weights
+from gpu_service.config import ServiceConfig
+from gpu_service.engine import Engine
+from gpu_service.model.ops import linear, pad_rows
+
+
+def _median_us(fn: Callable[[], object], repeats: int = 200) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def bench_linear() -> None:
+    weight = torch.randn(768, 256)
+    print("linear 256 -> 768     rows   F.linear us   tiled us")
+    for rows in (1, 4, 16, 32, 64):
+        x = torch.randn(rows, 256)
+        plain = _median_us(lambda x=x: F.linear(x, weight))
+        tiled = _median_us(lambda x=x: linear(pad_rows(x), weight))
+        print(f"{'':22}{rows:4d}   {plain:11.1f}   {tiled:8.1f}")
+
+
+def bench_verify() -> None:
+    ensure_weights(DEFAULT_MODEL_DIR)
+    engine = Engine(DEFAULT_MODEL_DIR, ServiceConfig())
+    print("default model verify step (prefix 128)   seqs x k   ms")
+    for n, k in ((1, 1), (1, 4), (8, 4), (16, 2), (32, 1)):
+        seqs = [engine.alloc_sequence() for _ in range(n)]
+        engine.prefill(seqs, [[i % 256 for i in range(128)]] * n)
+
+        def step(seqs: list = seqs, k: int = k) -> None:
+            engine.decode_verify_batched([1] * (n * k), [k] * n, seqs)
+            engine.gdn_fold_accepted(seqs, [1] * n)
+            engine.commit_accepted_prefix(seqs, [1] * n, [k] * n)
+
+        ms = _median_us(step, repeats=10) / 1e3
+        print(f"{'':41}{n:4d} x {k}   {ms:6.1f}")
+        for s in seqs:
+            engine.free_sequence(s)
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    bench_linear()
+    bench_verify()

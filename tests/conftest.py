@@ -1,0 +1,83 @@
+"""Shared fixtures: a tiny checkpoint written to disk, engines over it, and one real GPU
+service process serving it on a loopback socket."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from control_plane.client import GrpcModel
+from control_plane.launch import start_gpu_service, stop
+from gpu_service.checkpoint import init_model
+from gpu_service.config import FULL, LINEAR, ModelConfig, ServiceConfig
+from gpu_service.engine import Engine
+
+TINY = ModelConfig(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    layer_types=(LINEAR, LINEAR, LINEAR, FULL),
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    max_position_embeddings=512,
+)
+# Small tiers so that tests reach every tier and run out of slots quickly.
+TINY_SERVICE = ServiceConfig(
+    verify_tiers="2:3,2:2,4:1", max_context=256, max_rows=24, max_batch=8, max_prefill_tokens=512
+)
+SERVE_ARGS = (
+    "--verify-tiers",
+    TINY_SERVICE.verify_tiers,
+    "--max-context",
+    "256",
+    "--max-rows",
+    "24",
+    "--max-batch",
+    "8",
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("tiny")
+    init_model(directory, TINY, seed=7)
+    return directory
+
+
+@pytest.fixture
+def engine(tiny_dir: Path) -> Engine:
+    return Engine(tiny_dir, TINY_SERVICE)
+
+
+@pytest.fixture(scope="session")
+def served(tiny_dir: Path) -> Iterator[str]:
+    proc, target = start_gpu_service(tiny_dir, *SERVE_ARGS, "--max-prefill-tokens", "512")
+    try:
+        yield target
+    finally:
+        assert stop(proc) == 0, "the GPU service did not shut down cleanly on SIGTERM"
+
+
+@pytest.fixture
+def client(served: str) -> Iterator[GrpcModel]:
+    model = GrpcModel(served)
+    model.set_forward("eager")
+    yield model
+    model.close()
+
+
+@pytest.fixture
+def rng() -> torch.Generator:
+    return torch.Generator().manual_seed(1234)
+
+
+def random_tokens(rng: torch.Generator, n: int, vocab: int = 256) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=rng).tolist()

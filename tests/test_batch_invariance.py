@@ -1,0 +1,82 @@
+"""A row's outputs do not depend on which rows share the call, nor on k: byte for byte."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_service.engine import Engine
+from gpu_service.model.ops import linear, pad_rows
+from tests.conftest import random_tokens
+from tests.steps import decode, logit_rows, verify
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 11, 16, 17, 40], ids=lambda r: f"R{r}")
+def test_tiled_linear_row_invariant(rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(768, 256, generator=gen)
+    probe = torch.randn(1, 256, generator=gen)
+    alone = linear(pad_rows(probe), weight)[0]
+    for where in {0, rows // 2, rows - 1}:
+        x = torch.randn(rows, 256, generator=gen)
+        x[where] = probe[0]
+        assert torch.equal(linear(pad_rows(x), weight)[where], alone)
+
+
+def _batched_run(
+    engine: Engine,
+    prompts: list[list[int]],
+    ks: list[int],
+    forward: str,
+    rng_seed: int,
+    spare_at: int | None,
+) -> tuple[list[bytes], list[list[bytes]]]:
+    """Prefill, then three batched verify steps with drafts from a fixed generator."""
+    engine.set_forward(forward)
+    gen = torch.Generator().manual_seed(rng_seed)
+    seqs, spare = [], None
+    for i in range(len(prompts)):
+        if i == spare_at:
+            spare = engine.alloc_sequence()
+        seqs.append(engine.alloc_sequence())
+    last = engine.prefill(seqs, prompts)
+    prefill = logit_rows(engine)
+    steps = []
+    for step in range(3):
+        rows = [[last[i], *random_tokens(gen, k - 1)] for i, k in enumerate(ks)]
+        kept = [1 + (step + i) % k for i, k in enumerate(ks)]
+        out, logits = verify(engine, seqs, rows, kept)
+        offsets = [sum(ks[:i]) for i in range(len(ks))]
+        last = [out[offsets[i] + kept[i] - 1] for i in range(len(ks))]
+        steps.append(logits)
+    for s in [*seqs, *([spare] if spare else [])]:
+        engine.free_sequence(s)
+    return prefill, steps
+
+
+@pytest.mark.parametrize(
+    ("ks", "spare_at"),
+    [([4, 4], None), ([2, 2, 2], None), ([4, 4, 3, 2, 2, 2, 2], 3), ([1, 3, 2], 1)],
+    ids=["uniform-k4", "uniform-k2", "ragged-fragmented", "ragged-k1"],
+)
+def test_batched_verify_equals_serial(
+    engine: Engine, rng: torch.Generator, ks: list[int], spare_at: int | None
+) -> None:
+    prompts = [random_tokens(rng, 5 + 7 * i) for i in range(len(ks))]
+    batched = _batched_run(engine, prompts, ks, "eager", 99, spare_at)
+    serial = _batched_run(engine, prompts, ks, "eager-serial", 99, spare_at)
+    assert batched[0] == serial[0], "prefill logits differ between batched and serial"
+    for step, (b, s) in enumerate(zip(batched[1], serial[1], strict=True)):
+        assert b == s, f"step {step}: batched and serial verify logits differ"
+
+
+def test_row_logits_do_not_depend_on_k(engine: Engine, rng: torch.Generator) -> None:
+    """Each row of a k = 4 verify equals the same row decoded alone (k = 1) after the same
+    prefix, while other sequences share the batch."""
+    prompt, other = random_tokens(rng, 63), random_tokens(rng, 9)
+    a, b, c = engine.alloc_sequence(), engine.alloc_sequence(), engine.alloc_sequence()
+    first = engine.prefill([a, b, c], [prompt, prompt, other])
+    rows = [first[0], *random_tokens(rng, 3)]
+    _, logits = verify(engine, [c, a], [[first[2], 1], rows], [2, 4])
+    alone = [decode(engine, b, t)[1] for t in rows]
+    assert logits[2:] == alone

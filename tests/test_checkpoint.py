@@ -1,0 +1,90 @@
+"""Checkpoint directories: the shipped default, seeded weights, and load-time checks."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from control_plane.cli import main
+from gpu_service.checkpoint import DEFAULT_MODEL_DIR, init_model
+from gpu_service.config import ModelConfig, ServiceConfig, parse_tiers
+from gpu_service.engine import Engine
+from gpu_service.model.weights import init_weights, load_weights, weight_shapes
+from gpu_service.tokenizer import ByteTokenizer
+from tests.conftest import TINY
+
+
+def test_default_config_is_the_documented_hybrid() -> None:
+    cfg = ModelConfig.load(DEFAULT_MODEL_DIR)
+    assert cfg == ModelConfig()
+    assert cfg.layer_types == ("linear_attention",) * 3 + ("full_attention",) + (
+        "linear_attention",
+    ) * 3 + ("full_attention",)
+    params = sum(math.prod(s) for s in weight_shapes(cfg).values())
+    assert 3e6 < params < 10e6, f"{params} parameters"
+    assert "mtp.fc.weight" in weight_shapes(cfg)
+
+
+def test_init_model_cli_is_seeded(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "config.json").write_text(TINY.to_json())
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "config.json").write_text(TINY.to_json())
+    main(["init-model", str(tmp_path / "a"), "--seed", "3"])
+    main(["init-model", str(tmp_path / "b"), "--seed", "3"])
+    a, b = (load_file(str(tmp_path / d / "model.safetensors")) for d in "ab")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert (
+        ByteTokenizer.load(tmp_path / "a").decode(ByteTokenizer.default().encode("héllo"))
+        == "héllo"
+    )
+
+
+def test_hf_names(tmp_path: Path) -> None:
+    names = weight_shapes(TINY)
+    assert names["model.layers.0.linear_attn.in_proj_qkvz.weight"] == (2 * 32 + 2 * 64, 64)
+    assert names["model.layers.3.self_attn.q_proj.weight"] == (4 * 16 * 2, 64)
+    assert "lm_head.weight" in names
+    assert "lm_head.weight" not in weight_shapes(ModelConfig(tie_word_embeddings=True))
+
+
+def test_missing_and_misshapen_tensors_are_named(tmp_path: Path) -> None:
+    init_model(tmp_path, TINY, seed=1)
+    weights = init_weights(TINY, 1)
+    del weights["model.layers.2.linear_attn.A_log"]
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="A_log"):
+        load_weights(TINY, tmp_path, torch.float32)
+    weights = init_weights(TINY, 1)
+    weights["model.norm.weight"] = torch.zeros(3)
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="model.norm.weight"):
+        load_weights(TINY, tmp_path, torch.float32)
+
+
+def test_bad_config_fields_are_named(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="layer_types\\[1\\]"):
+        ModelConfig(num_hidden_layers=2, layer_types=("linear_attention", "sliding"))
+    with pytest.raises(ValueError, match="hidden_act"):
+        ModelConfig(hidden_act="gelu")
+    d = json.loads(TINY.to_json())
+    d["num_hidden_layers"] = 5
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    with pytest.raises(ValueError, match="layer_types"):
+        ModelConfig.load(tmp_path)
+
+
+def test_tiers_and_bf16_serving(tiny_dir: Path) -> None:
+    assert parse_tiers("8:3,8:2,16:1") == (3,) * 8 + (2,) * 8 + (1,) * 16
+    with pytest.raises(ValueError, match="SLOTS:DRAFTS"):
+        parse_tiers("8-3")
+    engine = Engine(tiny_dir, ServiceConfig(verify_tiers="1:3", max_context=128), "bfloat16")
+    seq = engine.alloc_sequence()
+    engine.prefill([seq], [[1, 2, 3]])
+    logits = engine.read_logits()
+    assert logits.dtype == "bfloat16" and len(logits.data) == 2 * 320

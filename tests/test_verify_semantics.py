@@ -1,0 +1,129 @@
+"""Verify, fold and commit leave a sequence exactly where one-token decoding leaves it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_service.engine import Engine
+from tests.conftest import random_tokens
+from tests.steps import decode, logit_rows, verify
+
+
+@pytest.mark.parametrize("write_on_accept", [True, False], ids=["woa", "live"])
+@pytest.mark.parametrize("k", [2, 3, 4])
+def test_verify_fold_commit_equals_one_at_a_time(
+    engine: Engine, rng: torch.Generator, k: int, write_on_accept: bool
+) -> None:
+    prompt = random_tokens(rng, 37)
+    for accepted in range(k):
+        drafts = random_tokens(rng, k - 1)
+        a, b = engine.alloc_sequence(), engine.alloc_sequence()
+        first = engine.prefill([a, b], [prompt, prompt])
+        rows = [first[0], *drafts]
+        _, batched = verify(engine, [a], [rows], [accepted + 1], write_on_accept)
+        singles = [decode(engine, b, t)[1] for t in rows[: accepted + 1]]
+        assert batched[: accepted + 1] == singles, "a verified row differs from its decode"
+        assert a.seq_len == b.seq_len == len(prompt) + accepted + 1
+        nxt = random_tokens(rng, 1)[0]
+        assert decode(engine, a, nxt) == decode(engine, b, nxt), (
+            f"k={k}, {accepted} accepted: the next decode differs after the verdict"
+        )
+        engine.free_sequence(a)
+        engine.free_sequence(b)
+
+
+def test_write_on_accept_values_agree(engine: Engine, rng: torch.Generator) -> None:
+    prompts = [random_tokens(rng, n) for n in (11, 20)]
+    drafts = [random_tokens(rng, 3) for _ in range(6)]
+    runs = []
+    for woa in (True, False):
+        seqs = [engine.alloc_sequence() for _ in prompts]
+        last = engine.prefill(seqs, prompts)
+        logits = []
+        for step in range(3):
+            rows = [[last[i], *drafts[2 * step + i][: 3 - i]] for i in range(2)]
+            kept = [1 + (step + i) % len(rows[i]) for i in range(2)]
+            out, got = verify(engine, seqs, rows, kept, woa)
+            offsets = [0, len(rows[0])]
+            last = [out[offsets[i] + kept[i] - 1] for i in range(2)]
+            logits.append(got)
+        runs.append(logits)
+        for s in seqs:
+            engine.free_sequence(s)
+    assert runs[0] == runs[1]
+
+
+def test_recurrent_and_chunked_prefill_agree(engine: Engine, rng: torch.Generator) -> None:
+    """A prompt prefilled (chunked GDN) and the same prompt decoded row by row (recurrent)
+    reach the same next-token logits within fp32 rounding."""
+    prompt = random_tokens(rng, 70)
+    a, b = engine.alloc_sequence(), engine.alloc_sequence()
+    engine.prefill([a], [prompt])
+    chunked = torch.frombuffer(bytearray(logit_rows(engine)[0]), dtype=torch.float32)
+    engine.prefill([b], [prompt[:1]])
+    for t in prompt[1:-1]:
+        decode(engine, b, t)
+    _, row = decode(engine, b, prompt[-1])
+    recurrent = torch.frombuffer(bytearray(row), dtype=torch.float32)
+    torch.testing.assert_close(chunked, recurrent, atol=2e-5, rtol=1e-4)
+
+
+def test_chunked_prefill_matches_whole_prefill(engine: Engine, rng: torch.Generator) -> None:
+    prompt = random_tokens(rng, 90)
+    a, b = engine.alloc_sequence(), engine.alloc_sequence()
+    whole = engine.prefill([a], [prompt])[0]
+    whole_row = torch.frombuffer(bytearray(logit_rows(engine)[0]), dtype=torch.float32)
+    for lo in range(0, 90, 32):
+        part = engine.prefill([b], [prompt[lo : lo + 32]])[0]
+    assert b.seq_len == a.seq_len == 90
+    torch.testing.assert_close(
+        torch.frombuffer(bytearray(logit_rows(engine)[0]), dtype=torch.float32),
+        whole_row,
+        atol=2e-5,
+        rtol=1e-4,
+    )
+    assert part == whole
+
+
+def test_propose_after_trim_equals_fresh_propose(engine: Engine, rng: torch.Generator) -> None:
+    """Two sequences with the same history: one proposes, is trimmed and proposes again; the
+    other proposes once. Drafts, confidences and logits are the same bytes."""
+    prompt = random_tokens(rng, 25)
+    a, b = engine.alloc_sequence(), engine.alloc_sequence()
+    first = engine.prefill([a, b], [prompt, prompt])
+    out = engine.decode_verify_batched([first[0], first[1]], [1, 1], [a, b])
+    engine.stash_verify_hidden_rows([0, 1])
+    engine.gdn_fold_accepted([a, b], [1, 1])
+    engine.commit_accepted_prefix([a, b], [1, 1], [1, 1])
+    engine.run_mtp_propose_batched([out[0]], [0], 3, [a])
+    engine.trim_proposer_state([a])
+    again = engine.run_mtp_propose_batched([out[0]], [0], 3, [a])
+    again_logits = logit_rows(engine)
+    fresh = engine.run_mtp_propose_batched([out[1]], [1], 3, [b])
+    assert again == fresh
+    assert again_logits == logit_rows(engine)
+    assert all(0.0 < c <= 1.0 for c in fresh.confidences[0])
+
+
+def test_untrimmed_drafter_differs(engine: Engine, rng: torch.Generator) -> None:
+    """The control for the trim test: an untrimmed drafter keeps the entries it built from its
+    own hidden at positions the next verify then commits, and the next propose sees them."""
+    prompt = random_tokens(rng, 25)
+    seqs = [engine.alloc_sequence(), engine.alloc_sequence()]
+    first = engine.prefill(seqs, [prompt, prompt])
+    out = engine.decode_verify_batched(first, [1, 1], seqs)
+    engine.stash_verify_hidden_rows([0, 1])
+    engine.gdn_fold_accepted(seqs, [1, 1])
+    engine.commit_accepted_prefix(seqs, [1, 1], [1, 1])
+    drafts = engine.run_mtp_propose_batched(out, [0, 1], 3, seqs).drafts
+    engine.trim_proposer_state([seqs[1]])
+    rows = [[out[i], *drafts[i][:2]] for i in range(2)]
+    out = engine.decode_verify_batched([t for r in rows for t in r], [3, 3], seqs)
+    engine.stash_verify_hidden_rows([2, 5])
+    engine.gdn_fold_accepted(seqs, [3, 3])
+    engine.commit_accepted_prefix(seqs, [3, 3], [3, 3])
+    engine.run_mtp_propose_batched([out[2]], [0], 2, [seqs[0]])
+    untrimmed = logit_rows(engine)
+    engine.run_mtp_propose_batched([out[5]], [1], 2, [seqs[1]])
+    assert untrimmed != logit_rows(engine)
