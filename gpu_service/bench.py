@@ -46,7 +46,7 @@ def bench_verify() -> None:
         seqs = [engine.alloc_sequence() for _ in range(n)]
         engine.prefill(seqs, [[i % 256 for i in range(128)]] * n)
 
-        def step(seqs: list = seqs, k: int = k) -> None:
+        def step(seqs: list = seqs, n: int = n, k: int = k) -> None:
             engine.decode_verify_batched([1] * (n * k), [k] * n, seqs)
             engine.gdn_fold_accepted(seqs, [1] * n)
             engine.commit_accepted_prefix(seqs, [1] * n, [k] * n)
