@@ -14,8 +14,12 @@ BINARY = Path(compose.__file__).parent / "docker-compose"
 
 
 def _config(path: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BINARY), "-f", str(path), "config", "--format", "json"],
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [str(BINARY), "-f", str(path), "config", "--format", "json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_compose_file_is_valid() -> None:
