@@ -26,6 +26,7 @@ class GrpcModel:
         self.timeout = timeout
         self._channel = grpc.insecure_channel(target)
         self._stub = pb_grpc.ModelServiceStub(self._channel)
+        self._logprobs: list[float] = []
 
     def close(self) -> None:
         self._channel.close()
@@ -70,6 +71,7 @@ class GrpcModel:
             eos_token_ids=tuple(c.eos_token_ids),
             has_mtp=c.has_mtp,
             max_batch=c.max_batch,
+            max_prefill_tokens=c.max_prefill_tokens,
         )
 
     def alloc_sequence(self) -> SequenceHandle:
@@ -89,6 +91,7 @@ class GrpcModel:
         ]
         r = self._rpc(self._stub.Prefill, pb.PrefillRequest(items=items))
         self._mirror(seqs, r.seq_lens)
+        self._logprobs = list(r.logprobs)
         return list(r.argmax)
 
     def decode_verify_batched(
@@ -105,7 +108,11 @@ class GrpcModel:
             ),
         )
         self._mirror(seqs, r.seq_lens)
+        self._logprobs = list(r.logprobs)
         return list(r.argmax)
+
+    def last_logprobs(self) -> list[float]:
+        return list(self._logprobs)
 
     def can_batch_verify(self, ks: Sequence[int]) -> bool:
         return self._rpc(self._stub.CanBatchVerify, pb.CanBatchVerifyRequest(ks=ks)).ok

@@ -58,6 +58,7 @@ class Engine:
         self.model = HybridModel(self.cfg, weights, self.svc.max_context)
         self.state = DeviceState(self.cfg, self.svc, torch_dtype)
         self.forward_name = "eager"
+        self._logprobs: list[float] = []
         self._seqs: dict[int, _Seq] = {}
         self._next_id = 1
         self._free = set(range(self.svc.num_slots))
@@ -82,6 +83,7 @@ class Engine:
             eos_token_ids=(self.cfg.eos_token_id,),
             has_mtp=self.cfg.has_mtp,
             max_batch=self.svc.max_batch,
+            max_prefill_tokens=self.svc.max_prefill_tokens,
         )
 
     def alloc_sequence(self) -> SequenceHandle:
@@ -164,8 +166,7 @@ class Engine:
             last_hidden = self._run(run, [[i] for i in range(len(states))])
             for s, p in zip(states, prompts, strict=True):
                 s.tokens.extend(p)
-            self.state.logits = self.model.logits(last_hidden)
-            out = self.state.logits.argmax(-1).tolist()
+            out = self._keep_logits(self.model.logits(last_hidden))
             self._mirror(seqs, states)
             return out
 
@@ -221,13 +222,13 @@ class Engine:
 
             hidden = self._run(run, [[i] for i in range(len(states))])
             self.state.verify_hidden = hidden
-            self.state.logits = self.model.logits(hidden)
+            out = self._keep_logits(self.model.logits(hidden))
             for s, k, lo in zip(states, ks, starts, strict=False):
                 s.tokens.extend(tokens[lo : lo + k])
                 s.phase, s.pending_k = VERIFIED, k
                 self.state.mtp_carry_valid[s.slot] = False
             self._mirror(seqs, states)
-            return self.state.logits.argmax(-1).tolist()
+            return out
 
     def _check_verify(
         self, tokens: Sequence[int], ks: Sequence[int], seqs: Sequence[SequenceHandle]
@@ -412,6 +413,16 @@ class Engine:
             t = self.state.logits.contiguous()
             data = t.view(torch.uint8).numpy().tobytes()
             return Logits(data, str(t.dtype).removeprefix("torch."), tuple(t.shape))
+
+    def _keep_logits(self, logits: torch.Tensor) -> list[int]:
+        """Keep a prefill's or verify's logits and each row's argmax log-probability."""
+        self.state.logits = logits
+        top, conf = _argmax_confidence(logits)
+        self._logprobs = torch.log(conf).tolist()
+        return top.tolist()
+
+    def last_logprobs(self) -> list[float]:
+        return list(self._logprobs)
 
     def _mirror(self, handles: Sequence[SequenceHandle], states: list[_Seq]) -> None:
         for h, s in zip(handles, states, strict=True):

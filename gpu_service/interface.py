@@ -71,6 +71,7 @@ class Capabilities:
     eos_token_ids: tuple[int, ...]
     has_mtp: bool
     max_batch: int  # sequences in one batched verify or propose (the stash width)
+    max_prefill_tokens: int  # prompt tokens in one prefill call, over all sequences
 
 
 @dataclass(frozen=True)
@@ -173,6 +174,10 @@ class Model(Protocol):
         """Select the forward: `eager` (plain torch) or `eager-serial` (a batched call run one
         sequence at a time inside the service, same buffers and replies). Unknown names are
         `InvalidArgument`."""
+
+    def last_logprobs(self) -> list[float]:
+        """The log-probability of each row's argmax in the last prefill or verify (the gRPC
+        client answers from that call's reply, with no call of its own)."""
 
     def read_logits(self) -> Logits:
         """The logits buffer of the last prefill, verify or propose, in the model's dtype."""

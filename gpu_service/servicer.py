@@ -52,6 +52,7 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
             eos_token_ids=c.eos_token_ids,
             has_mtp=c.has_mtp,
             max_batch=c.max_batch,
+            max_prefill_tokens=c.max_prefill_tokens,
         )
 
     async def AllocSequence(self, request, context):
@@ -65,18 +66,22 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
     async def Prefill(self, request, context):
         seqs = _handles(item.seq_id for item in request.items)
         prompts = [list(item.tokens) for item in request.items]
-        argmax = await self._call(context, lambda: self.engine.prefill(seqs, prompts))
-        return pb.PrefillReply(argmax=argmax, seq_lens=[s.seq_len for s in seqs])
+        argmax, logprobs = await self._call(
+            context, lambda: (self.engine.prefill(seqs, prompts), self.engine.last_logprobs())
+        )
+        return pb.PrefillReply(argmax=argmax, seq_lens=[s.seq_len for s in seqs], logprobs=logprobs)
 
     async def DecodeVerifyBatched(self, request, context):
         seqs = _handles(request.seq_ids)
-        argmax = await self._call(
-            context,
-            lambda: self.engine.decode_verify_batched(
+
+        def run() -> tuple[list[int], list[float]]:
+            argmax = self.engine.decode_verify_batched(
                 list(request.tokens), list(request.ks), seqs, request.write_on_accept
-            ),
-        )
-        return pb.VerifyReply(argmax=argmax, seq_lens=[s.seq_len for s in seqs])
+            )
+            return argmax, self.engine.last_logprobs()
+
+        argmax, logprobs = await self._call(context, run)
+        return pb.VerifyReply(argmax=argmax, seq_lens=[s.seq_len for s in seqs], logprobs=logprobs)
 
     async def CanBatchVerify(self, request, context):
         ok = await self._call(context, lambda: self.engine.can_batch_verify(list(request.ks)))

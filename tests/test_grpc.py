@@ -33,6 +33,7 @@ def transcript(model: Model) -> list[object]:
     out.append([(s.slot, s.seq_len) for s in (a, b, c)])
     out.append(model.prefill([a, b, c], [[1, 2, 3, 4, 5], [9] * 12, [200, 100, 50]]))
     out.append(model.read_logits())
+    out.append(model.last_logprobs())
     out.append(model.can_batch_verify([4, 4, 3]))
     out.append(model.can_batch_verify([caps.max_rows, 1]))
     last = out[2]
@@ -41,6 +42,7 @@ def transcript(model: Model) -> list[object]:
         rows = [[last[0], 7, 8, 9], [last[1], 10, 11], [last[2], 12, 13]]
         argmax = model.decode_verify_batched([t for r in rows for t in r], [4, 3, 3], [a, b, c])
         out.append((argmax, [s.seq_len for s in (a, b, c)], logit_rows(model)))
+        out.append(model.last_logprobs())
         model.stash_verify_hidden_rows([1, 6, 9])
         model.gdn_fold_accepted([a, b, c], [2, 3, 3])
         out.append(model.commit_accepted_prefix([a, b, c], [2, 3, 3], [4, 3, 3]))

@@ -11,7 +11,7 @@ class CapabilitiesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class CapabilitiesReply(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "num_slots", "free_slots", "slot_verify_drafts", "max_rows", "forwards", "current_forward", "device", "max_context", "dtype", "hidden_size", "eos_token_ids", "has_mtp", "max_batch")
+    __slots__ = ("model_name", "vocab_size", "num_slots", "free_slots", "slot_verify_drafts", "max_rows", "forwards", "current_forward", "device", "max_context", "dtype", "hidden_size", "eos_token_ids", "has_mtp", "max_batch", "max_prefill_tokens")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class CapabilitiesReply(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     HAS_MTP_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
+    MAX_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     num_slots: int
@@ -42,7 +43,8 @@ class CapabilitiesReply(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     has_mtp: bool
     max_batch: int
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_slots: _Optional[int] = ..., free_slots: _Optional[int] = ..., slot_verify_drafts: _Optional[_Iterable[int]] = ..., max_rows: _Optional[int] = ..., forwards: _Optional[_Iterable[str]] = ..., current_forward: _Optional[str] = ..., device: _Optional[str] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., hidden_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_mtp: _Optional[bool] = ..., max_batch: _Optional[int] = ...) -> None: ...
+    max_prefill_tokens: int
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_slots: _Optional[int] = ..., free_slots: _Optional[int] = ..., slot_verify_drafts: _Optional[_Iterable[int]] = ..., max_rows: _Optional[int] = ..., forwards: _Optional[_Iterable[str]] = ..., current_forward: _Optional[str] = ..., device: _Optional[str] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., hidden_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_mtp: _Optional[bool] = ..., max_batch: _Optional[int] = ..., max_prefill_tokens: _Optional[int] = ...) -> None: ...
 
 class AllocSequenceRequest(_message.Message):
     __slots__ = ()
@@ -83,12 +85,14 @@ class PrefillRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[PrefillItem, _Mapping]]] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
-    __slots__ = ("argmax", "seq_lens")
+    __slots__ = ("argmax", "seq_lens", "logprobs")
     ARGMAX_FIELD_NUMBER: _ClassVar[int]
     SEQ_LENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     argmax: _containers.RepeatedScalarFieldContainer[int]
     seq_lens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, argmax: _Optional[_Iterable[int]] = ..., seq_lens: _Optional[_Iterable[int]] = ...) -> None: ...
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, argmax: _Optional[_Iterable[int]] = ..., seq_lens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("seq_ids", "ks", "tokens", "write_on_accept")
@@ -103,12 +107,14 @@ class VerifyRequest(_message.Message):
     def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., ks: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., write_on_accept: _Optional[bool] = ...) -> None: ...
 
 class VerifyReply(_message.Message):
-    __slots__ = ("argmax", "seq_lens")
+    __slots__ = ("argmax", "seq_lens", "logprobs")
     ARGMAX_FIELD_NUMBER: _ClassVar[int]
     SEQ_LENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     argmax: _containers.RepeatedScalarFieldContainer[int]
     seq_lens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, argmax: _Optional[_Iterable[int]] = ..., seq_lens: _Optional[_Iterable[int]] = ...) -> None: ...
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, argmax: _Optional[_Iterable[int]] = ..., seq_lens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class CanBatchVerifyRequest(_message.Message):
     __slots__ = ("ks",)

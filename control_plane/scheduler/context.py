@@ -1,0 +1,36 @@
+"""What one `step_mtp` needs besides the sequences: the levers, the ladder, the service's
+shape."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from control_plane.env import Env
+from control_plane.scheduler.ladder import DEFAULT_LADDER, Ladder
+from gpu_service.interface import Capabilities
+
+
+@dataclass(frozen=True)
+class Levers:
+    mtp_max_seqs: int = 32  # --mtp-max-seqs: batched verify needs more than 1
+    batch_bootstrap: bool = True  # off: METRALE_NO_MTP_BATCH_BOOTSTRAP
+    batch_verify: bool = True  # off: METRALE_NO_MTP_BATCH_VERIFY
+
+    @classmethod
+    def from_env(cls, env: Env, mtp_max_seqs: int = 32) -> Levers:
+        return cls(mtp_max_seqs, not env.no_batch_bootstrap, not env.no_batch_verify)
+
+
+@dataclass(frozen=True)
+class StepContext:
+    levers: Levers
+    ladder: Ladder
+    caps: Capabilities
+
+    @classmethod
+    def build(cls, caps: Capabilities, env: Env, mtp_max_seqs: int = 32) -> StepContext:
+        ladder = Ladder.parse(env.k_ladder or DEFAULT_LADDER, enabled=not env.no_k_ladder)
+        return cls(Levers.from_env(env, mtp_max_seqs), ladder, caps)
+
+    def capacity(self, slot: int) -> int:
+        return self.caps.slot_verify_drafts[slot]

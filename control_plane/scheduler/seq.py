@@ -1,0 +1,164 @@
+"""A request as the scheduler sees it, and the per-sequence state `step_mtp` works on."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from control_plane.detok import Detokenizer, Tokenizer
+from gpu_service.interface import SequenceHandle
+
+NONE, MTP = "none", "mtp"
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    """What a client asked for, converted from the wire at the API edge."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    min_new_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    method: str = MTP  # NONE or MTP
+    num_drafts: int | None = None  # cap on this request's drafts; None: the server's
+    logprobs: bool = False
+
+
+@dataclass
+class SpecStats:
+    steps: int = 0  # scheduler steps the sequence took part in
+    verifies: int = 0  # verify calls of its rows (bootstrap and plain decodes included)
+    drafted: int = 0  # drafts verified
+    accepted: int = 0  # drafts accepted
+    drafted_at: list[int] = field(default_factory=list)  # per draft position
+    accepted_at: list[int] = field(default_factory=list)
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.verifies += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        grow = max(0, drafted - len(self.drafted_at))
+        self.drafted_at.extend([0] * grow)
+        self.accepted_at.extend([0] * grow)
+        for j in range(drafted):
+            self.drafted_at[j] += 1
+            self.accepted_at[j] += int(j < accepted)
+
+    def merge(self, other: SpecStats) -> None:
+        self.steps += other.steps
+        self.verifies += other.verifies
+        self.drafted += other.drafted
+        self.accepted += other.accepted
+        grow = max(0, len(other.drafted_at) - len(self.drafted_at))
+        self.drafted_at.extend([0] * grow)
+        self.accepted_at.extend([0] * grow)
+        for j, (d, a) in enumerate(zip(other.drafted_at, other.accepted_at, strict=True)):
+            self.drafted_at[j] += d
+            self.accepted_at[j] += a
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens gained per verify, the bonus token included."""
+        return (self.accepted + self.verifies) / self.verifies if self.verifies else 0.0
+
+    @property
+    def acceptance_at(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at, strict=True)]
+
+
+@dataclass(frozen=True)
+class Delta:
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]
+
+
+@dataclass(frozen=True)
+class Finish:
+    reason: str  # stop, length, cancelled, error
+    prompt_tokens: int
+    completion_tokens: int
+    stats: SpecStats
+
+
+@dataclass(frozen=True)
+class Failure:
+    code: str  # a gRPC status code name
+    message: str
+
+
+Event = Delta | Finish | Failure
+Sink = Callable[[Event], None]
+
+
+class ActiveSeq:
+    """One admitted request: its handle on the service, its drafts, its output so far."""
+
+    def __init__(
+        self,
+        req: GenRequest,
+        sink: Sink,
+        tokenizer: Tokenizer,
+        eos_ids: tuple[int, ...],
+        max_context: int,
+    ) -> None:
+        self.req, self.sink, self.max_context = req, sink, max_context
+        self.handle: SequenceHandle | None = None
+        self.prefilled = 0  # prompt tokens in the service's cache
+        self.last: int | None = None  # the newest token, not yet in the cache
+        self.pending_drafts: list[int] = []
+        self.pending_conf: list[float] = []
+        self.generated: list[int] = []
+        self.finished: str | None = None
+        self.stats = SpecStats()
+        self.detok = Detokenizer(tokenizer, req.stop)
+        self._eos = () if req.ignore_eos else eos_ids
+
+    @property
+    def slot(self) -> int:
+        assert self.handle is not None
+        return self.handle.slot
+
+    @property
+    def remaining(self) -> int:
+        return self.req.max_new_tokens - len(self.generated)
+
+    @property
+    def wants_drafts(self) -> bool:
+        return self.req.method == MTP and self.finished is None and self.remaining > 1
+
+    def gain(self, tokens: list[int], logprobs: list[float] | None = None) -> None:
+        """Append what the model produced, stopping at EOS, a stop token, a stop string or
+        the length; stream the delta."""
+        kept: list[int] = []
+        for t in tokens:
+            early = len(self.generated) < self.req.min_new_tokens
+            if not early and (t in self._eos or t in self.req.stop_token_ids):
+                self.finished = "stop"
+                break
+            self.generated.append(t)
+            kept.append(t)
+            if self.detok.push([t], check_stop=not early):
+                self.finished = "stop"
+                break
+            if self.remaining <= 0:
+                self.finished = "length"
+                break
+        if self.finished is None:
+            self.last = tokens[-1]
+        lp = list(logprobs[: len(kept)]) if logprobs is not None and self.req.logprobs else []
+        text = self.detok.delta(final=self.finished is not None)
+        if kept or text:
+            self.sink(Delta(kept, text, lp))
+
+    def finish(self, reason: str) -> None:
+        if self.finished is None:
+            self.finished = reason
+        self.sink(Finish(self.finished, len(self.req.prompt_ids), len(self.generated), self.stats))
+
+    def fail(self, code: str, message: str) -> None:
+        self.finished = "error"
+        self.sink(Failure(code, message))

@@ -1,0 +1,122 @@
+"""`step_mtp`: one speculative step over the active sequences.
+
+Invariants, as the seed's:
+- on entry every sequence is either bootstrap (no drafts pending) or verify (drafts pending);
+- the step's draft width `ladder_nd` never exceeds the smallest verify-slot capacity among
+  the active sequences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from control_plane.scheduler.batch_verify import (
+    canonical_assignment,
+    chunk_ranges,
+    step_verify_batched,
+    verify_batch_permutation,
+)
+from control_plane.scheduler.bootstrap import (
+    bootstrap_batched,
+    bootstrap_serial,
+    can_batch_bootstrap,
+)
+from control_plane.scheduler.context import StepContext
+from control_plane.scheduler.ladder import clamp_drafts_to_slot_capacity
+from control_plane.scheduler.seq import ActiveSeq
+from control_plane.scheduler.serial_verify import serial_verify_plan, step_verify_serial
+from gpu_service.interface import Model
+
+
+@dataclass
+class StepReport:
+    """What a step did, for stats and traces."""
+
+    ladder_nd: int = 0
+    bootstrap: str = ""  # "batched", "serial" or ""
+    batched_calls: list[list[int]] = field(default_factory=list)  # ks of each batched call
+    serial_arms: list[str] = field(default_factory=list)
+
+
+def split(active: list[ActiveSeq]) -> tuple[list[int], list[int]]:
+    """(bootstrap, verify) indices: no drafts pending, drafts pending."""
+    boot = [i for i, a in enumerate(active) if not a.pending_drafts]
+    verify = [i for i, a in enumerate(active) if a.pending_drafts]
+    return boot, verify
+
+
+def step_width(active: list[ActiveSeq], ctx: StepContext, num_drafts: int) -> int:
+    nd = ctx.ladder.drafts_for(len(active), num_drafts)
+    return clamp_drafts_to_slot_capacity(nd, (ctx.capacity(a.slot) for a in active))
+
+
+def step_mtp(
+    model: Model, active: list[ActiveSeq], ctx: StepContext, num_drafts: int
+) -> StepReport:
+    report = StepReport(ladder_nd=step_width(active, ctx, num_drafts))
+    ladder_nd = report.ladder_nd
+    for a in active:
+        a.stats.steps += 1
+    boot, verify = split(active)
+    if boot:
+        if can_batch_bootstrap(model, ctx, len(boot)):
+            report.bootstrap = "batched"
+            bootstrap_batched(model, [active[i] for i in boot], ladder_nd)
+        else:
+            report.bootstrap = "serial"
+            for i in boot:
+                bootstrap_serial(model, active[i], ladder_nd)
+    serial, batchable = _partition(active, verify, ctx, ladder_nd)
+    ks = [ladder_nd + 1] * len(batchable)
+    canonical = canonical_assignment(len(batchable))
+    for lo, hi in chunk_ranges(ks, ctx.caps.max_rows, ctx.caps.max_batch):
+        chunk, chunk_ks = batchable[lo:hi], ks[lo:hi]
+        if len(chunk) >= 2 and model.can_batch_verify(chunk_ks):
+            slots = [active[i].slot for i in chunk]
+            order = verify_batch_permutation(slots, chunk_ks, canonical)
+            report.batched_calls.append([chunk_ks[p] for p in order])
+            step_verify_batched(
+                model, [active[chunk[p]] for p in order], [chunk_ks[p] for p in order], ladder_nd
+            )
+        else:
+            serial.extend(chunk)
+    for i in serial:
+        _serial(model, active[i], ladder_nd, report)
+    return report
+
+
+def _partition(
+    active: list[ActiveSeq], verify: list[int], ctx: StepContext, ladder_nd: int
+) -> tuple[list[int], list[int]]:
+    """(serial, batchable): a batch needs two sequences with drafts, `--mtp-max-seqs` > 1 and
+    the lever on; a batchable sequence holds at least `ladder_nd` drafts (more are cut)."""
+    if not (
+        len(verify) >= 2
+        and ctx.levers.mtp_max_seqs > 1
+        and ctx.levers.batch_verify
+        and ladder_nd >= 1
+    ):
+        return list(verify), []
+    serial, batchable = [], []
+    for i in verify:
+        a = active[i]
+        if len(a.pending_drafts) >= ladder_nd:
+            del a.pending_drafts[ladder_nd:]
+            del a.pending_conf[ladder_nd:]
+            batchable.append(i)
+        else:
+            serial.append(i)
+    return serial, batchable
+
+
+def _serial(model: Model, a: ActiveSeq, ladder_nd: int, report: StepReport) -> None:
+    drafts = a.pending_drafts
+    a.pending_drafts, a.pending_conf = [], []
+    keep, arm = serial_verify_plan(len(drafts), ladder_nd)
+    if keep == 0:
+        # Drafts with no room this step (the width fell to 0): verify the last token alone.
+        report.serial_arms.append("K1")
+        bootstrap_serial(model, a, ladder_nd)
+        return
+    report.serial_arms.append(arm)
+    step_verify_serial(model, a, drafts[:keep], ladder_nd)
