@@ -1,0 +1,148 @@
+"""A `Model` whose outputs the test chooses: the target's greedy next token and the drafter's
+chain are functions of the history. It records every call, so a test can see which path a
+step took."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from gpu_service.interface import (
+    Capabilities,
+    FailedPrecondition,
+    Logits,
+    Proposal,
+    SequenceHandle,
+)
+
+Oracle = Callable[[tuple[int, ...]], int]
+Drafter = Callable[[tuple[int, ...], int], list[int]]  # (history incl. last, nd) -> drafts
+
+
+def counting_oracle(history: tuple[int, ...]) -> int:
+    """The next token is the last one plus one (mod 256)."""
+    return (history[-1] + 1) % 256
+
+
+def perfect_drafter(oracle: Oracle) -> Drafter:
+    def draft(history: tuple[int, ...], nd: int) -> list[int]:
+        out, h = [], history
+        for _ in range(nd):
+            out.append(oracle(h))
+            h = (*h, out[-1])
+        return out
+
+    return draft
+
+
+@dataclass
+class _Seq:
+    tokens: list[int] = field(default_factory=list)
+    pending: int = 0
+    folded: int = 0
+
+
+class FakeModel:
+    def __init__(self, caps: Sequence[int] = (3, 3, 3, 3, 2, 2, 1, 1), max_rows: int = 64,
+                 max_batch: int = 8, max_context: int = 512, oracle: Oracle = counting_oracle,
+                 drafter: Drafter | None = None,
+                 refuse: Callable[[list[int]], bool] = lambda ks: False) -> None:
+        self.caps, self.max_rows, self.max_batch = tuple(caps), max_rows, max_batch
+        self.max_context = max_context
+        self.oracle = oracle
+        self.drafter = drafter or perfect_drafter(oracle)
+        self.refuse = refuse
+        self.seqs: dict[int, _Seq] = {}
+        self.slots: dict[int, int] = {}
+        self.next_id = 1
+        self.calls: list[tuple] = []  # (name, details)
+        self._rows: list[int] = []
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities("fake", 320, len(self.caps), len(self.caps) - len(self.slots),
+                            self.caps, self.max_rows, ("eager",), "eager", "cpu",
+                            self.max_context, "float32", 8, (257,), True, self.max_batch, 4096)
+
+    def alloc_sequence(self) -> SequenceHandle:
+        slot = min(set(range(len(self.caps))) - set(self.slots.values()))
+        h = SequenceHandle(self.next_id, slot)
+        self.next_id += 1
+        self.seqs[h.seq_id], self.slots[h.seq_id] = _Seq(), slot
+        return h
+
+    def free_sequence(self, seq: SequenceHandle) -> None:
+        del self.seqs[seq.seq_id], self.slots[seq.seq_id]
+
+    def prefill(self, seqs, prompts) -> list[int]:
+        self.calls.append(("prefill", [len(p) for p in prompts]))
+        out = []
+        for h, p in zip(seqs, prompts, strict=True):
+            s = self.seqs[h.seq_id]
+            s.tokens.extend(p)
+            h.seq_len = len(s.tokens)
+            out.append(self.oracle(tuple(s.tokens)))
+        return out
+
+    def decode_verify_batched(self, tokens, ks, seqs, write_on_accept=True) -> list[int]:
+        self.calls.append(("verify", list(ks), [h.slot for h in seqs]))
+        out, lo = [], 0
+        for h, k in zip(seqs, ks, strict=True):
+            s = self.seqs[h.seq_id]
+            assert s.pending == 0, "verify with a verify pending"
+            assert 1 <= k <= self.caps[h.slot] + 1, f"k={k} over slot {h.slot}'s capacity"
+            for t in tokens[lo:lo + k]:
+                s.tokens.append(t)
+                out.append(self.oracle(tuple(s.tokens)))
+            s.pending, lo = k, lo + k
+            h.seq_len = len(s.tokens)
+        self._rows = out
+        return out
+
+    def last_logprobs(self) -> list[float]:
+        return [-0.5] * len(self._rows)
+
+    def can_batch_verify(self, ks) -> bool:
+        self.calls.append(("can_batch_verify", list(ks)))
+        return len(ks) <= self.max_batch and sum(ks) <= self.max_rows and not self.refuse(list(ks))
+
+    def gdn_fold_accepted(self, seqs, fold_rows) -> None:
+        self.calls.append(("fold", list(fold_rows)))
+        for h, a in zip(seqs, fold_rows, strict=True):
+            s = self.seqs[h.seq_id]
+            if not 1 <= a <= s.pending:
+                raise FailedPrecondition("bad fold")
+            s.folded = a
+
+    def commit_accepted_prefix(self, seqs, kept_rows, ks) -> list[int]:
+        self.calls.append(("commit", list(kept_rows)))
+        for h, kept, k in zip(seqs, kept_rows, ks, strict=True):
+            s = self.seqs[h.seq_id]
+            assert s.pending == k and s.folded == kept
+            del s.tokens[len(s.tokens) - (k - kept):]
+            s.pending = s.folded = 0
+            h.seq_len = len(s.tokens)
+        return [h.seq_len for h in seqs]
+
+    def stash_verify_hidden_rows(self, rows) -> None:
+        self.calls.append(("stash", list(rows)))
+
+    def run_mtp_propose_batched(self, last, stash, num_drafts, seqs) -> Proposal:
+        self.calls.append(("propose", len(seqs), num_drafts))
+        drafts = [self.drafter((*self.seqs[h.seq_id].tokens, t), num_drafts)
+                  for h, t in zip(seqs, last, strict=True)]
+        return Proposal(drafts, [[0.9] * num_drafts for _ in seqs])
+
+    def trim_proposer_state(self, seqs, keep_own: int = 0) -> None:
+        self.calls.append(("trim", len(seqs)))
+
+    def set_forward(self, name: str) -> None:
+        pass
+
+    def read_logits(self) -> Logits:
+        return Logits(b"", "float32", (0, 320))
+
+    def names(self) -> list[str]:
+        return [c[0] for c in self.calls if c[0] != "can_batch_verify"]
+
+    def verify_calls(self) -> list[tuple]:
+        return [c for c in self.calls if c[0] == "verify"]

@@ -1,0 +1,223 @@
+"""Every branch of `step_mtp`'s core, driven by a fake `Model` with chosen outputs."""
+
+from __future__ import annotations
+
+import pytest
+
+from control_plane.env import Env
+from control_plane.scheduler.batch_verify import (
+    canonical_assignment,
+    chunk_ranges,
+    verify_batch_permutation,
+)
+from control_plane.scheduler.context import StepContext
+from control_plane.scheduler.ladder import Ladder, clamp_drafts_to_slot_capacity
+from control_plane.scheduler.seq import MTP, NONE, ActiveSeq, GenRequest
+from control_plane.scheduler.serial_verify import serial_verify_plan
+from control_plane.scheduler.step import step_mtp
+from control_plane.scheduler.verdict import accepted
+from gpu_service.tokenizer import ByteTokenizer
+from tests.fake_model import FakeModel, counting_oracle
+
+NO_ENV = Env(None, False, False, False)
+
+
+def seqs(model: FakeModel, n: int, drafts: list[int] | None = None, method: str = MTP,
+         max_new: int = 100) -> list[ActiveSeq]:
+    """n admitted sequences, prefilled with [10*i], each holding `drafts[i]` correct drafts."""
+    out = []
+    for i in range(n):
+        req = GenRequest(str(i), (10 * i,), max_new, method=method)
+        a = ActiveSeq(req, lambda ev: None, ByteTokenizer.default(), (257,), model.max_context)
+        a.handle = model.alloc_sequence()
+        a.last = model.prefill([a.handle], [[10 * i]])[0]
+        a.generated.append(a.last)
+        held = drafts[i] if drafts else 0
+        a.pending_drafts = [(a.last + j + 1) % 256 for j in range(held)]
+        a.pending_conf = [0.9] * held
+        out.append(a)
+    model.calls.clear()
+    return out
+
+
+def ctx(model: FakeModel, env: Env = NO_ENV, mtp_max_seqs: int = 32) -> StepContext:
+    return StepContext.build(model.capabilities(), env, mtp_max_seqs)
+
+
+# -- width ---------------------------------------------------------------------------------
+
+
+def test_ladder_rungs_and_above_the_last() -> None:
+    ladder = Ladder.parse("4:3,8:3,16:1,32:1")
+    assert [ladder.drafts_for(n, 3) for n in (1, 4, 5, 8, 9, 16, 17, 32)] == [3] * 4 + [1] * 4
+    assert ladder.drafts_for(33, 3) == 1 and ladder.drafts_for(1000, 3) == 1, "last rung holds"
+    assert ladder.drafts_for(2, 2) == 2, "clamped to num_drafts"
+    assert Ladder.parse("4:0").drafts_for(1, 3) == 1, "clamped up to 1"
+    assert ladder.drafts_for(2, 0) == 0, "--num-drafts 0 turns drafting off"
+    assert Ladder.parse("4:1", enabled=False).drafts_for(2, 3) == 3
+    with pytest.raises(ValueError, match="ascending"):
+        Ladder.parse("8:3,4:1")
+
+
+def test_env_ladder_override_and_disable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("METRALE_MTP_K_LADDER", "2:2,64:1")
+    assert StepContext.build(FakeModel().capabilities(), Env.read()).ladder.drafts_for(2, 3) == 2
+    monkeypatch.setenv("METRALE_NO_MTP_K_LADDER", "1")
+    assert StepContext.build(FakeModel().capabilities(), Env.read()).ladder.drafts_for(30, 3) == 3
+
+
+def test_width_clamped_to_smallest_slot_capacity() -> None:
+    assert clamp_drafts_to_slot_capacity(3, [3, 2, 3]) == 2
+    model = FakeModel(caps=(3, 1, 3, 3))
+    active = seqs(model, 2)
+    assert step_mtp(model, active, ctx(model), 3).ladder_nd == 1
+    assert all(len(a.pending_drafts) == 1 for a in active)
+
+
+# -- bootstrap -----------------------------------------------------------------------------
+
+
+def test_bootstrap_batched() -> None:
+    model = FakeModel()
+    active = seqs(model, 3)
+    report = step_mtp(model, active, ctx(model), 3)
+    assert report.bootstrap == "batched"
+    assert model.names() == ["verify", "stash", "fold", "commit", "propose", "trim"]
+    assert model.verify_calls()[0][1] == [1, 1, 1]
+    assert all(len(a.pending_drafts) == 3 for a in active)
+
+
+def test_bootstrap_serial_for_one_sequence() -> None:
+    model = FakeModel()
+    assert step_mtp(model, seqs(model, 1), ctx(model), 3).bootstrap == "serial"
+
+
+def test_bootstrap_serial_when_switched_off() -> None:
+    model = FakeModel()
+    env = Env(None, False, True, False)
+    report = step_mtp(model, seqs(model, 3), ctx(model, env), 3)
+    assert report.bootstrap == "serial"
+    assert [c[1] for c in model.verify_calls()] == [[1], [1], [1]]
+
+
+def test_bootstrap_serial_when_the_service_refuses() -> None:
+    model = FakeModel(refuse=lambda ks: ks == [1, 1, 1])
+    assert step_mtp(model, seqs(model, 3), ctx(model), 3).bootstrap == "serial"
+
+
+def test_none_method_decodes_one_token_without_propose() -> None:
+    model = FakeModel()
+    active = seqs(model, 2, method=NONE)
+    step_mtp(model, active, ctx(model), 3)
+    assert "propose" not in model.names()
+    assert [len(a.generated) for a in active] == [2, 2] and not active[0].pending_drafts
+
+
+# -- batched verify ------------------------------------------------------------------------
+
+
+def test_batched_verify_in_slot_order_with_truncation() -> None:
+    model = FakeModel()
+    active = seqs(model, 3, drafts=[3, 5, 3])
+    active.reverse()  # arrival order differs from slot order
+    report = step_mtp(model, active, ctx(model), 3)
+    assert report.batched_calls == [[4, 4, 4]]
+    assert model.verify_calls()[0][2] == [0, 1, 2], "ascending slot"
+    # All drafts were right: 3 accepted + the bonus each, plus the prefill token.
+    assert [len(a.generated) for a in active] == [5, 5, 5]
+    assert [a.stats.accepted for a in active] == [3, 3, 3]
+
+
+def test_chunks_follow_the_row_budget() -> None:
+    model = FakeModel(max_rows=8)
+    report = step_mtp(model, seqs(model, 4, drafts=[3] * 4), ctx(model), 3)
+    assert report.batched_calls == [[4, 4], [4, 4]]
+
+
+def test_trailing_lone_chunk_goes_serial() -> None:
+    model = FakeModel(max_rows=8)
+    report = step_mtp(model, seqs(model, 3, drafts=[3] * 3), ctx(model), 3)
+    assert report.batched_calls == [[4, 4]] and report.serial_arms == ["K4"]
+
+
+def test_refused_chunk_goes_serial() -> None:
+    model = FakeModel(refuse=lambda ks: len(ks) == 3)
+    report = step_mtp(model, seqs(model, 3, drafts=[3] * 3), ctx(model), 3)
+    assert report.batched_calls == [] and report.serial_arms == ["K4", "K4", "K4"]
+
+
+def test_lone_sequence_with_drafts_goes_serial() -> None:
+    model = FakeModel()
+    active = seqs(model, 2, drafts=[3, 0])
+    report = step_mtp(model, active, ctx(model), 3)
+    assert report.serial_arms == ["K4"] and report.batched_calls == []
+
+
+def test_short_chain_goes_serial() -> None:
+    model = FakeModel()
+    report = step_mtp(model, seqs(model, 3, drafts=[3, 1, 3]), ctx(model), 3)
+    assert report.batched_calls == [[4, 4]] and report.serial_arms == ["K2"]
+
+
+@pytest.mark.parametrize(
+    ("env", "max_seqs"),
+    [(Env(None, False, False, True), 32), (NO_ENV, 1)],
+    ids=["METRALE_NO_MTP_BATCH_VERIFY", "mtp-max-seqs-1"],
+)
+def test_batched_verify_switched_off(env: Env, max_seqs: int) -> None:
+    model = FakeModel()
+    report = step_mtp(model, seqs(model, 3, drafts=[3] * 3), ctx(model, env, max_seqs), 3)
+    assert report.batched_calls == [] and report.serial_arms == ["K4"] * 3
+
+
+def test_partial_accept_verdict() -> None:
+    """Drafts wrong from the second on: one accepted, the bonus is the oracle's token."""
+    model = FakeModel()
+    active = seqs(model, 2, drafts=[3, 3])
+    active[0].pending_drafts[1] = 999 % 256
+    step_mtp(model, active, ctx(model), 3)
+    assert [c for c in model.calls if c[0] in ("stash", "fold", "commit")] == [
+        ("stash", [1, 7]), ("fold", [2, 4]), ("commit", [2, 4])]
+    first = active[0]
+    assert first.generated == [1, 2, 3] and first.last == 3
+    assert first.stats.drafted == 3 and first.stats.accepted == 1
+
+
+# -- plans and orders ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("held", "nd", "plan"),
+                         [(1, 3, (1, "K2")), (2, 3, (2, "K3")), (3, 3, (3, "K4")),
+                          (5, 3, (3, "K4")), (5, 5, (5, "KN")), (3, 0, (0, "none"))])
+def test_serial_verify_plan(held: int, nd: int, plan: tuple[int, str]) -> None:
+    assert serial_verify_plan(held, nd) == plan
+
+
+def test_serial_arms_by_draft_count() -> None:
+    model = FakeModel(caps=(5,) * 4)
+    active = seqs(model, 4, drafts=[1, 2, 3, 5])
+    env = Env(None, True, False, True)
+    report = step_mtp(model, active, ctx(model, env), 5)
+    assert report.serial_arms == ["K2", "K3", "K4", "KN"]
+
+
+def test_chunk_ranges() -> None:
+    assert chunk_ranges([4, 4, 4], 64, 8) == [(0, 3)]
+    assert chunk_ranges([4, 4, 4], 8, 8) == [(0, 2), (2, 3)]
+    assert chunk_ranges([4, 4, 4], 64, 2) == [(0, 2), (2, 3)]
+    assert chunk_ranges([9, 2], 8, 8) == [(0, 1), (1, 2)], "an oversized k stands alone"
+    assert chunk_ranges([], 8, 8) == []
+
+
+def test_verify_batch_permutation() -> None:
+    assert verify_batch_permutation([5, 1, 3], [2, 4, 3], True) == [1, 2, 0]
+    assert verify_batch_permutation([5, 1, 3], [2, 3, 3], False) == [1, 2, 0]
+    assert verify_batch_permutation([5, 1, 3], [4, 2, 3], False) == [0, 2, 1]
+    assert canonical_assignment(8)
+
+
+def test_accepted() -> None:
+    assert accepted([9, 1, 2, 3], [1, 2, 3, 4]) == 3
+    assert accepted([9, 1, 5, 3], [1, 2, 3, 4]) == 1
+    assert accepted([9], [4]) == 0
+    assert counting_oracle((7,)) == 8
