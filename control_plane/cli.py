@@ -15,6 +15,12 @@ def _gpu_service(args: argparse.Namespace) -> None:
     run(args)
 
 
+def _control_plane(args: argparse.Namespace) -> None:
+    from control_plane.server import run
+
+    run(args)
+
+
 def _init_model(args: argparse.Namespace) -> None:
     from gpu_service.checkpoint import init_model
 
@@ -22,12 +28,19 @@ def _init_model(args: argparse.Namespace) -> None:
 
 
 def _up(args: argparse.Namespace) -> None:
-    from control_plane.demo import run_demo
+    from control_plane.up import run
 
-    sys.exit(run_demo(args))
+    sys.exit(run(args))
+
+
+def _generate(args: argparse.Namespace) -> None:
+    from control_plane.generate_cli import run
+
+    sys.exit(run(args))
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from control_plane import generate_cli, server
     from gpu_service.server import add_serve_args
 
     parser = argparse.ArgumentParser(prog="met", description=__doc__)
@@ -35,24 +48,31 @@ def build_parser() -> argparse.ArgumentParser:
 
     gpu = sub.add_parser("gpu-service", help="the GPU service process")
     gpu_sub = gpu.add_subparsers(dest="action", required=True)
-    serve = gpu_sub.add_parser("serve", help="serve met.v1.ModelService over gRPC")
-    add_serve_args(serve)
-    serve.set_defaults(fn=_gpu_service)
+    gpu_serve = gpu_sub.add_parser("serve", help="serve met.v1.ModelService over gRPC")
+    add_serve_args(gpu_serve)
+    gpu_serve.set_defaults(fn=_gpu_service)
+
+    cp = sub.add_parser("control-plane", help="the control plane process")
+    cp_sub = cp.add_subparsers(dest="action", required=True)
+    cp_serve = cp_sub.add_parser("serve", help="serve met.v1.GenerationService over gRPC")
+    server.add_serve_args(cp_serve)
+    cp_serve.set_defaults(fn=_control_plane)
+
+    up = sub.add_parser(
+        "up", help="start the GPU service and the control plane on the default model and serve"
+    )
+    up.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
+    server.add_serve_args(up, gpu_service_required=False)
+    up.set_defaults(fn=_up, tokenizer=None)
+
+    gen = sub.add_parser("generate", help="stream one request from a running control plane")
+    generate_cli.add_args(gen)
+    gen.set_defaults(fn=_generate)
 
     init = sub.add_parser("init-model", help="write seeded random weights into a checkpoint")
     init.add_argument("directory", type=Path, nargs="?", default=DEFAULT_MODEL_DIR)
     init.add_argument("--seed", type=int, default=DEFAULT_SEED)
     init.set_defaults(fn=_init_model)
-
-    up = sub.add_parser(
-        "up",
-        help="start the GPU service on the default model and run one "
-        "prefill + verify + propose round against it",
-    )
-    up.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
-    up.add_argument("--prompt", default="def fibonacci(n):")
-    up.add_argument("--num-drafts", type=int, default=3)
-    up.set_defaults(fn=_up)
     return parser
 
 

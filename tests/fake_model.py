@@ -43,10 +43,16 @@ class _Seq:
 
 
 class FakeModel:
-    def __init__(self, caps: Sequence[int] = (3, 3, 3, 3, 2, 2, 1, 1), max_rows: int = 64,
-                 max_batch: int = 8, max_context: int = 512, oracle: Oracle = counting_oracle,
-                 drafter: Drafter | None = None,
-                 refuse: Callable[[list[int]], bool] = lambda ks: False) -> None:
+    def __init__(
+        self,
+        caps: Sequence[int] = (3, 3, 3, 3, 2, 2, 1, 1),
+        max_rows: int = 64,
+        max_batch: int = 8,
+        max_context: int = 512,
+        oracle: Oracle = counting_oracle,
+        drafter: Drafter | None = None,
+        refuse: Callable[[list[int]], bool] = lambda ks: False,
+    ) -> None:
         self.caps, self.max_rows, self.max_batch = tuple(caps), max_rows, max_batch
         self.max_context = max_context
         self.oracle = oracle
@@ -59,9 +65,24 @@ class FakeModel:
         self._rows: list[int] = []
 
     def capabilities(self) -> Capabilities:
-        return Capabilities("fake", 320, len(self.caps), len(self.caps) - len(self.slots),
-                            self.caps, self.max_rows, ("eager",), "eager", "cpu",
-                            self.max_context, "float32", 8, (257,), True, self.max_batch, 4096)
+        return Capabilities(
+            "fake",
+            320,
+            len(self.caps),
+            len(self.caps) - len(self.slots),
+            self.caps,
+            self.max_rows,
+            ("eager",),
+            "eager",
+            "cpu",
+            self.max_context,
+            "float32",
+            8,
+            (257,),
+            True,
+            self.max_batch,
+            4096,
+        )
 
     def alloc_sequence(self) -> SequenceHandle:
         slot = min(set(range(len(self.caps))) - set(self.slots.values()))
@@ -81,6 +102,7 @@ class FakeModel:
             s.tokens.extend(p)
             h.seq_len = len(s.tokens)
             out.append(self.oracle(tuple(s.tokens)))
+        self._rows = out
         return out
 
     def decode_verify_batched(self, tokens, ks, seqs, write_on_accept=True) -> list[int]:
@@ -90,7 +112,7 @@ class FakeModel:
             s = self.seqs[h.seq_id]
             assert s.pending == 0, "verify with a verify pending"
             assert 1 <= k <= self.caps[h.slot] + 1, f"k={k} over slot {h.slot}'s capacity"
-            for t in tokens[lo:lo + k]:
+            for t in tokens[lo : lo + k]:
                 s.tokens.append(t)
                 out.append(self.oracle(tuple(s.tokens)))
             s.pending, lo = k, lo + k
@@ -118,7 +140,7 @@ class FakeModel:
         for h, kept, k in zip(seqs, kept_rows, ks, strict=True):
             s = self.seqs[h.seq_id]
             assert s.pending == k and s.folded == kept
-            del s.tokens[len(s.tokens) - (k - kept):]
+            del s.tokens[len(s.tokens) - (k - kept) :]
             s.pending = s.folded = 0
             h.seq_len = len(s.tokens)
         return [h.seq_len for h in seqs]
@@ -128,8 +150,10 @@ class FakeModel:
 
     def run_mtp_propose_batched(self, last, stash, num_drafts, seqs) -> Proposal:
         self.calls.append(("propose", len(seqs), num_drafts))
-        drafts = [self.drafter((*self.seqs[h.seq_id].tokens, t), num_drafts)
-                  for h, t in zip(seqs, last, strict=True)]
+        drafts = [
+            self.drafter((*self.seqs[h.seq_id].tokens, t), num_drafts)
+            for h, t in zip(seqs, last, strict=True)
+        ]
         return Proposal(drafts, [[0.9] * num_drafts for _ in seqs])
 
     def trim_proposer_state(self, seqs, keep_own: int = 0) -> None:

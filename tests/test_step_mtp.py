@@ -22,8 +22,9 @@ from tests.fake_model import FakeModel, counting_oracle
 NO_ENV = Env(None, False, False, False)
 
 
-def seqs(model: FakeModel, n: int, drafts: list[int] | None = None, method: str = MTP,
-         max_new: int = 100) -> list[ActiveSeq]:
+def seqs(
+    model: FakeModel, n: int, drafts: list[int] | None = None, method: str = MTP, max_new: int = 100
+) -> list[ActiveSeq]:
     """n admitted sequences, prefilled with [10*i], each holding `drafts[i]` correct drafts."""
     out = []
     for i in range(n):
@@ -177,7 +178,10 @@ def test_partial_accept_verdict() -> None:
     active[0].pending_drafts[1] = 999 % 256
     step_mtp(model, active, ctx(model), 3)
     assert [c for c in model.calls if c[0] in ("stash", "fold", "commit")] == [
-        ("stash", [1, 7]), ("fold", [2, 4]), ("commit", [2, 4])]
+        ("stash", [1, 7]),
+        ("fold", [2, 4]),
+        ("commit", [2, 4]),
+    ]
     first = active[0]
     assert first.generated == [1, 2, 3] and first.last == 3
     assert first.stats.drafted == 3 and first.stats.accepted == 1
@@ -186,9 +190,17 @@ def test_partial_accept_verdict() -> None:
 # -- plans and orders ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("held", "nd", "plan"),
-                         [(1, 3, (1, "K2")), (2, 3, (2, "K3")), (3, 3, (3, "K4")),
-                          (5, 3, (3, "K4")), (5, 5, (5, "KN")), (3, 0, (0, "none"))])
+@pytest.mark.parametrize(
+    ("held", "nd", "plan"),
+    [
+        (1, 3, (1, "K2")),
+        (2, 3, (2, "K3")),
+        (3, 3, (3, "K4")),
+        (5, 3, (3, "K4")),
+        (5, 5, (5, "KN")),
+        (3, 0, (0, "none")),
+    ],
+)
 def test_serial_verify_plan(held: int, nd: int, plan: tuple[int, str]) -> None:
     assert serial_verify_plan(held, nd) == plan
 

@@ -117,6 +117,9 @@ class ActiveSeq:
         self.detok = Detokenizer(tokenizer, req.stop)
         self._eos = () if req.ignore_eos else eos_ids
 
+    def set_eos(self, eos_ids: tuple[int, ...]) -> None:
+        self._eos = () if self.req.ignore_eos else eos_ids
+
     @property
     def slot(self) -> int:
         assert self.handle is not None

@@ -1,0 +1,178 @@
+"""`met.v1.GenerationService`: convert the request, hand it to the scheduler, stream its
+events. Protobuf stops here."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import uuid
+
+import grpc
+
+from control_plane.detok import Tokenizer
+from control_plane.scheduler.loop import Scheduler
+from control_plane.scheduler.seq import MTP, NONE, Delta, Failure, Finish, GenRequest, SpecStats
+from gpu_service.interface import Capabilities, ModelError
+from protos.met.v1 import generate_pb2 as pb
+from protos.met.v1 import generate_pb2_grpc as pb_grpc
+
+METHODS = {pb.SPECULATIVE_METHOD_NONE: NONE, pb.SPECULATIVE_METHOD_MTP: MTP}
+
+
+class BadRequest(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def to_request(
+    r: pb.GenerateRequest,
+    tokenizer: Tokenizer,
+    caps: Capabilities,
+    default_method: str,
+    default_max_new: int,
+    request_id: str,
+) -> GenRequest:
+    """The wire request as the scheduler's `GenRequest`, or `BadRequest` with a sentence."""
+    invalid = grpc.StatusCode.INVALID_ARGUMENT
+    if r.prompt and r.prompt_token_ids:
+        raise BadRequest(invalid, "give either prompt or prompt_token_ids, not both")
+    ids = list(r.prompt_token_ids) or tokenizer.encode(r.prompt)
+    if not ids:
+        raise BadRequest(invalid, "the prompt is empty")
+    if bad := [t for t in ids if t >= caps.vocab_size]:
+        raise BadRequest(
+            invalid,
+            f"prompt token id {bad[0]} is outside the vocabulary (0 .. {caps.vocab_size - 1})",
+        )
+    room = caps.max_context - len(ids)
+    if room < 1:
+        raise BadRequest(
+            invalid,
+            f"the prompt has {len(ids)} tokens; the context holds "
+            f"{caps.max_context} with room for at least one more",
+        )
+    max_new = r.max_new_tokens if r.HasField("max_new_tokens") else min(default_max_new, room)
+    if max_new == 0:
+        raise BadRequest(invalid, "max_new_tokens is 0; ask for at least one token")
+    if max_new > room:
+        raise BadRequest(
+            invalid,
+            f"{len(ids)} prompt tokens and {max_new} new tokens exceed "
+            f"the context of {caps.max_context}",
+        )
+    if r.speculative_method == pb.SPECULATIVE_METHOD_PROMPT_LOOKUP:
+        raise BadRequest(
+            grpc.StatusCode.UNIMPLEMENTED,
+            "prompt lookup drafting is not available on this server yet",
+        )
+    if r.speculative_method not in (pb.SPECULATIVE_METHOD_UNSPECIFIED, *METHODS):
+        raise BadRequest(invalid, f"unknown speculative_method {r.speculative_method}")
+    if r.temperature > 0:
+        raise BadRequest(
+            grpc.StatusCode.UNIMPLEMENTED,
+            "sampling (temperature > 0) is not available on this server yet; "
+            "use temperature 0 for greedy decoding",
+        )
+    most = max(caps.slot_verify_drafts)
+    if r.HasField("num_drafts") and r.num_drafts > most:
+        raise BadRequest(
+            invalid, f"num_drafts is {r.num_drafts}; the GPU service verifies at most {most} drafts"
+        )
+    return GenRequest(
+        request_id=request_id,
+        prompt_ids=tuple(ids),
+        max_new_tokens=max_new,
+        min_new_tokens=r.min_new_tokens,
+        stop=tuple(r.stop),
+        stop_token_ids=tuple(r.stop_token_ids),
+        ignore_eos=r.ignore_eos,
+        method=METHODS.get(r.speculative_method, default_method),
+        num_drafts=r.num_drafts if r.HasField("num_drafts") else None,
+        logprobs=r.logprobs,
+    )
+
+
+def stats_message(s: SpecStats) -> pb.SpeculativeStats:
+    return pb.SpeculativeStats(
+        steps=s.steps,
+        verifies=s.verifies,
+        drafted=s.drafted,
+        accepted=s.accepted,
+        mean_accepted_length=s.mean_accepted_length,
+        acceptance_per_position=s.acceptance_at,
+    )
+
+
+class GenerationServicer(pb_grpc.GenerationServiceServicer):
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        tokenizer: Tokenizer,
+        default_method: str = MTP,
+        default_max_new: int = 256,
+    ) -> None:
+        self.scheduler, self.tokenizer = scheduler, tokenizer
+        self.default_method, self.default_max_new = default_method, default_max_new
+        self._ids = itertools.count()
+
+    async def Generate(self, request, context):
+        rid = request.request_id or uuid.uuid4().hex
+        key = f"{rid}#{next(self._ids)}"  # clients may reuse ids; the scheduler must not
+        loop = asyncio.get_running_loop()
+        try:
+            caps = await loop.run_in_executor(None, self.scheduler.capabilities)
+            req = to_request(
+                request, self.tokenizer, caps, self.default_method, self.default_max_new, key
+            )
+        except BadRequest as e:
+            await context.abort(e.code, str(e))
+        except grpc.RpcError as e:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"the GPU service is not reachable: {e.details()}"
+            )
+        events: asyncio.Queue = asyncio.Queue()
+        try:
+            self.scheduler.submit(req, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+        except ModelError as e:
+            await context.abort(getattr(grpc.StatusCode, e.code), str(e))
+        done = False
+        try:
+            while True:
+                ev = await events.get()
+                if isinstance(ev, Delta):
+                    yield pb.GenerateResponse(
+                        token_ids=ev.token_ids, text=ev.text, logprobs=ev.logprobs, request_id=rid
+                    )
+                elif isinstance(ev, Finish):
+                    done = True
+                    yield pb.GenerateResponse(
+                        finish_reason=ev.reason,
+                        request_id=rid,
+                        usage=pb.Usage(
+                            prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens
+                        ),
+                        speculative_stats=stats_message(ev.stats),
+                    )
+                    return
+                elif isinstance(ev, Failure):
+                    done = True
+                    await context.abort(getattr(grpc.StatusCode, ev.code), ev.message)
+        finally:
+            if not done:
+                self.scheduler.cancel(key)
+
+    async def GetStats(self, request, context):
+        snap = self.scheduler.snapshot()
+        c = snap["counters"]
+        return pb.GetStatsReply(
+            requests=c.requests,
+            finished=c.finished,
+            prompt_tokens=c.prompt_tokens,
+            completion_tokens=c.completion_tokens,
+            steps=c.steps,
+            speculative=stats_message(snap["spec"]),
+            active=snap["active"],
+            queued=snap["queued"],
+            free_slots=snap["free_slots"],
+        )

@@ -1,0 +1,81 @@
+"""`met generate`: stream one request from a running control plane."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import grpc
+
+from control_plane.server import DEFAULT_PORT
+from protos.met.v1 import generate_pb2 as pb
+from protos.met.v1 import generate_pb2_grpc as pb_grpc
+
+METHODS = {
+    "none": pb.SPECULATIVE_METHOD_NONE,
+    "mtp": pb.SPECULATIVE_METHOD_MTP,
+    "prompt_lookup": pb.SPECULATIVE_METHOD_PROMPT_LOOKUP,
+}
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompt")
+    parser.add_argument(
+        "--target", default=f"127.0.0.1:{DEFAULT_PORT}", help="the control plane, HOST:PORT"
+    )
+    parser.add_argument("--max-new-tokens", type=int, default=None)
+    parser.add_argument("--min-new-tokens", type=int, default=0)
+    parser.add_argument("--stop", action="append", default=[], help="a stop string (repeat)")
+    parser.add_argument("--stop-token-id", type=int, action="append", default=[])
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--logprobs", action="store_true")
+    parser.add_argument("--method", choices=list(METHODS), default=None)
+    parser.add_argument("--num-drafts", type=int, default=None)
+    parser.add_argument("--request-id", default="")
+    parser.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds")
+
+
+def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
+    r = pb.GenerateRequest(
+        prompt=args.prompt,
+        min_new_tokens=args.min_new_tokens,
+        stop=args.stop,
+        stop_token_ids=args.stop_token_id,
+        ignore_eos=args.ignore_eos,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        logprobs=args.logprobs,
+        request_id=args.request_id,
+        speculative_method=METHODS.get(args.method, pb.SPECULATIVE_METHOD_UNSPECIFIED),
+    )
+    for field in ("max_new_tokens", "seed", "num_drafts"):
+        if getattr(args, field) is not None:
+            setattr(r, field, getattr(args, field))
+    return r
+
+
+def run(args: argparse.Namespace) -> int:
+    with grpc.insecure_channel(args.target) as channel:
+        stub = pb_grpc.GenerationServiceStub(channel)
+        try:
+            for msg in stub.Generate(build_request(args), timeout=args.timeout):
+                sys.stdout.write(msg.text)
+                sys.stdout.flush()
+                if msg.finish_reason:
+                    s, u = msg.speculative_stats, msg.usage
+                    print(
+                        f"\n[{msg.finish_reason}] {u.prompt_tokens} prompt + "
+                        f"{u.completion_tokens} completion tokens; {s.verifies} verifies, "
+                        f"{s.accepted}/{s.drafted} drafts accepted, mean accepted length "
+                        f"{s.mean_accepted_length:.2f}",
+                        file=sys.stderr,
+                    )
+        except grpc.RpcError as e:
+            print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    return 0

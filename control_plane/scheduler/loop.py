@@ -1,0 +1,267 @@
+"""The scheduler loop, on its own thread: admit, prefill, step, stream, retire.
+
+Requests come in through a queue (bounded: past `max_queue` waiting, `ResourceExhausted`);
+events go out through each request's sink. A fault of the GPU service (it went away, or
+answered something the loop did not expect) ends every admitted request with a failure and
+starts over with a fresh connection: the service the loop reconnects to starts clean.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from control_plane.detok import Tokenizer
+from control_plane.env import Env
+from control_plane.scheduler.context import StepContext
+from control_plane.scheduler.seq import ActiveSeq, GenRequest, Sink, SpecStats
+from control_plane.scheduler.step import step_mtp
+from gpu_service.interface import Capabilities, Model, ModelError, ResourceExhausted
+
+log = logging.getLogger("control_plane.scheduler")
+
+
+@dataclass(frozen=True)
+class SchedulerOptions:
+    num_drafts: int = 3  # --num-drafts: the drafter's chain length at most
+    mtp_max_seqs: int = 32  # --mtp-max-seqs
+    max_queue: int = 256  # --max-queue: requests waiting for a slot
+    prefill_chunk: int = 512  # --prefill-chunk: prompt tokens per sequence per iteration
+
+
+@dataclass
+class Counters:
+    requests: int = 0
+    finished: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    steps: int = 0
+    step_widths: dict[int, int] = field(default_factory=dict)  # active sequences -> steps
+
+
+class Scheduler:
+    def __init__(
+        self,
+        connect: Callable[[], Model],
+        tokenizer: Tokenizer,
+        opts: SchedulerOptions | None = None,
+        env: Env | None = None,
+    ) -> None:
+        self.connect, self.tokenizer = connect, tokenizer
+        self.opts, self.env = opts or SchedulerOptions(), env or Env.read()
+        self.model: Model | None = None
+        self.ctx: StepContext | None = None
+        self.inbox: queue.Queue[tuple[str, object]] = queue.Queue()
+        self.waiting: deque[ActiveSeq] = deque()
+        self.prefilling: list[ActiveSeq] = []
+        self.active: list[ActiveSeq] = []
+        self.counters, self.spec = Counters(), SpecStats()
+        self._queued = 0  # submitted and not yet admitted, across threads
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
+
+    # -- from other threads --------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.inbox.put(("wake", None))
+        self._thread.join(timeout=30)
+
+    def capabilities(self) -> Capabilities:
+        """The service's shape, connecting first if need be (raises when it is down)."""
+        with self._lock:
+            if self.ctx is None:
+                self._connect()
+            assert self.ctx is not None
+            return self.ctx.caps
+
+    def submit(self, req: GenRequest, sink: Sink) -> None:
+        with self._lock:
+            if self._queued >= self.opts.max_queue:
+                raise ResourceExhausted(
+                    f"{self._queued} requests are already waiting for a slot (the bound is "
+                    f"{self.opts.max_queue}); retry later"
+                )
+            self._queued += 1
+            self.counters.requests += 1
+        self.inbox.put(("submit", (req, sink)))
+
+    def cancel(self, request_id: str) -> None:
+        self.inbox.put(("cancel", request_id))
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            spec = SpecStats()
+            spec.merge(self.spec)
+            free = (
+                self.ctx.caps.num_slots - len(self.prefilling) - len(self.active) if self.ctx else 0
+            )
+            counters = Counters(**vars(self.counters))
+            counters.step_widths = dict(counters.step_widths)
+            return {
+                "counters": counters,
+                "spec": spec,
+                "active": len(self.active) + len(self.prefilling),
+                "queued": self._queued,
+                "free_slots": free,
+            }
+
+    # -- the loop ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._drain(block=not (self.waiting or self.prefilling or self.active))
+                self._iterate()
+            except (grpc.RpcError, ModelError) as e:
+                self._reset(e)
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._take(*item)
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _take(self, kind: str, payload: object) -> None:
+        if kind == "submit":
+            req, sink = payload  # type: ignore[misc]
+            max_context = self.ctx.caps.max_context if self.ctx else 1 << 30
+            eos = self.ctx.caps.eos_token_ids if self.ctx else ()
+            self.waiting.append(ActiveSeq(req, sink, self.tokenizer, eos, max_context))
+        elif kind == "cancel":
+            self._cancel(str(payload))
+
+    def _cancel(self, request_id: str) -> None:
+        for a in list(self.waiting):
+            if a.req.request_id == request_id:
+                self.waiting.remove(a)
+                self._dequeued(1)
+                a.finish("cancelled")
+        for group in (self.prefilling, self.active):
+            for a in list(group):
+                if a.req.request_id == request_id:
+                    a.finished = "cancelled"
+        self._retire()
+
+    def _iterate(self) -> None:
+        if self.model is None:
+            if not self.waiting:
+                return
+            with self._lock:
+                self._connect()
+        self._admit()
+        self._prefill()
+        self._retire()
+        if self.active:
+            assert self.model is not None and self.ctx is not None
+            width = len(self.active)
+            step_mtp(self.model, self.active, self.ctx, self.opts.num_drafts)
+            with self._lock:
+                self.counters.steps += 1
+                self.counters.step_widths[width] = self.counters.step_widths.get(width, 0) + 1
+            self._retire()
+
+    def _connect(self) -> None:
+        model = self.connect()
+        caps = model.capabilities()
+        self.model = model
+        self.ctx = StepContext.build(caps, self.env, self.opts.mtp_max_seqs)
+        for a in self.waiting:
+            a.max_context = caps.max_context
+            a.set_eos(() if a.req.ignore_eos else caps.eos_token_ids)
+
+    def _admit(self) -> None:
+        assert self.model is not None and self.ctx is not None
+        free = self.ctx.caps.num_slots - len(self.prefilling) - len(self.active)
+        while self.waiting and free > 0:
+            a = self.waiting.popleft()
+            self._dequeued(1)
+            a.handle = self.model.alloc_sequence()
+            self.prefilling.append(a)
+            free -= 1
+
+    def _prefill(self) -> None:
+        """One batched prefill call: each prefilling sequence's next chunk, within budget."""
+        assert self.model is not None and self.ctx is not None
+        budget = self.ctx.caps.max_prefill_tokens
+        batch, chunks = [], []
+        for a in self.prefilling:
+            n = min(len(a.req.prompt_ids) - a.prefilled, self.opts.prefill_chunk, budget)
+            if n <= 0:
+                break
+            batch.append(a)
+            chunks.append(list(a.req.prompt_ids[a.prefilled : a.prefilled + n]))
+            budget -= n
+        if not batch:
+            return
+        argmax = self.model.prefill([a.handle for a in batch], chunks)
+        logprobs = self.model.last_logprobs()
+        for i, (a, chunk) in enumerate(zip(batch, chunks, strict=True)):
+            a.prefilled += len(chunk)
+            if a.prefilled == len(a.req.prompt_ids):
+                self.prefilling.remove(a)
+                self.active.append(a)
+                a.gain([argmax[i]], logprobs[i : i + 1])
+
+    def _retire(self) -> None:
+        for group in (self.prefilling, self.active):
+            for a in [a for a in group if a.finished is not None]:
+                group.remove(a)
+                if self.model is not None and a.handle is not None:
+                    self.model.free_sequence(a.handle)
+                self._account(a)
+                a.finish(a.finished or "stop")
+
+    def _account(self, a: ActiveSeq) -> None:
+        with self._lock:
+            self.counters.finished += 1
+            self.counters.prompt_tokens += len(a.req.prompt_ids)
+            self.counters.completion_tokens += len(a.generated)
+            self.spec.merge(a.stats)
+
+    def _dequeued(self, n: int) -> None:
+        with self._lock:
+            self._queued -= n
+
+    def _reset(self, error: Exception) -> None:
+        """The service failed: fail every admitted request, forget the connection."""
+        code = "UNAVAILABLE" if isinstance(error, grpc.RpcError) else "INTERNAL"
+        message = (
+            f"the GPU service failed: {error.details()}"  # type: ignore[union-attr]
+            if isinstance(error, grpc.RpcError)
+            else f"the GPU service refused: {error}"
+        )
+        log.error(
+            "%s; failing %d requests",
+            message,
+            len(self.active) + len(self.prefilling) + len(self.waiting),
+        )
+        for a in [*self.prefilling, *self.active]:
+            a.fail(code, message)
+        if self.model is None:  # the connection itself failed: the waiting fail too
+            for a in self.waiting:
+                a.fail(code, message)
+            self._dequeued(len(self.waiting))
+            self.waiting.clear()
+        self.prefilling, self.active = [], []
+        getattr(self.model, "close", lambda: None)()
+        with self._lock:
+            self.model, self.ctx = None, None
+        time.sleep(0.1)  # a restarting service gets a moment before the next connect

@@ -1,0 +1,111 @@
+"""`met control-plane serve`: the control plane process (grpc.aio), with health and
+reflection, driving a GPU service through the scheduler thread."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from control_plane.api import GenerationServicer
+from control_plane.client import GrpcModel
+from control_plane.scheduler.loop import Scheduler, SchedulerOptions
+from control_plane.scheduler.seq import MTP, NONE
+from gpu_service.checkpoint import DEFAULT_MODEL_DIR
+from gpu_service.tokenizer import ByteTokenizer
+from protos.met.v1 import generate_pb2, generate_pb2_grpc
+
+SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
+DEFAULT_PORT = 50050
+
+
+def add_serve_args(parser: argparse.ArgumentParser, gpu_service_required: bool = True) -> None:
+    if gpu_service_required:
+        parser.add_argument(
+            "--gpu-service", required=True, metavar="HOST:PORT", help="the GPU service to drive"
+        )
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (0: a free one)")
+    parser.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=None if not gpu_service_required else DEFAULT_MODEL_DIR,
+        help="directory with tokenizer.json (default: the served model's)",
+    )
+    parser.add_argument(
+        "--method",
+        choices=[MTP, NONE],
+        default=MTP,
+        help="speculative method of requests that leave it unspecified",
+    )
+    parser.add_argument("--num-drafts", type=int, default=3, help="longest draft chain")
+    parser.add_argument(
+        "--mtp-max-seqs", type=int, default=32, help="batched verify needs more than 1"
+    )
+    parser.add_argument(
+        "--max-queue",
+        type=int,
+        default=256,
+        help="requests waiting for a slot before RESOURCE_EXHAUSTED",
+    )
+    parser.add_argument(
+        "--prefill-chunk", type=int, default=512, help="prompt tokens per sequence per iteration"
+    )
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=256, help="default for requests that leave it unset"
+    )
+    parser.add_argument(
+        "--grace", type=float, default=5.0, help="seconds in-flight streams get on SIGTERM"
+    )
+
+
+def build_scheduler(args: argparse.Namespace) -> Scheduler:
+    opts = SchedulerOptions(
+        num_drafts=args.num_drafts,
+        mtp_max_seqs=args.mtp_max_seqs,
+        max_queue=args.max_queue,
+        prefill_chunk=args.prefill_chunk,
+    )
+    tokenizer = ByteTokenizer.load(args.tokenizer)
+    return Scheduler(lambda: GrpcModel(args.gpu_service), tokenizer, opts)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    scheduler = build_scheduler(args)
+    scheduler.start()
+    servicer = GenerationServicer(scheduler, scheduler.tokenizer, args.method, args.max_new_tokens)
+    health_servicer = health.aio.HealthServicer()
+    server = grpc.aio.server()
+    generate_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    print(
+        f"control-plane listening on {args.host}:{port} (GPU service {args.gpu_service})",
+        flush=True,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    print("control-plane shutting down", flush=True)
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(args.grace)
+    await loop.run_in_executor(None, scheduler.stop)
+
+
+def run(args: argparse.Namespace) -> None:
+    logging.basicConfig(level=logging.INFO)
+    asyncio.run(serve(args))

@@ -1,0 +1,29 @@
+"""`met up`: the GPU service (a child process) and the control plane (this process), serving
+the default model until SIGTERM or Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from control_plane.launch import start_gpu_service, stop
+from control_plane.server import serve
+from gpu_service.checkpoint import DEFAULT_MODEL_DIR, ensure_weights
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO)
+    if args.model.resolve() == DEFAULT_MODEL_DIR:
+        ensure_weights(args.model)
+    proc, target = start_gpu_service(args.model)
+    print(f"gpu-service ready on {target}", flush=True)
+    try:
+        args.gpu_service = target
+        if args.tokenizer is None:
+            args.tokenizer = args.model
+        asyncio.run(serve(args))
+    finally:
+        code = stop(proc)
+        print(f"gpu-service exited with status {code}", flush=True)
+    return code

@@ -1,0 +1,40 @@
+"""Run requests through a scheduler and collect what each one streamed."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from control_plane.scheduler.loop import Scheduler
+from control_plane.scheduler.seq import Delta, Event, Failure, Finish, GenRequest
+
+
+@dataclass
+class Outcome:
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[float] = field(default_factory=list)
+    finish: Finish | None = None
+    failure: Failure | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def __call__(self, ev: Event) -> None:
+        if isinstance(ev, Delta):
+            self.tokens += ev.token_ids
+            self.text += ev.text
+            self.logprobs += ev.logprobs
+        elif isinstance(ev, Finish):
+            self.finish = ev
+            self.done.set()
+        else:
+            self.failure = ev
+            self.done.set()
+
+
+def run_all(scheduler: Scheduler, reqs: list[GenRequest], timeout: float = 120) -> list[Outcome]:
+    outs = [Outcome() for _ in reqs]
+    for r, o in zip(reqs, outs, strict=True):
+        scheduler.submit(r, o)
+    for o in outs:
+        assert o.done.wait(timeout), "a request did not finish"
+    return outs
