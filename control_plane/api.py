@@ -67,7 +67,10 @@ def to_request(
             "prompt lookup drafting is not available on this server yet",
         )
     if r.speculative_method not in (pb.SPECULATIVE_METHOD_UNSPECIFIED, *METHODS):
-        raise BadRequest(invalid, f"unknown speculative_method {r.speculative_method}")
+        raise BadRequest(
+            invalid,
+            f"speculative_method {r.speculative_method} is unknown; use NONE, MTP or PROMPT_LOOKUP",
+        )
     if r.temperature > 0:
         raise BadRequest(
             grpc.StatusCode.UNIMPLEMENTED,

@@ -1,4 +1,4 @@
-"""Start a GPU service process and wait until it serves."""
+"""Start the service processes and wait until they serve."""
 
 from __future__ import annotations
 
@@ -16,36 +16,37 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 def start_gpu_service(
     model_dir: Path, *extra: str, timeout: float = 120.0
 ) -> tuple[subprocess.Popen, str]:
-    """A `met gpu-service serve` child on a free loopback port; returns it and its address
-    once its health check says SERVING."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "control_plane.cli",
-        "gpu-service",
-        "serve",
-        "--model",
-        str(model_dir),
-        "--port",
-        "0",
-        *extra,
-    ]
+    """A `met gpu-service serve` child (a free loopback port unless `extra` names one);
+    returns it and its address once its health check says SERVING."""
+    port = () if "--port" in extra else ("--port", "0")
+    return start("gpu-service", ["--model", str(model_dir), *port, *extra], timeout)
+
+
+def start_control_plane(
+    gpu_service: str, *extra: str, timeout: float = 60.0
+) -> tuple[subprocess.Popen, str]:
+    port = () if "--port" in extra else ("--port", "0")
+    return start("control-plane", ["--gpu-service", gpu_service, *port, *extra], timeout)
+
+
+def start(process: str, args: list[str], timeout: float) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "control_plane.cli", process, "serve", *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     line = proc.stdout.readline()
     if "listening on" not in line:
         proc.kill()
-        raise RuntimeError(f"the GPU service did not start: {line!r}")
-    target = line.split("listening on", 1)[1].strip()
+        raise RuntimeError(f"the {process} did not start: {line!r}")
+    target = line.split("listening on", 1)[1].split()[0]
     # Keep draining the child's output so a full pipe never blocks it.
-    threading.Thread(target=_forward, args=(proc.stdout,), daemon=True).start()
+    threading.Thread(target=_forward, args=(process, proc.stdout), daemon=True).start()
     wait_serving(target, timeout)
     return proc, target
 
 
-def _forward(stream: IO[str]) -> None:
+def _forward(process: str, stream: IO[str]) -> None:
     for line in stream:
-        sys.stderr.write(f"[gpu-service] {line}")
+        sys.stderr.write(f"[{process}] {line}")
 
 
 def wait_serving(target: str, timeout: float = 120.0) -> None:

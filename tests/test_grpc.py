@@ -4,9 +4,6 @@ reflection, status codes on the wire."""
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
-from pathlib import Path
 
 import grpc
 import pytest
@@ -111,16 +108,3 @@ def test_status_codes_on_the_wire(served: str, request_: object, code: grpc.Stat
             method(request_)
         assert caught.value.code() == code
         assert caught.value.details()
-
-
-def test_met_up_round_and_graceful_shutdown(tiny_dir: Path) -> None:
-    """`met up` starts the service, runs a round, stops it with SIGTERM (exit status 0)."""
-    result = subprocess.run(
-        [sys.executable, "-m", "control_plane.cli", "up", "--model", str(tiny_dir)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr
-    assert "drafts:" in result.stdout and "accepted:" in result.stdout
-    assert "gpu-service exited with status 0" in result.stdout
