@@ -94,7 +94,7 @@ def test_text_prompt_logprobs_and_stats(stub) -> None:
         tokens += msg.token_ids
         last = msg
     assert len(tokens) == 6 and last.finish_reason == "length" and last.request_id == "mine"
-    assert last.usage.prompt_tokens == len("def fib(n):".encode())
+    assert last.usage.prompt_tokens == len(b"def fib(n):")
 
 
 @pytest.mark.parametrize(
