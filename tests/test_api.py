@@ -163,6 +163,16 @@ def test_cancelled_streams_free_their_slots(stub, served: str) -> None:
     assert caps.free_slots == caps.num_slots == stats.free_slots
 
 
+def test_deadline_frees_the_slot(stub, served: str) -> None:
+    request = pb.GenerateRequest(prompt_token_ids=[3], max_new_tokens=240, ignore_eos=True)
+    with pytest.raises(grpc.RpcError) as caught:
+        for _ in stub.Generate(request, timeout=0.1):
+            pass
+    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    stats = _settled(stub, served)
+    assert (stats.active, stats.queued) == (0, 0) and stats.free_slots == 8
+
+
 def test_health_and_reflection(control_plane: str) -> None:
     from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
         ProtoReflectionDescriptorDatabase,

@@ -33,6 +33,10 @@ def test_compose_file_is_valid() -> None:
     devices = gpu["deploy"]["resources"]["reservations"]["devices"]
     assert devices[0]["capabilities"] == ["gpu"]
     assert any(p["target"] == 16686 for p in services["jaeger"]["ports"])
+    cp = services["control-plane"]
+    assert cp["depends_on"]["gpu-service"]["condition"] == "service_healthy"
+    assert [p["published"] for p in cp["ports"]] == ["50050"]
+    assert "gpu-service:50051" in cp["command"]
 
 
 def test_binary_rejects_a_broken_file(tmp_path: Path) -> None:
