@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from gpu_service.checkpoint import DEFAULT_MODEL_DIR, DEFAULT_SEED
+from gpu_service.defaults import DEFAULT_MODEL_DIR, DEFAULT_SEED
 
 
 def _gpu_service(args: argparse.Namespace) -> None:
@@ -41,7 +41,7 @@ def _generate(args: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from control_plane import generate_cli, server
-    from gpu_service.server import add_serve_args
+    from gpu_service.options import add_serve_args
 
     parser = argparse.ArgumentParser(prog="met", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)

@@ -152,10 +152,30 @@ class GrpcModel:
                 positions=[s.seq_len for s in seqs],
             ),
         )
-        n = num_drafts
-        drafts = [list(r.drafts[i * n : (i + 1) * n]) for i in range(len(seqs))]
-        confs = [list(r.confidences[i * n : (i + 1) * n]) for i in range(len(seqs))]
-        return Proposal(drafts, confs)
+        return _proposal(r, len(seqs), num_drafts)
+
+    def settle_verdict(
+        self,
+        seqs: Sequence[SequenceHandle],
+        kept_rows: Sequence[int],
+        ks: Sequence[int],
+        proposers: Sequence[int],
+        last: Sequence[int],
+        num_drafts: int,
+    ) -> Proposal:
+        r = self._rpc(
+            self._stub.SettleVerdict,
+            pb.VerdictRequest(
+                seq_ids=self._ids(seqs),
+                kept_rows=kept_rows,
+                ks=ks,
+                proposers=proposers,
+                last=last,
+                num_drafts=num_drafts,
+            ),
+        )
+        self._mirror(seqs, r.seq_lens)
+        return _proposal(r, len(proposers), num_drafts)
 
     def trim_proposer_state(self, seqs: Sequence[SequenceHandle], keep_own: int = 0) -> None:
         self._rpc(
@@ -168,3 +188,10 @@ class GrpcModel:
     def read_logits(self) -> Logits:
         r = self._rpc(self._stub.ReadLogits, pb.ReadLogitsRequest())
         return Logits(r.data, r.dtype, tuple(r.shape))
+
+
+def _proposal(reply: Any, n: int, nd: int) -> Proposal:
+    """Row-major drafts and confidences back into one list per sequence."""
+    drafts = [list(reply.drafts[i * nd : (i + 1) * nd]) for i in range(n)]
+    confs = [list(reply.confidences[i * nd : (i + 1) * nd]) for i in range(n)]
+    return Proposal(drafts, confs)

@@ -17,7 +17,7 @@ from control_plane.api import GenerationServicer
 from control_plane.client import GrpcModel
 from control_plane.scheduler.loop import Scheduler, SchedulerOptions
 from control_plane.scheduler.seq import MTP, NONE
-from gpu_service.checkpoint import DEFAULT_MODEL_DIR
+from gpu_service.defaults import DEFAULT_MODEL_DIR
 from gpu_service.tokenizer import ByteTokenizer
 from protos.met.v1 import generate_pb2, generate_pb2_grpc
 

@@ -9,13 +9,10 @@ import logging
 
 from control_plane.launch import start_gpu_service, stop
 from control_plane.server import serve
-from gpu_service.checkpoint import DEFAULT_MODEL_DIR, ensure_weights
 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO)
-    if args.model.resolve() == DEFAULT_MODEL_DIR:
-        ensure_weights(args.model)
     proc, target = start_gpu_service(args.model)
     print(f"gpu-service ready on {target}", flush=True)
     try:

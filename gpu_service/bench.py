@@ -12,8 +12,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from gpu_service.checkpoint import DEFAULT_MODEL_DIR, ensure_weights
+from gpu_service.checkpoint import ensure_weights
 from gpu_service.config import ServiceConfig
+from gpu_service.defaults import DEFAULT_MODEL_DIR
 from gpu_service.engine import Engine
 from gpu_service.model.ops import linear, pad_rows
 

@@ -5,11 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from gpu_service.config import ModelConfig
+from gpu_service.defaults import DEFAULT_SEED
 from gpu_service.model.weights import WEIGHTS_FILE, init_weights, save_weights
 from gpu_service.tokenizer import TOKENIZER_FILE, ByteTokenizer
-
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "models" / "default"
-DEFAULT_SEED = 0
 
 
 def init_model(directory: Path, cfg: ModelConfig | None = None, seed: int = DEFAULT_SEED) -> Path:

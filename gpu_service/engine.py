@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from gpu_service import checks
 from gpu_service.config import ModelConfig, ServiceConfig
+from gpu_service.drafter import DrafterOps
 from gpu_service.interface import (
     FORWARDS,
     Capabilities,
@@ -19,34 +19,16 @@ from gpu_service.interface import (
     InvalidArgument,
     Logits,
     NotFound,
-    Proposal,
     ResourceExhausted,
     SequenceHandle,
 )
 from gpu_service.model.hybrid import PREFILL, VERIFY, HybridModel, Segment
 from gpu_service.model.weights import load_weights
+from gpu_service.sequence import FOLDED, IDLE, VERIFIED, SeqState, argmax_confidence
 from gpu_service.state import DeviceState
-from kernels.common import exp
-
-IDLE, VERIFIED, FOLDED = "idle", "verified", "folded"
 
 
-@dataclass
-class _Seq:
-    seq_id: int
-    slot: int
-    tokens: list[int] = field(default_factory=list)
-    phase: str = IDLE
-    pending_k: int = 0  # rows of the last verify, while one is pending
-    folded_rows: int = 0
-    own_drafts: list[int] = field(default_factory=list)  # drafter positions from its own hidden
-
-    @property
-    def seq_len(self) -> int:
-        return len(self.tokens)
-
-
-class Engine:
+class Engine(DrafterOps):
     def __init__(
         self, model_dir: Path, svc: ServiceConfig | None = None, dtype: str | None = None
     ) -> None:
@@ -59,10 +41,12 @@ class Engine:
         self.state = DeviceState(self.cfg, self.svc, torch_dtype)
         self.forward_name = "eager"
         self._logprobs: list[float] = []
-        self._seqs: dict[int, _Seq] = {}
+        self._verify_calls = 0
+        self._seqs: dict[int, SeqState] = {}
         self._next_id = 1
         self._free = set(range(self.svc.num_slots))
-        self._lock = threading.Lock()
+        # Reentrant: the fused verdict runs the single operations under the same hold.
+        self._lock = threading.RLock()
 
     # -- slots ---------------------------------------------------------------------------
 
@@ -92,7 +76,7 @@ class Engine:
                 raise ResourceExhausted(f"all {self.svc.num_slots} slots are taken")
             slot = min(self._free)
             self._free.remove(slot)
-            seq = _Seq(self._next_id, slot)
+            seq = SeqState(self._next_id, slot)
             self._next_id += 1
             self._seqs[seq.seq_id] = seq
             self.state.reset_slot(slot)
@@ -104,13 +88,13 @@ class Engine:
             del self._seqs[s.seq_id]
             self._free.add(s.slot)
 
-    def _get(self, seq_id: int) -> _Seq:
+    def _get(self, seq_id: int) -> SeqState:
         try:
             return self._seqs[seq_id]
         except KeyError:
             raise NotFound(f"sequence {seq_id} is unknown or already freed") from None
 
-    def _lookup(self, what: str, handles: Sequence[SequenceHandle]) -> list[_Seq]:
+    def _lookup(self, what: str, handles: Sequence[SequenceHandle]) -> list[SeqState]:
         checks.not_empty(what, handles)
         ids = [h.seq_id for h in handles]
         checks.distinct(what, ids)
@@ -126,7 +110,9 @@ class Engine:
             return torch.cat([fn([i]) for i in range(len(groups))])
         return fn(list(range(len(groups))))
 
-    def _segments(self, seqs: list[_Seq], counts: list[int], starts: list[int]) -> list[Segment]:
+    def _segments(
+        self, seqs: list[SeqState], counts: list[int], starts: list[int]
+    ) -> list[Segment]:
         segs, row = [], 0
         for s, n, start in zip(seqs, counts, starts, strict=True):
             segs.append(Segment(s.slot, start, n, row))
@@ -170,34 +156,6 @@ class Engine:
             self._mirror(seqs, states)
             return out
 
-    def _prime_drafter(
-        self, group: list[_Seq], toks: list[list[int]], segs: list[Segment], hidden: torch.Tensor
-    ) -> None:
-        """The drafter's entries for a prompt chunk: token j + 1 with the target's hidden of
-        position j, starting from the previous chunk's last hidden when there is one."""
-        if not self.cfg.has_mtp:
-            return
-        pair_tokens, pair_hidden, mtp_segs, row = [], [], [], 0
-        for s, t, sg in zip(group, toks, segs, strict=True):
-            carry = self.state.mtp_carry_valid[s.slot]
-            hid = hidden[sg.rows]
-            tok = t[1:]
-            if carry:
-                tok = t
-                hid = torch.cat([self.state.mtp_carry[s.slot][None], hid])
-            count = len(tok)
-            if count:
-                pair_tokens.extend(tok)
-                pair_hidden.append(hid[:count])
-                mtp_segs.append(Segment(s.slot, sg.start - (1 if carry else 0), count, row))
-                row += count
-            self.state.mtp_carry[s.slot] = hidden[sg.row + sg.count - 1]
-            self.state.mtp_carry_valid[s.slot] = True
-        if mtp_segs:
-            self.model.mtp_forward(
-                torch.tensor(pair_tokens), torch.cat(pair_hidden), mtp_segs, self.state
-            )
-
     def decode_verify_batched(
         self,
         tokens: Sequence[int],
@@ -223,16 +181,18 @@ class Engine:
             hidden = self._run(run, [[i] for i in range(len(states))])
             self.state.verify_hidden = hidden
             out = self._keep_logits(self.model.logits(hidden))
+            self._verify_calls += 1
             for s, k, lo in zip(states, ks, starts, strict=False):
                 s.tokens.extend(tokens[lo : lo + k])
                 s.phase, s.pending_k = VERIFIED, k
+                s.verify_call, s.verify_row = self._verify_calls, lo
                 self.state.mtp_carry_valid[s.slot] = False
             self._mirror(seqs, states)
             return out
 
     def _check_verify(
         self, tokens: Sequence[int], ks: Sequence[int], seqs: Sequence[SequenceHandle]
-    ) -> list[_Seq]:
+    ) -> list[SeqState]:
         checks.same_length("decode_verify_batched", seqs=seqs, ks=ks)
         states = self._lookup("decode_verify_batched", seqs)
         if sum(ks) != len(tokens):
@@ -314,90 +274,6 @@ class Engine:
             for i in range(len(rows)):
                 self.state.stash_valid[i] = True
 
-    # -- drafter -------------------------------------------------------------------------
-
-    def run_mtp_propose_batched(
-        self,
-        last: Sequence[int],
-        stash: Sequence[int],
-        num_drafts: int,
-        seqs: Sequence[SequenceHandle],
-    ) -> Proposal:
-        with self._lock:
-            states = self._check_propose(last, stash, num_drafts, seqs)
-
-            def run(idx: list[int]) -> tuple[list[list[int]], list[list[float]], torch.Tensor]:
-                group = [states[i] for i in idx]
-                tok = torch.tensor([last[i] for i in idx])
-                hidden = self.state.stash[[stash[i] for i in idx]]
-                drafts, confs = [], []
-                for j in range(num_drafts):
-                    segs = self._segments(
-                        group, [1] * len(group), [s.seq_len - 1 + j for s in group]
-                    )
-                    hidden = self.model.mtp_forward(tok, hidden, segs, self.state)[: len(group)]
-                    logits = self.model.logits(hidden)
-                    tok, conf = _argmax_confidence(logits)
-                    drafts.append(tok.tolist())
-                    confs.append(conf.tolist())
-                return drafts, confs, logits
-
-            parts = (
-                [run([i]) for i in range(len(states))]
-                if self.forward_name.endswith("-serial")
-                else [run(list(range(len(states))))]
-            )
-            drafts = [list(col) for d, _, _ in parts for col in zip(*d, strict=True)]
-            confs = [list(col) for _, c, _ in parts for col in zip(*c, strict=True)]
-            self.state.logits = torch.cat([lg for _, _, lg in parts])
-            for s in states:
-                s.own_drafts = [s.seq_len - 1 + j for j in range(1, num_drafts)]
-            return Proposal(drafts, confs)
-
-    def _check_propose(
-        self,
-        last: Sequence[int],
-        stash: Sequence[int],
-        num_drafts: int,
-        seqs: Sequence[SequenceHandle],
-    ) -> list[_Seq]:
-        if not self.cfg.has_mtp:
-            raise FailedPrecondition("this model has no MTP head; it cannot propose drafts")
-        checks.same_length("run_mtp_propose_batched", seqs=seqs, last=last, stash=stash)
-        states = self._lookup("run_mtp_propose_batched", seqs)
-        checks.within("the number of sequences", len(states), 1, self.svc.max_batch)
-        checks.tokens_in_vocab(last, self.cfg.vocab_size)
-        checks.within("num_drafts", num_drafts, 1, max(self.svc.slot_verify_drafts) + 1)
-        for s, slot in zip(states, stash, strict=True):
-            checks.within("a stash slot", slot, 0, self.svc.max_batch - 1)
-            if not self.state.stash_valid[slot]:
-                raise FailedPrecondition(f"stash slot {slot} holds no hidden yet")
-            checks.phase(s.seq_id, s.phase, IDLE, "propose for")
-            if s.seq_len == 0:
-                raise FailedPrecondition(f"sequence {s.seq_id} is empty; prefill it first")
-            checks.fits_context(s.seq_id, s.seq_len - 1, num_drafts, self.svc.max_context)
-        return states
-
-    def check_positions(self, seqs: Sequence[SequenceHandle], positions: Sequence[int]) -> None:
-        """A caller's mirrored `seq_len`s, checked against the service's."""
-        checks.same_length("run_mtp_propose_batched", seqs=seqs, positions=positions)
-        for h, pos in zip(seqs, positions, strict=True):
-            s = self._get(h.seq_id)
-            if pos != s.seq_len:
-                raise InvalidArgument(
-                    f"sequence {s.seq_id} holds {s.seq_len} tokens; the request says {pos}"
-                )
-
-    def trim_proposer_state(self, seqs: Sequence[SequenceHandle], keep_own: int = 0) -> None:
-        with self._lock:
-            states = self._lookup("trim_proposer_state", seqs)
-            if keep_own < 0:
-                raise InvalidArgument(f"keep_own is {keep_own}; it must be at least 0")
-            for s in states:
-                for pos in s.own_drafts[keep_own:]:
-                    self.state.mtp_valid[s.slot, pos] = False
-                s.own_drafts = s.own_drafts[:keep_own]
-
     # -- misc ----------------------------------------------------------------------------
 
     def set_forward(self, name: str) -> None:
@@ -417,21 +293,13 @@ class Engine:
     def _keep_logits(self, logits: torch.Tensor) -> list[int]:
         """Keep a prefill's or verify's logits and each row's argmax log-probability."""
         self.state.logits = logits
-        top, conf = _argmax_confidence(logits)
+        top, conf = argmax_confidence(logits)
         self._logprobs = torch.log(conf).tolist()
         return top.tolist()
 
     def last_logprobs(self) -> list[float]:
         return list(self._logprobs)
 
-    def _mirror(self, handles: Sequence[SequenceHandle], states: list[_Seq]) -> None:
+    def _mirror(self, handles: Sequence[SequenceHandle], states: list[SeqState]) -> None:
         for h, s in zip(handles, states, strict=True):
             h.seq_len = s.seq_len
-
-
-def _argmax_confidence(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row: the argmax and its softmax probability. logits: [n, V] -> ([n], [n])"""
-    lf = logits.float()
-    top = lf.argmax(-1)
-    peak = lf.amax(-1, keepdim=True)
-    return top, 1.0 / exp(lf - peak).sum(-1)

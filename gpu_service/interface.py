@@ -170,6 +170,21 @@ class Model(Protocol):
         keeps only entries built from the target's hiddens, so its state is a function of the
         committed history and a replay reproduces it exactly."""
 
+    def settle_verdict(
+        self,
+        seqs: Sequence[SequenceHandle],
+        kept_rows: Sequence[int],
+        ks: Sequence[int],
+        proposers: Sequence[int],
+        last: Sequence[int],
+        num_drafts: int,
+    ) -> Proposal:
+        """A whole verdict in one call, checked whole before any of it runs: stash the last
+        kept row of each proposer (`proposers` index `seqs`; stash slot j is proposer j),
+        fold and commit every sequence at `kept_rows`, then propose `num_drafts` drafts for
+        the proposers from `last` and trim their drafters. Equal to the five calls in that
+        order; returns the proposal (empty without proposers)."""
+
     def set_forward(self, name: str) -> None:
         """Select the forward: `eager` (plain torch) or `eager-serial` (a batched call run one
         sequence at a time inside the service, same buffers and replies). Unknown names are

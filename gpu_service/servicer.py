@@ -27,6 +27,10 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
         self.engine: Engine | None = None
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
 
+    async def run_on_engine_thread(self, fn: Callable[[], Any]) -> Any:
+        """Every torch call of the process on one thread, loading included."""
+        return await asyncio.get_running_loop().run_in_executor(self._worker, fn)
+
     async def _call(
         self, context: grpc.aio.ServicerContext, fn: Callable[..., Any], *args: Any
     ) -> Any:
@@ -129,6 +133,25 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
             lambda: self.engine.trim_proposer_state(_handles(request.seq_ids), request.keep_own),
         )
         return pb.TrimReply()
+
+    async def SettleVerdict(self, request, context):
+        seqs = _handles(request.seq_ids)
+        p = await self._call(
+            context,
+            lambda: self.engine.settle_verdict(
+                seqs,
+                list(request.kept_rows),
+                list(request.ks),
+                list(request.proposers),
+                list(request.last),
+                request.num_drafts,
+            ),
+        )
+        return pb.VerdictReply(
+            seq_lens=[s.seq_len for s in seqs],
+            drafts=[t for row in p.drafts for t in row],
+            confidences=[c for row in p.confidences for c in row],
+        )
 
     async def SetForward(self, request, context):
         await self._call(context, lambda: self.engine.set_forward(request.forward))

@@ -40,6 +40,7 @@ class _Seq:
     tokens: list[int] = field(default_factory=list)
     pending: int = 0
     folded: int = 0
+    row: int = 0  # first row in the last verify
 
 
 class FakeModel:
@@ -115,7 +116,7 @@ class FakeModel:
             for t in tokens[lo : lo + k]:
                 s.tokens.append(t)
                 out.append(self.oracle(tuple(s.tokens)))
-            s.pending, lo = k, lo + k
+            s.pending, s.row, lo = k, lo, lo + k
             h.seq_len = len(s.tokens)
         self._rows = out
         return out
@@ -158,6 +159,20 @@ class FakeModel:
 
     def trim_proposer_state(self, seqs, keep_own: int = 0) -> None:
         self.calls.append(("trim", len(seqs)))
+
+    def settle_verdict(self, seqs, kept_rows, ks, proposers, last, num_drafts) -> Proposal:
+        if proposers:
+            self.stash_verify_hidden_rows(
+                [self.seqs[seqs[p].seq_id].row + kept_rows[p] - 1 for p in proposers]
+            )
+        self.gdn_fold_accepted(seqs, kept_rows)
+        self.commit_accepted_prefix(seqs, kept_rows, ks)
+        if not proposers:
+            return Proposal([], [])
+        chosen = [seqs[p] for p in proposers]
+        proposal = self.run_mtp_propose_batched(last, list(range(len(chosen))), num_drafts, chosen)
+        self.trim_proposer_state(chosen)
+        return proposal
 
     def set_forward(self, name: str) -> None:
         pass

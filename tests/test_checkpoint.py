@@ -11,8 +11,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from control_plane.cli import main
-from gpu_service.checkpoint import DEFAULT_MODEL_DIR, init_model
+from gpu_service.checkpoint import init_model
 from gpu_service.config import ModelConfig, ServiceConfig, parse_tiers
+from gpu_service.defaults import DEFAULT_MODEL_DIR
 from gpu_service.engine import Engine
 from gpu_service.model.weights import init_weights, load_weights, weight_shapes
 from gpu_service.tokenizer import ByteTokenizer

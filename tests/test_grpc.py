@@ -47,6 +47,10 @@ def transcript(model: Model) -> list[object]:
         out.append(model.run_mtp_propose_batched(last, [0, 1, 2], 3, [a, b, c]))
         out.append(model.read_logits())
         model.trim_proposer_state([a, b, c])
+        argmax = model.decode_verify_batched([last[0], 1, last[2]], [2, 1], [a, c])
+        out.append(model.settle_verdict([a, c], [1, 1], [2, 1], [1], [argmax[2]], 2))
+        out.append(model.read_logits())
+        last = [argmax[0], last[1], argmax[2]]
     model.set_forward("eager")
     for s in (a, b, c):
         model.free_sequence(s)

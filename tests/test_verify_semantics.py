@@ -127,3 +127,42 @@ def test_untrimmed_drafter_differs(engine: Engine, rng: torch.Generator) -> None
     untrimmed = logit_rows(engine)
     engine.run_mtp_propose_batched([out[5]], [1], 2, [seqs[1]])
     assert untrimmed != logit_rows(engine)
+
+
+def _verified_pair(engine: Engine, rng: torch.Generator):
+    prompt = random_tokens(rng, 30)
+    seqs = [engine.alloc_sequence() for _ in range(4)]
+    first = engine.prefill(seqs, [prompt, prompt, prompt[:20], prompt[:20]])
+    rows = [first[0], 3, 4, first[2], 5]
+    return seqs, rows
+
+
+def test_fused_verdict_equals_the_five_calls(engine: Engine, rng: torch.Generator) -> None:
+    seqs, rows = _verified_pair(engine, rng)
+    out = engine.decode_verify_batched(rows * 2, [3, 2, 3, 2], [seqs[0], seqs[2], seqs[1], seqs[3]])
+    # Halves 0/2 take the single calls; 1/3 the fused one, keeping 2 and 1 rows.
+    last = [out[1], out[3]]
+    engine.stash_verify_hidden_rows([1, 3])
+    engine.gdn_fold_accepted([seqs[0], seqs[2]], [2, 1])
+    engine.commit_accepted_prefix([seqs[0], seqs[2]], [2, 1], [3, 2])
+    single = engine.run_mtp_propose_batched(last, [0, 1], 2, [seqs[0], seqs[2]])
+    engine.trim_proposer_state([seqs[0], seqs[2]])
+    fused = engine.settle_verdict([seqs[1], seqs[3]], [2, 1], [3, 2], [0, 1], last, 2)
+    assert fused == single
+    assert [s.seq_len for s in seqs] == [32, 32, 21, 21]
+    assert decode(engine, seqs[0], 9) == decode(engine, seqs[1], 9)
+    assert decode(engine, seqs[2], 9) == decode(engine, seqs[3], 9)
+
+
+def test_refused_verdict_changes_nothing(engine: Engine, rng: torch.Generator) -> None:
+    from gpu_service.interface import FailedPrecondition, InvalidArgument
+
+    seqs, rows = _verified_pair(engine, rng)
+    engine.decode_verify_batched(rows[:3], [3], [seqs[0]])
+    engine.decode_verify_batched(rows[:3], [3], [seqs[1]])
+    with pytest.raises(FailedPrecondition, match="no longer the last"):
+        engine.settle_verdict([seqs[0]], [2], [3], [0], [7], 2)
+    with pytest.raises(InvalidArgument, match="kept_rows"):
+        engine.settle_verdict([seqs[1]], [4], [3], [], [], 0)
+    engine.settle_verdict([seqs[0], seqs[1]], [2, 2], [3, 3], [], [], 0)
+    assert decode(engine, seqs[0], 9) == decode(engine, seqs[1], 9)

@@ -1,5 +1,6 @@
-"""After a verify: how many drafts stand, and the calls that make it so (stash, fold, commit),
-then the next drafts (batched propose, trim). Shared by every verify path."""
+"""After a verify: how many drafts stand, what each sequence gains, and the one fused call
+that makes it so on the service (stash, fold, commit, then the next drafts and the trim).
+Shared by every verify path."""
 
 from __future__ import annotations
 
@@ -33,39 +34,32 @@ def verify_and_settle(
     logprobs = model.last_logprobs()
     off = offsets(ks)
     na = [accepted(r, argmax[off[i] : off[i + 1]]) for i, r in enumerate(rows)]
-    # Stash slot j holds the last accepted row of candidate j.
-    candidates = [i for i, a in enumerate(seqs) if _can_propose(a, na[i], ks[i], step_nd)]
-    if candidates:
-        model.stash_verify_hidden_rows([off[i] + na[i] for i in candidates])
-    model.gdn_fold_accepted(handles, [n + 1 for n in na])
-    model.commit_accepted_prefix(handles, [n + 1 for n in na], ks)
     for i, a in enumerate(seqs):
         a.pending_drafts, a.pending_conf = [], []
         a.stats.record(ks[i] - 1, na[i])
-        a.gain(
-            [*rows[i][1 : na[i] + 1], argmax[off[i] + na[i]]], logprobs[off[i] : off[i] + na[i] + 1]
+        gained = [*rows[i][1 : na[i] + 1], argmax[off[i] + na[i]]]
+        a.gain(gained, logprobs[off[i] : off[i] + na[i] + 1])
+    proposers = [i for i, a in enumerate(seqs) if _can_propose(a, ks[i] - na[i] - 1, step_nd)]
+    proposal = model.settle_verdict(
+        handles,
+        [n + 1 for n in na],
+        ks,
+        proposers,
+        [seqs[i].last for i in proposers],
+        step_nd if proposers else 0,
+    )
+    for i, drafts, conf in zip(proposers, proposal.drafts, proposal.confidences, strict=True):
+        a = seqs[i]
+        cap = min(
+            step_nd, a.remaining - 1, a.req.num_drafts if a.req.num_drafts is not None else step_nd
         )
-    still = [(j, seqs[i]) for j, i in enumerate(candidates) if seqs[i].wants_drafts]
-    if still:
-        propose(model, [a for _, a in still], step_nd, [j for j, _ in still])
+        a.pending_drafts, a.pending_conf = drafts[:cap], conf[:cap]
 
 
-def _can_propose(a: ActiveSeq, na: int, k: int, step_nd: int) -> bool:
-    """Whether the sequence may take drafts after this verdict, judged before its new tokens
-    are known (one that then stops is left out of the propose)."""
+def _can_propose(a: ActiveSeq, rejected: int, step_nd: int) -> bool:
+    """Whether the sequence takes drafts after this verdict: it drafts, goes on, and its
+    drafter's entries fit the context once the rejected rows are rewound."""
     if step_nd < 1 or not a.wants_drafts:
         return False
     assert a.handle is not None
-    seq_len = a.handle.seq_len - (k - na - 1)
-    return seq_len - 1 + step_nd <= a.max_context
-
-
-def propose(model: Model, seqs: list[ActiveSeq], nd: int, stash: list[int]) -> None:
-    """The next drafts of every sequence in one call, then the drafter trimmed back to what
-    the target's hiddens justify."""
-    handles = [a.handle for a in seqs]
-    p = model.run_mtp_propose_batched([a.last for a in seqs], stash, nd, handles)
-    model.trim_proposer_state(handles)
-    for a, drafts, conf in zip(seqs, p.drafts, p.confidences, strict=True):
-        cap = min(nd, a.remaining - 1, a.req.num_drafts if a.req.num_drafts is not None else nd)
-        a.pending_drafts, a.pending_conf = drafts[:cap], conf[:cap]
+    return a.handle.seq_len - rejected - 1 + step_nd <= a.max_context

@@ -200,6 +200,32 @@ class TrimReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class VerdictRequest(_message.Message):
+    __slots__ = ("seq_ids", "kept_rows", "ks", "proposers", "last", "num_drafts")
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    KEPT_ROWS_FIELD_NUMBER: _ClassVar[int]
+    KS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSERS_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    kept_rows: _containers.RepeatedScalarFieldContainer[int]
+    ks: _containers.RepeatedScalarFieldContainer[int]
+    proposers: _containers.RepeatedScalarFieldContainer[int]
+    last: _containers.RepeatedScalarFieldContainer[int]
+    num_drafts: int
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., kept_rows: _Optional[_Iterable[int]] = ..., ks: _Optional[_Iterable[int]] = ..., proposers: _Optional[_Iterable[int]] = ..., last: _Optional[_Iterable[int]] = ..., num_drafts: _Optional[int] = ...) -> None: ...
+
+class VerdictReply(_message.Message):
+    __slots__ = ("seq_lens", "drafts", "confidences")
+    SEQ_LENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    CONFIDENCES_FIELD_NUMBER: _ClassVar[int]
+    seq_lens: _containers.RepeatedScalarFieldContainer[int]
+    drafts: _containers.RepeatedScalarFieldContainer[int]
+    confidences: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, seq_lens: _Optional[_Iterable[int]] = ..., drafts: _Optional[_Iterable[int]] = ..., confidences: _Optional[_Iterable[float]] = ...) -> None: ...
+
 class SetForwardRequest(_message.Message):
     __slots__ = ("forward",)
     FORWARD_FIELD_NUMBER: _ClassVar[int]

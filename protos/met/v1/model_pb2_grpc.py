@@ -89,6 +89,11 @@ class ModelServiceStub:
                 request_serializer=met_dot_v1_dot_model__pb2.TrimRequest.SerializeToString,
                 response_deserializer=met_dot_v1_dot_model__pb2.TrimReply.FromString,
                 _registered_method=True)
+        self.SettleVerdict = channel.unary_unary(
+                '/met.v1.ModelService/SettleVerdict',
+                request_serializer=met_dot_v1_dot_model__pb2.VerdictRequest.SerializeToString,
+                response_deserializer=met_dot_v1_dot_model__pb2.VerdictReply.FromString,
+                _registered_method=True)
         self.SetForward = channel.unary_unary(
                 '/met.v1.ModelService/SetForward',
                 request_serializer=met_dot_v1_dot_model__pb2.SetForwardRequest.SerializeToString,
@@ -170,6 +175,13 @@ class ModelServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SettleVerdict(self, request, context):
+        """Stash + fold + commit + propose + trim in one round trip (the serving path).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SetForward(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -239,6 +251,11 @@ def add_ModelServiceServicer_to_server(servicer, server):
                     servicer.TrimProposer,
                     request_deserializer=met_dot_v1_dot_model__pb2.TrimRequest.FromString,
                     response_serializer=met_dot_v1_dot_model__pb2.TrimReply.SerializeToString,
+            ),
+            'SettleVerdict': grpc.unary_unary_rpc_method_handler(
+                    servicer.SettleVerdict,
+                    request_deserializer=met_dot_v1_dot_model__pb2.VerdictRequest.FromString,
+                    response_serializer=met_dot_v1_dot_model__pb2.VerdictReply.SerializeToString,
             ),
             'SetForward': grpc.unary_unary_rpc_method_handler(
                     servicer.SetForward,
@@ -548,6 +565,33 @@ class ModelService:
             '/met.v1.ModelService/TrimProposer',
             met_dot_v1_dot_model__pb2.TrimRequest.SerializeToString,
             met_dot_v1_dot_model__pb2.TrimReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SettleVerdict(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/met.v1.ModelService/SettleVerdict',
+            met_dot_v1_dot_model__pb2.VerdictRequest.SerializeToString,
+            met_dot_v1_dot_model__pb2.VerdictReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,53 @@
+"""`met gpu-service serve`'s flags; torch-free, so `met` parses fast for every command."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from gpu_service.config import ServiceConfig
+from gpu_service.defaults import DEFAULT_MODEL_DIR
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=DEFAULT_MODEL_DIR,
+        help="checkpoint directory (default: the bundled model)",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
+    parser.add_argument("--port", type=int, default=50051, help="port (0 picks a free one)")
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default=None,
+        help="serving dtype (default: the checkpoint's)",
+    )
+    parser.add_argument(
+        "--verify-tiers",
+        default=ServiceConfig.verify_tiers,
+        help="verify buffers by slot, SLOTS:DRAFTS,... (default %(default)s)",
+    )
+    parser.add_argument("--max-context", type=int, default=ServiceConfig.max_context)
+    parser.add_argument("--max-rows", type=int, default=ServiceConfig.max_rows)
+    parser.add_argument("--max-batch", type=int, default=ServiceConfig.max_batch)
+    parser.add_argument("--max-prefill-tokens", type=int, default=ServiceConfig.max_prefill_tokens)
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch intra-op threads of the engine (CPU)"
+    )
+    parser.add_argument(
+        "--grace", type=float, default=5.0, help="seconds in-flight calls get on SIGTERM"
+    )
+
+
+def service_config(args: argparse.Namespace) -> ServiceConfig:
+    if args.max_context % 64:
+        raise SystemExit(f"--max-context {args.max_context} is not a multiple of 64")
+    return ServiceConfig(
+        verify_tiers=args.verify_tiers,
+        max_context=args.max_context,
+        max_rows=args.max_rows,
+        max_batch=args.max_batch,
+        max_prefill_tokens=args.max_prefill_tokens,
+    )
