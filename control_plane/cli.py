@@ -39,8 +39,15 @@ def _generate(args: argparse.Namespace) -> None:
     sys.exit(run(args))
 
 
+def _circuit_diff(args: argparse.Namespace) -> None:
+    from control_plane.circuit.report import main
+
+    sys.exit(main(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     from control_plane import generate_cli, server
+    from control_plane.circuit import report
     from gpu_service.options import add_serve_args
 
     parser = argparse.ArgumentParser(prog="met", description=__doc__)
@@ -68,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="stream one request from a running control plane")
     generate_cli.add_args(gen)
     gen.set_defaults(fn=_generate)
+
+    circuit = sub.add_parser("circuit", help="proofs that a forward computes the reference")
+    circuit_sub = circuit.add_subparsers(dest="action", required=True)
+    diff = circuit_sub.add_parser("diff", help="compare forwards byte for byte")
+    report.add_args(diff)
+    diff.set_defaults(fn=_circuit_diff)
 
     init = sub.add_parser("init-model", help="write seeded random weights into a checkpoint")
     init.add_argument("directory", type=Path, nargs="?", default=DEFAULT_MODEL_DIR)

@@ -40,6 +40,10 @@ class Engine(DrafterOps):
         self.model = HybridModel(self.cfg, weights, self.svc.max_context)
         self.state = DeviceState(self.cfg, self.svc, torch_dtype)
         self.forward_name = "eager"
+        # name -> hook run after every fold (None for the plain forwards); tests add more.
+        self.forwards: dict[str, Callable[[DeviceState, list[int]], None] | None] = {
+            name: None for name in FORWARDS
+        }
         self._logprobs: list[float] = []
         self._verify_calls = 0
         self._seqs: dict[int, SeqState] = {}
@@ -58,7 +62,7 @@ class Engine(DrafterOps):
             free_slots=len(self._free),
             slot_verify_drafts=self.svc.slot_verify_drafts,
             max_rows=self.svc.max_rows,
-            forwards=FORWARDS,
+            forwards=tuple(self.forwards),
             current_forward=self.forward_name,
             device="cpu",
             max_context=self.svc.max_context,
@@ -238,6 +242,9 @@ class Engine(DrafterOps):
                 self.state.gdn[:, s.slot] = self.state.verify_gdn[:, row]
                 self.state.conv[:, s.slot] = self.state.verify_conv[:, row]
                 s.phase, s.folded_rows = FOLDED, a
+            hook = self.forwards[self.forward_name]
+            if hook is not None:
+                hook(self.state, [s.slot for s in states])
 
     def commit_accepted_prefix(
         self, seqs: Sequence[SequenceHandle], kept_rows: Sequence[int], ks: Sequence[int]
@@ -276,10 +283,16 @@ class Engine(DrafterOps):
 
     # -- misc ----------------------------------------------------------------------------
 
+    def add_forward(self, name: str, after_fold: Callable[[DeviceState, list[int]], None]) -> None:
+        """A forward that runs as `eager` (or batched-serial when `name` ends in `-serial`)
+        and then calls `after_fold(state, slots)` after each fold: how a test plants a fault
+        the circuit diff must catch."""
+        self.forwards[name] = after_fold
+
     def set_forward(self, name: str) -> None:
-        if name not in FORWARDS:
+        if name not in self.forwards:
             raise InvalidArgument(
-                f"unknown forward {name!r}; this service has {', '.join(FORWARDS)}"
+                f"unknown forward {name!r}; this service has {', '.join(self.forwards)}"
             )
         with self._lock:
             self.forward_name = name

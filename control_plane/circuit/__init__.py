@@ -1,0 +1,1 @@
+"""`met circuit diff`: proofs that a forward computes what the reference computes."""

@@ -1,0 +1,173 @@
+"""The `--verify-batch` report: every width and shape, the verdict, JSON on disk and stdout,
+and `met circuit diff`'s command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from control_plane.circuit.verify_batch import (
+    DiffError,
+    ShapeReport,
+    diff_verify_batch,
+    verify_batch_failures,
+)
+from gpu_service.defaults import DEFAULT_MODEL_DIR
+from gpu_service.interface import Model
+
+SCHEMA = Path(__file__).with_name("report.schema.json")
+
+
+def _int_list(text: str, name: str, low: int) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{name} takes comma-separated integers, not {text!r}"
+        ) from None
+    if not values or min(values) < low:
+        raise argparse.ArgumentTypeError(f"{name} takes integers of at least {low}: {text!r}")
+    return values
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--verify-batch",
+        action="store_true",
+        required=True,
+        help="diff the batched verify (the only diff so far)",
+    )
+    parser.add_argument(
+        "--widths",
+        default="2,3,5",
+        type=lambda t: _int_list(t, "--widths", 2),
+        help="batch widths, each at least 2 (default %(default)s)",
+    )
+    parser.add_argument(
+        "--ks",
+        default="2,3,4",
+        type=lambda t: _int_list(t, "--ks", 1),
+        help="verify widths k (default %(default)s)",
+    )
+    parser.add_argument("--steps", type=int, default=6, help="verify steps per run")
+    parser.add_argument("--reference", default="eager", help="the reference forward")
+    parser.add_argument(
+        "--forwards",
+        default="eager-serial",
+        type=lambda t: [f for f in t.split(",") if f],
+        help="forwards compared with the reference (default %(default)s)",
+    )
+    parser.add_argument(
+        "--fragment", action="store_true", help="hold a spare slot before sequence n/2"
+    )
+    parser.add_argument("--mtp", action="store_true", help="also diff the batched propose")
+    parser.add_argument("--num-drafts", type=int, default=3, help="drafts per propose")
+    parser.add_argument("--out", type=Path, default=Path("circuit-diff-verify-batch.json"))
+    parser.add_argument(
+        "--gpu-service",
+        metavar="HOST:PORT",
+        default=None,
+        help="a running GPU service (default: an engine in this process)",
+    )
+    parser.add_argument(
+        "--model", type=Path, default=DEFAULT_MODEL_DIR, help="checkpoint of the in-process engine"
+    )
+
+
+def build_report(model: Model, args: argparse.Namespace, shapes: list[ShapeReport]) -> dict:
+    caps = model.capabilities()
+    reasons = verify_batch_failures(shapes)
+    return {
+        # This service has no captured graphs: every forward runs eagerly.
+        "graphs": "eager",
+        "fragment_slots": args.fragment,
+        "drafter": args.mtp,
+        "steps": args.steps,
+        "variants": [
+            {"name": "reference", "forward": args.reference},
+            *({"name": f, "forward": f} for f in args.forwards),
+        ],
+        "model": {"name": caps.model_name, "device": caps.device, "dtype": caps.dtype},
+        "shapes": [
+            {
+                "ks": r.ks,
+                "accepted": r.accepted,
+                "comparisons": [c.to_json() for c in r.comparisons],
+                "timings": r.timings,
+                "detection_control": asdict(r.detection_control),
+            }
+            for r in shapes
+        ],
+        "verdict": "FAIL" if reasons else "PASS",
+        "reasons": reasons,
+    }
+
+
+def validate_args(model: Model, args: argparse.Namespace) -> None:
+    caps = model.capabilities()
+    unknown = [f for f in [args.reference, *args.forwards] if f not in caps.forwards]
+    if unknown:
+        raise DiffError(
+            f"forward {unknown[0]!r} is not offered; the service has {', '.join(caps.forwards)}"
+        )
+    if args.steps < 2:
+        raise DiffError(f"--steps is {args.steps}; the detection control needs at least 2")
+    if max(args.widths) + int(args.fragment) > caps.free_slots:
+        raise DiffError(
+            f"a width of {max(args.widths)} needs more than the {caps.free_slots} free slots"
+        )
+    if args.mtp and not caps.has_mtp:
+        raise DiffError("--mtp: the model has no MTP head")
+
+
+def run_diff(model: Model, args: argparse.Namespace) -> dict:
+    """The whole diff; the service's forward is set back as it was found."""
+    validate_args(model, args)
+    found = model.capabilities().current_forward
+    try:
+        shapes = diff_verify_batch(
+            model,
+            args.widths,
+            args.ks,
+            args.fragment,
+            args.mtp,
+            args.num_drafts,
+            args.steps,
+            args.reference,
+            args.forwards,
+            progress=lambda line: print(line, file=sys.stderr),
+        )
+    finally:
+        model.set_forward(found)
+    return build_report(model, args, shapes)
+
+
+def _connect(args: argparse.Namespace) -> Model:
+    if args.gpu_service:
+        from control_plane.client import GrpcModel
+
+        return GrpcModel(args.gpu_service)
+    from gpu_service.checkpoint import ensure_weights
+    from gpu_service.engine import Engine
+
+    if args.model.resolve() == DEFAULT_MODEL_DIR:
+        ensure_weights(args.model)
+    return Engine(args.model)
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        report = run_diff(_connect(args), args)
+    except DiffError as e:
+        print(f"circuit diff could not run: {e}", file=sys.stderr)
+        return 2
+    text = json.dumps(report, indent=2)
+    args.out.write_text(text + "\n")
+    print(text)
+    if report["reasons"]:
+        print("circuit diff FAILED:\n  " + "\n  ".join(report["reasons"]), file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,240 @@
+"""`met circuit diff --verify-batch`: its helpers, its verdicts, and its report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+
+from control_plane.circuit.compare import Run, Step, compare, ulp_distance
+from control_plane.circuit.report import SCHEMA, build_report, run_diff
+from control_plane.circuit.shapes import (
+    batch_shapes,
+    capped,
+    corrupted_draft,
+    dedup,
+    drafts,
+    slot_of,
+)
+from control_plane.circuit.verify_batch import DiffError, ShapeReport, verify_batch_failures
+from control_plane.cli import build_parser
+from control_plane.launch import start_gpu_service, stop
+from control_plane.scheduler.verdict import offsets
+from gpu_service.config import ServiceConfig
+from gpu_service.defaults import DEFAULT_MODEL_DIR
+from gpu_service.engine import Engine
+from gpu_service.state import DeviceState
+
+
+def args(*extra: str) -> argparse.Namespace:
+    return build_parser().parse_args(["circuit", "diff", "--verify-batch", *extra])
+
+
+# -- helpers -------------------------------------------------------------------------------
+
+
+def test_batch_shapes_as_the_seed() -> None:
+    assert batch_shapes(2, [4]) == [[4, 4]]
+    assert batch_shapes(7, [2, 4, 3]) == [[4] * 7, [3] * 7, [2] * 7, [4, 4, 4, 3, 3, 2, 2]]
+    assert len(batch_shapes(2, [2, 3, 4])) == 3, "too few sequences to mix"
+    assert batch_shapes(3, [2, 2]) == [[2, 2, 2]]
+
+
+def test_caps_slots_offsets_dedup() -> None:
+    assert capped([4, 4, 4], [4, 3, 2]) == [4, 3, 2]
+    assert [slot_of(i, 5, False) for i in range(5)] == [0, 1, 2, 3, 4]
+    assert [slot_of(i, 5, True) for i in range(5)] == [0, 1, 3, 4, 5]
+    assert offsets([4, 3, 2]) == [0, 4, 7, 9]
+    assert dedup([[2, 2], [2, 2], [3, 2], [2, 2]]) == [[2, 2], [3, 2], [2, 2]]
+
+
+def test_draft_corruption() -> None:
+    greedy = list(range(100, 120))
+    assert drafts(greedy, 0, 0, 0, 4, 320) == [101, 102, 103], "even: untouched"
+    assert corrupted_draft(1, 0, 4) == 0 and corrupted_draft(3, 0, 4) == 1
+    assert drafts(greedy, 2, 3, 0, 4, 320) == [103, 105, 105]
+    assert drafts([5, 319], 0, 1, 0, 2, 320) == [0], "wraps at the vocabulary"
+    assert corrupted_draft(1, 0, 1) is None, "no drafts to corrupt"
+
+
+def test_ulp_and_compare() -> None:
+    a = torch.tensor([1.0, -2.0, 0.0]).numpy().tobytes()
+    b = torch.tensor([1.0, -2.0, 0.0]).nextafter(torch.tensor(9.0)).numpy().tobytes()
+    assert ulp_distance(a, a, "float32") == 0 and ulp_distance(a, b, "float32") == 1
+    c = torch.tensor([1.0, -2.0, 1e-45]).numpy().tobytes()
+    assert ulp_distance(a, c, "float32") == 1, "across zero counts representable values"
+    ref = Run(a, [0], [Step(a, [0, 1, 2])], [3], "float32", [1.0], [1.0])
+    run = Run(a, [0], [Step(b, [0, 1, 1])], [3], "float32", [1.0], [1.0])
+    cmp = compare("x", ref, run)
+    assert (cmp.mismatched_steps, cmp.first_mismatch, cmp.max_ulp) == (1, 0, 1)
+    assert cmp.argmax_agreement == pytest.approx(2 / 3)
+
+
+def test_thin_shapes_fail() -> None:
+    def shape(accepted: list[list[int]]) -> ShapeReport:
+        ok = compare("x", *(Run(b"", [], [], [2, 2], "float32", [], []),) * 2)
+        one, two = (torch.tensor([x]).numpy().tobytes() for x in (1.0, 2.0))
+        ctl = compare(
+            "ctl",
+            Run(b"", [], [Step(one, [])], [2, 2], "float32", [], []),
+            Run(b"", [], [Step(two, [])], [2, 2], "float32", [], []),
+        )
+        return ShapeReport([2, 2], accepted, [ok], [], ctl)
+
+    assert verify_batch_failures([shape([[1, 0], [0, 1]])]) == []
+    assert "0 partial" in verify_batch_failures([shape([[1, 1], [1, 1]])])[0]
+    assert "0 full" in verify_batch_failures([shape([[0, 0], [0, 0]])])[0]
+
+
+# -- whole runs ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [(), ("--fragment",), ("--mtp",), ("--fragment", "--mtp")],
+    ids=["plain", "fragment", "mtp", "fragment-mtp"],
+)
+def test_passes_in_process(tiny_dir: Path, flags: tuple[str, ...]) -> None:
+    engine = Engine(tiny_dir, ServiceConfig(verify_tiers="4:3,4:2,8:1", max_context=256))
+    report = run_diff(engine, args("--widths", "2,3,5", "--ks", "2,3,4", "--steps", "6", *flags))
+    assert report["verdict"] == "PASS", report["reasons"]
+    assert all(s["detection_control"]["mismatched_steps"] > 0 for s in report["shapes"])
+    # Slots 4-7 verify two drafts: the spare slot moves one more sequence onto them.
+    caps = [s["ks"] for s in report["shapes"]]
+    assert ([4, 4, 4, 3, 3] in caps) == ("--fragment" in flags)
+    assert ([4, 4, 4, 4, 3] in caps) == ("--fragment" not in flags)
+    jsonschema.validate(report, json.loads(SCHEMA.read_text()))
+    assert engine.capabilities().free_slots == 16
+    assert engine.capabilities().current_forward == "eager"
+
+
+def test_default_model_in_process_and_served(tmp_path: Path) -> None:
+    """The acceptance command on the default model, in process and against a served one."""
+    flags = [
+        "--widths",
+        "2,3,5",
+        "--ks",
+        "2,3,4",
+        "--steps",
+        "6",
+        "--forwards",
+        "eager-serial",
+        "--fragment",
+        "--mtp",
+    ]
+    engine = Engine(DEFAULT_MODEL_DIR, ServiceConfig())
+    assert run_diff(engine, args(*flags))["verdict"] == "PASS"
+    proc, target = start_gpu_service(DEFAULT_MODEL_DIR)
+    try:
+        out = tmp_path / "report.json"
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "control_plane.cli",
+                "circuit",
+                "diff",
+                "--verify-batch",
+                *flags,
+                "--gpu-service",
+                target,
+                "--out",
+                str(out),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert result.returncode == 0, result.stderr
+        report = json.loads(out.read_text())
+        assert report["verdict"] == "PASS" and report["fragment_slots"] and report["drafter"]
+        jsonschema.validate(report, json.loads(SCHEMA.read_text()))
+    finally:
+        stop(proc)
+
+
+def _perturb(state: DeviceState, slots: list[int]) -> None:
+    state.gdn[:, slots[0]] *= 1 + 1e-6
+
+
+def test_perturbed_gdn_state_fails_naming_shape_and_step(tiny_dir: Path) -> None:
+    engine = Engine(tiny_dir, ServiceConfig(verify_tiers="8:3", max_context=256))
+    engine.add_forward("eager-perturbed", _perturb)
+    report = run_diff(
+        engine, args("--widths", "2", "--ks", "3", "--steps", "4", "--forwards", "eager-perturbed")
+    )
+    assert report["verdict"] == "FAIL"
+    (reason,) = report["reasons"]
+    # The first fold perturbs the state; the next step's logits show it.
+    assert reason.startswith("verify-batch [3, 3], eager-perturbed:")
+    assert "(first at 1," in reason
+    assert report["shapes"][0]["comparisons"][0]["max_ulp"] > 0
+
+
+def test_ks_of_one_is_thin(tiny_dir: Path) -> None:
+    engine = Engine(tiny_dir, ServiceConfig(verify_tiers="8:3", max_context=256))
+    report = run_diff(engine, args("--widths", "2", "--ks", "1", "--steps", "2"))
+    assert report["verdict"] == "FAIL"
+    assert report["reasons"] == ["verify-batch [1, 1]: 4 full and 0 partial accepts; it needs both"]
+
+
+def test_a_failing_run_frees_its_sequences_and_restores_the_forward(tiny_dir: Path) -> None:
+    engine = Engine(tiny_dir, ServiceConfig(verify_tiers="8:3", max_context=256))
+
+    def explode(state: DeviceState, slots: list[int]) -> None:
+        raise RuntimeError("planted")
+
+    engine.add_forward("eager-broken", explode)
+    engine.set_forward("eager-serial")
+    with pytest.raises(RuntimeError, match="planted"):
+        run_diff(
+            engine,
+            args(
+                "--widths",
+                "3",
+                "--ks",
+                "2",
+                "--steps",
+                "2",
+                "--fragment",
+                "--forwards",
+                "eager-broken",
+            ),
+        )
+    caps = engine.capabilities()
+    assert caps.free_slots == caps.num_slots and caps.current_forward == "eager-serial"
+
+
+def test_bad_arguments(tiny_dir: Path) -> None:
+    with pytest.raises(SystemExit):
+        args("--widths", "1,2")
+    with pytest.raises(SystemExit):
+        args("--ks", "a")
+    engine = Engine(tiny_dir, ServiceConfig(verify_tiers="4:3", max_context=256))
+    with pytest.raises(DiffError, match="not offered"):
+        run_diff(engine, args("--forwards", "triton"))
+    with pytest.raises(DiffError, match="free slots"):
+        run_diff(engine, args("--widths", "5"))
+    with pytest.raises(DiffError, match="at least 2"):
+        run_diff(engine, args("--steps", "1"))
+
+
+def test_report_fields_as_the_seed(tiny_dir: Path) -> None:
+    engine = Engine(tiny_dir, ServiceConfig(verify_tiers="4:3", max_context=256))
+    report = build_report(engine, args("--widths", "2"), [])
+    assert set(report) >= {
+        "graphs",
+        "fragment_slots",
+        "drafter",
+        "steps",
+        "variants",
+        "shapes",
+        "verdict",
+        "reasons",
+    }
