@@ -6,6 +6,7 @@ import argparse
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import jsonschema
@@ -114,49 +115,58 @@ def test_passes_in_process(tiny_dir: Path, flags: tuple[str, ...]) -> None:
     assert engine.capabilities().current_forward == "eager"
 
 
-def test_default_model_in_process_and_served(tmp_path: Path) -> None:
-    """The acceptance command on the default model, in process and against a served one."""
-    flags = [
-        "--widths",
-        "2,3,5",
-        "--ks",
-        "2,3,4",
-        "--steps",
-        "6",
-        "--forwards",
-        "eager-serial",
-        "--fragment",
-        "--mtp",
-    ]
-    engine = Engine(DEFAULT_MODEL_DIR, ServiceConfig())
-    assert run_diff(engine, args(*flags))["verdict"] == "PASS"
+@pytest.fixture(scope="module")
+def served_default() -> Iterator[str]:
     proc, target = start_gpu_service(DEFAULT_MODEL_DIR)
-    try:
-        out = tmp_path / "report.json"
-        result = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "control_plane.cli",
-                "circuit",
-                "diff",
-                "--verify-batch",
-                *flags,
-                "--gpu-service",
-                target,
-                "--out",
-                str(out),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert result.returncode == 0, result.stderr
-        report = json.loads(out.read_text())
-        assert report["verdict"] == "PASS" and report["fragment_slots"] and report["drafter"]
-        jsonschema.validate(report, json.loads(SCHEMA.read_text()))
-    finally:
-        stop(proc)
+    yield target
+    stop(proc)
+
+
+ACCEPTANCE = ["--widths", "2,3,5", "--ks", "2,3,4", "--steps", "6", "--forwards", "eager-serial"]
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [(), ("--fragment",), ("--mtp",), ("--fragment", "--mtp")],
+    ids=["plain", "fragment", "mtp", "fragment-mtp"],
+)
+def test_default_model_in_process_and_served(
+    tmp_path: Path, served_default: str, flags: tuple[str, ...]
+) -> None:
+    """The acceptance command on the default model, in process and against a served one."""
+    engine = Engine(DEFAULT_MODEL_DIR, ServiceConfig())
+    local = run_diff(engine, args(*ACCEPTANCE, *flags))
+    assert local["verdict"] == "PASS", local["reasons"]
+    out = tmp_path / "report.json"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "control_plane.cli",
+            "circuit",
+            "diff",
+            "--verify-batch",
+            *ACCEPTANCE,
+            *flags,
+            "--gpu-service",
+            served_default,
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    remote = json.loads(out.read_text())
+    assert remote["verdict"] == "PASS"
+    assert all(s["detection_control"]["mismatched_steps"] > 0 for s in remote["shapes"])
+    assert (remote["fragment_slots"], remote["drafter"]) == (
+        "--fragment" in flags,
+        "--mtp" in flags,
+    )
+    assert [s["accepted"] for s in remote["shapes"]] == [s["accepted"] for s in local["shapes"]]
+    jsonschema.validate(remote, json.loads(SCHEMA.read_text()))
 
 
 def _perturb(state: DeviceState, slots: list[int]) -> None:
