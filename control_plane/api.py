@@ -4,19 +4,24 @@ events. Protobuf stops here."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
+import time
 import uuid
 
 import grpc
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from control_plane.detok import Tokenizer
 from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.seq import MTP, NONE, Delta, Failure, Finish, GenRequest, SpecStats
 from gpu_service.interface import Capabilities, ModelError
+from gpu_service.telemetry import incoming_context, tracer
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
 
 METHODS = {pb.SPECULATIVE_METHOD_NONE: NONE, pb.SPECULATIVE_METHOD_MTP: MTP}
+TRACER = tracer("met.control_plane")
 
 
 class BadRequest(Exception):
@@ -121,34 +126,56 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
 
     async def Generate(self, request, context):
         rid = request.request_id or uuid.uuid4().hex
+        gen = TRACER.start_span(
+            "generate",
+            context=incoming_context(context),
+            kind=SpanKind.SERVER,
+            attributes=_request_attributes(request, rid),
+        )
+        try:
+            async for msg in self._generate(request, context, rid, gen):
+                yield msg
+        finally:
+            gen.end()
+
+    async def _generate(self, request, context, rid: str, gen: Span):
         key = f"{rid}#{next(self._ids)}"  # clients may reuse ids; the scheduler must not
         loop = asyncio.get_running_loop()
+        started = time.monotonic()
         try:
             caps = await loop.run_in_executor(None, self.scheduler.capabilities)
+            gen.set_attribute("gen_ai.request.model", caps.model_name)
             req = to_request(
                 request, self.tokenizer, caps, self.default_method, self.default_max_new, key
             )
         except BadRequest as e:
+            _failed(gen, e.code.name, str(e))
             await context.abort(e.code, str(e))
         except grpc.RpcError as e:
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE, f"the GPU service is not reachable: {e.details()}"
-            )
+            message = f"the GPU service is not reachable: {e.details()}"
+            _failed(gen, "UNAVAILABLE", message)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, message)
+        req = dataclasses.replace(req, span_context=gen.get_span_context())
         events: asyncio.Queue = asyncio.Queue()
         try:
             self.scheduler.submit(req, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
         except ModelError as e:
+            _failed(gen, e.code, str(e))
             await context.abort(getattr(grpc.StatusCode, e.code), str(e))
-        done = False
+        done, first = False, None
         try:
             while True:
                 ev = await events.get()
                 if isinstance(ev, Delta):
+                    if first is None and ev.token_ids:
+                        first = time.monotonic() - started
+                        gen.set_attribute("met.time_to_first_token_s", first)
                     yield pb.GenerateResponse(
                         token_ids=ev.token_ids, text=ev.text, logprobs=ev.logprobs, request_id=rid
                     )
                 elif isinstance(ev, Finish):
                     done = True
+                    _finished(gen, ev)
                     yield pb.GenerateResponse(
                         finish_reason=ev.reason,
                         request_id=rid,
@@ -160,9 +187,11 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                     return
                 elif isinstance(ev, Failure):
                     done = True
+                    _failed(gen, ev.code, ev.message)
                     await context.abort(getattr(grpc.StatusCode, ev.code), ev.message)
         finally:
             if not done:
+                gen.set_attribute("gen_ai.response.finish_reasons", ["cancelled"])
                 self.scheduler.cancel(key)
 
     async def GetStats(self, request, context):
@@ -179,3 +208,38 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             queued=snap["queued"],
             free_slots=snap["free_slots"],
         )
+
+
+def _request_attributes(r: pb.GenerateRequest, rid: str) -> dict:
+    """GenAI semantic-convention attributes, written out (the semconv package marks them
+    moved)."""
+    attrs = {
+        "gen_ai.operation.name": "text_completion",
+        "gen_ai.request.temperature": r.temperature,
+        "met.request_id": rid,
+    }
+    if r.HasField("max_new_tokens"):
+        attrs["gen_ai.request.max_tokens"] = r.max_new_tokens
+    return attrs
+
+
+def _finished(gen: Span, ev: Finish) -> None:
+    s = ev.stats
+    gen.set_attributes(
+        {
+            "gen_ai.usage.input_tokens": ev.prompt_tokens,
+            "gen_ai.usage.output_tokens": ev.completion_tokens,
+            "gen_ai.response.finish_reasons": [ev.reason],
+            "met.spec.steps": s.steps,
+            "met.spec.verifies": s.verifies,
+            "met.spec.drafted": s.drafted,
+            "met.spec.accepted": s.accepted,
+            "met.spec.mean_accepted_length": s.mean_accepted_length,
+        }
+    )
+
+
+def _failed(gen: Span, code: str, message: str) -> None:
+    gen.set_attribute("gen_ai.response.finish_reasons", ["error"])
+    gen.set_attribute("error.type", code)
+    gen.set_status(Status(StatusCode.ERROR, message))

@@ -16,6 +16,7 @@ from gpu_service.interface import (
     Proposal,
     SequenceHandle,
 )
+from gpu_service.telemetry import ClientTracing
 from protos.met.v1 import model_pb2 as pb
 from protos.met.v1 import model_pb2_grpc as pb_grpc
 
@@ -25,7 +26,8 @@ class GrpcModel:
         self.target = target
         self.timeout = timeout
         self._channel = grpc.insecure_channel(target)
-        self._stub = pb_grpc.ModelServiceStub(self._channel)
+        self._traced = grpc.intercept_channel(self._channel, ClientTracing("met.control_plane"))
+        self._stub = pb_grpc.ModelServiceStub(self._traced)
         self._logprobs: list[float] = []
 
     def close(self) -> None:

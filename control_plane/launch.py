@@ -33,10 +33,13 @@ def start(process: str, args: list[str], timeout: float) -> tuple[subprocess.Pop
     cmd = [sys.executable, "-m", "control_plane.cli", process, "serve", *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if "listening on" not in line:
+    for line in proc.stdout:
+        if "listening on" in line:
+            break
+        sys.stderr.write(f"[{process}] {line}")
+    else:
         proc.kill()
-        raise RuntimeError(f"the {process} did not start: {line!r}")
+        raise RuntimeError(f"the {process} exited before listening (status {proc.wait()})")
     target = line.split("listening on", 1)[1].split()[0]
     # Keep draining the child's output so a full pipe never blocks it.
     threading.Thread(target=_forward, args=(process, proc.stdout), daemon=True).start()

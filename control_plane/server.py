@@ -15,9 +15,11 @@ from grpc_reflection.v1alpha import reflection
 
 from control_plane.api import GenerationServicer
 from control_plane.client import GrpcModel
+from control_plane.metrics import Metrics
 from control_plane.scheduler.loop import Scheduler, SchedulerOptions
 from control_plane.scheduler.seq import MTP, NONE
 from gpu_service.defaults import DEFAULT_MODEL_DIR
+from gpu_service.telemetry import setup_tracing
 from gpu_service.tokenizer import ByteTokenizer
 from protos.met.v1 import generate_pb2, generate_pb2_grpc
 
@@ -61,6 +63,17 @@ def add_serve_args(parser: argparse.ArgumentParser, gpu_service_required: bool =
         "--max-new-tokens", type=int, default=256, help="default for requests that leave it unset"
     )
     parser.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        help="export spans over OTLP here (shortcut for OTEL_EXPORTER_OTLP_ENDPOINT)",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus /metrics on this port (0: a free one)",
+    )
+    parser.add_argument(
         "--grace", type=float, default=5.0, help="seconds in-flight streams get on SIGTERM"
     )
 
@@ -73,12 +86,17 @@ def build_scheduler(args: argparse.Namespace) -> Scheduler:
         prefill_chunk=args.prefill_chunk,
     )
     tokenizer = ByteTokenizer.load(args.tokenizer)
-    return Scheduler(lambda: GrpcModel(args.gpu_service), tokenizer, opts)
+    metrics = Metrics() if args.metrics_port is not None else None
+    return Scheduler(lambda: GrpcModel(args.gpu_service), tokenizer, opts, metrics=metrics)
 
 
 async def serve(args: argparse.Namespace) -> None:
+    flush_spans = setup_tracing("control-plane", args.otlp_endpoint)
     scheduler = build_scheduler(args)
     scheduler.start()
+    if scheduler.metrics is not None:
+        metrics_port = scheduler.metrics.serve(args.metrics_port, args.host)
+        print(f"control-plane metrics on http://{args.host}:{metrics_port}/metrics", flush=True)
     servicer = GenerationServicer(scheduler, scheduler.tokenizer, args.method, args.max_new_tokens)
     health_servicer = health.aio.HealthServicer()
     server = grpc.aio.server()
@@ -104,6 +122,7 @@ async def serve(args: argparse.Namespace) -> None:
     await health_servicer.enter_graceful_shutdown()
     await server.stop(args.grace)
     await loop.run_in_executor(None, scheduler.stop)
+    flush_spans()
 
 
 def run(args: argparse.Namespace) -> None:

@@ -13,7 +13,8 @@ from control_plane.server import serve
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO)
-    proc, target = start_gpu_service(args.model)
+    extra = ("--otlp-endpoint", args.otlp_endpoint) if args.otlp_endpoint else ()
+    proc, target = start_gpu_service(args.model, *extra)
     print(f"gpu-service ready on {target}", flush=True)
     try:
         args.gpu_service = target

@@ -16,6 +16,7 @@ from gpu_service.interface import (
 )
 from gpu_service.model.hybrid import Segment
 from gpu_service.sequence import IDLE, VERIFIED, SeqState, argmax_confidence
+from gpu_service.telemetry import traced
 
 
 class DrafterOps:
@@ -51,6 +52,7 @@ class DrafterOps:
                 torch.tensor(pair_tokens), torch.cat(pair_hidden), mtp_segs, self.state
             )
 
+    @traced("propose")
     def run_mtp_propose_batched(
         self,
         last: Sequence[int],
@@ -123,6 +125,7 @@ class DrafterOps:
                     f"sequence {s.seq_id} holds {s.seq_len} tokens; the request says {pos}"
                 )
 
+    @traced("trim")
     def trim_proposer_state(self, seqs: Sequence[SequenceHandle], keep_own: int = 0) -> None:
         with self._lock:
             states = self._lookup("trim_proposer_state", seqs)
@@ -133,6 +136,7 @@ class DrafterOps:
                     self.state.mtp_valid[s.slot, pos] = False
                 s.own_drafts = s.own_drafts[:keep_own]
 
+    @traced("engine.verdict")
     def settle_verdict(
         self,
         seqs: Sequence[SequenceHandle],

@@ -26,6 +26,7 @@ from gpu_service.model.hybrid import PREFILL, VERIFY, HybridModel, Segment
 from gpu_service.model.weights import load_weights
 from gpu_service.sequence import FOLDED, IDLE, VERIFIED, SeqState, argmax_confidence
 from gpu_service.state import DeviceState
+from gpu_service.telemetry import traced
 
 
 class Engine(DrafterOps):
@@ -123,6 +124,7 @@ class Engine(DrafterOps):
             row += n
         return segs
 
+    @traced("engine.prefill")
     def prefill(
         self, seqs: Sequence[SequenceHandle], prompts: Sequence[Sequence[int]]
     ) -> list[int]:
@@ -160,6 +162,7 @@ class Engine(DrafterOps):
             self._mirror(seqs, states)
             return out
 
+    @traced("engine.verify")
     def decode_verify_batched(
         self,
         tokens: Sequence[int],
@@ -225,6 +228,7 @@ class Engine(DrafterOps):
 
     # -- verdict -------------------------------------------------------------------------
 
+    @traced("fold")
     def gdn_fold_accepted(self, seqs: Sequence[SequenceHandle], fold_rows: Sequence[int]) -> None:
         with self._lock:
             checks.same_length("gdn_fold_accepted", seqs=seqs, fold_rows=fold_rows)
@@ -246,6 +250,7 @@ class Engine(DrafterOps):
             if hook is not None:
                 hook(self.state, [s.slot for s in states])
 
+    @traced("commit")
     def commit_accepted_prefix(
         self, seqs: Sequence[SequenceHandle], kept_rows: Sequence[int], ks: Sequence[int]
     ) -> list[int]:
@@ -269,6 +274,7 @@ class Engine(DrafterOps):
             self._mirror(seqs, states)
             return [s.seq_len for s in states]
 
+    @traced("stash")
     def stash_verify_hidden_rows(self, rows: Sequence[int]) -> None:
         with self._lock:
             have = self.state.verify_hidden.shape[0]

@@ -37,6 +37,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "--threads", type=int, default=1, help="torch intra-op threads of the engine (CPU)"
     )
     parser.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        help="export spans over OTLP here (shortcut for OTEL_EXPORTER_OTLP_ENDPOINT)",
+    )
+    parser.add_argument(
         "--grace", type=float, default=5.0, help="seconds in-flight calls get on SIGTERM"
     )
 

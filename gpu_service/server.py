@@ -17,6 +17,7 @@ from gpu_service.defaults import DEFAULT_MODEL_DIR
 from gpu_service.engine import Engine
 from gpu_service.options import service_config
 from gpu_service.servicer import ErrorInterceptor, ModelServicer
+from gpu_service.telemetry import ServerTracing, setup_tracing
 from protos.met.v1 import model_pb2, model_pb2_grpc
 
 log = logging.getLogger("gpu_service")
@@ -28,10 +29,11 @@ async def serve(args: argparse.Namespace) -> None:
     # step time at 2 threads on a 2-core machine (measured: 13 ms against 6.3 ms at 1), so
     # one thread is the default; more pay off only with cores to spare.
     torch.set_num_threads(args.threads)
+    flush_spans = setup_tracing("gpu-service", args.otlp_endpoint)
     svc = service_config(args)
     servicer = ModelServicer()
     health_servicer = health.aio.HealthServicer()
-    server = grpc.aio.server(interceptors=[ErrorInterceptor()])
+    server = grpc.aio.server(interceptors=[ServerTracing(), ErrorInterceptor()])
     model_pb2_grpc.add_ModelServiceServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -62,6 +64,7 @@ async def serve(args: argparse.Namespace) -> None:
     print("gpu-service shutting down", flush=True)
     await health_servicer.enter_graceful_shutdown()
     await server.stop(args.grace)
+    flush_spans()
 
 
 def run(args: argparse.Namespace) -> None:

@@ -6,6 +6,7 @@ while the event loop keeps answering health checks."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -36,7 +37,9 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
     ) -> Any:
         if self.engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
-        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
+        # The copied context carries the RPC's server span into the engine thread.
+        ctx = contextvars.copy_context()
+        return await asyncio.get_running_loop().run_in_executor(self._worker, ctx.run, fn, *args)
 
     async def Capabilities(self, request, context):
         c = await self._call(context, lambda: self.engine.capabilities())

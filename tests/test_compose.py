@@ -1,4 +1,5 @@
-"""compose.yaml, validated by the real compose v2 binary (no docker engine runs here)."""
+"""compose.yaml, validated by the real compose v2 binary (no docker engine runs here), and
+the invariants a deployment relies on."""
 
 from __future__ import annotations
 
@@ -7,36 +8,72 @@ import subprocess
 from pathlib import Path
 
 import compose
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 # The package's wrapper script always exits 0; the binary beside it reports errors.
 BINARY = Path(compose.__file__).parent / "docker-compose"
 
 
-def _config(path: Path) -> subprocess.CompletedProcess:
+def _config(*files: Path) -> subprocess.CompletedProcess:
+    args = [a for f in files for a in ("-f", str(f))]
     return subprocess.run(
-        [str(BINARY), "-f", str(path), "config", "--format", "json"],
+        [str(BINARY), *args, "config", "--format", "json"],
         capture_output=True,
         text=True,
         timeout=60,
     )
 
 
-def test_compose_file_is_valid() -> None:
+@pytest.fixture(scope="module")
+def services() -> dict:
     result = _config(ROOT / "compose.yaml")
     assert result.returncode == 0, result.stderr
-    services = json.loads(result.stdout)["services"]
-    assert {"jaeger", "gpu-service"} <= services.keys()
-    gpu = services["gpu-service"]
-    assert not gpu.get("ports"), "the GPU service port must stay inside the compose network"
-    assert gpu["healthcheck"]["test"][0] == "CMD"
-    devices = gpu["deploy"]["resources"]["reservations"]["devices"]
-    assert devices[0]["capabilities"] == ["gpu"]
-    assert any(p["target"] == 16686 for p in services["jaeger"]["ports"])
-    cp = services["control-plane"]
-    assert cp["depends_on"]["gpu-service"]["condition"] == "service_healthy"
-    assert [p["published"] for p in cp["ports"]] == ["50050"]
-    assert "gpu-service:50051" in cp["command"]
+    return json.loads(result.stdout)["services"]
+
+
+def test_services_and_ports(services: dict) -> None:
+    assert set(services) == {"jaeger", "gpu-service", "control-plane"}
+    assert not services["gpu-service"].get("ports"), "the GPU service port stays internal"
+    assert [p["published"] for p in services["control-plane"]["ports"]] == ["50050", "9464"]
+    assert [p["target"] for p in services["jaeger"]["ports"]] == [16686]
+    assert "2." in services["jaeger"]["image"].rsplit(":", 1)[1], "Jaeger v2"
+
+
+def test_gpu_only_on_the_model_service(services: dict) -> None:
+    devices = services["gpu-service"]["deploy"]["resources"]["reservations"]["devices"]
+    assert devices == [{"capabilities": ["gpu"], "driver": "nvidia", "count": 1}]
+    for name in ("jaeger", "control-plane"):
+        assert "deploy" not in services[name]
+
+
+def test_health_and_startup_order(services: dict) -> None:
+    for name, port in (("gpu-service", "50051"), ("control-plane", "50050")):
+        svc = services[name]
+        assert svc["healthcheck"]["test"][0] == "CMD"
+        assert svc["environment"]["MET_HEALTH_TARGET"] == f"localhost:{port}"
+    deps = services["control-plane"]["depends_on"]
+    assert deps["gpu-service"]["condition"] == "service_healthy"
+    assert "gpu-service:50051" in services["control-plane"]["command"]
+
+
+def test_both_export_to_jaeger(services: dict) -> None:
+    for name in ("gpu-service", "control-plane"):
+        env = services[name]["environment"]
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4317"
+        assert env["OTEL_SERVICE_NAME"] == name
+
+
+def test_cpu_variant_reserves_no_gpu() -> None:
+    result = _config(ROOT / "compose.yaml", ROOT / "compose.cpu.yaml")
+    assert result.returncode == 0, result.stderr
+    assert "deploy" not in json.loads(result.stdout)["services"]["gpu-service"]
+
+
+def test_dockerfile_installs_as_the_readme() -> None:
+    install = "python3 -m venv .venv && .venv/bin/pip install"
+    assert install in (ROOT / "Dockerfile").read_text()
+    assert install in (ROOT / "README.md").read_text()
 
 
 def test_binary_rejects_a_broken_file(tmp_path: Path) -> None:

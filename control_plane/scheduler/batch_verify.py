@@ -46,4 +46,4 @@ def verify_batch_permutation(slots: list[int], depths: list[int], canonical: boo
 def step_verify_batched(model: Model, seqs: list[ActiveSeq], ks: list[int], ladder_nd: int) -> None:
     """One call: each sequence's rows `[last, drafts[:k-1]]`."""
     rows = [[a.last, *a.pending_drafts[: k - 1]] for a, k in zip(seqs, ks, strict=True)]
-    verify_and_settle(model, seqs, rows, ladder_nd)
+    verify_and_settle(model, seqs, rows, ladder_nd, "batched")

@@ -18,8 +18,8 @@ def can_batch_bootstrap(model: Model, ctx: StepContext, count: int) -> bool:
 
 
 def bootstrap_batched(model: Model, seqs: list[ActiveSeq], ladder_nd: int) -> None:
-    verify_and_settle(model, seqs, [[a.last] for a in seqs], ladder_nd)
+    verify_and_settle(model, seqs, [[a.last] for a in seqs], ladder_nd, "bootstrap")
 
 
 def bootstrap_serial(model: Model, seq: ActiveSeq, ladder_nd: int) -> None:
-    verify_and_settle(model, [seq], [[seq.last]], ladder_nd)
+    verify_and_settle(model, [seq], [[seq.last]], ladder_nd, "bootstrap")

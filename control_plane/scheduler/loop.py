@@ -17,15 +17,20 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
+from opentelemetry.context import Context
+from opentelemetry.trace import Link
 
 from control_plane.detok import Tokenizer
 from control_plane.env import Env
+from control_plane.metrics import Metrics
 from control_plane.scheduler.context import StepContext
 from control_plane.scheduler.seq import ActiveSeq, GenRequest, Sink, SpecStats
 from control_plane.scheduler.step import step_mtp
 from gpu_service.interface import Capabilities, Model, ModelError, ResourceExhausted
+from gpu_service.telemetry import span, tracer
 
 log = logging.getLogger("control_plane.scheduler")
+TRACER = tracer("met.control_plane")
 
 
 @dataclass(frozen=True)
@@ -53,7 +58,9 @@ class Scheduler:
         tokenizer: Tokenizer,
         opts: SchedulerOptions | None = None,
         env: Env | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
+        self.metrics = metrics
         self.connect, self.tokenizer = connect, tokenizer
         self.opts, self.env = opts or SchedulerOptions(), env or Env.read()
         self.model: Model | None = None
@@ -95,6 +102,8 @@ class Scheduler:
                 )
             self._queued += 1
             self.counters.requests += 1
+        if self.metrics is not None:
+            self.metrics.requests.inc()
         self.inbox.put(("submit", (req, sink)))
 
     def cancel(self, request_id: str) -> None:
@@ -144,7 +153,9 @@ class Scheduler:
             req, sink = payload  # type: ignore[misc]
             max_context = self.ctx.caps.max_context if self.ctx else 1 << 30
             eos = self.ctx.caps.eos_token_ids if self.ctx else ()
-            self.waiting.append(ActiveSeq(req, sink, self.tokenizer, eos, max_context))
+            a = ActiveSeq(req, sink, self.tokenizer, eos, max_context)
+            a.observer = self.metrics
+            self.waiting.append(a)
         elif kind == "cancel":
             self._cancel(str(payload))
 
@@ -166,17 +177,33 @@ class Scheduler:
                 return
             with self._lock:
                 self._connect()
-        self._admit()
-        self._prefill()
-        self._retire()
-        if self.active:
-            assert self.model is not None and self.ctx is not None
-            width = len(self.active)
-            step_mtp(self.model, self.active, self.ctx, self.opts.num_drafts)
-            with self._lock:
-                self.counters.steps += 1
-                self.counters.step_widths[width] = self.counters.step_widths.get(width, 0) + 1
+        if not (self.waiting or self.prefilling or self.active):
+            return
+        # Each iteration is a trace of its own; requests reach it through span links.
+        with TRACER.start_as_current_span("scheduler_iteration", context=Context()):
+            self._admit()
+            self._prefill()
             self._retire()
+            if self.active:
+                assert self.model is not None and self.ctx is not None
+                width = len(self.active)
+                step_mtp(self.model, self.active, self.ctx, self.opts.num_drafts)
+                with self._lock:
+                    self.counters.steps += 1
+                    widths = self.counters.step_widths
+                    widths[width] = widths.get(width, 0) + 1
+                if self.metrics is not None:
+                    self.metrics.steps.inc()
+                self._retire()
+        self._gauges()
+
+    def _gauges(self) -> None:
+        if self.metrics is None or self.ctx is None:
+            return
+        held = len(self.prefilling) + len(self.active)
+        self.metrics.running.set(held)
+        self.metrics.waiting.set(self._queued)
+        self.metrics.free_slots.set(self.ctx.caps.num_slots - held)
 
     def _connect(self) -> None:
         model = self.connect()
@@ -211,8 +238,15 @@ class Scheduler:
             budget -= n
         if not batch:
             return
-        argmax = self.model.prefill([a.handle for a in batch], chunks)
-        logprobs = self.model.last_logprobs()
+        links = [Link(a.req.span_context) for a in batch if a.req.span_context is not None]
+        with span(
+            TRACER,
+            "prefill",
+            links=links,
+            **{"met.sequences": len(batch), "met.tokens": sum(map(len, chunks))},
+        ):
+            argmax = self.model.prefill([a.handle for a in batch], chunks)
+            logprobs = self.model.last_logprobs()
         for i, (a, chunk) in enumerate(zip(batch, chunks, strict=True)):
             a.prefilled += len(chunk)
             if a.prefilled == len(a.req.prompt_ids):
@@ -235,6 +269,10 @@ class Scheduler:
             self.counters.prompt_tokens += len(a.req.prompt_ids)
             self.counters.completion_tokens += len(a.generated)
             self.spec.merge(a.stats)
+        if self.metrics is not None:
+            self.metrics.request_success.labels(finished_reason=a.finished or "stop").inc()
+            self.metrics.prompt_tokens.inc(len(a.req.prompt_ids))
+            self.metrics.mean_accepted_length.set(self.spec.mean_accepted_length)
 
     def _dequeued(self, n: int) -> None:
         with self._lock:

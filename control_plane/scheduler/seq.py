@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from control_plane.detok import Detokenizer, Tokenizer
 from gpu_service.interface import SequenceHandle
@@ -25,6 +27,7 @@ class GenRequest:
     method: str = MTP  # NONE or MTP
     num_drafts: int | None = None  # cap on this request's drafts; None: the server's
     logprobs: bool = False
+    span_context: object | None = None  # the request's `generate` span, which steps link to
 
 
 @dataclass
@@ -94,6 +97,11 @@ Event = Delta | Finish | Failure
 Sink = Callable[[Event], None]
 
 
+class Observer(Protocol):
+    def record_verify(self, drafted: int, accepted: int) -> None: ...
+    def record_tokens(self, count: int, first: bool, seconds: float) -> None: ...
+
+
 class ActiveSeq:
     """One admitted request: its handle on the service, its drafts, its output so far."""
 
@@ -116,6 +124,9 @@ class ActiveSeq:
         self.stats = SpecStats()
         self.detok = Detokenizer(tokenizer, req.stop)
         self._eos = () if req.ignore_eos else eos_ids
+        self.observer: Observer | None = None
+        self.submitted = time.monotonic()
+        self.last_emit: float | None = None
 
     def set_eos(self, eos_ids: tuple[int, ...]) -> None:
         self._eos = () if self.req.ignore_eos else eos_ids
@@ -152,10 +163,25 @@ class ActiveSeq:
                 break
         if self.finished is None:
             self.last = tokens[-1]
+        if kept:
+            self._observe(len(kept))
         lp = list(logprobs[: len(kept)]) if logprobs is not None and self.req.logprobs else []
         text = self.detok.delta(final=self.finished is not None)
         if kept or text:
             self.sink(Delta(kept, text, lp))
+
+    def record_verify(self, drafted: int, accepted: int) -> None:
+        self.stats.record(drafted, accepted)
+        if self.observer is not None:
+            self.observer.record_verify(drafted, accepted)
+
+    def _observe(self, count: int) -> None:
+        now = time.monotonic()
+        if self.observer is not None:
+            first = self.last_emit is None
+            since = self.submitted if self.last_emit is None else self.last_emit
+            self.observer.record_tokens(count, first, now - since)
+        self.last_emit = now
 
     def finish(self, reason: str) -> None:
         if self.finished is None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from opentelemetry.trace import Link
+
 from control_plane.scheduler.batch_verify import (
     canonical_assignment,
     chunk_ranges,
@@ -26,6 +28,9 @@ from control_plane.scheduler.ladder import clamp_drafts_to_slot_capacity
 from control_plane.scheduler.seq import ActiveSeq
 from control_plane.scheduler.serial_verify import serial_verify_plan, step_verify_serial
 from gpu_service.interface import Model
+from gpu_service.telemetry import span, tracer
+
+TRACER = tracer("met.control_plane")
 
 
 @dataclass
@@ -53,19 +58,48 @@ def step_width(active: list[ActiveSeq], ctx: StepContext, num_drafts: int) -> in
 def step_mtp(
     model: Model, active: list[ActiveSeq], ctx: StepContext, num_drafts: int
 ) -> StepReport:
+    """The seed's `StepOuter`: one span over the whole step, linked to every request it
+    served."""
+    links = [Link(a.req.span_context) for a in active if a.req.span_context is not None]
+    before = [(a.stats.drafted, a.stats.accepted) for a in active]
+    with TRACER.start_as_current_span("step_mtp", links=links) as sp:
+        report = _step(model, active, ctx, num_drafts)
+        sp.set_attributes(
+            {
+                "met.active": len(active),
+                "met.ladder_nd": report.ladder_nd,
+                "met.drafted": sum(
+                    a.stats.drafted - d for a, (d, _) in zip(active, before, strict=True)
+                ),
+                "met.accepted": sum(
+                    a.stats.accepted - n for a, (_, n) in zip(active, before, strict=True)
+                ),
+                "met.batched_calls": len(report.batched_calls),
+                "met.serial_arms": report.serial_arms,
+            }
+        )
+    return report
+
+
+def _step(model: Model, active: list[ActiveSeq], ctx: StepContext, num_drafts: int) -> StepReport:
     report = StepReport(ladder_nd=step_width(active, ctx, num_drafts))
     ladder_nd = report.ladder_nd
     for a in active:
         a.stats.steps += 1
     boot, verify = split(active)
     if boot:
-        if can_batch_bootstrap(model, ctx, len(boot)):
-            report.bootstrap = "batched"
-            bootstrap_batched(model, [active[i] for i in boot], ladder_nd)
-        else:
-            report.bootstrap = "serial"
-            for i in boot:
-                bootstrap_serial(model, active[i], ladder_nd)
+        batched = can_batch_bootstrap(model, ctx, len(boot))
+        report.bootstrap = "batched" if batched else "serial"
+        with span(
+            TRACER,
+            "bootstrap",
+            **{"met.bootstrap.mode": report.bootstrap, "met.sequences": len(boot)},
+        ):
+            if batched:
+                bootstrap_batched(model, [active[i] for i in boot], ladder_nd)
+            else:
+                for i in boot:
+                    bootstrap_serial(model, active[i], ladder_nd)
     serial, batchable = _partition(active, verify, ctx, ladder_nd)
     ks = [ladder_nd + 1] * len(batchable)
     canonical = canonical_assignment(len(batchable))

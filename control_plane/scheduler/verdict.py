@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from control_plane.scheduler.seq import ActiveSeq
 from gpu_service.interface import Model
+from gpu_service.telemetry import span, tracer
+
+TRACER = tracer("met.control_plane")
 
 
 def accepted(rows: list[int], argmax: list[int]) -> int:
@@ -25,29 +28,32 @@ def offsets(ks: list[int]) -> list[int]:
 
 
 def verify_and_settle(
-    model: Model, seqs: list[ActiveSeq], rows: list[list[int]], step_nd: int
+    model: Model, seqs: list[ActiveSeq], rows: list[list[int]], step_nd: int, mode: str
 ) -> None:
-    """One verify call over `rows[i]` of `seqs[i]`, its verdict, and the next drafts."""
+    """One verify call over `rows[i]` of `seqs[i]`, its verdict, and the next drafts.
+    `mode` (bootstrap, batched or serial) names the path in the trace."""
     ks = [len(r) for r in rows]
     handles = [a.handle for a in seqs]
-    argmax = model.decode_verify_batched([t for r in rows for t in r], ks, handles)
-    logprobs = model.last_logprobs()
+    with span(TRACER, "verify", **{"met.verify.mode": mode, "met.verify.ks": ks}):
+        argmax = model.decode_verify_batched([t for r in rows for t in r], ks, handles)
+        logprobs = model.last_logprobs()
     off = offsets(ks)
     na = [accepted(r, argmax[off[i] : off[i + 1]]) for i, r in enumerate(rows)]
     for i, a in enumerate(seqs):
         a.pending_drafts, a.pending_conf = [], []
-        a.stats.record(ks[i] - 1, na[i])
+        a.record_verify(ks[i] - 1, na[i])
         gained = [*rows[i][1 : na[i] + 1], argmax[off[i] + na[i]]]
         a.gain(gained, logprobs[off[i] : off[i] + na[i] + 1])
     proposers = [i for i, a in enumerate(seqs) if _can_propose(a, ks[i] - na[i] - 1, step_nd)]
-    proposal = model.settle_verdict(
-        handles,
-        [n + 1 for n in na],
-        ks,
-        proposers,
-        [seqs[i].last for i in proposers],
-        step_nd if proposers else 0,
-    )
+    with span(TRACER, "verdict", **{"met.accepted": na, "met.proposers": len(proposers)}):
+        proposal = model.settle_verdict(
+            handles,
+            [n + 1 for n in na],
+            ks,
+            proposers,
+            [seqs[i].last for i in proposers],
+            step_nd if proposers else 0,
+        )
     for i, drafts, conf in zip(proposers, proposal.drafts, proposal.confidences, strict=True):
         a = seqs[i]
         cap = min(

@@ -1,0 +1,232 @@
+"""Spans of one generation in memory, spans of both processes on the wire, and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import threading
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from opentelemetry import propagate, trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
+
+from control_plane.api import GenerationServicer
+from control_plane.launch import start_control_plane, start_gpu_service, stop
+from control_plane.scheduler.loop import Scheduler
+from gpu_service.config import ServiceConfig
+from gpu_service.engine import Engine
+from gpu_service.tokenizer import ByteTokenizer
+from protos.met.v1 import generate_pb2 as pb
+from protos.met.v1 import generate_pb2_grpc as pb_grpc
+from tests.conftest import SERVE_ARGS
+from tests.otlp_receiver import Receiver
+
+_EXPORTER = InMemorySpanExporter()
+
+
+@pytest.fixture(scope="module")
+def memory_spans() -> InMemorySpanExporter:
+    """The process-wide provider can be set once; this module's tests read it."""
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(_EXPORTER))
+    trace.set_tracer_provider(provider)
+    return _EXPORTER
+
+
+@pytest.fixture
+def in_process_api(tiny_dir: Path) -> Iterator[str]:
+    """The generation API on a grpc.aio server in a thread, over an in-process engine."""
+    engine = Engine(tiny_dir, ServiceConfig(verify_tiers="4:3", max_context=256))
+    scheduler = Scheduler(lambda: engine, ByteTokenizer.default())
+    scheduler.start()
+    loop = asyncio.new_event_loop()
+    ready, stopping = threading.Event(), None
+    box: dict = {}
+
+    async def main() -> None:
+        server = grpc.aio.server()
+        pb_grpc.add_GenerationServiceServicer_to_server(
+            GenerationServicer(scheduler, ByteTokenizer.default()), server
+        )
+        box["port"] = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        box["stop"] = asyncio.Event()
+        ready.set()
+        await box["stop"].wait()
+        await server.stop(1)
+
+    thread = threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True)
+    thread.start()
+    ready.wait(30)
+    yield f"127.0.0.1:{box['port']}"
+    loop.call_soon_threadsafe(box["stop"].set)
+    thread.join(30)
+    scheduler.stop()
+    del stopping
+
+
+def test_one_generation_span_tree(memory_spans: InMemorySpanExporter, in_process_api: str) -> None:
+    memory_spans.clear()
+    client_tracer = trace.get_tracer("test.client")
+    with client_tracer.start_as_current_span("client call") as client:
+        carrier: dict[str, str] = {}
+        propagate.inject(carrier)
+        with grpc.insecure_channel(in_process_api) as channel:
+            stub = pb_grpc.GenerationServiceStub(channel)
+            msgs = list(
+                stub.Generate(
+                    pb.GenerateRequest(prompt="abc", max_new_tokens=5),
+                    metadata=list(carrier.items()),
+                )
+            )
+    assert msgs[-1].finish_reason == "length"
+    spans = memory_spans.get_finished_spans()
+    by_name: dict[str, list] = {}
+    for s in spans:
+        by_name.setdefault(s.name, []).append(s)
+    ids = {s.context.span_id: s for s in spans}
+
+    (gen,) = by_name["generate"]
+    assert gen.kind == SpanKind.SERVER
+    assert gen.context.trace_id == client.get_span_context().trace_id, "continues the client"
+    assert gen.parent.span_id == client.get_span_context().span_id
+    a = gen.attributes
+    assert a["gen_ai.operation.name"] == "text_completion"
+    assert a["gen_ai.request.max_tokens"] == 5 and a["gen_ai.request.temperature"] == 0
+    assert a["gen_ai.usage.input_tokens"] == 3 and a["gen_ai.usage.output_tokens"] == 5
+    assert a["gen_ai.response.finish_reasons"] == ("length",)
+    assert a["gen_ai.request.model"] and a["met.time_to_first_token_s"] > 0
+    assert a["met.spec.verifies"] == 4
+
+    def parent(s):
+        return ids[s.parent.span_id] if s.parent and s.parent.span_id in ids else None
+
+    steps = by_name["step_mtp"]
+    assert len(steps) == 4
+    for st in steps:
+        assert parent(st).name == "scheduler_iteration" and parent(parent(st)) is None
+        assert [link.context.span_id for link in st.links] == [gen.context.span_id]
+        assert {"met.active", "met.ladder_nd", "met.drafted", "met.accepted"} <= set(st.attributes)
+    (prefill,) = by_name["prefill"]
+    assert parent(prefill).name == "scheduler_iteration"
+    assert [link.context.span_id for link in prefill.links] == [gen.context.span_id]
+    assert {parent(b).name for b in by_name["bootstrap"]} == {"step_mtp"}
+    modes = {v.attributes["met.verify.mode"] for v in by_name["verify"]}
+    assert modes <= {"bootstrap", "serial", "batched"} and "bootstrap" in modes
+    for v in by_name["verify"]:
+        assert parent(v).name in ("bootstrap", "step_mtp") and "met.verify.ks" in v.attributes
+    for name in ("fold", "commit", "propose", "stash", "trim"):
+        assert by_name[name], name
+        assert {parent(s).name for s in by_name[name]} == {"engine.verdict"}, [
+            (parent(s).name, parent(parent(s)).name) for s in by_name[name]
+        ]
+        assert {parent(parent(s)).name for s in by_name[name]} == {"verdict"}, name
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_both_processes_export_one_trace(tiny_dir: Path) -> None:
+    receiver = Receiver()
+    env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint}
+    old = dict(os.environ)
+    os.environ.update(env)
+    metrics_port = _free_port()
+    try:
+        gpu, target = start_gpu_service(tiny_dir, *SERVE_ARGS)
+        cp, cp_target = start_control_plane(
+            target, "--tokenizer", str(tiny_dir), "--metrics-port", str(metrics_port)
+        )
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+    try:
+        with grpc.insecure_channel(cp_target) as channel:
+            stub = pb_grpc.GenerationServiceStub(channel)
+            stream = stub.Generate(
+                pb.GenerateRequest(prompt_token_ids=[1, 2], ignore_eos=True, max_new_tokens=120)
+            )
+            next(stream)
+            before = _metrics(metrics_port)
+            for _ in range(3):
+                next(stream)
+            during = _metrics(metrics_port)
+            list(stream)
+    finally:
+        assert stop(cp) == 0 and stop(gpu) == 0  # graceful: both flush their spans
+        receiver.stop()
+    assert during["met:generation_tokens_total"] > before["met:generation_tokens_total"]
+    assert during["met:scheduler_steps_total"] > before["met:scheduler_steps_total"]
+    assert during["met:time_to_first_token_seconds_count"] == 1
+    assert during["met:num_requests_running"] == 1
+    assert "met:spec_decode_num_draft_tokens_total" in during
+
+    spans = receiver.spans
+    services = {s.service for s in spans}
+    assert {"gpu-service", "control-plane"} <= services
+    ids = {s.span_id: s for s in spans}
+    servers = [
+        s
+        for s in spans
+        if s.service == "gpu-service" and s.name == "met.v1.ModelService/DecodeVerifyBatched"
+    ]
+    assert servers and all(s.kind == 2 for s in servers)  # SPAN_KIND_SERVER
+    under_step = 0
+    for s in servers:
+        chain, cur = [], s
+        while cur.parent_id in ids:
+            cur = ids[cur.parent_id]
+            chain.append(cur)
+        if any(c.name == "step_mtp" and c.service == "control-plane" for c in chain):
+            under_step += 1
+            assert all(c.trace_id == s.trace_id for c in chain)
+            assert chain[0].name == "met.v1.ModelService/DecodeVerifyBatched"  # client span
+    assert under_step > 0
+    verdict_children = {
+        s.name
+        for s in spans
+        if s.service == "gpu-service" and ids.get(s.parent_id, s).name == "engine.verdict"
+    }
+    assert {"fold", "commit", "propose", "trim", "stash"} <= verdict_children
+
+
+def _metrics(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#") and "{" not in line:
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def test_no_endpoint_exports_nothing(tmp_path: Path) -> None:
+    """With no endpoint and no OTEL_TRACES_EXPORTER, no SDK is installed."""
+    code = (
+        "import os; os.environ.pop('OTEL_EXPORTER_OTLP_ENDPOINT', None);"
+        "from gpu_service.telemetry import setup_tracing; from opentelemetry import trace;"
+        "setup_tracing('x'); print(type(trace.get_tracer_provider()).__name__)"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert out.stdout.strip() == "ProxyTracerProvider", out.stderr
+    env["OTEL_TRACES_EXPORTER"] = "console"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert out.stdout.strip() == "TracerProvider", out.stderr
