@@ -15,7 +15,7 @@ from gpu_service.interface import (
     SequenceHandle,
 )
 from gpu_service.model.hybrid import Segment
-from gpu_service.sequence import IDLE, VERIFIED, SeqState, argmax_confidence
+from gpu_service.sequence import IDLE, VERIFIED, SeqState
 from gpu_service.telemetry import traced
 
 
@@ -74,7 +74,7 @@ class DrafterOps:
                     )
                     hidden = self.model.mtp_forward(tok, hidden, segs, self.state)[: len(group)]
                     logits = self.model.logits(hidden)
-                    tok, conf = argmax_confidence(logits)
+                    tok, conf = self._argmax(logits)
                     drafts.append(tok.tolist())
                     confs.append(conf.tolist())
                 return drafts, confs, logits

@@ -24,9 +24,23 @@ from gpu_service.interface import (
 )
 from gpu_service.model.hybrid import PREFILL, VERIFY, HybridModel, Segment
 from gpu_service.model.weights import load_weights
-from gpu_service.sequence import FOLDED, IDLE, VERIFIED, SeqState, argmax_confidence
+from gpu_service.sequence import FOLDED, IDLE, VERIFIED, SeqState
 from gpu_service.state import DeviceState
 from gpu_service.telemetry import traced
+from kernels.argmax.naive import argmax_confidence as naive_argmax
+from kernels.fold.naive import fold as naive_fold
+
+
+def triton_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    from kernels.argmax.triton import argmax_confidence
+
+    return argmax_confidence(logits)
+
+
+def triton_fold(live: torch.Tensor, rows: torch.Tensor, slots: list[int], picks: list[int]) -> None:
+    from kernels.fold.triton import fold
+
+    fold(live, rows, slots, picks)
 
 
 class Engine(DrafterOps):
@@ -241,10 +255,15 @@ class Engine(DrafterOps):
                     1,
                     s.pending_k,
                 )
+            slots = [s.slot for s in states]
+            picks = [
+                self.state.verify_offset[s.slot] + a - 1
+                for s, a in zip(states, fold_rows, strict=True)
+            ]
+            fold = triton_fold if self.model.triton else naive_fold
+            fold(self.state.gdn, self.state.verify_gdn, slots, picks)
+            fold(self.state.conv, self.state.verify_conv, slots, picks)
             for s, a in zip(states, fold_rows, strict=True):
-                row = self.state.verify_offset[s.slot] + a - 1
-                self.state.gdn[:, s.slot] = self.state.verify_gdn[:, row]
-                self.state.conv[:, s.slot] = self.state.verify_conv[:, row]
                 s.phase, s.folded_rows = FOLDED, a
             hook = self.forwards[self.forward_name]
             if hook is not None:
@@ -295,6 +314,11 @@ class Engine(DrafterOps):
         the circuit diff must catch."""
         self.forwards[name] = after_fold
 
+    def _argmax(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.model.triton:
+            return triton_argmax(logits)
+        return naive_argmax(logits)
+
     def set_forward(self, name: str) -> None:
         if name not in self.forwards:
             raise InvalidArgument(
@@ -302,6 +326,7 @@ class Engine(DrafterOps):
             )
         with self._lock:
             self.forward_name = name
+            self.model.triton = name.startswith("triton")
 
     def read_logits(self) -> Logits:
         with self._lock:
@@ -312,7 +337,7 @@ class Engine(DrafterOps):
     def _keep_logits(self, logits: torch.Tensor) -> list[int]:
         """Keep a prefill's or verify's logits and each row's argmax log-probability."""
         self.state.logits = logits
-        top, conf = argmax_confidence(logits)
+        top, conf = self._argmax(logits)
         self._logprobs = torch.log(conf).tolist()
         return top.tolist()
 

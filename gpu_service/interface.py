@@ -87,7 +87,7 @@ class Logits:
     shape: tuple[int, ...]  # (rows, vocab)
 
 
-FORWARDS = ("eager", "eager-serial")
+FORWARDS = ("eager", "eager-serial", "triton", "triton-serial")
 
 
 class Model(Protocol):
@@ -186,8 +186,9 @@ class Model(Protocol):
         order; returns the proposal (empty without proposers)."""
 
     def set_forward(self, name: str) -> None:
-        """Select the forward: `eager` (plain torch) or `eager-serial` (a batched call run one
-        sequence at a time inside the service, same buffers and replies). Unknown names are
+        """Select the forward: `eager` (plain torch), `triton` (the per-sequence parts as Triton
+        kernels), or `eager-serial` / `triton-serial` (a batched call run one sequence at a
+        time inside the service, same buffers and replies). Unknown names are
         `InvalidArgument`."""
 
     def last_logprobs(self) -> list[float]:

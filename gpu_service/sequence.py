@@ -1,12 +1,8 @@
-"""A sequence as the service holds it, and the per-row argmax helper every operation uses."""
+"""A sequence as the service holds it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import torch
-
-from kernels.common import exp
 
 IDLE, VERIFIED, FOLDED = "idle", "verified", "folded"
 
@@ -26,11 +22,3 @@ class SeqState:
     @property
     def seq_len(self) -> int:
         return len(self.tokens)
-
-
-def argmax_confidence(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row: the argmax and its softmax probability. logits: [n, V] -> ([n], [n])"""
-    lf = logits.float()
-    top = lf.argmax(-1)
-    peak = lf.amax(-1, keepdim=True)
-    return top, 1.0 / exp(lf - peak).sum(-1)

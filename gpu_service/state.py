@@ -9,41 +9,47 @@ from gpu_service.config import ModelConfig, ServiceConfig
 
 
 class DeviceState:
-    def __init__(self, cfg: ModelConfig, svc: ServiceConfig, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        svc: ServiceConfig,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
         slots, ctx = svc.num_slots, svc.max_context
         n_full, n_lin = len(cfg.full_layers), len(cfg.linear_layers)
         kv = (slots, ctx, cfg.num_key_value_heads, cfg.head_dim)
         gdn = (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
         window = (cfg.linear_conv_kernel_dim - 1, cfg.conv_dim)
         # Attention KV per full-attention layer: [layer, slot, position, kv_head, head_dim]
-        self.k_cache = torch.zeros(n_full, *kv, dtype=dtype)
-        self.v_cache = torch.zeros(n_full, *kv, dtype=dtype)
+        self.k_cache = torch.zeros(n_full, *kv, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(n_full, *kv, dtype=dtype, device=device)
         # Live GDN state per linear layer: [layer, slot, Hv, dk, dv] fp32; conv window
         # [layer, slot, W-1, conv_dim], oldest input first.
-        self.gdn = torch.zeros(n_lin, slots, *gdn, dtype=torch.float32)
-        self.conv = torch.zeros(n_lin, slots, *window, dtype=dtype)
+        self.gdn = torch.zeros(n_lin, slots, *gdn, dtype=torch.float32, device=device)
+        self.conv = torch.zeros(n_lin, slots, *window, dtype=dtype, device=device)
         # Verify buffers: slot s owns rows offset[s] .. offset[s] + capacity + 1 of the pool,
         # one per verified row; the tiers give low slots the deep rows.
         caps = svc.slot_verify_drafts
         self.verify_offset = [sum(c + 1 for c in caps[:s]) for s in range(slots)]
         self.verify_rows = [c + 1 for c in caps]
         pool = sum(self.verify_rows)
-        self.verify_gdn = torch.zeros(n_lin, pool, *gdn, dtype=torch.float32)
-        self.verify_conv = torch.zeros(n_lin, pool, *window, dtype=dtype)
+        self.verify_gdn = torch.zeros(n_lin, pool, *gdn, dtype=torch.float32, device=device)
+        self.verify_conv = torch.zeros(n_lin, pool, *window, dtype=dtype, device=device)
         # Drafter KV: [slot, position, kv_head, head_dim]; a position is valid once an entry
         # was written there and not trimmed.
-        self.mtp_k = torch.zeros(kv, dtype=dtype)
-        self.mtp_v = torch.zeros(kv, dtype=dtype)
-        self.mtp_valid = torch.zeros(slots, ctx, dtype=torch.bool)
+        self.mtp_k = torch.zeros(kv, dtype=dtype, device=device)
+        self.mtp_v = torch.zeros(kv, dtype=dtype, device=device)
+        self.mtp_valid = torch.zeros(slots, ctx, dtype=torch.bool, device=device)
         # The last prefill row's hidden per slot, which the drafter pairs with the next token.
-        self.mtp_carry = torch.zeros(slots, cfg.hidden_size, dtype=dtype)
+        self.mtp_carry = torch.zeros(slots, cfg.hidden_size, dtype=dtype, device=device)
         self.mtp_carry_valid = [False] * slots
         # Final hiddens of the last verify's rows, and the stash taken from them.
-        self.verify_hidden = torch.zeros(0, cfg.hidden_size, dtype=dtype)
-        self.stash = torch.zeros(svc.max_batch, cfg.hidden_size, dtype=dtype)
+        self.verify_hidden = torch.zeros(0, cfg.hidden_size, dtype=dtype, device=device)
+        self.stash = torch.zeros(svc.max_batch, cfg.hidden_size, dtype=dtype, device=device)
         self.stash_valid = [False] * svc.max_batch
         # Logits of the last prefill, verify or propose: [rows, vocab] in the model's dtype.
-        self.logits = torch.zeros(0, cfg.vocab_size, dtype=dtype)
+        self.logits = torch.zeros(0, cfg.vocab_size, dtype=dtype, device=device)
 
     def verify_slice(self, slot: int, rows: int) -> slice:
         start = self.verify_offset[slot]

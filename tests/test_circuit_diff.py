@@ -228,7 +228,7 @@ def test_bad_arguments(tiny_dir: Path) -> None:
         args("--ks", "a")
     engine = Engine(tiny_dir, ServiceConfig(verify_tiers="4:3", max_context=256))
     with pytest.raises(DiffError, match="not offered"):
-        run_diff(engine, args("--forwards", "triton"))
+        run_diff(engine, args("--forwards", "cuda-graphs", "--widths", "2"))
     with pytest.raises(DiffError, match="free slots"):
         run_diff(engine, args("--widths", "5"))
     with pytest.raises(DiffError, match="at least 2"):

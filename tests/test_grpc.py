@@ -88,7 +88,7 @@ def test_reflection_lists_and_calls(served: str) -> None:
         )
         caps = call(request())
         assert caps.vocab_size == 320 and caps.num_slots == 8
-        assert list(caps.forwards) == ["eager", "eager-serial"]
+        assert list(caps.forwards) == ["eager", "eager-serial", "triton", "triton-serial"]
         assert len(caps.slot_verify_drafts) == caps.num_slots
 
 

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -75,6 +76,19 @@ def in_process_api(tiny_dir: Path) -> Iterator[str]:
     del stopping
 
 
+def _settled_spans(exporter: InMemorySpanExporter, timeout: float = 10.0) -> list:
+    """The finished spans once the last iteration has ended too: the stream's final message
+    leaves before its iteration's root span closes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        spans = exporter.get_finished_spans()
+        ids = {s.context.span_id for s in spans}
+        if all(s.parent is None or s.parent.span_id in ids or s.name == "generate"
+               for s in spans) or time.monotonic() > deadline:
+            return spans
+        time.sleep(0.01)  # the scheduler thread ends the span right after
+
+
 def test_one_generation_span_tree(memory_spans: InMemorySpanExporter, in_process_api: str) -> None:
     memory_spans.clear()
     client_tracer = trace.get_tracer("test.client")
@@ -90,7 +104,7 @@ def test_one_generation_span_tree(memory_spans: InMemorySpanExporter, in_process
                 )
             )
     assert msgs[-1].finish_reason == "length"
-    spans = memory_spans.get_finished_spans()
+    spans = _settled_spans(memory_spans)
     by_name: dict[str, list] = {}
     for s in spans:
         by_name.setdefault(s.name, []).append(s)

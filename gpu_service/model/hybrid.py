@@ -43,9 +43,12 @@ class HybridModel:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], max_context: int):
         self.cfg, self.w = cfg, weights
         self.dtype = weights["model.embed_tokens.weight"].dtype
-        self.cos, self.sin = rope_table(cfg.rotary_dim, cfg.rope_theta, max_context)
+        self.device = weights["model.embed_tokens.weight"].device
+        cos, sin = rope_table(cfg.rotary_dim, cfg.rope_theta, max_context)
+        self.cos, self.sin = cos.to(self.device), sin.to(self.device)
         self.lm_head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
         self.linear_index = {n: i for i, n in enumerate(cfg.linear_layers)}
+        self.triton = False  # the `triton` forwards: per-sequence parts as Triton kernels
         self.full_index = {n: i for i, n in enumerate(cfg.full_layers)}
 
     # -- target model ------------------------------------------------------------------
@@ -109,13 +112,20 @@ class HybridModel:
     # -- layers ------------------------------------------------------------------------
 
     def _positions(self, segs: list[Segment], padded: int) -> torch.Tensor:
-        pos = torch.zeros(padded, dtype=torch.long)
+        pos = torch.zeros(padded, dtype=torch.long, device=self.device)
         for s in segs:
-            pos[s.rows] = s.positions
+            pos[s.rows] = s.positions.to(self.device)
         return pos
 
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        return rms_norm(x, self.w[f"{name}.weight"], self.cfg.rms_norm_eps)
+        return self._rms_norm(x, self.w[f"{name}.weight"])
+
+    def _rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if self.triton:
+            from gpu_service.model import triton_forward
+
+            return triton_forward.rms_norm(x, w, self.cfg.rms_norm_eps)
+        return rms_norm(x, w, self.cfg.rms_norm_eps)
 
     def _mlp(self, p: str, x: torch.Tensor) -> torch.Tensor:
         gate = linear(x, self.w[f"{p}.gate_proj.weight"])
@@ -135,14 +145,32 @@ class HybridModel:
         q, gate = linear(x, self.w[f"{p}.q_proj.weight"]).view(rows, hq, 2 * d).split(d, dim=-1)
         k = linear(x, self.w[f"{p}.k_proj.weight"]).view(rows, hkv, d)
         v = linear(x, self.w[f"{p}.v_proj.weight"]).view(rows, hkv, d)
-        q = rms_norm(q, self.w[f"{p}.q_norm.weight"], cfg.rms_norm_eps)
-        k = rms_norm(k, self.w[f"{p}.k_norm.weight"], cfg.rms_norm_eps)
+        q = self._rms_norm(q, self.w[f"{p}.q_norm.weight"])
+        k = self._rms_norm(k, self.w[f"{p}.k_norm.weight"])
         cos, sin = self.cos[positions], self.sin[positions]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.triton:
+            from gpu_service.model import triton_forward
+
+            out = triton_forward.attend(q, k, v, segs, cache)
+        else:
+            out = self._attend(q, k, v, segs, cache)
+        out = out.reshape(rows, hq * d) * sigmoid(gate.reshape(rows, hq * d))
+        return linear(out, self.w[f"{p}.o_proj.weight"])
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        segs: list[Segment],
+        cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+    ) -> torch.Tensor:
+        """q: [P, Hq, d], k, v: [P, Hkv, d] -> [P, Hq, d], one segment at a time."""
         k_cache, v_cache, valid = cache
-        out = x.new_zeros(rows, hq, d)
+        out = q.new_zeros(q.shape)
         for s in segs:
-            pos = s.positions
+            pos = s.positions.to(q.device)
             k_cache[s.slot, pos] = k[s.rows]
             v_cache[s.slot, pos] = v[s.rows]
             if valid is not None:
@@ -152,8 +180,7 @@ class HybridModel:
             out[s.rows] = tiled_attention(
                 q[s.rows], k_cache[s.slot, :end], v_cache[s.slot, :end], pos, seen
             )
-        out = out.reshape(rows, hq * d) * sigmoid(gate.reshape(rows, hq * d))
-        return linear(out, self.w[f"{p}.o_proj.weight"])
+        return out
 
     def _gdn(
         self,
@@ -178,7 +205,20 @@ class HybridModel:
             a.reshape(rows, hv).float() + self.w[f"{p}.dt_bias"].float()
         )
         weight = self.w[f"{p}.conv1d.weight"][:, 0]
-        out = torch.zeros(rows, hv, dv)
+        if self.triton:
+            from gpu_service.model import triton_forward
+
+            out = triton_forward.mix_gdn(
+                cfg, mixed, g, beta, segs, state, layer, weight, mode == PREFILL, write_live
+            )
+            normed = triton_forward.gated_rms_norm(
+                out.to(x.dtype),
+                z.reshape(rows, hv, dv).contiguous(),
+                self.w[f"{p}.norm.weight"],
+                cfg.rms_norm_eps,
+            )
+            return linear(normed.reshape(rows, hv * dv), self.w[f"{p}.out_proj.weight"])
+        out = torch.zeros(rows, hv, dv, device=self.device)
         for s in segs:
             conv_in = mixed[s.rows]
             if mode == PREFILL:

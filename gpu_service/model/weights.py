@@ -6,7 +6,6 @@ import math
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from gpu_service.config import FULL, ModelConfig
 
@@ -94,6 +93,8 @@ def init_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
 
 
 def save_weights(weights: dict[str, torch.Tensor], directory: Path) -> None:
+    from safetensors.torch import save_file
+
     directory.mkdir(parents=True, exist_ok=True)
     save_file(
         {k: v.contiguous() for k, v in weights.items()},
@@ -109,6 +110,8 @@ def load_weights(cfg: ModelConfig, directory: Path, dtype: torch.dtype) -> dict[
         raise FileNotFoundError(
             f"{path} does not exist; write seeded weights with `met init-model {directory}`"
         )
+    from safetensors.torch import load_file
+
     tensors = load_file(str(path))
     expected = weight_shapes(cfg)
     missing = sorted(set(expected) - set(tensors))

@@ -46,9 +46,9 @@ def tiled_attention(
         .reshape(heads, 1, nb, KEY_BLOCK, dim)
     )
     scores = (qt @ kt.transpose(-1, -2)).float()
-    pos = torch.full((padded,), -1, dtype=torch.long)
+    pos = torch.full((padded,), -1, dtype=torch.long, device=q.device)
     pos[:rows] = q_pos
-    key_pos = torch.arange(length)
+    key_pos = torch.arange(length, device=q.device)
     visible = key_pos[None, :] <= pos[:, None]  # [padded, L]
     if key_valid is not None:
         visible = visible & key_valid[None, :]

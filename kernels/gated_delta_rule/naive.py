@@ -83,14 +83,14 @@ def chunk_gated_delta_rule(
     g, beta = chunks(g.unsqueeze(-1))[..., 0], chunks(beta.unsqueeze(-1))[..., 0]  # [H, N, C]
     g = g.cumsum(-1)
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
-    lower = torch.tril(torch.ones(chunk_size, chunk_size, dtype=torch.bool))
+    lower = torch.tril(torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device))
     strict = torch.tril(lower, diagonal=-1)
     decay = torch.exp((g[..., :, None] - g[..., None, :]).masked_fill(~lower, float("-inf")))
     # Solve (I + A) T = I for the strictly lower A of each chunk, row by row.
     a = -(k_beta @ k.transpose(-1, -2) * decay).masked_fill(~strict, 0)
     for i in range(1, chunk_size):
         a[..., i, :i] = a[..., i, :i] + (a[..., i, :i, None] * a[..., :i, :i]).sum(-2)
-    a = a + torch.eye(chunk_size)
+    a = a + torch.eye(chunk_size, device=q.device)
     u = a @ v_beta  # [H, N, C, dv]
     w = a @ (k_beta * g.exp()[..., None])  # [H, N, C, dk]
     s = state.float()

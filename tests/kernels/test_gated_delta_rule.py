@@ -1,12 +1,14 @@
-"""The chunked gated delta rule against the recurrent one, and the recurrent one against the
-delta rule written out per head."""
+"""The gated delta rule: chunked against recurrent (naive), the naive recurrence against the
+rule written out per head, and the Triton kernels against the naive forms (ragged, grouped
+heads, slots out of order)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels.gated_delta_rule.naive import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from kernels.gated_delta_rule import chunk, naive, recurrent
+from tests.kernels.device import on
 
 SHAPES = [
     (1, 2, 2, 16, 8),
@@ -30,10 +32,10 @@ def _inputs(t: int, hk: int, hv: int, dk: int, dv: int):
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}-Hk{}-Hv{}-dk{}-dv{}".format(*s))
-def test_chunked_matches_recurrent(shape: tuple[int, ...]) -> None:
+def test_naive_chunked_matches_recurrent(shape: tuple[int, ...]) -> None:
     args = _inputs(*shape)
-    o_rec, states = recurrent_gated_delta_rule(*args)
-    o_chunk, final = chunk_gated_delta_rule(*args)
+    o_rec, states = naive.recurrent_gated_delta_rule(*args)
+    o_chunk, final = naive.chunk_gated_delta_rule(*args)
     # fp32: the chunked form reassociates sums over up to 64 rows.
     torch.testing.assert_close(o_chunk, o_rec, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(final, states[-1], atol=1e-5, rtol=1e-4)
@@ -41,7 +43,7 @@ def test_chunked_matches_recurrent(shape: tuple[int, ...]) -> None:
 
 def test_recurrent_matches_the_rule_per_head() -> None:
     q, k, v, g, beta, s0 = _inputs(5, 2, 4, 8, 4)
-    o, states = recurrent_gated_delta_rule(q, k, v, g, beta, s0)
+    o, states = naive.recurrent_gated_delta_rule(q, k, v, g, beta, s0)
     for h in range(4):
         kh = h // 2
         s = s0[h].clone()
@@ -52,3 +54,62 @@ def test_recurrent_matches_the_rule_per_head() -> None:
             s = s + torch.outer(kt, beta[t, h] * (v[t, h] - s.T @ kt))
             torch.testing.assert_close(o[t, h], s.T @ qt, atol=1e-5, rtol=1e-4)
             torch.testing.assert_close(states[t, h], s, atol=1e-5, rtol=1e-4)
+
+
+def _batch(lens: list[int], hk: int, hv: int, dk: int, dv: int):
+    gen = torch.Generator().manual_seed(sum(lens) + dk)
+    t = sum(lens)
+    q, k = torch.randn(t, hk, dk, generator=gen), torch.randn(t, hk, dk, generator=gen)
+    v = torch.randn(t, hv, dv, generator=gen)
+    g, beta = -torch.rand(t, hv, generator=gen) * 2, torch.rand(t, hv, generator=gen)
+    states = torch.randn(5, hv, dk, dv, generator=gen)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    slots = torch.tensor([4, 0, 2][: len(lens)], dtype=torch.int32)
+    return q, k, v, g, beta, states, cu, slots
+
+
+BATCHES = [
+    ([1], 1, 1, 16, 16),
+    ([3, 1, 4], 2, 4, 16, 16),
+    ([2, 5], 1, 2, 12, 20),
+    ([17, 33], 2, 4, 16, 8),
+]
+IDS = ["N1-k1", "ragged-Hv4", "odd-dk12-dv20", "long-T33"]
+
+
+@pytest.mark.parametrize("batch", BATCHES, ids=IDS)
+def test_triton_recurrent_matches_naive(batch: tuple) -> None:
+    q, k, v, g, beta, states, cu, slots = _batch(*batch)
+    live = states.clone()
+    rows = torch.zeros(60, *states.shape[1:])
+    vrows = torch.tensor([0, 20, 40][: len(slots)], dtype=torch.int32)
+    dev = on(q, k, v, g, beta, live, cu, slots, rows, vrows)
+    out = recurrent.recurrent_gated_delta_rule(*dev, write_live=True).cpu()
+    live, rows = dev[5].cpu(), dev[8].cpu()
+    for i, (lo, hi) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)):
+        s = int(slots[i])
+        ref, ref_states = naive.recurrent_gated_delta_rule(
+            q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], states[s]
+        )
+        # fp32, same order of operations per row: rounding of the reductions only.
+        torch.testing.assert_close(out[lo:hi], ref, atol=1e-6, rtol=1e-5)
+        v0 = int(vrows[i])
+        torch.testing.assert_close(rows[v0 : v0 + hi - lo], ref_states, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(live[s], ref_states[-1], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("batch", BATCHES, ids=IDS)
+def test_triton_chunk_matches_naive(batch: tuple) -> None:
+    q, k, v, g, beta, states, cu, slots = _batch(*batch)
+    live = states.clone()
+    dev = on(q, k, v, g, beta, live, cu, slots)
+    out = chunk.chunk_gated_delta_rule(*dev).cpu()
+    live = dev[5].cpu()
+    for i, (lo, hi) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)):
+        s = int(slots[i])
+        ref, ref_final = naive.chunk_gated_delta_rule(
+            q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], states[s]
+        )
+        # fp32: the chunks are 16 rows here and 64 in the reference.
+        torch.testing.assert_close(out[lo:hi], ref, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(live[s], ref_final, atol=2e-5, rtol=1e-4)

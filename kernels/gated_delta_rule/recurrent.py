@@ -1,0 +1,115 @@
+"""Gated delta rule, recurrent form, for verify and decode: a varlen batch where sequence i
+owns rows `cu[i] .. cu[i + 1] - 1`, starts from the state of its slot, and writes the state
+after every row into its verify rows (so the fold can pick any). q/k l2-norm, the scale,
+`exp(g)`, `beta` and grouped value heads happen inside. One program per (sequence, value head);
+fp32 state."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _recurrent_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    g_ptr,
+    beta_ptr,
+    state_ptr,
+    out_ptr,
+    rows_ptr,
+    cu_ptr,
+    slot_ptr,
+    vrow_ptr,
+    HK,
+    HV,
+    DK,
+    DV,
+    scale,
+    WRITE_LIVE: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+):
+    i, h = tl.program_id(0), tl.program_id(1)
+    hk = h // (HV // HK)
+    lo, hi = tl.load(cu_ptr + i), tl.load(cu_ptr + i + 1)
+    slot, vrow = tl.load(slot_ptr + i).to(tl.int64), tl.load(vrow_ptr + i).to(tl.int64)
+    o_k, o_v = tl.arange(0, BK), tl.arange(0, BV)
+    m_k, m_v = o_k < DK, o_v < DV
+    m_s = m_k[:, None] & m_v[None, :]
+    o_s = (h * DK + o_k[:, None]) * DV + o_v[None, :]
+    b_s = tl.load(state_ptr + slot * HV * DK * DV + o_s, mask=m_s, other=0.0).to(tl.float32)
+    for t in range(lo, hi):
+        b_q = tl.load(q_ptr + (t * HK + hk) * DK + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_k = tl.load(k_ptr + (t * HK + hk) * DK + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_v = tl.load(v_ptr + (t * HV + h) * DV + o_v, mask=m_v, other=0.0).to(tl.float32)
+        b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6) * scale
+        b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
+        b_g = tl.load(g_ptr + t * HV + h).to(tl.float32)
+        b_beta = tl.load(beta_ptr + t * HV + h).to(tl.float32)
+        b_s = b_s * tl.exp(b_g)
+        b_kv = tl.sum(b_s * b_k[:, None], axis=0)
+        b_delta = (b_v - b_kv) * b_beta
+        b_s = b_s + b_k[:, None] * b_delta[None, :]
+        b_o = tl.sum(b_s * b_q[:, None], axis=0)
+        tl.store(out_ptr + (t * HV + h) * DV + o_v, b_o, mask=m_v)
+        tl.store(rows_ptr + (vrow + t - lo) * HV * DK * DV + o_s, b_s, mask=m_s)
+    if WRITE_LIVE:
+        tl.store(state_ptr + slot * HV * DK * DV + o_s, b_s, mask=m_s)
+
+
+def recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    states: torch.Tensor,
+    cu: torch.Tensor,
+    slots: torch.Tensor,
+    rows: torch.Tensor,
+    vrows: torch.Tensor,
+    write_live: bool,
+) -> torch.Tensor:
+    """q, k: [T, Hk, dk]; v: [T, Hv, dv]; g, beta: [T, Hv]; states: [slots, Hv, dk, dv] fp32
+    (the live pool); rows: [pool, Hv, dk, dv] fp32 (verify rows; sequence i's row t goes to
+    `vrows[i] + t`); cu: [n + 1], slots, vrows: [n]. `write_live` also leaves the last row's
+    state live. -> o [T, Hv, dv] fp32"""
+    t_rows, hk, dk = q.shape
+    hv, dv = v.shape[1], v.shape[2]
+    if k.shape != q.shape or v.shape[0] != t_rows or g.shape != (t_rows, hv) != beta.shape:
+        raise ValueError(
+            "recurrent_gated_delta_rule: q, k [T, Hk, dk], v [T, Hv, dv], g and beta [T, Hv]"
+        )
+    if hv % hk:
+        raise ValueError(f"{hv} value heads do not group over {hk} key heads")
+    if states.dtype != torch.float32 or rows.dtype != torch.float32:
+        raise ValueError("the GDN state and its verify rows are fp32")
+    if states.shape[1:] != (hv, dk, dv) or rows.shape[1:] != (hv, dk, dv):
+        raise ValueError("recurrent_gated_delta_rule: state pools must be [*, Hv, dk, dv]")
+    out = torch.empty(t_rows, hv, dv, dtype=torch.float32, device=q.device)
+    _recurrent_kernel[(len(slots), hv)](
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        g.contiguous(),
+        beta.contiguous(),
+        states,
+        out,
+        rows,
+        cu,
+        slots,
+        vrows,
+        hk,
+        hv,
+        dk,
+        dv,
+        dk**-0.5,
+        WRITE_LIVE=write_live,
+        BK=triton.next_power_of_2(dk),
+        BV=triton.next_power_of_2(dv),
+    )
+    return out
