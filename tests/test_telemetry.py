@@ -83,8 +83,10 @@ def _settled_spans(exporter: InMemorySpanExporter, timeout: float = 10.0) -> lis
     while True:
         spans = exporter.get_finished_spans()
         ids = {s.context.span_id for s in spans}
-        if all(s.parent is None or s.parent.span_id in ids or s.name == "generate"
-               for s in spans) or time.monotonic() > deadline:
+        if (
+            all(s.parent is None or s.parent.span_id in ids or s.name == "generate" for s in spans)
+            or time.monotonic() > deadline
+        ):
             return spans
         time.sleep(0.01)  # the scheduler thread ends the span right after
 
