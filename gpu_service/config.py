@@ -84,6 +84,25 @@ class ModelConfig:
     def has_mtp(self) -> bool:
         return self.num_nextn_predict_layers > 0
 
+    @classmethod
+    def tiny(cls) -> ModelConfig:
+        """A four-layer hybrid (three GDN, one attention) small enough for interpreter runs:
+        the tests' model and the device check's."""
+        return cls(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            layer_types=(LINEAR, LINEAR, LINEAR, FULL),
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            max_position_embeddings=512,
+        )
+
     def to_json(self) -> str:
         d = asdict(self)
         d["layer_types"] = list(self.layer_types)

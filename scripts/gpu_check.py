@@ -83,24 +83,12 @@ def model_check(device: str) -> bool:
     and a drafter pass; logits within 1e-3 and the same argmaxes."""
     import torch
 
-    from gpu_service.config import FULL, LINEAR, ModelConfig, ServiceConfig
+    from gpu_service.config import ModelConfig, ServiceConfig
     from gpu_service.model.hybrid import PREFILL, VERIFY, HybridModel, Segment
     from gpu_service.model.weights import init_weights
     from gpu_service.state import DeviceState
 
-    cfg = ModelConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        layer_types=(LINEAR, LINEAR, LINEAR, FULL),
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-    )
+    cfg = ModelConfig.tiny()
     svc = ServiceConfig(verify_tiers="4:3", max_context=256)
     weights = {n: w.to(device) for n, w in init_weights(cfg, 7).items()}
     gen = torch.Generator().manual_seed(1)

@@ -12,23 +12,10 @@ import torch
 from control_plane.client import GrpcModel
 from control_plane.launch import start_gpu_service, stop
 from gpu_service.checkpoint import init_model
-from gpu_service.config import FULL, LINEAR, ModelConfig, ServiceConfig
+from gpu_service.config import ModelConfig, ServiceConfig
 from gpu_service.engine import Engine
 
-TINY = ModelConfig(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    layer_types=(LINEAR, LINEAR, LINEAR, FULL),
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=16,
-    linear_value_head_dim=16,
-    max_position_embeddings=512,
-)
+TINY = ModelConfig.tiny()
 # Small tiers so that tests reach every tier and run out of slots quickly.
 TINY_SERVICE = ServiceConfig(
     verify_tiers="2:3,2:2,4:1", max_context=256, max_rows=24, max_batch=8, max_prefill_tokens=512
