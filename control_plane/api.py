@@ -14,13 +14,26 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from control_plane.detok import Tokenizer
 from control_plane.scheduler.loop import Scheduler
-from control_plane.scheduler.seq import MTP, NONE, Delta, Failure, Finish, GenRequest, SpecStats
+from control_plane.scheduler.seq import (
+    MTP,
+    NONE,
+    PROMPT_LOOKUP,
+    Delta,
+    Failure,
+    Finish,
+    GenRequest,
+    SpecStats,
+)
 from gpu_service.interface import Capabilities, ModelError
 from gpu_service.telemetry import incoming_context, tracer
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
 
-METHODS = {pb.SPECULATIVE_METHOD_NONE: NONE, pb.SPECULATIVE_METHOD_MTP: MTP}
+METHODS = {
+    pb.SPECULATIVE_METHOD_NONE: NONE,
+    pb.SPECULATIVE_METHOD_MTP: MTP,
+    pb.SPECULATIVE_METHOD_PROMPT_LOOKUP: PROMPT_LOOKUP,
+}
 TRACER = tracer("met.control_plane")
 
 
@@ -65,11 +78,6 @@ def to_request(
             invalid,
             f"{len(ids)} prompt tokens and {max_new} new tokens exceed "
             f"the context of {caps.max_context}",
-        )
-    if r.speculative_method == pb.SPECULATIVE_METHOD_PROMPT_LOOKUP:
-        raise BadRequest(
-            grpc.StatusCode.UNIMPLEMENTED,
-            "prompt lookup drafting is not available on this server yet",
         )
     if r.speculative_method not in (pb.SPECULATIVE_METHOD_UNSPECIFIED, *METHODS):
         raise BadRequest(

@@ -19,6 +19,8 @@ class Env:
     no_k_ladder: bool  # METRALE_NO_MTP_K_LADDER: every step drafts num_drafts
     no_batch_bootstrap: bool  # METRALE_NO_MTP_BATCH_BOOTSTRAP: bootstrap one sequence at a time
     no_batch_verify: bool  # METRALE_NO_MTP_BATCH_VERIFY: verify one sequence at a time
+    no_dcut: bool = False  # METRALE_NO_MTP_DCUT: every batched sequence verifies ladder_nd
+    no_adaptive_rung: bool = False  # METRALE_NO_MTP_ADAPTIVE_RUNG: the static ladder only
 
     @classmethod
     def read(cls) -> Env:
@@ -27,4 +29,6 @@ class Env:
             no_k_ladder=_flag("METRALE_NO_MTP_K_LADDER"),
             no_batch_bootstrap=_flag("METRALE_NO_MTP_BATCH_BOOTSTRAP"),
             no_batch_verify=_flag("METRALE_NO_MTP_BATCH_VERIFY"),
+            no_dcut=_flag("METRALE_NO_MTP_DCUT"),
+            no_adaptive_rung=_flag("METRALE_NO_MTP_ADAPTIVE_RUNG"),
         )

@@ -52,6 +52,12 @@ class Metrics:
             ["position"],
             registry=r,
         )
+        self.copies = Counter(
+            "met:prompt_lookup_copies", "Prompt-lookup copies verified.", registry=r
+        )
+        self.dcut_steps = Counter(
+            "met:dcut_steps", "Steps whose batch depths D-Cut planned.", registry=r
+        )
         self.mean_accepted_length = Gauge(
             "met:spec_decode_mean_accepted_length",
             "Tokens per verify, bonus included, over every finished request.",

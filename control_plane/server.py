@@ -63,6 +63,27 @@ def add_serve_args(parser: argparse.ArgumentParser, gpu_service_required: bool =
         "--max-new-tokens", type=int, default=256, help="default for requests that leave it unset"
     )
     parser.add_argument(
+        "--prompt-lookup-decoding",
+        action="store_true",
+        help="copies from a repeating history replace MTP chains",
+    )
+    parser.add_argument(
+        "--draft-confidence-stop",
+        type=float,
+        default=None,
+        metavar="LOGPROB",
+        help="end a draft chain at the first draft below this log-probability",
+    )
+    parser.add_argument(
+        "--dcut-threshold",
+        type=float,
+        default=0.3,
+        help="D-Cut keeps drafts while their chain probability is at least this",
+    )
+    parser.add_argument(
+        "--dcut-width-cap", type=int, default=8, help="batches wider than this are not cut"
+    )
+    parser.add_argument(
         "--otlp-endpoint",
         default=None,
         help="export spans over OTLP here (shortcut for OTEL_EXPORTER_OTLP_ENDPOINT)",
@@ -84,6 +105,10 @@ def build_scheduler(args: argparse.Namespace) -> Scheduler:
         mtp_max_seqs=args.mtp_max_seqs,
         max_queue=args.max_queue,
         prefill_chunk=args.prefill_chunk,
+        prompt_lookup=args.prompt_lookup_decoding,
+        draft_confidence_stop=args.draft_confidence_stop,
+        dcut_threshold=args.dcut_threshold,
+        dcut_width_cap=args.dcut_width_cap,
     )
     tokenizer = ByteTokenizer.load(args.tokenizer)
     metrics = Metrics() if args.metrics_port is not None else None

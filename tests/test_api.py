@@ -109,10 +109,6 @@ def test_text_prompt_logprobs_and_stats(stub) -> None:
         (pb.GenerateRequest(prompt="a", prompt_token_ids=[1]), grpc.StatusCode.INVALID_ARGUMENT),
         (pb.GenerateRequest(prompt_token_ids=[999]), grpc.StatusCode.INVALID_ARGUMENT),
         (pb.GenerateRequest(prompt="a", temperature=0.8), grpc.StatusCode.UNIMPLEMENTED),
-        (
-            pb.GenerateRequest(prompt="a", speculative_method=pb.SPECULATIVE_METHOD_PROMPT_LOOKUP),
-            grpc.StatusCode.UNIMPLEMENTED,
-        ),
     ],
     ids=[
         "empty",
@@ -124,7 +120,6 @@ def test_text_prompt_logprobs_and_stats(stub) -> None:
         "prompt-and-ids",
         "token-outside-vocab",
         "sampling",
-        "prompt-lookup",
     ],
 )
 def test_bad_requests(stub, request_: pb.GenerateRequest, code: grpc.StatusCode) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from control_plane.env import Env
+from control_plane.scheduler.adaptive import AdaptiveRung
 from control_plane.scheduler.ladder import DEFAULT_LADDER, Ladder
 from gpu_service.interface import Capabilities
 
@@ -15,10 +16,21 @@ class Levers:
     mtp_max_seqs: int = 32  # --mtp-max-seqs: batched verify needs more than 1
     batch_bootstrap: bool = True  # off: METRALE_NO_MTP_BATCH_BOOTSTRAP
     batch_verify: bool = True  # off: METRALE_NO_MTP_BATCH_VERIFY
+    dcut: bool = True  # off: METRALE_NO_MTP_DCUT
+    dcut_threshold: float = 0.3  # --dcut-threshold: the chain probability a draft must keep
+    dcut_width_cap: int = 8  # --dcut-width-cap: wider batches are not cut
+    draft_stop: float | None = None  # --draft-confidence-stop, a log-probability
+    prompt_lookup: bool = False  # --prompt-lookup-decoding: copies replace MTP chains
 
     @classmethod
-    def from_env(cls, env: Env, mtp_max_seqs: int = 32) -> Levers:
-        return cls(mtp_max_seqs, not env.no_batch_bootstrap, not env.no_batch_verify)
+    def from_env(cls, env: Env, mtp_max_seqs: int = 32, **options) -> Levers:
+        return cls(
+            mtp_max_seqs,
+            not env.no_batch_bootstrap,
+            not env.no_batch_verify,
+            not env.no_dcut,
+            **options,
+        )
 
 
 @dataclass(frozen=True)
@@ -26,11 +38,13 @@ class StepContext:
     levers: Levers
     ladder: Ladder
     caps: Capabilities
+    rung: AdaptiveRung
 
     @classmethod
-    def build(cls, caps: Capabilities, env: Env, mtp_max_seqs: int = 32) -> StepContext:
+    def build(cls, caps: Capabilities, env: Env, mtp_max_seqs: int = 32, **options) -> StepContext:
         ladder = Ladder.parse(env.k_ladder or DEFAULT_LADDER, enabled=not env.no_k_ladder)
-        return cls(Levers.from_env(env, mtp_max_seqs), ladder, caps)
+        rung = AdaptiveRung(ladder, enabled=not env.no_adaptive_rung)
+        return cls(Levers.from_env(env, mtp_max_seqs, **options), ladder, caps, rung)
 
     def capacity(self, slot: int) -> int:
         return self.caps.slot_verify_drafts[slot]

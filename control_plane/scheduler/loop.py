@@ -39,6 +39,10 @@ class SchedulerOptions:
     mtp_max_seqs: int = 32  # --mtp-max-seqs
     max_queue: int = 256  # --max-queue: requests waiting for a slot
     prefill_chunk: int = 512  # --prefill-chunk: prompt tokens per sequence per iteration
+    prompt_lookup: bool = False  # --prompt-lookup-decoding
+    draft_confidence_stop: float | None = None  # --draft-confidence-stop LOGPROB
+    dcut_threshold: float = 0.3  # --dcut-threshold
+    dcut_width_cap: int = 8  # --dcut-width-cap
 
 
 @dataclass
@@ -49,6 +53,8 @@ class Counters:
     completion_tokens: int = 0
     steps: int = 0
     step_widths: dict[int, int] = field(default_factory=dict)  # active sequences -> steps
+    copies: int = 0  # prompt-lookup copies verified
+    dcut_steps: int = 0  # steps whose batch D-Cut planned
 
 
 class Scheduler:
@@ -155,6 +161,7 @@ class Scheduler:
             eos = self.ctx.caps.eos_token_ids if self.ctx else ()
             a = ActiveSeq(req, sink, self.tokenizer, eos, max_context)
             a.observer = self.metrics
+            a.draft_stop = self.opts.draft_confidence_stop
             self.waiting.append(a)
         elif kind == "cancel":
             self._cancel(str(payload))
@@ -187,13 +194,17 @@ class Scheduler:
             if self.active:
                 assert self.model is not None and self.ctx is not None
                 width = len(self.active)
-                step_mtp(self.model, self.active, self.ctx, self.opts.num_drafts)
+                report = step_mtp(self.model, self.active, self.ctx, self.opts.num_drafts)
                 with self._lock:
                     self.counters.steps += 1
                     widths = self.counters.step_widths
                     widths[width] = widths.get(width, 0) + 1
+                    self.counters.copies += sum(report.copied)
+                    self.counters.dcut_steps += int(report.dcut)
                 if self.metrics is not None:
                     self.metrics.steps.inc()
+                    self.metrics.copies.inc(sum(report.copied))
+                    self.metrics.dcut_steps.inc(int(report.dcut))
                 self._retire()
         self._gauges()
 
@@ -209,7 +220,16 @@ class Scheduler:
         model = self.connect()
         caps = model.capabilities()
         self.model = model
-        self.ctx = StepContext.build(caps, self.env, self.opts.mtp_max_seqs)
+        o = self.opts
+        self.ctx = StepContext.build(
+            caps,
+            self.env,
+            o.mtp_max_seqs,
+            dcut_threshold=o.dcut_threshold,
+            dcut_width_cap=o.dcut_width_cap,
+            draft_stop=o.draft_confidence_stop,
+            prompt_lookup=o.prompt_lookup,
+        )
         for a in self.waiting:
             a.max_context = caps.max_context
             a.set_eos(() if a.req.ignore_eos else caps.eos_token_ids)

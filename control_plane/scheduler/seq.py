@@ -10,7 +10,7 @@ from typing import Protocol
 from control_plane.detok import Detokenizer, Tokenizer
 from gpu_service.interface import SequenceHandle
 
-NONE, MTP = "none", "mtp"
+NONE, MTP, PROMPT_LOOKUP = "none", "mtp", "prompt_lookup"
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,7 @@ class GenRequest:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    method: str = MTP  # NONE or MTP
+    method: str = MTP  # NONE, MTP or PROMPT_LOOKUP
     num_drafts: int | None = None  # cap on this request's drafts; None: the server's
     logprobs: bool = False
     span_context: object | None = None  # the request's `generate` span, which steps link to
@@ -119,6 +119,8 @@ class ActiveSeq:
         self.last: int | None = None  # the newest token, not yet in the cache
         self.pending_drafts: list[int] = []
         self.pending_conf: list[float] = []
+        self.copy = 0  # drafts of this step copied by prompt lookup (0: none)
+        self.draft_stop: float | None = None  # --draft-confidence-stop, as a log-probability
         self.generated: list[int] = []
         self.finished: str | None = None
         self.stats = SpecStats()

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from opentelemetry.trace import Link
 
+from control_plane.scheduler import dcut
 from control_plane.scheduler.batch_verify import (
     canonical_assignment,
     chunk_ranges,
@@ -25,7 +26,8 @@ from control_plane.scheduler.bootstrap import (
 )
 from control_plane.scheduler.context import StepContext
 from control_plane.scheduler.ladder import clamp_drafts_to_slot_capacity
-from control_plane.scheduler.seq import ActiveSeq
+from control_plane.scheduler.prompt_lookup import offer_copy, settle_copies
+from control_plane.scheduler.seq import MTP, PROMPT_LOOKUP, ActiveSeq
 from control_plane.scheduler.serial_verify import serial_verify_plan, step_verify_serial
 from gpu_service.interface import Model
 from gpu_service.telemetry import span, tracer
@@ -41,6 +43,8 @@ class StepReport:
     bootstrap: str = ""  # "batched", "serial" or ""
     batched_calls: list[list[int]] = field(default_factory=list)  # ks of each batched call
     serial_arms: list[str] = field(default_factory=list)
+    copied: list[bool] = field(default_factory=list)  # per active sequence: a copy verified
+    dcut: bool = False  # D-Cut planned the batch's depths
 
 
 def split(active: list[ActiveSeq]) -> tuple[list[int], list[int]]:
@@ -51,7 +55,7 @@ def split(active: list[ActiveSeq]) -> tuple[list[int], list[int]]:
 
 
 def step_width(active: list[ActiveSeq], ctx: StepContext, num_drafts: int) -> int:
-    nd = ctx.ladder.drafts_for(len(active), num_drafts)
+    nd = ctx.rung.drafts_for(len(active), num_drafts)
     return clamp_drafts_to_slot_capacity(nd, (ctx.capacity(a.slot) for a in active))
 
 
@@ -64,6 +68,9 @@ def step_mtp(
     before = [(a.stats.drafted, a.stats.accepted) for a in active]
     with TRACER.start_as_current_span("step_mtp", links=links) as sp:
         report = _step(model, active, ctx, num_drafts)
+        for a, (d, n), copied in zip(active, before, report.copied, strict=True):
+            if not copied:
+                ctx.rung.observe(a.stats.drafted - d, a.stats.accepted - n)
         sp.set_attributes(
             {
                 "met.active": len(active),
@@ -86,6 +93,8 @@ def _step(model: Model, active: list[ActiveSeq], ctx: StepContext, num_drafts: i
     ladder_nd = report.ladder_nd
     for a in active:
         a.stats.steps += 1
+    # Prompt-lookup requests draft only copies: with one they verify it, else decode plainly.
+    _copies(active, ctx, [i for i, a in enumerate(active) if a.req.method == PROMPT_LOOKUP])
     boot, verify = split(active)
     if boot:
         batched = can_batch_bootstrap(model, ctx, len(boot))
@@ -100,9 +109,24 @@ def _step(model: Model, active: list[ActiveSeq], ctx: StepContext, num_drafts: i
             else:
                 for i in boot:
                     bootstrap_serial(model, active[i], ladder_nd)
-    serial, batchable = _partition(active, verify, ctx, ladder_nd)
-    ks = [ladder_nd + 1] * len(batchable)
-    canonical = canonical_assignment(len(batchable))
+    if ctx.levers.prompt_lookup:
+        _copies(active, ctx, [i for i in verify if active[i].req.method == MTP])
+    report.copied = [a.copy > 0 for a in active]
+    serial, batchable, copies = _partition(active, verify, ctx, ladder_nd)
+    with span(TRACER, "dcut", **{"met.sequences": len(batchable)}) as sp:
+        ks, report.dcut = dcut.plan(
+            active,
+            batchable,
+            ladder_nd,
+            ctx.levers.dcut,
+            ctx.levers.dcut_threshold,
+            ctx.levers.dcut_width_cap,
+        )
+        sp.set_attribute("met.dcut.ks", ks)
+    for i in copies:
+        batchable.append(i)
+        ks.append(len(active[i].pending_drafts) + 1)
+    canonical = canonical_assignment(len(batchable), report.dcut or bool(copies))
     for lo, hi in chunk_ranges(ks, ctx.caps.max_rows, ctx.caps.max_batch):
         chunk, chunk_ks = batchable[lo:hi], ks[lo:hi]
         if len(chunk) >= 2 and model.can_batch_verify(chunk_ks):
@@ -116,37 +140,52 @@ def _step(model: Model, active: list[ActiveSeq], ctx: StepContext, num_drafts: i
             serial.extend(chunk)
     for i in serial:
         _serial(model, active[i], ladder_nd, report)
+    settle_copies(active)
     return report
+
+
+def _copies(active: list[ActiveSeq], ctx: StepContext, idxs: list[int]) -> None:
+    if not idxs:
+        return
+    with span(TRACER, "prompt_lookup", **{"met.sequences": len(idxs)}) as sp:
+        found = sum(offer_copy(active[i], ctx.capacity(active[i].slot)) for i in idxs)
+        sp.set_attribute("met.copies", found)
 
 
 def _partition(
     active: list[ActiveSeq], verify: list[int], ctx: StepContext, ladder_nd: int
-) -> tuple[list[int], list[int]]:
-    """(serial, batchable): a batch needs two sequences with drafts, `--mtp-max-seqs` > 1 and
-    the lever on; a batchable sequence holds at least `ladder_nd` drafts (more are cut)."""
+) -> tuple[list[int], list[int], list[int]]:
+    """(serial, batchable, copies): a batch needs two sequences with drafts, `--mtp-max-seqs`
+    > 1 and the lever on; a copy joins it at its own depth; any other sequence batches when
+    it holds at least `ladder_nd` drafts (1 under `--draft-confidence-stop`, whose chains may
+    end early), and more are cut."""
     if not (
         len(verify) >= 2
         and ctx.levers.mtp_max_seqs > 1
         and ctx.levers.batch_verify
         and ladder_nd >= 1
     ):
-        return list(verify), []
-    serial, batchable = [], []
+        return list(verify), [], []
+    min_held = 1 if ctx.levers.draft_stop is not None else ladder_nd
+    serial, batchable, copies = [], [], []
     for i in verify:
         a = active[i]
-        if len(a.pending_drafts) >= ladder_nd:
+        if a.copy:
+            copies.append(i)
+        elif len(a.pending_drafts) >= min_held:
             del a.pending_drafts[ladder_nd:]
             del a.pending_conf[ladder_nd:]
             batchable.append(i)
         else:
             serial.append(i)
-    return serial, batchable
+    return serial, batchable, copies
 
 
 def _serial(model: Model, a: ActiveSeq, ladder_nd: int, report: StepReport) -> None:
     drafts = a.pending_drafts
     a.pending_drafts, a.pending_conf = [], []
-    keep, arm = serial_verify_plan(len(drafts), ladder_nd)
+    # A copy picks its arm by its own length; ladder_nd stays the chain length to propose.
+    keep, arm = serial_verify_plan(len(drafts), a.copy or ladder_nd)
     if keep == 0:
         # Drafts with no room this step (the width fell to 0): verify the last token alone.
         report.serial_arms.append("K1")

@@ -4,6 +4,8 @@ Shared by every verify path."""
 
 from __future__ import annotations
 
+import math
+
 from control_plane.scheduler.seq import ActiveSeq
 from gpu_service.interface import Model
 from gpu_service.telemetry import span, tracer
@@ -60,6 +62,13 @@ def verify_and_settle(
             step_nd, a.remaining - 1, a.req.num_drafts if a.req.num_drafts is not None else step_nd
         )
         a.pending_drafts, a.pending_conf = drafts[:cap], conf[:cap]
+        if a.draft_stop is not None:
+            stop = next(
+                (j for j, c in enumerate(a.pending_conf) if c <= 0 or math.log(c) < a.draft_stop),
+                len(a.pending_conf),
+            )
+            del a.pending_drafts[stop:]
+            del a.pending_conf[stop:]
 
 
 def _can_propose(a: ActiveSeq, rejected: int, step_nd: int) -> bool:
