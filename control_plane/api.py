@@ -13,6 +13,7 @@ import grpc
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from control_plane.detok import Tokenizer
+from control_plane.grammar import GrammarCompiler
 from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.seq import (
     MTP,
@@ -50,6 +51,7 @@ def to_request(
     default_method: str,
     default_max_new: int,
     request_id: str,
+    compiler: GrammarCompiler | None = None,
 ) -> GenRequest:
     """The wire request as the scheduler's `GenRequest`, or `BadRequest` with a sentence."""
     invalid = grpc.StatusCode.INVALID_ARGUMENT
@@ -95,6 +97,15 @@ def to_request(
         raise BadRequest(
             invalid, f"num_drafts is {r.num_drafts}; the GPU service verifies at most {most} drafts"
         )
+    grammar = None
+    kind = r.response_format.WhichOneof("format") if r.HasField("response_format") else None
+    if kind is not None:
+        if compiler is None:
+            raise BadRequest(grpc.StatusCode.UNIMPLEMENTED, "this server has no grammar engine")
+        try:
+            grammar = compiler.compile(kind, getattr(r.response_format, kind))
+        except ValueError as e:
+            raise BadRequest(invalid, f"response_format: {e}") from None
     return GenRequest(
         request_id=request_id,
         prompt_ids=tuple(ids),
@@ -106,6 +117,7 @@ def to_request(
         method=METHODS.get(r.speculative_method, default_method),
         num_drafts=r.num_drafts if r.HasField("num_drafts") else None,
         logprobs=r.logprobs,
+        grammar=grammar,
     )
 
 
@@ -116,6 +128,7 @@ def stats_message(s: SpecStats) -> pb.SpeculativeStats:
         drafted=s.drafted,
         accepted=s.accepted,
         mean_accepted_length=s.mean_accepted_length,
+        grammar_truncations=s.grammar_truncations,
         acceptance_per_position=s.acceptance_at,
     )
 
@@ -131,6 +144,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         self.scheduler, self.tokenizer = scheduler, tokenizer
         self.default_method, self.default_max_new = default_method, default_max_new
         self._ids = itertools.count()
+        self._compiler: GrammarCompiler | None = None
 
     async def Generate(self, request, context):
         rid = request.request_id or uuid.uuid4().hex
@@ -153,8 +167,18 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         try:
             caps = await loop.run_in_executor(None, self.scheduler.capabilities)
             gen.set_attribute("gen_ai.request.model", caps.model_name)
+            if self._compiler is None:
+                self._compiler = GrammarCompiler(
+                    self.tokenizer, caps.vocab_size, caps.eos_token_ids
+                )
             req = to_request(
-                request, self.tokenizer, caps, self.default_method, self.default_max_new, key
+                request,
+                self.tokenizer,
+                caps,
+                self.default_method,
+                self.default_max_new,
+                key,
+                self._compiler,
             )
         except BadRequest as e:
             _failed(gen, e.code.name, str(e))

@@ -84,12 +84,18 @@ class GrpcModel:
         self._rpc(self._stub.FreeSequence, pb.FreeSequenceRequest(seq_id=seq.seq_id))
 
     def prefill(
-        self, seqs: Sequence[SequenceHandle], prompts: Sequence[Sequence[int]]
+        self,
+        seqs: Sequence[SequenceHandle],
+        prompts: Sequence[Sequence[int]],
+        masks: Sequence[bytes] | None = None,
     ) -> list[int]:
         # A request pairs each sequence with its prompt, so a mismatch cannot be sent.
         checks.same_length("prefill", seqs=seqs, prompts=prompts)
+        masks = masks or [b""] * len(seqs)
+        checks.same_length("prefill", seqs=seqs, masks=masks)
         items = [
-            pb.PrefillItem(seq_id=s.seq_id, tokens=p) for s, p in zip(seqs, prompts, strict=True)
+            pb.PrefillItem(seq_id=s.seq_id, tokens=p, mask=m)
+            for s, p, m in zip(seqs, prompts, masks, strict=True)
         ]
         r = self._rpc(self._stub.Prefill, pb.PrefillRequest(items=items))
         self._mirror(seqs, r.seq_lens)
@@ -102,11 +108,17 @@ class GrpcModel:
         ks: Sequence[int],
         seqs: Sequence[SequenceHandle],
         write_on_accept: bool = True,
+        masks: dict[int, bytes] | None = None,
     ) -> list[int]:
+        row_masks = [pb.RowMask(row=r, bits=b) for r, b in (masks or {}).items()]
         r = self._rpc(
             self._stub.DecodeVerifyBatched,
             pb.VerifyRequest(
-                seq_ids=self._ids(seqs), ks=ks, tokens=tokens, write_on_accept=write_on_accept
+                seq_ids=self._ids(seqs),
+                ks=ks,
+                tokens=tokens,
+                write_on_accept=write_on_accept,
+                masks=row_masks,
             ),
         )
         self._mirror(seqs, r.seq_lens)

@@ -36,6 +36,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--method", choices=list(METHODS), default=None)
     parser.add_argument("--num-drafts", type=int, default=None)
     parser.add_argument("--request-id", default="")
+    parser.add_argument("--json-schema", default=None, help="constrain the output (JSON text)")
+    parser.add_argument("--regex", default=None, help="constrain the output to a regex")
     parser.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds")
 
 
@@ -53,6 +55,10 @@ def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
         request_id=args.request_id,
         speculative_method=METHODS.get(args.method, pb.SPECULATIVE_METHOD_UNSPECIFIED),
     )
+    if args.json_schema is not None:
+        r.response_format.json_schema = args.json_schema
+    elif args.regex is not None:
+        r.response_format.regex = args.regex
     for field in ("max_new_tokens", "seed", "num_drafts"):
         if getattr(args, field) is not None:
             setattr(r, field, getattr(args, field))

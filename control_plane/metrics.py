@@ -58,6 +58,11 @@ class Metrics:
         self.dcut_steps = Counter(
             "met:dcut_steps", "Steps whose batch depths D-Cut planned.", registry=r
         )
+        self.grammar_truncations = Counter(
+            "met:grammar_draft_truncations",
+            "Verifies whose drafts a grammar cut short.",
+            registry=r,
+        )
         self.mean_accepted_length = Gauge(
             "met:spec_decode_mean_accepted_length",
             "Tokens per verify, bonus included, over every finished request.",

@@ -7,6 +7,7 @@ import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from gpu_service import checks
@@ -140,10 +141,14 @@ class Engine(DrafterOps):
 
     @traced("engine.prefill")
     def prefill(
-        self, seqs: Sequence[SequenceHandle], prompts: Sequence[Sequence[int]]
+        self,
+        seqs: Sequence[SequenceHandle],
+        prompts: Sequence[Sequence[int]],
+        masks: Sequence[bytes] | None = None,
     ) -> list[int]:
         with self._lock:
             checks.same_length("prefill", seqs=seqs, prompts=prompts)
+            row_masks = self._masks(dict(enumerate(masks or ())), len(prompts))
             states = self._lookup("prefill", seqs)
             total = 0
             for s, p in zip(states, prompts, strict=True):
@@ -172,7 +177,7 @@ class Engine(DrafterOps):
             last_hidden = self._run(run, [[i] for i in range(len(states))])
             for s, p in zip(states, prompts, strict=True):
                 s.tokens.extend(p)
-            out = self._keep_logits(self.model.logits(last_hidden))
+            out = self._keep_logits(self.model.logits(last_hidden), row_masks)
             self._mirror(seqs, states)
             return out
 
@@ -183,9 +188,11 @@ class Engine(DrafterOps):
         ks: Sequence[int],
         seqs: Sequence[SequenceHandle],
         write_on_accept: bool = True,
+        masks: dict[int, bytes] | None = None,
     ) -> list[int]:
         with self._lock:
             states = self._check_verify(tokens, ks, seqs)
+            row_masks = self._masks(masks or {}, sum(ks))
             tokens, ks = list(tokens), list(ks)
             starts = [0]
             for k in ks:
@@ -201,7 +208,7 @@ class Engine(DrafterOps):
 
             hidden = self._run(run, [[i] for i in range(len(states))])
             self.state.verify_hidden = hidden
-            out = self._keep_logits(self.model.logits(hidden))
+            out = self._keep_logits(self.model.logits(hidden), row_masks)
             self._verify_calls += 1
             for s, k, lo in zip(states, ks, starts, strict=False):
                 s.tokens.extend(tokens[lo : lo + k])
@@ -334,8 +341,34 @@ class Engine(DrafterOps):
             data = t.view(torch.uint8).numpy().tobytes()
             return Logits(data, str(t.dtype).removeprefix("torch."), tuple(t.shape))
 
-    def _keep_logits(self, logits: torch.Tensor) -> list[int]:
-        """Keep a prefill's or verify's logits and each row's argmax log-probability."""
+    def _masks(self, masks: dict[int, bytes], rows: int) -> dict[int, torch.Tensor]:
+        """Allowed-token bitmasks as bool rows, checked: one per row at most, the right size,
+        at least one token allowed."""
+        words = -(-self.cfg.vocab_size // 32)
+        out = {}
+        for row, bits in masks.items():
+            if not bits:
+                continue
+            checks.within("a masked row", row, 0, rows - 1)
+            # Grammar engines may round up to whole words past the vocabulary; ignored.
+            if len(bits) < 4 * words or len(bits) % 4:
+                raise InvalidArgument(
+                    f"the mask of row {row} has {len(bits)} bytes; a vocabulary of "
+                    f"{self.cfg.vocab_size} takes {4 * words} or more, whole 32-bit words"
+                )
+            allowed = torch.from_numpy(
+                np.unpackbits(np.frombuffer(bits, dtype=np.uint8), bitorder="little")
+            )[: self.cfg.vocab_size].bool()
+            if not allowed.any():
+                raise InvalidArgument(f"the mask of row {row} allows no token")
+            out[row] = allowed
+        return out
+
+    def _keep_logits(self, logits: torch.Tensor, masks: dict[int, torch.Tensor]) -> list[int]:
+        """Keep a prefill's or verify's logits (masked rows with -inf outside their mask) and
+        each row's argmax log-probability."""
+        for row, allowed in masks.items():
+            logits[row] = logits[row].masked_fill(~allowed.to(logits.device), float("-inf"))
         self.state.logits = logits
         top, conf = self._argmax(logits)
         self._logprobs = torch.log(conf).tolist()

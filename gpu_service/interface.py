@@ -105,11 +105,16 @@ class Model(Protocol):
         """Release the sequence and its slot. An unknown or freed id is `NotFound`."""
 
     def prefill(
-        self, seqs: Sequence[SequenceHandle], prompts: Sequence[Sequence[int]]
+        self,
+        seqs: Sequence[SequenceHandle],
+        prompts: Sequence[Sequence[int]],
+        masks: Sequence[bytes] | None = None,
     ) -> list[int]:
         """Append each prompt to its sequence's cache (a long prompt may come in chunks) and
         return each one's last-row argmax. The last rows' logits stay in the logits buffer;
-        the drafter's cache is primed with the prompt's (token, hidden) pairs.
+        the drafter's cache is primed with the prompt's (token, hidden) pairs. `masks[i]`, when
+        not empty, is an allowed-token bitmask (bit t of little-endian 32-bit words is token t)
+        applied to prompt i's last row before its argmax.
         Empty prompts, ids outside the vocabulary and prompts past the context are
         `InvalidArgument`; a sequence with a verify pending is `FailedPrecondition`."""
 
@@ -119,6 +124,7 @@ class Model(Protocol):
         ks: Sequence[int],
         seqs: Sequence[SequenceHandle],
         write_on_accept: bool = True,
+        masks: dict[int, bytes] | None = None,
     ) -> list[int]:
         """One batched forward over `R = sum(ks)` rows; sequence i contributes its rows
         `[last, d1 .. d_{k_i - 1}]` at positions `seq_len .. seq_len + k_i - 1`, attending to
@@ -129,7 +135,9 @@ class Model(Protocol):
         the rejected rows). `write_on_accept=True` leaves the live GDN state untouched and the
         fold writes the accepted row's state into it; `False` advances the live state through
         all rows and the fold puts the accepted row's state back. Both give identical bytes.
-        A plain one-token decode is `k = 1`. Each `k` is in `1 ..= capacity(slot) + 1`."""
+        A plain one-token decode is `k = 1`. Each `k` is in `1 ..= capacity(slot) + 1`.
+        `masks` maps rows to allowed-token bitmasks (as `prefill`'s), applied before their
+        argmax, so a grammar binds the bonus token too."""
 
     def can_batch_verify(self, ks: Sequence[int]) -> bool:
         """Whether one batched call of these widths fits the row budget and the stash width.

@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 
 from gpu_service.engine import Engine
-from gpu_service.interface import ModelError, SequenceHandle
+from gpu_service.interface import InvalidArgument, ModelError, SequenceHandle
 from protos.met.v1 import model_pb2 as pb
 from protos.met.v1 import model_pb2_grpc as pb_grpc
 
@@ -73,8 +73,10 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
     async def Prefill(self, request, context):
         seqs = _handles(item.seq_id for item in request.items)
         prompts = [list(item.tokens) for item in request.items]
+        masks = [item.mask for item in request.items]
         argmax, logprobs = await self._call(
-            context, lambda: (self.engine.prefill(seqs, prompts), self.engine.last_logprobs())
+            context,
+            lambda: (self.engine.prefill(seqs, prompts, masks), self.engine.last_logprobs()),
         )
         return pb.PrefillReply(argmax=argmax, seq_lens=[s.seq_len for s in seqs], logprobs=logprobs)
 
@@ -82,8 +84,11 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
         seqs = _handles(request.seq_ids)
 
         def run() -> tuple[list[int], list[float]]:
+            masks = {m.row: m.bits for m in request.masks}
+            if len(masks) != len(request.masks):
+                raise InvalidArgument("two masks name the same row")
             argmax = self.engine.decode_verify_batched(
-                list(request.tokens), list(request.ks), seqs, request.write_on_accept
+                list(request.tokens), list(request.ks), seqs, request.write_on_accept, masks
             )
             return argmax, self.engine.last_logprobs()
 

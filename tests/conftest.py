@@ -6,14 +6,16 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
 from control_plane.client import GrpcModel
-from control_plane.launch import start_gpu_service, stop
+from control_plane.launch import start_control_plane, start_gpu_service, stop
 from gpu_service.checkpoint import init_model
 from gpu_service.config import ModelConfig, ServiceConfig
 from gpu_service.engine import Engine
+from protos.met.v1 import generate_pb2_grpc as pb_grpc
 
 TINY = ModelConfig.tiny()
 # Small tiers so that tests reach every tier and run out of slots quickly.
@@ -68,3 +70,16 @@ def rng() -> torch.Generator:
 
 def random_tokens(rng: torch.Generator, n: int, vocab: int = 256) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=rng).tolist()
+
+
+@pytest.fixture(scope="session")
+def control_plane(served: str, tiny_dir: Path) -> Iterator[str]:
+    proc, target = start_control_plane(served, "--tokenizer", str(tiny_dir))
+    yield target
+    assert stop(proc) == 0
+
+
+@pytest.fixture
+def stub(control_plane: str) -> Iterator[pb_grpc.GenerationServiceStub]:
+    with grpc.insecure_channel(control_plane) as channel:
+        yield pb_grpc.GenerationServiceStub(channel)

@@ -35,6 +35,14 @@ def perfect_drafter(oracle: Oracle) -> Drafter:
     return draft
 
 
+def _masked(token: int, bits: bytes) -> int:
+    """The oracle's token, or the first allowed one when a mask forbids it."""
+    if not bits:
+        return token
+    allowed = [t for t in range(len(bits) * 8) if bits[t // 8] >> (t % 8) & 1]
+    return token if token in allowed else allowed[0]
+
+
 @dataclass
 class _Seq:
     tokens: list[int] = field(default_factory=list)
@@ -95,18 +103,22 @@ class FakeModel:
     def free_sequence(self, seq: SequenceHandle) -> None:
         del self.seqs[seq.seq_id], self.slots[seq.seq_id]
 
-    def prefill(self, seqs, prompts) -> list[int]:
+    def prefill(self, seqs, prompts, masks=None) -> list[int]:
         self.calls.append(("prefill", [len(p) for p in prompts]))
         out = []
         for h, p in zip(seqs, prompts, strict=True):
             s = self.seqs[h.seq_id]
             s.tokens.extend(p)
             h.seq_len = len(s.tokens)
-            out.append(self.oracle(tuple(s.tokens)))
+            out.append(
+                _masked(self.oracle(tuple(s.tokens)), (masks or [b""] * len(seqs))[len(out)])
+            )
         self._rows = out
         return out
 
-    def decode_verify_batched(self, tokens, ks, seqs, write_on_accept=True) -> list[int]:
+    def decode_verify_batched(
+        self, tokens, ks, seqs, write_on_accept=True, masks=None
+    ) -> list[int]:
         self.calls.append(("verify", list(ks), [h.slot for h in seqs]))
         out, lo = [], 0
         for h, k in zip(seqs, ks, strict=True):
@@ -115,7 +127,8 @@ class FakeModel:
             assert 1 <= k <= self.caps[h.slot] + 1, f"k={k} over slot {h.slot}'s capacity"
             for t in tokens[lo : lo + k]:
                 s.tokens.append(t)
-                out.append(self.oracle(tuple(s.tokens)))
+                bits = (masks or {}).get(len(out), b"")
+                out.append(_masked(self.oracle(tuple(s.tokens)), bits))
             s.pending, s.row, lo = k, lo, lo + k
             h.seq_len = len(s.tokens)
         self._rows = out

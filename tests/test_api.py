@@ -8,7 +8,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -29,19 +28,6 @@ from tests.conftest import SERVE_ARGS, TINY_SERVICE
 from tests.test_scheduler import mixed_requests
 
 METHOD = {MTP: pb.SPECULATIVE_METHOD_MTP, NONE: pb.SPECULATIVE_METHOD_NONE}
-
-
-@pytest.fixture(scope="module")
-def control_plane(served: str, tiny_dir: Path) -> Iterator[str]:
-    proc, target = start_control_plane(served, "--tokenizer", str(tiny_dir))
-    yield target
-    assert stop(proc) == 0
-
-
-@pytest.fixture
-def stub(control_plane: str) -> Iterator[pb_grpc.GenerationServiceStub]:
-    with grpc.insecure_channel(control_plane) as channel:
-        yield pb_grpc.GenerationServiceStub(channel)
 
 
 def collect(stub, request: pb.GenerateRequest) -> tuple[list[int], str, pb.GenerateResponse]:

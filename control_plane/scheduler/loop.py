@@ -265,7 +265,14 @@ class Scheduler:
             links=links,
             **{"met.sequences": len(batch), "met.tokens": sum(map(len, chunks))},
         ):
-            argmax = self.model.prefill([a.handle for a in batch], chunks)
+            # A grammar binds the first generated token, the argmax of the prompt's last row.
+            masks = [
+                a.grammar.mask()
+                if a.grammar is not None and a.prefilled + len(c) == len(a.req.prompt_ids)
+                else b""
+                for a, c in zip(batch, chunks, strict=True)
+            ]
+            argmax = self.model.prefill([a.handle for a in batch], chunks, masks)
             logprobs = self.model.last_logprobs()
         for i, (a, chunk) in enumerate(zip(batch, chunks, strict=True)):
             a.prefilled += len(chunk)
@@ -293,6 +300,7 @@ class Scheduler:
             self.metrics.request_success.labels(finished_reason=a.finished or "stop").inc()
             self.metrics.prompt_tokens.inc(len(a.req.prompt_ids))
             self.metrics.mean_accepted_length.set(self.spec.mean_accepted_length)
+            self.metrics.grammar_truncations.inc(a.stats.grammar_truncations)
 
     def _dequeued(self, n: int) -> None:
         with self._lock:

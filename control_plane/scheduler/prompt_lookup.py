@@ -31,7 +31,7 @@ def find_copy(history: list[int], max_len: int) -> list[int]:
 def offer_copy(a: ActiveSeq, capacity: int) -> bool:
     """Give the sequence a copy as its drafts for this step, when its history repeats."""
     room = min(MAX_COPY, capacity, a.remaining - 1)
-    if room < 1:
+    if room < 1 or a.grammar is not None:
         return False
     copy = find_copy([*a.req.prompt_ids, *a.generated], room)
     if not copy:

@@ -28,6 +28,7 @@ class GenRequest:
     num_drafts: int | None = None  # cap on this request's drafts; None: the server's
     logprobs: bool = False
     span_context: object | None = None  # the request's `generate` span, which steps link to
+    grammar: object | None = None  # a compiled `Grammar` its tokens must follow
 
 
 @dataclass
@@ -38,6 +39,7 @@ class SpecStats:
     accepted: int = 0  # drafts accepted
     drafted_at: list[int] = field(default_factory=list)  # per draft position
     accepted_at: list[int] = field(default_factory=list)
+    grammar_truncations: int = 0  # verifies whose drafts a grammar cut short
 
     def record(self, drafted: int, accepted: int) -> None:
         self.verifies += 1
@@ -55,6 +57,7 @@ class SpecStats:
         self.verifies += other.verifies
         self.drafted += other.drafted
         self.accepted += other.accepted
+        self.grammar_truncations += other.grammar_truncations
         grow = max(0, len(other.drafted_at) - len(self.drafted_at))
         self.drafted_at.extend([0] * grow)
         self.accepted_at.extend([0] * grow)
@@ -121,6 +124,7 @@ class ActiveSeq:
         self.pending_conf: list[float] = []
         self.copy = 0  # drafts of this step copied by prompt lookup (0: none)
         self.draft_stop: float | None = None  # --draft-confidence-stop, as a log-probability
+        self.grammar = req.grammar
         self.generated: list[int] = []
         self.finished: str | None = None
         self.stats = SpecStats()
@@ -163,6 +167,10 @@ class ActiveSeq:
             if self.remaining <= 0:
                 self.finished = "length"
                 break
+        if self.grammar is not None and kept:
+            self.grammar.advance(kept)
+            if self.finished is None and self.grammar.is_done():
+                self.finished = "stop"
         if self.finished is None:
             self.last = tokens[-1]
         if kept:

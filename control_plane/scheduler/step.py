@@ -165,12 +165,14 @@ def _partition(
         and ctx.levers.batch_verify
         and ladder_nd >= 1
     ):
-        return list(verify), [], []
+        return list(verify), [], []  # grammar sequences are always among the serial
     min_held = 1 if ctx.levers.draft_stop is not None else ladder_nd
     serial, batchable, copies = [], [], []
     for i in verify:
         a = active[i]
-        if a.copy:
+        if a.grammar is not None:
+            serial.append(i)
+        elif a.copy:
             copies.append(i)
         elif len(a.pending_drafts) >= min_held:
             del a.pending_drafts[ladder_nd:]
@@ -184,6 +186,14 @@ def _partition(
 def _serial(model: Model, a: ActiveSeq, ladder_nd: int, report: StepReport) -> None:
     drafts = a.pending_drafts
     a.pending_drafts, a.pending_conf = [], []
+    if a.grammar is not None:
+        # Keep only the drafts before the first one the grammar would reject.
+        with span(TRACER, "grammar", **{"met.drafts": len(drafts)}) as sp:
+            kept = a.grammar.valid_prefix(drafts)
+            sp.set_attribute("met.kept", kept)
+        if kept < len(drafts):
+            a.stats.grammar_truncations += 1
+            drafts = drafts[:kept]
     # A copy picks its arm by its own length; ladder_nd stays the chain length to propose.
     keep, arm = serial_verify_plan(len(drafts), a.copy or ladder_nd)
     if keep == 0:

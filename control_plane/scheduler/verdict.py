@@ -36,8 +36,11 @@ def verify_and_settle(
     `mode` (bootstrap, batched or serial) names the path in the trace."""
     ks = [len(r) for r in rows]
     handles = [a.handle for a in seqs]
+    masks = _grammar_masks(seqs, rows)
     with span(TRACER, "verify", **{"met.verify.mode": mode, "met.verify.ks": ks}):
-        argmax = model.decode_verify_batched([t for r in rows for t in r], ks, handles)
+        argmax = model.decode_verify_batched(
+            [t for r in rows for t in r], ks, handles, masks=masks or None
+        )
         logprobs = model.last_logprobs()
     off = offsets(ks)
     na = [accepted(r, argmax[off[i] : off[i + 1]]) for i, r in enumerate(rows)]
@@ -69,6 +72,18 @@ def verify_and_settle(
             )
             del a.pending_drafts[stop:]
             del a.pending_conf[stop:]
+
+
+def _grammar_masks(seqs: list[ActiveSeq], rows: list[list[int]]) -> dict[int, bytes]:
+    """Row -> allowed tokens for the sequences under a grammar: row j of a sequence predicts
+    the token after its drafts 1..j."""
+    masks, row = {}, 0
+    for a, r in zip(seqs, rows, strict=True):
+        if a.grammar is not None:
+            for j in range(len(r)):
+                masks[row + j] = a.grammar.mask_after(r[1 : j + 1])
+        row += len(r)
+    return masks
 
 
 def _can_propose(a: ActiveSeq, rejected: int, step_nd: int) -> bool:

@@ -19,7 +19,7 @@ SPECULATIVE_METHOD_MTP: SpeculativeMethod
 SPECULATIVE_METHOD_PROMPT_LOOKUP: SpeculativeMethod
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_token_ids", "max_new_tokens", "min_new_tokens", "stop", "stop_token_ids", "ignore_eos", "temperature", "top_p", "top_k", "seed", "logprobs", "request_id", "speculative_method", "num_drafts")
+    __slots__ = ("prompt", "prompt_token_ids", "max_new_tokens", "min_new_tokens", "stop", "stop_token_ids", "ignore_eos", "temperature", "top_p", "top_k", "seed", "logprobs", "request_id", "speculative_method", "num_drafts", "response_format")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,7 @@ class GenerateRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_METHOD_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_new_tokens: int
@@ -50,7 +51,18 @@ class GenerateRequest(_message.Message):
     request_id: str
     speculative_method: SpeculativeMethod
     num_drafts: int
-    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., logprobs: _Optional[bool] = ..., request_id: _Optional[str] = ..., speculative_method: _Optional[_Union[SpeculativeMethod, str]] = ..., num_drafts: _Optional[int] = ...) -> None: ...
+    response_format: ResponseFormat
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., logprobs: _Optional[bool] = ..., request_id: _Optional[str] = ..., speculative_method: _Optional[_Union[SpeculativeMethod, str]] = ..., num_drafts: _Optional[int] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ...) -> None: ...
+
+class ResponseFormat(_message.Message):
+    __slots__ = ("json_schema", "regex", "lark")
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    LARK_FIELD_NUMBER: _ClassVar[int]
+    json_schema: str
+    regex: str
+    lark: str
+    def __init__(self, json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., lark: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens")
@@ -61,20 +73,22 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculativeStats(_message.Message):
-    __slots__ = ("steps", "verifies", "drafted", "accepted", "mean_accepted_length", "acceptance_per_position")
+    __slots__ = ("steps", "verifies", "drafted", "accepted", "mean_accepted_length", "acceptance_per_position", "grammar_truncations")
     STEPS_FIELD_NUMBER: _ClassVar[int]
     VERIFIES_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     MEAN_ACCEPTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     ACCEPTANCE_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_TRUNCATIONS_FIELD_NUMBER: _ClassVar[int]
     steps: int
     verifies: int
     drafted: int
     accepted: int
     mean_accepted_length: float
     acceptance_per_position: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, steps: _Optional[int] = ..., verifies: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., acceptance_per_position: _Optional[_Iterable[float]] = ...) -> None: ...
+    grammar_truncations: int
+    def __init__(self, steps: _Optional[int] = ..., verifies: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., acceptance_per_position: _Optional[_Iterable[float]] = ..., grammar_truncations: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text", "logprobs", "finish_reason", "usage", "speculative_stats", "request_id")

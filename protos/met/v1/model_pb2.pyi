@@ -71,12 +71,14 @@ class FreeSequenceReply(_message.Message):
     def __init__(self) -> None: ...
 
 class PrefillItem(_message.Message):
-    __slots__ = ("seq_id", "tokens")
+    __slots__ = ("seq_id", "tokens", "mask")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MASK_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    mask: bytes
+    def __init__(self, seq_id: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., mask: _Optional[bytes] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("items",)
@@ -95,16 +97,26 @@ class PrefillReply(_message.Message):
     def __init__(self, argmax: _Optional[_Iterable[int]] = ..., seq_lens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("seq_ids", "ks", "tokens", "write_on_accept")
+    __slots__ = ("seq_ids", "ks", "tokens", "write_on_accept", "masks")
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     KS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     WRITE_ON_ACCEPT_FIELD_NUMBER: _ClassVar[int]
+    MASKS_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     ks: _containers.RepeatedScalarFieldContainer[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     write_on_accept: bool
-    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., ks: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., write_on_accept: _Optional[bool] = ...) -> None: ...
+    masks: _containers.RepeatedCompositeFieldContainer[RowMask]
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., ks: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., write_on_accept: _Optional[bool] = ..., masks: _Optional[_Iterable[_Union[RowMask, _Mapping]]] = ...) -> None: ...
+
+class RowMask(_message.Message):
+    __slots__ = ("row", "bits")
+    ROW_FIELD_NUMBER: _ClassVar[int]
+    BITS_FIELD_NUMBER: _ClassVar[int]
+    row: int
+    bits: bytes
+    def __init__(self, row: _Optional[int] = ..., bits: _Optional[bytes] = ...) -> None: ...
 
 class VerifyReply(_message.Message):
     __slots__ = ("argmax", "seq_lens", "logprobs")

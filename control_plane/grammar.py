@@ -1,0 +1,101 @@
+"""Grammars that constrain a request's output: the `Grammar` interface the scheduler uses, and
+its engine, llguidance (JSON schema, regex, Lark).
+
+A grammar follows the committed tokens (`advance`), says which tokens may come next
+(`mask`, an allowed-token bitmask the GPU service applies before its argmax, or `mask_after`
+a few uncommitted drafts), and how many of a run of drafts it would accept (`valid_prefix`),
+which is where drafts are cut."""
+
+from __future__ import annotations
+
+import json
+from typing import Protocol
+
+import llguidance
+
+from control_plane.detok import Tokenizer
+
+
+class Grammar(Protocol):
+    def advance(self, tokens: list[int]) -> None: ...
+    def mask(self) -> bytes: ...
+    def mask_after(self, tokens: list[int]) -> bytes: ...
+    def valid_prefix(self, tokens: list[int]) -> int: ...
+    def is_done(self) -> bool: ...
+
+
+class _Vocabulary:
+    """What llguidance reads of a byte-level tokenizer: each id's bytes."""
+
+    def __init__(self, vocab_size: int, eos: int, specials: dict[str, int]) -> None:
+        names = {i: s.encode() for s, i in specials.items()}
+        self.tokens = [
+            bytes([i]) if i < 256 else names.get(i, b"<|unused%d|>" % i) for i in range(vocab_size)
+        ]
+        self.eos_token_id, self.bos_token_id = eos, specials.get("<|bos|>")
+        self.special_token_ids = [i for i in range(256, vocab_size)]
+
+    def __call__(self, text: bytes | str) -> list[int]:
+        return list(text if isinstance(text, bytes) else text.encode())
+
+
+class LLGuidanceGrammar:
+    def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str) -> None:
+        self.matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        if self.matcher.is_error():
+            raise ValueError(f"the grammar does not compile: {self.matcher.get_error()}")
+
+    def advance(self, tokens: list[int]) -> None:
+        if tokens and not self.matcher.consume_tokens(tokens):
+            raise ValueError(f"the grammar refused committed tokens: {self.matcher.get_error()}")
+
+    def mask(self) -> bytes:
+        return self.matcher.compute_bitmask()
+
+    def mask_after(self, tokens: list[int]) -> bytes:
+        if not tokens:
+            return self.mask()
+        self.matcher.consume_tokens(tokens)
+        bits = self.matcher.compute_bitmask()
+        self.matcher.rollback(len(tokens))
+        return bits
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        return self.matcher.validate_tokens(tokens)
+
+    def is_done(self) -> bool:
+        return self.matcher.is_stopped()
+
+
+class GrammarCompiler:
+    """Compiles response formats for one vocabulary (the tokenizer's bytes, built once)."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_ids: tuple[int, ...]) -> None:
+        specials = getattr(tokenizer, "special_tokens", {})
+        vocab = _Vocabulary(vocab_size, eos_ids[0] if eos_ids else vocab_size - 1, specials)
+        self.tokenizer = llguidance.LLTokenizer(
+            llguidance.TokenizerWrapper(vocab), n_vocab=vocab_size, eos_token=list(eos_ids)
+        )
+
+    def compile(self, kind: str, spec: str) -> LLGuidanceGrammar:
+        """kind: json_schema, regex or lark. Raises ValueError with a sentence."""
+        builders = {
+            "json_schema": llguidance.LLMatcher.grammar_from_json_schema,
+            "regex": llguidance.LLMatcher.grammar_from_regex,
+            "lark": llguidance.LLMatcher.grammar_from_lark,
+        }
+        if kind not in builders:
+            raise ValueError(f"response format {kind!r} is unknown (json_schema, regex, lark)")
+        if kind == "json_schema":
+            try:
+                json.loads(spec)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"the JSON schema is not JSON: {e}") from None
+        try:
+            grammar = builders[kind](spec)
+        except Exception as e:  # the builders raise their own types on bad input
+            raise ValueError(f"the {kind} does not compile: {e}") from None
+        message = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
+        if message:
+            raise ValueError(f"the {kind} does not compile: {message}")
+        return LLGuidanceGrammar(self.tokenizer, grammar)
