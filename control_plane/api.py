@@ -86,12 +86,8 @@ def to_request(
             invalid,
             f"speculative_method {r.speculative_method} is unknown; use NONE, MTP or PROMPT_LOOKUP",
         )
-    if r.temperature > 0:
-        raise BadRequest(
-            grpc.StatusCode.UNIMPLEMENTED,
-            "sampling (temperature > 0) is not available on this server yet; "
-            "use temperature 0 for greedy decoding",
-        )
+    if r.temperature < 0 or not 0.0 <= r.top_p <= 1.0:
+        raise BadRequest(invalid, "temperature must be at least 0 and top_p within [0, 1]")
     most = max(caps.slot_verify_drafts)
     if r.HasField("num_drafts") and r.num_drafts > most:
         raise BadRequest(
@@ -118,6 +114,10 @@ def to_request(
         num_drafts=r.num_drafts if r.HasField("num_drafts") else None,
         logprobs=r.logprobs,
         grammar=grammar,
+        temperature=r.temperature,
+        top_k=r.top_k,
+        top_p=r.top_p,
+        seed=r.seed if r.HasField("seed") else None,
     )
 
 

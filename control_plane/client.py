@@ -14,6 +14,8 @@ from gpu_service.interface import (
     Capabilities,
     Logits,
     Proposal,
+    RowDraws,
+    Sampling,
     SequenceHandle,
 )
 from gpu_service.telemetry import ClientTracing
@@ -29,6 +31,7 @@ class GrpcModel:
         self._traced = grpc.intercept_channel(self._channel, ClientTracing("met.control_plane"))
         self._stub = pb_grpc.ModelServiceStub(self._traced)
         self._logprobs: list[float] = []
+        self._draws: list[RowDraws | None] = []
 
     def close(self) -> None:
         self._channel.close()
@@ -88,14 +91,21 @@ class GrpcModel:
         seqs: Sequence[SequenceHandle],
         prompts: Sequence[Sequence[int]],
         masks: Sequence[bytes] | None = None,
+        sampling: Sequence[Sampling | None] | None = None,
     ) -> list[int]:
         # A request pairs each sequence with its prompt, so a mismatch cannot be sent.
         checks.same_length("prefill", seqs=seqs, prompts=prompts)
         masks = masks or [b""] * len(seqs)
-        checks.same_length("prefill", seqs=seqs, masks=masks)
+        sampling = sampling or [None] * len(seqs)
+        checks.same_length("prefill", seqs=seqs, masks=masks, sampling=sampling)
         items = [
-            pb.PrefillItem(seq_id=s.seq_id, tokens=p, mask=m)
-            for s, p, m in zip(seqs, prompts, masks, strict=True)
+            pb.PrefillItem(
+                seq_id=s.seq_id,
+                tokens=p,
+                mask=m,
+                sampling=_params(smp) if smp is not None else None,
+            )
+            for s, p, m, smp in zip(seqs, prompts, masks, sampling, strict=True)
         ]
         r = self._rpc(self._stub.Prefill, pb.PrefillRequest(items=items))
         self._mirror(seqs, r.seq_lens)
@@ -109,6 +119,7 @@ class GrpcModel:
         seqs: Sequence[SequenceHandle],
         write_on_accept: bool = True,
         masks: dict[int, bytes] | None = None,
+        sampling: dict[int, Sampling] | None = None,
     ) -> list[int]:
         row_masks = [pb.RowMask(row=r, bits=b) for r, b in (masks or {}).items()]
         r = self._rpc(
@@ -119,11 +130,20 @@ class GrpcModel:
                 tokens=tokens,
                 write_on_accept=write_on_accept,
                 masks=row_masks,
+                sampling=_seq_sampling(list((sampling or {}).items())),
             ),
         )
         self._mirror(seqs, r.seq_lens)
         self._logprobs = list(r.logprobs)
+        sampled_rows = _sampled_rows(ks, sampling or {})
+        self._draws = [
+            RowDraws(r.p_next[i], r.resample[i], r.sample[i]) if i in sampled_rows else None
+            for i in range(len(r.argmax))
+        ]
         return list(r.argmax)
+
+    def last_draws(self) -> list[RowDraws | None]:
+        return list(self._draws)
 
     def last_logprobs(self) -> list[float]:
         return list(self._logprobs)
@@ -155,6 +175,7 @@ class GrpcModel:
         stash: Sequence[int],
         num_drafts: int,
         seqs: Sequence[SequenceHandle],
+        sampling: Sequence[Sampling | None] | None = None,
     ) -> Proposal:
         r = self._rpc(
             self._stub.Propose,
@@ -164,6 +185,7 @@ class GrpcModel:
                 stash=stash,
                 num_drafts=num_drafts,
                 positions=[s.seq_len for s in seqs],
+                sampling=_seq_sampling(list(enumerate(sampling or ()))),
             ),
         )
         return _proposal(r, len(seqs), num_drafts)
@@ -176,6 +198,7 @@ class GrpcModel:
         proposers: Sequence[int],
         last: Sequence[int],
         num_drafts: int,
+        sampling: Sequence[Sampling | None] | None = None,
     ) -> Proposal:
         r = self._rpc(
             self._stub.SettleVerdict,
@@ -186,6 +209,7 @@ class GrpcModel:
                 proposers=proposers,
                 last=last,
                 num_drafts=num_drafts,
+                sampling=_seq_sampling(list(enumerate(sampling or ()))),
             ),
         )
         self._mirror(seqs, r.seq_lens)
@@ -209,3 +233,22 @@ def _proposal(reply: Any, n: int, nd: int) -> Proposal:
     drafts = [list(reply.drafts[i * nd : (i + 1) * nd]) for i in range(n)]
     confs = [list(reply.confidences[i * nd : (i + 1) * nd]) for i in range(n)]
     return Proposal(drafts, confs)
+
+
+def _params(s: Sampling) -> pb.SamplingParams:
+    return pb.SamplingParams(
+        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, uniforms=s.uniforms
+    )
+
+
+def _seq_sampling(items: list[tuple[int, Sampling | None]]) -> list[pb.SeqSampling]:
+    return [pb.SeqSampling(index=i, params=_params(s)) for i, s in items if s is not None]
+
+
+def _sampled_rows(ks: Sequence[int], sampling: dict[int, Sampling]) -> set[int]:
+    rows, off = set(), 0
+    for i, k in enumerate(ks):
+        if i in sampling:
+            rows.update(range(off, off + k))
+        off += k
+    return rows

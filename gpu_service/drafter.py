@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from gpu_service import checks
@@ -12,9 +13,11 @@ from gpu_service.interface import (
     FailedPrecondition,
     InvalidArgument,
     Proposal,
+    Sampling,
     SequenceHandle,
 )
 from gpu_service.model.hybrid import Segment
+from gpu_service.sampling import check_sampling, distribution, draw
 from gpu_service.sequence import IDLE, VERIFIED, SeqState
 from gpu_service.telemetry import traced
 
@@ -59,9 +62,13 @@ class DrafterOps:
         stash: Sequence[int],
         num_drafts: int,
         seqs: Sequence[SequenceHandle],
+        sampling: Sequence[Sampling | None] | None = None,
     ) -> Proposal:
         with self._lock:
             states = self._check_propose(last, stash, num_drafts, seqs)
+            sampled = {i: s for i, s in enumerate(sampling or ()) if s is not None}
+            check_sampling(sampled, {i: num_drafts for i in sampled}, len(states))
+            qs: dict[int, list[torch.Tensor]] = {i: [] for i in sampled}
 
             def run(idx: list[int]) -> tuple[list[list[int]], list[list[float]], torch.Tensor]:
                 group = [states[i] for i in idx]
@@ -75,8 +82,17 @@ class DrafterOps:
                     hidden = self.model.mtp_forward(tok, hidden, segs, self.state)[: len(group)]
                     logits = self.model.logits(hidden)
                     tok, conf = self._argmax(logits)
-                    drafts.append(tok.tolist())
-                    confs.append(conf.tolist())
+                    tok, conf = tok.tolist(), conf.tolist()
+                    for g, i in enumerate(idx):
+                        if i in sampled:
+                            q = distribution(logits[g : g + 1], sampled[i])[0]
+                            tok[g] = draw(q, sampled[i].uniforms[j])
+                            # fp32, as the wire carries it, so both transports agree.
+                            conf[g] = float(np.float32(q[tok[g]]))
+                            qs[i].append(q)
+                    drafts.append(tok)
+                    confs.append(conf)
+                    tok = torch.tensor(tok, device=logits.device)
                 return drafts, confs, logits
 
             parts = (
@@ -87,8 +103,9 @@ class DrafterOps:
             drafts = [list(col) for d, _, _ in parts for col in zip(*d, strict=True)]
             confs = [list(col) for _, c, _ in parts for col in zip(*c, strict=True)]
             self.state.logits = torch.cat([lg for _, _, lg in parts])
-            for s in states:
+            for i, s in enumerate(states):
                 s.own_drafts = [s.seq_len - 1 + j for j in range(1, num_drafts)]
+                s.draft_probs = torch.stack(qs[i]) if i in qs else None
             return Proposal(drafts, confs)
 
     def _check_propose(
@@ -145,9 +162,12 @@ class DrafterOps:
         proposers: Sequence[int],
         last: Sequence[int],
         num_drafts: int,
+        sampling: Sequence[Sampling | None] | None = None,
     ) -> Proposal:
         with self._lock:
             states = self._check_verdict(seqs, kept_rows, ks, proposers, last, num_drafts)
+            sampled = {i: s for i, s in enumerate(sampling or ()) if s is not None}
+            check_sampling(sampled, {i: num_drafts for i in sampled}, max(len(proposers), 1))
             if proposers:
                 rows = [states[p].verify_row + kept_rows[p] - 1 for p in proposers]
                 self.stash_verify_hidden_rows(rows)
@@ -156,7 +176,9 @@ class DrafterOps:
             if not proposers:
                 return Proposal([], [])
             chosen = [seqs[p] for p in proposers]
-            proposal = self.run_mtp_propose_batched(last, range(len(chosen)), num_drafts, chosen)
+            proposal = self.run_mtp_propose_batched(
+                last, range(len(chosen)), num_drafts, chosen, sampling
+            )
             self.trim_proposer_state(chosen)
             return proposal
 

@@ -21,10 +21,18 @@ from gpu_service.interface import (
     Logits,
     NotFound,
     ResourceExhausted,
+    RowDraws,
+    Sampling,
     SequenceHandle,
 )
 from gpu_service.model.hybrid import PREFILL, VERIFY, HybridModel, Segment
 from gpu_service.model.weights import load_weights
+from gpu_service.sampling import (
+    check_sampling,
+    distribution,
+    draw,
+    row_draws,
+)
 from gpu_service.sequence import FOLDED, IDLE, VERIFIED, SeqState
 from gpu_service.state import DeviceState
 from gpu_service.telemetry import traced
@@ -61,6 +69,7 @@ class Engine(DrafterOps):
             name: None for name in FORWARDS
         }
         self._logprobs: list[float] = []
+        self._draws: list[RowDraws | None] = []
         self._verify_calls = 0
         self._seqs: dict[int, SeqState] = {}
         self._next_id = 1
@@ -145,9 +154,12 @@ class Engine(DrafterOps):
         seqs: Sequence[SequenceHandle],
         prompts: Sequence[Sequence[int]],
         masks: Sequence[bytes] | None = None,
+        sampling: Sequence[Sampling | None] | None = None,
     ) -> list[int]:
         with self._lock:
             checks.same_length("prefill", seqs=seqs, prompts=prompts)
+            sampled = {i: s for i, s in enumerate(sampling or ()) if s is not None}
+            check_sampling(sampled, {i: 1 for i in sampled}, len(prompts))
             row_masks = self._masks(dict(enumerate(masks or ())), len(prompts))
             states = self._lookup("prefill", seqs)
             total = 0
@@ -178,6 +190,8 @@ class Engine(DrafterOps):
             for s, p in zip(states, prompts, strict=True):
                 s.tokens.extend(p)
             out = self._keep_logits(self.model.logits(last_hidden), row_masks)
+            for i, smp in sampled.items():
+                out[i] = draw(distribution(self.state.logits[i : i + 1], smp)[0], smp.uniforms[0])
             self._mirror(seqs, states)
             return out
 
@@ -189,9 +203,11 @@ class Engine(DrafterOps):
         seqs: Sequence[SequenceHandle],
         write_on_accept: bool = True,
         masks: dict[int, bytes] | None = None,
+        sampling: dict[int, Sampling] | None = None,
     ) -> list[int]:
         with self._lock:
             states = self._check_verify(tokens, ks, seqs)
+            check_sampling(sampling or {}, dict(enumerate(ks)), len(ks))
             row_masks = self._masks(masks or {}, sum(ks))
             tokens, ks = list(tokens), list(ks)
             starts = [0]
@@ -209,6 +225,7 @@ class Engine(DrafterOps):
             hidden = self._run(run, [[i] for i in range(len(states))])
             self.state.verify_hidden = hidden
             out = self._keep_logits(self.model.logits(hidden), row_masks)
+            self._draws = self._row_draws(states, tokens, ks, sampling or {})
             self._verify_calls += 1
             for s, k, lo in zip(states, ks, starts, strict=False):
                 s.tokens.extend(tokens[lo : lo + k])
@@ -373,6 +390,34 @@ class Engine(DrafterOps):
         top, conf = self._argmax(logits)
         self._logprobs = torch.log(conf).tolist()
         return top.tolist()
+
+    def _row_draws(
+        self,
+        states: list[SeqState],
+        tokens: list[int],
+        ks: list[int],
+        sampling: dict[int, Sampling],
+    ) -> list[RowDraws | None]:
+        """Rejection-sampling draws for every row of the sampling sequences; the draft
+        distributions they used are spent."""
+        draws: list[RowDraws | None] = [None] * sum(ks)
+        off = 0
+        for i, (s, k) in enumerate(zip(states, ks, strict=True)):
+            smp = sampling.get(i)
+            if smp is not None:
+                p = distribution(self.state.logits[off : off + k], smp)
+                q = s.draft_probs
+                for j in range(k):
+                    last = j == k - 1
+                    qj = q[j] if q is not None and not last and j < len(q) else None
+                    nxt = None if last else tokens[off + j + 1]
+                    draws[off + j] = row_draws(p[j], qj, nxt, smp.uniforms[j])
+            s.draft_probs = None
+            off += k
+        return draws
+
+    def last_draws(self) -> list[RowDraws | None]:
+        return list(self._draws)
 
     def last_logprobs(self) -> list[float]:
         return list(self._logprobs)

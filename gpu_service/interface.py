@@ -87,6 +87,21 @@ class Logits:
     shape: tuple[int, ...]  # (rows, vocab)
 
 
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float
+    top_k: int = 0  # 0: no limit
+    top_p: float = 1.0
+    uniforms: tuple[float, ...] = ()  # one per verify row, or per draft for a propose
+
+
+@dataclass(frozen=True)
+class RowDraws:
+    p_next: float  # target probability of the next row's token (0 for the last row)
+    resample: int  # draw from the residual (the target itself when no draft distribution)
+    sample: int  # draw from the target
+
+
 FORWARDS = ("eager", "eager-serial", "triton", "triton-serial")
 
 
@@ -109,6 +124,7 @@ class Model(Protocol):
         seqs: Sequence[SequenceHandle],
         prompts: Sequence[Sequence[int]],
         masks: Sequence[bytes] | None = None,
+        sampling: Sequence[Sampling | None] | None = None,
     ) -> list[int]:
         """Append each prompt to its sequence's cache (a long prompt may come in chunks) and
         return each one's last-row argmax. The last rows' logits stay in the logits buffer;
@@ -125,6 +141,7 @@ class Model(Protocol):
         seqs: Sequence[SequenceHandle],
         write_on_accept: bool = True,
         masks: dict[int, bytes] | None = None,
+        sampling: dict[int, Sampling] | None = None,
     ) -> list[int]:
         """One batched forward over `R = sum(ks)` rows; sequence i contributes its rows
         `[last, d1 .. d_{k_i - 1}]` at positions `seq_len .. seq_len + k_i - 1`, attending to
@@ -137,7 +154,13 @@ class Model(Protocol):
         all rows and the fold puts the accepted row's state back. Both give identical bytes.
         A plain one-token decode is `k = 1`. Each `k` is in `1 ..= capacity(slot) + 1`.
         `masks` maps rows to allowed-token bitmasks (as `prefill`'s), applied before their
-        argmax, so a grammar binds the bonus token too."""
+        argmax, so a grammar binds the bonus token too. `sampling` maps sequence indices to
+        their sampling parameters with one uniform per row: `last_draws` then has, for each
+        of their rows, what rejection sampling needs."""
+
+    def last_draws(self) -> list[RowDraws | None]:
+        """Per row of the last verify: the draws of a sampling sequence, None elsewhere (the
+        gRPC client answers from that call's reply)."""
 
     def can_batch_verify(self, ks: Sequence[int]) -> bool:
         """Whether one batched call of these widths fits the row budget and the stash width.
@@ -165,8 +188,11 @@ class Model(Protocol):
         stash: Sequence[int],
         num_drafts: int,
         seqs: Sequence[SequenceHandle],
+        sampling: Sequence[Sampling | None] | None = None,
     ) -> Proposal:
-        """For each sequence, `num_drafts` greedy drafts from the MTP head, starting from its
+        """For each sequence, `num_drafts` greedy drafts (or sampled, with one uniform per
+        draft, for sequences with `sampling`; the service keeps the distributions they came
+        from for the next verify's residuals) from the MTP head, starting from its
         stash slot's hidden and `last` (the token after its committed history). The first
         drafter entry sits at position `seq_len - 1` (the hidden's position, as vLLM's MTP);
         draft j feeds back the drafter's own hidden. The last position's logits stay in the
@@ -186,6 +212,7 @@ class Model(Protocol):
         proposers: Sequence[int],
         last: Sequence[int],
         num_drafts: int,
+        sampling: Sequence[Sampling | None] | None = None,
     ) -> Proposal:
         """A whole verdict in one call, checked whole before any of it runs: stash the last
         kept row of each proposer (`proposers` index `seqs`; stash slot j is proposer j),

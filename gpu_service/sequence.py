@@ -18,6 +18,7 @@ class SeqState:
     own_drafts: list[int] = field(default_factory=list)  # drafter positions from its own hidden
     verify_call: int = 0  # which verify call its pending rows came from
     verify_row: int = 0  # its first row in that call
+    draft_probs: object = None  # [nd, V] distributions its last sampled drafts came from
 
     @property
     def seq_len(self) -> int:

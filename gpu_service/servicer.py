@@ -14,9 +14,22 @@ from typing import Any
 import grpc
 
 from gpu_service.engine import Engine
-from gpu_service.interface import InvalidArgument, ModelError, SequenceHandle
+from gpu_service.interface import InvalidArgument, ModelError, Sampling, SequenceHandle
 from protos.met.v1 import model_pb2 as pb
 from protos.met.v1 import model_pb2_grpc as pb_grpc
+
+
+def _sampling(p: pb.SamplingParams) -> Sampling:
+    return Sampling(p.temperature, p.top_k, p.top_p, tuple(p.uniforms))
+
+
+def _seq_sampling(items: Any, n: int) -> list[Sampling | None]:
+    out: list[Sampling | None] = [None] * n
+    for item in items:
+        if item.index >= n:
+            raise InvalidArgument(f"sampling names sequence {item.index} of {n}")
+        out[item.index] = _sampling(item.params)
+    return out
 
 
 def _handles(ids: Any) -> list[SequenceHandle]:
@@ -74,9 +87,15 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
         seqs = _handles(item.seq_id for item in request.items)
         prompts = [list(item.tokens) for item in request.items]
         masks = [item.mask for item in request.items]
+        sampling = [
+            _sampling(i.sampling) if i.HasField("sampling") else None for i in request.items
+        ]
         argmax, logprobs = await self._call(
             context,
-            lambda: (self.engine.prefill(seqs, prompts, masks), self.engine.last_logprobs()),
+            lambda: (
+                self.engine.prefill(seqs, prompts, masks, sampling),
+                self.engine.last_logprobs(),
+            ),
         )
         return pb.PrefillReply(argmax=argmax, seq_lens=[s.seq_len for s in seqs], logprobs=logprobs)
 
@@ -87,13 +106,26 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
             masks = {m.row: m.bits for m in request.masks}
             if len(masks) != len(request.masks):
                 raise InvalidArgument("two masks name the same row")
+            sampled = _seq_sampling(request.sampling, len(seqs))
             argmax = self.engine.decode_verify_batched(
-                list(request.tokens), list(request.ks), seqs, request.write_on_accept, masks
+                list(request.tokens),
+                list(request.ks),
+                seqs,
+                request.write_on_accept,
+                masks,
+                {i: s for i, s in enumerate(sampled) if s is not None},
             )
-            return argmax, self.engine.last_logprobs()
+            return argmax, self.engine.last_logprobs(), self.engine.last_draws()
 
-        argmax, logprobs = await self._call(context, run)
-        return pb.VerifyReply(argmax=argmax, seq_lens=[s.seq_len for s in seqs], logprobs=logprobs)
+        argmax, logprobs, draws = await self._call(context, run)
+        return pb.VerifyReply(
+            argmax=argmax,
+            seq_lens=[s.seq_len for s in seqs],
+            logprobs=logprobs,
+            p_next=[d.p_next if d else 0.0 for d in draws],
+            resample=[d.resample if d else 0 for d in draws],
+            sample=[d.sample if d else 0 for d in draws],
+        )
 
     async def CanBatchVerify(self, request, context):
         ok = await self._call(context, lambda: self.engine.can_batch_verify(list(request.ks)))
@@ -132,7 +164,11 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
         if request.positions:
             self.engine.check_positions(seqs, list(request.positions))
         return self.engine.run_mtp_propose_batched(
-            list(request.last), list(request.stash), request.num_drafts, seqs
+            list(request.last),
+            list(request.stash),
+            request.num_drafts,
+            seqs,
+            _seq_sampling(request.sampling, len(seqs)),
         )
 
     async def TrimProposer(self, request, context):
@@ -153,6 +189,7 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
                 list(request.proposers),
                 list(request.last),
                 request.num_drafts,
+                _seq_sampling(request.sampling, max(len(request.proposers), 1)),
             ),
         )
         return pb.VerdictReply(

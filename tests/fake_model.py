@@ -103,7 +103,7 @@ class FakeModel:
     def free_sequence(self, seq: SequenceHandle) -> None:
         del self.seqs[seq.seq_id], self.slots[seq.seq_id]
 
-    def prefill(self, seqs, prompts, masks=None) -> list[int]:
+    def prefill(self, seqs, prompts, masks=None, sampling=None) -> list[int]:
         self.calls.append(("prefill", [len(p) for p in prompts]))
         out = []
         for h, p in zip(seqs, prompts, strict=True):
@@ -117,7 +117,7 @@ class FakeModel:
         return out
 
     def decode_verify_batched(
-        self, tokens, ks, seqs, write_on_accept=True, masks=None
+        self, tokens, ks, seqs, write_on_accept=True, masks=None, sampling=None
     ) -> list[int]:
         self.calls.append(("verify", list(ks), [h.slot for h in seqs]))
         out, lo = [], 0
@@ -162,7 +162,7 @@ class FakeModel:
     def stash_verify_hidden_rows(self, rows) -> None:
         self.calls.append(("stash", list(rows)))
 
-    def run_mtp_propose_batched(self, last, stash, num_drafts, seqs) -> Proposal:
+    def run_mtp_propose_batched(self, last, stash, num_drafts, seqs, sampling=None) -> Proposal:
         self.calls.append(("propose", len(seqs), num_drafts))
         drafts = [
             self.drafter((*self.seqs[h.seq_id].tokens, t), num_drafts)
@@ -173,7 +173,9 @@ class FakeModel:
     def trim_proposer_state(self, seqs, keep_own: int = 0) -> None:
         self.calls.append(("trim", len(seqs)))
 
-    def settle_verdict(self, seqs, kept_rows, ks, proposers, last, num_drafts) -> Proposal:
+    def settle_verdict(
+        self, seqs, kept_rows, ks, proposers, last, num_drafts, sampling=None
+    ) -> Proposal:
         if proposers:
             self.stash_verify_hidden_rows(
                 [self.seqs[seqs[p].seq_id].row + kept_rows[p] - 1 for p in proposers]

@@ -94,7 +94,7 @@ def test_text_prompt_logprobs_and_stats(stub) -> None:
         (pb.GenerateRequest(prompt="a", num_drafts=9), grpc.StatusCode.INVALID_ARGUMENT),
         (pb.GenerateRequest(prompt="a", prompt_token_ids=[1]), grpc.StatusCode.INVALID_ARGUMENT),
         (pb.GenerateRequest(prompt_token_ids=[999]), grpc.StatusCode.INVALID_ARGUMENT),
-        (pb.GenerateRequest(prompt="a", temperature=0.8), grpc.StatusCode.UNIMPLEMENTED),
+        (pb.GenerateRequest(prompt="a", temperature=-1.0), grpc.StatusCode.INVALID_ARGUMENT),
     ],
     ids=[
         "empty",
@@ -105,7 +105,7 @@ def test_text_prompt_logprobs_and_stats(stub) -> None:
         "too-many-drafts",
         "prompt-and-ids",
         "token-outside-vocab",
-        "sampling",
+        "negative-temperature",
     ],
 )
 def test_bad_requests(stub, request_: pb.GenerateRequest, code: grpc.StatusCode) -> None:
@@ -248,3 +248,18 @@ def test_met_up_then_generate() -> None:
         out, _ = up.communicate(timeout=60)
     assert up.returncode == 0
     assert "gpu-service exited with status 0" in out
+
+
+def test_seeded_sampling_replays_over_grpc(stub) -> None:
+    request = pb.GenerateRequest(
+        prompt_token_ids=[3, 4, 5],
+        max_new_tokens=8,
+        temperature=0.9,
+        top_k=20,
+        seed=42,
+        ignore_eos=True,
+    )
+    first, second = collect(stub, request)[0], collect(stub, request)[0]
+    assert first == second and len(first) == 8
+    request.seed = 43
+    assert collect(stub, request)[0] != first

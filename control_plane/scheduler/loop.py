@@ -141,6 +141,9 @@ class Scheduler:
                 self._iterate()
             except (grpc.RpcError, ModelError) as e:
                 self._reset(e)
+            except Exception as e:  # a bug must fail its requests, not stop the loop
+                log.exception("the scheduler step failed")
+                self._reset(e)
 
     def _drain(self, block: bool) -> None:
         try:
@@ -272,7 +275,13 @@ class Scheduler:
                 else b""
                 for a, c in zip(batch, chunks, strict=True)
             ]
-            argmax = self.model.prefill([a.handle for a in batch], chunks, masks)
+            sampling = [
+                a.sampling(1)
+                if a.samples and a.prefilled + len(c) == len(a.req.prompt_ids)
+                else None
+                for a, c in zip(batch, chunks, strict=True)
+            ]
+            argmax = self.model.prefill([a.handle for a in batch], chunks, masks, sampling)
             logprobs = self.model.last_logprobs()
         for i, (a, chunk) in enumerate(zip(batch, chunks, strict=True)):
             a.prefilled += len(chunk)
@@ -307,26 +316,35 @@ class Scheduler:
             self._queued -= n
 
     def _reset(self, error: Exception) -> None:
-        """The service failed: fail every admitted request, forget the connection."""
-        code = "UNAVAILABLE" if isinstance(error, grpc.RpcError) else "INTERNAL"
-        message = (
-            f"the GPU service failed: {error.details()}"  # type: ignore[union-attr]
-            if isinstance(error, grpc.RpcError)
-            else f"the GPU service refused: {error}"
-        )
-        log.error(
-            "%s; failing %d requests",
-            message,
-            len(self.active) + len(self.prefilling) + len(self.waiting),
-        )
-        for a in [*self.prefilling, *self.active]:
+        """A step failed: fail every admitted request. When the service went away, forget the
+        connection (the one it comes back on starts clean); otherwise free their sequences
+        and carry on with the same connection."""
+        gone = isinstance(error, grpc.RpcError)
+        if gone:
+            message = f"the GPU service failed: {error.details()}"  # type: ignore[union-attr]
+        elif isinstance(error, ModelError):
+            message = f"the GPU service refused: {error}"
+        else:
+            message = f"the scheduler failed: {type(error).__name__}: {error}"
+        code = "UNAVAILABLE" if gone else "INTERNAL"
+        failed = [*self.prefilling, *self.active]
+        log.error("%s; failing %d requests", message, len(failed))
+        for a in failed:
             a.fail(code, message)
+        self.prefilling, self.active = [], []
+        if not gone and self.model is not None:
+            for a in failed:
+                if a.handle is not None:
+                    try:
+                        self.model.free_sequence(a.handle)
+                    except (grpc.RpcError, ModelError):
+                        pass
+            return
         if self.model is None:  # the connection itself failed: the waiting fail too
             for a in self.waiting:
                 a.fail(code, message)
             self._dequeued(len(self.waiting))
             self.waiting.clear()
-        self.prefilling, self.active = [], []
         getattr(self.model, "close", lambda: None)()
         with self._lock:
             self.model, self.ctx = None, None

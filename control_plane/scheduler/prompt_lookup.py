@@ -31,7 +31,8 @@ def find_copy(history: list[int], max_len: int) -> list[int]:
 def offer_copy(a: ActiveSeq, capacity: int) -> bool:
     """Give the sequence a copy as its drafts for this step, when its history repeats."""
     room = min(MAX_COPY, capacity, a.remaining - 1)
-    if room < 1 or a.grammar is not None:
+    # Copies are point masses, which the service's residuals do not model: greedy only.
+    if room < 1 or a.grammar is not None or a.samples:
         return False
     copy = find_copy([*a.req.prompt_ids, *a.generated], room)
     if not copy:

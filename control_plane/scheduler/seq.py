@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from control_plane.detok import Detokenizer, Tokenizer
-from gpu_service.interface import SequenceHandle
+from gpu_service.interface import Sampling, SequenceHandle
 
 NONE, MTP, PROMPT_LOOKUP = "none", "mtp", "prompt_lookup"
 
@@ -29,6 +30,10 @@ class GenRequest:
     logprobs: bool = False
     span_context: object | None = None  # the request's `generate` span, which steps link to
     grammar: object | None = None  # a compiled `Grammar` its tokens must follow
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None  # the uniforms' generator; None: an unseeded one
 
 
 @dataclass
@@ -125,6 +130,7 @@ class ActiveSeq:
         self.copy = 0  # drafts of this step copied by prompt lookup (0: none)
         self.draft_stop: float | None = None  # --draft-confidence-stop, as a log-probability
         self.grammar = req.grammar
+        self.rng = random.Random(req.seed)
         self.generated: list[int] = []
         self.finished: str | None = None
         self.stats = SpecStats()
@@ -133,6 +139,16 @@ class ActiveSeq:
         self.observer: Observer | None = None
         self.submitted = time.monotonic()
         self.last_emit: float | None = None
+
+    @property
+    def samples(self) -> bool:
+        return self.req.temperature > 0
+
+    def sampling(self, draws: int) -> Sampling:
+        """This request's sampling parameters with `draws` fresh uniforms."""
+        r = self.req
+        uniforms = tuple(self.rng.random() for _ in range(draws))
+        return Sampling(r.temperature, r.top_k, r.top_p, uniforms)
 
     def set_eos(self, eos_ids: tuple[int, ...]) -> None:
         self._eos = () if self.req.ignore_eos else eos_ids

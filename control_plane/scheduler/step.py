@@ -185,7 +185,6 @@ def _partition(
 
 def _serial(model: Model, a: ActiveSeq, ladder_nd: int, report: StepReport) -> None:
     drafts = a.pending_drafts
-    a.pending_drafts, a.pending_conf = [], []
     if a.grammar is not None:
         # Keep only the drafts before the first one the grammar would reject.
         with span(TRACER, "grammar", **{"met.drafts": len(drafts)}) as sp:
@@ -196,10 +195,12 @@ def _serial(model: Model, a: ActiveSeq, ladder_nd: int, report: StepReport) -> N
             drafts = drafts[:kept]
     # A copy picks its arm by its own length; ladder_nd stays the chain length to propose.
     keep, arm = serial_verify_plan(len(drafts), a.copy or ladder_nd)
+    # The verify reads the kept drafts' confidences (sampling's q) from the sequence.
+    a.pending_drafts, a.pending_conf = drafts[:keep], a.pending_conf[:keep]
     if keep == 0:
         # Drafts with no room this step (the width fell to 0): verify the last token alone.
         report.serial_arms.append("K1")
         bootstrap_serial(model, a, ladder_nd)
         return
     report.serial_arms.append(arm)
-    step_verify_serial(model, a, drafts[:keep], ladder_nd)
+    step_verify_serial(model, a, a.pending_drafts, ladder_nd)

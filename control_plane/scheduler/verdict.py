@@ -37,18 +37,31 @@ def verify_and_settle(
     ks = [len(r) for r in rows]
     handles = [a.handle for a in seqs]
     masks = _grammar_masks(seqs, rows)
+    sampling = {i: a.sampling(ks[i]) for i, a in enumerate(seqs) if a.samples}
+    q = [a.pending_conf[: k - 1] for a, k in zip(seqs, ks, strict=True)]
     with span(TRACER, "verify", **{"met.verify.mode": mode, "met.verify.ks": ks}):
         argmax = model.decode_verify_batched(
-            [t for r in rows for t in r], ks, handles, masks=masks or None
+            [t for r in rows for t in r],
+            ks,
+            handles,
+            masks=masks or None,
+            sampling=sampling or None,
         )
         logprobs = model.last_logprobs()
+        draws = model.last_draws() if sampling else []
     off = offsets(ks)
-    na = [accepted(r, argmax[off[i] : off[i + 1]]) for i, r in enumerate(rows)]
+    gains = []
+    for i, r in enumerate(rows):
+        if i in sampling:
+            gains.append(_rejection(seqs[i], r, q[i], draws[off[i] : off[i + 1]]))
+        else:
+            na = accepted(r, argmax[off[i] : off[i + 1]])
+            gains.append((na, argmax[off[i] + na]))
+    na = [n for n, _ in gains]
     for i, a in enumerate(seqs):
         a.pending_drafts, a.pending_conf = [], []
         a.record_verify(ks[i] - 1, na[i])
-        gained = [*rows[i][1 : na[i] + 1], argmax[off[i] + na[i]]]
-        a.gain(gained, logprobs[off[i] : off[i] + na[i] + 1])
+        a.gain([*rows[i][1 : na[i] + 1], gains[i][1]], logprobs[off[i] : off[i] + na[i] + 1])
     proposers = [i for i, a in enumerate(seqs) if _can_propose(a, ks[i] - na[i] - 1, step_nd)]
     with span(TRACER, "verdict", **{"met.accepted": na, "met.proposers": len(proposers)}):
         proposal = model.settle_verdict(
@@ -58,6 +71,7 @@ def verify_and_settle(
             proposers,
             [seqs[i].last for i in proposers],
             step_nd if proposers else 0,
+            [seqs[i].sampling(step_nd) if seqs[i].samples else None for i in proposers],
         )
     for i, drafts, conf in zip(proposers, proposal.drafts, proposal.confidences, strict=True):
         a = seqs[i]
@@ -72,6 +86,18 @@ def verify_and_settle(
             )
             del a.pending_drafts[stop:]
             del a.pending_conf[stop:]
+
+
+def _rejection(a: ActiveSeq, rows: list[int], q: list[float], draws: list) -> tuple[int, int]:
+    """Speculative sampling's verdict: draft j + 1 stands with probability min(1, p / q);
+    the first one that falls is replaced by a draw from the residual; with every draft
+    standing, the bonus is a draw from the target. -> (accepted drafts, the token after)"""
+    for j in range(len(rows) - 1):
+        # A q rounded to 0 on the wire is a draft the drafter could not have drawn: keep it.
+        ratio = draws[j].p_next / q[j] if q[j] > 0 else 1.0
+        if a.rng.random() >= min(1.0, ratio):
+            return j, draws[j].resample
+    return len(rows) - 1, draws[-1].sample
 
 
 def _grammar_masks(seqs: list[ActiveSeq], rows: list[list[int]]) -> dict[int, bytes]:

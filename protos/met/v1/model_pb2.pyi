@@ -71,14 +71,36 @@ class FreeSequenceReply(_message.Message):
     def __init__(self) -> None: ...
 
 class PrefillItem(_message.Message):
-    __slots__ = ("seq_id", "tokens", "mask")
+    __slots__ = ("seq_id", "tokens", "mask", "sampling")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     MASK_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     mask: bytes
-    def __init__(self, seq_id: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., mask: _Optional[bytes] = ...) -> None: ...
+    sampling: SamplingParams
+    def __init__(self, seq_id: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., mask: _Optional[bytes] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "uniforms")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    UNIFORMS_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    uniforms: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., uniforms: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class SeqSampling(_message.Message):
+    __slots__ = ("index", "params")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    params: SamplingParams
+    def __init__(self, index: _Optional[int] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("items",)
@@ -97,18 +119,20 @@ class PrefillReply(_message.Message):
     def __init__(self, argmax: _Optional[_Iterable[int]] = ..., seq_lens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("seq_ids", "ks", "tokens", "write_on_accept", "masks")
+    __slots__ = ("seq_ids", "ks", "tokens", "write_on_accept", "masks", "sampling")
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     KS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     WRITE_ON_ACCEPT_FIELD_NUMBER: _ClassVar[int]
     MASKS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     ks: _containers.RepeatedScalarFieldContainer[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     write_on_accept: bool
     masks: _containers.RepeatedCompositeFieldContainer[RowMask]
-    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., ks: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., write_on_accept: _Optional[bool] = ..., masks: _Optional[_Iterable[_Union[RowMask, _Mapping]]] = ...) -> None: ...
+    sampling: _containers.RepeatedCompositeFieldContainer[SeqSampling]
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., ks: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., write_on_accept: _Optional[bool] = ..., masks: _Optional[_Iterable[_Union[RowMask, _Mapping]]] = ..., sampling: _Optional[_Iterable[_Union[SeqSampling, _Mapping]]] = ...) -> None: ...
 
 class RowMask(_message.Message):
     __slots__ = ("row", "bits")
@@ -119,14 +143,20 @@ class RowMask(_message.Message):
     def __init__(self, row: _Optional[int] = ..., bits: _Optional[bytes] = ...) -> None: ...
 
 class VerifyReply(_message.Message):
-    __slots__ = ("argmax", "seq_lens", "logprobs")
+    __slots__ = ("argmax", "seq_lens", "logprobs", "p_next", "resample", "sample")
     ARGMAX_FIELD_NUMBER: _ClassVar[int]
     SEQ_LENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    P_NEXT_FIELD_NUMBER: _ClassVar[int]
+    RESAMPLE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
     argmax: _containers.RepeatedScalarFieldContainer[int]
     seq_lens: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, argmax: _Optional[_Iterable[int]] = ..., seq_lens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+    p_next: _containers.RepeatedScalarFieldContainer[float]
+    resample: _containers.RepeatedScalarFieldContainer[int]
+    sample: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, argmax: _Optional[_Iterable[int]] = ..., seq_lens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., p_next: _Optional[_Iterable[float]] = ..., resample: _Optional[_Iterable[int]] = ..., sample: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CanBatchVerifyRequest(_message.Message):
     __slots__ = ("ks",)
@@ -179,18 +209,20 @@ class StashReply(_message.Message):
     def __init__(self) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("seq_ids", "last", "stash", "num_drafts", "positions")
+    __slots__ = ("seq_ids", "last", "stash", "num_drafts", "positions", "sampling")
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
     STASH_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     last: _containers.RepeatedScalarFieldContainer[int]
     stash: _containers.RepeatedScalarFieldContainer[int]
     num_drafts: int
     positions: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., last: _Optional[_Iterable[int]] = ..., stash: _Optional[_Iterable[int]] = ..., num_drafts: _Optional[int] = ..., positions: _Optional[_Iterable[int]] = ...) -> None: ...
+    sampling: _containers.RepeatedCompositeFieldContainer[SeqSampling]
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., last: _Optional[_Iterable[int]] = ..., stash: _Optional[_Iterable[int]] = ..., num_drafts: _Optional[int] = ..., positions: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Iterable[_Union[SeqSampling, _Mapping]]] = ...) -> None: ...
 
 class ProposeReply(_message.Message):
     __slots__ = ("drafts", "confidences")
@@ -213,20 +245,22 @@ class TrimReply(_message.Message):
     def __init__(self) -> None: ...
 
 class VerdictRequest(_message.Message):
-    __slots__ = ("seq_ids", "kept_rows", "ks", "proposers", "last", "num_drafts")
+    __slots__ = ("seq_ids", "kept_rows", "ks", "proposers", "last", "num_drafts", "sampling")
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     KEPT_ROWS_FIELD_NUMBER: _ClassVar[int]
     KS_FIELD_NUMBER: _ClassVar[int]
     PROPOSERS_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     kept_rows: _containers.RepeatedScalarFieldContainer[int]
     ks: _containers.RepeatedScalarFieldContainer[int]
     proposers: _containers.RepeatedScalarFieldContainer[int]
     last: _containers.RepeatedScalarFieldContainer[int]
     num_drafts: int
-    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., kept_rows: _Optional[_Iterable[int]] = ..., ks: _Optional[_Iterable[int]] = ..., proposers: _Optional[_Iterable[int]] = ..., last: _Optional[_Iterable[int]] = ..., num_drafts: _Optional[int] = ...) -> None: ...
+    sampling: _containers.RepeatedCompositeFieldContainer[SeqSampling]
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., kept_rows: _Optional[_Iterable[int]] = ..., ks: _Optional[_Iterable[int]] = ..., proposers: _Optional[_Iterable[int]] = ..., last: _Optional[_Iterable[int]] = ..., num_drafts: _Optional[int] = ..., sampling: _Optional[_Iterable[_Union[SeqSampling, _Mapping]]] = ...) -> None: ...
 
 class VerdictReply(_message.Message):
     __slots__ = ("seq_lens", "drafts", "confidences")

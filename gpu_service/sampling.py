@@ -1,0 +1,69 @@
+"""Sampling on the service: target distributions with temperature, top-k and top-p, and
+inverse-CDF draws from uniforms the control plane sends (so a seeded request replays).
+
+For a verify row j of a sampled sequence the service reports what rejection sampling needs:
+`p_next` (the target probability of the next row's token, the draft d_{j+1}), `resample` (a
+draw from the residual max(0, p_j - q_j), renormalised, where q_j is the distribution the
+draft was sampled from) and `sample` (a draw from p_j itself, the bonus token). The control
+plane makes the accept decision with its own uniform."""
+
+from __future__ import annotations
+
+import torch
+
+from gpu_service import checks
+from gpu_service.interface import InvalidArgument, RowDraws, Sampling
+
+
+def distribution(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """logits: [n, V] -> probabilities [n, V] in fp64 (masked tokens at -inf stay at 0)."""
+    x = logits.double() / s.temperature
+    if 0 < s.top_k < x.shape[-1]:
+        kth = x.topk(s.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    p = torch.softmax(x, dim=-1)
+    if 0.0 < s.top_p < 1.0:
+        sorted_p, order = p.sort(dim=-1, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        drop = sorted_p.cumsum(-1) - sorted_p >= s.top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        p = torch.zeros_like(p).scatter(-1, order, sorted_p)
+        p = p / p.sum(-1, keepdim=True)
+    return p
+
+
+def draw(p: torch.Tensor, u: float) -> int:
+    """The token whose cumulative probability first exceeds u * total. p: [V]"""
+    cdf = p.cumsum(0)
+    index = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=cdf.dtype)))
+    return min(index, p.shape[0] - 1)
+
+
+def row_draws(
+    p: torch.Tensor, q: torch.Tensor | None, next_token: int | None, u: float
+) -> RowDraws:
+    """p, q: [V] (q: the draft distribution of the next row's token, or None)."""
+    residual = p if q is None else (p - q).clamp_min(0.0)
+    if float(residual.sum()) <= 0.0:
+        residual = p
+    return RowDraws(
+        p_next=float(p[next_token]) if next_token is not None else 0.0,
+        resample=draw(residual, u),
+        sample=draw(p, u),
+    )
+
+
+def check_sampling(sampling: dict[int, Sampling], uniforms: dict[int, int], n: int) -> None:
+    for i, smp in sampling.items():
+        checks.within("a sampling sequence index", i, 0, n - 1)
+        if not smp.temperature > 0:
+            raise InvalidArgument(
+                f"sequence {i} samples at temperature {smp.temperature}; "
+                "it must be above 0 (greedy sequences send no sampling)"
+            )
+        if len(smp.uniforms) != uniforms[i]:
+            raise InvalidArgument(
+                f"sequence {i} sent {len(smp.uniforms)} uniforms for {uniforms[i]} draws"
+            )
+        if not 0.0 <= smp.top_p <= 1.0 or smp.top_k < 0:
+            raise InvalidArgument(f"sequence {i}: top_p must be in [0, 1] and top_k >= 0")
