@@ -12,6 +12,7 @@ from gpu_service import checks
 from gpu_service.interface import (
     ERRORS_BY_CODE,
     Capabilities,
+    CostEntry,
     Logits,
     Proposal,
     RowDraws,
@@ -219,6 +220,15 @@ class GrpcModel:
         self._rpc(
             self._stub.TrimProposer, pb.TrimRequest(seq_ids=self._ids(seqs), keep_own=keep_own)
         )
+
+    def measure_costs(
+        self, widths: Sequence[int], max_depth: int, repeats: int = 5, refresh: bool = False
+    ) -> tuple[list[CostEntry], bool]:
+        r = self._rpc(
+            self._stub.MeasureCosts,
+            pb.CostRequest(widths=widths, max_depth=max_depth, repeats=repeats, refresh=refresh),
+        )
+        return [CostEntry(e.width, e.depth, e.verify_ms, e.propose_ms) for e in r.entries], r.cached
 
     def set_forward(self, name: str) -> None:
         self._rpc(self._stub.SetForward, pb.SetForwardRequest(forward=name))

@@ -84,6 +84,18 @@ def add_serve_args(parser: argparse.ArgumentParser, gpu_service_required: bool =
         "--dcut-width-cap", type=int, default=8, help="batches wider than this are not cut"
     )
     parser.add_argument(
+        "--spec-cost-model",
+        choices=["static", "measured"],
+        default="static",
+        help="draft depth from the K ladder or from measured step costs",
+    )
+    parser.add_argument(
+        "--spec-cost-slack",
+        type=float,
+        default=0.05,
+        help="take the shallowest depth within this fraction of the best rate",
+    )
+    parser.add_argument(
         "--otlp-endpoint",
         default=None,
         help="export spans over OTLP here (shortcut for OTEL_EXPORTER_OTLP_ENDPOINT)",
@@ -109,6 +121,8 @@ def build_scheduler(args: argparse.Namespace) -> Scheduler:
         draft_confidence_stop=args.draft_confidence_stop,
         dcut_threshold=args.dcut_threshold,
         dcut_width_cap=args.dcut_width_cap,
+        spec_cost_model=args.spec_cost_model,
+        spec_cost_slack=args.spec_cost_slack,
     )
     tokenizer = ByteTokenizer.load(args.tokenizer)
     metrics = Metrics() if args.metrics_port is not None else None

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gpu_service import checks
+from gpu_service import checks, costs
 from gpu_service.config import ModelConfig, ServiceConfig
 from gpu_service.drafter import DrafterOps
 from gpu_service.interface import (
@@ -59,6 +59,7 @@ class Engine(DrafterOps):
         self.cfg = ModelConfig.load(model_dir)
         self.svc = svc or ServiceConfig()
         self.name = model_dir.resolve().name
+        self.model_dir = model_dir
         torch_dtype = getattr(torch, dtype or self.cfg.torch_dtype)
         weights = load_weights(self.cfg, model_dir, torch_dtype)
         self.model = HybridModel(self.cfg, weights, self.svc.max_context)
@@ -337,6 +338,24 @@ class Engine(DrafterOps):
         and then calls `after_fold(state, slots)` after each fold: how a test plants a fault
         the circuit diff must catch."""
         self.forwards[name] = after_fold
+
+    def measure_costs(
+        self, widths: Sequence[int], max_depth: int, repeats: int = 5, refresh: bool = False
+    ) -> tuple[list[costs.CostEntry], bool]:
+        """Verify and propose costs by width and depth (see gpu_service/costs.py), from the
+        cache next to the model unless `refresh` or the cache falls short. -> (entries, cached)"""
+        with self._lock:
+            path = costs.cache_path(self.model_dir, self.forward_name, self.svc.verify_tiers)
+            if not refresh:
+                entries = costs.load(path, list(widths), max_depth)
+                if entries is not None:
+                    return entries, True
+            entries = costs.measure(self, list(widths), max_depth, repeats)
+            try:
+                costs.save(path, entries)
+            except OSError:
+                pass  # a read-only model directory: measured, not cached
+            return entries, False
 
     def _argmax(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.model.triton:

@@ -102,6 +102,16 @@ class RowDraws:
     sample: int  # draw from the target
 
 
+@dataclass(frozen=True)
+class CostEntry:
+    """One measured step cost (`measure_costs`)."""
+
+    width: int
+    depth: int
+    verify_ms: float
+    propose_ms: float
+
+
 FORWARDS = ("eager", "eager-serial", "triton", "triton-serial")
 
 
@@ -219,6 +229,14 @@ class Model(Protocol):
         fold and commit every sequence at `kept_rows`, then propose `num_drafts` drafts for
         the proposers from `last` and trim their drafters. Equal to the five calls in that
         order; returns the proposal (empty without proposers)."""
+
+    def measure_costs(
+        self, widths: Sequence[int], max_depth: int, repeats: int = 5, refresh: bool = False
+    ) -> tuple[list[CostEntry], bool]:
+        """Verify and verdict+propose times by batch width and depth (drafts), measured on
+        scratch sequences (needs max(widths) free slots) and cached next to the model; the
+        cache is used unless `refresh` or it lacks an asked width or depth. Widths whose slots
+        cannot verify a depth are left out. -> (entries, whether they came from the cache)"""
 
     def set_forward(self, name: str) -> None:
         """Select the forward: `eager` (plain torch), `triton` (the per-sequence parts as Triton

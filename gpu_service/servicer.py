@@ -198,6 +198,23 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
             confidences=[c for row in p.confidences for c in row],
         )
 
+    async def MeasureCosts(self, request, context):
+        entries, cached = await self._call(
+            context,
+            lambda: self.engine.measure_costs(
+                list(request.widths), request.max_depth, request.repeats or 5, request.refresh
+            ),
+        )
+        return pb.CostReply(
+            entries=[
+                pb.CostEntry(
+                    width=e.width, depth=e.depth, verify_ms=e.verify_ms, propose_ms=e.propose_ms
+                )
+                for e in entries
+            ],
+            cached=cached,
+        )
+
     async def SetForward(self, request, context):
         await self._call(context, lambda: self.engine.set_forward(request.forward))
         return pb.SetForwardReply(current_forward=request.forward)

@@ -189,6 +189,17 @@ class FakeModel:
         self.trim_proposer_state(chosen)
         return proposal
 
+    def measure_costs(self, widths, max_depth, repeats=5, refresh=False):
+        """A chosen table: verifies cost 1 ms + 0.1 per row, proposes 0.5 ms per draft."""
+        from gpu_service.interface import CostEntry
+
+        self.calls.append(("measure_costs", list(widths), max_depth))
+        return [
+            CostEntry(w, d, 1.0 + 0.1 * w * (d + 1), 0.5 * d)
+            for w in widths
+            for d in range(max_depth + 1)
+        ], False
+
     def set_forward(self, name: str) -> None:
         pass
 

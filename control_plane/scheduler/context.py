@@ -3,10 +3,11 @@ shape."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from control_plane.env import Env
 from control_plane.scheduler.adaptive import AdaptiveRung
+from control_plane.scheduler.cost_model import Calibration, CostTable
 from control_plane.scheduler.ladder import DEFAULT_LADDER, Ladder
 from gpu_service.interface import Capabilities
 
@@ -21,6 +22,7 @@ class Levers:
     dcut_width_cap: int = 8  # --dcut-width-cap: wider batches are not cut
     draft_stop: float | None = None  # --draft-confidence-stop, a log-probability
     prompt_lookup: bool = False  # --prompt-lookup-decoding: copies replace MTP chains
+    spec_cost_slack: float = 0.05  # --spec-cost-slack
 
     @classmethod
     def from_env(cls, env: Env, mtp_max_seqs: int = 32, **options) -> Levers:
@@ -39,12 +41,22 @@ class StepContext:
     ladder: Ladder
     caps: Capabilities
     rung: AdaptiveRung
+    # --spec-cost-model measured: the table and the acceptance it is weighed with.
+    costs: CostTable | None = None
+    calibration: Calibration = field(default_factory=Calibration)
 
     @classmethod
-    def build(cls, caps: Capabilities, env: Env, mtp_max_seqs: int = 32, **options) -> StepContext:
+    def build(
+        cls,
+        caps: Capabilities,
+        env: Env,
+        mtp_max_seqs: int = 32,
+        costs: CostTable | None = None,
+        **options,
+    ) -> StepContext:
         ladder = Ladder.parse(env.k_ladder or DEFAULT_LADDER, enabled=not env.no_k_ladder)
         rung = AdaptiveRung(ladder, enabled=not env.no_adaptive_rung)
-        return cls(Levers.from_env(env, mtp_max_seqs, **options), ladder, caps, rung)
+        return cls(Levers.from_env(env, mtp_max_seqs, **options), ladder, caps, rung, costs)
 
     def capacity(self, slot: int) -> int:
         return self.caps.slot_verify_drafts[slot]

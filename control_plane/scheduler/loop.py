@@ -24,6 +24,7 @@ from control_plane.detok import Tokenizer
 from control_plane.env import Env
 from control_plane.metrics import Metrics
 from control_plane.scheduler.context import StepContext
+from control_plane.scheduler.cost_model import CostTable
 from control_plane.scheduler.seq import ActiveSeq, GenRequest, Sink, SpecStats
 from control_plane.scheduler.step import step_mtp
 from gpu_service.interface import Capabilities, Model, ModelError, ResourceExhausted
@@ -43,6 +44,8 @@ class SchedulerOptions:
     draft_confidence_stop: float | None = None  # --draft-confidence-stop LOGPROB
     dcut_threshold: float = 0.3  # --dcut-threshold
     dcut_width_cap: int = 8  # --dcut-width-cap
+    spec_cost_model: str = "static"  # --spec-cost-model: static (the ladder) or measured
+    spec_cost_slack: float = 0.05  # --spec-cost-slack
 
 
 @dataclass
@@ -222,17 +225,25 @@ class Scheduler:
     def _connect(self) -> None:
         model = self.connect()
         caps = model.capabilities()
-        self.model = model
         o = self.opts
+        costs = None
+        if o.spec_cost_model == "measured":
+            widths = [w for w in (1, 2, 4, 8, 16, 32) if w <= caps.num_slots]
+            depth = min(o.num_drafts, max(caps.slot_verify_drafts))
+            entries, _ = model.measure_costs(widths, depth)
+            costs = CostTable(entries)
         self.ctx = StepContext.build(
             caps,
             self.env,
             o.mtp_max_seqs,
+            costs=costs,
+            spec_cost_slack=o.spec_cost_slack,
             dcut_threshold=o.dcut_threshold,
             dcut_width_cap=o.dcut_width_cap,
             draft_stop=o.draft_confidence_stop,
             prompt_lookup=o.prompt_lookup,
         )
+        self.model = model
         for a in self.waiting:
             a.max_context = caps.max_context
             a.set_eos(() if a.req.ignore_eos else caps.eos_token_ids)

@@ -25,6 +25,7 @@ from control_plane.scheduler.bootstrap import (
     can_batch_bootstrap,
 )
 from control_plane.scheduler.context import StepContext
+from control_plane.scheduler.cost_model import propose_depth
 from control_plane.scheduler.ladder import clamp_drafts_to_slot_capacity
 from control_plane.scheduler.prompt_lookup import offer_copy, settle_copies
 from control_plane.scheduler.seq import MTP, PROMPT_LOOKUP, ActiveSeq
@@ -55,8 +56,29 @@ def split(active: list[ActiveSeq]) -> tuple[list[int], list[int]]:
 
 
 def step_width(active: list[ActiveSeq], ctx: StepContext, num_drafts: int) -> int:
-    nd = ctx.rung.drafts_for(len(active), num_drafts)
+    if ctx.costs is not None:
+        nd = _measured_width(len(active), ctx, num_drafts)
+    else:
+        nd = ctx.rung.drafts_for(len(active), num_drafts)
     return clamp_drafts_to_slot_capacity(nd, (ctx.capacity(a.slot) for a in active))
+
+
+def _measured_width(n: int, ctx: StepContext, num_drafts: int) -> int:
+    """The cost model's depth: 0 above --mtp-max-seqs (plain decoding), else at least 1."""
+    assert ctx.costs is not None
+    with span(TRACER, "cost_model", **{"met.active": n}) as sp:
+        depth = propose_depth(
+            ctx.costs,
+            ctx.calibration,
+            n,
+            ctx.levers.spec_cost_slack,
+            ctx.levers.mtp_max_seqs,
+            num_drafts,
+        )
+        sp.set_attribute("met.depth", depth)
+    if n > ctx.levers.mtp_max_seqs or num_drafts <= 0:
+        return 0
+    return min(max(depth, 1), num_drafts)
 
 
 def step_mtp(
@@ -71,6 +93,7 @@ def step_mtp(
         for a, (d, n), copied in zip(active, before, report.copied, strict=True):
             if not copied:
                 ctx.rung.observe(a.stats.drafted - d, a.stats.accepted - n)
+                ctx.calibration.observe(a.stats.drafted - d, a.stats.accepted - n)
         sp.set_attributes(
             {
                 "met.active": len(active),

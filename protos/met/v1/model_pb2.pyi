@@ -297,3 +297,35 @@ class ReadLogitsReply(_message.Message):
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, data: _Optional[bytes] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CostRequest(_message.Message):
+    __slots__ = ("widths", "max_depth", "repeats", "refresh")
+    WIDTHS_FIELD_NUMBER: _ClassVar[int]
+    MAX_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    REPEATS_FIELD_NUMBER: _ClassVar[int]
+    REFRESH_FIELD_NUMBER: _ClassVar[int]
+    widths: _containers.RepeatedScalarFieldContainer[int]
+    max_depth: int
+    repeats: int
+    refresh: bool
+    def __init__(self, widths: _Optional[_Iterable[int]] = ..., max_depth: _Optional[int] = ..., repeats: _Optional[int] = ..., refresh: _Optional[bool] = ...) -> None: ...
+
+class CostEntry(_message.Message):
+    __slots__ = ("width", "depth", "verify_ms", "propose_ms")
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSE_MS_FIELD_NUMBER: _ClassVar[int]
+    width: int
+    depth: int
+    verify_ms: float
+    propose_ms: float
+    def __init__(self, width: _Optional[int] = ..., depth: _Optional[int] = ..., verify_ms: _Optional[float] = ..., propose_ms: _Optional[float] = ...) -> None: ...
+
+class CostReply(_message.Message):
+    __slots__ = ("entries", "cached")
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[CostEntry]
+    cached: bool
+    def __init__(self, entries: _Optional[_Iterable[_Union[CostEntry, _Mapping]]] = ..., cached: _Optional[bool] = ...) -> None: ...

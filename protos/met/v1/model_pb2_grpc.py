@@ -99,6 +99,11 @@ class ModelServiceStub:
                 request_serializer=met_dot_v1_dot_model__pb2.SetForwardRequest.SerializeToString,
                 response_deserializer=met_dot_v1_dot_model__pb2.SetForwardReply.FromString,
                 _registered_method=True)
+        self.MeasureCosts = channel.unary_unary(
+                '/met.v1.ModelService/MeasureCosts',
+                request_serializer=met_dot_v1_dot_model__pb2.CostRequest.SerializeToString,
+                response_deserializer=met_dot_v1_dot_model__pb2.CostReply.FromString,
+                _registered_method=True)
         self.ReadLogits = channel.unary_unary(
                 '/met.v1.ModelService/ReadLogits',
                 request_serializer=met_dot_v1_dot_model__pb2.ReadLogitsRequest.SerializeToString,
@@ -188,6 +193,14 @@ class ModelServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def MeasureCosts(self, request, context):
+        """Verify and propose costs by batch width and depth, measured on scratch sequences, cached
+        on disk next to the model (measured again only when asked or when the cache falls short).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReadLogits(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -261,6 +274,11 @@ def add_ModelServiceServicer_to_server(servicer, server):
                     servicer.SetForward,
                     request_deserializer=met_dot_v1_dot_model__pb2.SetForwardRequest.FromString,
                     response_serializer=met_dot_v1_dot_model__pb2.SetForwardReply.SerializeToString,
+            ),
+            'MeasureCosts': grpc.unary_unary_rpc_method_handler(
+                    servicer.MeasureCosts,
+                    request_deserializer=met_dot_v1_dot_model__pb2.CostRequest.FromString,
+                    response_serializer=met_dot_v1_dot_model__pb2.CostReply.SerializeToString,
             ),
             'ReadLogits': grpc.unary_unary_rpc_method_handler(
                     servicer.ReadLogits,
@@ -619,6 +637,33 @@ class ModelService:
             '/met.v1.ModelService/SetForward',
             met_dot_v1_dot_model__pb2.SetForwardRequest.SerializeToString,
             met_dot_v1_dot_model__pb2.SetForwardReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MeasureCosts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/met.v1.ModelService/MeasureCosts',
+            met_dot_v1_dot_model__pb2.CostRequest.SerializeToString,
+            met_dot_v1_dot_model__pb2.CostReply.FromString,
             options,
             channel_credentials,
             insecure,

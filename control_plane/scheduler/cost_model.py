@@ -1,0 +1,78 @@
+"""The measured cost model (`--spec-cost-model measured`): the step's draft depth from the
+service's measured verify and propose costs and the observed acceptance.
+
+For `n` active sequences and depth `d`, a step costs `verify(n, d) + propose(n, d)` (measured;
+a width between two measured ones takes the next larger, past the largest it scales
+linearly) and gains `n * (1 + a_1 + a_1 a_2 + ... + a_1..a_d)` tokens, `a_j` the acceptance at
+draft position j (observed over a window of verifies; 0.5 until a position has 32
+observations). `propose_depth` picks the depth with the most tokens per millisecond, then the
+shallowest depth within `slack` of it (a cheaper step at nearly the same rate). Above
+`--mtp-max-seqs` it returns 0 and the step plain-decodes; within the cap the caller floors a 0
+to 1; `--num-drafts 0` turns drafting off.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from gpu_service.interface import CostEntry
+
+PRIOR, MIN_SEEN, WINDOW = 0.5, 32, 512
+
+
+class Calibration:
+    """Acceptance by draft position over the last WINDOW verifies that reached it."""
+
+    def __init__(self) -> None:
+        self.by_position: list[deque[bool]] = []
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        while len(self.by_position) < drafted:
+            self.by_position.append(deque(maxlen=WINDOW))
+        for j in range(drafted):
+            self.by_position[j].append(j < accepted)
+            if j >= accepted:
+                break  # positions past the first rejection were not judged
+
+    def rate(self, position: int) -> float:
+        seen = self.by_position[position] if position < len(self.by_position) else ()
+        return sum(seen) / len(seen) if len(seen) >= MIN_SEEN else PRIOR
+
+
+class CostTable:
+    def __init__(self, entries: list[CostEntry]) -> None:
+        self.cost = {(e.width, e.depth): e.verify_ms + e.propose_ms for e in entries}
+        self.widths = sorted({e.width for e in entries})
+
+    def step_ms(self, n: int, depth: int) -> float | None:
+        larger = [w for w in self.widths if w >= n]
+        w = larger[0] if larger else self.widths[-1]
+        ms = self.cost.get((w, depth))
+        if ms is None:
+            return None
+        return ms if larger else ms * n / w
+
+
+def propose_depth(
+    table: CostTable,
+    calibration: Calibration,
+    n: int,
+    slack: float,
+    mtp_max_seqs: int,
+    max_depth: int,
+) -> int:
+    if n > mtp_max_seqs or max_depth < 1:
+        return 0
+    rates: dict[int, float] = {}
+    chain, tokens = 1.0, 1.0
+    for d in range(max_depth + 1):
+        if d:
+            chain *= calibration.rate(d - 1)
+            tokens += chain
+        ms = table.step_ms(n, d)
+        if ms is not None and ms > 0:
+            rates[d] = n * tokens / ms
+    if not rates:
+        return 0
+    best = max(rates.values())
+    return min(d for d, r in rates.items() if r >= best * (1 - slack))

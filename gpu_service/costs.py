@@ -1,0 +1,85 @@
+"""Measured step costs for the control plane's cost model: verify and verdict+propose times
+by batch width and depth, on scratch sequences, cached next to the model.
+
+The cache file is keyed by the forward, the thread count and the slot tiers: a different
+machine setup measures again. Widths whose slots cannot verify a depth are left out."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from gpu_service.interface import CostEntry, InvalidArgument, ResourceExhausted
+
+PROMPT = [(7 * i + 3) % 251 for i in range(16)]
+
+
+def cache_path(model_dir: Path, forward: str, tiers: str) -> Path:
+    key = f"{forward}-t{torch.get_num_threads()}-{tiers.replace(':', 'x').replace(',', '_')}"
+    return model_dir / f"spec_cost.{key}.json"
+
+
+def load(path: Path, widths: list[int], max_depth: int) -> list[CostEntry] | None:
+    if not path.exists():
+        return None
+    entries = [CostEntry(**e) for e in json.loads(path.read_text())["entries"]]
+    have = {(e.width, e.depth) for e in entries}
+    covered = (
+        all((w, 0) in have for w in widths)
+        and max((e.depth for e in entries), default=-1) >= max_depth
+    )
+    return entries if covered else None
+
+
+def measure(engine, widths: list[int], max_depth: int, repeats: int) -> list[CostEntry]:
+    """Time each (width, depth) the slots allow: a verify of depth + 1 rows per sequence, then
+    its verdict (fold, commit and, for depth > 0, a propose of depth drafts)."""
+    if not widths or min(widths) < 1 or repeats < 1:
+        raise InvalidArgument("measure costs of widths >= 1 with at least one repeat")
+    free = engine.capabilities().free_slots
+    if max(widths) > free:
+        raise ResourceExhausted(
+            f"measuring a width of {max(widths)} needs that many free slots; {free} are free"
+        )
+    seqs = [engine.alloc_sequence() for _ in range(max(widths))]
+    try:
+        engine.prefill(seqs, [PROMPT] * len(seqs))
+        caps = engine.svc.slot_verify_drafts
+        out = []
+        for w in sorted(set(widths)):
+            group = seqs[:w]
+            for depth in range(max_depth + 1):
+                if any(caps[s.slot] < depth for s in group):
+                    continue
+                verify, propose = [], []
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    engine.decode_verify_batched([1] * (w * (depth + 1)), [depth + 1] * w, group)
+                    t1 = time.perf_counter()
+                    proposers = list(range(w)) if depth and engine.cfg.has_mtp else []
+                    engine.settle_verdict(
+                        group,
+                        [1] * w,
+                        [depth + 1] * w,
+                        proposers,
+                        [1] * len(proposers),
+                        depth if proposers else 0,
+                    )
+                    verify.append((t1 - t0) * 1e3)
+                    propose.append((time.perf_counter() - t1) * 1e3)
+                out.append(
+                    CostEntry(w, depth, statistics.median(verify), statistics.median(propose))
+                )
+        return out
+    finally:
+        for s in seqs:
+            engine.free_sequence(s)
+
+
+def save(path: Path, entries: list[CostEntry]) -> None:
+    path.write_text(json.dumps({"entries": [asdict(e) for e in entries]}, indent=1) + "\n")

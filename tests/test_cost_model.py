@@ -1,0 +1,109 @@
+"""The measured cost model: the service's cost table and its cache, the acceptance
+calibration, `propose_depth`, and the step under it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from control_plane.scheduler.context import StepContext
+from control_plane.scheduler.cost_model import Calibration, CostTable, propose_depth
+from control_plane.scheduler.loop import Scheduler, SchedulerOptions
+from control_plane.scheduler.seq import GenRequest
+from control_plane.scheduler.step import step_mtp
+from gpu_service.config import ServiceConfig
+from gpu_service.engine import Engine
+from gpu_service.interface import CostEntry, ResourceExhausted
+from gpu_service.tokenizer import ByteTokenizer
+from tests.collect import run_all
+from tests.fake_model import FakeModel
+from tests.test_step_mtp import NO_ENV, seqs
+
+
+def table(verify: float = 1.0, per_row: float = 0.1, propose: float = 0.5) -> CostTable:
+    return CostTable(
+        [
+            CostEntry(w, d, verify + per_row * w * (d + 1), propose * d)
+            for w in (1, 4, 16)
+            for d in range(4)
+        ]
+    )
+
+
+def test_calibration_prior_then_observed() -> None:
+    c = Calibration()
+    assert c.rate(0) == 0.5
+    for _ in range(40):
+        c.observe(3, 1)  # first stands, second falls, third not judged
+    assert c.rate(0) == 1.0 and c.rate(1) == 0.0 and c.rate(2) == 0.5
+
+
+def test_table_widths() -> None:
+    t = table()
+    assert t.step_ms(3, 1) == t.step_ms(4, 1), "the next larger measured width"
+    assert t.step_ms(32, 0) == pytest.approx(t.step_ms(16, 0) * 2), "scaled past the largest"
+    assert CostTable([CostEntry(1, 0, 1.0, 0.0)]).step_ms(1, 2) is None
+
+
+def test_propose_depth() -> None:
+    good, bad = Calibration(), Calibration()
+    for _ in range(40):
+        good.observe(3, 3)
+        bad.observe(3, 0)
+    assert propose_depth(table(), good, 4, 0.0, 32, 3) == 3, "cheap drafts that stand: deep"
+    assert propose_depth(table(), bad, 4, 0.0, 32, 3) == 0, "drafts that fall: none"
+    assert propose_depth(table(), good, 40, 0.0, 32, 3) == 0, "above --mtp-max-seqs"
+    assert propose_depth(table(), good, 4, 0.0, 32, 0) == 0, "--num-drafts 0"
+    half = Calibration()
+    slack_free = propose_depth(table(), half, 4, 0.0, 32, 3)
+    assert propose_depth(table(), half, 4, 0.9, 32, 3) <= slack_free
+    assert propose_depth(table(), half, 4, 0.9, 32, 3) == 0, "a wide slack takes the cheapest"
+
+
+def test_step_under_the_cost_model() -> None:
+    model = FakeModel()
+    costs = CostTable(model.measure_costs([1, 2, 4, 8], 3)[0])
+    ctx = StepContext.build(model.capabilities(), NO_ENV, 32, costs=costs)
+    for _ in range(40):
+        ctx.calibration.observe(1, 0)  # drafts never stand: the model's 0 floors to 1
+    assert step_mtp(model, seqs(model, 2), ctx, 3).ladder_nd == 1
+    capped = StepContext.build(model.capabilities(), NO_ENV, 1, costs=costs)
+    model2 = FakeModel()
+    report = step_mtp(model2, seqs(model2, 2), capped, 3)
+    assert report.ladder_nd == 0 and "propose" not in model2.names(), "plain decode above cap"
+
+
+def test_scheduler_measures_once_and_stays_lossless(tiny_dir: Path) -> None:
+    engine = Engine(tiny_dir, ServiceConfig(verify_tiers="8:3,8:2", max_context=256))
+    reqs = [GenRequest(f"r{i}", (i + 1, 2, 3), 10) for i in range(6)]
+    outs = {}
+    for mode in ("static", "measured"):
+        s = Scheduler(
+            lambda: engine, ByteTokenizer.default(), SchedulerOptions(spec_cost_model=mode), NO_ENV
+        )
+        s.start()
+        try:
+            outs[mode] = [o.tokens for o in run_all(s, reqs)]
+        finally:
+            s.stop()
+    assert outs["static"] == outs["measured"]
+    assert any(p.name.startswith("spec_cost.") for p in tiny_dir.iterdir())
+
+
+def test_engine_cache(tmp_path: Path, tiny_dir: Path) -> None:
+    engine = Engine(tiny_dir, ServiceConfig(verify_tiers="2:3,2:1", max_context=256))
+    first, cached = engine.measure_costs([1, 2, 4], 3, repeats=1, refresh=True)
+    assert not cached and {(e.width, e.depth) for e in first} >= {(1, 3), (2, 3), (4, 1)}
+    assert (4, 3) not in {(e.width, e.depth) for e in first}, "slots 2-3 verify one draft"
+    again, cached = engine.measure_costs([1, 2], 1)
+    assert cached and again == first
+    with pytest.raises(ResourceExhausted, match="free"):
+        engine.measure_costs([8], 1, refresh=True)
+    assert engine.capabilities().free_slots == 4, "scratch sequences are freed"
+
+
+def test_measure_over_grpc(client) -> None:
+    entries, _ = client.measure_costs([1, 2], 1, repeats=1)
+    assert {(e.width, e.depth) for e in entries} >= {(1, 0), (1, 1), (2, 0), (2, 1)}
+    assert all(e.verify_ms > 0 for e in entries)
