@@ -21,6 +21,8 @@ class Env:
     no_batch_verify: bool  # METRALE_NO_MTP_BATCH_VERIFY: verify one sequence at a time
     no_dcut: bool = False  # METRALE_NO_MTP_DCUT: every batched sequence verifies ladder_nd
     no_adaptive_rung: bool = False  # METRALE_NO_MTP_ADAPTIVE_RUNG: the static ladder only
+    dflash_static_gamma: bool = False  # METRALE_DFLASH_STATIC_GAMMA: pin the DFlash gamma
+    dflash_batch_verify: bool = True  # METRALE_DFLASH_BATCH_VERIFY=0 turns it off
 
     @classmethod
     def read(cls) -> Env:
@@ -31,4 +33,6 @@ class Env:
             no_batch_verify=_flag("METRALE_NO_MTP_BATCH_VERIFY"),
             no_dcut=_flag("METRALE_NO_MTP_DCUT"),
             no_adaptive_rung=_flag("METRALE_NO_MTP_ADAPTIVE_RUNG"),
+            dflash_static_gamma=_flag("METRALE_DFLASH_STATIC_GAMMA"),
+            dflash_batch_verify=os.environ.get("METRALE_DFLASH_BATCH_VERIFY", "1") != "0",
         )

@@ -3,11 +3,12 @@ shape."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from control_plane.env import Env
 from control_plane.scheduler.adaptive import AdaptiveRung
 from control_plane.scheduler.cost_model import Calibration, CostTable
+from control_plane.scheduler.dflash import DFlashRung
 from control_plane.scheduler.ladder import DEFAULT_LADDER, Ladder
 from gpu_service.interface import Capabilities
 
@@ -23,6 +24,9 @@ class Levers:
     draft_stop: float | None = None  # --draft-confidence-stop, a log-probability
     prompt_lookup: bool = False  # --prompt-lookup-decoding: copies replace MTP chains
     spec_cost_slack: float = 0.05  # --spec-cost-slack
+    dflash: bool = False  # the drafter is DFlash: gamma drafts at once, raw-argmax verify
+    dflash_gamma: int | None = None  # --dflash-gamma: pins gamma
+    dflash_batch_verify: bool = True  # off: METRALE_DFLASH_BATCH_VERIFY=0
 
     @classmethod
     def from_env(cls, env: Env, mtp_max_seqs: int = 32, **options) -> Levers:
@@ -44,6 +48,7 @@ class StepContext:
     # --spec-cost-model measured: the table and the acceptance it is weighed with.
     costs: CostTable | None = None
     calibration: Calibration = field(default_factory=Calibration)
+    dflash_rung: DFlashRung = field(default_factory=DFlashRung)
 
     @classmethod
     def build(
@@ -56,7 +61,11 @@ class StepContext:
     ) -> StepContext:
         ladder = Ladder.parse(env.k_ladder or DEFAULT_LADDER, enabled=not env.no_k_ladder)
         rung = AdaptiveRung(ladder, enabled=not env.no_adaptive_rung)
-        return cls(Levers.from_env(env, mtp_max_seqs, **options), ladder, caps, rung, costs)
+        levers = Levers.from_env(env, mtp_max_seqs, **options)
+        if not env.dflash_batch_verify:
+            levers = replace(levers, dflash_batch_verify=False)
+        pinned = levers.dflash_gamma is not None or env.dflash_static_gamma
+        return cls(levers, ladder, caps, rung, costs, dflash_rung=DFlashRung(pinned))
 
     def capacity(self, slot: int) -> int:
         return self.caps.slot_verify_drafts[slot]

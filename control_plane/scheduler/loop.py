@@ -46,6 +46,8 @@ class SchedulerOptions:
     dcut_width_cap: int = 8  # --dcut-width-cap
     spec_cost_model: str = "static"  # --spec-cost-model: static (the ladder) or measured
     spec_cost_slack: float = 0.05  # --spec-cost-slack
+    dflash: bool = False  # a DFlash drafter: the seed's DFlash arm
+    dflash_gamma: int | None = None  # --dflash-gamma: pins gamma
 
 
 @dataclass
@@ -242,6 +244,8 @@ class Scheduler:
             dcut_width_cap=o.dcut_width_cap,
             draft_stop=o.draft_confidence_stop,
             prompt_lookup=o.prompt_lookup,
+            dflash=o.dflash,
+            dflash_gamma=o.dflash_gamma,
         )
         self.model = model
         for a in self.waiting:

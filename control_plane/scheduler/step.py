@@ -26,6 +26,7 @@ from control_plane.scheduler.bootstrap import (
 )
 from control_plane.scheduler.context import StepContext
 from control_plane.scheduler.cost_model import propose_depth
+from control_plane.scheduler.dflash import step_dflash
 from control_plane.scheduler.ladder import clamp_drafts_to_slot_capacity
 from control_plane.scheduler.prompt_lookup import offer_copy, settle_copies
 from control_plane.scheduler.seq import MTP, PROMPT_LOOKUP, ActiveSeq
@@ -46,6 +47,7 @@ class StepReport:
     serial_arms: list[str] = field(default_factory=list)
     copied: list[bool] = field(default_factory=list)  # per active sequence: a copy verified
     dcut: bool = False  # D-Cut planned the batch's depths
+    dflash_declined: bool = False  # the service refused the DFlash batch: all went serial
 
 
 def split(active: list[ActiveSeq]) -> tuple[list[int], list[int]]:
@@ -106,12 +108,16 @@ def step_mtp(
                 ),
                 "met.batched_calls": len(report.batched_calls),
                 "met.serial_arms": report.serial_arms,
+                "met.copies": sum(report.copied),
+                "met.dcut": report.dcut,
             }
         )
     return report
 
 
 def _step(model: Model, active: list[ActiveSeq], ctx: StepContext, num_drafts: int) -> StepReport:
+    if ctx.levers.dflash:
+        return _step_dflash(model, active, ctx, num_drafts)
     report = StepReport(ladder_nd=step_width(active, ctx, num_drafts))
     ladder_nd = report.ladder_nd
     for a in active:
@@ -164,6 +170,30 @@ def _step(model: Model, active: list[ActiveSeq], ctx: StepContext, num_drafts: i
     for i in serial:
         _serial(model, active[i], ladder_nd, report)
     settle_copies(active)
+    return report
+
+
+def _step_dflash(
+    model: Model, active: list[ActiveSeq], ctx: StepContext, num_drafts: int
+) -> StepReport:
+    """The seed's DFlash arm: gamma from the resolver (it shadows the serve-wide count), the
+    bootstrap, then the DFlash verify; no prompt lookup, no D-Cut."""
+    gamma = ctx.dflash_rung.drafts_for(len(active), num_drafts)
+    width = clamp_drafts_to_slot_capacity(gamma, (ctx.capacity(a.slot) for a in active))
+    report = StepReport(ladder_nd=width, copied=[False] * len(active))
+    for a in active:
+        a.stats.steps += 1
+    boot, verify = split(active)
+    if boot:
+        batched = can_batch_bootstrap(model, ctx, len(boot))
+        report.bootstrap = "batched" if batched else "serial"
+        if batched:
+            bootstrap_batched(model, [active[i] for i in boot], width)
+        else:
+            for i in boot:
+                bootstrap_serial(model, active[i], width)
+    levers = ctx.levers.dflash_batch_verify and ctx.levers.batch_verify
+    step_dflash(model, active, verify, width, levers, report)
     return report
 
 
