@@ -55,6 +55,8 @@ def test_propose_depth() -> None:
     assert propose_depth(table(), bad, 4, 0.0, 32, 3) == 0, "drafts that fall: none"
     assert propose_depth(table(), good, 40, 0.0, 32, 3) == 0, "above --mtp-max-seqs"
     assert propose_depth(table(), good, 4, 0.0, 32, 0) == 0, "--num-drafts 0"
+    sparse = CostTable([CostEntry(1, 0, 0.0, 0.0)])  # nothing usable to weigh
+    assert propose_depth(sparse, good, 1, 0.0, 32, 3) == 0
     half = Calibration()
     slack_free = propose_depth(table(), half, 4, 0.0, 32, 3)
     assert propose_depth(table(), half, 4, 0.9, 32, 3) <= slack_free

@@ -74,3 +74,24 @@ def test_bootstrap_then_batch_and_no_prompt_lookup() -> None:
     assert not any(report.copied)
     # The bootstrapped sequence proposes the resolved gamma (8 for 3 active) at once.
     assert len(active[2].pending_drafts) == 8
+
+
+def test_batched_bootstrap_and_grammar_in_the_dflash_arm() -> None:
+    from control_plane.grammar import GrammarCompiler
+    from gpu_service.tokenizer import ByteTokenizer
+
+    model = FakeModel(caps=WIDE)
+    fresh = seqs(model, 2)
+    assert step_mtp(model, fresh, ctx(model), 8).bootstrap == "batched"
+    compiler = GrammarCompiler(ByteTokenizer.default(), 320, (257,))
+    model = FakeModel(caps=WIDE)
+    active = seqs(model, 3, drafts=[4, 4, 4])
+    active[0].grammar = compiler.compile("regex", "[0-9]*")  # its drafts (2, 3, ...) fall
+    active[1].grammar = compiler.compile("regex", "[0-9]*")
+    active[1].pending_drafts = []  # nothing pending: it bootstraps
+    report = step_mtp(model, active, ctx(model), 8)
+    assert active[0].stats.grammar_truncations == 1
+    assert active[0].generated == [1], "every draft fell to the grammar: no verify this step"
+    assert report.dflash_declined, "one batchable sequence cannot batch"
+    assert report.serial_arms == ["DFlash"], "only sequence 2 verified serially"
+    assert report.bootstrap == "serial" and len(active[1].generated) == 2

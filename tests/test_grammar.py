@@ -122,3 +122,11 @@ def test_json_schema_over_the_api(stub) -> None:
         list(stub.Generate(bad, timeout=60))
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "response_format" in caught.value.details()
+
+
+def test_grammar_that_keeps_every_draft(compiler: GrammarCompiler) -> None:
+    model = FakeModel()
+    (a,) = seqs(model, 1, drafts=[3])
+    a.grammar = compiler.compile("regex", "(.|\\n)*")  # any text: the drafts all stand
+    step_mtp(model, [a], StepContext.build(model.capabilities(), NO_ENV), 3)
+    assert a.stats.grammar_truncations == 0 and a.stats.drafted == 3

@@ -106,3 +106,17 @@ def _chi_square(a: list[int], b: list[int]) -> tuple[float, int, float]:
     z = 3.09  # the 0.999 quantile of the standard normal
     critical = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
     return stat, df, critical
+
+
+def test_rejection_verdict_accepts_and_falls() -> None:
+    from control_plane.scheduler.seq import ActiveSeq
+    from control_plane.scheduler.verdict import _rejection
+    from gpu_service.interface import RowDraws
+
+    a = ActiveSeq(
+        GenRequest("x", (1,), 5, temperature=1.0, seed=0), lambda ev: None, TOK, (257,), 64
+    )
+    sure = [RowDraws(1.0, 7, 8), RowDraws(1.0, 9, 10), RowDraws(0.0, 11, 12)]
+    assert _rejection(a, [1, 2, 3], [0.5, 0.5], sure) == (2, 12), "p/q >= 1: all stand"
+    never = [RowDraws(0.0, 7, 8), RowDraws(0.0, 9, 10)]
+    assert _rejection(a, [1, 2], [0.5], never) == (0, 7), "p = 0: the residual's draw"

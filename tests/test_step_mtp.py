@@ -58,6 +58,10 @@ def test_ladder_rungs_and_above_the_last() -> None:
     assert Ladder.parse("4:1", enabled=False).drafts_for(2, 3) == 3
     with pytest.raises(ValueError, match="ascending"):
         Ladder.parse("8:3,4:1")
+    with pytest.raises(ValueError, match="ACTIVE:DRAFTS"):
+        Ladder.parse("4-3")
+    with pytest.raises(ValueError, match="ACTIVE >= 1"):
+        Ladder.parse("0:3")
 
 
 def test_env_ladder_override_and_disable(monkeypatch: pytest.MonkeyPatch) -> None:
