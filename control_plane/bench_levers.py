@@ -1,0 +1,93 @@
+"""Each lever on and off, on the default model, in one run: `python -m control_plane.bench_levers`.
+
+The same concurrent greedy requests through the scheduler driving an in-process engine (one
+torch thread, as the service runs it); prints output tokens per second, mean accepted length
+and first-draft acceptance per configuration. With the seeded random default weights the
+drafter is never right, so this measures what each lever costs, not what it buys, until the
+trained checkpoint lands."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from control_plane.env import Env
+from control_plane.scheduler.loop import Scheduler, SchedulerOptions
+from control_plane.scheduler.seq import MTP, NONE, PROMPT_LOOKUP, GenRequest
+from gpu_service.checkpoint import ensure_weights
+from gpu_service.config import ServiceConfig
+from gpu_service.defaults import DEFAULT_MODEL_DIR
+from gpu_service.engine import Engine
+from gpu_service.tokenizer import ByteTokenizer
+
+CONFIGS = {
+    "none": (NONE, {}, {}),
+    "mtp (static ladder)": (MTP, {"no_adaptive_rung": True, "no_dcut": True}, {}),
+    "mtp + adaptive rung": (MTP, {"no_dcut": True}, {}),
+    "mtp + D-Cut": (MTP, {"no_adaptive_rung": True}, {}),
+    "mtp + draft stop": (
+        MTP,
+        {"no_adaptive_rung": True, "no_dcut": True},
+        {"draft_confidence_stop": -2.0},
+    ),
+    "mtp + prompt lookup": (
+        MTP,
+        {"no_adaptive_rung": True, "no_dcut": True},
+        {"prompt_lookup": True},
+    ),
+    "mtp + cost model": (MTP, {"no_dcut": True}, {"spec_cost_model": "measured"}),
+    "prompt_lookup requests": (PROMPT_LOOKUP, {}, {}),
+    "mtp, all levers": (MTP, {}, {"prompt_lookup": True, "draft_confidence_stop": -2.0}),
+}
+
+
+def run(engine: Engine, method: str, env: dict, opts: dict, n: int, tokens: int) -> str:
+    s = Scheduler(
+        lambda: engine,
+        ByteTokenizer.default(),
+        SchedulerOptions(**opts),
+        Env(None, False, False, False, **env),
+    )
+    s.start()
+    outs: list[list] = []
+    try:
+        t0 = time.perf_counter()
+        for i in range(n):
+            prompt = tuple(ByteTokenizer.default().encode(f"def f{i}(x):\n    return x"))
+            out: list = []
+            outs.append(out)
+            s.submit(
+                GenRequest(f"b{i}", prompt, tokens, method=method, ignore_eos=True), out.append
+            )
+        while sum(1 for o in outs if o and not hasattr(o[-1], "token_ids")) < n:
+            time.sleep(0.01)  # waiting on the scheduler thread
+        seconds = time.perf_counter() - t0
+        spec = s.snapshot()["spec"]
+        made = s.snapshot()["counters"].completion_tokens
+    finally:
+        s.stop()
+    first = spec.acceptance_at[0] if spec.acceptance_at else 0.0
+    return (
+        f"{made / seconds:8.1f} tok/s   accepted length {spec.mean_accepted_length:5.2f}"
+        f"   first-draft acceptance {first:5.2f}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=48)
+    args = parser.parse_args()
+    ensure_weights(DEFAULT_MODEL_DIR)
+    torch.set_num_threads(1)
+    engine = Engine(DEFAULT_MODEL_DIR, ServiceConfig())
+    engine.measure_costs([1, 2, 4, 8, 16, 32], 3)  # measured once, cached, outside the timing
+    print(f"{args.concurrency} requests x {args.tokens} tokens, default model")
+    for name, (method, env, opts) in CONFIGS.items():
+        print(f"{name:26} {run(engine, method, env, opts, args.concurrency, args.tokens)}")
+
+
+if __name__ == "__main__":
+    main()
