@@ -239,6 +239,9 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             active=snap["active"],
             queued=snap["queued"],
             free_slots=snap["free_slots"],
+            prompt_lookup_copies=c.copies,
+            dcut_steps=c.dcut_steps,
+            last_step_width=c.last_width,
         )
 
 

@@ -63,6 +63,11 @@ class Metrics:
             "Verifies whose drafts a grammar cut short.",
             registry=r,
         )
+        self.step_width = Gauge(
+            "met:spec_decode_step_width",
+            "Draft width of the last step (ladder, rung or cost model).",
+            registry=r,
+        )
         self.mean_accepted_length = Gauge(
             "met:spec_decode_mean_accepted_length",
             "Tokens per verify, bonus included, over every finished request.",

@@ -263,3 +263,11 @@ def test_seeded_sampling_replays_over_grpc(stub) -> None:
     assert first == second and len(first) == 8
     request.seed = 43
     assert collect(stub, request)[0] != first
+
+
+def test_get_stats_counts_the_levers(stub) -> None:
+    collect(stub, pb.GenerateRequest(prompt_token_ids=[9, 8, 7], max_new_tokens=6))
+    stats = stub.GetStats(pb.GetStatsRequest())
+    assert stats.finished >= 1 and stats.steps >= 1
+    assert stats.last_step_width >= 1, "mtp drafts: the last step had a width"
+    assert stats.speculative.drafted >= stats.speculative.accepted

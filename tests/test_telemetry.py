@@ -133,6 +133,7 @@ def test_one_generation_span_tree(memory_spans: InMemorySpanExporter, in_process
         assert parent(st).name == "scheduler_iteration" and parent(parent(st)) is None
         assert [link.context.span_id for link in st.links] == [gen.context.span_id]
         assert {"met.active", "met.ladder_nd", "met.drafted", "met.accepted"} <= set(st.attributes)
+    assert {parent(d).name for d in by_name["dcut"]} == {"step_mtp"}
     (prefill,) = by_name["prefill"]
     assert parent(prefill).name == "scheduler_iteration"
     assert [link.context.span_id for link in prefill.links] == [gen.context.span_id]
@@ -189,6 +190,7 @@ def test_both_processes_export_one_trace(tiny_dir: Path) -> None:
     assert during["met:time_to_first_token_seconds_count"] == 1
     assert during["met:num_requests_running"] == 1
     assert "met:spec_decode_num_draft_tokens_total" in during
+    assert during["met:spec_decode_step_width"] >= 1
 
     spans = receiver.spans
     services = {s.service for s in spans}

@@ -60,6 +60,7 @@ class Counters:
     step_widths: dict[int, int] = field(default_factory=dict)  # active sequences -> steps
     copies: int = 0  # prompt-lookup copies verified
     dcut_steps: int = 0  # steps whose batch D-Cut planned
+    last_width: int = 0  # the last step's draft width
 
 
 class Scheduler:
@@ -209,10 +210,12 @@ class Scheduler:
                     widths[width] = widths.get(width, 0) + 1
                     self.counters.copies += sum(report.copied)
                     self.counters.dcut_steps += int(report.dcut)
+                    self.counters.last_width = report.ladder_nd
                 if self.metrics is not None:
                     self.metrics.steps.inc()
                     self.metrics.copies.inc(sum(report.copied))
                     self.metrics.dcut_steps.inc(int(report.dcut))
+                    self.metrics.step_width.set(report.ladder_nd)
                 self._retire()
         self._gauges()
 
