@@ -169,6 +169,7 @@ class Scheduler:
             max_context = self.ctx.caps.max_context if self.ctx else 1 << 30
             eos = self.ctx.caps.eos_token_ids if self.ctx else ()
             a = ActiveSeq(req, sink, self.tokenizer, eos, max_context)
+            a.vocab_size = self.ctx.caps.vocab_size if self.ctx else 0
             a.observer = self.metrics
             a.draft_stop = self.opts.draft_confidence_stop
             self.waiting.append(a)
@@ -253,6 +254,7 @@ class Scheduler:
         self.model = model
         for a in self.waiting:
             a.max_context = caps.max_context
+            a.vocab_size = caps.vocab_size
             a.set_eos(() if a.req.ignore_eos else caps.eos_token_ids)
 
     def _admit(self) -> None:
@@ -286,11 +288,9 @@ class Scheduler:
             links=links,
             **{"met.sequences": len(batch), "met.tokens": sum(map(len, chunks))},
         ):
-            # A grammar binds the first generated token, the argmax of the prompt's last row.
+            # Grammars and min_new_tokens bind the first generated token too.
             masks = [
-                a.grammar.mask()
-                if a.grammar is not None and a.prefilled + len(c) == len(a.req.prompt_ids)
-                else b""
+                a.row_mask([]) if a.prefilled + len(c) == len(a.req.prompt_ids) else b""
                 for a, c in zip(batch, chunks, strict=True)
             ]
             sampling = [

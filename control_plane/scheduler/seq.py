@@ -130,6 +130,7 @@ class ActiveSeq:
         self.copy = 0  # drafts of this step copied by prompt lookup (0: none)
         self.draft_stop: float | None = None  # --draft-confidence-stop, as a log-probability
         self.grammar = req.grammar
+        self.vocab_size = 0  # set at admission, from the service's capabilities
         self.rng = random.Random(req.seed)
         self.generated: list[int] = []
         self.finished: str | None = None
@@ -152,6 +153,23 @@ class ActiveSeq:
 
     def set_eos(self, eos_ids: tuple[int, ...]) -> None:
         self._eos = () if self.req.ignore_eos else eos_ids
+
+    def row_mask(self, drafts: list[int]) -> bytes:
+        """Allowed tokens for the row after `drafts` (uncommitted tokens after the last one):
+        the grammar's, and, before `min_new_tokens`, no EOS or stop token (as vLLM masks
+        them). Empty when nothing is masked."""
+        bits = self.grammar.mask_after(drafts) if self.grammar is not None else b""
+        if len(self.generated) + len(drafts) >= self.req.min_new_tokens:
+            return bits
+        banned = [*self._eos, *self.req.stop_token_ids]
+        if not banned or self.vocab_size == 0:
+            return bits
+        words = -(-self.vocab_size // 32)
+        mask = bytearray(bits) if bits else bytearray(_full_mask(self.vocab_size, words))
+        for t in banned:
+            if t < 8 * len(mask):
+                mask[t // 8] &= ~(1 << (t % 8)) & 0xFF
+        return bytes(mask)
 
     @property
     def slot(self) -> int:
@@ -217,3 +235,10 @@ class ActiveSeq:
     def fail(self, code: str, message: str) -> None:
         self.finished = "error"
         self.sink(Failure(code, message))
+
+
+def _full_mask(vocab: int, words: int) -> bytes:
+    bits = bytearray(4 * words)
+    for t in range(vocab):
+        bits[t // 8] |= 1 << (t % 8)
+    return bytes(bits)

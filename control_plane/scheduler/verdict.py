@@ -36,7 +36,7 @@ def verify_and_settle(
     `mode` (bootstrap, batched or serial) names the path in the trace."""
     ks = [len(r) for r in rows]
     handles = [a.handle for a in seqs]
-    masks = _grammar_masks(seqs, rows)
+    masks = _row_masks(seqs, rows)
     sampling = {i: a.sampling(ks[i]) for i, a in enumerate(seqs) if a.samples}
     q = [a.pending_conf[: k - 1] for a, k in zip(seqs, ks, strict=True)]
     with span(TRACER, "verify", **{"met.verify.mode": mode, "met.verify.ks": ks}):
@@ -100,14 +100,15 @@ def _rejection(a: ActiveSeq, rows: list[int], q: list[float], draws: list) -> tu
     return len(rows) - 1, draws[-1].sample
 
 
-def _grammar_masks(seqs: list[ActiveSeq], rows: list[list[int]]) -> dict[int, bytes]:
-    """Row -> allowed tokens for the sequences under a grammar: row j of a sequence predicts
-    the token after its drafts 1..j."""
+def _row_masks(seqs: list[ActiveSeq], rows: list[list[int]]) -> dict[int, bytes]:
+    """Row -> allowed tokens (grammars, min_new_tokens): row j of a sequence predicts the
+    token after its drafts 1..j."""
     masks, row = {}, 0
     for a, r in zip(seqs, rows, strict=True):
-        if a.grammar is not None:
-            for j in range(len(r)):
-                masks[row + j] = a.grammar.mask_after(r[1 : j + 1])
+        for j in range(len(r)):
+            bits = a.row_mask(r[1 : j + 1])
+            if bits:
+                masks[row + j] = bits
         row += len(r)
     return masks
 
