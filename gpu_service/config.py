@@ -38,9 +38,24 @@ class ModelConfig:
     eos_token_id: int = 257
     torch_dtype: str = "float32"
     model_type: str = "qwen3_next"
+    # sparse MoE (Qwen3-Next): layers not in mlp_only_layers whose index + 1 is a multiple
+    # of decoder_sparse_step use num_experts experts when num_experts > 0
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok is {self.num_experts_per_tok}; it must be in "
+                f"1 ..= num_experts ({self.num_experts})"
+            )
         if len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(
                 f"layer_types has {len(self.layer_types)} entries for "
@@ -55,6 +70,13 @@ class ModelConfig:
             raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+
+    def is_moe_layer(self, n: int) -> bool:
+        return (
+            self.num_experts > 0
+            and n not in self.mlp_only_layers
+            and (n + 1) % self.decoder_sparse_step == 0
+        )
 
     @property
     def linear_layers(self) -> list[int]:
@@ -106,11 +128,28 @@ class ModelConfig:
     def to_json(self) -> str:
         d = asdict(self)
         d["layer_types"] = list(self.layer_types)
+        d["mlp_only_layers"] = list(self.mlp_only_layers)
         d["architectures"] = ["Qwen3NextForCausalLM"]
         return json.dumps(d, indent=2) + "\n"
 
     @classmethod
     def from_dict(cls, d: dict) -> ModelConfig:
+        """HF names; transformers 5 nests RoPE in `rope_parameters` and names the dtype
+        `dtype`."""
+        d = dict(d)
+        rope = d.pop("rope_parameters", None) or {}
+        for key in ("rope_theta", "partial_rotary_factor"):
+            if key in rope:
+                d.setdefault(key, rope[key])
+        if d.get("dtype"):
+            d.setdefault("torch_dtype", d["dtype"])
+        for key in ("eos_token_id", "bos_token_id"):
+            if isinstance(d.get(key), list):
+                d[key] = d[key][0]
+            if d.get(key) is None:
+                d.pop(key, None)
+        if d.get("torch_dtype") is None:
+            d.pop("torch_dtype", None)
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
 

@@ -61,7 +61,7 @@ class Engine(DrafterOps):
         self.name = model_dir.resolve().name
         self.model_dir = model_dir
         torch_dtype = getattr(torch, dtype or self.cfg.torch_dtype)
-        weights = load_weights(self.cfg, model_dir, torch_dtype)
+        weights, self.cfg = load_weights(self.cfg, model_dir, torch_dtype)
         self.model = HybridModel(self.cfg, weights, self.svc.max_context)
         self.state = DeviceState(self.cfg, self.svc, torch_dtype)
         self.forward_name = "eager"

@@ -128,9 +128,34 @@ class HybridModel:
         return rms_norm(x, w, self.cfg.rms_norm_eps)
 
     def _mlp(self, p: str, x: torch.Tensor) -> torch.Tensor:
+        if f"{p}.gate.weight" in self.w:
+            return self._moe(p, x)
         gate = linear(x, self.w[f"{p}.gate_proj.weight"])
         up = linear(x, self.w[f"{p}.up_proj.weight"])
         return linear(silu(gate) * up, self.w[f"{p}.down_proj.weight"])
+
+    def _moe(self, p: str, x: torch.Tensor) -> torch.Tensor:
+        """Qwen3-Next's sparse block: softmax router, top-k experts (renormalised when
+        `norm_topk_prob`), each expert over the rows routed to it, plus the shared expert
+        gated by sigmoid. A row's sum runs over experts in index order: batch invariant."""
+        cfg = self.cfg
+        logits = linear(x, self.w[f"{p}.gate.weight"]).float()  # [P, E]
+        probs = exp(logits - logits.amax(-1, keepdim=True))
+        probs = probs / probs.sum(-1, keepdim=True)
+        weights, chosen = probs.topk(cfg.num_experts_per_tok, dim=-1)  # [P, k]
+        if cfg.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        for e in range(cfg.num_experts):
+            rows, rank = (chosen == e).nonzero(as_tuple=True)
+            if rows.numel():
+                y = self._mlp(f"{p}.experts.{e}", pad_rows(x[rows]))[: rows.numel()]
+                out.index_add_(0, rows, y * weights[rows, rank, None])
+        if f"{p}.shared_expert_gate.weight" in self.w:
+            gate = sigmoid(linear(x, self.w[f"{p}.shared_expert_gate.weight"]))
+            out = out + gate * self._mlp(f"{p}.shared_expert", x)
+        return out
 
     def _attention(
         self,

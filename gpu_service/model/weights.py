@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -38,16 +40,38 @@ def _gdn_shapes(cfg: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
     }
 
 
-def _layer_shapes(cfg: ModelConfig, prefix: str, kind: str) -> dict[str, tuple[int, ...]]:
+def _swiglu_shapes(prefix: str, h: int, i: int) -> dict[str, tuple[int, ...]]:
+    return {
+        f"{prefix}.gate_proj.weight": (i, h),
+        f"{prefix}.up_proj.weight": (i, h),
+        f"{prefix}.down_proj.weight": (h, i),
+    }
+
+
+def _moe_shapes(cfg: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+    h, e = cfg.hidden_size, cfg.num_experts
+    shapes = {f"{prefix}.gate.weight": (e, h)}
+    for n in range(e):
+        shapes.update(_swiglu_shapes(f"{prefix}.experts.{n}", h, cfg.moe_intermediate_size))
+    if cfg.shared_expert_intermediate_size:
+        shapes.update(
+            _swiglu_shapes(f"{prefix}.shared_expert", h, cfg.shared_expert_intermediate_size)
+        )
+        shapes[f"{prefix}.shared_expert_gate.weight"] = (1, h)
+    return shapes
+
+
+def _layer_shapes(
+    cfg: ModelConfig, prefix: str, kind: str, moe: bool = False
+) -> dict[str, tuple[int, ...]]:
     h, i = cfg.hidden_size, cfg.intermediate_size
     mixer = _attention_shapes(cfg, prefix) if kind == FULL else _gdn_shapes(cfg, prefix)
+    mlp = _moe_shapes(cfg, f"{prefix}.mlp") if moe else _swiglu_shapes(f"{prefix}.mlp", h, i)
     return {
         f"{prefix}.input_layernorm.weight": (h,),
         f"{prefix}.post_attention_layernorm.weight": (h,),
         **mixer,
-        f"{prefix}.mlp.gate_proj.weight": (i, h),
-        f"{prefix}.mlp.up_proj.weight": (i, h),
-        f"{prefix}.mlp.down_proj.weight": (h, i),
+        **mlp,
     }
 
 
@@ -56,12 +80,12 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     h = cfg.hidden_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
     for n, kind in enumerate(cfg.layer_types):
-        shapes.update(_layer_shapes(cfg, f"model.layers.{n}", kind))
+        shapes.update(_layer_shapes(cfg, f"model.layers.{n}", kind, cfg.is_moe_layer(n)))
     shapes["model.norm.weight"] = (h,)
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
     for n in range(cfg.num_nextn_predict_layers):
-        shapes.update(_layer_shapes(cfg, f"mtp.layers.{n}", FULL))
+        shapes.update(_layer_shapes(cfg, f"mtp.layers.{n}", FULL, cfg.num_experts > 0))
     if cfg.has_mtp:
         shapes.update(
             {
@@ -103,23 +127,48 @@ def save_weights(weights: dict[str, torch.Tensor], directory: Path) -> None:
     )
 
 
-def load_weights(cfg: ModelConfig, directory: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors, checked name by name and shape by shape against `cfg`."""
-    path = directory / WEIGHTS_FILE
-    if not path.exists():
+def _shards(directory: Path) -> list[Path]:
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [directory / n for n in names]
+    single = directory / WEIGHTS_FILE
+    if not single.exists():
         raise FileNotFoundError(
-            f"{path} does not exist; write seeded weights with `met init-model {directory}`"
+            f"{single} does not exist; write seeded weights with `met init-model {directory}`"
         )
-    from safetensors.torch import load_file
+    return [single]
 
-    tensors = load_file(str(path))
+
+def load_weights(
+    cfg: ModelConfig, directory: Path, dtype: torch.dtype
+) -> tuple[dict[str, torch.Tensor], ModelConfig]:
+    """The checkpoint's tensors (one shard in memory at a time, cast to `dtype`), checked
+    name by name and shape by shape against `cfg`. A checkpoint without `mtp.*` tensors loads
+    with the drafter off (the returned config has no MTP layer)."""
+    from safetensors import safe_open
+
+    shards = _shards(directory)
+    names: dict[str, Path] = {}
+    for shard in shards:
+        with safe_open(str(shard), "pt") as f:
+            names.update((n, shard) for n in f.keys())
+    if cfg.has_mtp and not any(n.startswith("mtp.") for n in names):
+        cfg = replace(cfg, num_nextn_predict_layers=0)
     expected = weight_shapes(cfg)
-    missing = sorted(set(expected) - set(tensors))
+    missing = sorted(set(expected) - set(names))
     if missing:
-        raise ValueError(f"{path} lacks {len(missing)} tensors, first {missing[0]!r}")
-    for name, shape in expected.items():
-        if tuple(tensors[name].shape) != shape:
-            raise ValueError(
-                f"{name} has shape {tuple(tensors[name].shape)}; the config says {shape}"
-            )
-    return {n: tensors[n].to(dtype) for n in expected}
+        raise ValueError(f"{directory} lacks {len(missing)} tensors, first {missing[0]!r}")
+    out: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        with safe_open(str(shard), "pt") as f:
+            for name in f.keys():
+                if name not in expected:
+                    continue
+                t = f.get_tensor(name)
+                if tuple(t.shape) != expected[name]:
+                    raise ValueError(
+                        f"{name} has shape {tuple(t.shape)}; the config says {expected[name]}"
+                    )
+                out[name] = t.to(dtype)
+    return out, cfg
