@@ -60,7 +60,8 @@ class Engine(DrafterOps):
         self.svc = svc or ServiceConfig()
         self.name = model_dir.resolve().name
         self.model_dir = model_dir
-        torch_dtype = getattr(torch, dtype or self.cfg.torch_dtype)
+        names = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+        torch_dtype = getattr(torch, names.get(dtype or "", dtype or self.cfg.torch_dtype))
         weights, self.cfg = load_weights(self.cfg, model_dir, torch_dtype)
         self.model = HybridModel(self.cfg, weights, self.svc.max_context)
         self.state = DeviceState(self.cfg, self.svc, torch_dtype)

@@ -20,7 +20,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=50051, help="port (0 picks a free one)")
     parser.add_argument(
         "--dtype",
-        choices=["float32", "bfloat16", "float16"],
+        choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"],
         default=None,
         help="serving dtype (default: the checkpoint's)",
     )

@@ -122,3 +122,63 @@ def test_missing_and_reshaped_tensors_are_named(tmp_path: Path) -> None:
     save_file(tensors, str(shard), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=victim.replace(".", r"\.")):
         Engine(directory, ServiceConfig(verify_tiers="4:3", max_context=256))
+
+
+def test_no_mtp_checkpoint_serves_with_speculation_off(tmp_path: Path) -> None:
+    from control_plane.env import Env
+    from control_plane.scheduler.loop import Scheduler
+    from control_plane.scheduler.seq import MTP, NONE, GenRequest
+    from gpu_service.tokenizer import ByteTokenizer
+    from tests.collect import run_all
+
+    directory, _ = _checkpoint(tmp_path, {})
+    engine = Engine(directory, ServiceConfig(verify_tiers="4:3", max_context=256), "fp32")
+    assert not engine.capabilities().has_mtp
+    s = Scheduler(lambda: engine, ByteTokenizer.default(), env=Env(None, False, False, False))
+    s.start()
+    try:
+        reqs = [GenRequest(m, (5, 6, 7), 6, method=m) for m in (MTP, NONE)]
+        mtp, none = run_all(s, reqs)
+    finally:
+        s.stop()
+    assert mtp.tokens == none.tokens and mtp.finish.stats.drafted == 0
+
+
+def test_mtp_head_matches_its_formula(tiny_dir: Path) -> None:
+    """The first draft's logits against the Qwen3-Next MTP formula written out in torch:
+    fc(cat(norm_e(embed(t)), norm_h(h))), one attention layer over the lone entry (its value
+    through the output gate), the MLP, the final norm, the shared lm_head."""
+    import torch.nn.functional as F
+
+    engine = Engine(tiny_dir, ServiceConfig(verify_tiers="4:3", max_context=256))
+    w, eps = engine.model.w, engine.cfg.rms_norm_eps
+
+    def norm(x, name):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1 + w[name])
+
+    seq = engine.alloc_sequence()
+    first = engine.prefill([seq], [[42]])[0]  # one token: nothing primes the drafter
+    bonus = engine.decode_verify_batched([first], [1], [seq])[0]
+    engine.stash_verify_hidden_rows([0])
+    h = engine.state.stash[0]
+    engine.gdn_fold_accepted([seq], [1])
+    engine.commit_accepted_prefix([seq], [1], [1])
+    engine.run_mtp_propose_batched([bonus], [0], 1, [seq])
+    got = torch.frombuffer(bytearray(logit_rows(engine)[0]), dtype=torch.float32)
+
+    e = norm(w["model.embed_tokens.weight"][bonus], "mtp.pre_fc_norm_embedding.weight")
+    x = F.linear(torch.cat([e, norm(h, "mtp.pre_fc_norm_hidden.weight")]), w["mtp.fc.weight"])
+    p = "mtp.layers.0"
+    a = norm(x, f"{p}.input_layernorm.weight")
+    heads, d = engine.cfg.num_attention_heads, engine.cfg.head_dim
+    gate = F.linear(a, w[f"{p}.self_attn.q_proj.weight"]).view(heads, 2 * d)[:, d:]
+    v = F.linear(a, w[f"{p}.self_attn.v_proj.weight"]).view(-1, d)
+    v = v.repeat_interleave(heads // v.shape[0], 0)  # one key: softmax weight 1
+    x = x + F.linear((v * torch.sigmoid(gate)).reshape(-1), w[f"{p}.self_attn.o_proj.weight"])
+    m = norm(x, f"{p}.post_attention_layernorm.weight")
+    up = F.silu(F.linear(m, w[f"{p}.mlp.gate_proj.weight"])) * F.linear(
+        m, w[f"{p}.mlp.up_proj.weight"]
+    )
+    x = x + F.linear(up, w[f"{p}.mlp.down_proj.weight"])
+    expected = F.linear(norm(x, "mtp.norm.weight"), engine.model.lm_head)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

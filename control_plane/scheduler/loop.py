@@ -170,6 +170,7 @@ class Scheduler:
             eos = self.ctx.caps.eos_token_ids if self.ctx else ()
             a = ActiveSeq(req, sink, self.tokenizer, eos, max_context)
             a.vocab_size = self.ctx.caps.vocab_size if self.ctx else 0
+            a.drafter = self.ctx.caps.has_mtp if self.ctx else True
             a.observer = self.metrics
             a.draft_stop = self.opts.draft_confidence_stop
             self.waiting.append(a)
@@ -255,6 +256,7 @@ class Scheduler:
         for a in self.waiting:
             a.max_context = caps.max_context
             a.vocab_size = caps.vocab_size
+            a.drafter = caps.has_mtp
             a.set_eos(() if a.req.ignore_eos else caps.eos_token_ids)
 
     def _admit(self) -> None:

@@ -131,6 +131,7 @@ class ActiveSeq:
         self.draft_stop: float | None = None  # --draft-confidence-stop, as a log-probability
         self.grammar = req.grammar
         self.vocab_size = 0  # set at admission, from the service's capabilities
+        self.drafter = True  # the model has an MTP head (a checkpoint may lack one)
         self.rng = random.Random(req.seed)
         self.generated: list[int] = []
         self.finished: str | None = None
@@ -182,7 +183,9 @@ class ActiveSeq:
 
     @property
     def wants_drafts(self) -> bool:
-        return self.req.method == MTP and self.finished is None and self.remaining > 1
+        return (
+            self.req.method == MTP and self.drafter and self.finished is None and self.remaining > 1
+        )
 
     def gain(self, tokens: list[int], logprobs: list[float] | None = None) -> None:
         """Append what the model produced, stopping at EOS, a stop token, a stop string or
