@@ -71,6 +71,12 @@ class GrammarCompiler:
     """Compiles response formats for one vocabulary (the tokenizer's bytes, built once)."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_ids: tuple[int, ...]) -> None:
+        path = getattr(tokenizer, "path", None)
+        if path is not None:  # an HF tokenizer.json: llguidance reads it directly
+            self.tokenizer = llguidance.LLTokenizer(
+                str(path), n_vocab=vocab_size, eos_token=list(eos_ids)
+            )
+            return
         specials = getattr(tokenizer, "special_tokens", {})
         vocab = _Vocabulary(vocab_size, eos_ids[0] if eos_ids else vocab_size - 1, specials)
         self.tokenizer = llguidance.LLTokenizer(

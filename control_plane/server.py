@@ -20,7 +20,7 @@ from control_plane.scheduler.loop import Scheduler, SchedulerOptions
 from control_plane.scheduler.seq import MTP, NONE
 from gpu_service.defaults import DEFAULT_MODEL_DIR
 from gpu_service.telemetry import setup_tracing
-from gpu_service.tokenizer import ByteTokenizer
+from gpu_service.tokenizer import load_tokenizer
 from protos.met.v1 import generate_pb2, generate_pb2_grpc
 
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
@@ -124,7 +124,7 @@ def build_scheduler(args: argparse.Namespace) -> Scheduler:
         spec_cost_model=args.spec_cost_model,
         spec_cost_slack=args.spec_cost_slack,
     )
-    tokenizer = ByteTokenizer.load(args.tokenizer)
+    tokenizer = load_tokenizer(args.tokenizer)
     metrics = Metrics() if args.metrics_port is not None else None
     return Scheduler(lambda: GrpcModel(args.gpu_service), tokenizer, opts, metrics=metrics)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from gpu_service.config import ModelConfig
 from gpu_service.defaults import DEFAULT_SEED
 from gpu_service.model.weights import WEIGHTS_FILE, init_weights, save_weights
-from gpu_service.tokenizer import TOKENIZER_FILE, ByteTokenizer
+from gpu_service.tokenizer import TOKENIZER_FILE, write_byte_level
 
 
 def init_model(directory: Path, cfg: ModelConfig | None = None, seed: int = DEFAULT_SEED) -> Path:
@@ -18,7 +18,7 @@ def init_model(directory: Path, cfg: ModelConfig | None = None, seed: int = DEFA
         cfg = ModelConfig.load(directory) if (directory / "config.json").exists() else ModelConfig()
     (directory / "config.json").write_text(cfg.to_json())
     if not (directory / TOKENIZER_FILE).exists():
-        (directory / TOKENIZER_FILE).write_text(ByteTokenizer.default().to_json())
+        write_byte_level(directory)
     save_weights(init_weights(cfg, seed), directory)
     return directory / WEIGHTS_FILE
 

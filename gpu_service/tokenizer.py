@@ -51,3 +51,65 @@ class ByteTokenizer:
                 "is not supported (only 'byte')"
             )
         return cls(dict(d["special_tokens"]), int(d["bos_token_id"]), int(d["eos_token_id"]))
+
+
+class HFTokenizer:
+    """A `tokenizers` tokenizer.json (what HF checkpoints ship), with the same three calls the
+    control plane uses; special tokens are dropped when decoding."""
+
+    def __init__(self, path: Path) -> None:
+        from tokenizers import Tokenizer
+
+        self.path = path
+        self._tok = Tokenizer.from_file(str(path))
+        added = self._tok.get_added_tokens_decoder()
+        self.special_tokens = {t.content: i for i, t in added.items() if t.special}
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+
+def _byte_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: every byte as a printable character."""
+    keep = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    extra = iter(range(256, 512))
+    return {b: chr(b if b in keep else next(extra)) for b in range(256)}
+
+
+def write_byte_level(directory: Path, specials: tuple[str, ...] = ("<|bos|>", "<|eos|>")) -> None:
+    """The default model's tokenizer as an HF tokenizer.json: byte b is id b (a byte-level BPE
+    with no merges), the special tokens right after."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    chars = _byte_to_unicode()
+    tok = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(specials))
+    tok.save(str(directory / TOKENIZER_FILE))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": specials[0],
+                "eos_token": specials[1],
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+
+
+def load_tokenizer(directory: Path) -> ByteTokenizer | HFTokenizer:
+    """The checkpoint's tokenizer: an HF tokenizer.json, or this project's older byte file."""
+    path = directory / TOKENIZER_FILE
+    if json.loads(path.read_text()).get("type") == "byte":
+        return ByteTokenizer.load(directory)
+    return HFTokenizer(path)

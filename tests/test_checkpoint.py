@@ -16,7 +16,7 @@ from gpu_service.config import ModelConfig, ServiceConfig, parse_tiers
 from gpu_service.defaults import DEFAULT_MODEL_DIR
 from gpu_service.engine import Engine
 from gpu_service.model.weights import init_weights, load_weights, weight_shapes
-from gpu_service.tokenizer import ByteTokenizer
+from gpu_service.tokenizer import ByteTokenizer, load_tokenizer
 from tests.conftest import TINY
 
 
@@ -40,10 +40,9 @@ def test_init_model_cli_is_seeded(tmp_path: Path) -> None:
     main(["init-model", str(tmp_path / "b"), "--seed", "3"])
     a, b = (load_file(str(tmp_path / d / "model.safetensors")) for d in "ab")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert (
-        ByteTokenizer.load(tmp_path / "a").decode(ByteTokenizer.default().encode("héllo"))
-        == "héllo"
-    )
+    tok = load_tokenizer(tmp_path / "a")
+    assert tok.encode("héllo") == ByteTokenizer.default().encode("héllo"), "byte b is id b"
+    assert tok.decode(tok.encode("héllo") + [257]) == "héllo", "specials are dropped"
 
 
 def test_hf_names(tmp_path: Path) -> None:
