@@ -47,6 +47,8 @@ class ModelConfig:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    attention_bias: bool = False  # not supported: no checkpoint of this family uses it
+    rope_type: str = "default"  # scaled RoPE variants are not supported
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
@@ -64,6 +66,10 @@ class ModelConfig:
         for i, kind in enumerate(self.layer_types):
             if kind not in (LINEAR, FULL):
                 raise ValueError(f"layer_types[{i}] is {kind!r}; expected {LINEAR!r} or {FULL!r}")
+        if self.attention_bias:
+            raise ValueError("attention_bias is true; this model has no attention biases")
+        if self.rope_type != "default":
+            raise ValueError(f"rope_type {self.rope_type!r} is not supported (only 'default')")
         if self.hidden_act != "silu":
             raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (only 'silu')")
         if self.linear_num_value_heads % self.linear_num_key_heads:
@@ -138,7 +144,7 @@ class ModelConfig:
         `dtype`."""
         d = dict(d)
         rope = d.pop("rope_parameters", None) or {}
-        for key in ("rope_theta", "partial_rotary_factor"):
+        for key in ("rope_theta", "partial_rotary_factor", "rope_type"):
             if key in rope:
                 d.setdefault(key, rope[key])
         if d.get("dtype"):

@@ -182,3 +182,56 @@ def test_mtp_head_matches_its_formula(tiny_dir: Path) -> None:
     x = x + F.linear(up, w[f"{p}.mlp.down_proj.weight"])
     expected = F.linear(norm(x, "mtp.norm.weight"), engine.model.lm_head)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_transformers_loads_our_checkpoints(tmp_path: Path) -> None:
+    """One format: what `met init-model` writes, transformers loads and runs to our logits."""
+    from gpu_service.checkpoint import init_model
+    from tests.conftest import TINY
+
+    init_model(tmp_path, TINY, seed=3)
+    theirs = Qwen3NextForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    engine = Engine(tmp_path, ServiceConfig(verify_tiers="4:3", max_context=256))
+    tokens = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = theirs(tokens[None]).logits[0].float()
+    seq = engine.alloc_sequence()
+    hidden = engine.model.forward(tokens, [Segment(seq.slot, 0, 20, 0)], engine.state, PREFILL)
+    torch.testing.assert_close(engine.model.logits(hidden[:20]), expected, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("attention_bias", True), ("hidden_act", "gelu"), ("layer_types", ["sliding_attention"] * 4)],
+)
+def test_unsupported_config_fields_are_named(tmp_path: Path, field: str, value) -> None:
+    import json
+
+    directory, _ = _checkpoint(tmp_path, {})
+    cfg = json.loads((directory / "config.json").read_text())
+    cfg[field] = value
+    (directory / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=field):
+        Engine(directory, ServiceConfig(verify_tiers="4:3", max_context=256))
+
+
+def test_serve_an_hf_directory(tmp_path: Path) -> None:
+    from control_plane.client import GrpcModel
+    from control_plane.launch import start_gpu_service, stop
+
+    directory, reference = _checkpoint(tmp_path, CONFIGS["moe-shared"])
+    proc, target = start_gpu_service(
+        directory, "--verify-tiers", "4:3", "--max-context", "256", "--dtype", "fp32"
+    )
+    try:
+        model = GrpcModel(target)
+        caps = model.capabilities()
+        assert caps.vocab_size == 300 and not caps.has_mtp and caps.dtype == "float32"
+        seq = model.alloc_sequence()
+        prompt = [5, 17, 99, 3]
+        with torch.no_grad():
+            expected = int(reference(torch.tensor([prompt])).logits[0, -1].argmax())
+        assert model.prefill([seq], [prompt]) == [expected]
+        model.close()
+    finally:
+        assert stop(proc) == 0
