@@ -132,3 +132,25 @@ def test_gpu_check_script(tmp_path) -> None:
     )
     assert full.returncode == 0, full.stdout + full.stderr
     assert "model verify" in full.stdout and "gdn chunk" in full.stdout
+
+
+def test_triton_write_on_accept_values_agree(tiny_dir, rng: torch.Generator) -> None:
+    """The live-advancing verify (write_on_accept false) folds back to the same state."""
+    from tests.steps import verify
+
+    engine = Engine(tiny_dir, ServiceConfig(verify_tiers="4:3", max_context=256))
+    engine.set_forward("triton")
+    prompt, drafts = random_tokens(rng, 9), random_tokens(rng, 6)
+    runs = []
+    for woa in (True, False):
+        seq = engine.alloc_sequence()
+        last = engine.prefill([seq], [prompt])[0]
+        logits = []
+        for step in range(2):
+            rows = [last, *drafts[3 * step : 3 * step + 3]]
+            out, got = verify(engine, [seq], [rows], [2], woa)
+            last = out[1]
+            logits.append(got)
+        runs.append(logits)
+        engine.free_sequence(seq)
+    assert runs[0] == runs[1]
