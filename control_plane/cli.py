@@ -45,8 +45,14 @@ def _circuit_diff(args: argparse.Namespace) -> None:
     sys.exit(main(args))
 
 
+def _bench(args: argparse.Namespace) -> None:
+    from control_plane.bench import run
+
+    sys.exit(run(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
-    from control_plane import generate_cli, server
+    from control_plane import bench, generate_cli, server
     from control_plane.circuit import report
     from gpu_service.options import add_serve_args
 
@@ -81,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     diff = circuit_sub.add_parser("diff", help="compare forwards byte for byte")
     report.add_args(diff)
     diff.set_defaults(fn=_circuit_diff)
+
+    bench_cmd = sub.add_parser("bench", help="what speculation buys: methods, batching, split")
+    bench.add_args(bench_cmd)
+    bench_cmd.set_defaults(fn=_bench)
 
     init = sub.add_parser("init-model", help="write seeded random weights into a checkpoint")
     init.add_argument("directory", type=Path, nargs="?", default=DEFAULT_MODEL_DIR)
