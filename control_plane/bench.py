@@ -163,6 +163,51 @@ def split(model_dir: Path, local_connect, concurrency: list[int], tokens: int) -
     return rows
 
 
+def tracing(concurrency: int, tokens: int) -> dict:
+    """Both processes with tracing off, then exporting to a local OTLP sink."""
+    from concurrent import futures
+
+    import grpc
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
+
+    from control_plane.bench_tracing import _run, _Sink
+
+    sink = _Sink()
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(sink, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        off = _run(None, concurrency, tokens)
+        on = _run(f"http://127.0.0.1:{port}", concurrency, tokens)
+    finally:
+        server.stop(None)
+    return {
+        "concurrency": concurrency,
+        "disabled_tok_s": off,
+        "exported_tok_s": on,
+        "spans": sink.spans,
+    }
+
+
+def transformers_baseline(model_dir: Path, tokens: int) -> dict | None:
+    """transformers' own greedy generate on the same checkpoint (no speculation: it offers
+    none for this model), one request; None when transformers is not installed."""
+    try:
+        import torch
+        from transformers import Qwen3NextForCausalLM
+    except ImportError:
+        return None
+    model = Qwen3NextForCausalLM.from_pretrained(model_dir).eval()
+    ids = torch.tensor([list(_tokenizer().encode(PROMPTS[0]))])
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=2, do_sample=False)
+        t0 = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+    made = out.shape[1] - ids.shape[1]
+    return {"tok_s": made / (time.perf_counter() - t0), "tokens": made}
+
+
 def memory(engine) -> dict:
     cfg, svc = engine.cfg, engine.svc
     per_row = len(cfg.linear_layers) * (
@@ -195,6 +240,9 @@ def run(args: argparse.Namespace) -> int:
     report["batch_vs_serial"] = batch_vs_serial(lambda: engine, [4] if quick else [8, 16], tokens)
     report["split"] = split(args.model, lambda: engine, [1] if quick else [1, 4], tokens)
     report["memory"] = memory(engine)
+    if not quick:
+        report["tracing"] = tracing(4, tokens)
+        report["transformers_generate"] = transformers_baseline(args.model, tokens)
     report["failures"] = failures
     _print(report)
     if args.out:
@@ -225,6 +273,17 @@ def _print(report: dict) -> None:
         f"verify buffers: {m['tiered_bytes'] / 2**20:.1f} MiB with tiers {m['tiers']}, "
         f"{m['full_capacity_bytes'] / 2**20:.1f} MiB at full capacity"
     )
+    if "tracing" in report:
+        t = report["tracing"]
+        print(
+            f"tracing at {t['concurrency']}: {t['disabled_tok_s']:.1f} tok/s off, "
+            f"{t['exported_tok_s']:.1f} exported ({t['spans']} spans)"
+        )
+    if report.get("transformers_generate"):
+        print(
+            f"transformers generate (1 request, greedy): "
+            f"{report['transformers_generate']['tok_s']:.1f} tok/s"
+        )
     for f in report["failures"]:
         print(f"FAIL: {f}", file=sys.stderr)
 

@@ -23,6 +23,8 @@ from tests.conftest import TINY
 def test_default_config_is_the_documented_hybrid() -> None:
     cfg = ModelConfig.load(DEFAULT_MODEL_DIR)
     assert cfg == ModelConfig()
+    # Every field written out, so transformers reads the same model (its defaults differ).
+    assert (DEFAULT_MODEL_DIR / "config.json").read_text() == ModelConfig().to_json()
     assert cfg.layer_types == ("linear_attention",) * 3 + ("full_attention",) + (
         "linear_attention",
     ) * 3 + ("full_attention",)
