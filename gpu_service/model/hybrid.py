@@ -174,32 +174,27 @@ class HybridModel:
         k = self._rms_norm(k, self.w[f"{p}.k_norm.weight"])
         cos, sin = self.cos[positions], self.sin[positions]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        _write_kv(k, v, segs, cache)
         if self.triton:
             from gpu_service.model import triton_forward
 
-            out = triton_forward.attend(q, k, v, segs, cache)
+            out = triton_forward.attend(q, segs, cache)
         else:
-            out = self._attend(q, k, v, segs, cache)
+            out = self._attend(q, segs, cache)
         out = out.reshape(rows, hq * d) * sigmoid(gate.reshape(rows, hq * d))
         return linear(out, self.w[f"{p}.o_proj.weight"])
 
     def _attend(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
         segs: list[Segment],
         cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
     ) -> torch.Tensor:
-        """q: [P, Hq, d], k, v: [P, Hkv, d] -> [P, Hq, d], one segment at a time."""
+        """q: [P, Hq, d] over the cached keys and values -> [P, Hq, d], a segment at a time."""
         k_cache, v_cache, valid = cache
         out = q.new_zeros(q.shape)
         for s in segs:
             pos = s.positions.to(q.device)
-            k_cache[s.slot, pos] = k[s.rows]
-            v_cache[s.slot, pos] = v[s.rows]
-            if valid is not None:
-                valid[s.slot, pos] = True
             end = _key_blocks(s.start + s.count)
             seen = None if valid is None else valid[s.slot, :end]
             out[s.rows] = tiled_attention(
@@ -275,6 +270,23 @@ class HybridModel:
             out.to(x.dtype), z.reshape(rows, hv, dv), self.w[f"{p}.norm.weight"], cfg.rms_norm_eps
         )
         return linear(normed.reshape(rows, hv * dv), self.w[f"{p}.out_proj.weight"])
+
+
+def _write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segs: list[Segment],
+    cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+) -> None:
+    """The new rows' keys and values into their slots at their positions (marked valid in the
+    drafter's cache), before any row attends."""
+    k_cache, v_cache, valid = cache
+    for s in segs:
+        pos = s.positions.to(k.device)
+        k_cache[s.slot, pos] = k[s.rows]
+        v_cache[s.slot, pos] = v[s.rows]
+        if valid is not None:
+            valid[s.slot, pos] = True
 
 
 def _key_blocks(length: int) -> int:

@@ -32,19 +32,11 @@ def _layout(
 
 def attend(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
     segs: list,
     cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
 ) -> torch.Tensor:
-    """q: [P, Hq, d], k, v: [P, Hkv, d] -> [P, Hq, d]; the rows' KV go into the cache first."""
+    """q: [P, Hq, d] over the cached keys and values (the rows' own already in) -> [P, Hq, d]"""
     k_cache, v_cache, valid = cache
-    for s in segs:
-        pos = s.positions.to(q.device)
-        k_cache[s.slot, pos] = k[s.rows]
-        v_cache[s.slot, pos] = v[s.rows]
-        if valid is not None:
-            valid[s.slot, pos] = True
     cu, slots, starts, rows = _layout(segs, q.device)
     out = q.new_zeros(q.shape)
     out[:rows] = attention(q[:rows], k_cache, v_cache, cu, slots, starts, valid)
