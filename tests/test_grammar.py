@@ -116,7 +116,7 @@ def test_json_schema_over_the_api(stub) -> None:
         last = msg
     assert json.loads(text)["color"] in ("red", "green")
     assert last.finish_reason == "stop"
-    assert last.speculative_stats.grammar_truncations >= 0
+    assert last.speculative_stats.grammar_truncations > 0, "random drafts fall to the grammar"
     bad = pb.GenerateRequest(prompt="x", response_format=pb.ResponseFormat(regex="[a-"))
     with pytest.raises(grpc.RpcError) as caught:
         list(stub.Generate(bad, timeout=60))
