@@ -1,0 +1,159 @@
+"""`met train`: the training forward computes what the service computes, training is
+deterministic given its seed and resumes exactly, and the evaluation's Python check can fail."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpu_service.config import ModelConfig, ServiceConfig
+from gpu_service.model.hybrid import PREFILL, HybridModel, Segment
+from gpu_service.model.weights import init_weights
+from gpu_service.state import DeviceState
+from training.corpus import Corpus, is_held_out
+from training.evaluate import looks_like_python, prompt_from
+from training.forward import TrainForward
+from training.options import TrainConfig
+from training.run import STATE_FILE, train
+
+TINY = ModelConfig.tiny()
+SOURCE = '''"""A module."""
+
+import os
+
+
+class Thing:
+    def __init__(self, name, size=0):
+        self.name = name
+        self.size = size
+
+    def grow(self, by):
+        self.size += by
+        return self.size
+
+    def path(self):
+        return os.path.join("/tmp", self.name)
+
+
+def helper(values):
+    total = 0
+    for v in values:
+        if v > 0:
+            total += v
+    return total
+'''
+
+
+def _perturbed(cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    return {
+        n: w + 0.05 * torch.randn(w.shape, generator=gen) for n, w in init_weights(cfg, 1).items()
+    }
+
+
+def test_training_forward_matches_the_service_forward() -> None:
+    """Main hidden, the MTP head's first pass and its second pass (on its own output, seeing
+    the first pass's cache up to its row) against HybridModel: fp32, atol 2e-4."""
+    weights, svc, length = _perturbed(TINY), ServiceConfig(), 40
+    tokens = torch.randint(0, 256, (2, length), generator=torch.Generator().manual_seed(0))
+    train_fwd = TrainForward(TINY, weights, length)
+    hidden = train_fwd.hidden(tokens)
+    first, second = train_fwd.mtp(tokens, hidden, second=True)
+    model = HybridModel(TINY, weights, svc.max_context)
+    for b in range(2):
+        state = DeviceState(TINY, svc, torch.float32)
+        h = model.forward(tokens[b], [Segment(0, 0, length, 0)], state, PREFILL)[:length]
+        torch.testing.assert_close(hidden[b], h, atol=2e-4, rtol=1e-4)
+        state = DeviceState(TINY, svc, torch.float32)
+        rows = length - 2
+        f = model.mtp_forward(tokens[b, 1 : rows + 1], h[:rows], [Segment(0, 0, rows, 0)], state)
+        torch.testing.assert_close(first[b, :rows], f[:rows], atol=2e-4, rtol=1e-4)
+        # the second draft after row rows - 1: its hidden, the next token, one position on
+        s = model.mtp_forward(
+            tokens[b, rows + 1 : rows + 2], f[rows - 1 : rows], [Segment(0, rows, 1, 0)], state
+        )
+        torch.testing.assert_close(second[b, rows - 1], s[0], atol=2e-4, rtol=1e-4)
+
+
+def test_losses_are_the_shifted_cross_entropies() -> None:
+    weights = _perturbed(TINY)
+    tokens = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(1))
+    fwd = TrainForward(TINY, weights, 20)
+    losses = fwd.losses(tokens)
+    hidden = fwd.hidden(tokens)
+    first, second = fwd.mtp(tokens, hidden, second=True)
+    ce = torch.nn.functional.cross_entropy
+    torch.testing.assert_close(losses["main"], ce((hidden[0, :-1] @ fwd.lm_head.T), tokens[0, 1:]))
+    torch.testing.assert_close(losses["mtp"], ce(first[0, :-1] @ fwd.lm_head.T, tokens[0, 2:]))
+    torch.testing.assert_close(losses["mtp2"], ce(second[0, :-1] @ fwd.lm_head.T, tokens[0, 3:]))
+
+
+@pytest.fixture
+def corpus(tmp_path: Path) -> Corpus:
+    root = tmp_path / "lib"
+    for i in range(12):
+        d = root / ("pkg" if i % 3 else "") / ("test" if i == 5 else "")
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"mod{i}.py").write_text(SOURCE.replace("Thing", f"Thing{i}") * (1 + i % 2))
+    return Corpus.scan(root)
+
+
+def test_corpus_skips_test_suites_and_holds_out_by_path(corpus: Corpus) -> None:
+    names = corpus.relative(corpus.train) + corpus.relative(corpus.held_out)
+    assert len(names) == 11 and not any("test/" in n for n in names)
+    assert all(is_held_out(n) for n in corpus.relative(corpus.held_out))
+    assert not any(is_held_out(n) for n in corpus.relative(corpus.train))
+
+
+TC = TrainConfig(steps=6, batch=2, seq_len=32, vocab_size=300, save_every=100, warmup=2)
+
+
+def _weights_bytes(weights: dict[str, torch.Tensor]) -> dict[str, bytes]:
+    return {n: w.numpy().tobytes() for n, w in weights.items()}
+
+
+def test_training_is_deterministic_and_resumes_exactly(corpus: Corpus, tmp_path: Path) -> None:
+    straight, cfg, log = train(corpus, tmp_path / "a", TC, TINY)
+    again, _, log_again = train(corpus, tmp_path / "b", TC, TINY)
+    assert (tmp_path / "a" / "tokenizer.json").read_bytes() == (
+        tmp_path / "b" / "tokenizer.json"
+    ).read_bytes()
+    assert _weights_bytes(straight) == _weights_bytes(again) and log == log_again
+    assert cfg.vocab_size == 300 and (cfg.bos_token_id, cfg.eos_token_id) == (0, 1)
+    assert log[-1]["main"] < log[0]["main"]  # it learns the repeated file
+
+    partial, _, _ = train(corpus, tmp_path / "c", TC, TINY, stop_at=3)
+    assert (tmp_path / "c" / STATE_FILE).exists()
+    assert _weights_bytes(partial) != _weights_bytes(straight)
+    resumed, _, resumed_log = train(corpus, tmp_path / "c", TC, TINY)
+    assert _weights_bytes(resumed) == _weights_bytes(straight)
+    assert resumed_log == log
+
+    with pytest.raises(ValueError, match="other training settings"):
+        train(corpus, tmp_path / "c", replace(TC, lr=1e-4), TINY)
+
+
+def test_prompts_end_at_a_def_past_the_first_quarter() -> None:
+    prompt = prompt_from(SOURCE * 2)
+    assert prompt is not None and prompt.splitlines()[-1].lstrip().startswith("def ")
+    assert len(prompt.splitlines()) == 17
+    assert prompt_from("x = 1\n" * 40) is None
+
+
+@pytest.mark.parametrize(
+    ("continuation", "ok"),
+    [
+        ("        self.size = 0\n        return self.size\n", True),
+        ("        if by:\n            return self.grow(\n                by,\n", True),
+        ('        """Grow.\n\n        More.\n', True),  # open docstring at the cut
+        ("04_____0404\n0404____\n", False),
+        ("        x = = 1\n        y = 2\n", False),
+        ("        return 1\n    x\n  y\n", False),  # a dedent to no enclosing level
+        ("\n\n", False),
+    ],
+)
+def test_looks_like_python(continuation: str, ok: bool) -> None:
+    assert looks_like_python("class A:\n    def grow(self, by):\n", continuation) is ok

@@ -1,0 +1,39 @@
+"""`met train`'s settings; torch-free, so the command line parses without importing torch."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpu_service.defaults import DEFAULT_MODEL_DIR
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 2200
+    batch: int = 8
+    seq_len: int = 512
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 100
+    weight_decay: float = 0.1
+    mtp_weight: float = 0.5
+    mtp2_weight: float = 0.3
+    vocab_size: int = 4096
+    seed: int = 0
+    save_every: int = 100
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", type=Path, default=DEFAULT_MODEL_DIR, help="checkpoint dir")
+    parser.add_argument(
+        "--work", type=Path, default=Path("build/train"), help="tokenizer, token cache, resume"
+    )
+    parser.add_argument("--steps", type=int, default=TrainConfig.steps)
+    parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument("--seq-len", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--corpus", type=Path, default=None, help="a source tree (default: the stdlib's)"
+    )

@@ -1,0 +1,247 @@
+"""`met train`: the default checkpoint, main model and MTP head together, on the standard
+library's source.
+
+Deterministic given the seed: the batch of step `s` is drawn from a generator seeded by
+(seed, s), so a run resumed from its last checkpoint (weights, optimizer, step, every
+`--save-every` steps and on Ctrl-C) continues exactly as an uninterrupted one would. Weights
+train in fp32 and are exported in bf16, then evaluated as exported."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+
+from gpu_service.config import ModelConfig
+from gpu_service.model.weights import init_weights, save_weights
+from training.corpus import BOS, EOS, Corpus, encode_files, train_tokenizer
+from training.forward import TrainForward
+from training.options import TrainConfig
+
+STATE_FILE = "state.pt"
+# Output projections of each residual branch start scaled down, as GPT-2 does, so the
+# residual stream's variance does not grow with depth at initialisation.
+_RESIDUAL_OUTPUTS = ("o_proj.weight", "down_proj.weight", "out_proj.weight")
+_NO_DECAY = ("norm.weight", "A_log", "dt_bias", "layernorm.weight")
+
+
+def lr_at(tc: TrainConfig, step: int) -> float:
+    if step < tc.warmup:
+        return tc.lr * (step + 1) / tc.warmup
+    done = (step - tc.warmup) / max(1, tc.steps - tc.warmup)
+    cos = 0.5 * (1 + math.cos(math.pi * min(1.0, done)))
+    return tc.lr * (tc.min_lr_ratio + (1 - tc.min_lr_ratio) * cos)
+
+
+def batch_at(tokens: torch.Tensor, tc: TrainConfig, step: int) -> torch.Tensor:
+    """Windows of seq_len + 1 tokens at offsets drawn from (seed, step): [B, T + 1]"""
+    gen = torch.Generator().manual_seed(tc.seed * 1_000_003 + step)
+    starts = torch.randint(0, tokens.numel() - tc.seq_len - 1, (tc.batch,), generator=gen)
+    return torch.stack([tokens[s : s + tc.seq_len + 1] for s in starts.tolist()]).long()
+
+
+def model_config(vocab_size: int, bos: int, eos: int) -> ModelConfig:
+    return replace(ModelConfig(), vocab_size=vocab_size, bos_token_id=bos, eos_token_id=eos)
+
+
+def init_params(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+    weights = init_weights(replace(cfg, torch_dtype="float32"), seed)
+    scale = (2 * cfg.num_hidden_layers) ** -0.5
+    for name, w in weights.items():
+        if name.endswith(_RESIDUAL_OUTPUTS):
+            w.mul_(scale)
+        w.requires_grad_(True)
+    return weights
+
+
+def make_optimizer(params: dict[str, torch.Tensor], tc: TrainConfig) -> torch.optim.Optimizer:
+    decay = [w for n, w in params.items() if w.dim() >= 2 and not n.endswith(_NO_DECAY)]
+    rest = [w for n, w in params.items() if not (w.dim() >= 2 and not n.endswith(_NO_DECAY))]
+    return torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": tc.weight_decay},
+            {"params": rest, "weight_decay": 0.0},
+        ],
+        lr=tc.lr,
+        betas=(0.9, 0.95),
+    )
+
+
+class Progress:
+    """One line, rewritten in place: step, losses, tokens per second, time left."""
+
+    def __init__(self, total: int, stream=sys.stderr) -> None:
+        self.total, self.stream = total, stream
+        self.tty = stream.isatty()
+
+    def update(self, step: int, losses: dict[str, float], tok_s: float, left_s: float) -> None:
+        width = 24
+        filled = int(width * step / self.total)
+        bar = "#" * filled + "." * (width - filled)
+        parts = " ".join(f"{k} {v:.3f}" for k, v in losses.items())
+        line = (
+            f"step {step:5d}/{self.total} [{bar}] {parts} | {tok_s:6.0f} tok/s "
+            f"| {int(left_s // 60):2d}:{int(left_s % 60):02d} left"
+        )
+        if self.tty:
+            self.stream.write("\r" + line)
+        elif step % 10 == 0 or step == self.total:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+
+
+def prepare(corpus: Corpus, work: Path, tc: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokenizer (trained once into the work directory) and the token streams."""
+    tok_path = work / "tokenizer.json"
+    if not tok_path.exists():
+        train_tokenizer(corpus.train, tc.vocab_size, work)
+    cache = work / "tokens.pt"
+    if cache.exists():
+        streams = torch.load(cache)
+        return streams["train"], streams["held_out"]
+    train, held = encode_files(tok_path, corpus.train), encode_files(tok_path, corpus.held_out)
+    torch.save({"train": train, "held_out": held}, cache)
+    return train, held
+
+
+def _save_state(path: Path, params, opt, step: int, tc: TrainConfig, log: list) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(
+        {
+            "params": {n: w.detach() for n, w in params.items()},
+            "optimizer": opt.state_dict(),
+            "step": step,
+            "train_config": asdict(tc),
+            "log": log,
+        },
+        tmp,
+    )
+    tmp.replace(path)
+
+
+def train(
+    corpus: Corpus,
+    work: Path,
+    tc: TrainConfig,
+    cfg: ModelConfig | None = None,
+    stop_at: int | None = None,
+) -> tuple[dict[str, torch.Tensor], ModelConfig, list[dict]]:
+    """Train (or resume) in `work`; -> fp32 weights, the model config, the loss log.
+    `stop_at` saves and returns after that step, as a stop would (the schedule is still the
+    whole run's)."""
+    from tokenizers import Tokenizer
+
+    work.mkdir(parents=True, exist_ok=True)
+    train_tokens, _ = prepare(corpus, work, tc)
+    tok = Tokenizer.from_file(str(work / "tokenizer.json"))
+    base = model_config(tok.get_vocab_size(), tok.token_to_id(BOS), tok.token_to_id(EOS))
+    if cfg is not None:
+        base = replace(
+            cfg,
+            vocab_size=base.vocab_size,
+            bos_token_id=base.bos_token_id,
+            eos_token_id=base.eos_token_id,
+        )
+    cfg = base
+    params = init_params(cfg, tc.seed)
+    opt = make_optimizer(params, tc)
+    step, log = 0, []
+    state_path = work / STATE_FILE
+    if state_path.exists():
+        saved = torch.load(state_path)
+        if saved["train_config"] != asdict(tc):
+            raise ValueError(
+                f"{state_path} was written with other training settings; "
+                "remove it or pass the same ones"
+            )
+        with torch.no_grad():
+            for n, w in params.items():
+                w.copy_(saved["params"][n])
+        opt.load_state_dict(saved["optimizer"])
+        step, log = saved["step"], saved["log"]
+        print(f"resuming at step {step} from {state_path}", file=sys.stderr)
+    model = TrainForward(cfg, params, tc.seq_len)
+    progress = Progress(tc.steps)
+    t0, start_step = time.perf_counter(), step
+    try:
+        while step < min(tc.steps, stop_at or tc.steps):
+            for group in opt.param_groups:
+                group["lr"] = lr_at(tc, step)
+            batch = batch_at(train_tokens, tc, step)
+            losses = model.losses(batch[:, :-1], mtp2=tc.mtp2_weight > 0)
+            total = losses["main"]
+            if "mtp" in losses:
+                total = total + tc.mtp_weight * losses["mtp"]
+            if "mtp2" in losses:
+                total = total + tc.mtp2_weight * losses["mtp2"]
+            opt.zero_grad(set_to_none=True)
+            total.backward()
+            torch.nn.utils.clip_grad_norm_(params.values(), 1.0)
+            opt.step()
+            step += 1
+            values = {k: v.item() for k, v in losses.items()}
+            log.append({"step": step, **values})
+            elapsed = time.perf_counter() - t0
+            rate = (step - start_step) * tc.batch * tc.seq_len / elapsed
+            left = elapsed / (step - start_step) * (tc.steps - step)
+            progress.update(step, values, rate, left)
+            if step % tc.save_every == 0 or step in (tc.steps, stop_at):
+                _save_state(state_path, params, opt, step, tc, log)
+    except KeyboardInterrupt:
+        _save_state(state_path, params, opt, step, tc, log)
+        progress.close()
+        print(f"stopped at step {step}; run again to resume", file=sys.stderr)
+        raise
+    progress.close()
+    return {n: w.detach() for n, w in params.items()}, cfg, log
+
+
+def export(weights: dict[str, torch.Tensor], cfg: ModelConfig, work: Path, out: Path) -> None:
+    """The checkpoint directory the service loads: config, bf16 weights, tokenizer."""
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = replace(cfg, torch_dtype="bfloat16")
+    (out / "config.json").write_text(cfg.to_json())
+    save_weights({n: w.to(torch.bfloat16) for n, w in weights.items()}, out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (out / name).write_bytes((work / name).read_bytes())
+
+
+def run(args: argparse.Namespace) -> int:
+    from training.evaluate import evaluate, write_card
+
+    torch.manual_seed(args.seed)
+    tc = TrainConfig(steps=args.steps, seed=args.seed)
+    if args.batch:
+        tc = replace(tc, batch=args.batch)
+    if args.seq_len:
+        tc = replace(tc, seq_len=args.seq_len)
+    corpus = Corpus.scan(args.corpus)
+    t0 = time.perf_counter()
+    weights, cfg, log = train(corpus, args.work, tc)
+    minutes = (time.perf_counter() - t0) / 60
+    export(weights, cfg, args.work, args.out)
+    report = evaluate(args.out, corpus, args.work)
+    report.update(
+        train_config=asdict(tc),
+        train_minutes=round(minutes, 1),
+        final_losses={k: round(v, 4) for k, v in log[-1].items() if k != "step"},
+        train_files=len(corpus.train),
+        held_out_files=corpus.relative(corpus.held_out),
+        python=sys.version.split()[0],
+        parameters=sum(w.numel() for w in weights.values()),
+        vocab_size=cfg.vocab_size,
+    )
+    (args.work / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_card(args.out, report)
+    print(json.dumps({k: v for k, v in report.items() if k != "held_out_files"}, indent=2))
+    return 0
