@@ -7,7 +7,8 @@ COPY protos protos
 COPY gpu_service gpu_service
 COPY control_plane control_plane
 COPY kernels kernels
-RUN python3 -m venv .venv && .venv/bin/pip install --no-cache-dir -e . && .venv/bin/met init-model
+COPY training training
+RUN python3 -m venv .venv && .venv/bin/pip install --no-cache-dir -e .
 ENV PATH=/app/.venv/bin:$PATH
 EXPOSE 50050 50051
 CMD ["met", "gpu-service", "serve", "--host", "0.0.0.0", "--port", "50051"]

@@ -6,8 +6,11 @@ On one checkpoint (default: the bundled one), each figure a median over repeats:
   run fails otherwise);
 - batched vs serial verify (`METRALE_NO_MTP_BATCH_VERIFY`);
 - in process vs over gRPC (a GPU service child process): the split's cost per step;
-- the verify buffers' bytes with the slot tiers vs every slot at full capacity.
-Prints a table and writes JSON (`--out`). `--quick` is the CI-sized smoke run.
+- the verify buffers' bytes with the slot tiers vs every slot at full capacity;
+- tracing off vs exporting to a local OTLP receiver (both processes);
+- transformers' own `generate` on the same checkpoint, the outside baseline.
+Prompts are the checkpoint's held-out ones when it ships them. Prints a table, writes JSON
+(`--out`) and a PNG chart (`--chart`). `--quick` is the CI-sized smoke run.
 """
 
 from __future__ import annotations
@@ -36,9 +39,9 @@ PROMPTS = [
 ]
 
 
-def _serve(connect: Callable[[], Model], reqs: list[GenRequest], env: Env) -> dict:
+def _serve(connect: Callable[[], Model], reqs: list[GenRequest], env: Env, tokenizer) -> dict:
     """All of `reqs` at once through a scheduler; tokens per request and the figures."""
-    sched = Scheduler(connect, _tokenizer(), SchedulerOptions(max_queue=len(reqs)), env)
+    sched = Scheduler(connect, tokenizer, SchedulerOptions(max_queue=len(reqs)), env)
     sched.start()
     tokens: dict[str, list[int]] = {r.request_id: [] for r in reqs}
     left, done = [len(reqs)], threading.Event()
@@ -69,27 +72,49 @@ def _serve(connect: Callable[[], Model], reqs: list[GenRequest], env: Env) -> di
         "step_ms": seconds / max(snap["counters"].steps, 1) * 1e3,
         "accepted_length": spec.mean_accepted_length,
         "acceptance": spec.acceptance_at,
+        "spec": spec,
     }
 
 
-def _tokenizer():
-    from gpu_service.tokenizer import ByteTokenizer
+def serve_texts(
+    connect: Callable[[], Model], model_dir: Path, prompts: list[str], method: str, tokens: int
+) -> dict:
+    """Greedy continuations of `prompts`, all at once: texts in order, and the spec stats."""
+    from gpu_service.tokenizer import load_tokenizer
 
-    return ByteTokenizer.default()
-
-
-def _requests(method: str, n: int, tokens: int) -> list[GenRequest]:
-    tok = _tokenizer()
-    return [
-        GenRequest(
-            f"{method}-{i}",
-            tuple(tok.encode(PROMPTS[i % len(PROMPTS)] + f"# {i}\n")),
-            tokens,
-            method=method,
-            ignore_eos=True,
-        )
-        for i in range(n)
+    tok = load_tokenizer(model_dir)
+    reqs = [
+        GenRequest(f"{method}-{i}", tuple(tok.encode(p)), tokens, method=method)
+        for i, p in enumerate(prompts)
     ]
+    r = _serve(connect, reqs, Env(None, False, False, False), tok)
+    r["texts"] = [tok.decode(r["tokens"][q.request_id]) for q in reqs]
+    return r
+
+
+class Workload:
+    """The checkpoint's tokenizer and prompts: its held-out prompts when it ships them
+    (`held_out_prompts.json`, written by `met train`), else a few generic ones."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from gpu_service.tokenizer import load_tokenizer
+
+        self.tokenizer = load_tokenizer(model_dir)
+        path = model_dir / "held_out_prompts.json"
+        texts = [p["prompt"] for p in json.loads(path.read_text())] if path.exists() else PROMPTS
+        self.prompts = [tuple(self.tokenizer.encode(t)) for t in texts]
+
+    def requests(self, method: str, n: int, tokens: int) -> list[GenRequest]:
+        return [
+            GenRequest(
+                f"{method}-{i}",
+                self.prompts[i % len(self.prompts)],
+                tokens,
+                method=method,
+                ignore_eos=True,
+            )
+            for i in range(n)
+        ]
 
 
 def _median(runs: list[dict]) -> dict:
@@ -99,14 +124,17 @@ def _median(runs: list[dict]) -> dict:
     return out
 
 
-def methods(connect, concurrency: list[int], tokens: int, repeats: int) -> tuple[list, list]:
+def methods(
+    connect, work: Workload, concurrency: list[int], tokens: int, repeats: int
+) -> tuple[list, list]:
     rows, failures = [], []
     env = Env(None, False, False, False)
     for n in concurrency:
-        results = {
-            m: _median([_serve(connect, _requests(m, n, tokens), env) for _ in range(repeats)])
-            for m in (NONE, MTP, PROMPT_LOOKUP)
-        }
+        runs: dict[str, list[dict]] = {m: [] for m in (NONE, MTP, PROMPT_LOOKUP)}
+        for _ in range(repeats):  # interleaved, so drift spreads over the methods alike
+            for m in runs:
+                runs[m].append(_serve(connect, work.requests(m, n, tokens), env, work.tokenizer))
+        results = {m: _median(r) for m, r in runs.items()}
         base = [results[NONE]["tokens"][f"{NONE}-{i}"] for i in range(n)]
         for m, r in results.items():
             same = [r["tokens"][f"{m}-{i}"] for i in range(n)] == base
@@ -125,21 +153,29 @@ def methods(connect, concurrency: list[int], tokens: int, repeats: int) -> tuple
     return rows, failures
 
 
-def batch_vs_serial(connect, concurrency: list[int], tokens: int) -> list[dict]:
+def batch_vs_serial(connect, work: Workload, concurrency: list[int], tokens: int) -> list[dict]:
     rows = []
     for n in concurrency:
         for label, env in (
             ("batched", Env(None, False, False, False)),
             ("serial", Env(None, False, False, True)),
         ):
-            r = _serve(connect, _requests(MTP, n, tokens), env)
+            r = _serve(connect, work.requests(MTP, n, tokens), env, work.tokenizer)
             rows.append(
                 {"verify": label, "concurrency": n, "tok_s": r["tok_s"], "step_ms": r["step_ms"]}
             )
     return rows
 
 
-def split(model_dir: Path, local_connect, concurrency: list[int], tokens: int) -> list[dict]:
+def split(
+    model_dir: Path,
+    local_connect,
+    work: Workload,
+    concurrency: list[int],
+    tokens: int,
+    repeats: int,
+) -> list[dict]:
+    """Each method in process and through a GPU service child process over gRPC."""
     from control_plane.client import GrpcModel
     from control_plane.launch import start_gpu_service, stop
 
@@ -147,20 +183,44 @@ def split(model_dir: Path, local_connect, concurrency: list[int], tokens: int) -
     rows = []
     try:
         env = Env(None, False, False, False)
+        remote_connect = lambda: GrpcModel(target)  # noqa: E731
         for n in concurrency:
-            local = _serve(local_connect, _requests(MTP, n, tokens), env)
-            remote = _serve(lambda: GrpcModel(target), _requests(MTP, n, tokens), env)
-            rows.append(
-                {
-                    "concurrency": n,
-                    "in_process_step_ms": local["step_ms"],
-                    "grpc_step_ms": remote["step_ms"],
-                    "overhead": remote["step_ms"] / local["step_ms"] - 1,
-                }
-            )
+            for m in (NONE, MTP):
+                runs: dict[str, list[dict]] = {"local": [], "grpc": []}
+                for _ in range(repeats):
+                    for where, connect in (("local", local_connect), ("grpc", remote_connect)):
+                        reqs = work.requests(m, n, tokens)
+                        runs[where].append(_serve(connect, reqs, env, work.tokenizer))
+                local, remote = _median(runs["local"]), _median(runs["grpc"])
+                rows.append(
+                    {
+                        "method": m,
+                        "concurrency": n,
+                        "in_process_tok_s": local["tok_s"],
+                        "grpc_tok_s": remote["tok_s"],
+                        "in_process_step_ms": local["step_ms"],
+                        "grpc_step_ms": remote["step_ms"],
+                        "overhead": remote["step_ms"] / local["step_ms"] - 1,
+                        "accepted_length": remote["accepted_length"],
+                    }
+                )
     finally:
         stop(proc)
     return rows
+
+
+def speedups(split_rows: list[dict]) -> list[dict]:
+    """mtp over none at each concurrency, in process and over gRPC."""
+    by = {(r["method"], r["concurrency"]): r for r in split_rows}
+    return [
+        {
+            "concurrency": n,
+            "in_process": by[(MTP, n)]["in_process_tok_s"] / by[(NONE, n)]["in_process_tok_s"],
+            "grpc": by[(MTP, n)]["grpc_tok_s"] / by[(NONE, n)]["grpc_tok_s"],
+        }
+        for (m, n) in by
+        if m == MTP and (NONE, n) in by
+    ]
 
 
 def tracing(concurrency: int, tokens: int) -> dict:
@@ -190,7 +250,9 @@ def tracing(concurrency: int, tokens: int) -> dict:
     }
 
 
-def transformers_baseline(model_dir: Path, tokens: int) -> dict | None:
+def transformers_baseline(
+    model_dir: Path, work: Workload, tokens: int, repeats: int
+) -> dict | None:
     """transformers' own greedy generate on the same checkpoint (no speculation: it offers
     none for this model), one request; None when transformers is not installed."""
     try:
@@ -198,14 +260,17 @@ def transformers_baseline(model_dir: Path, tokens: int) -> dict | None:
         from transformers import Qwen3NextForCausalLM
     except ImportError:
         return None
-    model = Qwen3NextForCausalLM.from_pretrained(model_dir).eval()
-    ids = torch.tensor([list(_tokenizer().encode(PROMPTS[0]))])
+    # fp32, as our engine computes on a CPU (bf16 weights widen exactly).
+    model = Qwen3NextForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([list(work.prompts[0])])
+    rates = []
     with torch.no_grad():
         model.generate(ids, max_new_tokens=2, do_sample=False)
-        t0 = time.perf_counter()
-        out = model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
-    made = out.shape[1] - ids.shape[1]
-    return {"tok_s": made / (time.perf_counter() - t0), "tokens": made}
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            out = model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+            rates.append((out.shape[1] - ids.shape[1]) / (time.perf_counter() - t0))
+    return {"tok_s": statistics.median(rates), "tokens": tokens, "threads": torch.get_num_threads()}
 
 
 def memory(engine) -> dict:
@@ -225,29 +290,165 @@ def memory(engine) -> dict:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from gpu_service.checkpoint import ensure_weights
     from gpu_service.config import ServiceConfig
     from gpu_service.engine import Engine
 
-    if args.model.resolve() == DEFAULT_MODEL_DIR:
-        ensure_weights(args.model)
     torch.set_num_threads(1)  # as the GPU service runs its engine
     engine = Engine(args.model, ServiceConfig())
+    work = Workload(args.model)
     quick = args.quick
-    conc, tokens, repeats = ([1, 4], 12, 1) if quick else ([1, 4, 16], 48, 3)
-    report: dict = {"model": engine.name, "quick": quick}
-    report["methods"], failures = methods(lambda: engine, conc, tokens, repeats)
-    report["batch_vs_serial"] = batch_vs_serial(lambda: engine, [4] if quick else [8, 16], tokens)
-    report["split"] = split(args.model, lambda: engine, [1] if quick else [1, 4], tokens)
+    conc, tokens, repeats = ([1, 4], 12, 1) if quick else ([1, 4, 16], 64, 3)
+    report: dict = {"model": engine.name, "quick": quick, "machine": _machine()}
+    local = lambda: engine  # noqa: E731
+    report["methods"], failures = methods(local, work, conc, tokens, repeats)
+    report["batch_vs_serial"] = batch_vs_serial(local, work, [4] if quick else [8, 16], tokens)
+    report["split"] = split(args.model, local, work, [1] if quick else [1, 4], tokens, repeats)
+    report["speedup"] = speedups(report["split"])
     report["memory"] = memory(engine)
     if not quick:
         report["tracing"] = tracing(4, tokens)
-        report["transformers_generate"] = transformers_baseline(args.model, tokens)
+        report["transformers_generate"] = transformers_baseline(args.model, work, tokens, repeats)
     report["failures"] = failures
     _print(report)
     if args.out:
         args.out.write_text(json.dumps(report, indent=2) + "\n")
+    if args.markdown:
+        args.markdown.write_text(markdown(report))
+    chart = args.chart or (args.out.with_suffix(".png") if args.out else None)
+    if chart:
+        draw_chart(report, chart)
+        print(f"chart: {chart}")
     return 1 if failures else 0
+
+
+def _machine() -> dict:
+    import os
+    import platform
+
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "engine_threads": torch.get_num_threads(),
+    }
+
+
+def markdown(report: dict) -> str:
+    """The report as the tables of docs/benchmarks.md."""
+    m = report["machine"]
+    out = [
+        f"Model `{report['model']}`; {m['cpu']}, {m['cores']} cores; Python {m['python']}, "
+        f"torch {m['torch']}, engine at {m['engine_threads']} thread(s).",
+        "",
+        "| method | concurrent | tok/s (in process) | mean accepted length | acceptance "
+        "by position | identical to none |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in report["methods"]:
+        acc = ", ".join(f"{a:.2f}" for a in r["acceptance_per_position"]) or "-"
+        out.append(
+            f"| {r['method']} | {r['concurrency']} | {r['tok_s']:.1f} | "
+            f"{r['accepted_length']:.2f} | {acc} | {'yes' if r['identical'] else 'NO'} |"
+        )
+    out += [
+        "",
+        "| method | concurrent | tok/s in process | tok/s over gRPC | step ms in process | "
+        "step ms over gRPC | split cost |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in report["split"]:
+        out.append(
+            f"| {r['method']} | {r['concurrency']} | {r['in_process_tok_s']:.1f} | "
+            f"{r['grpc_tok_s']:.1f} | {r['in_process_step_ms']:.1f} | {r['grpc_step_ms']:.1f} | "
+            f"{r['overhead'] * 100:+.0f}% |"
+        )
+    out += ["", "| concurrent | mtp / none in process | mtp / none over gRPC |", "|---|---|---|"]
+    for r in report["speedup"]:
+        out.append(f"| {r['concurrency']} | {r['in_process']:.2f}x | {r['grpc']:.2f}x |")
+    out += ["", "| verify | concurrent | tok/s | step ms |", "|---|---|---|---|"]
+    for r in report["batch_vs_serial"]:
+        out.append(
+            f"| {r['verify']} | {r['concurrency']} | {r['tok_s']:.1f} | {r['step_ms']:.1f} |"
+        )
+    mem = report["memory"]
+    out += [
+        "",
+        f"Verify buffers: {mem['tiered_bytes'] / 2**20:.2f} MiB with tiers `{mem['tiers']}`, "
+        f"{mem['full_capacity_bytes'] / 2**20:.2f} MiB with every slot at full capacity.",
+    ]
+    if "tracing" in report:
+        t = report["tracing"]
+        out.append(
+            f"Tracing, both processes, {t['concurrency']} concurrent: "
+            f"{t['disabled_tok_s']:.1f} tok/s disabled, {t['exported_tok_s']:.1f} exporting "
+            f"to a local OTLP receiver ({t['spans']} spans)."
+        )
+    hf = report.get("transformers_generate")
+    if hf:
+        ours = {r["method"]: r["grpc_tok_s"] for r in report["split"] if r["concurrency"] == 1}
+        out.append(
+            f"transformers `Qwen3NextForCausalLM.generate` (greedy, 1 request, "
+            f"{hf['threads']} thread): {hf['tok_s']:.1f} tok/s; ours over gRPC at 1 request: "
+            + ", ".join(f"{k} {v:.1f} tok/s ({v / hf['tok_s']:.2f}x)" for k, v in ours.items())
+            + "."
+        )
+    return "\n".join(out) + "\n"
+
+
+def draw_chart(report: dict, path: Path) -> None:
+    """Tokens per second by method (bars) and concurrency (groups), in process; gRPC figures
+    beside them where the split measured them."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["methods"]
+    concs = sorted({r["concurrency"] for r in rows})
+    names = [NONE, MTP, PROMPT_LOOKUP]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    width = 0.8 / len(names)
+    for j, m in enumerate(names):
+        values = [
+            next(r["tok_s"] for r in rows if r["method"] == m and r["concurrency"] == c)
+            for c in concs
+        ]
+        xs = [i + (j - (len(names) - 1) / 2) * width for i in range(len(concs))]
+        ax.bar(xs, values, width, label=f"{m} (in process)")
+    grpc_rows = report["split"]
+    for m, marker in ((NONE, "o"), (MTP, "^")):
+        pts = [
+            (concs.index(r["concurrency"]), r["grpc_tok_s"])
+            for r in grpc_rows
+            if r["method"] == m and r["concurrency"] in concs
+        ]
+        if pts:
+            ax.scatter(
+                *zip(*pts, strict=True),
+                marker=marker,
+                color="black",
+                zorder=3,
+                label=f"{m} over gRPC",
+            )
+    ax.set_xticks(range(len(concs)), [str(c) for c in concs])
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("output tokens / s")
+    ax.set_title(f"met bench: {report['model']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    plt.close(fig)
 
 
 def _print(report: dict) -> None:
@@ -265,8 +466,14 @@ def _print(report: dict) -> None:
         )
     for r in report["split"]:
         print(
-            f"split at {r['concurrency']}: {r['in_process_step_ms']:.1f} ms in process, "
-            f"{r['grpc_step_ms']:.1f} over gRPC ({r['overhead'] * 100:+.0f}%)"
+            f"split {r['method']:4} at {r['concurrency']}: {r['in_process_tok_s']:6.1f} tok/s "
+            f"in process, {r['grpc_tok_s']:6.1f} over gRPC; step {r['in_process_step_ms']:.1f} "
+            f"ms vs {r['grpc_step_ms']:.1f} ({r['overhead'] * 100:+.0f}%)"
+        )
+    for r in report["speedup"]:
+        print(
+            f"mtp / none at {r['concurrency']}: {r['in_process']:.2f}x in process, "
+            f"{r['grpc']:.2f}x over gRPC"
         )
     m = report["memory"]
     print(
@@ -280,9 +487,11 @@ def _print(report: dict) -> None:
             f"{t['exported_tok_s']:.1f} exported ({t['spans']} spans)"
         )
     if report.get("transformers_generate"):
+        hf = report["transformers_generate"]["tok_s"]
+        ours = {r["method"]: r["grpc_tok_s"] for r in report["split"] if r["concurrency"] == 1}
         print(
-            f"transformers generate (1 request, greedy): "
-            f"{report['transformers_generate']['tok_s']:.1f} tok/s"
+            f"transformers generate (1 request, greedy): {hf:.1f} tok/s; ours over gRPC: "
+            + ", ".join(f"{m} {v:.1f} ({v / hf:.2f}x)" for m, v in ours.items())
         )
     for f in report["failures"]:
         print(f"FAIL: {f}", file=sys.stderr)
@@ -292,3 +501,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
     parser.add_argument("--quick", action="store_true", help="the CI-sized smoke run")
     parser.add_argument("--out", type=Path, default=None, help="write the JSON report here")
+    parser.add_argument(
+        "--chart", type=Path, default=None, help="the PNG chart (default: --out with .png)"
+    )
+    parser.add_argument("--markdown", type=Path, default=None, help="the report's tables")

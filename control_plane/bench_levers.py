@@ -13,14 +13,14 @@ import time
 
 import torch
 
+from control_plane.bench import Workload
 from control_plane.env import Env
 from control_plane.scheduler.loop import Scheduler, SchedulerOptions
 from control_plane.scheduler.seq import MTP, NONE, PROMPT_LOOKUP, GenRequest
-from gpu_service.checkpoint import ensure_weights
 from gpu_service.config import ServiceConfig
 from gpu_service.defaults import DEFAULT_MODEL_DIR
 from gpu_service.engine import Engine
-from gpu_service.tokenizer import ByteTokenizer
+from gpu_service.tokenizer import load_tokenizer
 
 CONFIGS = {
     "none": (NONE, {}, {}),
@@ -43,10 +43,13 @@ CONFIGS = {
 }
 
 
+PROMPTS = Workload(DEFAULT_MODEL_DIR).prompts
+
+
 def run(engine: Engine, method: str, env: dict, opts: dict, n: int, tokens: int) -> str:
     s = Scheduler(
         lambda: engine,
-        ByteTokenizer.default(),
+        load_tokenizer(DEFAULT_MODEL_DIR),
         SchedulerOptions(**opts),
         Env(None, False, False, False, **env),
     )
@@ -55,7 +58,7 @@ def run(engine: Engine, method: str, env: dict, opts: dict, n: int, tokens: int)
     try:
         t0 = time.perf_counter()
         for i in range(n):
-            prompt = tuple(ByteTokenizer.default().encode(f"def f{i}(x):\n    return x"))
+            prompt = PROMPTS[i % len(PROMPTS)]
             out: list = []
             outs.append(out)
             s.submit(
@@ -80,7 +83,6 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=48)
     args = parser.parse_args()
-    ensure_weights(DEFAULT_MODEL_DIR)
     torch.set_num_threads(1)
     engine = Engine(DEFAULT_MODEL_DIR, ServiceConfig())
     engine.measure_costs([1, 2, 4, 8, 16, 32], 3)  # measured once, cached, outside the timing

@@ -12,21 +12,21 @@ import time
 
 import torch
 
+from control_plane.bench import Workload
 from control_plane.client import GrpcModel
 from control_plane.env import Env
 from control_plane.launch import start_gpu_service, stop
 from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.seq import MTP, NONE, GenRequest
-from gpu_service.checkpoint import ensure_weights
 from gpu_service.config import ServiceConfig
 from gpu_service.defaults import DEFAULT_MODEL_DIR
 from gpu_service.engine import Engine
-from gpu_service.tokenizer import ByteTokenizer
+from gpu_service.tokenizer import load_tokenizer
 
 
 def _run(connect, reqs: list[GenRequest]) -> tuple[float, int, int]:
     """Seconds, tokens and steps for all of `reqs`, submitted at once."""
-    sched = Scheduler(connect, ByteTokenizer.default(), env=Env.read())
+    sched = Scheduler(connect, load_tokenizer(DEFAULT_MODEL_DIR), env=Env.read())
     sched.start()
     left, done, tokens = [len(reqs)], threading.Event(), [0]
     lock = threading.Lock()
@@ -54,20 +54,15 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--tokens", type=int, default=64)
     args = parser.parse_args()
-    ensure_weights(DEFAULT_MODEL_DIR)
     torch.set_num_threads(1)  # as the GPU service runs its engine (see gpu_service/server.py)
     engine = Engine(DEFAULT_MODEL_DIR, ServiceConfig())
+    work = Workload(DEFAULT_MODEL_DIR)
     proc, target = start_gpu_service(DEFAULT_MODEL_DIR)
     try:
         print("method  seqs   in-process tok/s  step ms   gRPC tok/s  step ms   overhead")
         for method in (NONE, MTP):
             for n in args.concurrency:
-                reqs = [
-                    GenRequest(
-                        f"{i}", tuple(range(i, i + 16)), args.tokens, method=method, ignore_eos=True
-                    )
-                    for i in range(n)
-                ]
+                reqs = work.requests(method, n, args.tokens)
                 local = _run(lambda: engine, reqs)
                 remote = _run(lambda: GrpcModel(target), reqs)
                 rate = [t / s for s, t, _ in (local, remote)]

@@ -51,10 +51,17 @@ def _bench(args: argparse.Namespace) -> None:
     sys.exit(run(args))
 
 
+def _train(args: argparse.Namespace) -> None:
+    from training.run import run
+
+    sys.exit(run(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     from control_plane import bench, generate_cli, server
     from control_plane.circuit import report
     from gpu_service.options import add_serve_args
+    from training import options as train_options
 
     parser = argparse.ArgumentParser(prog="met", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -92,8 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_args(bench_cmd)
     bench_cmd.set_defaults(fn=_bench)
 
+    train_cmd = sub.add_parser(
+        "train", help="train the default checkpoint (and its MTP head) on the stdlib's source"
+    )
+    train_options.add_args(train_cmd)
+    train_cmd.set_defaults(fn=_train)
+
     init = sub.add_parser("init-model", help="write seeded random weights into a checkpoint")
-    init.add_argument("directory", type=Path, nargs="?", default=DEFAULT_MODEL_DIR)
+    init.add_argument("directory", type=Path, help="a new checkpoint directory")
     init.add_argument("--seed", type=int, default=DEFAULT_SEED)
     init.set_defaults(fn=_init_model)
     return parser

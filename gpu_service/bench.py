@@ -1,7 +1,9 @@
 """What batch invariance by construction costs: `python -m gpu_service.bench`.
 
 Prints the tiled linear against a plain `F.linear` at the default model's widest projection,
-and one batched verify step of the default model at a few batch shapes."""
+one batched verify step of the default model at a few batch shapes, and a speculative step's
+two calls by width and drafts. `--profile` prints torch.profiler's table of one sequence's
+speculative steps instead."""
 
 from __future__ import annotations
 
@@ -12,7 +14,6 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from gpu_service.checkpoint import ensure_weights
 from gpu_service.config import ServiceConfig
 from gpu_service.defaults import DEFAULT_MODEL_DIR
 from gpu_service.engine import Engine
@@ -40,7 +41,6 @@ def bench_linear() -> None:
 
 
 def bench_verify() -> None:
-    ensure_weights(DEFAULT_MODEL_DIR)
     engine = Engine(DEFAULT_MODEL_DIR, ServiceConfig())
     print("default model verify step (prefix 128)   seqs x k   ms")
     for n, k in ((1, 1), (1, 4), (8, 4), (16, 2), (32, 1)):
@@ -58,7 +58,48 @@ def bench_verify() -> None:
             engine.free_sequence(s)
 
 
+def bench_costs() -> None:
+    """One speculative step split in its two calls, by sequences and drafts: what the
+    scheduler's cost model reads, and where a step's time goes."""
+    engine = Engine(DEFAULT_MODEL_DIR, ServiceConfig())
+    entries, _ = engine.measure_costs([1, 4, 8], 3, repeats=20, refresh=True)
+    print("step costs   seqs  drafts   verify ms   verdict+propose ms   total ms")
+    for e in entries:
+        print(
+            f"{'':12}{e.width:5d}  {e.depth:6d}   {e.verify_ms:9.2f}   {e.propose_ms:18.2f}"
+            f"   {e.verify_ms + e.propose_ms:8.2f}"
+        )
+
+
+def profile_step(drafts: int = 3, steps: int = 30) -> None:
+    """torch.profiler over one sequence's speculative steps (verify drafts + 1 rows, then the
+    verdict with the next drafts): the ops that take the time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = Engine(DEFAULT_MODEL_DIR, ServiceConfig())
+    seq = engine.alloc_sequence()
+    engine.prefill([seq], [[(7 * i + 3) % 251 for i in range(64)]])
+    k = drafts + 1
+
+    def step() -> None:
+        engine.decode_verify_batched([1] * k, [k], [seq])
+        engine.settle_verdict([seq], [1], [k], [0], [1], drafts)
+
+    step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    print(f"profile of {steps} steps, 1 sequence, {drafts} drafts")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
+
+
 if __name__ == "__main__":
+    import sys
+
     torch.manual_seed(0)
-    bench_linear()
-    bench_verify()
+    if "--profile" in sys.argv:
+        profile_step()
+    else:
+        bench_linear()
+        bench_verify()
+        bench_costs()

@@ -11,8 +11,8 @@ from gpu_service.tokenizer import TOKENIZER_FILE, write_byte_level
 
 
 def init_model(directory: Path, cfg: ModelConfig | None = None, seed: int = DEFAULT_SEED) -> Path:
-    """Write a checkpoint with seeded random weights. An existing config.json is kept and
-    used, so the shipped default directory only gains its weights."""
+    """Write a checkpoint with seeded random weights (and a byte-level tokenizer when the
+    directory has none). An existing config.json is kept and used."""
     directory.mkdir(parents=True, exist_ok=True)
     if cfg is None:
         cfg = ModelConfig.load(directory) if (directory / "config.json").exists() else ModelConfig()
@@ -21,9 +21,3 @@ def init_model(directory: Path, cfg: ModelConfig | None = None, seed: int = DEFA
         write_byte_level(directory)
     save_weights(init_weights(cfg, seed), directory)
     return directory / WEIGHTS_FILE
-
-
-def ensure_weights(directory: Path) -> None:
-    """Write the seeded weights of a shipped checkpoint that has none yet."""
-    if not (directory / WEIGHTS_FILE).exists():
-        init_model(directory)

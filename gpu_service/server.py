@@ -12,8 +12,6 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from gpu_service.checkpoint import ensure_weights
-from gpu_service.defaults import DEFAULT_MODEL_DIR
 from gpu_service.engine import Engine
 from gpu_service.options import service_config
 from gpu_service.servicer import ErrorInterceptor, ModelServicer
@@ -51,8 +49,6 @@ async def serve(args: argparse.Namespace) -> None:
         loop.add_signal_handler(sig, stop.set)
 
     def load() -> Engine:
-        if args.model.resolve() == DEFAULT_MODEL_DIR:
-            ensure_weights(args.model)
         return Engine(args.model, svc, args.dtype)
 
     servicer.engine = await servicer.run_on_engine_thread(load)

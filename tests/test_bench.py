@@ -21,6 +21,8 @@ def test_bench_quick(tiny_dir: Path, tmp_path: Path) -> None:
             str(tiny_dir),
             "--out",
             str(out),
+            "--markdown",
+            str(tmp_path / "bench.md"),
         ],
         capture_output=True,
         text=True,
@@ -32,4 +34,11 @@ def test_bench_quick(tiny_dir: Path, tmp_path: Path) -> None:
     assert {r["method"] for r in report["methods"]} == {"none", "mtp", "prompt_lookup"}
     assert all(r["identical"] for r in report["methods"])
     assert report["memory"]["tiered_bytes"] < report["memory"]["full_capacity_bytes"]
-    assert report["split"][0]["grpc_step_ms"] > 0
+    assert {(r["method"], r["concurrency"]) for r in report["split"]} == {("none", 1), ("mtp", 1)}
+    assert all(r["grpc_step_ms"] > 0 and r["grpc_tok_s"] > 0 for r in report["split"])
+    assert [r["concurrency"] for r in report["speedup"]] == [1]
+    chart = out.with_suffix(".png")
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "mtp / none at 1" in result.stdout
+    table = (tmp_path / "bench.md").read_text()
+    assert "| mtp | 1 |" in table and "| prompt_lookup | 4 |" in table

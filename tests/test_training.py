@@ -115,8 +115,12 @@ def _weights_bytes(weights: dict[str, torch.Tensor]) -> dict[str, bytes]:
     return {n: w.numpy().tobytes() for n, w in weights.items()}
 
 
-def test_training_is_deterministic_and_resumes_exactly(corpus: Corpus, tmp_path: Path) -> None:
+def test_training_is_deterministic_and_resumes_exactly(
+    corpus: Corpus, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     straight, cfg, log = train(corpus, tmp_path / "a", TC, TINY)
+    progress = capsys.readouterr().err
+    assert "step     6/6" in progress and "tok/s" in progress and "main " in progress
     again, _, log_again = train(corpus, tmp_path / "b", TC, TINY)
     assert (tmp_path / "a" / "tokenizer.json").read_bytes() == (
         tmp_path / "b" / "tokenizer.json"
@@ -129,6 +133,7 @@ def test_training_is_deterministic_and_resumes_exactly(corpus: Corpus, tmp_path:
     assert (tmp_path / "c" / STATE_FILE).exists()
     assert _weights_bytes(partial) != _weights_bytes(straight)
     resumed, _, resumed_log = train(corpus, tmp_path / "c", TC, TINY)
+    assert "resuming at step 3" in capsys.readouterr().err
     assert _weights_bytes(resumed) == _weights_bytes(straight)
     assert resumed_log == log
 

@@ -150,11 +150,8 @@ def _connect(args: argparse.Namespace) -> Model:
         from control_plane.client import GrpcModel
 
         return GrpcModel(args.gpu_service)
-    from gpu_service.checkpoint import ensure_weights
     from gpu_service.engine import Engine
 
-    if args.model.resolve() == DEFAULT_MODEL_DIR:
-        ensure_weights(args.model)
     return Engine(args.model)
 
 
