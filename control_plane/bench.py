@@ -76,8 +76,16 @@ def _serve(connect: Callable[[], Model], reqs: list[GenRequest], env: Env, token
     }
 
 
+FIXED_DRAFTS = Env(None, True, False, False, no_dcut=True)  # num_drafts at every verify
+
+
 def serve_texts(
-    connect: Callable[[], Model], model_dir: Path, prompts: list[str], method: str, tokens: int
+    connect: Callable[[], Model],
+    model_dir: Path,
+    prompts: list[str],
+    method: str,
+    tokens: int,
+    env: Env | None = None,
 ) -> dict:
     """Greedy continuations of `prompts`, all at once: texts in order, and the spec stats."""
     from gpu_service.tokenizer import load_tokenizer
@@ -87,7 +95,7 @@ def serve_texts(
         GenRequest(f"{method}-{i}", tuple(tok.encode(p)), tokens, method=method)
         for i, p in enumerate(prompts)
     ]
-    r = _serve(connect, reqs, Env(None, False, False, False), tok)
+    r = _serve(connect, reqs, env or Env(None, False, False, False), tok)
     r["texts"] = [tok.decode(r["tokens"][q.request_id]) for q in reqs]
     return r
 

@@ -20,12 +20,14 @@ PROMPT_LINES = 16
 
 
 def prompt_from(text: str) -> str | None:
-    """The lines before the first `def` past the file's first quarter, and that line: the
-    model is asked for a function body. None when the file has no such line."""
+    """The lines before the first `def` past the file's first quarter, and that line without
+    its newline: the model is asked for a function body. (The BPE merges a newline with the
+    indentation after it, so a prompt ending in a bare newline ends on a token the model never
+    saw there.) None when the file has no such line."""
     lines = text.splitlines(keepends=True)
     for k in range(max(PROMPT_LINES, len(lines) // 4), len(lines)):
         if lines[k].lstrip().startswith("def ") and lines[k].rstrip().endswith(":"):
-            return "".join(lines[k - PROMPT_LINES : k + 1])
+            return "".join(lines[k - PROMPT_LINES : k + 1]).rstrip("\r\n")
     return None
 
 
@@ -43,13 +45,17 @@ def load_prompts(model_dir: Path) -> list[str]:
 
 
 def looks_like_python(prompt: str, continuation: str, lines: int = 8) -> bool:
-    """Whether the prompt's last line (a `def`) and the first `lines` lines of its
+    """Whether the prompt's last line (a `def`) and the first `lines` complete lines of its
     continuation compile as Python, a statement left open at the cut allowed, with at least
     two non-blank lines of body."""
-    body = continuation.splitlines(keepends=True)[:lines]
+    text = (prompt + continuation).splitlines(keepends=True)
+    if text and not text[-1].endswith("\n"):
+        text.pop()  # the line the token budget cut, not the model
+    head = len(prompt.splitlines()) - 1  # the def line, wherever the prompt's cut fell
+    body = text[head + 1 : head + 1 + lines]
     if sum(1 for line in body if line.strip()) < 2:
         return False
-    source = textwrap.dedent(prompt.splitlines(keepends=True)[-1] + "".join(body))
+    source = textwrap.dedent("".join(text[head : head + 1 + lines]))
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # e.g. invalid escapes: still Python
@@ -80,9 +86,10 @@ def perplexity(model_dir: Path, stream: torch.Tensor, seq_len: int, windows: int
 
 
 def acceptance(model_dir: Path, prompts: list[str], tokens: int, concurrency: int) -> dict:
-    """The MTP drafter under the real scheduler, in process: mean accepted length per verify
-    (bonus token included) and acceptance at each draft position, over all prompts."""
-    from control_plane.bench import serve_texts
+    """The MTP drafter under the real scheduler, in process, 3 drafts at every verify (no
+    ladder, no D-Cut): mean accepted length per verify (bonus token included) and acceptance
+    at each draft position, over all prompts."""
+    from control_plane.bench import FIXED_DRAFTS, serve_texts
     from control_plane.scheduler.seq import MTP
     from gpu_service.config import ServiceConfig
     from gpu_service.engine import Engine
@@ -91,7 +98,8 @@ def acceptance(model_dir: Path, prompts: list[str], tokens: int, concurrency: in
     engine = Engine(model_dir, ServiceConfig())
     stats, texts = None, []
     for i in range(0, len(prompts), concurrency):
-        r = serve_texts(lambda: engine, model_dir, prompts[i : i + concurrency], MTP, tokens)
+        batch = prompts[i : i + concurrency]
+        r = serve_texts(lambda: engine, model_dir, batch, MTP, tokens, FIXED_DRAFTS)
         texts.extend(r["texts"])
         if stats is None:
             stats = r["spec"]
@@ -132,6 +140,7 @@ def write_card(model_dir: Path, report: dict) -> None:
         f"```python\n{s['continuation']}\n```\n"
         for s in report["samples"]
     )
+    held = ", ".join(f"`{f}`" for f in report["held_out_files"])
     accepted = report["mean_accepted_length"]
     python_like = f"{report['python_like']} of {report['prompts']}"
     per_pos = ", ".join(f"{a:.2f}" for a in report["acceptance_per_position"])
@@ -149,8 +158,8 @@ It is a test article, not a useful code model.
   training files; `<|bos|>` is 0, `<|eos|>` is 1. Each file is `<|bos|>` + text + `<|eos|>`.
 - Corpus: the Python {report["python"]} standard library's `.py` files, without test suites,
   `idlelib` and the generated `encodings` tables: {report["train_files"]} training files;
-  {len(report["held_out_files"])} held out, chosen by a hash of their relative path (listed
-  in the training report).
+  {len(report["held_out_files"])} held out, chosen by a hash of their relative path:
+  {held}.
 - Training: {tc["steps"]} steps of {tc["batch"]} x {tc["seq_len"]} tokens, AdamW (lr
   {tc["lr"]}, warmup {tc["warmup"]}, cosine to {tc["min_lr_ratio"]}x, weight decay
   {tc["weight_decay"]}), seed {tc["seed"]}; loss = main + {tc["mtp_weight"]} x MTP (token
@@ -163,15 +172,20 @@ It is a test article, not a useful code model.
 | measure | value |
 |---|---|
 | main model perplexity (64 windows of 512 tokens) | {report["main_perplexity"]} |
-| MTP head perplexity, token t+2 | {report["mtp_perplexity"]} |
-| MTP head, second draft, token t+3 | {report["mtp2_perplexity"]} |
+| MTP head perplexity, token t+2 (given token t+1) | {report["mtp_perplexity"]} |
+| MTP head on its own output, token t+3 (given t+2) | {report["mtp2_perplexity"]} |
 | mean accepted length per verify, 3 drafts, greedy, bonus included | {accepted} |
 | acceptance at draft positions 1, 2, 3 | {per_pos} |
-| continuations whose first 8 lines tokenize as Python | {python_like} |
+| continuations that compile as Python (the def and 8 lines) | {python_like} |
 
 Acceptance: each of the {report["prompts"]} held-out prompts (`{PROMPTS_FILE}`: the 16 lines
-before a `def` and that line) decoded for 96 tokens through the scheduler with `mtp`, 3 drafts,
-8 at a time ({report["verifies"]} verify steps).
+before a `def` and that line) decoded for 96 tokens through the scheduler with `mtp`, 3 drafts
+at every verify (the K ladder and D-Cut off), 8 at a time ({report["verifies"]} verify steps).
+Acceptance at position j is the share of verifies whose first j drafts all stood. The MTP
+head is given the true token t+1, so it predicts from the context the main model has one
+position later: its perplexity is close to the main model's by construction. Greedy text
+from a model this small repeats itself (the samples show it), which is also part of why
+its drafts stand: the acceptance is of this model's own greedy text, as serving measures it.
 
 ## Samples (greedy)
 

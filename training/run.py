@@ -76,9 +76,9 @@ def make_optimizer(params: dict[str, torch.Tensor], tc: TrainConfig) -> torch.op
 class Progress:
     """One line, rewritten in place: step, losses, tokens per second, time left."""
 
-    def __init__(self, total: int, stream=sys.stderr) -> None:
-        self.total, self.stream = total, stream
-        self.tty = stream.isatty()
+    def __init__(self, total: int, stream=None) -> None:
+        self.total, self.stream = total, stream or sys.stderr
+        self.tty = self.stream.isatty()
 
     def update(self, step: int, losses: dict[str, float], tok_s: float, left_s: float) -> None:
         width = 24
@@ -114,7 +114,9 @@ def prepare(corpus: Corpus, work: Path, tc: TrainConfig) -> tuple[torch.Tensor, 
     return train, held
 
 
-def _save_state(path: Path, params, opt, step: int, tc: TrainConfig, log: list) -> None:
+def _save_state(
+    path: Path, params, opt, step: int, tc: TrainConfig, log: list, seconds: float
+) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save(
         {
@@ -123,6 +125,7 @@ def _save_state(path: Path, params, opt, step: int, tc: TrainConfig, log: list) 
             "step": step,
             "train_config": asdict(tc),
             "log": log,
+            "seconds": seconds,
         },
         tmp,
     )
@@ -155,7 +158,7 @@ def train(
     cfg = base
     params = init_params(cfg, tc.seed)
     opt = make_optimizer(params, tc)
-    step, log = 0, []
+    step, log, seconds = 0, [], 0.0
     state_path = work / STATE_FILE
     if state_path.exists():
         saved = torch.load(state_path)
@@ -168,11 +171,11 @@ def train(
             for n, w in params.items():
                 w.copy_(saved["params"][n])
         opt.load_state_dict(saved["optimizer"])
-        step, log = saved["step"], saved["log"]
+        step, log, seconds = saved["step"], saved["log"], saved.get("seconds", 0.0)
         print(f"resuming at step {step} from {state_path}", file=sys.stderr)
     model = TrainForward(cfg, params, tc.seq_len)
     progress = Progress(tc.steps)
-    t0, start_step = time.perf_counter(), step
+    t0, start_step, elapsed = time.perf_counter(), step, 0.0
     try:
         while step < min(tc.steps, stop_at or tc.steps):
             for group in opt.param_groups:
@@ -196,9 +199,9 @@ def train(
             left = elapsed / (step - start_step) * (tc.steps - step)
             progress.update(step, values, rate, left)
             if step % tc.save_every == 0 or step in (tc.steps, stop_at):
-                _save_state(state_path, params, opt, step, tc, log)
+                _save_state(state_path, params, opt, step, tc, log, seconds + elapsed)
     except KeyboardInterrupt:
-        _save_state(state_path, params, opt, step, tc, log)
+        _save_state(state_path, params, opt, step, tc, log, seconds + elapsed)
         progress.close()
         print(f"stopped at step {step}; run again to resume", file=sys.stderr)
         raise
@@ -209,7 +212,7 @@ def train(
 def export(weights: dict[str, torch.Tensor], cfg: ModelConfig, work: Path, out: Path) -> None:
     """The checkpoint directory the service loads: config, bf16 weights, tokenizer."""
     out.mkdir(parents=True, exist_ok=True)
-    cfg = replace(cfg, torch_dtype="bfloat16")
+    cfg = replace(cfg, torch_dtype="float32")  # the serving dtype on a CPU; weights stay bf16
     (out / "config.json").write_text(cfg.to_json())
     save_weights({n: w.to(torch.bfloat16) for n, w in weights.items()}, out)
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -226,9 +229,8 @@ def run(args: argparse.Namespace) -> int:
     if args.seq_len:
         tc = replace(tc, seq_len=args.seq_len)
     corpus = Corpus.scan(args.corpus)
-    t0 = time.perf_counter()
     weights, cfg, log = train(corpus, args.work, tc)
-    minutes = (time.perf_counter() - t0) / 60
+    minutes = torch.load(args.work / STATE_FILE)["seconds"] / 60  # over every resume
     export(weights, cfg, args.work, args.out)
     report = evaluate(args.out, corpus, args.work)
     report.update(
