@@ -436,8 +436,9 @@ def draw_chart(report: dict, path: Path) -> None:
         ax.bar(xs, values, width, label=f"{m} (in process)")
     grpc_rows = report["split"]
     for m, marker in ((NONE, "o"), (MTP, "^")):
+        offset = (names.index(m) - (len(names) - 1) / 2) * width  # over its method's bar
         pts = [
-            (concs.index(r["concurrency"]), r["grpc_tok_s"])
+            (concs.index(r["concurrency"]) + offset, r["grpc_tok_s"])
             for r in grpc_rows
             if r["method"] == m and r["concurrency"] in concs
         ]
