@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -298,6 +297,7 @@ def memory(engine) -> dict:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from control_plane.bench_report import draw_chart, markdown, print_table
     from gpu_service.config import ServiceConfig
     from gpu_service.engine import Engine
 
@@ -317,7 +317,7 @@ def run(args: argparse.Namespace) -> int:
         report["tracing"] = tracing(4, tokens)
         report["transformers_generate"] = transformers_baseline(args.model, work, tokens, repeats)
     report["failures"] = failures
-    _print(report)
+    print_table(report)
     if args.out:
         args.out.write_text(json.dumps(report, indent=2) + "\n")
     if args.markdown:
@@ -350,160 +350,6 @@ def _machine() -> dict:
         "torch": torch.__version__,
         "engine_threads": torch.get_num_threads(),
     }
-
-
-def markdown(report: dict) -> str:
-    """The report as the tables of docs/benchmarks.md."""
-    m = report["machine"]
-    out = [
-        f"Model `{report['model']}`; {m['cpu']}, {m['cores']} cores; Python {m['python']}, "
-        f"torch {m['torch']}, engine at {m['engine_threads']} thread(s).",
-        "",
-        "| method | concurrent | tok/s (in process) | mean accepted length | acceptance "
-        "by position | identical to none |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r in report["methods"]:
-        acc = ", ".join(f"{a:.2f}" for a in r["acceptance_per_position"]) or "-"
-        out.append(
-            f"| {r['method']} | {r['concurrency']} | {r['tok_s']:.1f} | "
-            f"{r['accepted_length']:.2f} | {acc} | {'yes' if r['identical'] else 'NO'} |"
-        )
-    out += [
-        "",
-        "| method | concurrent | tok/s in process | tok/s over gRPC | step ms in process | "
-        "step ms over gRPC | split cost |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in report["split"]:
-        out.append(
-            f"| {r['method']} | {r['concurrency']} | {r['in_process_tok_s']:.1f} | "
-            f"{r['grpc_tok_s']:.1f} | {r['in_process_step_ms']:.1f} | {r['grpc_step_ms']:.1f} | "
-            f"{r['overhead'] * 100:+.0f}% |"
-        )
-    out += ["", "| concurrent | mtp / none in process | mtp / none over gRPC |", "|---|---|---|"]
-    for r in report["speedup"]:
-        out.append(f"| {r['concurrency']} | {r['in_process']:.2f}x | {r['grpc']:.2f}x |")
-    out += ["", "| verify | concurrent | tok/s | step ms |", "|---|---|---|---|"]
-    for r in report["batch_vs_serial"]:
-        out.append(
-            f"| {r['verify']} | {r['concurrency']} | {r['tok_s']:.1f} | {r['step_ms']:.1f} |"
-        )
-    mem = report["memory"]
-    out += [
-        "",
-        f"Verify buffers: {mem['tiered_bytes'] / 2**20:.2f} MiB with tiers `{mem['tiers']}`, "
-        f"{mem['full_capacity_bytes'] / 2**20:.2f} MiB with every slot at full capacity.",
-    ]
-    if "tracing" in report:
-        t = report["tracing"]
-        out.append(
-            f"Tracing, both processes, {t['concurrency']} concurrent: "
-            f"{t['disabled_tok_s']:.1f} tok/s disabled, {t['exported_tok_s']:.1f} exporting "
-            f"to a local OTLP receiver ({t['spans']} spans)."
-        )
-    hf = report.get("transformers_generate")
-    if hf:
-        ours = {r["method"]: r["grpc_tok_s"] for r in report["split"] if r["concurrency"] == 1}
-        out.append(
-            f"transformers `Qwen3NextForCausalLM.generate` (greedy, 1 request, "
-            f"{hf['threads']} thread): {hf['tok_s']:.1f} tok/s; ours over gRPC at 1 request: "
-            + ", ".join(f"{k} {v:.1f} tok/s ({v / hf['tok_s']:.2f}x)" for k, v in ours.items())
-            + "."
-        )
-    return "\n".join(out) + "\n"
-
-
-def draw_chart(report: dict, path: Path) -> None:
-    """Tokens per second by method (bars) and concurrency (groups), in process; gRPC figures
-    beside them where the split measured them."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = report["methods"]
-    concs = sorted({r["concurrency"] for r in rows})
-    names = [NONE, MTP, PROMPT_LOOKUP]
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-    width = 0.8 / len(names)
-    for j, m in enumerate(names):
-        values = [
-            next(r["tok_s"] for r in rows if r["method"] == m and r["concurrency"] == c)
-            for c in concs
-        ]
-        xs = [i + (j - (len(names) - 1) / 2) * width for i in range(len(concs))]
-        ax.bar(xs, values, width, label=f"{m} (in process)")
-    grpc_rows = report["split"]
-    for m, marker in ((NONE, "o"), (MTP, "^")):
-        offset = (names.index(m) - (len(names) - 1) / 2) * width  # over its method's bar
-        pts = [
-            (concs.index(r["concurrency"]) + offset, r["grpc_tok_s"])
-            for r in grpc_rows
-            if r["method"] == m and r["concurrency"] in concs
-        ]
-        if pts:
-            ax.scatter(
-                *zip(*pts, strict=True),
-                marker=marker,
-                color="black",
-                zorder=3,
-                label=f"{m} over gRPC",
-            )
-    ax.set_xticks(range(len(concs)), [str(c) for c in concs])
-    ax.set_xlabel("concurrent requests")
-    ax.set_ylabel("output tokens / s")
-    ax.set_title(f"met bench: {report['model']}")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, format="png")
-    plt.close(fig)
-
-
-def _print(report: dict) -> None:
-    print(f"model {report['model']}")
-    print("method         conc   tok/s   accepted length   identical")
-    for r in report["methods"]:
-        print(
-            f"{r['method']:14} {r['concurrency']:4d} {r['tok_s']:7.1f}   "
-            f"{r['accepted_length']:15.2f}   {r['identical']}"
-        )
-    for r in report["batch_vs_serial"]:
-        print(
-            f"verify {r['verify']:8} at {r['concurrency']:2d}: {r['tok_s']:7.1f} tok/s, "
-            f"{r['step_ms']:.1f} ms a step"
-        )
-    for r in report["split"]:
-        print(
-            f"split {r['method']:4} at {r['concurrency']}: {r['in_process_tok_s']:6.1f} tok/s "
-            f"in process, {r['grpc_tok_s']:6.1f} over gRPC; step {r['in_process_step_ms']:.1f} "
-            f"ms vs {r['grpc_step_ms']:.1f} ({r['overhead'] * 100:+.0f}%)"
-        )
-    for r in report["speedup"]:
-        print(
-            f"mtp / none at {r['concurrency']}: {r['in_process']:.2f}x in process, "
-            f"{r['grpc']:.2f}x over gRPC"
-        )
-    m = report["memory"]
-    print(
-        f"verify buffers: {m['tiered_bytes'] / 2**20:.1f} MiB with tiers {m['tiers']}, "
-        f"{m['full_capacity_bytes'] / 2**20:.1f} MiB at full capacity"
-    )
-    if "tracing" in report:
-        t = report["tracing"]
-        print(
-            f"tracing at {t['concurrency']}: {t['disabled_tok_s']:.1f} tok/s off, "
-            f"{t['exported_tok_s']:.1f} exported ({t['spans']} spans)"
-        )
-    if report.get("transformers_generate"):
-        hf = report["transformers_generate"]["tok_s"]
-        ours = {r["method"]: r["grpc_tok_s"] for r in report["split"] if r["concurrency"] == 1}
-        print(
-            f"transformers generate (1 request, greedy): {hf:.1f} tok/s; ours over gRPC: "
-            + ", ".join(f"{m} {v:.1f} ({v / hf:.2f}x)" for m, v in ours.items())
-        )
-    for f in report["failures"]:
-        print(f"FAIL: {f}", file=sys.stderr)
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
