@@ -2,8 +2,8 @@
 library's source.
 
 Deterministic given the seed: the batch of step `s` is drawn from a generator seeded by
-(seed, s), so a run resumed from its last checkpoint (weights, optimizer, step, every
-`--save-every` steps and on Ctrl-C) continues exactly as an uninterrupted one would. Weights
+(seed, s), so a run resumed from its last checkpoint (weights, optimizer, step, written
+every `save_every` steps and on Ctrl-C) continues exactly as an uninterrupted one would. Weights
 train in fp32 and are exported in bf16, then evaluated as exported."""
 
 from __future__ import annotations
