@@ -1,9 +1,9 @@
 """`met bench`: what speculation buys, in one run so the machine's drift cancels out.
 
 On one checkpoint (default: the bundled one), each figure a median over repeats:
-- `none` vs `mtp` vs `prompt_lookup` at several concurrencies: output tokens per second, mean
-  accepted length, acceptance per draft position; the three must produce identical tokens (the
-  run fails otherwise);
+- `none` vs `mtp` vs `prompt_lookup` (and `mtp` with the measured cost model choosing the
+  width) at several concurrencies: output tokens per second, mean accepted length, acceptance
+  per draft position; all must produce identical tokens (the run fails otherwise);
 - batched vs serial verify (`METRALE_NO_MTP_BATCH_VERIFY`);
 - in process vs over gRPC (a GPU service child process): the split's cost per step;
 - the verify buffers' bytes with the slot tiers vs every slot at full capacity;
@@ -38,9 +38,16 @@ PROMPTS = [
 ]
 
 
-def _serve(connect: Callable[[], Model], reqs: list[GenRequest], env: Env, tokenizer) -> dict:
+def _serve(
+    connect: Callable[[], Model],
+    reqs: list[GenRequest],
+    env: Env,
+    tokenizer,
+    options: dict | None = None,
+) -> dict:
     """All of `reqs` at once through a scheduler; tokens per request and the figures."""
-    sched = Scheduler(connect, tokenizer, SchedulerOptions(max_queue=len(reqs)), env)
+    opts = SchedulerOptions(max_queue=len(reqs), **(options or {}))
+    sched = Scheduler(connect, tokenizer, opts, env)
     sched.start()
     tokens: dict[str, list[int]] = {r.request_id: [] for r in reqs}
     left, done = [len(reqs)], threading.Event()
@@ -111,10 +118,12 @@ class Workload:
         texts = [p["prompt"] for p in json.loads(path.read_text())] if path.exists() else PROMPTS
         self.prompts = [tuple(self.tokenizer.encode(t)) for t in texts]
 
-    def requests(self, method: str, n: int, tokens: int) -> list[GenRequest]:
+    def requests(
+        self, method: str, n: int, tokens: int, label: str | None = None
+    ) -> list[GenRequest]:
         return [
             GenRequest(
-                f"{method}-{i}",
+                f"{label or method}-{i}",
                 self.prompts[i % len(self.prompts)],
                 tokens,
                 method=method,
@@ -122,6 +131,17 @@ class Workload:
             )
             for i in range(n)
         ]
+
+
+# label -> (method, scheduler options): the methods, and mtp with the measured cost model
+# choosing each step's width (`--spec-cost-model measured`) in place of the static ladder.
+MTP_MEASURED = "mtp_measured"
+VARIANTS = {
+    NONE: (NONE, {}),
+    MTP: (MTP, {}),
+    MTP_MEASURED: (MTP, {"spec_cost_model": "measured"}),
+    PROMPT_LOOKUP: (PROMPT_LOOKUP, {}),
+}
 
 
 def _median(runs: list[dict]) -> dict:
@@ -137,10 +157,11 @@ def methods(
     rows, failures = [], []
     env = Env(None, False, False, False)
     for n in concurrency:
-        runs: dict[str, list[dict]] = {m: [] for m in (NONE, MTP, PROMPT_LOOKUP)}
+        runs: dict[str, list[dict]] = {label: [] for label in VARIANTS}
         for _ in range(repeats):  # interleaved, so drift spreads over the methods alike
-            for m in runs:
-                runs[m].append(_serve(connect, work.requests(m, n, tokens), env, work.tokenizer))
+            for label, (m, options) in VARIANTS.items():
+                reqs = work.requests(m, n, tokens, label)
+                runs[label].append(_serve(connect, reqs, env, work.tokenizer, options))
         results = {m: _median(r) for m, r in runs.items()}
         base = [results[NONE]["tokens"][f"{NONE}-{i}"] for i in range(n)]
         for m, r in results.items():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from control_plane.bench import MTP_MEASURED
 from control_plane.scheduler.seq import MTP, NONE, PROMPT_LOOKUP
 
 
@@ -81,7 +82,9 @@ def draw_chart(report: dict, path: Path) -> None:
 
     rows = report["methods"]
     concs = sorted({r["concurrency"] for r in rows})
-    names = [NONE, MTP, PROMPT_LOOKUP]
+    names = [
+        m for m in (NONE, MTP, MTP_MEASURED, PROMPT_LOOKUP) if any(r["method"] == m for r in rows)
+    ]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     width = 0.8 / len(names)
     for j, m in enumerate(names):

@@ -30,7 +30,12 @@ def test_bench_quick(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     assert report["failures"] == []
-    assert {r["method"] for r in report["methods"]} == {"none", "mtp", "prompt_lookup"}
+    assert {r["method"] for r in report["methods"]} == {
+        "none",
+        "mtp",
+        "mtp_measured",
+        "prompt_lookup",
+    }
     assert all(r["identical"] for r in report["methods"])
     assert report["model"] == "default"
     mtp = next(r for r in report["methods"] if r["method"] == "mtp" and r["concurrency"] == 1)
