@@ -1,11 +1,12 @@
 """Measured step costs for the control plane's cost model: verify and verdict+propose times
 by batch width and depth, on scratch sequences, cached next to the model.
 
-The cache file is keyed by the forward, the thread count and the slot tiers: a different
-machine setup measures again. Widths whose slots cannot verify a depth are left out."""
+The cache file is keyed by the architecture, the forward, the thread count and the slot
+tiers: a different model shape or machine setup measures again. Widths whose slots cannot verify a depth are left out."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import statistics
 import time
@@ -20,7 +21,13 @@ PROMPT = [(7 * i + 3) % 251 for i in range(16)]
 
 
 def cache_path(model_dir: Path, forward: str, tiers: str) -> Path:
-    key = f"{forward}-t{torch.get_num_threads()}-{tiers.replace(':', 'x').replace(',', '_')}"
+    """Keyed by what the costs depend on: the architecture (a digest of config.json: a
+    retrained checkpoint of another shape must not read the old costs), the forward, the
+    thread count and the tiers."""
+    config = model_dir / "config.json"
+    arch = hashlib.sha256(config.read_bytes()).hexdigest()[:12] if config.exists() else "none"
+    tier_key = tiers.replace(":", "x").replace(",", "_")
+    key = f"{arch}-{forward}-t{torch.get_num_threads()}-{tier_key}"
     return model_dir / f"spec_cost.{key}.json"
 
 
