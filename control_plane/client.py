@@ -18,6 +18,7 @@ from gpu_service.interface import (
     RowDraws,
     Sampling,
     SequenceHandle,
+    StepResult,
 )
 from gpu_service.telemetry import ClientTracing
 from protos.met.v1 import model_pb2 as pb
@@ -215,6 +216,35 @@ class GrpcModel:
         )
         self._mirror(seqs, r.seq_lens)
         return _proposal(r, len(proposers), num_drafts)
+
+    def decode_step(
+        self,
+        tokens: Sequence[int],
+        ks: Sequence[int],
+        seqs: Sequence[SequenceHandle],
+        want_drafts: Sequence[bool],
+        num_drafts: int,
+    ) -> StepResult:
+        r = self._rpc(
+            self._stub.DecodeStep,
+            pb.StepRequest(
+                seq_ids=self._ids(seqs),
+                ks=ks,
+                tokens=tokens,
+                want_drafts=want_drafts,
+                num_drafts=num_drafts,
+            ),
+        )
+        self._mirror(seqs, r.seq_lens)
+        self._logprobs = list(r.logprobs)
+        self._draws = [None] * len(r.argmax)
+        return StepResult(
+            list(r.argmax),
+            list(r.logprobs),
+            list(r.accepted),
+            list(r.proposers),
+            _proposal(r, len(r.proposers), num_drafts),
+        )
 
     def trim_proposer_state(self, seqs: Sequence[SequenceHandle], keep_own: int = 0) -> None:
         self._rpc(

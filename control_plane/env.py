@@ -23,6 +23,7 @@ class Env:
     no_adaptive_rung: bool = False  # METRALE_NO_MTP_ADAPTIVE_RUNG: the static ladder only
     dflash_static_gamma: bool = False  # METRALE_DFLASH_STATIC_GAMMA: pin the DFlash gamma
     dflash_batch_verify: bool = True  # METRALE_DFLASH_BATCH_VERIFY=0 turns it off
+    no_fused_step: bool = False  # METRALE_NO_FUSED_STEP: greedy steps as verify + verdict calls
 
     @classmethod
     def read(cls) -> Env:
@@ -35,4 +36,5 @@ class Env:
             no_adaptive_rung=_flag("METRALE_NO_MTP_ADAPTIVE_RUNG"),
             dflash_static_gamma=_flag("METRALE_DFLASH_STATIC_GAMMA"),
             dflash_batch_verify=os.environ.get("METRALE_DFLASH_BATCH_VERIFY", "1") != "0",
+            no_fused_step=_flag("METRALE_NO_FUSED_STEP"),
         )

@@ -2,7 +2,8 @@
 by batch width and depth, on scratch sequences, cached next to the model.
 
 The cache file is keyed by the architecture, the forward, the thread count and the slot
-tiers: a different model shape or machine setup measures again. Widths whose slots cannot verify a depth are left out."""
+tiers: a different model shape or machine setup measures again. Widths whose slots cannot
+verify a depth are left out."""
 
 from __future__ import annotations
 

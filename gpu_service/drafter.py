@@ -15,6 +15,7 @@ from gpu_service.interface import (
     Proposal,
     Sampling,
     SequenceHandle,
+    StepResult,
 )
 from gpu_service.model.hybrid import Segment
 from gpu_service.sampling import check_sampling, distribution, draw
@@ -181,6 +182,47 @@ class DrafterOps:
             )
             self.trim_proposer_state(chosen)
             return proposal
+
+    @traced("engine.step")
+    def decode_step(
+        self,
+        tokens: Sequence[int],
+        ks: Sequence[int],
+        seqs: Sequence[SequenceHandle],
+        want_drafts: Sequence[bool],
+        num_drafts: int,
+    ) -> StepResult:
+        with self._lock:
+            checks.same_length("decode_step", seqs=seqs, want_drafts=want_drafts)
+            if any(want_drafts):
+                checks.within("num_drafts", num_drafts, 1, max(self.svc.slot_verify_drafts) + 1)
+            argmax = self.decode_verify_batched(tokens, ks, seqs)
+            logprobs = self.last_logprobs()
+            states = self._lookup("decode_step", seqs)
+            accepted, last, row = [], [], 0
+            for k in ks:
+                n = 0
+                while n + 1 < k and tokens[row + n + 1] == argmax[row + n]:
+                    n += 1
+                accepted.append(n)
+                last.append(argmax[row + n])
+                row += k
+            proposers = [
+                i
+                for i, s in enumerate(states)
+                if want_drafts[i]
+                and self.cfg.has_mtp
+                and s.seq_len - (ks[i] - accepted[i] - 1) - 1 + num_drafts <= self.svc.max_context
+            ]
+            proposal = self.settle_verdict(
+                seqs,
+                [n + 1 for n in accepted],
+                ks,
+                proposers,
+                [last[i] for i in proposers],
+                num_drafts if proposers else 0,
+            )
+            return StepResult(argmax, logprobs, accepted, proposers, proposal)
 
     def _check_verdict(
         self,

@@ -81,6 +81,18 @@ class Proposal:
 
 
 @dataclass(frozen=True)
+class StepResult:
+    """One greedy speculative step (`decode_step`): the verify's rows and what the verdict
+    made of them."""
+
+    argmax: list[int]  # every row's argmax, in row order
+    logprobs: list[float]  # each argmax's log-probability
+    accepted: list[int]  # per sequence: drafts that stood
+    proposers: list[int]  # indexes of the sequences that got new drafts
+    proposal: Proposal  # their drafts, in `proposers` order
+
+
+@dataclass(frozen=True)
 class Logits:
     data: bytes  # row-major, little-endian, in `dtype`
     dtype: str  # torch dtype name without the prefix: "float32", "bfloat16", ...
@@ -229,6 +241,20 @@ class Model(Protocol):
         fold and commit every sequence at `kept_rows`, then propose `num_drafts` drafts for
         the proposers from `last` and trim their drafters. Equal to the five calls in that
         order; returns the proposal (empty without proposers)."""
+
+    def decode_step(
+        self,
+        tokens: Sequence[int],
+        ks: Sequence[int],
+        seqs: Sequence[SequenceHandle],
+        want_drafts: Sequence[bool],
+        num_drafts: int,
+    ) -> StepResult:
+        """A greedy step in one call: `decode_verify_batched` of the rows (no masks, no
+        sampling), the greedy verdict (draft j + 1 stands while it equals row j's argmax; the
+        token after the last standing draft is the argmax of its row), then `settle_verdict`
+        with every sequence that wants drafts and has room for `num_drafts` as a proposer.
+        Equal to those calls; one round trip instead of two."""
 
     def measure_costs(
         self, widths: Sequence[int], max_depth: int, repeats: int = 5, refresh: bool = False

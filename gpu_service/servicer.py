@@ -178,6 +178,28 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
         )
         return pb.TrimReply()
 
+    async def DecodeStep(self, request, context):
+        seqs = _handles(request.seq_ids)
+        r = await self._call(
+            context,
+            lambda: self.engine.decode_step(
+                list(request.tokens),
+                list(request.ks),
+                seqs,
+                list(request.want_drafts),
+                request.num_drafts,
+            ),
+        )
+        return pb.StepReply(
+            argmax=r.argmax,
+            logprobs=r.logprobs,
+            accepted=r.accepted,
+            seq_lens=[s.seq_len for s in seqs],
+            proposers=r.proposers,
+            drafts=[t for row in r.proposal.drafts for t in row],
+            confidences=[c for row in r.proposal.confidences for c in row],
+        )
+
     async def SettleVerdict(self, request, context):
         seqs = _handles(request.seq_ids)
         p = await self._call(

@@ -23,7 +23,8 @@ from opentelemetry.trace import SpanKind
 
 from control_plane.api import GenerationServicer
 from control_plane.launch import start_control_plane, start_gpu_service, stop
-from control_plane.scheduler.loop import Scheduler
+from control_plane.env import Env
+from control_plane.scheduler.loop import Scheduler, SchedulerOptions
 from gpu_service.config import ServiceConfig
 from gpu_service.engine import Engine
 from gpu_service.tokenizer import ByteTokenizer
@@ -44,11 +45,13 @@ def memory_spans() -> InMemorySpanExporter:
     return _EXPORTER
 
 
-@pytest.fixture
-def in_process_api(tiny_dir: Path) -> Iterator[str]:
-    """The generation API on a grpc.aio server in a thread, over an in-process engine."""
+@pytest.fixture(params=["fused", "two-calls"])
+def in_process_api(tiny_dir: Path, request: pytest.FixtureRequest) -> Iterator[str]:
+    """The generation API on a grpc.aio server in a thread, over an in-process engine; greedy
+    steps as one `decode_step`, or as verify + verdict (`METRALE_NO_FUSED_STEP`)."""
     engine = Engine(tiny_dir, ServiceConfig(verify_tiers="4:3", max_context=256))
-    scheduler = Scheduler(lambda: engine, ByteTokenizer.default())
+    env = Env(None, False, False, False, no_fused_step=request.param == "two-calls")
+    scheduler = Scheduler(lambda: engine, ByteTokenizer.default(), SchedulerOptions(), env)
     scheduler.start()
     loop = asyncio.new_event_loop()
     ready, stopping = threading.Event(), None
@@ -142,12 +145,18 @@ def test_one_generation_span_tree(memory_spans: InMemorySpanExporter, in_process
     assert modes <= {"bootstrap", "serial", "batched"} and "bootstrap" in modes
     for v in by_name["verify"]:
         assert parent(v).name in ("bootstrap", "step_mtp") and "met.verify.ks" in v.attributes
+    fused = "engine.step" in by_name
+    assert fused == all(v.attributes.get("met.fused") for v in by_name["verify"])
+    # one call: verify > engine.step > engine.verdict; two: verdict > engine.verdict
+    above = ("engine.step", "verify") if fused else ("verdict", "step_mtp")
     for name in ("fold", "commit", "propose", "stash", "trim"):
         assert by_name[name], name
         assert {parent(s).name for s in by_name[name]} == {"engine.verdict"}, [
             (parent(s).name, parent(parent(s)).name) for s in by_name[name]
         ]
-        assert {parent(parent(s)).name for s in by_name[name]} == {"verdict"}, name
+        assert {parent(parent(s)).name for s in by_name[name]} == {above[0]}, name
+        grand = {parent(parent(parent(s))).name for s in by_name[name]}
+        assert grand <= {above[1], "bootstrap"}, (name, grand)
 
 
 def _free_port() -> int:
@@ -196,11 +205,8 @@ def test_both_processes_export_one_trace(tiny_dir: Path) -> None:
     services = {s.service for s in spans}
     assert {"gpu-service", "control-plane"} <= services
     ids = {s.span_id: s for s in spans}
-    servers = [
-        s
-        for s in spans
-        if s.service == "gpu-service" and s.name == "met.v1.ModelService/DecodeVerifyBatched"
-    ]
+    step_rpc = "met.v1.ModelService/DecodeStep"  # greedy: one round trip a step
+    servers = [s for s in spans if s.service == "gpu-service" and s.name == step_rpc]
     assert servers and all(s.kind == 2 for s in servers)  # SPAN_KIND_SERVER
     under_step = 0
     for s in servers:
@@ -211,7 +217,7 @@ def test_both_processes_export_one_trace(tiny_dir: Path) -> None:
         if any(c.name == "step_mtp" and c.service == "control-plane" for c in chain):
             under_step += 1
             assert all(c.trace_id == s.trace_id for c in chain)
-            assert chain[0].name == "met.v1.ModelService/DecodeVerifyBatched"  # client span
+            assert chain[0].name == step_rpc  # the client span
     assert under_step > 0
     verdict_children = {
         s.name

@@ -231,6 +231,8 @@ class Scheduler:
 
     def _connect(self) -> None:
         model = self.connect()
+        if self.env.no_fused_step:
+            model = WithoutFusedStep(model)
         caps = model.capabilities()
         o = self.opts
         costs = None
@@ -369,3 +371,16 @@ class Scheduler:
         with self._lock:
             self.model, self.ctx = None, None
         time.sleep(0.1)  # a restarting service gets a moment before the next connect
+
+
+class WithoutFusedStep:
+    """A model whose greedy steps take the two calls (`METRALE_NO_FUSED_STEP`): every
+    attribute but `decode_step` is the wrapped model's."""
+
+    def __init__(self, model: object) -> None:
+        self._model = model
+
+    def __getattr__(self, name: str):
+        if name == "decode_step":
+            raise AttributeError(name)
+        return getattr(self._model, name)

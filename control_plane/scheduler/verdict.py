@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from control_plane.scheduler.seq import ActiveSeq
-from gpu_service.interface import Model
+from gpu_service.interface import Model, Proposal
 from gpu_service.telemetry import span, tracer
 
 TRACER = tracer("met.control_plane")
@@ -30,14 +30,24 @@ def offsets(ks: list[int]) -> list[int]:
 
 
 def verify_and_settle(
-    model: Model, seqs: list[ActiveSeq], rows: list[list[int]], step_nd: int, mode: str
+    model: Model,
+    seqs: list[ActiveSeq],
+    rows: list[list[int]],
+    step_nd: int,
+    mode: str,
+    fused: bool = True,
 ) -> None:
     """One verify call over `rows[i]` of `seqs[i]`, its verdict, and the next drafts.
-    `mode` (bootstrap, batched or serial) names the path in the trace."""
+    `mode` (bootstrap, batched or serial) names the path in the trace. Greedy rows with no
+    masks take one `decode_step` round trip when the model offers it and `fused` holds;
+    otherwise the verify and the fused verdict are two calls."""
     ks = [len(r) for r in rows]
     handles = [a.handle for a in seqs]
     masks = _row_masks(seqs, rows)
     sampling = {i: a.sampling(ks[i]) for i, a in enumerate(seqs) if a.samples}
+    if not masks and not sampling and fused and hasattr(model, "decode_step"):
+        _fused_step(model, seqs, rows, step_nd, mode)
+        return
     q = [a.pending_conf[: k - 1] for a, k in zip(seqs, ks, strict=True)]
     with span(TRACER, "verify", **{"met.verify.mode": mode, "met.verify.ks": ks}):
         argmax = model.decode_verify_batched(
@@ -73,6 +83,34 @@ def verify_and_settle(
             step_nd if proposers else 0,
             [seqs[i].sampling(step_nd) if seqs[i].samples else None for i in proposers],
         )
+    _take_drafts(seqs, proposers, proposal, step_nd)
+
+
+def _fused_step(
+    model: Model, seqs: list[ActiveSeq], rows: list[list[int]], step_nd: int, mode: str
+) -> None:
+    ks = [len(r) for r in rows]
+    want = [step_nd >= 1 and a.wants_drafts for a in seqs]
+    with span(
+        TRACER, "verify", **{"met.verify.mode": mode, "met.verify.ks": ks, "met.fused": True}
+    ):
+        result = model.decode_step(
+            [t for r in rows for t in r], ks, [a.handle for a in seqs], want, step_nd
+        )
+    off = offsets(ks)
+    for i, a in enumerate(seqs):
+        na = result.accepted[i]
+        a.pending_drafts, a.pending_conf = [], []
+        a.record_verify(ks[i] - 1, na)
+        bonus = result.argmax[off[i] + na]
+        a.gain([*rows[i][1 : na + 1], bonus], result.logprobs[off[i] : off[i] + na + 1])
+    _take_drafts(seqs, result.proposers, result.proposal, step_nd)
+
+
+def _take_drafts(
+    seqs: list[ActiveSeq], proposers: list[int], proposal: Proposal, step_nd: int
+) -> None:
+    """The proposers' new drafts, cut to what each may still use."""
     for i, drafts, conf in zip(proposers, proposal.drafts, proposal.confidences, strict=True):
         a = seqs[i]
         cap = min(

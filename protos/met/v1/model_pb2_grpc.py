@@ -94,6 +94,11 @@ class ModelServiceStub:
                 request_serializer=met_dot_v1_dot_model__pb2.VerdictRequest.SerializeToString,
                 response_deserializer=met_dot_v1_dot_model__pb2.VerdictReply.FromString,
                 _registered_method=True)
+        self.DecodeStep = channel.unary_unary(
+                '/met.v1.ModelService/DecodeStep',
+                request_serializer=met_dot_v1_dot_model__pb2.StepRequest.SerializeToString,
+                response_deserializer=met_dot_v1_dot_model__pb2.StepReply.FromString,
+                _registered_method=True)
         self.SetForward = channel.unary_unary(
                 '/met.v1.ModelService/SetForward',
                 request_serializer=met_dot_v1_dot_model__pb2.SetForwardRequest.SerializeToString,
@@ -187,6 +192,14 @@ class ModelServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DecodeStep(self, request, context):
+        """A greedy step in one round trip: DecodeVerifyBatched (no masks, no sampling), the greedy
+        verdict, then SettleVerdict with every sequence that wants drafts and has room for them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SetForward(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -269,6 +282,11 @@ def add_ModelServiceServicer_to_server(servicer, server):
                     servicer.SettleVerdict,
                     request_deserializer=met_dot_v1_dot_model__pb2.VerdictRequest.FromString,
                     response_serializer=met_dot_v1_dot_model__pb2.VerdictReply.SerializeToString,
+            ),
+            'DecodeStep': grpc.unary_unary_rpc_method_handler(
+                    servicer.DecodeStep,
+                    request_deserializer=met_dot_v1_dot_model__pb2.StepRequest.FromString,
+                    response_serializer=met_dot_v1_dot_model__pb2.StepReply.SerializeToString,
             ),
             'SetForward': grpc.unary_unary_rpc_method_handler(
                     servicer.SetForward,
@@ -610,6 +628,33 @@ class ModelService:
             '/met.v1.ModelService/SettleVerdict',
             met_dot_v1_dot_model__pb2.VerdictRequest.SerializeToString,
             met_dot_v1_dot_model__pb2.VerdictReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DecodeStep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/met.v1.ModelService/DecodeStep',
+            met_dot_v1_dot_model__pb2.StepRequest.SerializeToString,
+            met_dot_v1_dot_model__pb2.StepReply.FromString,
             options,
             channel_credentials,
             insecure,
