@@ -203,33 +203,41 @@ def split(
     tokens: int,
     repeats: int,
 ) -> list[dict]:
-    """Each method in process and through a GPU service child process over gRPC."""
+    """Each method in process and through a GPU service child process over gRPC, greedy steps
+    as one `DecodeStep` round trip and as two calls (`METRALE_NO_FUSED_STEP`)."""
     from control_plane.client import GrpcModel
     from control_plane.launch import start_gpu_service, stop
 
     proc, target = start_gpu_service(model_dir)
     rows = []
     try:
-        env = Env(None, False, False, False)
-        remote_connect = lambda: GrpcModel(target)  # noqa: E731
+        fused = Env(None, False, False, False)
+        two_calls = Env(None, False, False, False, no_fused_step=True)
+        remote = lambda: GrpcModel(target)  # noqa: E731
+        arms = (("local", local_connect, fused), ("grpc", remote, fused))
+        arms += (("grpc_two_calls", remote, two_calls),)
         for n in concurrency:
             for m in (NONE, MTP):
-                runs: dict[str, list[dict]] = {"local": [], "grpc": []}
+                runs: dict[str, list[dict]] = {where: [] for where, _, _ in arms}
                 for _ in range(repeats):
-                    for where, connect in (("local", local_connect), ("grpc", remote_connect)):
+                    for where, connect, env in arms:
                         reqs = work.requests(m, n, tokens)
                         runs[where].append(_serve(connect, reqs, env, work.tokenizer))
-                local, remote = _median(runs["local"]), _median(runs["grpc"])
+                med = {where: _median(r) for where, r in runs.items()}
+                local, grpc_, two = med["local"], med["grpc"], med["grpc_two_calls"]
                 rows.append(
                     {
                         "method": m,
                         "concurrency": n,
                         "in_process_tok_s": local["tok_s"],
-                        "grpc_tok_s": remote["tok_s"],
+                        "grpc_tok_s": grpc_["tok_s"],
+                        "grpc_two_calls_tok_s": two["tok_s"],
                         "in_process_step_ms": local["step_ms"],
-                        "grpc_step_ms": remote["step_ms"],
-                        "overhead": remote["step_ms"] / local["step_ms"] - 1,
-                        "accepted_length": remote["accepted_length"],
+                        "grpc_step_ms": grpc_["step_ms"],
+                        "grpc_two_calls_step_ms": two["step_ms"],
+                        "overhead": grpc_["step_ms"] / local["step_ms"] - 1,
+                        "overhead_two_calls": two["step_ms"] / local["step_ms"] - 1,
+                        "accepted_length": grpc_["accepted_length"],
                     }
                 )
     finally:

@@ -62,9 +62,7 @@ def _drive(model: Model, fused: bool) -> list:
             off, nxt = 0, []
             for i, r in enumerate(rows):
                 bonus = res.argmax[off + res.accepted[i]]
-                drafts = (
-                    res.proposal.drafts[res.proposers.index(i)] if i in res.proposers else []
-                )
+                drafts = res.proposal.drafts[res.proposers.index(i)] if i in res.proposers else []
                 nxt.append([bonus, *drafts[: 3 - i % 2]])  # widths that differ by sequence
                 off += len(r)
             rows = nxt

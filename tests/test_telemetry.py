@@ -22,8 +22,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 
 from control_plane.api import GenerationServicer
-from control_plane.launch import start_control_plane, start_gpu_service, stop
 from control_plane.env import Env
+from control_plane.launch import start_control_plane, start_gpu_service, stop
 from control_plane.scheduler.loop import Scheduler, SchedulerOptions
 from gpu_service.config import ServiceConfig
 from gpu_service.engine import Engine
