@@ -16,6 +16,7 @@ from gpu_service.interface import (
     Sampling,
     SequenceHandle,
     StepResult,
+    greedy_accepted,
 )
 from gpu_service.model.hybrid import Segment
 from gpu_service.sampling import check_sampling, distribution, draw
@@ -201,9 +202,7 @@ class DrafterOps:
             states = self._lookup("decode_step", seqs)
             accepted, last, row = [], [], 0
             for k in ks:
-                n = 0
-                while n + 1 < k and tokens[row + n + 1] == argmax[row + n]:
-                    n += 1
+                n = greedy_accepted(tokens[row : row + k], argmax[row : row + k])
                 accepted.append(n)
                 last.append(argmax[row + n])
                 row += k

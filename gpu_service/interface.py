@@ -80,6 +80,15 @@ class Proposal:
     confidences: list[list[float]]  # softmax probability of each draft, same layout
 
 
+def greedy_accepted(rows: Sequence[int], argmax: Sequence[int]) -> int:
+    """The greedy verdict, shared by `decode_step` and the control plane. rows = [last, d1 ..
+    d_{k-1}]: draft j + 1 stands while it equals the argmax of row j. -> drafts that stood"""
+    n = 0
+    while n + 1 < len(rows) and rows[n + 1] == argmax[n]:
+        n += 1
+    return n
+
+
 @dataclass(frozen=True)
 class StepResult:
     """One greedy speculative step (`decode_step`): the verify's rows and what the verdict

@@ -8,17 +8,10 @@ import math
 
 from control_plane.scheduler.seq import ActiveSeq
 from gpu_service.interface import Model, Proposal
+from gpu_service.interface import greedy_accepted as accepted
 from gpu_service.telemetry import span, tracer
 
 TRACER = tracer("met.control_plane")
-
-
-def accepted(rows: list[int], argmax: list[int]) -> int:
-    """rows = [last, d1 .. d_{k-1}]: draft j + 1 stands while it equals the argmax of row j."""
-    n = 0
-    while n + 1 < len(rows) and rows[n + 1] == argmax[n]:
-        n += 1
-    return n
 
 
 def offsets(ks: list[int]) -> list[int]:
