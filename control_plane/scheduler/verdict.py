@@ -103,9 +103,12 @@ def _fused_step(
 def _take_drafts(
     seqs: list[ActiveSeq], proposers: list[int], proposal: Proposal, step_nd: int
 ) -> None:
-    """The proposers' new drafts, cut to what each may still use."""
+    """The proposers' new drafts, cut to what each may still use (none for a sequence the
+    verdict finished: the one-call step asks for drafts before it knows)."""
     for i, drafts, conf in zip(proposers, proposal.drafts, proposal.confidences, strict=True):
         a = seqs[i]
+        if not a.wants_drafts:
+            continue
         cap = min(
             step_nd, a.remaining - 1, a.req.num_drafts if a.req.num_drafts is not None else step_nd
         )
