@@ -18,7 +18,7 @@ from gpu_service.interface import (
     StepResult,
     greedy_accepted,
 )
-from gpu_service.model.hybrid import Segment
+from gpu_service.model.hybrid import DRAFT_LOGITS_TILE, Segment
 from gpu_service.sampling import check_sampling, distribution, draw
 from gpu_service.sequence import IDLE, VERIFIED, SeqState
 from gpu_service.telemetry import traced
@@ -82,7 +82,7 @@ class DrafterOps:
                         group, [1] * len(group), [s.seq_len - 1 + j for s in group]
                     )
                     hidden = self.model.mtp_forward(tok, hidden, segs, self.state)[: len(group)]
-                    logits = self.model.logits(hidden)
+                    logits = self.model.logits(hidden, DRAFT_LOGITS_TILE)
                     tok, conf = self._argmax(logits)
                     tok, conf = tok.tolist(), conf.tolist()
                     for g, i in enumerate(idx):

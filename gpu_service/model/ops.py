@@ -12,24 +12,25 @@ import torch
 ROW_TILE = 16
 
 
-def padded_rows(rows: int) -> int:
-    return -(-rows // ROW_TILE) * ROW_TILE
+def padded_rows(rows: int, tile: int = ROW_TILE) -> int:
+    return -(-rows // tile) * tile
 
 
-def pad_rows(x: torch.Tensor) -> torch.Tensor:
-    """x: [R, ...] -> [P, ...] with zero rows appended, P a multiple of ROW_TILE."""
-    extra = padded_rows(x.shape[0]) - x.shape[0]
+def pad_rows(x: torch.Tensor, tile: int = ROW_TILE) -> torch.Tensor:
+    """x: [R, ...] -> [P, ...] with zero rows appended, P a multiple of `tile`."""
+    extra = padded_rows(x.shape[0], tile) - x.shape[0]
     if extra == 0:
         return x
     return torch.cat([x, x.new_zeros(extra, *x.shape[1:])])
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x: [P, K] (P a multiple of ROW_TILE), weight: [N, K] -> [P, N]"""
+def linear(x: torch.Tensor, weight: torch.Tensor, tile: int = ROW_TILE) -> torch.Tensor:
+    """x: [P, K] (P a multiple of `tile`), weight: [N, K] -> [P, N]. One caller, one tile:
+    a row's bytes depend on the tile, never on the rows beside it."""
     rows, inner = x.shape
-    if rows % ROW_TILE:
-        raise ValueError(f"linear takes rows padded to {ROW_TILE}; got {rows}")
-    tiles = x.reshape(rows // ROW_TILE, ROW_TILE, inner)
+    if rows % tile:
+        raise ValueError(f"linear takes rows padded to {tile}; got {rows}")
+    tiles = x.reshape(rows // tile, tile, inner)
     return torch.matmul(tiles, weight.t()).reshape(rows, weight.shape[0])
 
 
