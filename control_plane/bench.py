@@ -217,14 +217,17 @@ def split(
         arms = (("local", local_connect, fused), ("grpc", remote, fused))
         arms += (("grpc_two_calls", remote, two_calls),)
         for n in concurrency:
-            for m in (NONE, MTP):
-                runs: dict[str, list[dict]] = {where: [] for where, _, _ in arms}
-                for _ in range(repeats):
+            runs: dict[tuple[str, str], list[dict]] = {}
+            for _ in range(repeats):  # methods and arms interleaved: drift falls on all alike
+                for m in (NONE, MTP):
                     for where, connect, env in arms:
                         reqs = work.requests(m, n, tokens)
-                        runs[where].append(_serve(connect, reqs, env, work.tokenizer))
-                med = {where: _median(r) for where, r in runs.items()}
-                local, grpc_, two = med["local"], med["grpc"], med["grpc_two_calls"]
+                        got = _serve(connect, reqs, env, work.tokenizer)
+                        runs.setdefault((m, where), []).append(got)
+            for m in (NONE, MTP):
+                local, grpc_, two = (
+                    _median(runs[(m, where)]) for where in ("local", "grpc", "grpc_two_calls")
+                )
                 rows.append(
                     {
                         "method": m,
@@ -334,7 +337,7 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine(args.model, ServiceConfig())
     work = Workload(args.model)
     quick = args.quick
-    conc, tokens, repeats = ([1, 4], 12, 1) if quick else ([1, 4, 16], 64, 3)
+    conc, tokens, repeats = ([1, 4], 12, 1) if quick else ([1, 4, 16], 64, 5)
     report: dict = {"model": engine.name, "quick": quick, "machine": _machine()}
     local = lambda: engine  # noqa: E731
     report["methods"], failures = methods(local, work, conc, tokens, repeats)
