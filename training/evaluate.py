@@ -137,7 +137,7 @@ def write_card(model_dir: Path, report: dict) -> None:
     tc = report["train_config"]
     samples = "\n".join(
         f"From held-out `{s['file']}`, after `{s['prompt_tail'].strip()}`:\n\n"
-        f"```python\n{s['prompt_tail']}{s['continuation']}\n```\n"
+        f"```text\n{s['prompt_tail']}{s['continuation']}\n```\n"
         for s in report["samples"]
     )
     held = ", ".join(f"`{f}`" for f in report["held_out_files"])
