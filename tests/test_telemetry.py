@@ -147,6 +147,8 @@ def test_one_generation_span_tree(memory_spans: InMemorySpanExporter, in_process
         assert parent(v).name in ("bootstrap", "step_mtp") and "met.verify.ks" in v.attributes
     fused = "engine.step" in by_name
     assert fused == all(v.attributes.get("met.fused") for v in by_name["verify"])
+    if fused:  # the verdict's figures ride on the verify span
+        assert all("met.accepted" in v.attributes for v in by_name["verify"])
     # one call: verify > engine.step > engine.verdict; two: verdict > engine.verdict
     above = ("engine.step", "verify") if fused else ("verdict", "step_mtp")
     for name in ("fold", "commit", "propose", "stash", "trim"):

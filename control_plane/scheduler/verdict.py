@@ -28,17 +28,16 @@ def verify_and_settle(
     rows: list[list[int]],
     step_nd: int,
     mode: str,
-    fused: bool = True,
 ) -> None:
     """One verify call over `rows[i]` of `seqs[i]`, its verdict, and the next drafts.
     `mode` (bootstrap, batched or serial) names the path in the trace. Greedy rows with no
-    masks take one `decode_step` round trip when the model offers it and `fused` holds;
-    otherwise the verify and the fused verdict are two calls."""
+    masks take one `decode_step` round trip when the model offers it (the scheduler hides it
+    under `METRALE_NO_FUSED_STEP`); otherwise the verify and the fused verdict are two calls."""
     ks = [len(r) for r in rows]
     handles = [a.handle for a in seqs]
     masks = _row_masks(seqs, rows)
     sampling = {i: a.sampling(ks[i]) for i, a in enumerate(seqs) if a.samples}
-    if not masks and not sampling and fused and hasattr(model, "decode_step"):
+    if not masks and not sampling and hasattr(model, "decode_step"):
         _fused_step(model, seqs, rows, step_nd, mode)
         return
     q = [a.pending_conf[: k - 1] for a, k in zip(seqs, ks, strict=True)]
@@ -86,10 +85,12 @@ def _fused_step(
     want = [step_nd >= 1 and a.wants_drafts for a in seqs]
     with span(
         TRACER, "verify", **{"met.verify.mode": mode, "met.verify.ks": ks, "met.fused": True}
-    ):
+    ) as sp:
         result = model.decode_step(
             [t for r in rows for t in r], ks, [a.handle for a in seqs], want, step_nd
         )
+        sp.set_attribute("met.accepted", result.accepted)
+        sp.set_attribute("met.proposers", len(result.proposers))
     off = offsets(ks)
     for i, a in enumerate(seqs):
         na = result.accepted[i]
