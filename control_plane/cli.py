@@ -39,13 +39,24 @@ def _generate(args: argparse.Namespace) -> None:
     sys.exit(run(args))
 
 
+def _choose_device() -> None:
+    """For a command that builds an engine in this process: the Triton interpreter decision,
+    made for the device the engine picks, before anything imports a kernel."""
+    from gpu_service.device import choose_device
+
+    choose_device()
+
+
 def _circuit_diff(args: argparse.Namespace) -> None:
+    if not args.gpu_service:
+        _choose_device()
     from control_plane.circuit.report import main
 
     sys.exit(main(args))
 
 
 def _bench(args: argparse.Namespace) -> None:
+    _choose_device()
     from control_plane.bench import run
 
     sys.exit(run(args))

@@ -32,11 +32,12 @@ def _median_us(fn: Callable[[], object], repeats: int = 200) -> float:
 
 def bench_linear() -> None:
     weight = torch.randn(768, 256)
+    weight_t = weight.t().contiguous()
     print("linear 256 -> 768     rows   F.linear us   tiled us")
     for rows in (1, 4, 16, 32, 64):
         x = torch.randn(rows, 256)
         plain = _median_us(lambda x=x: F.linear(x, weight))
-        tiled = _median_us(lambda x=x: linear(pad_rows(x), weight))
+        tiled = _median_us(lambda x=x: linear(pad_rows(x), weight_t))
         print(f"{'':22}{rows:4d}   {plain:11.1f}   {tiled:8.1f}")
 
 
@@ -96,6 +97,9 @@ def profile_step(drafts: int = 3, steps: int = 30) -> None:
 if __name__ == "__main__":
     import sys
 
+    from gpu_service.device import choose_device
+
+    choose_device()
     torch.manual_seed(0)
     if "--profile" in sys.argv:
         profile_step()

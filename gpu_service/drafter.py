@@ -1,5 +1,6 @@
-"""The drafter's operations (propose, trim, the prompt priming) and the fused verdict, as a
-mixin of the engine: they share its lock, state and checks."""
+"""The drafter: primes the MTP head's KV from prompts, proposes drafts by chaining the head on
+the device (draft j + 1's input is draft j's argmax, no host round trip), and trims what the
+committed history no longer justifies."""
 
 from __future__ import annotations
 
@@ -9,23 +10,42 @@ import numpy as np
 import torch
 
 from gpu_service import checks
+from gpu_service.config import ModelConfig, ServiceConfig
 from gpu_service.interface import (
     FailedPrecondition,
     InvalidArgument,
     Proposal,
     Sampling,
     SequenceHandle,
-    StepResult,
-    greedy_accepted,
 )
-from gpu_service.model.hybrid import DRAFT_LOGITS_TILE, Segment
+from gpu_service.model.backend import Choice, download, ints, upload
+from gpu_service.model.batch import Segment, draft_batch, key_len
+from gpu_service.model.hybrid import DRAFT_LOGITS_TILE, HybridModel
+from gpu_service.model.ops import padded_rows
 from gpu_service.sampling import check_sampling, distribution, draw
-from gpu_service.sequence import IDLE, VERIFIED, SeqState
+from gpu_service.sequence import IDLE, SeqState
+from gpu_service.slots import SlotTable
+from gpu_service.state import DeviceState
 from gpu_service.telemetry import traced
+from kernels.attention.naive import KEY_BLOCK
 
 
-class DrafterOps:
-    def _prime_drafter(
+class Drafter:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        svc: ServiceConfig,
+        model: HybridModel,
+        state: DeviceState,
+        slots: SlotTable,
+        choice: Choice,
+    ) -> None:
+        self.cfg, self.svc, self.model, self.state = cfg, svc, model, state
+        self.slots, self.choice = slots, choice
+
+    # -- priming -------------------------------------------------------------------------
+
+    def prime(
         self,
         group: list[SeqState],
         toks: list[list[int]],
@@ -36,26 +56,27 @@ class DrafterOps:
         position j, starting from the previous chunk's last hidden when there is one."""
         if not self.cfg.has_mtp:
             return
-        pair_tokens, pair_hidden, mtp_segs, row = [], [], [], 0
+        pair_tokens, sources, mtp_segs, row = [], [], [], 0
+        carried = self.svc.num_slots  # sources index [carry of every slot; hidden rows]
         for s, t, sg in zip(group, toks, segs, strict=True):
             carry = self.state.mtp_carry_valid[s.slot]
-            hid = hidden[sg.rows]
-            tok = t[1:]
-            if carry:
-                tok = t
-                hid = torch.cat([self.state.mtp_carry[s.slot][None], hid])
-            count = len(tok)
-            if count:
+            tok = t if carry else t[1:]
+            src = [s.slot] if carry else []
+            src += [carried + sg.row + j for j in range(len(tok) - len(src))]
+            if tok:
                 pair_tokens.extend(tok)
-                pair_hidden.append(hid[:count])
-                mtp_segs.append(Segment(s.slot, sg.start - (1 if carry else 0), count, row))
-                row += count
-            self.state.mtp_carry[s.slot] = hidden[sg.row + sg.count - 1]
+                sources.extend(src)
+                mtp_segs.append(Segment(s.slot, sg.start - (1 if carry else 0), len(tok), row))
+                row += len(tok)
             self.state.mtp_carry_valid[s.slot] = True
+        slots, last = [s.slot for s in group], [sg.row + sg.count - 1 for sg in segs]
+        tokens, src, slot_t, last_t = upload(hidden.device, pair_tokens, sources, slots, last)
         if mtp_segs:
-            self.model.mtp_forward(
-                torch.tensor(pair_tokens), torch.cat(pair_hidden), mtp_segs, self.state
-            )
+            pairs = torch.cat([self.state.mtp_carry, hidden])[src]
+            self.model.mtp_forward(tokens, pairs, mtp_segs, self.state, kv_only=True)
+        self.state.mtp_carry[slot_t] = hidden[last_t]
+
+    # -- propose -------------------------------------------------------------------------
 
     @traced("propose")
     def run_mtp_propose_batched(
@@ -66,51 +87,110 @@ class DrafterOps:
         seqs: Sequence[SequenceHandle],
         sampling: Sequence[Sampling | None] | None = None,
     ) -> Proposal:
-        with self._lock:
-            states = self._check_propose(last, stash, num_drafts, seqs)
-            sampled = {i: s for i, s in enumerate(sampling or ()) if s is not None}
-            check_sampling(sampled, {i: num_drafts for i in sampled}, len(states))
-            qs: dict[int, list[torch.Tensor]] = {i: [] for i in sampled}
+        states = self.check_propose(last, stash, num_drafts, seqs)
+        sampled = {i: s for i, s in enumerate(sampling or ()) if s is not None}
+        check_sampling(sampled, {i: num_drafts for i in sampled}, len(states))
+        device = self.model.device
+        tok, slots, pos, rows = upload(
+            device, last, [s.slot for s in states], [s.seq_len - 1 for s in states], stash
+        )
+        hidden = self.state.stash[rows]
+        top = max(s.seq_len - 1 for s in states)
+        drafts, confs = self.chain(tok, hidden, slots, pos, top, num_drafts, sampled, states)
+        host_drafts, host_confs = download(drafts, confs)
+        self.own_drafts(states, num_drafts)
+        return _proposal(host_drafts, host_confs, len(states), num_drafts)
 
-            def run(idx: list[int]) -> tuple[list[list[int]], list[list[float]], torch.Tensor]:
-                group = [states[i] for i in idx]
-                tok = torch.tensor([last[i] for i in idx])
-                hidden = self.state.stash[[stash[i] for i in idx]]
-                drafts, confs = [], []
-                for j in range(num_drafts):
-                    segs = self._segments(
-                        group, [1] * len(group), [s.seq_len - 1 + j for s in group]
-                    )
-                    hidden = self.model.mtp_forward(tok, hidden, segs, self.state)[: len(group)]
-                    logits = self.model.logits(hidden, DRAFT_LOGITS_TILE)
-                    tok, conf = self._argmax(logits)
-                    tok, conf = tok.tolist(), conf.tolist()
-                    for g, i in enumerate(idx):
-                        if i in sampled:
-                            q = distribution(logits[g : g + 1], sampled[i])[0]
-                            tok[g] = draw(q, sampled[i].uniforms[j])
-                            # fp32, as the wire carries it, so both transports agree.
-                            conf[g] = float(np.float32(q[tok[g]]))
-                            qs[i].append(q)
-                    drafts.append(tok)
-                    confs.append(conf)
-                    tok = torch.tensor(tok, device=logits.device)
-                return drafts, confs, logits
+    def own_drafts(self, states: list[SeqState], num_drafts: int) -> None:
+        for s in states:
+            s.own_drafts = [s.seq_len - 1 + j for j in range(1, num_drafts)]
 
-            parts = (
-                [run([i]) for i in range(len(states))]
-                if self.forward_name.endswith("-serial")
-                else [run(list(range(len(states))))]
+    def chain(
+        self,
+        tok: torch.Tensor,
+        hidden: torch.Tensor,
+        slots: torch.Tensor,
+        pos: torch.Tensor,
+        top: int,
+        num_drafts: int,
+        sampled: dict[int, Sampling] | None = None,
+        states: list[SeqState] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`num_drafts` drafts for n sequences, draft j of sequence i at position pos[i] + j.
+        tok: [n] the tokens after the hiddens, hidden: [n, H], slots, pos: [n] on the device;
+        top: the largest position on the host (keys to read). `*-serial` chains one sequence
+        at a time. -> drafts [n, nd] int64, confidences [n, nd] fp32 (the draft's softmax
+        probability); the last draft's logits stay in the buffer."""
+        n = tok.shape[0]
+        parts = [range(i, i + 1) for i in range(n)] if self.choice.serial else [range(n)]
+        out, logits = [], []
+        for part in parts:
+            sel = slice(part.start, part.stop)
+            sub = {i - part.start: sampled[i] for i in part if sampled and i in sampled}
+            subs = states[sel] if states is not None else None
+            d, c, lg = self._chain(
+                tok[sel], hidden[sel], slots[sel], pos[sel], top, num_drafts, sub, subs
             )
-            drafts = [list(col) for d, _, _ in parts for col in zip(*d, strict=True)]
-            confs = [list(col) for _, c, _ in parts for col in zip(*c, strict=True)]
-            self.state.logits = torch.cat([lg for _, _, lg in parts])
-            for i, s in enumerate(states):
-                s.own_drafts = [s.seq_len - 1 + j for j in range(1, num_drafts)]
-                s.draft_probs = torch.stack(qs[i]) if i in qs else None
-            return Proposal(drafts, confs)
+            out.append((d, c))
+            logits.append(lg)
+        self.state.logits = torch.cat(logits)
+        return torch.cat([d for d, _ in out]), torch.cat([c for _, c in out])
 
-    def _check_propose(
+    def _chain(
+        self,
+        tok: torch.Tensor,
+        hidden: torch.Tensor,
+        slots: torch.Tensor,
+        pos: torch.Tensor,
+        top: int,
+        num_drafts: int,
+        sampled: dict[int, Sampling],
+        states: list[SeqState] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The chain over rows padded once to a whole tile: the padding rows draft garbage
+        that nothing reads, and no step pads again."""
+        n = tok.shape[0]
+        padded = padded_rows(n, DRAFT_LOGITS_TILE)
+        (index,) = upload(tok.device, [*range(n), *[0] * (padded - n)])
+        tok, hidden = tok[index], hidden[index]
+        drafts, confs, qs = [], [], {i: [] for i in sampled}
+        for j in range(num_drafts):
+            keys = min(key_len(top + j + 1, KEY_BLOCK), self.svc.max_context)
+            batch = draft_batch(slots, pos + j, index, keys, KEY_BLOCK)
+            hidden = self.model.mtp_forward(tok, hidden, batch, self.state)
+            logits = self.model.logits(hidden, DRAFT_LOGITS_TILE)
+            tok, conf = self.choice.ops.draft_argmax(logits)
+            if sampled:
+                tok, conf = self._sample(logits, tok, conf, sampled, qs, j)
+            drafts.append(tok)
+            confs.append(conf)
+        if states is not None:
+            for i, s in enumerate(states):
+                s.draft_probs = torch.stack(qs[i]) if i in qs else None
+        return torch.stack(drafts, 1)[:n], torch.stack(confs, 1)[:n], logits[:n]
+
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        tok: torch.Tensor,
+        conf: torch.Tensor,
+        sampled: dict[int, Sampling],
+        qs: dict[int, list[torch.Tensor]],
+        j: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sampled sequences draw their draft from their distribution with the caller's
+        uniform (on the host: sampling steps are not the device-only path)."""
+        tok, conf = tok.clone(), conf.clone()
+        for g, smp in sampled.items():
+            q = distribution(logits[g : g + 1], smp)[0]
+            t = draw(q, smp.uniforms[j])
+            tok[g] = t
+            # fp32, as the wire carries it, so both transports agree.
+            conf[g] = float(np.float32(q[t]))
+            qs[g].append(q)
+        return tok, conf
+
+    def check_propose(
         self,
         last: Sequence[int],
         stash: Sequence[int],
@@ -120,10 +200,10 @@ class DrafterOps:
         if not self.cfg.has_mtp:
             raise FailedPrecondition("this model has no MTP head; it cannot propose drafts")
         checks.same_length("run_mtp_propose_batched", seqs=seqs, last=last, stash=stash)
-        states = self._lookup("run_mtp_propose_batched", seqs)
+        states = self.slots.lookup("run_mtp_propose_batched", seqs)
         checks.within("the number of sequences", len(states), 1, self.svc.max_batch)
         checks.tokens_in_vocab(last, self.cfg.vocab_size)
-        checks.within("num_drafts", num_drafts, 1, max(self.svc.slot_verify_drafts) + 1)
+        self.check_num_drafts(num_drafts)
         for s, slot in zip(states, stash, strict=True):
             checks.within("a stash slot", slot, 0, self.svc.max_batch - 1)
             if not self.state.stash_valid[slot]:
@@ -134,131 +214,43 @@ class DrafterOps:
             checks.fits_context(s.seq_id, s.seq_len - 1, num_drafts, self.svc.max_context)
         return states
 
+    def check_num_drafts(self, num_drafts: int) -> None:
+        checks.within("num_drafts", num_drafts, 1, max(self.svc.slot_verify_drafts) + 1)
+
     def check_positions(self, seqs: Sequence[SequenceHandle], positions: Sequence[int]) -> None:
         """A caller's mirrored `seq_len`s, checked against the service's."""
         checks.same_length("run_mtp_propose_batched", seqs=seqs, positions=positions)
         for h, pos in zip(seqs, positions, strict=True):
-            s = self._get(h.seq_id)
+            s = self.slots.get(h.seq_id)
             if pos != s.seq_len:
                 raise InvalidArgument(
                     f"sequence {s.seq_id} holds {s.seq_len} tokens; the request says {pos}"
                 )
 
+    # -- trim ----------------------------------------------------------------------------
+
     @traced("trim")
     def trim_proposer_state(self, seqs: Sequence[SequenceHandle], keep_own: int = 0) -> None:
-        with self._lock:
-            states = self._lookup("trim_proposer_state", seqs)
-            if keep_own < 0:
-                raise InvalidArgument(f"keep_own is {keep_own}; it must be at least 0")
-            for s in states:
-                for pos in s.own_drafts[keep_own:]:
-                    self.state.mtp_valid[s.slot, pos] = False
-                s.own_drafts = s.own_drafts[:keep_own]
+        states = self.slots.lookup("trim_proposer_state", seqs)
+        if keep_own < 0:
+            raise InvalidArgument(f"keep_own is {keep_own}; it must be at least 0")
+        slots = [s.slot for s in states for _ in s.own_drafts[keep_own:]]
+        positions = [p for s in states for p in s.own_drafts[keep_own:]]
+        for s in states:
+            s.own_drafts = s.own_drafts[:keep_own]
+        if positions:
+            where = upload(self.model.device, slots, positions)
+            self.state.mtp_valid.index_put_(tuple(where), _false(self.model.device))
 
-    @traced("engine.verdict")
-    def settle_verdict(
-        self,
-        seqs: Sequence[SequenceHandle],
-        kept_rows: Sequence[int],
-        ks: Sequence[int],
-        proposers: Sequence[int],
-        last: Sequence[int],
-        num_drafts: int,
-        sampling: Sequence[Sampling | None] | None = None,
-    ) -> Proposal:
-        with self._lock:
-            states = self._check_verdict(seqs, kept_rows, ks, proposers, last, num_drafts)
-            sampled = {i: s for i, s in enumerate(sampling or ()) if s is not None}
-            check_sampling(sampled, {i: num_drafts for i in sampled}, max(len(proposers), 1))
-            if proposers:
-                rows = [states[p].verify_row + kept_rows[p] - 1 for p in proposers]
-                self.stash_verify_hidden_rows(rows)
-            self.gdn_fold_accepted(seqs, kept_rows)
-            self.commit_accepted_prefix(seqs, kept_rows, ks)
-            if not proposers:
-                return Proposal([], [])
-            chosen = [seqs[p] for p in proposers]
-            proposal = self.run_mtp_propose_batched(
-                last, range(len(chosen)), num_drafts, chosen, sampling
-            )
-            self.trim_proposer_state(chosen)
-            return proposal
 
-    @traced("engine.step")
-    def decode_step(
-        self,
-        tokens: Sequence[int],
-        ks: Sequence[int],
-        seqs: Sequence[SequenceHandle],
-        want_drafts: Sequence[bool],
-        num_drafts: int,
-    ) -> StepResult:
-        with self._lock:
-            checks.same_length("decode_step", seqs=seqs, want_drafts=want_drafts)
-            if any(want_drafts):
-                checks.within("num_drafts", num_drafts, 1, max(self.svc.slot_verify_drafts) + 1)
-            argmax = self.decode_verify_batched(tokens, ks, seqs)
-            logprobs = self.last_logprobs()
-            states = self._lookup("decode_step", seqs)
-            accepted, last, row = [], [], 0
-            for k in ks:
-                n = greedy_accepted(tokens[row : row + k], argmax[row : row + k])
-                accepted.append(n)
-                last.append(argmax[row + n])
-                row += k
-            proposers = [
-                i
-                for i, s in enumerate(states)
-                if want_drafts[i]
-                and self.cfg.has_mtp
-                and s.seq_len - (ks[i] - accepted[i] - 1) - 1 + num_drafts <= self.svc.max_context
-            ]
-            proposal = self.settle_verdict(
-                seqs,
-                [n + 1 for n in accepted],
-                ks,
-                proposers,
-                [last[i] for i in proposers],
-                num_drafts if proposers else 0,
-            )
-            return StepResult(argmax, logprobs, accepted, proposers, proposal)
+def _false(device: torch.device) -> torch.Tensor:
+    return torch.zeros((), dtype=torch.bool, device=device)
 
-    def _check_verdict(
-        self,
-        seqs: Sequence[SequenceHandle],
-        kept_rows: Sequence[int],
-        ks: Sequence[int],
-        proposers: Sequence[int],
-        last: Sequence[int],
-        num_drafts: int,
-    ) -> list[SeqState]:
-        """Everything the fused steps would refuse, refused before the first of them runs."""
-        checks.same_length("settle_verdict", seqs=seqs, kept_rows=kept_rows, ks=ks)
-        checks.same_length("settle_verdict", proposers=proposers, last=last)
-        states = self._lookup("settle_verdict", seqs)
-        checks.distinct("settle_verdict's proposers", proposers)
-        for s, kept, k in zip(states, kept_rows, ks, strict=True):
-            checks.phase(s.seq_id, s.phase, VERIFIED, "settle")
-            if k != s.pending_k:
-                raise InvalidArgument(
-                    f"sequence {s.seq_id}'s last verify had {s.pending_k} rows, not {k}"
-                )
-            checks.within(f"kept_rows of sequence {s.seq_id}", kept, 1, k)
-        if not proposers:
-            return states
-        if not self.cfg.has_mtp:
-            raise FailedPrecondition("this model has no MTP head; it cannot propose drafts")
-        checks.within("the number of proposers", len(proposers), 1, self.svc.max_batch)
-        checks.tokens_in_vocab(last, self.cfg.vocab_size)
-        checks.within("num_drafts", num_drafts, 1, max(self.svc.slot_verify_drafts) + 1)
-        for p in proposers:
-            checks.within("a proposer index", p, 0, len(states) - 1)
-            s = states[p]
-            if s.verify_call != self._verify_calls:
-                raise FailedPrecondition(
-                    f"sequence {s.seq_id}'s verify is no longer the last one, so its hidden "
-                    "rows are gone; settle each verify before the next"
-                )
-            after = s.seq_len - (s.pending_k - kept_rows[p])
-            checks.fits_context(s.seq_id, after - 1, num_drafts, self.svc.max_context)
-        return states
+
+def _proposal(drafts: list[float], confs: list[float], n: int, nd: int) -> Proposal:
+    """Flat [n * nd] host lists -> per-sequence rows."""
+    d = ints(drafts)
+    return Proposal(
+        [d[i * nd : (i + 1) * nd] for i in range(n)],
+        [confs[i * nd : (i + 1) * nd] for i in range(n)],
+    )

@@ -64,7 +64,7 @@ class Capabilities:
     max_rows: int  # row budget of one batched call
     forwards: tuple[str, ...]
     current_forward: str
-    device: str
+    device: str  # "cpu", or a GPU by index and name: "cuda:0 (NVIDIA H200)"
     max_context: int
     dtype: str
     hidden_size: int

@@ -19,6 +19,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
     parser.add_argument("--port", type=int, default=50051, help="port (0 picks a free one)")
     parser.add_argument(
+        "--device",
+        default="auto",
+        help="auto (CUDA when torch sees it, else the CPU), cpu, cuda or cuda:N (default auto)",
+    )
+    parser.add_argument(
         "--dtype",
         choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"],
         default=None,

@@ -33,14 +33,21 @@ class DeviceState:
         caps = svc.slot_verify_drafts
         self.verify_offset = [sum(c + 1 for c in caps[:s]) for s in range(slots)]
         self.verify_rows = [c + 1 for c in caps]
-        pool = sum(self.verify_rows)
+        self.verify_offset_t = torch.tensor(self.verify_offset, device=device)
+        # One more row than the slots own: where a batched call's padding entries write.
+        self.pad_vrow = sum(self.verify_rows)
+        pool = self.pad_vrow + 1
         self.verify_gdn = torch.zeros(n_lin, pool, *gdn, dtype=torch.float32, device=device)
         self.verify_conv = torch.zeros(n_lin, pool, *window, dtype=dtype, device=device)
         # Drafter KV: [slot, position, kv_head, head_dim]; a position is valid once an entry
-        # was written there and not trimmed.
-        self.mtp_k = torch.zeros(kv, dtype=dtype, device=device)
-        self.mtp_v = torch.zeros(kv, dtype=dtype, device=device)
-        self.mtp_valid = torch.zeros(slots, ctx, dtype=torch.bool, device=device)
+        # was written there and not trimmed. One more slot than sequences can own: where the
+        # drafts of a sequence that has no room for them write, so that a batched propose
+        # needs no host decision on which rows to run.
+        self.pad_slot = slots
+        mtp_kv = (slots + 1, *kv[1:])
+        self.mtp_k = torch.zeros(mtp_kv, dtype=dtype, device=device)
+        self.mtp_v = torch.zeros(mtp_kv, dtype=dtype, device=device)
+        self.mtp_valid = torch.zeros(slots + 1, ctx, dtype=torch.bool, device=device)
         # The last prefill row's hidden per slot, which the drafter pairs with the next token.
         self.mtp_carry = torch.zeros(slots, cfg.hidden_size, dtype=dtype, device=device)
         self.mtp_carry_valid = [False] * slots

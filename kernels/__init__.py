@@ -1,12 +1,12 @@
 """Kernels: one folder per operator, `naive.py` (plain torch, the eager forward) beside each
-Triton kernel file.
-
-Without a CUDA device the Triton kernels run in Triton's interpreter, which must be chosen
-before any kernel module imports triton."""
+Triton kernel file."""
 
 import os
 
-import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+def configure_interpreter(device_type: str) -> None:
+    """Run the Triton kernels in Triton's interpreter unless they run on CUDA. Triton reads
+    `TRITON_INTERPRET` as each kernel is decorated, so a process calls this once at start,
+    before any kernel module imports triton; a value the user set is kept."""
+    if device_type != "cuda":
+        os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -18,7 +18,11 @@ _VECTOR_STEP = 32
 
 
 def pointwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """`fn(x)` for an elementwise `fn`, with every element taking the vector path."""
+    """`fn(x)` for an elementwise `fn`, with every element taking the vector path. A strided
+    view (a column slice) is not flattened: the loop then runs row by row, each row with the
+    same body and tail whatever the number of rows, so it needs no padding."""
+    if not x.is_contiguous() and x.stride(-1) == 1:
+        return fn(x)
     flat = x.reshape(-1)
     step = _VECTOR_STEP * max(1, torch.get_num_threads())
     pad = (-flat.numel()) % step
@@ -45,7 +49,7 @@ def exp(x: torch.Tensor) -> torch.Tensor:
     return pointwise(torch.exp, x)
 
 
-def inv_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """1 / sqrt(mean(x^2) + eps) over the last dim; sqrt and division round exactly on every
-    path, unlike rsqrt. x: [..., D] -> [..., 1]"""
-    return 1.0 / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+def rms_scaled(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) over the last dim; sqrt and division round exactly on every
+    path, unlike rsqrt. x: [..., D] -> [..., D]"""
+    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)

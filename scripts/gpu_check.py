@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 import time
@@ -148,8 +147,9 @@ def main() -> int:
         )
         return 0
     device = "cpu" if args.cpu else "cuda"
-    if args.cpu:
-        os.environ["TRITON_INTERPRET"] = "1"
+    from kernels import configure_interpreter
+
+    configure_interpreter(device)
     print(f"gpu_check on {device}: torch {torch.__version__}", end="")
     import triton
 

@@ -14,8 +14,12 @@ from control_plane.client import GrpcModel
 from control_plane.launch import start_control_plane, start_gpu_service, stop
 from gpu_service.checkpoint import init_model
 from gpu_service.config import ModelConfig, ServiceConfig
+from gpu_service.device import choose_device
 from gpu_service.engine import Engine
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
+
+# The Triton interpreter decision, made before pytest imports a test module (and so a kernel).
+choose_device()
 
 TINY = ModelConfig.tiny()
 # Small tiers so that tests reach every tier and run out of slots quickly.

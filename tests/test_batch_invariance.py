@@ -6,24 +6,28 @@ import pytest
 import torch
 
 from gpu_service.engine import Engine
-from gpu_service.model.hybrid import DRAFT_LOGITS_TILE
 from gpu_service.model.ops import linear, pad_rows
 from tests.conftest import random_tokens
 from tests.steps import decode, logit_rows, verify
 
 
-@pytest.mark.parametrize("tile", [16, DRAFT_LOGITS_TILE], ids=lambda t: f"tile{t}")
-@pytest.mark.parametrize("rows", [1, 2, 5, 11, 16, 17, 40], ids=lambda r: f"R{r}")
-def test_tiled_linear_row_invariant(rows: int, tile: int) -> None:
-    """The target's tile and the drafter's LM-head tile (a vocabulary-wide weight)."""
-    gen = torch.Generator().manual_seed(rows)
-    weight = torch.randn(768 if tile == 16 else 4096, 256, generator=gen)
-    probe = torch.randn(1, 256, generator=gen)
-    alone = linear(pad_rows(probe, tile), weight, tile)[0]
-    for where in {0, rows // 2, rows - 1}:
-        x = torch.randn(rows, 256, generator=gen)
-        x[where] = probe[0]
-        assert torch.equal(linear(pad_rows(x, tile), weight, tile)[where], alone)
+@pytest.mark.parametrize("width", [768, 4096], ids=lambda w: f"N{w}")
+@pytest.mark.parametrize("rows", [1, 2, 5, 11, 16, 17, 40, 100], ids=lambda r: f"R{r}")
+def test_tiled_linear_row_invariant(rows: int, width: int) -> None:
+    """A projection and a vocabulary-wide LM head, at one torch thread as the engine runs."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        gen = torch.Generator().manual_seed(rows)
+        weight_t = torch.randn(256, width, generator=gen)
+        probe = torch.randn(1, 256, generator=gen)
+        alone = linear(pad_rows(probe), weight_t)[0]
+        for where in {0, rows // 2, rows - 1}:
+            x = torch.randn(rows, 256, generator=gen)
+            x[where] = probe[0]
+            assert torch.equal(linear(pad_rows(x), weight_t)[where], alone)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _batched_run(

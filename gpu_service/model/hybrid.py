@@ -1,66 +1,87 @@
-"""The eager forward of the hybrid GDN/attention decoder and its MTP head, over a batch of
-sequences, each contributing consecutive rows (`Segment`)."""
+"""The forward of the hybrid GDN/attention decoder and its MTP head over a batch of sequences,
+each contributing consecutive rows (`Segment`), with the call's metadata in a `Batch`.
+
+Every layer runs over all rows at once: the number of operations does not grow with the batch,
+and a row's bytes do not depend on the rows beside it (row tiles, fixed tiles and key blocks,
+padding that adds exact zeros). The per-layer parts that differ by backend (norms, attention,
+the GDN mix, argmax, fold) sit behind an ops object (`gpu_service.model.backend`)."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
 from gpu_service.config import FULL, ModelConfig
-from gpu_service.model.ops import ROW_TILE, apply_rope, linear, pad_rows, rope_table
+from gpu_service.model.backend import EAGER, Ops
+from gpu_service.model.batch import Batch, Layout, Segment, build
+from gpu_service.model.ops import ROW_TILE, linear, pad_rows, rope_table
 from gpu_service.state import DeviceState
-from kernels.attention.naive import KEY_BLOCK, tiled_attention
-from kernels.causal_conv1d.naive import causal_conv1d, causal_conv1d_update
-from kernels.common import exp, sigmoid, silu, softplus
-from kernels.gated_delta_rule.naive import chunk_gated_delta_rule, recurrent_gated_delta_rule
-from kernels.rmsnorm.naive import gated_rms_norm, rms_norm
+from kernels.attention.naive import KEY_BLOCK
+from kernels.common import sigmoid, silu, softplus
 
-
-@dataclass(frozen=True)
-class Segment:
-    """One sequence's rows in a batched call: rows `row .. row + count - 1` of the batch sit at
-    positions `start .. start + count - 1` of the sequence on `slot`."""
-
-    slot: int
-    start: int
-    count: int
-    row: int
-
-    @property
-    def rows(self) -> slice:
-        return slice(self.row, self.row + self.count)
-
-    @property
-    def positions(self) -> torch.Tensor:
-        return torch.arange(self.start, self.start + self.count)
-
+__all__ = ["PREFILL", "VERIFY", "DRAFT_LOGITS_TILE", "HybridModel", "Segment"]
 
 PREFILL, VERIFY = "prefill", "verify"
-# The drafter's LM head runs in tiles of this many rows: it proposes for a few sequences at a
-# time, and the vocabulary-wide matmul of a 16-row tile costs 5x that of one row (4096 x 128:
-# 0.19 ms against 0.04 on a CPU core); 4 rows cost 0.09. Fixed, so drafts stay batch invariant.
-DRAFT_LOGITS_TILE = 4
+# The drafter's LM head runs in tiles of this many rows; the target's in ROW_TILE.
+DRAFT_LOGITS_TILE = ROW_TILE
+# Query rows per attention tile: a verify's or a draft's rows fit one; a prefill's go in
+# larger tiles, so that a long prompt reads its keys fewer times.
+QUERY_TILE = {PREFILL: 64, VERIFY: 4}
+GDN_CHUNK = 64
 
 
 class HybridModel:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], max_context: int):
         self.cfg, self.w = cfg, weights
-        self.dtype = weights["model.embed_tokens.weight"].dtype
-        self.device = weights["model.embed_tokens.weight"].device
+        embed = weights["model.embed_tokens.weight"]
+        self.dtype, self.device = embed.dtype, embed.device
         cos, sin = rope_table(cfg.rotary_dim, cfg.rope_theta, max_context)
-        self.cos, self.sin = cos.to(self.device), sin.to(self.device)
-        self.lm_head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+        half = cfg.rotary_dim // 2
+        # [ctx, 2, rot]: cos, and sin signed for rotate-half (x2, x1) order.
+        sign = torch.cat([-torch.ones(half), torch.ones(half)])
+        self.rope = torch.stack([cos, sin * sign], 1).to(self.device)
         self.linear_index = {n: i for i, n in enumerate(cfg.linear_layers)}
-        self.triton = False  # the `triton` forwards: per-sequence parts as Triton kernels
         self.full_index = {n: i for i, n in enumerate(cfg.full_layers)}
+        self.lm_head = weights.get("lm_head.weight", embed)
+        self.norms = _norm_weights(cfg, weights)
+        self.wt = _fold_norms(_transposed_linears(cfg, weights), self.norms, self.dtype)
+        self.neg_a = {  # -exp(A_log) per GDN layer, fp32
+            n: -weights[f"model.layers.{n}.linear_attn.A_log"].float().exp()
+            for n in cfg.linear_layers
+        }
+        self.ba_bias = {  # [b, a] columns: 0 for b, dt_bias for a
+            n: torch.cat([torch.zeros_like(b), b]).float()
+            for n in cfg.linear_layers
+            for b in [weights[f"model.layers.{n}.linear_attn.dt_bias"]]
+        }
+        if cfg.has_mtp:
+            # norm_e(embed(t)) depends on t alone: one table, looked up per draft.
+            self.mtp_embed = self.ops_norm(embed, "mtp.pre_fc_norm_embedding", EAGER)
+        self.ops: Ops = EAGER
+
+    def ops_norm(self, x: torch.Tensor, name: str, ops: Ops) -> torch.Tensor:
+        raw, one_plus = self.norms[name]
+        return ops.rms_norm(x, raw, one_plus, self.cfg.rms_norm_eps)
+
+    def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return self.ops_norm(x, name, self.ops)
+
+    def batch(self, segs: list[Segment], state: DeviceState, mode: str) -> Batch:
+        layout = Layout(
+            query_tile=QUERY_TILE[mode],
+            key_block=KEY_BLOCK,
+            conv_width=self.cfg.linear_conv_kernel_dim,
+            chunk=GDN_CHUNK if mode == PREFILL else 0,
+            verify_offset=tuple(state.verify_offset) if mode == VERIFY else (),
+            pad_vrow=state.pad_vrow,
+        )
+        return build(segs, layout, ROW_TILE, self.device)
 
     # -- target model ------------------------------------------------------------------
 
     def forward(
         self,
         tokens: torch.Tensor,
-        segs: list[Segment],
+        segs: list[Segment] | Batch,
         state: DeviceState,
         mode: str,
         write_live: bool = True,
@@ -70,228 +91,297 @@ class HybridModel:
         PREFILL runs GDN in chunked form and leaves the final state live; VERIFY runs it row
         by row, keeping every row's state in the slot's verify buffer, and advances the live
         state only when `write_live`."""
-        x = pad_rows(self.w["model.embed_tokens.weight"][tokens])
-        positions = self._positions(segs, x.shape[0])
+        batch = segs if isinstance(segs, Batch) else self.batch(segs, state, mode)
+        x = pad_rows(self.w["model.embed_tokens.weight"][tokens], ROW_TILE)
+        rope = self.rope[batch.row_pos]
         for n, kind in enumerate(self.cfg.layer_types):
             p = f"model.layers.{n}"
             h = self._norm(x, f"{p}.input_layernorm")
             if kind == FULL:
                 i = self.full_index[n]
                 cache = (state.k_cache[i], state.v_cache[i], None)
-                h = self._attention(f"{p}.self_attn", h, segs, positions, cache)
+                h = self._attention(f"{p}.self_attn", h, batch, rope, cache)
             else:
-                h = self._gdn(
-                    f"{p}.linear_attn", self.linear_index[n], h, segs, state, mode, write_live
-                )
+                h = self._gdn(n, h, batch, state, mode, write_live)
             x = x + h
             x = x + self._mlp(f"{p}.mlp", self._norm(x, f"{p}.post_attention_layernorm"))
         return self._norm(x, "model.norm")
 
     def logits(self, hidden: torch.Tensor, tile: int = ROW_TILE) -> torch.Tensor:
         """hidden: [R, H] -> [R, vocab], in tiles of `tile` rows."""
-        return linear(pad_rows(hidden, tile), self.lm_head, tile)[: hidden.shape[0]]
+        return linear(pad_rows(hidden, tile), self.wt["lm_head"], tile)[: hidden.shape[0]]
 
     # -- MTP head ----------------------------------------------------------------------
 
     def mtp_forward(
-        self, tokens: torch.Tensor, hidden: torch.Tensor, segs: list[Segment], state: DeviceState
-    ) -> torch.Tensor:
+        self,
+        tokens: torch.Tensor,
+        hidden: torch.Tensor,
+        segs: list[Segment] | Batch,
+        state: DeviceState,
+        kv_only: bool = False,
+    ) -> torch.Tensor | None:
         """One drafter pass: row r pairs token r with hidden r (the hidden of the position
         before it) at its segment's positions, writing the drafter's KV there.
-        tokens: [R], hidden: [R, H] -> the drafter's hidden after its norm: [P, H]"""
-        emb = self._norm(
-            pad_rows(self.w["model.embed_tokens.weight"][tokens]), "mtp.pre_fc_norm_embedding"
-        )
-        hid = self._norm(pad_rows(hidden), "mtp.pre_fc_norm_hidden")
-        x = linear(torch.cat([emb, hid], dim=-1), self.w["mtp.fc.weight"])
-        positions = self._positions(segs, x.shape[0])
+        tokens: [R], hidden: [R, H] -> the drafter's hidden after its norm: [P, H]; with
+        `kv_only` (priming from a prompt) it stops once the KV is written."""
+        batch = segs if isinstance(segs, Batch) else self.batch(segs, state, VERIFY)
+        emb = pad_rows(self.mtp_embed[tokens], ROW_TILE)
+        hid = self._norm(pad_rows(hidden, ROW_TILE), "mtp.pre_fc_norm_hidden")
+        x = linear(torch.cat([emb, hid], dim=-1), self.wt["mtp.fc"])
         p = "mtp.layers.0"
         cache = (state.mtp_k, state.mtp_v, state.mtp_valid)
-        x = x + self._attention(
-            f"{p}.self_attn", self._norm(x, f"{p}.input_layernorm"), segs, positions, cache
-        )
+        h = self._norm(x, f"{p}.input_layernorm")
+        if kv_only:
+            self._project_kv(f"{p}.self_attn", h, batch, self.rope[batch.row_pos], cache)
+            return None
+        x = x + self._attention(f"{p}.self_attn", h, batch, self.rope[batch.row_pos], cache)
         x = x + self._mlp(f"{p}.mlp", self._norm(x, f"{p}.post_attention_layernorm"))
         return self._norm(x, "mtp.norm")
 
     # -- layers ------------------------------------------------------------------------
 
-    def _positions(self, segs: list[Segment], padded: int) -> torch.Tensor:
-        pos = torch.zeros(padded, dtype=torch.long, device=self.device)
-        for s in segs:
-            pos[s.rows] = s.positions.to(self.device)
-        return pos
-
-    def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        return self._rms_norm(x, self.w[f"{name}.weight"])
-
-    def _rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if self.triton:
-            from gpu_service.model import triton_forward
-
-            return triton_forward.rms_norm(x, w, self.cfg.rms_norm_eps)
-        return rms_norm(x, w, self.cfg.rms_norm_eps)
-
     def _mlp(self, p: str, x: torch.Tensor) -> torch.Tensor:
         if f"{p}.gate.weight" in self.w:
             return self._moe(p, x)
-        gate = linear(x, self.w[f"{p}.gate_proj.weight"])
-        up = linear(x, self.w[f"{p}.up_proj.weight"])
-        return linear(silu(gate) * up, self.w[f"{p}.down_proj.weight"])
+        gate_up = linear(x, self.wt[f"{p}.gate_up_proj"])  # [P, 2I]: gate, then up
+        inner = gate_up.shape[1] // 2
+        act = silu(gate_up)[:, :inner] * gate_up[:, inner:]
+        return linear(act, self.wt[f"{p}.down_proj"])
 
     def _moe(self, p: str, x: torch.Tensor) -> torch.Tensor:
         """Qwen3-Next's sparse block: softmax router, top-k experts (renormalised when
         `norm_topk_prob`), each expert over the rows routed to it, plus the shared expert
-        gated by sigmoid. A row's sum runs over experts in index order: batch invariant."""
+        gated by sigmoid. A row's sum runs over experts in index order: batch invariant.
+        Every expert runs over every row, weighted by zero where it was not chosen: no
+        data-dependent shapes, so the step stays a fixed set of operations."""
         cfg = self.cfg
-        logits = linear(x, self.w[f"{p}.gate.weight"]).float()  # [P, E]
-        probs = exp(logits - logits.amax(-1, keepdim=True))
-        probs = probs / probs.sum(-1, keepdim=True)
+        logits = linear(x, self.wt[f"{p}.gate"]).float()  # [P, E]
+        probs = torch.softmax(logits, -1)
         weights, chosen = probs.topk(cfg.num_experts_per_tok, dim=-1)  # [P, k]
         if cfg.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
-        weights = weights.to(x.dtype)
+        dense = torch.zeros_like(probs).scatter_(1, chosen, weights).to(x.dtype)  # [P, E]
         out = torch.zeros_like(x)
         for e in range(cfg.num_experts):
-            rows, rank = (chosen == e).nonzero(as_tuple=True)
-            if rows.numel():
-                y = self._mlp(f"{p}.experts.{e}", pad_rows(x[rows]))[: rows.numel()]
-                out.index_add_(0, rows, y * weights[rows, rank, None])
+            out = out + self._mlp(f"{p}.experts.{e}", x) * dense[:, e : e + 1]
         if f"{p}.shared_expert_gate.weight" in self.w:
-            gate = sigmoid(linear(x, self.w[f"{p}.shared_expert_gate.weight"]))
+            gate = sigmoid(linear(x, self.wt[f"{p}.shared_expert_gate"]))
             out = out + gate * self._mlp(f"{p}.shared_expert", x)
         return out
+
+    def _qkv(
+        self, p: str, x: torch.Tensor, rope: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> q [P, Hq, d] (scaled by d ** -0.5), gate [P, Hq * d], k, v [P, Hkv, d]"""
+        cfg, rows = self.cfg, x.shape[0]
+        d, hq, hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        out = linear(x, self.wt[f"{p}.qkvg"])  # [P, (Hq + Hkv) d | Hq d | Hkv d]: q, k, gate, v
+        qk_w = (hq + hkv) * d
+        qk = self.ops.head_norm(
+            out[:, :qk_w].view(rows, hq + hkv, d), *self.norms[f"{p}.qk"], cfg.rms_norm_eps
+        )
+        qk = _apply_rope(qk, rope)
+        q, k = qk[:, :hq], qk[:, hq:]
+        gate = out[:, qk_w : qk_w + hq * d]
+        v = out[:, qk_w + hq * d :].view(rows, hkv, d)
+        return q, gate, k, v
+
+    def _project_kv(
+        self,
+        p: str,
+        x: torch.Tensor,
+        batch: Batch,
+        rope: torch.Tensor,
+        cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        q, gate, k, v = self._qkv(p, x, rope)
+        _write_kv(k, v, batch, cache)
+        return q, gate
 
     def _attention(
         self,
         p: str,
         x: torch.Tensor,
-        segs: list[Segment],
-        positions: torch.Tensor,
+        batch: Batch,
+        rope: torch.Tensor,
         cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
     ) -> torch.Tensor:
-        cfg, rows = self.cfg, x.shape[0]
-        d, hq, hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-        q, gate = linear(x, self.w[f"{p}.q_proj.weight"]).view(rows, hq, 2 * d).split(d, dim=-1)
-        k = linear(x, self.w[f"{p}.k_proj.weight"]).view(rows, hkv, d)
-        v = linear(x, self.w[f"{p}.v_proj.weight"]).view(rows, hkv, d)
-        q = self._rms_norm(q, self.w[f"{p}.q_norm.weight"])
-        k = self._rms_norm(k, self.w[f"{p}.k_norm.weight"])
-        cos, sin = self.cos[positions], self.sin[positions]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        _write_kv(k, v, segs, cache)
-        if self.triton:
-            from gpu_service.model import triton_forward
-
-            out = triton_forward.attend(q, segs, cache)
-        else:
-            out = self._attend(q, segs, cache)
-        out = out.reshape(rows, hq * d) * sigmoid(gate.reshape(rows, hq * d))
-        return linear(out, self.w[f"{p}.o_proj.weight"])
-
-    def _attend(
-        self,
-        q: torch.Tensor,
-        segs: list[Segment],
-        cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
-    ) -> torch.Tensor:
-        """q: [P, Hq, d] over the cached keys and values -> [P, Hq, d], a segment at a time."""
-        k_cache, v_cache, valid = cache
-        out = q.new_zeros(q.shape)
-        for s in segs:
-            pos = s.positions.to(q.device)
-            end = _key_blocks(s.start + s.count)
-            seen = None if valid is None else valid[s.slot, :end]
-            out[s.rows] = tiled_attention(
-                q[s.rows], k_cache[s.slot, :end], v_cache[s.slot, :end], pos, seen
-            )
-        return out
+        q, gate = self._project_kv(p, x, batch, rope, cache)
+        out = self.ops.attend(q, cache, batch)
+        out = out.reshape(x.shape[0], -1) * sigmoid(gate)
+        return linear(out, self.wt[f"{p}.o_proj"])
 
     def _gdn(
         self,
-        p: str,
-        layer: int,
+        n: int,
         x: torch.Tensor,
-        segs: list[Segment],
+        batch: Batch,
         state: DeviceState,
         mode: str,
         write_live: bool,
     ) -> torch.Tensor:
-        cfg, rows = self.cfg, x.shape[0]
-        hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-        dk, dv, ratio = cfg.linear_key_head_dim, cfg.linear_value_head_dim, hv // hk
-        # in_proj_qkvz is laid out per key head [q, k, v-group, z-group]; in_proj_ba [b, a].
-        qkvz = linear(x, self.w[f"{p}.in_proj_qkvz.weight"]).view(rows, hk, -1)
-        q, k, v, z = qkvz.split([dk, dk, ratio * dv, ratio * dv], dim=-1)
-        b, a = linear(x, self.w[f"{p}.in_proj_ba.weight"]).view(rows, hk, -1).split(ratio, dim=-1)
-        mixed = torch.cat([q.reshape(rows, -1), k.reshape(rows, -1), v.reshape(rows, -1)], -1)
-        beta = sigmoid(b.reshape(rows, hv).float())
-        g = -exp(self.w[f"{p}.A_log"].float()) * softplus(
-            a.reshape(rows, hv).float() + self.w[f"{p}.dt_bias"].float()
-        )
+        cfg, rows, p = self.cfg, x.shape[0], f"model.layers.{n}.linear_attn"
+        hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+        qkvz = linear(x, self.wt[f"{p}.in_proj_qkvz"])  # [P, conv_dim | value_dim]: q, k, v, z
+        ba = linear(x, self.wt[f"{p}.in_proj_ba"]).float()  # [P, 2 Hv]: b, a
+        beta = sigmoid(ba)[:, :hv]
+        g = softplus(ba + self.ba_bias[n])[:, hv:] * self.neg_a[n]
+        mixed, z = qkvz[:, : cfg.conv_dim], qkvz[:, cfg.conv_dim :]
         weight = self.w[f"{p}.conv1d.weight"][:, 0]
-        if self.triton:
-            from gpu_service.model import triton_forward
-
-            out = triton_forward.mix_gdn(
-                cfg, mixed, g, beta, segs, state, layer, weight, mode == PREFILL, write_live
-            )
-            normed = triton_forward.gated_rms_norm(
-                out.to(x.dtype),
-                z.reshape(rows, hv, dv).contiguous(),
-                self.w[f"{p}.norm.weight"],
-                cfg.rms_norm_eps,
-            )
-            return linear(normed.reshape(rows, hv * dv), self.w[f"{p}.out_proj.weight"])
-        out = torch.zeros(rows, hv, dv, device=self.device)
-        for s in segs:
-            conv_in = mixed[s.rows]
-            if mode == PREFILL:
-                y, state.conv[layer, s.slot] = causal_conv1d(
-                    conv_in, state.conv[layer, s.slot], weight
-                )
-            else:
-                y, windows = causal_conv1d_update(conv_in, state.conv[layer, s.slot], weight)
-                state.verify_conv[layer, state.verify_slice(s.slot, s.count)] = windows
-                if write_live:
-                    state.conv[layer, s.slot] = windows[-1]
-            yq, yk, yv = y.split([cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
-            args = (
-                yq.reshape(-1, hk, dk),
-                yk.reshape(-1, hk, dk),
-                yv.reshape(-1, hv, dv),
-                g[s.rows],
-                beta[s.rows],
-                state.gdn[layer, s.slot],
-            )
-            if mode == PREFILL:
-                out[s.rows], state.gdn[layer, s.slot] = chunk_gated_delta_rule(*args)
-            else:
-                out[s.rows], states = recurrent_gated_delta_rule(*args)
-                state.verify_gdn[layer, state.verify_slice(s.slot, s.count)] = states
-                if write_live:
-                    state.gdn[layer, s.slot] = states[-1]
-        normed = gated_rms_norm(
+        out = self.ops.mix_gdn(
+            cfg, mixed, g, beta, batch, state, self.linear_index[n], weight, mode, write_live
+        )
+        normed = self.ops.gated_rms_norm(
             out.to(x.dtype), z.reshape(rows, hv, dv), self.w[f"{p}.norm.weight"], cfg.rms_norm_eps
         )
-        return linear(normed.reshape(rows, hv * dv), self.w[f"{p}.out_proj.weight"])
+        return linear(normed.reshape(rows, hv * dv), self.wt[f"{p}.out_proj"])
+
+
+def _apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Partial rotate-half RoPE over the first rotary dims, in place on a fresh x.
+    x: [P, H, d], rope: [P, 2, rot] (cos, signed sin)"""
+    rot = rope.shape[-1]
+    xr = x[..., :rot]
+    rotated = xr.roll(rot // 2, -1)  # (x2, x1)
+    xr.copy_(torch.addcmul(xr * rope[:, None, 0], rotated, rope[:, None, 1]))
+    return x
 
 
 def _write_kv(
     k: torch.Tensor,
     v: torch.Tensor,
-    segs: list[Segment],
+    batch: Batch,
     cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
 ) -> None:
     """The new rows' keys and values into their slots at their positions (marked valid in the
-    drafter's cache), before any row attends."""
+    drafter's cache), before any row attends: one indexed write each."""
     k_cache, v_cache, valid = cache
-    for s in segs:
-        pos = s.positions.to(k.device)
-        k_cache[s.slot, pos] = k[s.rows]
-        v_cache[s.slot, pos] = v[s.rows]
-        if valid is not None:
-            valid[s.slot, pos] = True
+    where = (batch.row_slot, batch.row_pos[: batch.rows])
+    k_cache.index_put_(where, k[: batch.rows])
+    v_cache.index_put_(where, v[: batch.rows])
+    if valid is not None:
+        valid.index_put_(where, torch.ones((), dtype=torch.bool, device=valid.device))
 
 
-def _key_blocks(length: int) -> int:
-    return -(-length // KEY_BLOCK) * KEY_BLOCK
+def _transposed_linears(cfg: ModelConfig, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every linear's weight as [in, out], contiguous, with projections that feed one consumer
+    fused and laid out by part: a CPU GEMM with such a weight gives a row the same bytes
+    for any multiple-of-ROW_TILE row count."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in w.items():
+        if name.endswith(".weight") and t.dim() == 2 and "embed_tokens" not in name:
+            base = name.removesuffix(".weight")
+            if base.endswith(("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")):
+                continue
+            if base.endswith("in_proj_qkvz"):
+                t = _gdn_qkvz(cfg, t)
+            elif base.endswith("in_proj_ba"):
+                t = _by_group(
+                    t,
+                    cfg.linear_num_key_heads,
+                    [cfg.linear_num_value_heads // cfg.linear_num_key_heads] * 2,
+                )
+            out[base] = t.t().contiguous()
+    for name in w:
+        if name.endswith("q_proj.weight"):
+            base = name.removesuffix(".q_proj.weight")
+            out[f"{base}.qkvg"] = _attention_qkvg(cfg, w, base).t().contiguous()
+        if name.endswith("gate_proj.weight"):
+            base = name.removesuffix(".gate_proj.weight")
+            fused = torch.cat([w[f"{base}.gate_proj.weight"], w[f"{base}.up_proj.weight"]])
+            out[f"{base}.gate_up_proj"] = fused.t().contiguous()
+    out["lm_head"] = w.get("lm_head.weight", w["model.embed_tokens.weight"]).t().contiguous()
+    return out
+
+
+def _by_group(t: torch.Tensor, groups: int, parts: list[int]) -> torch.Tensor:
+    """Rows laid out per group [part 0, part 1, ...] -> all groups' part 0, then part 1, ..."""
+    split = t.view(groups, sum(parts), -1).split(parts, dim=1)
+    return torch.cat([s.reshape(-1, t.shape[-1]) for s in split])
+
+
+def _gdn_qkvz(cfg: ModelConfig, t: torch.Tensor) -> torch.Tensor:
+    """in_proj_qkvz per key-head group [q, k, v-group, z-group] -> [q, k, v, z] by part."""
+    dk, ratio = cfg.linear_key_head_dim, cfg.linear_num_value_heads // cfg.linear_num_key_heads
+    vg = ratio * cfg.linear_value_head_dim
+    return _by_group(t, cfg.linear_num_key_heads, [dk, dk, vg, vg])
+
+
+def _attention_qkvg(cfg: ModelConfig, w: dict[str, torch.Tensor], p: str) -> torch.Tensor:
+    """q_proj per head [q, gate] plus k_proj, v_proj -> rows [q, k, gate, v]."""
+    q, gate = _by_group(w[f"{p}.q_proj.weight"], cfg.num_attention_heads, [cfg.head_dim] * 2).chunk(
+        2
+    )
+    return torch.cat([q, w[f"{p}.k_proj.weight"], gate, w[f"{p}.v_proj.weight"]])
+
+
+# Norms whose output only feeds linears: their (1 + w) is folded into those linears' weights
+# (row j of an [in, out] weight scaled by 1 + w_j), one multiplication fewer per norm.
+_FOLDED = {
+    "input_layernorm": ("self_attn.qkvg", "linear_attn.in_proj_qkvz", "linear_attn.in_proj_ba"),
+    "post_attention_layernorm": (
+        "mlp.gate_up_proj",
+        "mlp.gate",
+        "mlp.shared_expert.gate_up_proj",
+        "mlp.shared_expert_gate",
+        "mlp.experts.",
+    ),
+}
+
+
+def _fold_norms(
+    wt: dict[str, torch.Tensor],
+    norms: dict[str, tuple[torch.Tensor, torch.Tensor | None]],
+    dtype: torch.dtype,
+) -> dict[str, torch.Tensor]:
+    """Scale each folded norm's consumers by its 1 + w, then mark the norm folded: its
+    weight becomes zeros (1 + 0 for a kernel that applies 1 + w) and no multiplier."""
+    for name in list(norms):
+        prefix, _, kind = name.rpartition(".")
+        consumers = _FOLDED.get(kind, ())
+        targets = [
+            n
+            for n in wt
+            if any(n.startswith(f"{prefix}.{c}") for c in consumers)
+            and (not n.startswith(f"{prefix}.mlp.experts.") or n.endswith("gate_up_proj"))
+        ]
+        if name == "mtp.pre_fc_norm_hidden":
+            hidden = wt["mtp.fc"].shape[0] // 2  # fc's input is [embedding; hidden]
+            one_plus = norms[name][1]
+            one_plus = torch.cat([torch.ones(hidden, device=one_plus.device), one_plus])
+            wt["mtp.fc"] = _scaled(wt["mtp.fc"], one_plus, dtype)
+        elif targets:
+            for n in targets:
+                wt[n] = _scaled(wt[n], norms[name][1], dtype)
+        else:
+            continue
+        norms[name] = (torch.zeros_like(norms[name][0]), None)
+    return wt
+
+
+def _scaled(weight_t: torch.Tensor, one_plus: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    rows = one_plus.to(weight_t.device)[:, None]
+    return (weight_t.float() * rows).to(dtype).contiguous()
+
+
+def _norm_weights(
+    cfg: ModelConfig, w: dict[str, torch.Tensor]
+) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+    """Zero-centred norms as (w, 1 + w in fp32); an attention layer's q and k norms also as
+    one per-head pair, q's scaled by d ** -0.5 (the attention's scale, applied once here)."""
+    out = {}
+    for name, t in w.items():
+        part = name.split(".")[-2] if name.endswith(".weight") else ""
+        if "norm" in part and not name.endswith("linear_attn.norm.weight"):
+            out[name.removesuffix(".weight")] = (t, 1.0 + t.float())
+    d, hq, hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    for name in w:
+        if name.endswith("q_norm.weight"):
+            p = name.removesuffix(".q_norm.weight")
+            qn, kn = w[f"{p}.q_norm.weight"], w[f"{p}.k_norm.weight"]
+            per_head = torch.cat(
+                [((1.0 + qn.float()) * d**-0.5).expand(hq, d), (1.0 + kn.float()).expand(hkv, d)]
+            )
+            out[f"{p}.qk"] = (torch.stack([qn, kn]), per_head.contiguous())
+    return out

@@ -1,15 +1,18 @@
 """Row-wise building blocks of the eager forward, batch invariant by construction.
 
 Every per-row tensor is carried padded to a multiple of `ROW_TILE` rows, and every linear
-runs as a batch of `ROW_TILE`-row matmuls: the CPU GEMM then picks one kernel whatever the
-row count, so a row's bytes do not depend on how many rows share the call or where it sits.
+multiplies by its weight stored transposed, `[in, out]` and contiguous. Measured on the CPU
+(torch 2.13, one thread, fp32 and bf16, the default model's shapes and 128 to 4096 wide, 4
+to 1024 rows): with such a weight and a multiple of 4 rows the GEMM gives a row the same bytes
+whatever the row count and wherever the row sits, and costs about half of the same product
+with the `[out, in]` weight transposed on the fly (which differs by row count below 16 rows).
 """
 
 from __future__ import annotations
 
 import torch
 
-ROW_TILE = 16
+ROW_TILE = 4
 
 
 def padded_rows(rows: int, tile: int = ROW_TILE) -> int:
@@ -24,14 +27,11 @@ def pad_rows(x: torch.Tensor, tile: int = ROW_TILE) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(extra, *x.shape[1:])])
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, tile: int = ROW_TILE) -> torch.Tensor:
-    """x: [P, K] (P a multiple of `tile`), weight: [N, K] -> [P, N]. One caller, one tile:
-    a row's bytes depend on the tile, never on the rows beside it."""
-    rows, inner = x.shape
-    if rows % tile:
-        raise ValueError(f"linear takes rows padded to {tile}; got {rows}")
-    tiles = x.reshape(rows // tile, tile, inner)
-    return torch.matmul(tiles, weight.t()).reshape(rows, weight.shape[0])
+def linear(x: torch.Tensor, weight_t: torch.Tensor, tile: int = ROW_TILE) -> torch.Tensor:
+    """x: [P, K] (P a multiple of `tile`), weight_t: [K, N] contiguous -> [P, N]"""
+    if x.shape[0] % tile:
+        raise ValueError(f"linear takes rows padded to {tile}; got {x.shape[0]}")
+    return torch.mm(x, weight_t)
 
 
 def rope_table(rotary_dim: int, theta: float, length: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -141,11 +141,14 @@ def _shards(directory: Path) -> list[Path]:
 
 
 def load_weights(
-    cfg: ModelConfig, directory: Path, dtype: torch.dtype
+    cfg: ModelConfig,
+    directory: Path,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
 ) -> tuple[dict[str, torch.Tensor], ModelConfig]:
-    """The checkpoint's tensors (one shard in memory at a time, cast to `dtype`), checked
-    name by name and shape by shape against `cfg`. A checkpoint without `mtp.*` tensors loads
-    with the drafter off (the returned config has no MTP layer)."""
+    """The checkpoint's tensors, read straight onto `device` one at a time and cast there to
+    `dtype`, checked name by name and shape by shape against `cfg`. A checkpoint without
+    `mtp.*` tensors loads with the drafter off (the returned config has no MTP layer)."""
     from safetensors import safe_open
 
     shards = _shards(directory)
@@ -161,7 +164,7 @@ def load_weights(
         raise ValueError(f"{directory} lacks {len(missing)} tensors, first {missing[0]!r}")
     out: dict[str, torch.Tensor] = {}
     for shard in shards:
-        with safe_open(str(shard), "pt") as f:
+        with safe_open(str(shard), "pt", device=str(device)) as f:
             for name in f.keys():
                 if name not in expected:
                     continue

@@ -61,3 +61,43 @@ def tiled_attention(
     probs = (probs / denom).to(q.dtype)
     out = (probs @ vt).sum(dim=2)  # [Hq, nq, Tq, d]
     return out.reshape(heads, padded, dim).permute(1, 0, 2)[:rows]
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    key_len: int,
+    key_valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of every sequence of a batched call at once, grouped KV heads: rows go
+    in query tiles of one sequence each, and every tile reads the first `key_len` keys of its
+    slot (a multiple of KEY_BLOCK).
+
+    q: [P, Hq, d], already scaled by `d ** -0.5`; k_cache, v_cache: [slots, ctx, Hkv, d];
+    tiles = (tile_row [nt * QT], tile_pos [nt * QT] (-1: padding), tile_slot [nt],
+    row_tile [P]); key_valid: [slots, ctx] bool or None. -> [P, Hq, d]
+
+    A tile entry sees key j when j <= its position and key_valid[j]. Keys past a tile's own
+    length are masked and add exact zeros to the softmax's sum and the product with the
+    values, so a row's bytes do not depend on `key_len` or on the other tiles (measured on
+    the CPU; the batch-invariance tests pin it)."""
+    tile_row, tile_pos, tile_slot, row_tile = tiles
+    heads, dim = q.shape[1], q.shape[2]
+    kv_heads, nt = k_cache.shape[2], tile_slot.shape[0]
+    group, qt = heads // kv_heads, tile_row.shape[0] // nt
+    # [nt, QT, Hkv, G, d] -> [nt, Hkv, G * QT, d]: a kv head's query heads as extra rows.
+    qs = q[tile_row].view(nt, qt, kv_heads, group, dim).permute(0, 2, 3, 1, 4)
+    qs = qs.reshape(nt, kv_heads, group * qt, dim)
+    keys = k_cache.transpose(1, 2)[tile_slot, :, :key_len]  # [nt, Hkv, L, d]
+    values = v_cache.transpose(1, 2)[tile_slot, :, :key_len]
+    scores = (qs @ keys.transpose(-1, -2)).view(nt, kv_heads, group, qt, key_len)
+    visible = torch.arange(key_len, device=q.device) <= tile_pos.view(nt, 1, 1, qt, 1)
+    if key_valid is not None:
+        visible = visible & key_valid[tile_slot, :key_len].view(nt, 1, 1, 1, key_len)
+    probs = torch.softmax(scores.masked_fill(~visible, -torch.inf), -1, dtype=torch.float32)
+    out = probs.to(q.dtype).view(nt, kv_heads, group * qt, key_len) @ values
+    # [nt, Hkv, G, QT, d] -> [nt * QT, Hq, d]
+    out = out.view(nt, kv_heads, group, qt, dim).permute(0, 3, 1, 2, 4).reshape(-1, heads, dim)
+    return out[row_tile]

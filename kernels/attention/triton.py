@@ -87,9 +87,11 @@ def attention(
     slots: torch.Tensor,
     starts: torch.Tensor,
     valid: torch.Tensor | None = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """q: [T, Hq, d], rows of sequence i at positions `starts[i] ..`; caches: [slots, ctx,
-    Hkv, d] holding those rows already; valid: [slots, ctx] bool or None. -> [T, Hq, d]"""
+    Hkv, d] holding those rows already; valid: [slots, ctx] bool or None; scale: of the
+    scores, `d ** -0.5` unless given (1 when q comes scaled). -> [T, Hq, d]"""
     rows, hq, dim = q.shape
     if k_cache.shape != v_cache.shape or k_cache.shape[-1] != dim or hq % k_cache.shape[2]:
         raise ValueError(
@@ -112,7 +114,7 @@ def attention(
         k_cache.shape[2],
         dim,
         k_cache.shape[1],
-        dim**-0.5,
+        dim**-0.5 if scale is None else scale,
         HAS_VALID=valid is not None,
         BM=BM,
         BN=BN,

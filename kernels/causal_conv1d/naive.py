@@ -37,3 +37,18 @@ def causal_conv1d_update(
     out = silu(_taps(xs, weight.to(x.dtype), rows))
     windows = torch.stack([xs[t + 1 : t + 1 + width] for t in range(rows)])
     return out, windows
+
+
+def varlen_causal_conv1d(
+    x: torch.Tensor, windows: torch.Tensor, weight: torch.Tensor, src: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every sequence of a batched call at once: row r's taps read `src[r * W .. r * W + W - 1]`
+    of [the sequences' windows; x], oldest first, summed in tap order as `_taps` does.
+
+    x: [P, C]; windows: [B, W-1, C]; weight: [C, W]; src: [P * W]
+    -> (out [P, C], the window after each row [P, W-1, C])"""
+    rows, width = x.shape[0], weight.shape[1]
+    stream = torch.cat([windows.reshape(-1, x.shape[1]).to(x.dtype), x])
+    taps = stream[src].view(rows, width, -1)  # [P, W, C]
+    out = (taps * weight.t().to(x.dtype)).sum(1)
+    return silu(out), taps[:, 1:]

@@ -21,17 +21,25 @@ def _gather_rows(src_ptr, dst_ptr, src_idx_ptr, dst_idx_ptr, row_size, BLOCK: tl
         tl.store(dst_ptr + dst + o, tl.load(src_ptr + src + o, mask=m), mask=m)
 
 
-def fold(live: torch.Tensor, rows: torch.Tensor, slots: list[int], picks: list[int]) -> None:
-    """live: [L, slots, ...], rows: [L, pool, ...]; live[:, slots[i]] = rows[:, picks[i]]."""
+def fold(
+    live: torch.Tensor,
+    rows: torch.Tensor,
+    slots: list[int] | torch.Tensor,
+    picks: list[int] | torch.Tensor,
+) -> None:
+    """live: [L, slots, ...], rows: [L, pool, ...]; live[:, slots[i]] = rows[:, picks[i]].
+    slots, picks: lists, or int64 tensors on the device (no host round trip)."""
     if live.dtype != rows.dtype or live.shape[2:] != rows.shape[2:]:
         raise ValueError("fold: live state and verify rows differ in dtype or row shape")
     if not (live.is_contiguous() and rows.is_contiguous()):
         raise ValueError("fold: live state and verify rows must be contiguous")
     layers, n_slots, pool = live.shape[0], live.shape[1], rows.shape[1]
     row_size = live[0, 0].numel()
-    src = [layer * pool + p for layer in range(layers) for p in picks]
-    dst = [layer * n_slots + s for layer in range(layers) for s in slots]
-    if not src:
+    if len(picks) == 0:
         return
-    idx = torch.tensor([src, dst], dtype=torch.int64, device=live.device)
-    _gather_rows[(len(src),)](rows, live, idx[0], idx[1], row_size, BLOCK=BLOCK)
+    picks_t = torch.as_tensor(picks, dtype=torch.int64, device=live.device)
+    slots_t = torch.as_tensor(slots, dtype=torch.int64, device=live.device)
+    layer = torch.arange(layers, device=live.device)[:, None]
+    src = (layer * pool + picks_t).reshape(-1)
+    dst = (layer * n_slots + slots_t).reshape(-1)
+    _gather_rows[(src.numel(),)](rows, live, src, dst, row_size, BLOCK=BLOCK)

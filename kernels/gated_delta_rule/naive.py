@@ -11,13 +11,15 @@ Per value head h (key head `h // (Hv / Hk)`), with l2-normalised q and k and q s
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kernels.common import exp
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
+    return x / torch.sqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
 
 def prepare_qk(
@@ -103,4 +105,104 @@ def chunk_gated_delta_rule(
         tail = (gn[:, -1:] - gn).exp()[..., None]  # decay from each row to the chunk's end
         s = s * gn[:, -1].exp()[:, None, None] + (kn * tail).transpose(-1, -2) @ v_new
     o = out.reshape(out.shape[0], -1, out.shape[-1])[:, :length].transpose(0, 1)
+    return o, s
+
+
+@functools.cache
+def _pair_tables(
+    heads: int, dim: int, num_v_heads: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale [2 Hk, 1]: q's heads by dk ** -0.5, k's by 1; for each value head, the row of
+    its q head and of its k head [2, Hv])"""
+    scale = torch.ones(2 * heads, 1, device=device)
+    scale[:heads] = dim**-0.5
+    key_head = torch.arange(num_v_heads, device=device) // (num_v_heads // heads)
+    return scale, torch.stack([key_head, key_head + heads])
+
+
+def prepare_qk_pair(qk: torch.Tensor, num_v_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`prepare_qk` on q and k side by side, in one pass.
+    qk: [N, 2 * Hk, dk] (q's heads, then k's) -> q, k: [N, Hv, dk] fp32"""
+    scale, rows = _pair_tables(qk.shape[1] // 2, qk.shape[2], num_v_heads, qk.device)
+    qk = _l2norm(qk.float()) * scale
+    return qk[:, rows[0]], qk[:, rows[1]]
+
+
+def varlen_recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`recurrent_gated_delta_rule` for B sequences at once, a step over all of them at a time,
+    the products as batched matmuls of one shape per step.
+
+    q, k: [T, B, Hv, dk] (from `prepare_qk_pair`); v: [T, B, Hv, dv]; g, beta: [T, B, Hv];
+    state: [B, Hv, dk, dv] -> (o [T, B, Hv, dv] fp32, states [T, B, Hv, dk, dv] fp32). A
+    sequence with fewer rows than T gets padding steps after its own; their outputs and
+    states are the caller's to drop."""
+    steps, batch, heads, dk = k.shape
+    dv, n = v.shape[-1], batch * heads
+    kb = (k * beta.float()[..., None]).reshape(steps, n, dk, 1)
+    decay = exp(g.float()).reshape(steps, n, 1, 1)
+    s = state.float().reshape(n, dk, dv)
+    states = []
+    for t in range(steps):
+        s = s * decay[t]
+        kv = torch.bmm(k[t].reshape(n, 1, dk), s).view(batch, heads, dv)  # S^T k
+        delta = (v[t].float() - kv).view(n, 1, dv)
+        s = torch.baddbmm(s, kb[t], delta)  # S + (beta k) (v - S^T k)^T
+        states.append(s)
+    every = torch.stack(states)  # [T, n, dk, dv]
+    o = torch.bmm(q.reshape(steps * n, 1, dk), every.view(steps * n, dk, dv))
+    return o.view(steps, batch, heads, dv), every.view(steps, batch, heads, dk, dv)
+
+
+def varlen_chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`chunk_gated_delta_rule` for B sequences at once, T a multiple of `chunk_size`.
+    Padding rows must carry g = 0 and beta = 0: they then leave the state as it was.
+
+    Shapes as `varlen_recurrent_gated_delta_rule`; returns (o [T, B, Hv, dv], final state
+    [B, Hv, dk, dv])."""
+    steps, batch, heads = q.shape[0], q.shape[1], v.shape[2]
+
+    # [T, B, H, d] -> [B, H, N, C, d]: heads first, then chunks of C rows.
+    def chunks(x: torch.Tensor) -> torch.Tensor:
+        x = x.float().permute(1, 2, 0, 3)
+        return x.reshape(batch, heads, steps // chunk_size, chunk_size, x.shape[-1])
+
+    q, k, v = chunks(q), chunks(k), chunks(v)
+    g, beta = chunks(g.unsqueeze(-1))[..., 0], chunks(beta.unsqueeze(-1))[..., 0]  # [B, H, N, C]
+    g = g.cumsum(-1)
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    lower = torch.tril(torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device))
+    strict = torch.tril(lower, diagonal=-1)
+    decay = torch.exp((g[..., :, None] - g[..., None, :]).masked_fill(~lower, float("-inf")))
+    # Solve (I + A) T = I for the strictly lower A of each chunk, row by row.
+    a = -(k_beta @ k.transpose(-1, -2) * decay).masked_fill(~strict, 0)
+    for i in range(1, chunk_size):
+        a[..., i, :i] = a[..., i, :i] + (a[..., i, :i, None] * a[..., :i, :i]).sum(-2)
+    a = a + torch.eye(chunk_size, device=q.device)
+    u = a @ v_beta  # [B, H, N, C, dv]
+    w = a @ (k_beta * g.exp()[..., None])  # [B, H, N, C, dk]
+    s = state.float()
+    out = torch.empty_like(u)
+    for n in range(q.shape[2]):
+        qn, kn, gn = q[:, :, n], k[:, :, n], g[:, :, n]
+        attn = (qn @ kn.transpose(-1, -2) * decay[:, :, n]).masked_fill(~lower, 0)
+        v_new = u[:, :, n] - w[:, :, n] @ s
+        out[:, :, n] = (qn * gn.exp()[..., None]) @ s + attn @ v_new
+        tail = (gn[..., -1:] - gn).exp()[..., None]  # decay from each row to the chunk's end
+        s = s * gn[..., -1].exp()[..., None, None] + (kn * tail).transpose(-1, -2) @ v_new
+    o = out.reshape(batch, heads, steps, out.shape[-1]).permute(2, 0, 1, 3)
     return o, s

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import torch
 
-from kernels.common import inv_rms, silu
+from kernels.common import rms_scaled, silu
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [..., D], weight: [D]"""
     xf = x.float()
-    return (xf * inv_rms(xf, eps) * (1.0 + weight.float())).to(x.dtype)
+    return (rms_scaled(xf, eps) * (1.0 + weight.float())).to(x.dtype)
 
 
 def gated_rms_norm(
@@ -19,5 +19,5 @@ def gated_rms_norm(
 ) -> torch.Tensor:
     """x, z: [..., D], weight: [D]"""
     xf = x.float()
-    normed = (weight.float() * (xf * inv_rms(xf, eps))).to(x.dtype)
+    normed = (rms_scaled(xf, eps) * weight.float()).to(x.dtype)
     return (normed.float() * silu(z.float())).to(x.dtype)

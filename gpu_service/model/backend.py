@@ -1,0 +1,233 @@
+"""The forward's backends as ops objects, chosen once by `set_forward`: `EagerOps` (plain
+torch, the references in `kernels/*/naive.py`) and `TritonOps` (the Triton kernels, which
+read the call's metadata as varlen offsets). Linears and other row-wise parts are shared."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from gpu_service.config import ModelConfig
+from gpu_service.model.batch import Batch
+from gpu_service.state import DeviceState
+from kernels.attention.naive import varlen_attention
+from kernels.causal_conv1d.naive import varlen_causal_conv1d
+from kernels.common import rms_scaled
+from kernels.gated_delta_rule.naive import (
+    prepare_qk_pair,
+    varlen_chunk_gated_delta_rule,
+    varlen_recurrent_gated_delta_rule,
+)
+from kernels.rmsnorm.naive import gated_rms_norm
+
+Cache = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+
+class EagerOps:
+    name = "eager"
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, one_plus: torch.Tensor | None, eps: float
+    ) -> torch.Tensor:
+        """Zero-centred `(1 + w) * rmsnorm(x)`; `one_plus` is 1 + w in fp32, or None where the
+        model folded it into the linears that read the norm. x: [..., D]"""
+        scaled = rms_scaled(x.float(), eps)
+        return (scaled if one_plus is None else scaled * one_plus).to(x.dtype)
+
+    def head_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, per_head: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """Each head with its own zero-centred weight. x: [P, H, d], per_head: [H, d]
+        (the plain torch form on every backend: a few elements a row)"""
+        return EagerOps.rms_norm(self, x, weight, per_head, eps)
+
+    def gated_rms_norm(
+        self, x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        return gated_rms_norm(x, z, weight, eps)
+
+    def attend(self, q: torch.Tensor, cache: Cache, batch: Batch) -> torch.Tensor:
+        """q: [P, Hq, d], already scaled, over the cached keys and values (the rows' own
+        already in) -> [P, Hq, d]"""
+        k_cache, v_cache, valid = cache
+        tiles = (batch.tile_row, batch.tile_pos, batch.tile_slot, batch.row_tile)
+        return varlen_attention(q, k_cache, v_cache, tiles, batch.key_len, valid)
+
+    def mix_gdn(
+        self,
+        cfg: ModelConfig,
+        mixed: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        batch: Batch,
+        state: DeviceState,
+        layer: int,
+        weight: torch.Tensor,
+        mode: str,
+        write_live: bool,
+    ) -> torch.Tensor:
+        """Conv + gated delta rule of every sequence. mixed: [P, conv_dim], g, beta: [P, Hv]
+        -> [P, Hv, dv] fp32"""
+        prefill = mode == "prefill"
+        y, after = varlen_causal_conv1d(
+            mixed, state.conv[layer][batch.seq_slot], weight, batch.conv_src
+        )
+        if not prefill:
+            state.verify_conv[layer].index_put_((batch.row_vrow,), after[: batch.rows])
+        if prefill or write_live:
+            state.conv[layer].index_put_((batch.seq_slot,), after[batch.last_row])
+        b, t = batch.num_seqs, batch.steps
+        hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        yg = y[batch.grid_row]  # [T * B, conv_dim], time-major
+        q, k = prepare_qk_pair(yg[:, : 2 * cfg.key_dim].view(t * b, 2 * hk, dk), hv)
+        q, k = q.view(t, b, hv, dk), k.view(t, b, hv, dk)
+        v = yg[:, 2 * cfg.key_dim :].view(t, b, hv, dv)
+        gb = torch.stack([g, beta])[:, batch.grid_row].view(2, t, b, hv)
+        live = state.gdn[layer]
+        if prefill:
+            gb = gb * batch.grid_valid.view(1, t, b, 1)  # padding leaves the state as it was
+            o, final = varlen_chunk_gated_delta_rule(
+                q, k, v, gb[0], gb[1], live[batch.seq_slot], batch.chunk
+            )
+            live.index_put_((batch.seq_slot,), final)
+        else:
+            o, states = varlen_recurrent_gated_delta_rule(
+                q, k, v, gb[0], gb[1], live[batch.seq_slot]
+            )
+            states = states.flatten(0, 1)
+            state.verify_gdn[layer].index_put_((batch.grid_vrow,), states)
+            if write_live:
+                live.index_put_((batch.seq_slot,), states[batch.grid_last])
+        return o.flatten(0, 1)[batch.row_grid]
+
+    def argmax_logprob(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's argmax (first on ties) and its log-probability, fp32.
+        logits: [n, V] -> (argmax [n] int64, log-probability [n])"""
+        lf = logits.float()
+        peak, top = lf.max(-1)
+        return top, peak - torch.logsumexp(lf, -1)
+
+    def draft_argmax(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A draft and its softmax probability per row. A draft only proposes, so a near tie
+        that rounds two probabilities to one value may pick either of them; the verify's
+        argmax (`argmax_logprob`) is exact on logits. -> (draft [n] int64, probability [n])"""
+        conf, top = torch.softmax(logits, -1, dtype=torch.float32).max(-1)
+        return top, conf
+
+    def fold(
+        self, live: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, picks: torch.Tensor
+    ) -> None:
+        """live: [L, slots, ...], rows: [L, pool, ...]; live[:, slots[i]] = rows[:, picks[i]]"""
+        live[:, slots] = rows[:, picks]
+
+
+class TritonOps(EagerOps):
+    name = "triton"
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, one_plus: torch.Tensor | None, eps: float
+    ) -> torch.Tensor:
+        from kernels.rmsnorm.triton import rms_norm
+
+        return rms_norm(x, weight, eps)
+
+    def gated_rms_norm(
+        self, x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        from kernels.rmsnorm.triton import gated_rms_norm
+
+        return gated_rms_norm(x, z.contiguous(), weight, eps)
+
+    def attend(self, q: torch.Tensor, cache: Cache, batch: Batch) -> torch.Tensor:
+        from kernels.attention.triton import attention
+
+        k_cache, v_cache, valid = cache
+        cu, slots, starts = batch.cu_seqlens, batch.seq_slot32, batch.seq_start32
+        if cu is None or slots is None or starts is None:  # a draft batch: a row a sequence
+            i32 = torch.int32
+            cu = torch.arange(batch.rows + 1, dtype=i32, device=q.device)
+            slots, starts = batch.tile_slot.to(i32), batch.tile_pos.to(i32)
+        out = attention(q[: batch.rows], k_cache, v_cache, cu, slots, starts, valid, scale=1.0)
+        padded = q.new_zeros(q.shape)
+        padded[: batch.rows] = out
+        return padded
+
+    def mix_gdn(
+        self,
+        cfg: ModelConfig,
+        mixed: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        batch: Batch,
+        state: DeviceState,
+        layer: int,
+        weight: torch.Tensor,
+        mode: str,
+        write_live: bool,
+    ) -> torch.Tensor:
+        from gpu_service.model import triton_forward
+
+        return triton_forward.mix_gdn(
+            cfg, mixed, g, beta, batch, state, layer, weight, mode == "prefill", write_live
+        )
+
+    def argmax_logprob(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        from kernels.argmax.triton import argmax_confidence
+
+        top, conf = argmax_confidence(logits)
+        return top, conf.log()
+
+    def draft_argmax(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        from kernels.argmax.triton import argmax_confidence
+
+        return argmax_confidence(logits)
+
+    def fold(
+        self, live: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, picks: torch.Tensor
+    ) -> None:
+        from kernels.fold.triton import fold
+
+        fold(live, rows, slots, picks)
+
+
+Ops = EagerOps
+EAGER, TRITON = EagerOps(), TritonOps()
+
+
+class Choice:
+    """The forward in use, shared by the engine's parts: its ops, whether batched calls run
+    one sequence at a time (`*-serial`), and a hook run after every fold (tests plant faults
+    the circuit diff must catch)."""
+
+    def __init__(self) -> None:
+        self.name = "eager"
+        self.ops: EagerOps = EAGER
+        self.serial = False
+        self.after_fold: Callable[[DeviceState, list[int]], None] | None = None
+
+
+def upload(device: torch.device, *lists: Sequence[int]) -> list[torch.Tensor]:
+    """Host lists of ints -> int64 tensors on the device, in one copy."""
+    flat = torch.tensor([x for v in lists for x in v], dtype=torch.long, device=device)
+    return list(flat.split([len(v) for v in lists]))
+
+
+def download(*tensors: torch.Tensor) -> list[list[float]]:
+    """Device tensors -> host lists, in one transfer: the only device-to-host copy an
+    operation makes. Token ids come back as floats; `ints` turns them."""
+    if not tensors:
+        return []
+    # One cat, promoted to the widest dtype given (fp32 for ids and fp32 values: ids below
+    # 2 ** 24 are exact), then the copy.
+    flat = torch.cat([t.reshape(-1) for t in tensors]).tolist()
+    out, at = [], 0
+    for t in tensors:
+        out.append(flat[at : at + t.numel()])
+        at += t.numel()
+    return out
+
+
+def ints(values: list[float]) -> list[int]:
+    return [int(v) for v in values]

@@ -1,0 +1,341 @@
+"""The verifier: prefill, batched verify, fold, commit and stash over the target model. Each
+operation checks everything before it touches state, runs one batched forward, and brings
+its results to the host in one transfer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from gpu_service import checks
+from gpu_service.config import ModelConfig, ServiceConfig
+from gpu_service.interface import (
+    FailedPrecondition,
+    InvalidArgument,
+    RowDraws,
+    Sampling,
+    SequenceHandle,
+)
+from gpu_service.model.backend import Choice, download, ints, upload
+from gpu_service.model.batch import Segment
+from gpu_service.model.hybrid import PREFILL, VERIFY, HybridModel
+from gpu_service.sampling import check_sampling, distribution, draw, row_draws
+from gpu_service.sequence import FOLDED, IDLE, VERIFIED, SeqState
+from gpu_service.slots import SlotTable, mirror
+from gpu_service.state import DeviceState
+from gpu_service.telemetry import traced
+
+# (sequences, their prompt chunks, their segments, the hidden rows) -> None
+Prime = Callable[[list[SeqState], list[list[int]], list[Segment], torch.Tensor], None]
+
+
+def segments(seqs: list[SeqState], counts: list[int], starts: list[int]) -> list[Segment]:
+    segs, row = [], 0
+    for s, n, start in zip(seqs, counts, starts, strict=True):
+        segs.append(Segment(s.slot, start, n, row))
+        row += n
+    return segs
+
+
+class Verifier:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        svc: ServiceConfig,
+        model: HybridModel,
+        state: DeviceState,
+        slots: SlotTable,
+        choice: Choice,
+        prime: Prime,
+    ) -> None:
+        self.cfg, self.svc, self.model, self.state = cfg, svc, model, state
+        self.slots, self.choice, self.prime = slots, choice, prime
+        self.logprobs: list[float] = []
+        self.draws: list[RowDraws | None] = []
+        self.verify_calls = 0
+
+    # -- forward -------------------------------------------------------------------------
+
+    def run(self, fn: Callable[[list[int]], torch.Tensor], n: int) -> torch.Tensor:
+        """fn(indices) -> hidden rows of those sequences; `*-serial` calls it one at a time."""
+        if self.choice.serial:
+            return torch.cat([fn([i]) for i in range(n)])
+        return fn(list(range(n)))
+
+    def _forward(
+        self,
+        states: list[SeqState],
+        rows: list[list[int]],
+        mode: str,
+        write_live: bool = True,
+    ) -> torch.Tensor:
+        """Every sequence's rows through the target -> their final hiddens [R, H]."""
+
+        def fn(idx: list[int]) -> torch.Tensor:
+            group, toks = [states[i] for i in idx], [rows[i] for i in idx]
+            segs = segments(group, [len(t) for t in toks], [s.seq_len for s in group])
+            flat = [t for ts in toks for t in ts]
+            tokens = torch.tensor(flat, device=self.model.device)
+            hidden = self.model.forward(tokens, segs, self.state, mode, write_live)
+            if mode == PREFILL:
+                self.prime(group, toks, segs, hidden)
+            return hidden[: len(flat)]
+
+        return self.run(fn, len(states))
+
+    # -- prefill -------------------------------------------------------------------------
+
+    @traced("engine.prefill")
+    def prefill(
+        self,
+        seqs: Sequence[SequenceHandle],
+        prompts: Sequence[Sequence[int]],
+        masks: Sequence[bytes] | None = None,
+        sampling: Sequence[Sampling | None] | None = None,
+    ) -> list[int]:
+        checks.same_length("prefill", seqs=seqs, prompts=prompts)
+        sampled = {i: s for i, s in enumerate(sampling or ()) if s is not None}
+        check_sampling(sampled, {i: 1 for i in sampled}, len(prompts))
+        row_masks = self.masks(dict(enumerate(masks or ())), len(prompts))
+        states = self.slots.lookup("prefill", seqs)
+        self._check_prefill(states, prompts)
+        prompts = [list(p) for p in prompts]
+        hidden = self._forward(states, prompts, PREFILL)
+        (ends,) = upload(hidden.device, (np.cumsum([len(p) for p in prompts]) - 1).tolist())
+        for s, p in zip(states, prompts, strict=True):
+            s.tokens.extend(p)
+        out = self.keep_logits(self.model.logits(hidden[ends]), row_masks)
+        for i, smp in sampled.items():
+            out[i] = draw(distribution(self.state.logits[i : i + 1], smp)[0], smp.uniforms[0])
+        mirror(seqs, states)
+        return out
+
+    def _check_prefill(self, states: list[SeqState], prompts: Sequence[Sequence[int]]) -> None:
+        total = 0
+        for s, p in zip(states, prompts, strict=True):
+            checks.phase(s.seq_id, s.phase, IDLE, "prefill")
+            if not p:
+                raise InvalidArgument(f"the prompt for sequence {s.seq_id} is empty")
+            checks.tokens_in_vocab(p, self.cfg.vocab_size)
+            checks.fits_context(s.seq_id, s.seq_len, len(p), self.svc.max_context)
+            total += len(p)
+        if total > self.svc.max_prefill_tokens:
+            raise InvalidArgument(
+                f"a prefill of {total} tokens exceeds the budget of "
+                f"{self.svc.max_prefill_tokens}; send it in chunks"
+            )
+
+    # -- verify --------------------------------------------------------------------------
+
+    @traced("engine.verify")
+    def decode_verify_batched(
+        self,
+        tokens: Sequence[int],
+        ks: Sequence[int],
+        seqs: Sequence[SequenceHandle],
+        write_on_accept: bool = True,
+        masks: dict[int, bytes] | None = None,
+        sampling: dict[int, Sampling] | None = None,
+    ) -> list[int]:
+        states = self.check_verify(tokens, ks, seqs)
+        check_sampling(sampling or {}, dict(enumerate(ks)), len(ks))
+        row_masks = self.masks(masks or {}, sum(ks))
+        tokens, ks = list(tokens), list(ks)
+        logits = self.verify_logits(states, tokens, ks, write_on_accept, row_masks)
+        top, logprob = self.choice.ops.argmax_logprob(logits)
+        host_top, self.logprobs = download(top, logprob)
+        self.draws = self._row_draws(states, tokens, ks, sampling or {})
+        mirror(seqs, states)
+        return ints(host_top)
+
+    def verify_logits(
+        self,
+        states: list[SeqState],
+        tokens: list[int],
+        ks: list[int],
+        write_on_accept: bool = True,
+        row_masks: dict[int, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """The verify forward and its bookkeeping, results left on the device -> logits
+        [R, V] (also kept in the buffer, masked rows with -inf outside their mask)."""
+        starts = np.cumsum([0, *ks]).tolist()
+        rows = [tokens[a:b] for a, b in zip(starts, starts[1:], strict=False)]
+        hidden = self._forward(states, rows, VERIFY, not write_on_accept)
+        self.state.verify_hidden = hidden
+        logits = self.model.logits(hidden)
+        for row, allowed in (row_masks or {}).items():
+            logits[row] = logits[row].masked_fill(~allowed.to(logits.device), float("-inf"))
+        self.state.logits = logits
+        self.verify_calls += 1
+        for s, k, lo in zip(states, ks, starts, strict=False):
+            s.tokens.extend(tokens[lo : lo + k])
+            s.phase, s.pending_k = VERIFIED, k
+            s.verify_call, s.verify_row = self.verify_calls, lo
+            self.state.mtp_carry_valid[s.slot] = False
+        return logits
+
+    def check_verify(
+        self, tokens: Sequence[int], ks: Sequence[int], seqs: Sequence[SequenceHandle]
+    ) -> list[SeqState]:
+        checks.same_length("decode_verify_batched", seqs=seqs, ks=ks)
+        states = self.slots.lookup("decode_verify_batched", seqs)
+        if sum(ks) != len(tokens):
+            raise InvalidArgument(f"ks sum to {sum(ks)} rows but {len(tokens)} tokens were given")
+        if not self.can_batch_verify(ks):
+            raise InvalidArgument(
+                f"a verify of {len(ks)} sequences and {sum(ks)} rows exceeds "
+                f"the budget of {self.svc.max_batch} sequences and "
+                f"{self.svc.max_rows} rows"
+            )
+        checks.tokens_in_vocab(tokens, self.cfg.vocab_size)
+        for s, k in zip(states, ks, strict=True):
+            cap = self.svc.slot_verify_drafts[s.slot]
+            checks.within(
+                f"k of sequence {s.seq_id} (slot {s.slot} verifies up to {cap} drafts)",
+                k,
+                1,
+                cap + 1,
+            )
+            checks.phase(s.seq_id, s.phase, IDLE, "verify")
+            checks.fits_context(s.seq_id, s.seq_len, k, self.svc.max_context)
+        return states
+
+    def can_batch_verify(self, ks: Sequence[int]) -> bool:
+        return 1 <= len(ks) <= self.svc.max_batch and sum(ks) <= self.svc.max_rows
+
+    # -- verdict -------------------------------------------------------------------------
+
+    @traced("fold")
+    def gdn_fold_accepted(self, seqs: Sequence[SequenceHandle], fold_rows: Sequence[int]) -> None:
+        checks.same_length("gdn_fold_accepted", seqs=seqs, fold_rows=fold_rows)
+        states = self.slots.lookup("gdn_fold_accepted", seqs)
+        for s, a in zip(states, fold_rows, strict=True):
+            checks.phase(s.seq_id, s.phase, VERIFIED, "fold")
+            checks.within(
+                f"fold_rows of sequence {s.seq_id} (its last verify had {s.pending_k} rows)",
+                a,
+                1,
+                s.pending_k,
+            )
+        slots, kept = upload(self.model.device, [s.slot for s in states], fold_rows)
+        self.fold(states, slots, kept - 1)
+        for s, a in zip(states, fold_rows, strict=True):
+            s.folded_rows = a
+
+    def fold(self, states: list[SeqState], slots: torch.Tensor, accepted: torch.Tensor) -> None:
+        """Each slot's state after its last accepted row becomes live. slots, accepted: [B]
+        on the device (accepted: rows past the first)."""
+        picks = self.state.verify_offset_t[slots] + accepted
+        self.choice.ops.fold(self.state.gdn, self.state.verify_gdn, slots, picks)
+        self.choice.ops.fold(self.state.conv, self.state.verify_conv, slots, picks)
+        for s in states:
+            s.phase = FOLDED
+        if self.choice.after_fold is not None:
+            self.choice.after_fold(self.state, [s.slot for s in states])
+
+    @traced("commit")
+    def commit_accepted_prefix(
+        self, seqs: Sequence[SequenceHandle], kept_rows: Sequence[int], ks: Sequence[int]
+    ) -> list[int]:
+        checks.same_length("commit_accepted_prefix", seqs=seqs, kept_rows=kept_rows, ks=ks)
+        states = self.slots.lookup("commit_accepted_prefix", seqs)
+        for s, kept, k in zip(states, kept_rows, ks, strict=True):
+            checks.phase(s.seq_id, s.phase, FOLDED, "commit")
+            check_pending(s, k)
+            if kept != s.folded_rows:
+                raise InvalidArgument(
+                    f"sequence {s.seq_id} was folded at {s.folded_rows} rows; it cannot keep {kept}"
+                )
+        self.commit(states, kept_rows)
+        mirror(seqs, states)
+        return [s.seq_len for s in states]
+
+    def commit(self, states: list[SeqState], kept_rows: Sequence[int]) -> None:
+        for s, kept in zip(states, kept_rows, strict=True):
+            del s.tokens[len(s.tokens) - (s.pending_k - kept) :]
+            s.phase, s.pending_k = IDLE, 0
+
+    @traced("stash")
+    def stash_verify_hidden_rows(self, rows: Sequence[int]) -> None:
+        have = self.state.verify_hidden.shape[0]
+        if have == 0:
+            raise FailedPrecondition("no verify has run, so there is no hidden row to stash")
+        checks.within("the number of stash rows", len(rows), 1, self.svc.max_batch)
+        for r in rows:
+            checks.within("a stash row", r, 0, have - 1)
+        (index,) = upload(self.model.device, rows)
+        self.stash(index)
+
+    def stash(self, rows: torch.Tensor) -> None:
+        """Stash slot i takes the final hidden of verify row rows[i]. rows: [n] on the device"""
+        n = rows.shape[0]
+        self.state.stash[:n] = self.state.verify_hidden[rows]
+        for i in range(n):
+            self.state.stash_valid[i] = True
+
+    # -- masks and sampling ----------------------------------------------------------------
+
+    def masks(self, masks: dict[int, bytes], rows: int) -> dict[int, torch.Tensor]:
+        """Allowed-token bitmasks as bool rows, checked: one per row at most, the right size,
+        at least one token allowed."""
+        words = -(-self.cfg.vocab_size // 32)
+        out = {}
+        for row, bits in masks.items():
+            if not bits:
+                continue
+            checks.within("a masked row", row, 0, rows - 1)
+            # Grammar engines may round up to whole words past the vocabulary; ignored.
+            if len(bits) < 4 * words or len(bits) % 4:
+                raise InvalidArgument(
+                    f"the mask of row {row} has {len(bits)} bytes; a vocabulary of "
+                    f"{self.cfg.vocab_size} takes {4 * words} or more, whole 32-bit words"
+                )
+            allowed = torch.from_numpy(
+                np.unpackbits(np.frombuffer(bits, dtype=np.uint8), bitorder="little")
+            )[: self.cfg.vocab_size].bool()
+            if not allowed.any():
+                raise InvalidArgument(f"the mask of row {row} allows no token")
+            out[row] = allowed
+        return out
+
+    def keep_logits(self, logits: torch.Tensor, masks: dict[int, torch.Tensor]) -> list[int]:
+        """Keep a prefill's logits (masked rows with -inf outside their mask) and each row's
+        argmax log-probability -> each row's argmax."""
+        for row, allowed in masks.items():
+            logits[row] = logits[row].masked_fill(~allowed.to(logits.device), float("-inf"))
+        self.state.logits = logits
+        top, logprob = self.choice.ops.argmax_logprob(logits)
+        host_top, self.logprobs = download(top, logprob)
+        return ints(host_top)
+
+    def _row_draws(
+        self,
+        states: list[SeqState],
+        tokens: list[int],
+        ks: list[int],
+        sampling: dict[int, Sampling],
+    ) -> list[RowDraws | None]:
+        """Rejection-sampling draws for every row of the sampling sequences; the draft
+        distributions they used are spent."""
+        draws: list[RowDraws | None] = [None] * sum(ks)
+        off = 0
+        for i, (s, k) in enumerate(zip(states, ks, strict=True)):
+            smp = sampling.get(i)
+            if smp is not None:
+                p = distribution(self.state.logits[off : off + k], smp)
+                q = s.draft_probs
+                for j in range(k):
+                    last = j == k - 1
+                    qj = q[j] if q is not None and not last and j < len(q) else None
+                    nxt = None if last else tokens[off + j + 1]
+                    draws[off + j] = row_draws(p[j], qj, nxt, smp.uniforms[j])
+            s.draft_probs = None
+            off += k
+        return draws
+
+
+def check_pending(s: SeqState, k: int) -> None:
+    if k != s.pending_k:
+        raise InvalidArgument(f"sequence {s.seq_id}'s last verify had {s.pending_k} rows, not {k}")
