@@ -99,7 +99,7 @@ class Drafter:
         drafts, confs = self.chain(tok, hidden, slots, pos, top, num_drafts, sampled, states)
         host_drafts, host_confs = download(drafts, confs)
         self.own_drafts(states, num_drafts)
-        return _proposal(host_drafts, host_confs, len(states), num_drafts)
+        return proposal_rows(host_drafts, host_confs, len(states), num_drafts)
 
     def own_drafts(self, states: list[SeqState], num_drafts: int) -> None:
         for s in states:
@@ -247,7 +247,7 @@ def _false(device: torch.device) -> torch.Tensor:
     return torch.zeros((), dtype=torch.bool, device=device)
 
 
-def _proposal(drafts: list[float], confs: list[float], n: int, nd: int) -> Proposal:
+def proposal_rows(drafts: list[float], confs: list[float], n: int, nd: int) -> Proposal:
     """Flat [n * nd] host lists -> per-sequence rows."""
     d = ints(drafts)
     return Proposal(

@@ -27,7 +27,7 @@ from gpu_service.interface import (
     SequenceHandle,
     StepResult,
 )
-from gpu_service.model.backend import EAGER, TRITON, Choice
+from gpu_service.model.backend import EAGER, Choice, EagerOps
 from gpu_service.model.hybrid import HybridModel
 from gpu_service.model.weights import load_weights
 from gpu_service.slots import SlotTable
@@ -36,6 +36,14 @@ from gpu_service.step import Steps
 from gpu_service.verifier import Verifier
 
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def _triton_ops() -> EagerOps:
+    """Imported on first use: Triton decides interpreted or compiled when its kernels are
+    decorated, after the process chose its device."""
+    from gpu_service.model.triton_forward import TRITON
+
+    return TRITON
 
 
 class Engine:
@@ -211,7 +219,7 @@ class Engine:
             )
         with self._lock:
             self.choice.name = name
-            self.choice.ops = TRITON if name.startswith("triton") else EAGER
+            self.choice.ops = _triton_ops() if name.startswith("triton") else EAGER
             self.choice.serial = name.endswith("-serial")
             self.choice.after_fold = self.forwards[name]
             self.model.ops = self.choice.ops

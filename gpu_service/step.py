@@ -11,7 +11,7 @@ import torch
 
 from gpu_service import checks
 from gpu_service.config import ServiceConfig
-from gpu_service.drafter import Drafter, _proposal
+from gpu_service.drafter import Drafter, proposal_rows
 from gpu_service.interface import (
     FailedPrecondition,
     Proposal,
@@ -22,8 +22,10 @@ from gpu_service.interface import (
 from gpu_service.model.backend import download, ints, upload
 from gpu_service.sequence import VERIFIED, SeqState
 from gpu_service.slots import mirror
-from gpu_service.telemetry import traced
+from gpu_service.telemetry import span, traced, tracer
 from gpu_service.verifier import Verifier, check_pending
+
+_TRACER = tracer("met.engine")
 
 
 class Steps:
@@ -47,9 +49,12 @@ class Steps:
         v_rows = [states[p].verify_row + kept_rows[p] - 1 for p in proposers]
         slots, kept, rows = upload(v.model.device, [s.slot for s in states], kept_rows, v_rows)
         if proposers:
-            v.stash(rows)
-        v.fold(states, slots, kept - 1)
-        v.commit(states, kept_rows)
+            with span(_TRACER, "stash"):
+                v.stash(rows)
+        with span(_TRACER, "fold"):
+            v.fold(states, slots, kept - 1)
+        with span(_TRACER, "commit"):
+            v.commit(states, kept_rows)
         mirror(seqs, states)
         if not proposers:
             return Proposal([], [])
@@ -116,14 +121,18 @@ class Steps:
         tokens, ks = list(tokens), list(ks)
         before = [s.seq_len for s in states]
         meta = _verdict_meta(tokens, ks, states, wanted, v.model.device)
-        top, logprob = v.choice.ops.argmax_logprob(v.verify_logits(states, tokens, ks))
-        accepted = _greedy_accepted(top, meta["drafts"], meta["pred"])
-        v.fold(states, meta["slots"], accepted)
-        results = [top, logprob, accepted]
-        if wanted:
-            results += self._draft(top, accepted, meta, before, ks, wanted, num_drafts)
-        host = download(*results)
-        return self._settle(states, seqs, ks, wanted, num_drafts, before, host)
+        with span(_TRACER, "engine.verify"):
+            top, logprob = v.choice.ops.argmax_logprob(v.verify_logits(states, tokens, ks))
+        with span(_TRACER, "engine.verdict"):
+            accepted = _greedy_accepted(top, meta["drafts"], meta["pred"])
+            with span(_TRACER, "fold"):
+                v.fold(states, meta["slots"], accepted)
+            results = [top, logprob, accepted]
+            if wanted:
+                results += self._draft(top, accepted, meta, before, ks, wanted, num_drafts)
+            host = download(*results)
+            with span(_TRACER, "commit"):
+                return self._settle(states, seqs, ks, wanted, num_drafts, before, host)
 
     def _draft(
         self,
@@ -146,11 +155,15 @@ class Steps:
         pos = torch.where(room, pos, 0)
         hidden = state.verify_hidden[last_rows]
         n = len(wanted)
-        state.stash[:n] = hidden
-        state.stash_valid[:n] = [True] * n
+        with span(_TRACER, "stash"):
+            state.stash[:n] = hidden
+            state.stash_valid[:n] = [True] * n
         top_pos = max(before[i] + ks[i] - 1 for i in wanted)
-        drafts, confs = self.drafter.chain(top[last_rows], hidden, slots, pos, top_pos, num_drafts)
-        if num_drafts > 1:  # trim: only entries from the target's hidden stay
+        with span(_TRACER, "propose"):
+            drafts, confs = self.drafter.chain(
+                top[last_rows], hidden, slots, pos, top_pos, num_drafts
+            )
+        with span(_TRACER, "trim"):  # only entries from the target's hidden stay
             own = pos[:, None] + torch.arange(1, num_drafts, device=pos.device)
             where = (slots[:, None].expand_as(own), own)
             state.mtp_valid.index_put_(where, torch.zeros((), dtype=torch.bool, device=pos.device))
@@ -178,7 +191,7 @@ class Steps:
         proposers = [i for i in wanted if before[i] + accepted[i] + num_drafts <= ctx]
         proposal = Proposal([], [])
         if wanted:
-            full = _proposal(host[3], host[4], len(wanted), num_drafts)
+            full = proposal_rows(host[3], host[4], len(wanted), num_drafts)
             keep = [wanted.index(i) for i in proposers]
             proposal = Proposal([full.drafts[j] for j in keep], [full.confidences[j] for j in keep])
             for s in states:

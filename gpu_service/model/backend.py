@@ -1,6 +1,7 @@
-"""The forward's backends as ops objects, chosen once by `set_forward`: `EagerOps` (plain
-torch, the references in `kernels/*/naive.py`) and `TritonOps` (the Triton kernels, which
-read the call's metadata as varlen offsets). Linears and other row-wise parts are shared."""
+"""The forward's backends as ops objects, chosen once by `set_forward`: `EagerOps` here (plain
+torch, the references in `kernels/*/naive.py`) and `TritonOps` in `triton_forward.py` (the
+Triton kernels, imported only when a triton forward is chosen). Linears and other row-wise
+parts are shared."""
 
 from __future__ import annotations
 
@@ -105,9 +106,9 @@ class EagerOps:
     def argmax_logprob(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's argmax (first on ties) and its log-probability, fp32.
         logits: [n, V] -> (argmax [n] int64, log-probability [n])"""
-        lf = logits.float()
-        peak, top = lf.max(-1)
-        return top, peak - torch.logsumexp(lf, -1)
+        top = logits.argmax(-1)
+        logprob = torch.log_softmax(logits, -1, dtype=torch.float32)
+        return top, logprob.gather(-1, top[:, None])[:, 0]
 
     def draft_argmax(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A draft and its softmax probability per row. A draft only proposes, so a near tie
@@ -123,77 +124,8 @@ class EagerOps:
         live[:, slots] = rows[:, picks]
 
 
-class TritonOps(EagerOps):
-    name = "triton"
-
-    def rms_norm(
-        self, x: torch.Tensor, weight: torch.Tensor, one_plus: torch.Tensor | None, eps: float
-    ) -> torch.Tensor:
-        from kernels.rmsnorm.triton import rms_norm
-
-        return rms_norm(x, weight, eps)
-
-    def gated_rms_norm(
-        self, x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
-    ) -> torch.Tensor:
-        from kernels.rmsnorm.triton import gated_rms_norm
-
-        return gated_rms_norm(x, z.contiguous(), weight, eps)
-
-    def attend(self, q: torch.Tensor, cache: Cache, batch: Batch) -> torch.Tensor:
-        from kernels.attention.triton import attention
-
-        k_cache, v_cache, valid = cache
-        cu, slots, starts = batch.cu_seqlens, batch.seq_slot32, batch.seq_start32
-        if cu is None or slots is None or starts is None:  # a draft batch: a row a sequence
-            i32 = torch.int32
-            cu = torch.arange(batch.rows + 1, dtype=i32, device=q.device)
-            slots, starts = batch.tile_slot.to(i32), batch.tile_pos.to(i32)
-        out = attention(q[: batch.rows], k_cache, v_cache, cu, slots, starts, valid, scale=1.0)
-        padded = q.new_zeros(q.shape)
-        padded[: batch.rows] = out
-        return padded
-
-    def mix_gdn(
-        self,
-        cfg: ModelConfig,
-        mixed: torch.Tensor,
-        g: torch.Tensor,
-        beta: torch.Tensor,
-        batch: Batch,
-        state: DeviceState,
-        layer: int,
-        weight: torch.Tensor,
-        mode: str,
-        write_live: bool,
-    ) -> torch.Tensor:
-        from gpu_service.model import triton_forward
-
-        return triton_forward.mix_gdn(
-            cfg, mixed, g, beta, batch, state, layer, weight, mode == "prefill", write_live
-        )
-
-    def argmax_logprob(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        from kernels.argmax.triton import argmax_confidence
-
-        top, conf = argmax_confidence(logits)
-        return top, conf.log()
-
-    def draft_argmax(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        from kernels.argmax.triton import argmax_confidence
-
-        return argmax_confidence(logits)
-
-    def fold(
-        self, live: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, picks: torch.Tensor
-    ) -> None:
-        from kernels.fold.triton import fold
-
-        fold(live, rows, slots, picks)
-
-
 Ops = EagerOps
-EAGER, TRITON = EagerOps(), TritonOps()
+EAGER = EagerOps()
 
 
 class Choice:

@@ -4,7 +4,7 @@ loop and its operator count does not grow with the batch."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -71,24 +71,13 @@ class Batch:
     def num_seqs(self) -> int:
         return len(self.segs)
 
-    def advanced(self, by: int) -> Batch:
-        """The same rows `by` positions further on (the drafter's next draft)."""
-        last = max(s.start + s.count for s in self.segs) + by
-        return replace(
-            self,
-            segs=tuple(replace(s, start=s.start + by) for s in self.segs),
-            row_pos=self.row_pos + by,
-            tile_pos=self.tile_pos + by,
-            key_len=_key_len(last, self.key_block),
-            seq_start32=None if self.seq_start32 is None else self.seq_start32 + by,
-        )
-
 
 def _blocks(length: int, block: int) -> int:
     return -(-length // block)
 
 
-def _key_len(length: int, block: int) -> int:
+def key_len(length: int, block: int) -> int:
+    """Keys an attention tile reads to see `length` positions: whole blocks."""
     return _blocks(length, block) * block
 
 
@@ -126,7 +115,7 @@ def build(segs: list[Segment], layout: Layout, row_tile: int, device: torch.devi
         padded=padded,
         steps=steps,
         chunk=chunk,
-        key_len=_key_len(max(s.start + s.count for s in segs), layout.key_block),
+        key_len=key_len(max(s.start + s.count for s in segs), layout.key_block),
         cu_seqlens=small[0],
         seq_slot32=small[1],
         seq_start32=small[2],
@@ -233,8 +222,3 @@ def draft_batch(
         grid_last=empty,
         grid_vrow=empty,
     )
-
-
-def key_len(length: int, block: int) -> int:
-    """Keys an attention tile reads to see `length` positions: whole blocks."""
-    return _key_len(length, block)

@@ -8,6 +8,8 @@ the GDN mix, argmax, fold) sit behind an ops object (`gpu_service.model.backend`
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from gpu_service.config import FULL, ModelConfig
@@ -261,7 +263,12 @@ def _write_kv(
     k_cache.index_put_(where, k[: batch.rows])
     v_cache.index_put_(where, v[: batch.rows])
     if valid is not None:
-        valid.index_put_(where, torch.ones((), dtype=torch.bool, device=valid.device))
+        valid.index_put_(where, _true(valid.device))
+
+
+@functools.cache
+def _true(device: torch.device) -> torch.Tensor:
+    return torch.ones((), dtype=torch.bool, device=device)
 
 
 def _transposed_linears(cfg: ModelConfig, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

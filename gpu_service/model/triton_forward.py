@@ -1,16 +1,21 @@
-"""The `triton` forward's GDN mix: one varlen kernel launch over every sequence of a batched
-call for the conv and one for the gated delta rule, reading the call's `Batch` offsets."""
+"""The `triton` forwards' ops object: the per-layer parts as Triton kernels, each one varlen
+launch over every sequence of a batched call, reading the call's `Batch` offsets."""
 
 from __future__ import annotations
 
 import torch
 
 from gpu_service.config import ModelConfig
+from gpu_service.model.backend import Cache, EagerOps
 from gpu_service.model.batch import Batch
 from gpu_service.state import DeviceState
+from kernels.argmax.triton import argmax_confidence
+from kernels.attention.triton import attention
 from kernels.causal_conv1d.triton import causal_conv1d, causal_conv1d_update
+from kernels.fold.triton import fold
 from kernels.gated_delta_rule.chunk import chunk_gated_delta_rule
 from kernels.gated_delta_rule.recurrent import recurrent_gated_delta_rule
+from kernels.rmsnorm.triton import gated_rms_norm, rms_norm
 
 
 def mix_gdn(
@@ -59,3 +64,61 @@ def mix_gdn(
             *args, state.verify_gdn[layer], batch.seq_vrow32, write_live
         )
     return out
+
+
+class TritonOps(EagerOps):
+    name = "triton"
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, one_plus: torch.Tensor | None, eps: float
+    ) -> torch.Tensor:
+        return rms_norm(x, weight, eps)
+
+    def gated_rms_norm(
+        self, x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        return gated_rms_norm(x, z.contiguous(), weight, eps)
+
+    def attend(self, q: torch.Tensor, cache: Cache, batch: Batch) -> torch.Tensor:
+        k_cache, v_cache, valid = cache
+        cu, slots, starts = batch.cu_seqlens, batch.seq_slot32, batch.seq_start32
+        if cu is None or slots is None or starts is None:  # a draft batch: a row a sequence
+            i32 = torch.int32
+            cu = torch.arange(batch.rows + 1, dtype=i32, device=q.device)
+            slots, starts = batch.tile_slot.to(i32), batch.tile_pos.to(i32)
+        out = attention(q[: batch.rows], k_cache, v_cache, cu, slots, starts, valid, scale=1.0)
+        padded = q.new_zeros(q.shape)
+        padded[: batch.rows] = out
+        return padded
+
+    def mix_gdn(
+        self,
+        cfg: ModelConfig,
+        mixed: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        batch: Batch,
+        state: DeviceState,
+        layer: int,
+        weight: torch.Tensor,
+        mode: str,
+        write_live: bool,
+    ) -> torch.Tensor:
+        return mix_gdn(
+            cfg, mixed, g, beta, batch, state, layer, weight, mode == "prefill", write_live
+        )
+
+    def argmax_logprob(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        top, conf = argmax_confidence(logits)
+        return top, conf.log()
+
+    def draft_argmax(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return argmax_confidence(logits)
+
+    def fold(
+        self, live: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, picks: torch.Tensor
+    ) -> None:
+        fold(live, rows, slots, picks)
+
+
+TRITON = TritonOps()
