@@ -7,7 +7,8 @@ operation per call under one lock, and never decides what runs next."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -76,6 +77,13 @@ class Engine:
         # Reentrant: measuring costs runs the single operations under the same hold.
         self._lock = threading.RLock()
 
+    @contextmanager
+    def _hold(self) -> Iterator[None]:
+        """One operation at a time, in inference mode: no autograd bookkeeping on any op
+        (views and in-place writes of the state are cheaper)."""
+        with self._lock, torch.inference_mode():
+            yield
+
     @property
     def forward_name(self) -> str:
         return self.choice.name
@@ -103,12 +111,12 @@ class Engine:
         )
 
     def alloc_sequence(self) -> SequenceHandle:
-        with self._lock:
+        with self._hold():
             seq = self.slots.alloc()
             return SequenceHandle(seq.seq_id, seq.slot, 0)
 
     def free_sequence(self, seq: SequenceHandle) -> None:
-        with self._lock:
+        with self._hold():
             self.slots.free(seq.seq_id)
 
     # -- verifier ------------------------------------------------------------------------
@@ -120,7 +128,7 @@ class Engine:
         masks: Sequence[bytes] | None = None,
         sampling: Sequence[Sampling | None] | None = None,
     ) -> list[int]:
-        with self._lock:
+        with self._hold():
             return self.verifier.prefill(seqs, prompts, masks, sampling)
 
     def decode_verify_batched(
@@ -132,7 +140,7 @@ class Engine:
         masks: dict[int, bytes] | None = None,
         sampling: dict[int, Sampling] | None = None,
     ) -> list[int]:
-        with self._lock:
+        with self._hold():
             return self.verifier.decode_verify_batched(
                 tokens, ks, seqs, write_on_accept, masks, sampling
             )
@@ -141,17 +149,17 @@ class Engine:
         return self.verifier.can_batch_verify(ks)
 
     def gdn_fold_accepted(self, seqs: Sequence[SequenceHandle], fold_rows: Sequence[int]) -> None:
-        with self._lock:
+        with self._hold():
             self.verifier.gdn_fold_accepted(seqs, fold_rows)
 
     def commit_accepted_prefix(
         self, seqs: Sequence[SequenceHandle], kept_rows: Sequence[int], ks: Sequence[int]
     ) -> list[int]:
-        with self._lock:
+        with self._hold():
             return self.verifier.commit_accepted_prefix(seqs, kept_rows, ks)
 
     def stash_verify_hidden_rows(self, rows: Sequence[int]) -> None:
-        with self._lock:
+        with self._hold():
             self.verifier.stash_verify_hidden_rows(rows)
 
     def last_draws(self) -> list[RowDraws | None]:
@@ -170,15 +178,15 @@ class Engine:
         seqs: Sequence[SequenceHandle],
         sampling: Sequence[Sampling | None] | None = None,
     ) -> Proposal:
-        with self._lock:
+        with self._hold():
             return self.drafter.run_mtp_propose_batched(last, stash, num_drafts, seqs, sampling)
 
     def check_positions(self, seqs: Sequence[SequenceHandle], positions: Sequence[int]) -> None:
-        with self._lock:
+        with self._hold():
             self.drafter.check_positions(seqs, positions)
 
     def trim_proposer_state(self, seqs: Sequence[SequenceHandle], keep_own: int = 0) -> None:
-        with self._lock:
+        with self._hold():
             self.drafter.trim_proposer_state(seqs, keep_own)
 
     # -- fused steps ---------------------------------------------------------------------
@@ -193,7 +201,7 @@ class Engine:
         num_drafts: int,
         sampling: Sequence[Sampling | None] | None = None,
     ) -> Proposal:
-        with self._lock:
+        with self._hold():
             return self.steps.settle_verdict(
                 seqs, kept_rows, ks, proposers, last, num_drafts, sampling
             )
@@ -206,7 +214,7 @@ class Engine:
         want_drafts: Sequence[bool],
         num_drafts: int,
     ) -> StepResult:
-        with self._lock:
+        with self._hold():
             return self.steps.decode_step(tokens, ks, seqs, want_drafts, num_drafts)
 
     # -- forwards and admin --------------------------------------------------------------
@@ -217,7 +225,7 @@ class Engine:
             raise InvalidArgument(
                 f"unknown forward {name!r}; this service has {', '.join(self.forwards)}"
             )
-        with self._lock:
+        with self._hold():
             self.choice.name = name
             self.choice.ops = _triton_ops() if name.startswith("triton") else EAGER
             self.choice.serial = name.endswith("-serial")
@@ -235,7 +243,7 @@ class Engine:
     ) -> tuple[list[costs.CostEntry], bool]:
         """Verify and propose costs by width and depth (see gpu_service/costs.py), from the
         cache next to the model unless `refresh` or the cache falls short. -> (entries, cached)"""
-        with self._lock:
+        with self._hold():
             path = costs.cache_path(self.model_dir, self.forward_name, self.svc.verify_tiers)
             if not refresh:
                 entries = costs.load(path, list(widths), max_depth)
@@ -249,7 +257,7 @@ class Engine:
             return entries, False
 
     def read_logits(self) -> Logits:
-        with self._lock:
+        with self._hold():
             t = self.state.logits.contiguous().cpu()
             data = t.view(torch.uint8).numpy().tobytes()
             return Logits(data, str(t.dtype).removeprefix("torch."), tuple(t.shape))
