@@ -152,16 +152,26 @@ def _median(runs: list[dict]) -> dict:
 
 
 def methods(
-    connect, work: Workload, concurrency: list[int], tokens: int, repeats: int
-) -> tuple[list, list]:
-    rows, failures = [], []
+    connect,
+    work: Workload,
+    concurrency: list[int],
+    tokens: int,
+    repeats: int,
+    baseline: Callable[[], float] | None = None,
+) -> tuple[list, list, float | None]:
+    """Every method at every concurrency, repeats interleaved so that drift spreads over the
+    methods alike; `baseline` (tok/s of one outside generate) runs in the same rounds at one
+    request. -> (rows, failures, the baseline's median tok/s)"""
+    rows, failures, outside = [], [], []
     env = Env(None, False, False, False)
     for n in concurrency:
         runs: dict[str, list[dict]] = {label: [] for label in VARIANTS}
-        for _ in range(repeats):  # interleaved, so drift spreads over the methods alike
+        for _ in range(repeats):
             for label, (m, options) in VARIANTS.items():
                 reqs = work.requests(m, n, tokens, label)
                 runs[label].append(_serve(connect, reqs, env, work.tokenizer, options))
+            if baseline is not None and n == 1:
+                outside.append(baseline())
         results = {m: _median(r) for m, r in runs.items()}
         base = [results[NONE]["tokens"][f"{NONE}-{i}"] for i in range(n)]
         for m, r in results.items():
@@ -178,7 +188,7 @@ def methods(
                     "identical": same,
                 }
             )
-    return rows, failures
+    return rows, failures, statistics.median(outside) if outside else None
 
 
 def batch_vs_serial(connect, work: Workload, concurrency: list[int], tokens: int) -> list[dict]:
@@ -290,10 +300,11 @@ def tracing(concurrency: int, tokens: int) -> dict:
 
 
 def transformers_baseline(
-    model_dir: Path, work: Workload, tokens: int, repeats: int
-) -> dict | None:
+    model_dir: Path, work: Workload, tokens: int
+) -> Callable[[], float] | None:
     """transformers' own greedy generate on the same checkpoint (no speculation: it offers
-    none for this model), one request; None when transformers is not installed."""
+    none for this model), one request: a callable that runs it once and returns its tok/s;
+    None when transformers is not installed."""
     try:
         import torch
         from transformers import Qwen3NextForCausalLM
@@ -302,14 +313,31 @@ def transformers_baseline(
     # fp32, as our engine computes on a CPU (bf16 weights widen exactly).
     model = Qwen3NextForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids = torch.tensor([list(work.prompts[0])])
-    rates = []
-    with torch.no_grad():
-        model.generate(ids, max_new_tokens=2, do_sample=False)
-        for _ in range(repeats):
+
+    def once() -> float:
+        with torch.no_grad():
             t0 = time.perf_counter()
             out = model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
-            rates.append((out.shape[1] - ids.shape[1]) / (time.perf_counter() - t0))
-    return {"tok_s": statistics.median(rates), "tokens": tokens, "threads": torch.get_num_threads()}
+            return (out.shape[1] - ids.shape[1]) / (time.perf_counter() - t0)
+
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=2, do_sample=False)
+    return once
+
+
+def against_transformers(rows: list[dict], outside: float) -> dict:
+    """Our in-process tok/s at one request over transformers' generate, per method."""
+    ours = {r["method"]: r["tok_s"] for r in rows if r["concurrency"] == 1}
+    return {
+        "tok_s": outside,
+        "threads": 1,
+        "in_process": {m: v / outside for m, v in ours.items()},
+    }
+
+
+def batched_over_serial(rows: list[dict]) -> dict[int, float]:
+    by = {(r["verify"], r["concurrency"]): r["tok_s"] for r in rows}
+    return {n: by[("batched", n)] / by[("serial", n)] for (v, n) in by if v == "batched"}
 
 
 def memory(engine) -> dict:
@@ -340,14 +368,17 @@ def run(args: argparse.Namespace) -> int:
     conc, tokens, repeats = ([1, 4], 12, 1) if quick else ([1, 4, 16], 64, 5)
     report: dict = {"model": engine.name, "quick": quick, "machine": _machine()}
     local = lambda: engine  # noqa: E731
-    report["methods"], failures = methods(local, work, conc, tokens, repeats)
+    hf = None if quick else transformers_baseline(args.model, work, tokens)
+    report["methods"], failures, outside = methods(local, work, conc, tokens, repeats, hf)
+    if outside is not None:
+        report["transformers_generate"] = against_transformers(report["methods"], outside)
     report["batch_vs_serial"] = batch_vs_serial(local, work, [4] if quick else [8, 16], tokens)
+    report["batched_over_serial"] = batched_over_serial(report["batch_vs_serial"])
     report["split"] = split(args.model, local, work, [1] if quick else [1, 4], tokens, repeats)
     report["speedup"] = speedups(report["split"])
     report["memory"] = memory(engine)
     if not quick:
         report["tracing"] = tracing(4, tokens)
-        report["transformers_generate"] = transformers_baseline(args.model, work, tokens, repeats)
     report["failures"] = failures
     print_table(report)
     if args.out:

@@ -67,8 +67,18 @@ def markdown(report: dict) -> str:
         ours = {r["method"]: r["grpc_tok_s"] for r in report["split"] if r["concurrency"] == 1}
         out.append(
             f"transformers `Qwen3NextForCausalLM.generate` (greedy, 1 request, "
-            f"{hf['threads']} thread): {hf['tok_s']:.1f} tok/s; ours over gRPC at 1 request: "
+            f"{hf['threads']} thread, measured in the same rounds as the methods): "
+            f"{hf['tok_s']:.1f} tok/s; ours in process at 1 request: "
+            + ", ".join(f"{k} {x:.2f}x" for k, x in hf["in_process"].items())
+            + "; over gRPC: "
             + ", ".join(f"{k} {v:.1f} tok/s ({v / hf['tok_s']:.2f}x)" for k, v in ours.items())
+            + "."
+        )
+    ratios = report.get("batched_over_serial", {})
+    if ratios:
+        out.append(
+            "Batched verify over serial: "
+            + ", ".join(f"{x:.2f}x at {n}" for n, x in ratios.items())
             + "."
         )
     return "\n".join(out) + "\n"
@@ -135,6 +145,8 @@ def print_table(report: dict) -> None:
             f"verify {r['verify']:8} at {r['concurrency']:2d}: {r['tok_s']:7.1f} tok/s, "
             f"{r['step_ms']:.1f} ms a step"
         )
+    for n, x in report["batched_over_serial"].items():
+        print(f"batched verify / serial at {n}: {x:.2f}x")
     for r in report["split"]:
         print(
             f"split {r['method']:4} at {r['concurrency']}: {r['in_process_tok_s']:6.1f} tok/s "
@@ -160,11 +172,14 @@ def print_table(report: dict) -> None:
             f"{t['exported_tok_s']:.1f} exported ({t['spans']} spans)"
         )
     if report.get("transformers_generate"):
-        hf = report["transformers_generate"]["tok_s"]
-        ours = {r["method"]: r["grpc_tok_s"] for r in report["split"] if r["concurrency"] == 1}
+        t = report["transformers_generate"]
+        hf = t["tok_s"]
+        grpc = {r["method"]: r["grpc_tok_s"] for r in report["split"] if r["concurrency"] == 1}
         print(
-            f"transformers generate (1 request, greedy): {hf:.1f} tok/s; ours over gRPC: "
-            + ", ".join(f"{m} {v:.1f} ({v / hf:.2f}x)" for m, v in ours.items())
+            f"transformers generate (1 request, greedy): {hf:.1f} tok/s; ours in process: "
+            + ", ".join(f"{m} {x:.2f}x" for m, x in t["in_process"].items())
+            + "; over gRPC: "
+            + ", ".join(f"{m} {v:.1f} ({v / hf:.2f}x)" for m, v in grpc.items())
         )
     for f in report["failures"]:
         print(f"FAIL: {f}", file=sys.stderr)

@@ -112,28 +112,6 @@ def test_circuit_diff_on_triton(tiny_dir) -> None:
     assert drift["verdict"] == "FAIL" and "triton: prefill equal False" in drift["reasons"][0]
 
 
-def test_gpu_check_script(tmp_path) -> None:
-    """Without a GPU it says so and exits 0; `--cpu` runs its checks under the interpreter."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.sh"
-    env = {**os.environ, "PYTHON": sys.executable}
-    plain = subprocess.run([str(script)], capture_output=True, text=True, env=env, timeout=120)
-    assert plain.returncode == 0 and "no CUDA GPU" in plain.stdout, plain.stderr
-    full = subprocess.run(
-        [str(script), "--cpu", "--no-pytest", "--repeats", "1"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert full.returncode == 0, full.stdout + full.stderr
-    assert "model verify" in full.stdout and "gdn chunk" in full.stdout
-
-
 def test_triton_write_on_accept_values_agree(tiny_dir, rng: torch.Generator) -> None:
     """The live-advancing verify (write_on_accept false) folds back to the same state."""
     from tests.steps import verify

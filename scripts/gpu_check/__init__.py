@@ -1,0 +1,4 @@
+"""The device check behind scripts/gpu_check.sh: the serving pair started on the device
+(greedy `none` and `mtp` generations, the circuit diff against it), the kernel tests, and one
+greedy step profiled in process; one JSON report with a section per check and an overall `ok`.
+`--cpu` runs the same checks, smaller, on the CPU."""

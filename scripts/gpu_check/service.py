@@ -1,0 +1,212 @@
+"""The checks that need the serving pair: both processes started on the device, greedy `none`
+and `mtp` generations streamed from the control plane, and `met circuit diff` run against
+the GPU service (the diff takes no device; the service it drives is on the device)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import TracebackType
+
+import grpc
+
+from control_plane.client import GrpcModel
+from control_plane.launch import start_control_plane, start_gpu_service, stop
+from protos.met.v1 import generate_pb2 as pb
+from protos.met.v1 import generate_pb2_grpc as pb_grpc
+from scripts.gpu_check.report import guarded
+from scripts.gpu_check.settings import ROOT, Settings
+
+METHODS = {"none": pb.SPECULATIVE_METHOD_NONE, "mtp": pb.SPECULATIVE_METHOD_MTP}
+# A whole GPU-sized diff, with headroom for a cold Triton cache.
+DIFF_TIMEOUT_S = 900.0
+# Loading the default model takes seconds; a service that dies while loading is only seen
+# as never serving, so its wait is kept short.
+START_TIMEOUT_S = 60.0
+
+
+class Served:
+    """The GPU service on `settings.device` and a control plane driving it, for the length of
+    a `with`. A start that fails is raised to each check that asks for the targets."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.gpu_target = self.cp_target = ""
+        self.error: Exception | None = None
+        self.exit_status: dict[str, int | None] = {}
+        self.start_seconds = 0.0
+
+    def __enter__(self) -> Served:
+        model = str(self.settings.model)
+        t0 = time.perf_counter()
+        try:
+            gpu, self.gpu_target = start_gpu_service(
+                self.settings.model, "--device", self.settings.device, timeout=START_TIMEOUT_S
+            )
+            self.procs["gpu_service"] = gpu
+            cp, self.cp_target = start_control_plane(
+                self.gpu_target, "--tokenizer", model, timeout=START_TIMEOUT_S
+            )
+            self.procs["control_plane"] = cp
+        except Exception as e:
+            self.error = e
+        self.start_seconds = round(time.perf_counter() - t0, 2)
+        return self
+
+    def targets(self) -> tuple[str, str]:
+        """(GPU service, control plane), each HOST:PORT."""
+        if self.error is not None:
+            raise RuntimeError(f"the services did not start: {self.error}") from self.error
+        return self.gpu_target, self.cp_target
+
+    def __exit__(
+        self, kind: type | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        # The control plane first: it drives the GPU service.
+        for name in ("control_plane", "gpu_service"):
+            if name in self.procs:
+                self.exit_status[name] = _stop(self.procs[name])
+
+
+def _stop(proc: subprocess.Popen) -> int | None:
+    try:
+        return stop(proc)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        return None
+
+
+def _generate(target: str, prompt: str, method: str, max_new_tokens: int) -> dict:
+    request = pb.GenerateRequest(
+        prompt=prompt,
+        max_new_tokens=max_new_tokens,
+        speculative_method=METHODS[method],
+        ignore_eos=True,
+    )
+    tokens: list[int] = []
+    last = pb.GenerateResponse()
+    with grpc.insecure_channel(target) as channel:
+        for msg in pb_grpc.GenerationServiceStub(channel).Generate(request, timeout=300):
+            tokens += msg.token_ids
+            last = msg
+    stats = last.speculative_stats
+    return {"tokens": tokens, "drafted": stats.drafted, "accepted": stats.accepted}
+
+
+def _generate_all(target: str, settings: Settings, method: str) -> list[dict]:
+    """Every prompt at once, so the scheduler batches them."""
+    with ThreadPoolExecutor(len(settings.prompts)) as pool:
+        return list(
+            pool.map(
+                lambda p: _generate(target, p, method, settings.max_new_tokens), settings.prompts
+            )
+        )
+
+
+def _capabilities(target: str, forward: str) -> tuple[str, str]:
+    """The service's device and current forward, after selecting `forward`."""
+    model = GrpcModel(target)
+    try:
+        model.set_forward(forward)
+        caps = model.capabilities()
+    finally:
+        model.close()
+    return caps.device, caps.current_forward
+
+
+def check_service(served: Served, settings: Settings) -> dict:
+    gpu, cp = served.targets()
+    device, forward = _capabilities(gpu, settings.forward)
+    out = {m: _generate_all(cp, settings, m) for m in METHODS}
+    none = [r["tokens"] for r in out["none"]]
+    mtp = [r["tokens"] for r in out["mtp"]]
+    drafted = sum(r["drafted"] for r in out["mtp"])
+    accepted = sum(r["accepted"] for r in out["mtp"])
+    full = all(len(t) == settings.max_new_tokens for t in none + mtp)
+    on_device = device.startswith(settings.device)
+    identical = none == mtp
+    return {
+        "ok": on_device and identical and full and drafted > 0,
+        "summary": (
+            f"{device}, none {'==' if identical else '!='} mtp on {len(none)} prompts "
+            f"({settings.max_new_tokens} tokens), {accepted} of {drafted} drafts accepted"
+        ),
+        "device": device,
+        "forward": forward,
+        "prompts": list(settings.prompts),
+        "none": none,
+        "mtp": mtp,
+        "identical": identical,
+        "drafted": drafted,
+        "accepted": accepted,
+    }
+
+
+def _diff(gpu: str, settings: Settings, mtp: bool) -> dict:
+    reference, forwards = settings.diff_forwards
+    flags = [
+        "--verify-batch",
+        *(["--mtp"] if mtp else []),
+        *("--reference", reference, "--forwards", forwards),
+        *("--widths", settings.diff_widths, "--ks", settings.diff_ks),
+        *("--steps", str(settings.diff_steps)),
+    ]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "diff.json"
+        cmd = [sys.executable, "-m", "control_plane.cli", "circuit", "diff", *flags]
+        cmd += ["--gpu-service", gpu, "--out", str(out)]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=DIFF_TIMEOUT_S)
+        if not out.exists():
+            raise RuntimeError(
+                f"the diff wrote no report (status {proc.returncode}): "
+                f"{proc.stderr.strip()[-2000:]}"
+            )
+        report = json.loads(out.read_text())
+    device = report["model"]["device"]
+    ok = proc.returncode == 0 and report["verdict"] == "PASS"
+    return {
+        "ok": ok and device.startswith(settings.device),
+        "summary": f"{report['verdict']} on {device}, {len(report['shapes'])} shapes",
+        "args": ["met", "circuit", "diff", *flags],
+        "verdict": report["verdict"],
+        "reasons": report["reasons"],
+        "device": device,
+        "shapes": [s["ks"] for s in report["shapes"]],
+    }
+
+
+def check_diff(served: Served, settings: Settings) -> dict:
+    gpu, _ = served.targets()
+    runs = {
+        name: guarded(lambda m=mtp: _diff(gpu, settings, m))
+        for name, mtp in (("verify", False), ("mtp", True))
+    }
+    return {
+        "ok": all(r["ok"] for r in runs.values()),
+        "summary": ", ".join(f"{name} {r['summary']}" for name, r in runs.items()),
+        **runs,
+    }
+
+
+def served_checks(settings: Settings) -> dict[str, dict]:
+    """The service and circuit diff sections; the service's also says how long the pair took
+    to start and how each exited (a process that does not stop cleanly fails it)."""
+    with Served(settings) as served:
+        sections = {
+            "service": guarded(lambda: check_service(served, settings)),
+            "circuit_diff": guarded(lambda: check_diff(served, settings)),
+        }
+    service = sections["service"]
+    service["start_seconds"] = served.start_seconds
+    service["exit_status"] = served.exit_status
+    if any(status != 0 for status in served.exit_status.values()):
+        service["ok"] = False
+        service["summary"] += f"; exit status {served.exit_status}"
+    return sections

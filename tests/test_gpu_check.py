@@ -1,0 +1,87 @@
+"""scripts/gpu_check.sh: `--cpu` runs every check on the CPU and writes one report; without a
+GPU and without `--cpu` it says so and exits 0; the wheels it installs on a GPU machine carry
+the pins of pyproject.toml."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from importlib import metadata
+from pathlib import Path
+
+from scripts.gpu_check.report import CHECKS
+from scripts.gpu_check.settings import CPU
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "gpu_check.sh"
+
+
+def _run(*args: str, timeout: float, **env: str) -> subprocess.CompletedProcess:
+    environ = {k: v for k, v in os.environ.items() if k != "OUT"}
+    environ |= {"PYTHON": sys.executable, **env}
+    return subprocess.run(
+        [str(SCRIPT), *args], capture_output=True, text=True, env=environ, timeout=timeout
+    )
+
+
+def test_cpu_run_writes_a_passing_report(tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    done = _run("--no-wheels", "--cpu", "--out", str(out), timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
+    report = json.loads(out.read_text())
+    failed = {name: report[name].get("summary") for name in CHECKS if not report[name]["ok"]}
+    assert report["ok"] and not failed, failed
+    assert report["device"] == "cpu" and report["forward"] == "eager"
+
+    service = report["service"]
+    assert service["device"] == "cpu"
+    assert service["none"] == service["mtp"] and service["identical"]
+    assert [len(t) for t in service["none"]] == [CPU.max_new_tokens] * len(CPU.prompts)
+    assert service["drafted"] > 0, "mtp drafted nothing: the comparison proves nothing"
+    assert service["exit_status"] == {"control_plane": 0, "gpu_service": 0}
+
+    for run in ("verify", "mtp"):
+        diff = report["circuit_diff"][run]
+        assert diff["verdict"] == "PASS" and diff["device"] == "cpu", diff
+        assert diff["args"][-6:] == ["--widths", "2", "--ks", "2,3", "--steps", "2"]
+    assert "--mtp" in report["circuit_diff"]["mtp"]["args"]
+
+    kernels = report["kernel_tests"]
+    assert kernels["passed"] == kernels["tests"] > 0
+
+    batches = report["profile"]["batches"]
+    assert set(batches) == {str(b) for b in CPU.profile_batches}
+    for b in batches.values():
+        assert b["launches"] > 0 and b["ms_per_step"] > 0
+    assert report["host_syncs"]["syncs"] is None
+    assert "circuit_diff  ok" in done.stdout and str(out) in done.stdout
+
+
+def test_without_a_gpu_it_says_so(tmp_path: Path) -> None:
+    done = _run(
+        "--no-wheels", "--out", str(tmp_path / "r.json"), timeout=120, CUDA_VISIBLE_DEVICES=""
+    )
+    assert done.returncode == 0 and "no CUDA GPU" in done.stdout, done.stderr
+    missing = _run("--wheels", str(tmp_path / "none"), "--cpu", timeout=30)
+    assert missing.returncode == 2 and "not a directory" in missing.stderr
+
+
+def _pins(lines: list[str]) -> dict[str, str]:
+    pairs = (line.split("==") for line in lines if "==" in line and not line.startswith("#"))
+    # PEP 503 names: `prometheus_client` and `prometheus-client` are one project.
+    return {re.sub(r"[-_.]+", "-", n.strip()).lower(): v.strip() for n, v in pairs}
+
+
+def test_gpu_wheels_carry_the_pins() -> None:
+    """Each wheel the GPU machine installs is the version this checkout runs with."""
+    wanted = _pins((ROOT / "scripts" / "gpu_requirements.txt").read_text().splitlines())
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pinned = _pins(project["dependencies"])
+    assert {"grpcio-health-checking", "llguidance", "tokenizers", "protobuf"} <= set(wanted)
+    for name, version in wanted.items():
+        assert pinned.get(name, version) == version, name
+        assert metadata.version(name) == version, name
