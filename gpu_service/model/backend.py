@@ -106,7 +106,7 @@ class EagerOps:
     def argmax_logprob(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's argmax (first on ties) and its log-probability, fp32.
         logits: [n, V] -> (argmax [n] int64, log-probability [n])"""
-        top = logits.argmax(-1)
+        _, top = logits.max(-1)  # first on ties, as argmax, and faster on the CPU
         logprob = torch.log_softmax(logits, -1, dtype=torch.float32)
         return top, logprob.gather(-1, top[:, None])[:, 0]
 
