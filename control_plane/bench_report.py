@@ -62,6 +62,13 @@ def markdown(report: dict) -> str:
             f"{t['disabled_tok_s']:.1f} tok/s disabled, {t['exported_tok_s']:.1f} exporting "
             f"to a local OTLP receiver ({t['spans']} spans)."
         )
+    out += _against(report)
+    return "\n".join(out) + "\n"
+
+
+def _against(report: dict) -> list[str]:
+    """The outside baseline and the batched/serial ratios, as sentences."""
+    out = []
     hf = report.get("transformers_generate")
     if hf:
         ours = {r["method"]: r["grpc_tok_s"] for r in report["split"] if r["concurrency"] == 1}
@@ -81,7 +88,7 @@ def markdown(report: dict) -> str:
             + ", ".join(f"{x:.2f}x at {n}" for n, x in ratios.items())
             + "."
         )
-    return "\n".join(out) + "\n"
+    return out
 
 
 def draw_chart(report: dict, path: Path) -> None:
