@@ -20,8 +20,8 @@ from gpu_service.interface import (
 )
 from gpu_service.model.backend import Choice, download, ints, upload
 from gpu_service.model.batch import Segment, draft_batch, key_len
-from gpu_service.model.hybrid import DRAFT_LOGITS_TILE, HybridModel
-from gpu_service.model.ops import padded_rows
+from gpu_service.model.hybrid import HybridModel
+from gpu_service.model.ops import ROW_TILE, padded_rows
 from gpu_service.sampling import check_sampling, distribution, draw
 from gpu_service.sequence import IDLE, SeqState
 from gpu_service.slots import SlotTable
@@ -150,7 +150,7 @@ class Drafter:
         """The chain over rows padded once to a whole tile: the padding rows draft garbage
         that nothing reads, and no step pads again."""
         n = tok.shape[0]
-        padded = padded_rows(n, DRAFT_LOGITS_TILE)
+        padded = padded_rows(n, ROW_TILE)
         (index,) = upload(tok.device, [*range(n), *[0] * (padded - n)])
         tok, hidden = tok[index], hidden[index]
         drafts, confs, qs = [], [], {i: [] for i in sampled}
@@ -158,7 +158,7 @@ class Drafter:
             keys = min(key_len(top + j + 1, KEY_BLOCK), self.svc.max_context)
             batch = draft_batch(slots, pos + j, index, keys, KEY_BLOCK)
             hidden = self.model.mtp_forward(tok, hidden, batch, self.state)
-            logits = self.model.logits(hidden, DRAFT_LOGITS_TILE)
+            logits = self.model.logits(hidden, ROW_TILE)
             tok, conf = self.choice.ops.draft_argmax(logits)
             if sampled:
                 tok, conf = self._sample(logits, tok, conf, sampled, qs, j)

@@ -15,16 +15,14 @@ import torch
 from gpu_service.config import FULL, ModelConfig
 from gpu_service.model.backend import EAGER, Ops
 from gpu_service.model.batch import Batch, Layout, Segment, build
-from gpu_service.model.ops import ROW_TILE, linear, pad_rows, rope_table
+from gpu_service.model.ops import ROW_TILE, apply_rope, linear, pad_rows, rope_table
 from gpu_service.state import DeviceState
 from kernels.attention.naive import KEY_BLOCK
 from kernels.common import sigmoid, silu, softplus
 
-__all__ = ["PREFILL", "VERIFY", "DRAFT_LOGITS_TILE", "HybridModel", "Segment"]
+__all__ = ["PREFILL", "VERIFY", "HybridModel", "Segment"]
 
 PREFILL, VERIFY = "prefill", "verify"
-# The drafter's LM head runs in tiles of this many rows; the target's in ROW_TILE.
-DRAFT_LOGITS_TILE = ROW_TILE
 # Query rows per attention tile: a verify's or a draft's rows fit one; a prefill's go in
 # larger tiles, so that a long prompt reads its keys fewer times.
 QUERY_TILE = {PREFILL: 64, VERIFY: 4}
@@ -183,7 +181,7 @@ class HybridModel:
         qk = self.ops.head_norm(
             out[:, :qk_w].view(rows, hq + hkv, d), *self.norms[f"{p}.qk"], cfg.rms_norm_eps
         )
-        qk = _apply_rope(qk, rope)
+        qk = apply_rope(qk, rope)
         q, k = qk[:, :hq], qk[:, hq:]
         gate = out[:, qk_w : qk_w + hq * d]
         v = out[:, qk_w + hq * d :].view(rows, hkv, d)
@@ -238,16 +236,6 @@ class HybridModel:
             out.to(x.dtype), z.reshape(rows, hv, dv), self.w[f"{p}.norm.weight"], cfg.rms_norm_eps
         )
         return linear(normed.reshape(rows, hv * dv), self.wt[f"{p}.out_proj"])
-
-
-def _apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Partial rotate-half RoPE over the first rotary dims, in place on a fresh x.
-    x: [P, H, d], rope: [P, 2, rot] (cos, signed sin)"""
-    rot = rope.shape[-1]
-    xr = x[..., :rot]
-    rotated = xr.roll(rot // 2, -1)  # (x2, x1)
-    xr.copy_(torch.addcmul(xr * rope[:, None, 0], rotated, rope[:, None, 1]))
-    return x
 
 
 def _write_kv(

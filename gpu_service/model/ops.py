@@ -42,11 +42,11 @@ def rope_table(rotary_dim: int, theta: float, length: int) -> tuple[torch.Tensor
     return emb.cos(), emb.sin()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Partial rotate-half RoPE over the first rotary dims. x: [P, H, d], cos/sin: [P, rot]"""
-    rot = cos.shape[-1]
-    xr, rest = x[..., :rot].float(), x[..., rot:]
-    half = rot // 2
-    rotated = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
-    out = xr * cos[:, None, :] + rotated * sin[:, None, :]
-    return torch.cat([out.to(x.dtype), rest], dim=-1)
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Partial rotate-half RoPE over the first rotary dims, in place on a fresh x.
+    x: [P, H, d], rope: [P, 2, rot] (cos, signed sin)"""
+    rot = rope.shape[-1]
+    xr = x[..., :rot]
+    rotated = xr.roll(rot // 2, -1)  # (x2, x1)
+    xr.copy_(torch.addcmul(xr * rope[:, None, 0], rotated, rope[:, None, 1]))
+    return x
