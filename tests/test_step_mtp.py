@@ -158,10 +158,21 @@ def test_lone_sequence_with_drafts_goes_serial() -> None:
     assert report.serial_arms == ["K4"] and report.batched_calls == []
 
 
-def test_short_chain_goes_serial() -> None:
+def test_short_chain_joins_the_batch_at_its_depth() -> None:
+    """A sequence holding fewer drafts than the width (made at a narrower width, or near its
+    budget) verifies them in the batch, in D-Cut's order, deepest first, and accepts them."""
     model = FakeModel()
-    report = step_mtp(model, seqs(model, 3, drafts=[3, 1, 3]), ctx(model), 3)
-    assert report.batched_calls == [[4, 4]] and report.serial_arms == ["K2"]
+    active = seqs(model, 3, drafts=[3, 1, 3])
+    report = step_mtp(model, active, ctx(model), 3)
+    assert report.batched_calls == [[4, 4, 2]] and report.serial_arms == []
+    assert [a.stats.accepted for a in active] == [3, 1, 3]
+
+
+def test_after_the_width_grows_the_step_stays_batched() -> None:
+    """Every sequence holds the old width's one draft; the step verifies them together."""
+    model = FakeModel()
+    report = step_mtp(model, seqs(model, 3, drafts=[1, 1, 1]), ctx(model), 3)
+    assert report.batched_calls == [[2, 2, 2]] and report.serial_arms == []
 
 
 @pytest.mark.parametrize(

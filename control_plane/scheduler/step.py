@@ -209,9 +209,13 @@ def _partition(
     active: list[ActiveSeq], verify: list[int], ctx: StepContext, ladder_nd: int
 ) -> tuple[list[int], list[int], list[int]]:
     """(serial, batchable, copies): a batch needs two sequences with drafts, `--mtp-max-seqs`
-    > 1 and the lever on; a copy joins it at its own depth; any other sequence batches when
-    it holds at least `ladder_nd` drafts (1 under `--draft-confidence-stop`, whose chains may
-    end early), and more are cut."""
+    > 1 and the lever on; a copy joins it at its own depth; any other sequence batches with
+    at most `ladder_nd` drafts, more being cut.
+
+    A sequence holding fewer than `ladder_nd` joins the batch at its own depth, never
+    alone: every sequence holds fewer the step after the width grows (its drafts were made
+    at the old width), and so does one near its token budget; verifying those one at a time
+    turned whole steps serial."""
     if not (
         len(verify) >= 2
         and ctx.levers.mtp_max_seqs > 1
@@ -219,7 +223,6 @@ def _partition(
         and ladder_nd >= 1
     ):
         return list(verify), [], []  # grammar sequences are always among the serial
-    min_held = 1 if ctx.levers.draft_stop is not None else ladder_nd
     serial, batchable, copies = [], [], []
     for i in verify:
         a = active[i]
@@ -227,12 +230,10 @@ def _partition(
             serial.append(i)
         elif a.copy:
             copies.append(i)
-        elif len(a.pending_drafts) >= min_held:
+        else:
             del a.pending_drafts[ladder_nd:]
             del a.pending_conf[ladder_nd:]
             batchable.append(i)
-        else:
-            serial.append(i)
     return serial, batchable, copies
 
 
