@@ -33,6 +33,20 @@ def pointwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> to
     return fn(flat)[: x.numel()].view(x.shape)
 
 
+# A chunk's decays are exps of sums of log-decays over up to a chunk of rows, which reach far
+# below exp(-87), where fp32 turns subnormal; the CPU computes and multiplies subnormals tens
+# of times slower. A decay that small weighs nothing next to the others, so it is floored at
+# exp(-60), which also keeps the products that follow clear of subnormals.
+DECAY_FLOOR = -60.0
+
+
+def decay_exp(x: torch.Tensor) -> torch.Tensor:
+    """exp(x) for a log-decay x <= 0, never below exp(DECAY_FLOOR) (about 8.8e-27). An x above
+    0 (a chunk's pairwise decays above the diagonal, which the caller masks) reads as 0: exp
+    overflowing there is as slow as underflowing."""
+    return torch.exp(x.clamp(DECAY_FLOOR, 0.0))
+
+
 def silu(x: torch.Tensor) -> torch.Tensor:
     return pointwise(torch.nn.functional.silu, x)
 

@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-from kernels.common import exp
+from kernels.common import decay_exp, exp
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -87,23 +87,23 @@ def chunk_gated_delta_rule(
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
     lower = torch.tril(torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device))
     strict = torch.tril(lower, diagonal=-1)
-    decay = torch.exp((g[..., :, None] - g[..., None, :]).masked_fill(~lower, float("-inf")))
+    decay = decay_exp(g[..., :, None] - g[..., None, :]).masked_fill(~lower, 0)
     # Solve (I + A) T = I for the strictly lower A of each chunk, row by row.
     a = -(k_beta @ k.transpose(-1, -2) * decay).masked_fill(~strict, 0)
     for i in range(1, chunk_size):
         a[..., i, :i] = a[..., i, :i] + (a[..., i, :i, None] * a[..., :i, :i]).sum(-2)
     a = a + torch.eye(chunk_size, device=q.device)
     u = a @ v_beta  # [H, N, C, dv]
-    w = a @ (k_beta * g.exp()[..., None])  # [H, N, C, dk]
+    w = a @ (k_beta * decay_exp(g)[..., None])  # [H, N, C, dk]
     s = state.float()
     out = torch.empty_like(u)
     for n in range(q.shape[1]):
         qn, kn, gn = q[:, n], k[:, n], g[:, n]
         attn = (qn @ kn.transpose(-1, -2) * decay[:, n]).masked_fill(~lower, 0)
         v_new = u[:, n] - w[:, n] @ s
-        out[:, n] = (qn * gn.exp()[..., None]) @ s + attn @ v_new
-        tail = (gn[:, -1:] - gn).exp()[..., None]  # decay from each row to the chunk's end
-        s = s * gn[:, -1].exp()[:, None, None] + (kn * tail).transpose(-1, -2) @ v_new
+        out[:, n] = (qn * decay_exp(gn)[..., None]) @ s + attn @ v_new
+        tail = decay_exp(gn[:, -1:] - gn)[..., None]  # decay from each row to the chunk's end
+        s = s * decay_exp(gn[:, -1])[:, None, None] + (kn * tail).transpose(-1, -2) @ v_new
     o = out.reshape(out.shape[0], -1, out.shape[-1])[:, :length].transpose(0, 1)
     return o, s
 
@@ -187,22 +187,22 @@ def varlen_chunk_gated_delta_rule(
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
     lower = torch.tril(torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device))
     strict = torch.tril(lower, diagonal=-1)
-    decay = torch.exp((g[..., :, None] - g[..., None, :]).masked_fill(~lower, float("-inf")))
+    decay = decay_exp(g[..., :, None] - g[..., None, :]).masked_fill(~lower, 0)
     # (I + A)^-1 for the strictly lower A of each chunk, as one unit-lower triangular solve
     # over every chunk of every sequence (each matrix solved on its own: batch invariant).
     eye = torch.eye(chunk_size, device=q.device)
     unit_lower = eye + (k_beta @ k.transpose(-1, -2) * decay).masked_fill(~strict, 0)
     a = torch.linalg.solve_triangular(unit_lower, eye, upper=False, unitriangular=True)
     u = a @ v_beta  # [B, H, N, C, dv]
-    w = a @ (k_beta * g.exp()[..., None])  # [B, H, N, C, dk]
+    w = a @ (k_beta * decay_exp(g)[..., None])  # [B, H, N, C, dk]
     s = state.float()
     out = torch.empty_like(u)
     for n in range(q.shape[2]):
         qn, kn, gn = q[:, :, n], k[:, :, n], g[:, :, n]
         attn = (qn @ kn.transpose(-1, -2) * decay[:, :, n]).masked_fill(~lower, 0)
         v_new = u[:, :, n] - w[:, :, n] @ s
-        out[:, :, n] = (qn * gn.exp()[..., None]) @ s + attn @ v_new
-        tail = (gn[..., -1:] - gn).exp()[..., None]  # decay from each row to the chunk's end
-        s = s * gn[..., -1].exp()[..., None, None] + (kn * tail).transpose(-1, -2) @ v_new
+        out[:, :, n] = (qn * decay_exp(gn)[..., None]) @ s + attn @ v_new
+        tail = decay_exp(gn[..., -1:] - gn)[..., None]  # decay from each row to the chunk's end
+        s = s * decay_exp(gn[..., -1])[..., None, None] + (kn * tail).transpose(-1, -2) @ v_new
     o = out.reshape(batch, heads, steps, out.shape[-1]).permute(2, 0, 1, 3)
     return o, s
