@@ -72,7 +72,7 @@ class Drafter:
         slots, last = [s.slot for s in group], [sg.row + sg.count - 1 for sg in segs]
         tokens, src, slot_t, last_t = upload(hidden.device, pair_tokens, sources, slots, last)
         if mtp_segs:
-            pairs = torch.cat([self.state.mtp_carry, hidden])[src]
+            pairs = torch.cat([self.state.mtp_carry, hidden]).index_select(0, src)
             self.model.mtp_forward(tokens, pairs, mtp_segs, self.state, kv_only=True)
         self.state.mtp_carry[slot_t] = hidden[last_t]
 
@@ -94,7 +94,7 @@ class Drafter:
         tok, slots, pos, rows = upload(
             device, last, [s.slot for s in states], [s.seq_len - 1 for s in states], stash
         )
-        hidden = self.state.stash[rows]
+        hidden = self.state.stash.index_select(0, rows)
         top = max(s.seq_len - 1 for s in states)
         drafts, confs = self.chain(tok, hidden, slots, pos, top, num_drafts, sampled, states)
         host_drafts, host_confs = download(drafts, confs)

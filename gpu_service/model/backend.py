@@ -72,36 +72,36 @@ class EagerOps:
         -> [P, Hv, dv] fp32"""
         prefill = mode == "prefill"
         y, after = varlen_causal_conv1d(
-            mixed, state.conv[layer][batch.seq_slot], weight, batch.conv_src
+            mixed, state.conv[layer].index_select(0, batch.seq_slot), weight, batch.conv_src
         )
         if not prefill:
             state.verify_conv[layer].index_put_((batch.row_vrow,), after[: batch.rows])
         if prefill or write_live:
-            state.conv[layer].index_put_((batch.seq_slot,), after[batch.last_row])
+            state.conv[layer].index_put_((batch.seq_slot,), after.index_select(0, batch.last_row))
         b, t = batch.num_seqs, batch.steps
         hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        yg = y[batch.grid_row]  # [T * B, conv_dim], time-major
+        yg = y.index_select(0, batch.grid_row)  # [T * B, conv_dim], time-major
         q, k = prepare_qk_pair(yg[:, : 2 * cfg.key_dim].view(t * b, 2 * hk, dk), hv)
         q, k = q.view(t, b, hv, dk), k.view(t, b, hv, dk)
         v = yg[:, 2 * cfg.key_dim :].view(t, b, hv, dv)
-        gb = torch.stack([g, beta])[:, batch.grid_row].view(2, t, b, hv)
+        gb = torch.stack([g, beta]).index_select(1, batch.grid_row).view(2, t, b, hv)
         live = state.gdn[layer]
         if prefill:
             gb = gb * batch.grid_valid.view(1, t, b, 1)  # padding leaves the state as it was
             o, final = varlen_chunk_gated_delta_rule(
-                q, k, v, gb[0], gb[1], live[batch.seq_slot], batch.chunk
+                q, k, v, gb[0], gb[1], live.index_select(0, batch.seq_slot), batch.chunk
             )
             live.index_put_((batch.seq_slot,), final)
         else:
             o, states = varlen_recurrent_gated_delta_rule(
-                q, k, v, gb[0], gb[1], live[batch.seq_slot]
+                q, k, v, gb[0], gb[1], live.index_select(0, batch.seq_slot)
             )
             states = states.flatten(0, 1)
             state.verify_gdn[layer].index_put_((batch.grid_vrow,), states)
             if write_live:
-                live.index_put_((batch.seq_slot,), states[batch.grid_last])
-        return o.flatten(0, 1)[batch.row_grid]
+                live.index_put_((batch.seq_slot,), states.index_select(0, batch.grid_last))
+        return o.flatten(0, 1).index_select(0, batch.row_grid)
 
     def argmax_logprob(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's argmax (first on ties) and its log-probability, fp32.

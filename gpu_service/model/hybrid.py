@@ -92,8 +92,8 @@ class HybridModel:
         by row, keeping every row's state in the slot's verify buffer, and advances the live
         state only when `write_live`."""
         batch = segs if isinstance(segs, Batch) else self.batch(segs, state, mode)
-        x = pad_rows(self.w["model.embed_tokens.weight"][tokens], ROW_TILE)
-        rope = self.rope[batch.row_pos]
+        x = pad_rows(self.w["model.embed_tokens.weight"].index_select(0, tokens), ROW_TILE)
+        rope = self.rope.index_select(0, batch.row_pos)
         for n, kind in enumerate(self.cfg.layer_types):
             p = f"model.layers.{n}"
             h = self._norm(x, f"{p}.input_layernorm")
@@ -126,16 +126,17 @@ class HybridModel:
         tokens: [R], hidden: [R, H] -> the drafter's hidden after its norm: [P, H]; with
         `kv_only` (priming from a prompt) it stops once the KV is written."""
         batch = segs if isinstance(segs, Batch) else self.batch(segs, state, VERIFY)
-        emb = pad_rows(self.mtp_embed[tokens], ROW_TILE)
+        emb = pad_rows(self.mtp_embed.index_select(0, tokens), ROW_TILE)
         hid = self._norm(pad_rows(hidden, ROW_TILE), "mtp.pre_fc_norm_hidden")
         x = linear(torch.cat([emb, hid], dim=-1), self.wt["mtp.fc"])
         p = "mtp.layers.0"
         cache = (state.mtp_k, state.mtp_v, state.mtp_valid)
         h = self._norm(x, f"{p}.input_layernorm")
+        rope = self.rope.index_select(0, batch.row_pos)
         if kv_only:
-            self._project_kv(f"{p}.self_attn", h, batch, self.rope[batch.row_pos], cache)
+            self._project_kv(f"{p}.self_attn", h, batch, rope, cache)
             return None
-        x = x + self._attention(f"{p}.self_attn", h, batch, self.rope[batch.row_pos], cache)
+        x = x + self._attention(f"{p}.self_attn", h, batch, rope, cache)
         x = x + self._mlp(f"{p}.mlp", self._norm(x, f"{p}.post_attention_layernorm"))
         return self._norm(x, "mtp.norm")
 

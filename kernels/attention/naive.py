@@ -88,14 +88,15 @@ def varlen_attention(
     kv_heads, nt = k_cache.shape[2], tile_slot.shape[0]
     group, qt = heads // kv_heads, tile_row.shape[0] // nt
     # [nt, QT, Hkv, G, d] -> [nt, Hkv, G * QT, d]: a kv head's query heads as extra rows.
-    qs = q[tile_row].view(nt, qt, kv_heads, group, dim).permute(0, 2, 3, 1, 4)
+    qs = q.index_select(0, tile_row).view(nt, qt, kv_heads, group, dim).permute(0, 2, 3, 1, 4)
     qs = qs.reshape(nt, kv_heads, group * qt, dim)
-    keys = k_cache.transpose(1, 2)[tile_slot, :, :key_len]  # [nt, Hkv, L, d]
-    values = v_cache.transpose(1, 2)[tile_slot, :, :key_len]
+    keys = k_cache[:, :key_len].index_select(0, tile_slot).transpose(1, 2)  # [nt, Hkv, L, d]
+    values = v_cache[:, :key_len].index_select(0, tile_slot).transpose(1, 2)
     scores = (qs @ keys.transpose(-1, -2)).view(nt, kv_heads, group, qt, key_len)
     visible = torch.arange(key_len, device=q.device) <= tile_pos.view(nt, 1, 1, qt, 1)
     if key_valid is not None:
-        visible = visible & key_valid[tile_slot, :key_len].view(nt, 1, 1, 1, key_len)
+        valid = key_valid[:, :key_len].index_select(0, tile_slot)
+        visible = visible & valid.view(nt, 1, 1, 1, key_len)
     probs = torch.softmax(scores.masked_fill(~visible, -torch.inf), -1, dtype=torch.float32)
     out = probs.to(q.dtype).view(nt, kv_heads, group * qt, key_len) @ values
     # [nt, Hkv, G, QT, d] -> [nt * QT, Hq, d]

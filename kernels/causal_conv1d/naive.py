@@ -49,6 +49,6 @@ def varlen_causal_conv1d(
     -> (out [P, C], the window after each row [P, W-1, C])"""
     rows, width = x.shape[0], weight.shape[1]
     stream = torch.cat([windows.reshape(-1, x.shape[1]).to(x.dtype), x])
-    taps = stream[src].view(rows, width, -1)  # [P, W, C]
+    taps = stream.index_select(0, src).view(rows, width, -1)  # [P, W, C]
     out = (taps * weight.t().to(x.dtype)).sum(1)
     return silu(out), taps[:, 1:]
