@@ -90,8 +90,9 @@ def varlen_attention(
     # [nt, QT, Hkv, G, d] -> [nt, Hkv, G * QT, d]: a kv head's query heads as extra rows.
     qs = q.index_select(0, tile_row).view(nt, qt, kv_heads, group, dim).permute(0, 2, 3, 1, 4)
     qs = qs.reshape(nt, kv_heads, group * qt, dim)
-    keys = k_cache[:, :key_len].index_select(0, tile_slot).transpose(1, 2)  # [nt, Hkv, L, d]
-    values = v_cache[:, :key_len].index_select(0, tile_slot).transpose(1, 2)
+    # Gathered head-major, so that the products below read them in place, with no copy.
+    keys = k_cache.transpose(1, 2)[:, :, :key_len].index_select(0, tile_slot)  # [nt, Hkv, L, d]
+    values = v_cache.transpose(1, 2)[:, :, :key_len].index_select(0, tile_slot)
     scores = (qs @ keys.transpose(-1, -2)).view(nt, kv_heads, group, qt, key_len)
     visible = torch.arange(key_len, device=q.device) <= tile_pos.view(nt, 1, 1, qt, 1)
     if key_valid is not None:
