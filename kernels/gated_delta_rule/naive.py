@@ -186,20 +186,21 @@ def varlen_chunk_gated_delta_rule(
     g = g.cumsum(-1)
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
     lower = torch.tril(torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device))
-    strict = torch.tril(lower, diagonal=-1)
-    decay = decay_exp(g[..., :, None] - g[..., None, :]).masked_fill(~lower, 0)
+    # Zero above the diagonal, so that the products below need no mask of their own.
+    decay = decay_exp(g[..., :, None] - g[..., None, :]).masked_fill_(~lower, 0)
     # (I + A)^-1 for the strictly lower A of each chunk, as one unit-lower triangular solve
     # over every chunk of every sequence (each matrix solved on its own: batch invariant).
+    # The solve reads only the strictly lower triangle, so A needs neither mask nor identity.
     eye = torch.eye(chunk_size, device=q.device)
-    unit_lower = eye + (k_beta @ k.transpose(-1, -2) * decay).masked_fill(~strict, 0)
-    a = torch.linalg.solve_triangular(unit_lower, eye, upper=False, unitriangular=True)
+    a_full = k_beta @ k.transpose(-1, -2) * decay
+    a = torch.linalg.solve_triangular(a_full, eye, upper=False, unitriangular=True)
     u = a @ v_beta  # [B, H, N, C, dv]
     w = a @ (k_beta * decay_exp(g)[..., None])  # [B, H, N, C, dk]
     s = state.float()
     out = torch.empty_like(u)
     for n in range(q.shape[2]):
         qn, kn, gn = q[:, :, n], k[:, :, n], g[:, :, n]
-        attn = (qn @ kn.transpose(-1, -2) * decay[:, :, n]).masked_fill(~lower, 0)
+        attn = qn @ kn.transpose(-1, -2) * decay[:, :, n]
         v_new = u[:, :, n] - w[:, :, n] @ s
         out[:, :, n] = (qn * decay_exp(gn)[..., None]) @ s + attn @ v_new
         tail = decay_exp(gn[..., -1:] - gn)[..., None]  # decay from each row to the chunk's end
