@@ -25,10 +25,10 @@ from control_plane.scheduler.seq import (
     GenRequest,
     SpecStats,
 )
-from gpu_service.interface import Capabilities, ModelError
-from gpu_service.telemetry import incoming_context, tracer
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
+from protos.model import Capabilities, ModelError
+from protos.telemetry import incoming_context, tracer
 
 METHODS = {
     pb.SPECULATIVE_METHOD_NONE: NONE,

@@ -26,8 +26,8 @@ from pathlib import Path
 from control_plane.env import Env
 from control_plane.scheduler.loop import Scheduler, SchedulerOptions
 from control_plane.scheduler.seq import MTP, NONE, PROMPT_LOOKUP, Finish, GenRequest
-from gpu_service.defaults import DEFAULT_MODEL_DIR
-from gpu_service.interface import Model
+from protos.defaults import DEFAULT_MODEL_DIR
+from protos.model import Model
 
 PROMPTS = [
     "def fibonacci(n):\n",
@@ -102,7 +102,7 @@ def serve_texts(
     env: Env | None = None,
 ) -> dict:
     """Greedy continuations of `prompts`, all at once: texts in order, and the spec stats."""
-    from gpu_service.tokenizer import load_tokenizer
+    from control_plane.tokenizer import load_tokenizer
 
     tok = load_tokenizer(model_dir)
     reqs = [
@@ -119,7 +119,7 @@ class Workload:
     (`held_out_prompts.json`, written by `met train`), else a few generic ones."""
 
     def __init__(self, model_dir: Path) -> None:
-        from gpu_service.tokenizer import load_tokenizer
+        from control_plane.tokenizer import load_tokenizer
 
         self.tokenizer = load_tokenizer(model_dir)
         path = model_dir / "held_out_prompts.json"

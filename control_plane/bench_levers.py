@@ -17,10 +17,10 @@ from control_plane.bench import Workload
 from control_plane.env import Env
 from control_plane.scheduler.loop import Scheduler, SchedulerOptions
 from control_plane.scheduler.seq import MTP, NONE, PROMPT_LOOKUP, GenRequest
+from control_plane.tokenizer import load_tokenizer
 from gpu_service.config import ServiceConfig
-from gpu_service.defaults import DEFAULT_MODEL_DIR
 from gpu_service.engine import Engine
-from gpu_service.tokenizer import load_tokenizer
+from protos.defaults import DEFAULT_MODEL_DIR
 
 CONFIGS = {
     "none": (NONE, {}, {}),

@@ -18,10 +18,10 @@ from control_plane.env import Env
 from control_plane.launch import start_gpu_service, stop
 from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.seq import MTP, NONE, GenRequest
+from control_plane.tokenizer import load_tokenizer
 from gpu_service.config import ServiceConfig
-from gpu_service.defaults import DEFAULT_MODEL_DIR
 from gpu_service.engine import Engine
-from gpu_service.tokenizer import load_tokenizer
+from protos.defaults import DEFAULT_MODEL_DIR
 
 
 def _run(connect, reqs: list[GenRequest]) -> tuple[float, int, int]:

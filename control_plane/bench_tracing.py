@@ -16,7 +16,7 @@ import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from control_plane.launch import start_control_plane, start_gpu_service, stop
-from gpu_service.defaults import DEFAULT_MODEL_DIR
+from protos.defaults import DEFAULT_MODEL_DIR
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
 

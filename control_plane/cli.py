@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from gpu_service.defaults import DEFAULT_MODEL_DIR, DEFAULT_SEED
+from protos.defaults import DEFAULT_MODEL_DIR, DEFAULT_SEED
 
 
 def _gpu_service(args: argparse.Namespace) -> None:
@@ -22,7 +22,7 @@ def _control_plane(args: argparse.Namespace) -> None:
 
 
 def _init_model(args: argparse.Namespace) -> None:
-    from gpu_service.checkpoint import init_model
+    from training.checkpoint import init_model
 
     print(f"wrote {init_model(args.directory, seed=args.seed)}")
 

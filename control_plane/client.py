@@ -8,8 +8,10 @@ from typing import Any
 
 import grpc
 
-from gpu_service import checks
-from gpu_service.interface import (
+from protos import checks
+from protos.met.v1 import model_pb2 as pb
+from protos.met.v1 import model_pb2_grpc as pb_grpc
+from protos.model import (
     ERRORS_BY_CODE,
     Capabilities,
     CostEntry,
@@ -20,9 +22,7 @@ from gpu_service.interface import (
     SequenceHandle,
     StepResult,
 )
-from gpu_service.telemetry import ClientTracing
-from protos.met.v1 import model_pb2 as pb
-from protos.met.v1 import model_pb2_grpc as pb_grpc
+from protos.telemetry import ClientTracing
 
 
 class GrpcModel:

@@ -18,10 +18,10 @@ from control_plane.client import GrpcModel
 from control_plane.metrics import Metrics
 from control_plane.scheduler.loop import Scheduler, SchedulerOptions
 from control_plane.scheduler.seq import MTP, NONE
-from gpu_service.defaults import DEFAULT_MODEL_DIR
-from gpu_service.telemetry import setup_tracing
-from gpu_service.tokenizer import load_tokenizer
+from control_plane.tokenizer import load_tokenizer
+from protos.defaults import DEFAULT_MODEL_DIR
 from protos.met.v1 import generate_pb2, generate_pb2_grpc
+from protos.telemetry import setup_tracing
 
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
 DEFAULT_PORT = 50050

@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from gpu_service.config import ServiceConfig
-from gpu_service.defaults import DEFAULT_MODEL_DIR
 from gpu_service.engine import Engine
 from gpu_service.model.ops import linear, pad_rows
+from protos.defaults import DEFAULT_MODEL_DIR
 
 
 def _median_us(fn: Callable[[], object], repeats: int = 200) -> float:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from gpu_service.interface import CostEntry, InvalidArgument, ResourceExhausted
+from protos.model import CostEntry, InvalidArgument, ResourceExhausted
 
 PROMPT = [(7 * i + 3) % 251 for i in range(16)]
 

@@ -9,15 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from gpu_service import checks
 from gpu_service.config import ModelConfig, ServiceConfig
-from gpu_service.interface import (
-    FailedPrecondition,
-    InvalidArgument,
-    Proposal,
-    Sampling,
-    SequenceHandle,
-)
 from gpu_service.model.backend import Choice, download, ints, upload
 from gpu_service.model.batch import Segment, draft_batch, key_len
 from gpu_service.model.hybrid import HybridModel
@@ -26,8 +18,16 @@ from gpu_service.sampling import check_sampling, distribution, draw
 from gpu_service.sequence import IDLE, SeqState
 from gpu_service.slots import SlotTable
 from gpu_service.state import DeviceState
-from gpu_service.telemetry import traced
 from kernels.attention.naive import KEY_BLOCK
+from protos import checks
+from protos.model import (
+    FailedPrecondition,
+    InvalidArgument,
+    Proposal,
+    Sampling,
+    SequenceHandle,
+)
+from protos.telemetry import traced
 
 
 class Drafter:

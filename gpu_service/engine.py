@@ -17,7 +17,14 @@ from gpu_service import costs
 from gpu_service.config import ModelConfig, ServiceConfig
 from gpu_service.device import describe_device, resolve_device
 from gpu_service.drafter import Drafter
-from gpu_service.interface import (
+from gpu_service.model.backend import EAGER, Choice, EagerOps
+from gpu_service.model.hybrid import HybridModel
+from gpu_service.model.weights import load_weights
+from gpu_service.slots import SlotTable
+from gpu_service.state import DeviceState
+from gpu_service.step import Steps
+from gpu_service.verifier import Verifier
+from protos.model import (
     FORWARDS,
     Capabilities,
     InvalidArgument,
@@ -28,13 +35,6 @@ from gpu_service.interface import (
     SequenceHandle,
     StepResult,
 )
-from gpu_service.model.backend import EAGER, Choice, EagerOps
-from gpu_service.model.hybrid import HybridModel
-from gpu_service.model.weights import load_weights
-from gpu_service.slots import SlotTable
-from gpu_service.state import DeviceState
-from gpu_service.step import Steps
-from gpu_service.verifier import Verifier
 
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 

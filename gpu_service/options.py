@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from gpu_service.config import ServiceConfig
-from gpu_service.defaults import DEFAULT_MODEL_DIR
+from protos.defaults import DEFAULT_MODEL_DIR
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from gpu_service import checks
-from gpu_service.interface import InvalidArgument, RowDraws, Sampling
+from protos import checks
+from protos.model import InvalidArgument, RowDraws, Sampling
 
 
 def distribution(logits: torch.Tensor, s: Sampling) -> torch.Tensor:

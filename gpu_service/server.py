@@ -17,8 +17,8 @@ from gpu_service.device import DeviceError, choose_device, default_forward
 from gpu_service.engine import Engine
 from gpu_service.options import service_config
 from gpu_service.servicer import ErrorInterceptor, ModelServicer
-from gpu_service.telemetry import ServerTracing, setup_tracing
 from protos.met.v1 import model_pb2, model_pb2_grpc
+from protos.telemetry import ServerTracing, setup_tracing
 
 log = logging.getLogger("gpu_service")
 SERVICE_NAME = model_pb2.DESCRIPTOR.services_by_name["ModelService"].full_name

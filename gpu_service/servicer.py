@@ -14,9 +14,9 @@ from typing import Any
 import grpc
 
 from gpu_service.engine import Engine
-from gpu_service.interface import InvalidArgument, ModelError, Sampling, SequenceHandle
 from protos.met.v1 import model_pb2 as pb
 from protos.met.v1 import model_pb2_grpc as pb_grpc
+from protos.model import InvalidArgument, ModelError, Sampling, SequenceHandle
 
 
 def _sampling(p: pb.SamplingParams) -> Sampling:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from gpu_service import checks
-from gpu_service.interface import NotFound, ResourceExhausted, SequenceHandle
 from gpu_service.sequence import SeqState
+from protos import checks
+from protos.model import NotFound, ResourceExhausted, SequenceHandle
 
 
 class SlotTable:

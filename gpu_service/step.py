@@ -9,21 +9,21 @@ from collections.abc import Sequence
 
 import torch
 
-from gpu_service import checks
 from gpu_service.config import ServiceConfig
 from gpu_service.drafter import Drafter, proposal_rows
-from gpu_service.interface import (
+from gpu_service.model.backend import download, ints, upload
+from gpu_service.sequence import VERIFIED, SeqState
+from gpu_service.slots import mirror
+from gpu_service.verifier import Verifier, check_pending
+from protos import checks
+from protos.model import (
     FailedPrecondition,
     Proposal,
     Sampling,
     SequenceHandle,
     StepResult,
 )
-from gpu_service.model.backend import download, ints, upload
-from gpu_service.sequence import VERIFIED, SeqState
-from gpu_service.slots import mirror
-from gpu_service.telemetry import span, traced, tracer
-from gpu_service.verifier import Verifier, check_pending
+from protos.telemetry import span, traced, tracer
 
 _TRACER = tracer("met.engine")
 

@@ -9,15 +9,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from gpu_service import checks
 from gpu_service.config import ModelConfig, ServiceConfig
-from gpu_service.interface import (
-    FailedPrecondition,
-    InvalidArgument,
-    RowDraws,
-    Sampling,
-    SequenceHandle,
-)
 from gpu_service.model.backend import Choice, download, ints, upload
 from gpu_service.model.batch import Segment
 from gpu_service.model.hybrid import PREFILL, VERIFY, HybridModel
@@ -25,7 +17,15 @@ from gpu_service.sampling import check_sampling, distribution, draw, row_draws
 from gpu_service.sequence import FOLDED, IDLE, VERIFIED, SeqState
 from gpu_service.slots import SlotTable, mirror
 from gpu_service.state import DeviceState
-from gpu_service.telemetry import traced
+from protos import checks
+from protos.model import (
+    FailedPrecondition,
+    InvalidArgument,
+    RowDraws,
+    Sampling,
+    SequenceHandle,
+)
+from protos.telemetry import traced
 
 # (sequences, their prompt chunks, their segments, the hidden rows) -> None
 Prime = Callable[[list[SeqState], list[list[int]], list[Segment], torch.Tensor], None]

@@ -12,11 +12,11 @@ import torch
 
 from control_plane.client import GrpcModel
 from control_plane.launch import start_control_plane, start_gpu_service, stop
-from gpu_service.checkpoint import init_model
 from gpu_service.config import ModelConfig, ServiceConfig
 from gpu_service.device import choose_device
 from gpu_service.engine import Engine
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
+from training.checkpoint import init_model
 
 # The Triton interpreter decision, made before pytest imports a test module (and so a kernel).
 choose_device()

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from gpu_service.interface import (
+from protos.model import (
     Capabilities,
     FailedPrecondition,
     Logits,
@@ -191,7 +191,7 @@ class FakeModel:
 
     def measure_costs(self, widths, max_depth, repeats=5, refresh=False):
         """A chosen table: verifies cost 1 ms + 0.1 per row, proposes 0.5 ms per draft."""
-        from gpu_service.interface import CostEntry
+        from protos.model import CostEntry
 
         self.calls.append(("measure_costs", list(widths), max_depth))
         return [

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gpu_service.interface import Model, SequenceHandle
+from protos.model import Model, SequenceHandle
 
 
 def logit_rows(model: Model) -> list[bytes]:

@@ -19,8 +19,8 @@ from control_plane.client import GrpcModel
 from control_plane.launch import start_control_plane, start_gpu_service, stop, wait_serving
 from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.seq import MTP, NONE
+from control_plane.tokenizer import ByteTokenizer
 from gpu_service.engine import Engine
-from gpu_service.tokenizer import ByteTokenizer
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
 from tests.collect import run_all

@@ -11,13 +11,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from control_plane.cli import main
-from gpu_service.checkpoint import init_model
+from control_plane.tokenizer import ByteTokenizer, load_tokenizer
 from gpu_service.config import ModelConfig, ServiceConfig, parse_tiers
-from gpu_service.defaults import DEFAULT_MODEL_DIR
 from gpu_service.engine import Engine
 from gpu_service.model.weights import init_weights, load_weights, weight_shapes
-from gpu_service.tokenizer import ByteTokenizer, load_tokenizer
+from protos.defaults import DEFAULT_MODEL_DIR
 from tests.conftest import TINY
+from training.checkpoint import init_model
 
 
 def test_default_config_is_the_documented_hybrid() -> None:

@@ -28,9 +28,9 @@ from control_plane.cli import build_parser
 from control_plane.launch import start_gpu_service, stop
 from control_plane.scheduler.verdict import offsets
 from gpu_service.config import ServiceConfig
-from gpu_service.defaults import DEFAULT_MODEL_DIR
 from gpu_service.engine import Engine
 from gpu_service.state import DeviceState
+from protos.defaults import DEFAULT_MODEL_DIR
 
 
 def args(*extra: str) -> argparse.Namespace:

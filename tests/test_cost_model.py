@@ -12,10 +12,10 @@ from control_plane.scheduler.cost_model import Calibration, CostTable, propose_d
 from control_plane.scheduler.loop import Scheduler, SchedulerOptions
 from control_plane.scheduler.seq import GenRequest
 from control_plane.scheduler.step import step_mtp
+from control_plane.tokenizer import ByteTokenizer
 from gpu_service.config import ServiceConfig
 from gpu_service.engine import Engine
-from gpu_service.interface import CostEntry, ResourceExhausted
-from gpu_service.tokenizer import ByteTokenizer
+from protos.model import CostEntry, ResourceExhausted
 from tests.collect import run_all
 from tests.fake_model import FakeModel
 from tests.test_step_mtp import NO_ENV, seqs

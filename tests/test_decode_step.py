@@ -8,7 +8,7 @@ import pytest
 
 from control_plane.client import GrpcModel
 from gpu_service.engine import Engine
-from gpu_service.interface import InvalidArgument, Model, StepResult
+from protos.model import InvalidArgument, Model, StepResult
 from tests.conftest import TINY_SERVICE
 from tests.steps import logit_rows
 

@@ -10,11 +10,11 @@ from safetensors import safe_open
 
 from control_plane.bench import FIXED_DRAFTS, serve_texts
 from control_plane.scheduler.seq import MTP, NONE
+from control_plane.tokenizer import HFTokenizer, load_tokenizer
 from gpu_service.config import ModelConfig, ServiceConfig
-from gpu_service.defaults import DEFAULT_MODEL_DIR
 from gpu_service.engine import Engine
 from gpu_service.model.weights import WEIGHTS_FILE
-from gpu_service.tokenizer import HFTokenizer, load_tokenizer
+from protos.defaults import DEFAULT_MODEL_DIR
 from training.evaluate import PROMPTS_FILE, load_prompts, looks_like_python
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from control_plane.detok import Detokenizer
-from gpu_service.tokenizer import ByteTokenizer
+from control_plane.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer.default()
 

@@ -78,7 +78,7 @@ def test_bootstrap_then_batch_and_no_prompt_lookup() -> None:
 
 def test_batched_bootstrap_and_grammar_in_the_dflash_arm() -> None:
     from control_plane.grammar import GrammarCompiler
-    from gpu_service.tokenizer import ByteTokenizer
+    from control_plane.tokenizer import ByteTokenizer
 
     model = FakeModel(caps=WIDE)
     fresh = seqs(model, 2)

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
-from gpu_service.interface import (
+from protos.model import (
     FailedPrecondition,
     InvalidArgument,
     Model,

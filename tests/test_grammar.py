@@ -15,9 +15,9 @@ from control_plane.scheduler.context import StepContext
 from control_plane.scheduler.loop import Scheduler, SchedulerOptions
 from control_plane.scheduler.seq import MTP, GenRequest
 from control_plane.scheduler.step import step_mtp
+from control_plane.tokenizer import ByteTokenizer
 from gpu_service.config import ServiceConfig
 from gpu_service.engine import Engine
-from gpu_service.tokenizer import ByteTokenizer
 from protos.met.v1 import generate_pb2 as pb
 from tests.collect import run_all
 from tests.fake_model import FakeModel

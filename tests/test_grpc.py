@@ -15,9 +15,9 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 
 from control_plane.client import GrpcModel
 from gpu_service.engine import Engine
-from gpu_service.interface import Model
 from protos.met.v1 import model_pb2 as pb
 from protos.met.v1 import model_pb2_grpc as pb_grpc
+from protos.model import Model
 from tests.steps import logit_rows
 
 

@@ -128,7 +128,7 @@ def test_no_mtp_checkpoint_serves_with_speculation_off(tmp_path: Path) -> None:
     from control_plane.env import Env
     from control_plane.scheduler.loop import Scheduler
     from control_plane.scheduler.seq import MTP, NONE, GenRequest
-    from gpu_service.tokenizer import ByteTokenizer
+    from control_plane.tokenizer import ByteTokenizer
     from tests.collect import run_all
 
     directory, _ = _checkpoint(tmp_path, {})
@@ -186,8 +186,8 @@ def test_mtp_head_matches_its_formula(tiny_dir: Path) -> None:
 
 def test_transformers_loads_our_checkpoints(tmp_path: Path) -> None:
     """One format: what `met init-model` writes, transformers loads and runs to our logits."""
-    from gpu_service.checkpoint import init_model
     from tests.conftest import TINY
+    from training.checkpoint import init_model
 
     init_model(tmp_path, TINY, seed=3)
     theirs = Qwen3NextForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()

@@ -17,9 +17,9 @@ from control_plane.scheduler.loop import Scheduler, SchedulerOptions
 from control_plane.scheduler.prompt_lookup import find_copy
 from control_plane.scheduler.seq import MTP, NONE, PROMPT_LOOKUP, ActiveSeq, GenRequest
 from control_plane.scheduler.step import step_mtp
+from control_plane.tokenizer import ByteTokenizer
 from gpu_service.config import ServiceConfig
 from gpu_service.engine import Engine
-from gpu_service.tokenizer import ByteTokenizer
 from tests.collect import run_all
 from tests.fake_model import FakeModel, counting_oracle
 from tests.test_step_mtp import NO_ENV, seqs
@@ -221,9 +221,9 @@ def test_lossless_with_levers(tiny_dir: Path, env: Env, opts: dict) -> None:
 def echo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model with its layers damped and lm_head equal to the embedding: its greedy
     output tends to repeat itself, so prompt lookup finds copies on a real engine."""
-    from gpu_service.checkpoint import init_model
     from gpu_service.model.weights import init_weights, save_weights
     from tests.conftest import TINY
+    from training.checkpoint import init_model
 
     directory = tmp_path_factory.mktemp("echo")
     init_model(directory, TINY, seed=11)

@@ -13,11 +13,11 @@ import torch
 from control_plane.env import Env
 from control_plane.scheduler.loop import Scheduler, SchedulerOptions
 from control_plane.scheduler.seq import MTP, NONE, GenRequest
+from control_plane.tokenizer import ByteTokenizer
 from gpu_service.config import ServiceConfig
 from gpu_service.engine import Engine
-from gpu_service.interface import Sampling
 from gpu_service.sampling import distribution, draw, row_draws
-from gpu_service.tokenizer import ByteTokenizer
+from protos.model import Sampling
 from tests.collect import run_all
 
 TOK = ByteTokenizer.default()
@@ -111,7 +111,7 @@ def _chi_square(a: list[int], b: list[int]) -> tuple[float, int, float]:
 def test_rejection_verdict_accepts_and_falls() -> None:
     from control_plane.scheduler.seq import ActiveSeq
     from control_plane.scheduler.verdict import _rejection
-    from gpu_service.interface import RowDraws
+    from protos.model import RowDraws
 
     a = ActiveSeq(
         GenRequest("x", (1,), 5, temperature=1.0, seed=0), lambda ev: None, TOK, (257,), 64

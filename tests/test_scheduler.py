@@ -12,10 +12,10 @@ import pytest
 from control_plane.env import Env
 from control_plane.scheduler.loop import Scheduler, SchedulerOptions
 from control_plane.scheduler.seq import MTP, NONE, GenRequest
+from control_plane.tokenizer import ByteTokenizer
 from gpu_service.config import ServiceConfig
 from gpu_service.engine import Engine
-from gpu_service.interface import ResourceExhausted
-from gpu_service.tokenizer import ByteTokenizer
+from protos.model import ResourceExhausted
 from tests.collect import Outcome, run_all
 from tests.fake_model import FakeModel, counting_oracle, perfect_drafter
 

@@ -14,13 +14,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpu_service.config import ModelConfig
-from gpu_service.defaults import DEFAULT_MODEL_DIR
 from gpu_service.engine import Engine
-from gpu_service.interface import SequenceHandle
 from gpu_service.model.batch import Segment
 from gpu_service.model.hybrid import PREFILL, VERIFY, HybridModel
 from gpu_service.model.weights import load_weights
 from gpu_service.state import DeviceState
+from protos.defaults import DEFAULT_MODEL_DIR
+from protos.model import SequenceHandle
 from tests.conftest import TINY_SERVICE
 
 PROMPT = [5, 9, 14, 3, 7, 7, 2, 8]

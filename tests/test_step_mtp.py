@@ -16,7 +16,7 @@ from control_plane.scheduler.seq import MTP, NONE, ActiveSeq, GenRequest
 from control_plane.scheduler.serial_verify import serial_verify_plan
 from control_plane.scheduler.step import step_mtp
 from control_plane.scheduler.verdict import accepted
-from gpu_service.tokenizer import ByteTokenizer
+from control_plane.tokenizer import ByteTokenizer
 from tests.fake_model import FakeModel, counting_oracle
 
 NO_ENV = Env(None, False, False, False)

@@ -25,9 +25,9 @@ from control_plane.api import GenerationServicer
 from control_plane.env import Env
 from control_plane.launch import start_control_plane, start_gpu_service, stop
 from control_plane.scheduler.loop import Scheduler, SchedulerOptions
+from control_plane.tokenizer import ByteTokenizer
 from gpu_service.config import ServiceConfig
 from gpu_service.engine import Engine
-from gpu_service.tokenizer import ByteTokenizer
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
 from tests.conftest import SERVE_ARGS
@@ -243,7 +243,7 @@ def test_no_endpoint_exports_nothing(tmp_path: Path) -> None:
     """With no endpoint and no OTEL_TRACES_EXPORTER, no SDK is installed."""
     code = (
         "import os; os.environ.pop('OTEL_EXPORTER_OTLP_ENDPOINT', None);"
-        "from gpu_service.telemetry import setup_tracing; from opentelemetry import trace;"
+        "from protos.telemetry import setup_tracing; from opentelemetry import trace;"
         "setup_tracing('x'); print(type(trace.get_tracer_provider()).__name__)"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}

@@ -11,7 +11,7 @@ from control_plane.circuit.report import run_diff
 from control_plane.client import GrpcModel
 from gpu_service.config import ServiceConfig
 from gpu_service.engine import Engine
-from gpu_service.interface import InvalidArgument
+from protos.model import InvalidArgument
 from tests.conftest import random_tokens
 from tests.steps import logit_rows
 from tests.test_batch_invariance import _batched_run

@@ -158,7 +158,7 @@ def test_fused_verdict_equals_the_five_calls(engine: Engine, rng: torch.Generato
 
 
 def test_refused_verdict_changes_nothing(engine: Engine, rng: torch.Generator) -> None:
-    from gpu_service.interface import FailedPrecondition, InvalidArgument
+    from protos.model import FailedPrecondition, InvalidArgument
 
     seqs, rows = _verified_pair(engine, rng)
     engine.decode_verify_batched(rows[:3], [3], [seqs[0]])

@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpu_service.defaults import DEFAULT_MODEL_DIR
+from protos.defaults import DEFAULT_MODEL_DIR
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ from control_plane.circuit.verify_batch import (
     diff_verify_batch,
     verify_batch_failures,
 )
-from gpu_service.defaults import DEFAULT_MODEL_DIR
-from gpu_service.interface import Model
+from protos.defaults import DEFAULT_MODEL_DIR
+from protos.model import Model
 
 SCHEMA = Path(__file__).with_name("report.schema.json")
 

@@ -3,7 +3,7 @@ the drafts taken from them."""
 
 from __future__ import annotations
 
-from gpu_service.interface import Model
+from protos.model import Model
 
 
 def batch_shapes(n: int, ks: list[int]) -> list[list[int]]:

@@ -32,7 +32,7 @@ from control_plane.circuit.shapes import (
     slot_of,
 )
 from control_plane.scheduler.verdict import accepted, offsets
-from gpu_service.interface import Model, SequenceHandle
+from protos.model import Model, SequenceHandle
 
 
 class DiffError(Exception):

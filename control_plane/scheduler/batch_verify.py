@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from control_plane.scheduler.seq import ActiveSeq
 from control_plane.scheduler.verdict import verify_and_settle
-from gpu_service.interface import Model
+from protos.model import Model
 
 
 def chunk_ranges(ks: list[int], max_rows: int, max_batch: int) -> list[tuple[int, int]]:

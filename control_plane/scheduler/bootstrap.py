@@ -10,7 +10,7 @@ from __future__ import annotations
 from control_plane.scheduler.context import StepContext
 from control_plane.scheduler.seq import ActiveSeq
 from control_plane.scheduler.verdict import verify_and_settle
-from gpu_service.interface import Model
+from protos.model import Model
 
 
 def can_batch_bootstrap(model: Model, ctx: StepContext, count: int) -> bool:

@@ -10,7 +10,7 @@ from control_plane.scheduler.adaptive import AdaptiveRung
 from control_plane.scheduler.cost_model import Calibration, CostTable
 from control_plane.scheduler.dflash import DFlashRung
 from control_plane.scheduler.ladder import DEFAULT_LADDER, Ladder
-from gpu_service.interface import Capabilities
+from protos.model import Capabilities
 
 
 @dataclass(frozen=True)

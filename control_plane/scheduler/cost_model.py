@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from gpu_service.interface import CostEntry
+from protos.model import CostEntry
 
 PRIOR, MIN_SEEN, WINDOW = 0.5, 32, 512
 

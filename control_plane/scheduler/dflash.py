@@ -20,7 +20,7 @@ from __future__ import annotations
 from control_plane.scheduler.ladder import Ladder
 from control_plane.scheduler.seq import ActiveSeq
 from control_plane.scheduler.verdict import verify_and_settle
-from gpu_service.interface import Model
+from protos.model import Model
 
 GAMMA_LADDER = "4:8,8:6,16:4,32:3"
 

@@ -27,8 +27,8 @@ from control_plane.scheduler.context import StepContext
 from control_plane.scheduler.cost_model import CostTable
 from control_plane.scheduler.seq import ActiveSeq, GenRequest, Sink, SpecStats
 from control_plane.scheduler.step import step_mtp
-from gpu_service.interface import Capabilities, Model, ModelError, ResourceExhausted
-from gpu_service.telemetry import span, tracer
+from protos.model import Capabilities, Model, ModelError, ResourceExhausted
+from protos.telemetry import span, tracer
 
 log = logging.getLogger("control_plane.scheduler")
 TRACER = tracer("met.control_plane")

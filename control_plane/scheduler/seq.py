@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from control_plane.detok import Detokenizer, Tokenizer
-from gpu_service.interface import Sampling, SequenceHandle
+from protos.model import Sampling, SequenceHandle
 
 NONE, MTP, PROMPT_LOOKUP = "none", "mtp", "prompt_lookup"
 

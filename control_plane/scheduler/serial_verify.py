@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from control_plane.scheduler.seq import ActiveSeq
 from control_plane.scheduler.verdict import verify_and_settle
-from gpu_service.interface import Model
+from protos.model import Model
 
 
 def serial_verify_plan(held: int, step_nd: int) -> tuple[int, str]:

@@ -31,8 +31,8 @@ from control_plane.scheduler.ladder import clamp_drafts_to_slot_capacity
 from control_plane.scheduler.prompt_lookup import offer_copy, settle_copies
 from control_plane.scheduler.seq import MTP, PROMPT_LOOKUP, ActiveSeq
 from control_plane.scheduler.serial_verify import serial_verify_plan, step_verify_serial
-from gpu_service.interface import Model
-from gpu_service.telemetry import span, tracer
+from protos.model import Model
+from protos.telemetry import span, tracer
 
 TRACER = tracer("met.control_plane")
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import math
 
 from control_plane.scheduler.seq import ActiveSeq
-from gpu_service.interface import Model, Proposal
-from gpu_service.interface import greedy_accepted as accepted
-from gpu_service.telemetry import span, tracer
+from protos.model import Model, Proposal
+from protos.model import greedy_accepted as accepted
+from protos.telemetry import span, tracer
 
 TRACER = tracer("met.control_plane")
 

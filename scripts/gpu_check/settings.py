@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
-from gpu_service.defaults import DEFAULT_MODEL_DIR
+from protos.defaults import DEFAULT_MODEL_DIR
 
 ROOT = Path(__file__).resolve().parents[2]
 

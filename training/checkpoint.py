@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from control_plane.tokenizer import TOKENIZER_FILE, write_byte_level
 from gpu_service.config import ModelConfig
-from gpu_service.defaults import DEFAULT_SEED
 from gpu_service.model.weights import WEIGHTS_FILE, init_weights, save_weights
-from gpu_service.tokenizer import TOKENIZER_FILE, write_byte_level
+from protos.defaults import DEFAULT_SEED
 
 
 def init_model(directory: Path, cfg: ModelConfig | None = None, seed: int = DEFAULT_SEED) -> Path:

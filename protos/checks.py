@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gpu_service.interface import FailedPrecondition, InvalidArgument
+from protos.model import FailedPrecondition, InvalidArgument
 
 
 def same_length(what: str, **lists: Sequence) -> None:

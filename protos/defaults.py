@@ -1,0 +1,8 @@
+"""Where the bundled checkpoint lives and the seed its random weights start from. Both
+processes name the bundled checkpoint: the service serves it, the control plane reads its
+tokenizer and prompts."""
+
+from pathlib import Path
+
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "gpu_service" / "models" / "default"
+DEFAULT_SEED = 0
