@@ -213,12 +213,7 @@ class Verifier:
         states = self.slots.lookup("gdn_fold_accepted", seqs)
         for s, a in zip(states, fold_rows, strict=True):
             checks.phase(s.seq_id, s.phase, VERIFIED, "fold")
-            checks.within(
-                f"fold_rows of sequence {s.seq_id} (its last verify had {s.pending_k} rows)",
-                a,
-                1,
-                s.pending_k,
-            )
+            checks.within(f"fold_rows ({last_verify(s)})", a, 1, s.pending_k)
         slots, kept = upload(self.model.device, [s.slot for s in states], fold_rows)
         self.fold(states, slots, kept - 1)
         for s, a in zip(states, fold_rows, strict=True):
@@ -336,6 +331,10 @@ class Verifier:
         return draws
 
 
+def last_verify(s: SeqState) -> str:
+    return f"sequence {s.seq_id}'s last verify had {s.pending_k} rows"
+
+
 def check_pending(s: SeqState, k: int) -> None:
     if k != s.pending_k:
-        raise InvalidArgument(f"sequence {s.seq_id}'s last verify had {s.pending_k} rows, not {k}")
+        raise InvalidArgument(f"{last_verify(s)}, not {k}")

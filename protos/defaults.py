@@ -1,4 +1,4 @@
-"""Where the bundled checkpoint lives and the seed its random weights start from. Both
+"""Where the bundled checkpoint lives and the random seed its fresh weights start from. Both
 processes name the bundled checkpoint: the service serves it, the control plane reads its
 tokenizer and prompts."""
 
