@@ -57,7 +57,7 @@ def _circuit_diff(args: argparse.Namespace) -> None:
 
 def _bench(args: argparse.Namespace) -> None:
     _choose_device()
-    from control_plane.bench import run
+    from control_plane.benchmarks.run import run
 
     sys.exit(run(args))
 
@@ -69,7 +69,8 @@ def _train(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from control_plane import bench, generate_cli, server
+    from control_plane import generate_cli, server
+    from control_plane.benchmarks import run as bench
     from control_plane.circuit import report
     from gpu_service.options import add_serve_args
     from training import options as train_options

@@ -8,7 +8,7 @@ import json
 import pytest
 from safetensors import safe_open
 
-from control_plane.bench import FIXED_DRAFTS, serve_texts
+from control_plane.benchmarks.workload import FIXED_DRAFTS, serve_texts
 from control_plane.scheduler.seq import MTP, NONE
 from control_plane.tokenizer import HFTokenizer, load_tokenizer
 from gpu_service.config import ModelConfig, ServiceConfig

@@ -1,12 +1,12 @@
 """`met bench`'s report: the printed table, the markdown tables of docs/benchmarks.md and the
-PNG chart, all from the report dict `control_plane.bench.run` builds."""
+PNG chart, all from the report dict `control_plane.benchmarks.run.measure` builds."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-from control_plane.bench import MTP_MEASURED
+from control_plane.benchmarks.methods import MTP_MEASURED
 from control_plane.scheduler.seq import MTP, NONE, PROMPT_LOOKUP
 
 
@@ -27,23 +27,7 @@ def markdown(report: dict) -> str:
             f"| {r['method']} | {r['concurrency']} | {r['tok_s']:.1f} | "
             f"{r['accepted_length']:.2f} | {acc} | {'yes' if r['identical'] else 'NO'} |"
         )
-    out += [
-        "",
-        "| method | concurrent | tok/s in process | tok/s over gRPC | (two calls a step) | "
-        "step ms in process | step ms over gRPC | (two calls) | split cost | (two calls) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in report["split"]:
-        out.append(
-            f"| {r['method']} | {r['concurrency']} | {r['in_process_tok_s']:.1f} | "
-            f"{r['grpc_tok_s']:.1f} | {r['grpc_two_calls_tok_s']:.1f} | "
-            f"{r['in_process_step_ms']:.1f} | {r['grpc_step_ms']:.1f} | "
-            f"{r['grpc_two_calls_step_ms']:.1f} | {r['overhead'] * 100:+.0f}% | "
-            f"{r['overhead_two_calls'] * 100:+.0f}% |"
-        )
-    out += ["", "| concurrent | mtp / none in process | mtp / none over gRPC |", "|---|---|---|"]
-    for r in report["speedup"]:
-        out.append(f"| {r['concurrency']} | {r['in_process']:.2f}x | {r['grpc']:.2f}x |")
+    out += _split_tables(report)
     out += [
         "",
         "| verify | concurrent | tok/s | decode-phase tok/s | step ms |",
@@ -69,6 +53,28 @@ def markdown(report: dict) -> str:
         )
     out += _against(report)
     return "\n".join(out) + "\n"
+
+
+def _split_tables(report: dict) -> list[str]:
+    """In process against over gRPC per method, then mtp over none in each."""
+    out = [
+        "",
+        "| method | concurrent | tok/s in process | tok/s over gRPC | (two calls a step) | "
+        "step ms in process | step ms over gRPC | (two calls) | split cost | (two calls) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["split"]:
+        out.append(
+            f"| {r['method']} | {r['concurrency']} | {r['in_process_tok_s']:.1f} | "
+            f"{r['grpc_tok_s']:.1f} | {r['grpc_two_calls_tok_s']:.1f} | "
+            f"{r['in_process_step_ms']:.1f} | {r['grpc_step_ms']:.1f} | "
+            f"{r['grpc_two_calls_step_ms']:.1f} | {r['overhead'] * 100:+.0f}% | "
+            f"{r['overhead_two_calls'] * 100:+.0f}% |"
+        )
+    out += ["", "| concurrent | mtp / none in process | mtp / none over gRPC |", "|---|---|---|"]
+    for r in report["speedup"]:
+        out.append(f"| {r['concurrency']} | {r['in_process']:.2f}x | {r['grpc']:.2f}x |")
+    return out
 
 
 def _against(report: dict) -> list[str]:
@@ -149,6 +155,7 @@ def draw_chart(report: dict, path: Path) -> None:
 
 
 def print_table(report: dict) -> None:
+    """The report as lines on stdout; each failure on stderr."""
     print(f"model {report['model']}")
     print("method         conc   tok/s   accepted length   identical")
     for r in report["methods"]:

@@ -1,26 +1,21 @@
-"""Each lever on and off, on the default model, in one run: `python -m control_plane.bench_levers`.
+"""Each lever on and off, on the default model, in one run:
+`python -m control_plane.benchmarks.levers`.
 
 The same concurrent greedy requests through the scheduler driving an in-process engine (one
 torch thread, as the service runs it); prints output tokens per second, mean accepted length
-and first-draft acceptance per configuration. With the seeded random default weights the
-drafter is never right, so this measures what each lever costs, not what it buys, until the
-trained checkpoint lands."""
+and first-draft acceptance per configuration."""
 
 from __future__ import annotations
 
 import argparse
 import time
 
-import torch
-
-from control_plane.bench import Workload
+from control_plane.benchmarks.workload import Workload
 from control_plane.env import Env
 from control_plane.scheduler.loop import Scheduler, SchedulerOptions
 from control_plane.scheduler.seq import MTP, NONE, PROMPT_LOOKUP, GenRequest
-from control_plane.tokenizer import load_tokenizer
-from gpu_service.config import ServiceConfig
-from gpu_service.engine import Engine
 from protos.defaults import DEFAULT_MODEL_DIR
+from protos.model import Model
 
 CONFIGS = {
     "none": (NONE, {}, {}),
@@ -43,13 +38,13 @@ CONFIGS = {
 }
 
 
-PROMPTS = Workload(DEFAULT_MODEL_DIR).prompts
-
-
-def run(engine: Engine, method: str, env: dict, opts: dict, n: int, tokens: int) -> str:
+def measure(
+    engine: Model, work: Workload, method: str, env: dict, opts: dict, n: int, tokens: int
+) -> str:
+    """One configuration: `n` requests at once through a scheduler, as a line of figures."""
     s = Scheduler(
         lambda: engine,
-        load_tokenizer(DEFAULT_MODEL_DIR),
+        work.tokenizer,
         SchedulerOptions(**opts),
         Env(None, False, False, False, **env),
     )
@@ -58,7 +53,7 @@ def run(engine: Engine, method: str, env: dict, opts: dict, n: int, tokens: int)
     try:
         t0 = time.perf_counter()
         for i in range(n):
-            prompt = PROMPTS[i % len(PROMPTS)]
+            prompt = work.prompts[i % len(work.prompts)]
             out: list = []
             outs.append(out)
             s.submit(
@@ -79,16 +74,23 @@ def run(engine: Engine, method: str, env: dict, opts: dict, n: int, tokens: int)
 
 
 def main() -> None:
+    import torch
+
+    from gpu_service.config import ServiceConfig
+    from gpu_service.engine import Engine
+
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=48)
     args = parser.parse_args()
     torch.set_num_threads(1)
     engine = Engine(DEFAULT_MODEL_DIR, ServiceConfig())
+    work = Workload(DEFAULT_MODEL_DIR)
     engine.measure_costs([1, 2, 4, 8, 16, 32], 3)  # measured once, cached, outside the timing
     print(f"{args.concurrency} requests x {args.tokens} tokens, default model")
     for name, (method, env, opts) in CONFIGS.items():
-        print(f"{name:26} {run(engine, method, env, opts, args.concurrency, args.tokens)}")
+        line = measure(engine, work, method, env, opts, args.concurrency, args.tokens)
+        print(f"{name:26} {line}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,104 @@
+"""`met bench`'s in-process sections: every speculation method against plain decoding, and
+batched against serial verify, each at several concurrencies, repeats interleaved."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+from control_plane.benchmarks.workload import Workload, median, serve
+from control_plane.env import Env
+from control_plane.scheduler.seq import MTP, NONE, PROMPT_LOOKUP
+
+# label -> (method, scheduler options): the methods, and mtp with the measured cost model
+# choosing each step's width (`--spec-cost-model measured`) in place of the static ladder.
+MTP_MEASURED = "mtp_measured"
+VARIANTS = {
+    NONE: (NONE, {}),
+    MTP: (MTP, {}),
+    MTP_MEASURED: (MTP, {"spec_cost_model": "measured"}),
+    PROMPT_LOOKUP: (PROMPT_LOOKUP, {}),
+}
+
+
+def methods(
+    connect,
+    work: Workload,
+    concurrency: list[int],
+    tokens: int,
+    repeats: int,
+    baseline: Callable[[], float] | None = None,
+) -> tuple[list, list, float | None]:
+    """Every method at every concurrency, repeats interleaved so that drift spreads over the
+    methods alike; `baseline` (tok/s of one outside generate) runs in the same rounds at one
+    request. -> (rows, failures, the baseline's median tok/s)"""
+    rows, failures, outside = [], [], []
+    env = Env(None, False, False, False)
+    for n in concurrency:
+        runs: dict[str, list[dict]] = {label: [] for label in VARIANTS}
+        for _ in range(repeats):
+            for label, (m, options) in VARIANTS.items():
+                reqs = work.requests(m, n, tokens, label)
+                runs[label].append(serve(connect, reqs, env, work.tokenizer, options))
+            if baseline is not None and n == 1:
+                outside.append(baseline())
+        results = {m: median(r) for m, r in runs.items()}
+        base = [results[NONE]["tokens"][f"{NONE}-{i}"] for i in range(n)]
+        for m, r in results.items():
+            same = [r["tokens"][f"{m}-{i}"] for i in range(n)] == base
+            if not same:
+                failures.append(f"{m} at {n} concurrent differs from none")
+            rows.append(
+                {
+                    "method": m,
+                    "concurrency": n,
+                    "tok_s": r["tok_s"],
+                    "accepted_length": r["accepted_length"],
+                    "acceptance_per_position": r["acceptance"],
+                    "identical": same,
+                }
+            )
+    return rows, failures, statistics.median(outside) if outside else None
+
+
+VERIFY_ARMS = {"batched": Env(None, False, False, False), "serial": Env(None, False, False, True)}
+
+
+def batch_vs_serial(
+    connect, work: Workload, concurrency: list[int], tokens: int, repeats: int
+) -> list[dict]:
+    """mtp with batched and with serial verify, repeats interleaved. Both arms prefill in one
+    batched call; `decode_tok_s` counts the tokens after every request's first, over the
+    time after it, where only the verify differs."""
+    rows = []
+    for n in concurrency:
+        runs: dict[str, list[dict]] = {label: [] for label in VERIFY_ARMS}
+        for _ in range(repeats):
+            for label, env in VERIFY_ARMS.items():
+                reqs = work.requests(MTP, n, tokens)
+                runs[label].append(serve(connect, reqs, env, work.tokenizer))
+        for label, r in runs.items():
+            m = median(r)
+            rows.append(
+                {
+                    "verify": label,
+                    "concurrency": n,
+                    "tok_s": m["tok_s"],
+                    "decode_tok_s": m["decode_tok_s"],
+                    "step_ms": m["step_ms"],
+                }
+            )
+    return rows
+
+
+def batched_over_serial(rows: list[dict]) -> dict[int, dict[str, float]]:
+    """Per concurrency: batched over serial, end to end and in the decode phase."""
+    by = {(r["verify"], r["concurrency"]): r for r in rows}
+    return {
+        n: {
+            key: by[("batched", n)][key] / by[("serial", n)][key]
+            for key in ("tok_s", "decode_tok_s")
+        }
+        for (v, n) in by
+        if v == "batched"
+    }

@@ -1,0 +1,125 @@
+"""`met bench`: what speculation buys, in one run so the machine's drift cancels out.
+
+On one checkpoint (default: the bundled one), each figure a median over repeats:
+- `none` vs `mtp` vs `prompt_lookup` (and `mtp` with the measured cost model choosing the
+  width) at several concurrencies: output tokens per second, mean accepted length, acceptance
+  per draft position; all must produce identical tokens (the run fails otherwise);
+- batched vs serial verify (`METRALE_NO_MTP_BATCH_VERIFY`);
+- in process vs over gRPC (a GPU service child process): the split's cost per step;
+- the verify buffers' bytes with the slot tiers vs every slot at full capacity;
+- tracing off vs exporting to a local OTLP receiver (both processes);
+- transformers' own `generate` on the same checkpoint, the outside baseline.
+Prompts are the checkpoint's held-out ones when it ships them. Prints a table, writes JSON
+(`--out`) and a PNG chart (`--chart`). `--quick` is the CI-sized smoke run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from control_plane.benchmarks.baseline import against_transformers, transformers_baseline
+from control_plane.benchmarks.methods import batch_vs_serial, batched_over_serial, methods
+from control_plane.benchmarks.report import draw_chart, markdown, print_table
+from control_plane.benchmarks.split import speedups, split
+from control_plane.benchmarks.tracing import tracing
+from control_plane.benchmarks.workload import Workload
+from protos.defaults import DEFAULT_MODEL_DIR
+
+
+def memory(engine) -> dict:
+    """The verify buffers' bytes with the engine's slot tiers and with every slot at full
+    capacity: the recurrent state and conv window of each linear-attention layer per row."""
+    cfg, svc = engine.cfg, engine.svc
+    per_row = len(cfg.linear_layers) * (
+        cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+        + (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim * engine.model.dtype.itemsize
+    )
+    caps = svc.slot_verify_drafts
+    return {
+        "tiers": svc.verify_tiers,
+        "tiered_bytes": per_row * sum(c + 1 for c in caps),
+        "full_capacity_bytes": per_row * len(caps) * (max(caps) + 1),
+    }
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """Every section on one engine in this process: the report dict."""
+    import torch
+
+    from gpu_service.config import ServiceConfig
+    from gpu_service.engine import Engine
+
+    torch.set_num_threads(1)  # as the GPU service runs its engine
+    engine = Engine(args.model, ServiceConfig())
+    work = Workload(args.model)
+    quick = args.quick
+    conc, tokens, repeats = ([1, 4], 12, 1) if quick else ([1, 4, 16], 64, 5)
+    report: dict = {"model": engine.name, "quick": quick, "machine": machine()}
+    local = lambda: engine  # noqa: E731
+    hf = None if quick else transformers_baseline(args.model, work, tokens)
+    report["methods"], failures, outside = methods(local, work, conc, tokens, repeats, hf)
+    if outside is not None:
+        report["transformers_generate"] = against_transformers(report["methods"], outside)
+    report["batch_vs_serial"] = batch_vs_serial(
+        local, work, [4] if quick else [8, 16], tokens, repeats
+    )
+    report["batched_over_serial"] = batched_over_serial(report["batch_vs_serial"])
+    report["split"] = split(args.model, local, work, [1] if quick else [1, 4], tokens, repeats)
+    report["speedup"] = speedups(report["split"])
+    report["memory"] = memory(engine)
+    if not quick:
+        report["tracing"] = tracing(4, tokens)
+    report["failures"] = failures
+    return report
+
+
+def run(args: argparse.Namespace) -> int:
+    """`met bench`: measure, print, write what was asked for; 1 when a method's tokens
+    differ from plain decoding's."""
+    report = measure(args)
+    print_table(report)
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    if args.markdown:
+        args.markdown.write_text(markdown(report))
+    chart = args.chart or (args.out.with_suffix(".png") if args.out else None)
+    if chart:
+        draw_chart(report, chart)
+        print(f"chart: {chart}")
+    return 1 if report["failures"] else 0
+
+
+def machine() -> dict:
+    """The CPU, core count and versions the figures were measured on."""
+    import os
+    import platform
+
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "engine_threads": torch.get_num_threads(),
+    }
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
+    parser.add_argument("--quick", action="store_true", help="the CI-sized smoke run")
+    parser.add_argument("--out", type=Path, default=None, help="write the JSON report here")
+    parser.add_argument(
+        "--chart", type=Path, default=None, help="the PNG chart (default: --out with .png)"
+    )
+    parser.add_argument("--markdown", type=Path, default=None, help="the report's tables")

@@ -1,0 +1,135 @@
+"""Requests through a scheduler, timed: the prompts, the requests built from them, and one
+call that serves a batch of requests and returns its tokens and figures."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from control_plane.env import Env
+from control_plane.scheduler.loop import Scheduler, SchedulerOptions
+from control_plane.scheduler.seq import Finish, GenRequest
+from protos.model import Model
+
+PROMPTS = [
+    "def fibonacci(n):\n",
+    "import os\nimport sys\n\n",
+    "class Stack:\n    def __init__(",
+    "for i in range(10):\n    print(",
+    "with open(path) as f:\n    for line in f:\n",
+]
+
+
+def serve(
+    connect: Callable[[], Model],
+    reqs: list[GenRequest],
+    env: Env,
+    tokenizer,
+    options: dict | None = None,
+) -> dict:
+    """All of `reqs` at once through a scheduler; tokens per request and the figures."""
+    opts = SchedulerOptions(max_queue=len(reqs), **(options or {}))
+    sched = Scheduler(connect, tokenizer, opts, env)
+    sched.start()
+    tokens: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+    first: dict[str, float] = {}  # when each request's first token arrived
+    left, done = [len(reqs)], threading.Event()
+    lock = threading.Lock()
+
+    def sink_for(rid: str) -> Callable[[object], None]:
+        def sink(ev: object) -> None:
+            with lock:
+                tokens[rid] += getattr(ev, "token_ids", [])
+                if tokens[rid] and rid not in first:
+                    first[rid] = time.perf_counter()
+                if isinstance(ev, Finish) or not hasattr(ev, "token_ids"):
+                    left[0] -= 1
+                    if left[0] == 0:
+                        done.set()
+
+        return sink
+
+    t0 = time.perf_counter()
+    for r in reqs:
+        sched.submit(r, sink_for(r.request_id))
+    done.wait()
+    end = time.perf_counter()
+    seconds = end - t0
+    snap = sched.snapshot()
+    sched.stop()
+    spec = snap["spec"]
+    made = sum(map(len, tokens.values()))
+    # After every request has its first token: the decode phase, prefill behind it.
+    decode = end - max(first.values(), default=t0)
+    return {
+        "tokens": tokens,
+        "tok_s": made / seconds,
+        "decode_tok_s": (made - len(first)) / decode if decode > 0 else 0.0,
+        "step_ms": seconds / max(snap["counters"].steps, 1) * 1e3,
+        "accepted_length": spec.mean_accepted_length,
+        "acceptance": spec.acceptance_at,
+        "spec": spec,
+    }
+
+
+def median(runs: list[dict]) -> dict:
+    """The first of `runs` with its timings replaced by the median over all of them."""
+    out = dict(runs[0])
+    for key in ("tok_s", "decode_tok_s", "step_ms"):
+        out[key] = statistics.median(r[key] for r in runs)
+    return out
+
+
+FIXED_DRAFTS = Env(None, True, False, False, no_dcut=True)  # num_drafts at every verify
+
+
+def serve_texts(
+    connect: Callable[[], Model],
+    model_dir: Path,
+    prompts: list[str],
+    method: str,
+    tokens: int,
+    env: Env | None = None,
+) -> dict:
+    """Greedy continuations of `prompts`, all at once: texts in order, and the spec stats."""
+    from control_plane.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(model_dir)
+    reqs = [
+        GenRequest(f"{method}-{i}", tuple(tok.encode(p)), tokens, method=method)
+        for i, p in enumerate(prompts)
+    ]
+    r = serve(connect, reqs, env or Env(None, False, False, False), tok)
+    r["texts"] = [tok.decode(r["tokens"][q.request_id]) for q in reqs]
+    return r
+
+
+class Workload:
+    """The checkpoint's tokenizer and prompts: its held-out prompts when it ships them
+    (`held_out_prompts.json`, written by `met train`), else a few generic ones."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from control_plane.tokenizer import load_tokenizer
+
+        self.tokenizer = load_tokenizer(model_dir)
+        path = model_dir / "held_out_prompts.json"
+        texts = [p["prompt"] for p in json.loads(path.read_text())] if path.exists() else PROMPTS
+        self.prompts = [tuple(self.tokenizer.encode(t)) for t in texts]
+
+    def requests(
+        self, method: str, n: int, tokens: int, label: str | None = None
+    ) -> list[GenRequest]:
+        return [
+            GenRequest(
+                f"{label or method}-{i}",
+                self.prompts[i % len(self.prompts)],
+                tokens,
+                method=method,
+                ignore_eos=True,
+            )
+            for i in range(n)
+        ]
