@@ -9,6 +9,7 @@ from typing import Any
 import grpc
 
 from protos import checks
+from protos import convert as cv
 from protos.met.v1 import model_pb2 as pb
 from protos.met.v1 import model_pb2_grpc as pb_grpc
 from protos.model import (
@@ -51,39 +52,14 @@ class GrpcModel:
                 raise
             raise error(e.details()) from None
 
-    @staticmethod
-    def _ids(seqs: Sequence[SequenceHandle]) -> list[int]:
-        return [s.seq_id for s in seqs]
-
-    @staticmethod
-    def _mirror(seqs: Sequence[SequenceHandle], lens: Sequence[int]) -> None:
-        for s, n in zip(seqs, lens, strict=True):
-            s.seq_len = n
-
     def capabilities(self) -> Capabilities:
-        c = self._rpc(self._stub.Capabilities, pb.CapabilitiesRequest())
-        return Capabilities(
-            model_name=c.model_name,
-            vocab_size=c.vocab_size,
-            num_slots=c.num_slots,
-            free_slots=c.free_slots,
-            slot_verify_drafts=tuple(c.slot_verify_drafts),
-            max_rows=c.max_rows,
-            forwards=tuple(c.forwards),
-            current_forward=c.current_forward,
-            device=c.device,
-            max_context=c.max_context,
-            dtype=c.dtype,
-            hidden_size=c.hidden_size,
-            eos_token_ids=tuple(c.eos_token_ids),
-            has_mtp=c.has_mtp,
-            max_batch=c.max_batch,
-            max_prefill_tokens=c.max_prefill_tokens,
+        return cv.from_pb(
+            Capabilities, self._rpc(self._stub.Capabilities, pb.CapabilitiesRequest())
         )
 
     def alloc_sequence(self) -> SequenceHandle:
         h = self._rpc(self._stub.AllocSequence, pb.AllocSequenceRequest())
-        return SequenceHandle(h.seq_id, h.slot, h.seq_len)
+        return cv.from_pb(SequenceHandle, h)
 
     def free_sequence(self, seq: SequenceHandle) -> None:
         self._rpc(self._stub.FreeSequence, pb.FreeSequenceRequest(seq_id=seq.seq_id))
@@ -100,17 +76,8 @@ class GrpcModel:
         masks = masks or [b""] * len(seqs)
         sampling = sampling or [None] * len(seqs)
         checks.same_length("prefill", seqs=seqs, masks=masks, sampling=sampling)
-        items = [
-            pb.PrefillItem(
-                seq_id=s.seq_id,
-                tokens=p,
-                mask=m,
-                sampling=_params(smp) if smp is not None else None,
-            )
-            for s, p, m, smp in zip(seqs, prompts, masks, sampling, strict=True)
-        ]
-        r = self._rpc(self._stub.Prefill, pb.PrefillRequest(items=items))
-        self._mirror(seqs, r.seq_lens)
+        r = self._rpc(self._stub.Prefill, cv.prefill_to_pb(seqs, prompts, masks, sampling))
+        cv.mirror_seq_lens(seqs, r.seq_lens)
         self._logprobs = list(r.logprobs)
         return list(r.argmax)
 
@@ -123,25 +90,21 @@ class GrpcModel:
         masks: dict[int, bytes] | None = None,
         sampling: dict[int, Sampling] | None = None,
     ) -> list[int]:
-        row_masks = [pb.RowMask(row=r, bits=b) for r, b in (masks or {}).items()]
+        sampling = sampling or {}
         r = self._rpc(
             self._stub.DecodeVerifyBatched,
             pb.VerifyRequest(
-                seq_ids=self._ids(seqs),
+                seq_ids=cv.seq_ids(seqs),
                 ks=ks,
                 tokens=tokens,
                 write_on_accept=write_on_accept,
-                masks=row_masks,
-                sampling=_seq_sampling(list((sampling or {}).items())),
+                masks=cv.row_masks_to_pb(masks or {}),
+                sampling=cv.seq_sampling_to_pb(sampling.items()),
             ),
         )
-        self._mirror(seqs, r.seq_lens)
+        cv.mirror_seq_lens(seqs, r.seq_lens)
         self._logprobs = list(r.logprobs)
-        sampled_rows = _sampled_rows(ks, sampling or {})
-        self._draws = [
-            RowDraws(r.p_next[i], r.resample[i], r.sample[i]) if i in sampled_rows else None
-            for i in range(len(r.argmax))
-        ]
+        self._draws = cv.draws_from_pb(r, ks, sampling)
         return list(r.argmax)
 
     def last_draws(self) -> list[RowDraws | None]:
@@ -155,7 +118,7 @@ class GrpcModel:
 
     def gdn_fold_accepted(self, seqs: Sequence[SequenceHandle], fold_rows: Sequence[int]) -> None:
         self._rpc(
-            self._stub.FoldAccepted, pb.FoldRequest(seq_ids=self._ids(seqs), fold_rows=fold_rows)
+            self._stub.FoldAccepted, pb.FoldRequest(seq_ids=cv.seq_ids(seqs), fold_rows=fold_rows)
         )
 
     def commit_accepted_prefix(
@@ -163,9 +126,9 @@ class GrpcModel:
     ) -> list[int]:
         r = self._rpc(
             self._stub.CommitAcceptedPrefix,
-            pb.CommitRequest(seq_ids=self._ids(seqs), kept_rows=kept_rows, ks=ks),
+            pb.CommitRequest(seq_ids=cv.seq_ids(seqs), kept_rows=kept_rows, ks=ks),
         )
-        self._mirror(seqs, r.seq_lens)
+        cv.mirror_seq_lens(seqs, r.seq_lens)
         return list(r.seq_lens)
 
     def stash_verify_hidden_rows(self, rows: Sequence[int]) -> None:
@@ -182,15 +145,15 @@ class GrpcModel:
         r = self._rpc(
             self._stub.Propose,
             pb.ProposeRequest(
-                seq_ids=self._ids(seqs),
+                seq_ids=cv.seq_ids(seqs),
                 last=last,
                 stash=stash,
                 num_drafts=num_drafts,
-                positions=[s.seq_len for s in seqs],
-                sampling=_seq_sampling(list(enumerate(sampling or ()))),
+                positions=cv.seq_lens(seqs),
+                sampling=cv.seq_sampling_to_pb(enumerate(sampling or ())),
             ),
         )
-        return _proposal(r, len(seqs), num_drafts)
+        return cv.proposal_from_pb(r, len(seqs))
 
     def settle_verdict(
         self,
@@ -205,17 +168,17 @@ class GrpcModel:
         r = self._rpc(
             self._stub.SettleVerdict,
             pb.VerdictRequest(
-                seq_ids=self._ids(seqs),
+                seq_ids=cv.seq_ids(seqs),
                 kept_rows=kept_rows,
                 ks=ks,
                 proposers=proposers,
                 last=last,
                 num_drafts=num_drafts,
-                sampling=_seq_sampling(list(enumerate(sampling or ()))),
+                sampling=cv.seq_sampling_to_pb(enumerate(sampling or ())),
             ),
         )
-        self._mirror(seqs, r.seq_lens)
-        return _proposal(r, len(proposers), num_drafts)
+        cv.mirror_seq_lens(seqs, r.seq_lens)
+        return cv.proposal_from_pb(r, len(proposers))
 
     def decode_step(
         self,
@@ -228,27 +191,21 @@ class GrpcModel:
         r = self._rpc(
             self._stub.DecodeStep,
             pb.StepRequest(
-                seq_ids=self._ids(seqs),
+                seq_ids=cv.seq_ids(seqs),
                 ks=ks,
                 tokens=tokens,
                 want_drafts=want_drafts,
                 num_drafts=num_drafts,
             ),
         )
-        self._mirror(seqs, r.seq_lens)
+        cv.mirror_seq_lens(seqs, r.seq_lens)
         self._logprobs = list(r.logprobs)
         self._draws = [None] * len(r.argmax)
-        return StepResult(
-            list(r.argmax),
-            list(r.logprobs),
-            list(r.accepted),
-            list(r.proposers),
-            _proposal(r, len(r.proposers), num_drafts),
-        )
+        return cv.step_from_pb(r)
 
     def trim_proposer_state(self, seqs: Sequence[SequenceHandle], keep_own: int = 0) -> None:
         self._rpc(
-            self._stub.TrimProposer, pb.TrimRequest(seq_ids=self._ids(seqs), keep_own=keep_own)
+            self._stub.TrimProposer, pb.TrimRequest(seq_ids=cv.seq_ids(seqs), keep_own=keep_own)
         )
 
     def measure_costs(
@@ -258,37 +215,10 @@ class GrpcModel:
             self._stub.MeasureCosts,
             pb.CostRequest(widths=widths, max_depth=max_depth, repeats=repeats, refresh=refresh),
         )
-        return [CostEntry(e.width, e.depth, e.verify_ms, e.propose_ms) for e in r.entries], r.cached
+        return cv.costs_from_pb(r)
 
     def set_forward(self, name: str) -> None:
         self._rpc(self._stub.SetForward, pb.SetForwardRequest(forward=name))
 
     def read_logits(self) -> Logits:
-        r = self._rpc(self._stub.ReadLogits, pb.ReadLogitsRequest())
-        return Logits(r.data, r.dtype, tuple(r.shape))
-
-
-def _proposal(reply: Any, n: int, nd: int) -> Proposal:
-    """Row-major drafts and confidences back into one list per sequence."""
-    drafts = [list(reply.drafts[i * nd : (i + 1) * nd]) for i in range(n)]
-    confs = [list(reply.confidences[i * nd : (i + 1) * nd]) for i in range(n)]
-    return Proposal(drafts, confs)
-
-
-def _params(s: Sampling) -> pb.SamplingParams:
-    return pb.SamplingParams(
-        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, uniforms=s.uniforms
-    )
-
-
-def _seq_sampling(items: list[tuple[int, Sampling | None]]) -> list[pb.SeqSampling]:
-    return [pb.SeqSampling(index=i, params=_params(s)) for i, s in items if s is not None]
-
-
-def _sampled_rows(ks: Sequence[int], sampling: dict[int, Sampling]) -> set[int]:
-    rows, off = set(), 0
-    for i, k in enumerate(ks):
-        if i in sampling:
-            rows.update(range(off, off + k))
-        off += k
-    return rows
+        return cv.from_pb(Logits, self._rpc(self._stub.ReadLogits, pb.ReadLogitsRequest()))

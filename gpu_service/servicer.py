@@ -14,26 +14,10 @@ from typing import Any
 import grpc
 
 from gpu_service.engine import Engine
+from protos import convert as cv
 from protos.met.v1 import model_pb2 as pb
 from protos.met.v1 import model_pb2_grpc as pb_grpc
-from protos.model import InvalidArgument, ModelError, Sampling, SequenceHandle
-
-
-def _sampling(p: pb.SamplingParams) -> Sampling:
-    return Sampling(p.temperature, p.top_k, p.top_p, tuple(p.uniforms))
-
-
-def _seq_sampling(items: Any, n: int) -> list[Sampling | None]:
-    out: list[Sampling | None] = [None] * n
-    for item in items:
-        if item.index >= n:
-            raise InvalidArgument(f"sampling names sequence {item.index} of {n}")
-        out[item.index] = _sampling(item.params)
-    return out
-
-
-def _handles(ids: Any) -> list[SequenceHandle]:
-    return [SequenceHandle(int(i), -1) for i in ids]
+from protos.model import ModelError, RowDraws, SequenceHandle
 
 
 class ModelServicer(pb_grpc.ModelServiceServicer):
@@ -55,41 +39,18 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
         return await asyncio.get_running_loop().run_in_executor(self._worker, ctx.run, fn, *args)
 
     async def Capabilities(self, request, context):
-        c = await self._call(context, lambda: self.engine.capabilities())
-        return pb.CapabilitiesReply(
-            model_name=c.model_name,
-            vocab_size=c.vocab_size,
-            num_slots=c.num_slots,
-            free_slots=c.free_slots,
-            slot_verify_drafts=c.slot_verify_drafts,
-            max_rows=c.max_rows,
-            forwards=c.forwards,
-            current_forward=c.current_forward,
-            device=c.device,
-            max_context=c.max_context,
-            dtype=c.dtype,
-            hidden_size=c.hidden_size,
-            eos_token_ids=c.eos_token_ids,
-            has_mtp=c.has_mtp,
-            max_batch=c.max_batch,
-            max_prefill_tokens=c.max_prefill_tokens,
-        )
+        return cv.to_pb(await self._call(context, lambda: self.engine.capabilities()))
 
     async def AllocSequence(self, request, context):
-        h = await self._call(context, lambda: self.engine.alloc_sequence())
-        return pb.SequenceHandle(seq_id=h.seq_id, slot=h.slot, seq_len=h.seq_len)
+        return cv.to_pb(await self._call(context, lambda: self.engine.alloc_sequence()))
 
     async def FreeSequence(self, request, context):
-        await self._call(context, lambda: self.engine.free_sequence(_handles([request.seq_id])[0]))
+        (seq,) = cv.handles([request.seq_id])
+        await self._call(context, lambda: self.engine.free_sequence(seq))
         return pb.FreeSequenceReply()
 
     async def Prefill(self, request, context):
-        seqs = _handles(item.seq_id for item in request.items)
-        prompts = [list(item.tokens) for item in request.items]
-        masks = [item.mask for item in request.items]
-        sampling = [
-            _sampling(i.sampling) if i.HasField("sampling") else None for i in request.items
-        ]
+        seqs, prompts, masks, sampling = cv.prefill_from_pb(request)
         argmax, logprobs = await self._call(
             context,
             lambda: (
@@ -97,16 +58,14 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
                 self.engine.last_logprobs(),
             ),
         )
-        return pb.PrefillReply(argmax=argmax, seq_lens=[s.seq_len for s in seqs], logprobs=logprobs)
+        return pb.PrefillReply(argmax=argmax, seq_lens=cv.seq_lens(seqs), logprobs=logprobs)
 
     async def DecodeVerifyBatched(self, request, context):
-        seqs = _handles(request.seq_ids)
+        seqs = cv.handles(request.seq_ids)
 
-        def run() -> tuple[list[int], list[float]]:
-            masks = {m.row: m.bits for m in request.masks}
-            if len(masks) != len(request.masks):
-                raise InvalidArgument("two masks name the same row")
-            sampled = _seq_sampling(request.sampling, len(seqs))
+        def run() -> tuple[list[int], list[float], list[RowDraws | None]]:
+            masks = cv.row_masks_from_pb(request.masks)
+            sampled = cv.seq_sampling_from_pb(request.sampling, len(seqs))
             argmax = self.engine.decode_verify_batched(
                 list(request.tokens),
                 list(request.ks),
@@ -119,12 +78,7 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
 
         argmax, logprobs, draws = await self._call(context, run)
         return pb.VerifyReply(
-            argmax=argmax,
-            seq_lens=[s.seq_len for s in seqs],
-            logprobs=logprobs,
-            p_next=[d.p_next if d else 0.0 for d in draws],
-            resample=[d.resample if d else 0 for d in draws],
-            sample=[d.sample if d else 0 for d in draws],
+            argmax=argmax, seq_lens=cv.seq_lens(seqs), logprobs=logprobs, **cv.draws_to_pb(draws)
         )
 
     async def CanBatchVerify(self, request, context):
@@ -132,14 +86,14 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
         return pb.CanBatchVerifyReply(ok=ok)
 
     async def FoldAccepted(self, request, context):
-        seqs = _handles(request.seq_ids)
+        seqs = cv.handles(request.seq_ids)
         await self._call(
             context, lambda: self.engine.gdn_fold_accepted(seqs, list(request.fold_rows))
         )
         return pb.FoldReply()
 
     async def CommitAcceptedPrefix(self, request, context):
-        seqs = _handles(request.seq_ids)
+        seqs = cv.handles(request.seq_ids)
         lens = await self._call(
             context,
             lambda: self.engine.commit_accepted_prefix(
@@ -153,12 +107,9 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
         return pb.StashReply()
 
     async def Propose(self, request, context):
-        seqs = _handles(request.seq_ids)
+        seqs = cv.handles(request.seq_ids)
         p = await self._call(context, lambda: self._propose(request, seqs))
-        return pb.ProposeReply(
-            drafts=[t for row in p.drafts for t in row],
-            confidences=[c for row in p.confidences for c in row],
-        )
+        return pb.ProposeReply(**cv.proposal_to_pb(p))
 
     def _propose(self, request, seqs: list[SequenceHandle]):
         if request.positions:
@@ -168,18 +119,16 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
             list(request.stash),
             request.num_drafts,
             seqs,
-            _seq_sampling(request.sampling, len(seqs)),
+            cv.seq_sampling_from_pb(request.sampling, len(seqs)),
         )
 
     async def TrimProposer(self, request, context):
-        await self._call(
-            context,
-            lambda: self.engine.trim_proposer_state(_handles(request.seq_ids), request.keep_own),
-        )
+        seqs = cv.handles(request.seq_ids)
+        await self._call(context, lambda: self.engine.trim_proposer_state(seqs, request.keep_own))
         return pb.TrimReply()
 
     async def DecodeStep(self, request, context):
-        seqs = _handles(request.seq_ids)
+        seqs = cv.handles(request.seq_ids)
         r = await self._call(
             context,
             lambda: self.engine.decode_step(
@@ -190,18 +139,10 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
                 request.num_drafts,
             ),
         )
-        return pb.StepReply(
-            argmax=r.argmax,
-            logprobs=r.logprobs,
-            accepted=r.accepted,
-            seq_lens=[s.seq_len for s in seqs],
-            proposers=r.proposers,
-            drafts=[t for row in r.proposal.drafts for t in row],
-            confidences=[c for row in r.proposal.confidences for c in row],
-        )
+        return cv.step_to_pb(r, cv.seq_lens(seqs))
 
     async def SettleVerdict(self, request, context):
-        seqs = _handles(request.seq_ids)
+        seqs = cv.handles(request.seq_ids)
         p = await self._call(
             context,
             lambda: self.engine.settle_verdict(
@@ -211,14 +152,10 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
                 list(request.proposers),
                 list(request.last),
                 request.num_drafts,
-                _seq_sampling(request.sampling, max(len(request.proposers), 1)),
+                cv.seq_sampling_from_pb(request.sampling, max(len(request.proposers), 1)),
             ),
         )
-        return pb.VerdictReply(
-            seq_lens=[s.seq_len for s in seqs],
-            drafts=[t for row in p.drafts for t in row],
-            confidences=[c for row in p.confidences for c in row],
-        )
+        return pb.VerdictReply(seq_lens=cv.seq_lens(seqs), **cv.proposal_to_pb(p))
 
     async def MeasureCosts(self, request, context):
         entries, cached = await self._call(
@@ -227,23 +164,14 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
                 list(request.widths), request.max_depth, request.repeats or 5, request.refresh
             ),
         )
-        return pb.CostReply(
-            entries=[
-                pb.CostEntry(
-                    width=e.width, depth=e.depth, verify_ms=e.verify_ms, propose_ms=e.propose_ms
-                )
-                for e in entries
-            ],
-            cached=cached,
-        )
+        return cv.costs_to_pb(entries, cached)
 
     async def SetForward(self, request, context):
         await self._call(context, lambda: self.engine.set_forward(request.forward))
         return pb.SetForwardReply(current_forward=request.forward)
 
     async def ReadLogits(self, request, context):
-        lg = await self._call(context, lambda: self.engine.read_logits())
-        return pb.ReadLogitsReply(data=lg.data, dtype=lg.dtype, shape=lg.shape)
+        return cv.to_pb(await self._call(context, lambda: self.engine.read_logits()))
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):

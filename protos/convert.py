@@ -1,0 +1,231 @@
+"""Conversions between the `met.v1` messages and the `Model` dataclasses (protos/model.py): the
+one place a message's layout is spelled out; the servicer and the client both call it.
+
+A dataclass whose fields are its message's fields by name (`MESSAGES`) converts generically,
+so its field list lives only in the dataclass. The layouts that differ from their dataclass
+(flat draft blocks, parallel per-row lists, indexed per-sequence sampling) are written out
+below, each as a `*_to_pb` / `*_from_pb` pair. Nothing here imports torch: the control plane
+imports this module."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import fields
+from typing import Any, TypeVar
+
+from google.protobuf.message import Message
+
+from protos.met.v1 import model_pb2 as pb
+from protos.model import (
+    Capabilities,
+    CostEntry,
+    InvalidArgument,
+    Logits,
+    Proposal,
+    RowDraws,
+    Sampling,
+    SequenceHandle,
+    StepResult,
+)
+
+T = TypeVar("T")
+
+# Each dataclass and the message that carries it field for field, under the same names.
+MESSAGES: dict[type, type[Message]] = {
+    Capabilities: pb.CapabilitiesReply,
+    SequenceHandle: pb.SequenceHandle,
+    Sampling: pb.SamplingParams,
+    CostEntry: pb.CostEntry,
+    Logits: pb.ReadLogitsReply,
+}
+
+
+def to_pb(obj: Any) -> Any:
+    """A dataclass of `MESSAGES` as its message."""
+    message = MESSAGES[type(obj)]
+    return message(**{f.name: getattr(obj, f.name) for f in fields(obj)})
+
+
+def from_pb(cls: type[T], msg: Message) -> T:
+    """`to_pb` backwards; repeated fields come back as tuples, as these dataclasses hold them."""
+    if not isinstance(msg, MESSAGES[cls]):
+        raise TypeError(f"{cls.__name__} comes from {MESSAGES[cls].__name__}, not {type(msg)}")
+    repeated = {f.name for f in msg.DESCRIPTOR.fields if f.is_repeated}
+    values = {f.name: getattr(msg, f.name) for f in fields(cls)}  # type: ignore[arg-type]
+    return cls(**{k: tuple(v) if k in repeated else v for k, v in values.items()})
+
+
+# -- sequences: a request names them by id, a reply gives their new lengths -----------------
+
+
+def seq_ids(seqs: Iterable[SequenceHandle]) -> list[int]:
+    return [s.seq_id for s in seqs]
+
+
+def handles(ids: Iterable[int]) -> list[SequenceHandle]:
+    """The service's handles for a request's ids: the engine knows each slot and length, the
+    wire carries only the id (slot -1 until the engine looks it up)."""
+    return [SequenceHandle(int(i), -1) for i in ids]
+
+
+def seq_lens(seqs: Iterable[SequenceHandle]) -> list[int]:
+    return [s.seq_len for s in seqs]
+
+
+def mirror_seq_lens(seqs: Sequence[SequenceHandle], lens: Sequence[int]) -> None:
+    """`seq_lens` backwards: the caller's handles take the lengths the reply gives."""
+    for s, n in zip(seqs, lens, strict=True):
+        s.seq_len = n
+
+
+# -- sampling and masks -------------------------------------------------------------------
+
+
+def seq_sampling_to_pb(sampling: Iterable[tuple[int, Sampling | None]]) -> list[pb.SeqSampling]:
+    """(sequence index, sampling) pairs; greedy sequences (None) are left out."""
+    return [pb.SeqSampling(index=i, params=to_pb(s)) for i, s in sampling if s is not None]
+
+
+def seq_sampling_from_pb(items: Iterable[pb.SeqSampling], n: int) -> list[Sampling | None]:
+    """One entry per sequence of `n`, None for those the request leaves greedy."""
+    out: list[Sampling | None] = [None] * n
+    for item in items:
+        if item.index >= n:
+            raise InvalidArgument(f"sampling names sequence {item.index} of {n}")
+        out[item.index] = from_pb(Sampling, item.params)
+    return out
+
+
+def row_masks_to_pb(masks: dict[int, bytes]) -> list[pb.RowMask]:
+    return [pb.RowMask(row=r, bits=b) for r, b in masks.items()]
+
+
+def row_masks_from_pb(items: Sequence[pb.RowMask]) -> dict[int, bytes]:
+    masks = {m.row: m.bits for m in items}
+    if len(masks) != len(items):
+        raise InvalidArgument("two masks name the same row")
+    return masks
+
+
+def prefill_to_pb(
+    seqs: Sequence[SequenceHandle],
+    prompts: Sequence[Sequence[int]],
+    masks: Sequence[bytes],
+    sampling: Sequence[Sampling | None],
+) -> pb.PrefillRequest:
+    """One item per sequence; an empty mask and an unset `sampling` mean none."""
+    items = [
+        pb.PrefillItem(
+            seq_id=s.seq_id, tokens=p, mask=m, sampling=to_pb(smp) if smp is not None else None
+        )
+        for s, p, m, smp in zip(seqs, prompts, masks, sampling, strict=True)
+    ]
+    return pb.PrefillRequest(items=items)
+
+
+def prefill_from_pb(
+    request: pb.PrefillRequest,
+) -> tuple[list[SequenceHandle], list[list[int]], list[bytes], list[Sampling | None]]:
+    """`prefill_to_pb` backwards: (handles, prompts, masks, sampling)."""
+    items = request.items
+    sampling = [from_pb(Sampling, i.sampling) if i.HasField("sampling") else None for i in items]
+    prompts = [list(i.tokens) for i in items]
+    return handles(i.seq_id for i in items), prompts, [i.mask for i in items], sampling
+
+
+# -- per-row draws: three parallel lists, zeros on the rows of greedy sequences ------------
+
+
+def draws_to_pb(draws: Sequence[RowDraws | None]) -> dict[str, list]:
+    """`VerifyReply`'s draw fields, as keywords."""
+    return {
+        "p_next": [d.p_next if d else 0.0 for d in draws],
+        "resample": [d.resample if d else 0 for d in draws],
+        "sample": [d.sample if d else 0 for d in draws],
+    }
+
+
+def draws_from_pb(
+    reply: pb.VerifyReply, ks: Sequence[int], sampled: Collection[int]
+) -> list[RowDraws | None]:
+    """The wire does not mark which rows sampled; the caller knows: the rows of the sequences
+    in `sampled` (indexes into `ks`, the rows per sequence)."""
+    rows: set[int] = set()
+    off = 0
+    for i, k in enumerate(ks):
+        if i in sampled:
+            rows.update(range(off, off + k))
+        off += k
+    return [
+        RowDraws(reply.p_next[r], reply.resample[r], reply.sample[r]) if r in rows else None
+        for r in range(len(reply.argmax))
+    ]
+
+
+# -- proposals: row-major [sequences, num_drafts] blocks ----------------------------------
+
+
+def proposal_to_pb(p: Proposal) -> dict[str, list]:
+    """The drafts and confidences fields of `ProposeReply`, `VerdictReply` and `StepReply`, as
+    keywords. The wire has no per-row counts, so every row must hold the same number."""
+    widths = {len(r) for r in p.drafts} | {len(r) for r in p.confidences}
+    if len(widths) > 1 or len(p.drafts) != len(p.confidences):
+        raise ValueError(
+            "a proposal crosses the wire as one [sequences, num_drafts] block; this one has "
+            f"draft rows of {[len(r) for r in p.drafts]} and confidence rows of "
+            f"{[len(r) for r in p.confidences]}"
+        )
+    return {
+        "drafts": [t for row in p.drafts for t in row],
+        "confidences": [c for row in p.confidences for c in row],
+    }
+
+
+def proposal_from_pb(reply: Any, n: int) -> Proposal:
+    """`proposal_to_pb` backwards for `n` sequences (num_drafts is the block's width)."""
+    flat_drafts, flat_confs = list(reply.drafts), list(reply.confidences)
+    nd = len(flat_drafts) // n if n else 0
+    if len(flat_drafts) != n * nd or len(flat_confs) != len(flat_drafts):
+        raise ValueError(
+            f"a proposal for {n} sequences came with {len(flat_drafts)} drafts and "
+            f"{len(flat_confs)} confidences; expected {n} equal rows of each"
+        )
+    return Proposal(
+        [flat_drafts[i * nd : (i + 1) * nd] for i in range(n)],
+        [flat_confs[i * nd : (i + 1) * nd] for i in range(n)],
+    )
+
+
+def step_to_pb(r: StepResult, lens: Sequence[int]) -> pb.StepReply:
+    """`lens`: each sequence's length after the commit (the reply's `seq_lens`)."""
+    return pb.StepReply(
+        argmax=r.argmax,
+        logprobs=r.logprobs,
+        accepted=r.accepted,
+        seq_lens=lens,
+        proposers=r.proposers,
+        **proposal_to_pb(r.proposal),
+    )
+
+
+def step_from_pb(reply: pb.StepReply) -> StepResult:
+    """`step_to_pb` backwards; the lengths stay in `reply.seq_lens` for `mirror_seq_lens`."""
+    return StepResult(
+        list(reply.argmax),
+        list(reply.logprobs),
+        list(reply.accepted),
+        list(reply.proposers),
+        proposal_from_pb(reply, len(reply.proposers)),
+    )
+
+
+# -- costs --------------------------------------------------------------------------------
+
+
+def costs_to_pb(entries: Iterable[CostEntry], cached: bool) -> pb.CostReply:
+    return pb.CostReply(entries=[to_pb(e) for e in entries], cached=cached)
+
+
+def costs_from_pb(reply: pb.CostReply) -> tuple[list[CostEntry], bool]:
+    """-> (entries, whether they came from the service's cache)"""
+    return [from_pb(CostEntry, e) for e in reply.entries], reply.cached
