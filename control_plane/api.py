@@ -36,6 +36,11 @@ METHODS = {
     pb.SPECULATIVE_METHOD_PROMPT_LOOKUP: PROMPT_LOOKUP,
 }
 TRACER = tracer("met.control_plane")
+DEFAULT_METHOD = MTP  # for requests that leave the speculative method unspecified
+DEFAULT_MAX_NEW_TOKENS = 256  # for requests that leave max_new_tokens unset
+
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
 
 class BadRequest(Exception):
@@ -54,54 +59,9 @@ def to_request(
     compiler: GrammarCompiler | None = None,
 ) -> GenRequest:
     """The wire request as the scheduler's `GenRequest`, or `BadRequest` with a sentence."""
-    invalid = grpc.StatusCode.INVALID_ARGUMENT
-    if r.prompt and r.prompt_token_ids:
-        raise BadRequest(invalid, "give either prompt or prompt_token_ids, not both")
-    ids = list(r.prompt_token_ids) or tokenizer.encode(r.prompt)
-    if not ids:
-        raise BadRequest(invalid, "the prompt is empty")
-    if bad := [t for t in ids if t >= caps.vocab_size]:
-        raise BadRequest(
-            invalid,
-            f"prompt token id {bad[0]} is outside the vocabulary (0 .. {caps.vocab_size - 1})",
-        )
-    room = caps.max_context - len(ids)
-    if room < 1:
-        raise BadRequest(
-            invalid,
-            f"the prompt has {len(ids)} tokens; the context holds "
-            f"{caps.max_context} with room for at least one more",
-        )
-    max_new = r.max_new_tokens if r.HasField("max_new_tokens") else min(default_max_new, room)
-    if max_new == 0:
-        raise BadRequest(invalid, "max_new_tokens is 0; ask for at least one token")
-    if max_new > room:
-        raise BadRequest(
-            invalid,
-            f"{len(ids)} prompt tokens and {max_new} new tokens exceed "
-            f"the context of {caps.max_context}",
-        )
-    if r.speculative_method not in (pb.SPECULATIVE_METHOD_UNSPECIFIED, *METHODS):
-        raise BadRequest(
-            invalid,
-            f"speculative_method {r.speculative_method} is unknown; use NONE, MTP or PROMPT_LOOKUP",
-        )
-    if r.temperature < 0 or not 0.0 <= r.top_p <= 1.0:
-        raise BadRequest(invalid, "temperature must be at least 0 and top_p within [0, 1]")
-    most = max(caps.slot_verify_drafts)
-    if r.HasField("num_drafts") and r.num_drafts > most:
-        raise BadRequest(
-            invalid, f"num_drafts is {r.num_drafts}; the GPU service verifies at most {most} drafts"
-        )
-    grammar = None
-    kind = r.response_format.WhichOneof("format") if r.HasField("response_format") else None
-    if kind is not None:
-        if compiler is None:
-            raise BadRequest(grpc.StatusCode.UNIMPLEMENTED, "this server has no grammar engine")
-        try:
-            grammar = compiler.compile(kind, getattr(r.response_format, kind))
-        except ValueError as e:
-            raise BadRequest(invalid, f"response_format: {e}") from None
+    ids = _prompt_ids(r, tokenizer, caps)
+    max_new = _max_new_tokens(r, len(ids), caps, default_max_new)
+    _check_sampling(r, caps)
     return GenRequest(
         request_id=request_id,
         prompt_ids=tuple(ids),
@@ -113,12 +73,78 @@ def to_request(
         method=METHODS.get(r.speculative_method, default_method),
         num_drafts=r.num_drafts if r.HasField("num_drafts") else None,
         logprobs=r.logprobs,
-        grammar=grammar,
+        grammar=_grammar(r, compiler),
         temperature=r.temperature,
         top_k=r.top_k,
         top_p=r.top_p,
         seed=r.seed if r.HasField("seed") else None,
     )
+
+
+def _prompt_ids(r: pb.GenerateRequest, tokenizer: Tokenizer, caps: Capabilities) -> list[int]:
+    if r.prompt and r.prompt_token_ids:
+        raise BadRequest(INVALID, "give either prompt or prompt_token_ids, not both")
+    ids = list(r.prompt_token_ids) or tokenizer.encode(r.prompt)
+    if not ids:
+        raise BadRequest(INVALID, "the prompt is empty")
+    if bad := [t for t in ids if t >= caps.vocab_size]:
+        raise BadRequest(
+            INVALID,
+            f"prompt token id {bad[0]} is outside the vocabulary (0 .. {caps.vocab_size - 1})",
+        )
+    return ids
+
+
+def _max_new_tokens(
+    r: pb.GenerateRequest, prompt_len: int, caps: Capabilities, default_max_new: int
+) -> int:
+    """The request's token budget: its own, or the server's default cut to the context."""
+    room = caps.max_context - prompt_len
+    if room < 1:
+        raise BadRequest(
+            INVALID,
+            f"the prompt has {prompt_len} tokens; the context holds "
+            f"{caps.max_context} with room for at least one more",
+        )
+    max_new = r.max_new_tokens if r.HasField("max_new_tokens") else min(default_max_new, room)
+    if max_new == 0:
+        raise BadRequest(INVALID, "max_new_tokens is 0; ask for at least one token")
+    if max_new > room:
+        raise BadRequest(
+            INVALID,
+            f"{prompt_len} prompt tokens and {max_new} new tokens exceed "
+            f"the context of {caps.max_context}",
+        )
+    return max_new
+
+
+def _check_sampling(r: pb.GenerateRequest, caps: Capabilities) -> None:
+    """The method, the sampling parameters and the draft count."""
+    if r.speculative_method not in (pb.SPECULATIVE_METHOD_UNSPECIFIED, *METHODS):
+        raise BadRequest(
+            INVALID,
+            f"speculative_method {r.speculative_method} is unknown; use NONE, MTP or PROMPT_LOOKUP",
+        )
+    if r.temperature < 0 or not 0.0 <= r.top_p <= 1.0:
+        raise BadRequest(INVALID, "temperature must be at least 0 and top_p within [0, 1]")
+    most = max(caps.slot_verify_drafts)
+    if r.HasField("num_drafts") and r.num_drafts > most:
+        raise BadRequest(
+            INVALID, f"num_drafts is {r.num_drafts}; the GPU service verifies at most {most} drafts"
+        )
+
+
+def _grammar(r: pb.GenerateRequest, compiler: GrammarCompiler | None) -> object | None:
+    """The compiled `response_format`, or None when the request has none."""
+    kind = r.response_format.WhichOneof("format") if r.HasField("response_format") else None
+    if kind is None:
+        return None
+    if compiler is None:
+        raise BadRequest(grpc.StatusCode.UNIMPLEMENTED, "this server has no grammar engine")
+    try:
+        return compiler.compile(kind, getattr(r.response_format, kind))
+    except ValueError as e:
+        raise BadRequest(INVALID, f"response_format: {e}") from None
 
 
 def stats_message(s: SpecStats) -> pb.SpeculativeStats:
@@ -133,13 +159,22 @@ def stats_message(s: SpecStats) -> pb.SpeculativeStats:
     )
 
 
+def finish_message(ev: Finish, rid: str) -> pb.GenerateResponse:
+    return pb.GenerateResponse(
+        finish_reason=ev.reason,
+        request_id=rid,
+        usage=pb.Usage(prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens),
+        speculative_stats=stats_message(ev.stats),
+    )
+
+
 class GenerationServicer(pb_grpc.GenerationServiceServicer):
     def __init__(
         self,
         scheduler: Scheduler,
         tokenizer: Tokenizer,
-        default_method: str = MTP,
-        default_max_new: int = 256,
+        default_method: str = DEFAULT_METHOD,
+        default_max_new: int = DEFAULT_MAX_NEW_TOKENS,
     ) -> None:
         self.scheduler, self.tokenizer = scheduler, tokenizer
         self.default_method, self.default_max_new = default_method, default_max_new
@@ -162,8 +197,38 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
 
     async def _generate(self, request, context, rid: str, gen: Span):
         key = f"{rid}#{next(self._ids)}"  # clients may reuse ids; the scheduler must not
-        loop = asyncio.get_running_loop()
         started = time.monotonic()
+        req = await self._convert(request, context, key, gen)
+        events = await self._submit(req, context, gen)
+        done, first = False, None
+        try:
+            while True:
+                ev = await events.get()
+                if isinstance(ev, Delta):
+                    if first is None and ev.token_ids:
+                        first = time.monotonic() - started
+                        gen.set_attribute("met.time_to_first_token_s", first)
+                    yield pb.GenerateResponse(
+                        token_ids=ev.token_ids, text=ev.text, logprobs=ev.logprobs, request_id=rid
+                    )
+                elif isinstance(ev, Finish):
+                    done = True
+                    _finished(gen, ev)
+                    yield finish_message(ev, rid)
+                    return
+                elif isinstance(ev, Failure):
+                    done = True
+                    _failed(gen, ev.code, ev.message)
+                    await context.abort(getattr(grpc.StatusCode, ev.code), ev.message)
+        finally:
+            if not done:
+                gen.set_attribute("gen_ai.response.finish_reasons", ["cancelled"])
+                self.scheduler.cancel(key)
+
+    async def _convert(self, request, context, key: str, gen: Span) -> GenRequest:
+        """The request as the scheduler's, linked to its span; a bad one, or a service out of
+        reach, aborts the call with its status."""
+        loop = asyncio.get_running_loop()
         try:
             caps = await loop.run_in_executor(None, self.scheduler.capabilities)
             gen.set_attribute("gen_ai.request.model", caps.model_name)
@@ -187,44 +252,18 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             message = f"the GPU service is not reachable: {e.details()}"
             _failed(gen, "UNAVAILABLE", message)
             await context.abort(grpc.StatusCode.UNAVAILABLE, message)
-        req = dataclasses.replace(req, span_context=gen.get_span_context())
+        return dataclasses.replace(req, span_context=gen.get_span_context())
+
+    async def _submit(self, req: GenRequest, context, gen: Span) -> asyncio.Queue:
+        """Hand the request to the scheduler; its events arrive on the returned queue."""
+        loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         try:
             self.scheduler.submit(req, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
         except ModelError as e:
             _failed(gen, e.code, str(e))
             await context.abort(getattr(grpc.StatusCode, e.code), str(e))
-        done, first = False, None
-        try:
-            while True:
-                ev = await events.get()
-                if isinstance(ev, Delta):
-                    if first is None and ev.token_ids:
-                        first = time.monotonic() - started
-                        gen.set_attribute("met.time_to_first_token_s", first)
-                    yield pb.GenerateResponse(
-                        token_ids=ev.token_ids, text=ev.text, logprobs=ev.logprobs, request_id=rid
-                    )
-                elif isinstance(ev, Finish):
-                    done = True
-                    _finished(gen, ev)
-                    yield pb.GenerateResponse(
-                        finish_reason=ev.reason,
-                        request_id=rid,
-                        usage=pb.Usage(
-                            prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens
-                        ),
-                        speculative_stats=stats_message(ev.stats),
-                    )
-                    return
-                elif isinstance(ev, Failure):
-                    done = True
-                    _failed(gen, ev.code, ev.message)
-                    await context.abort(getattr(grpc.StatusCode, ev.code), ev.message)
-        finally:
-            if not done:
-                gen.set_attribute("gen_ai.response.finish_reasons", ["cancelled"])
-                self.scheduler.cancel(key)
+        return events
 
     async def GetStats(self, request, context):
         snap = self.scheduler.snapshot()

@@ -13,10 +13,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from control_plane.api import GenerationServicer
+from control_plane.api import DEFAULT_MAX_NEW_TOKENS, DEFAULT_METHOD, GenerationServicer
 from control_plane.client import GrpcModel
 from control_plane.metrics import Metrics
-from control_plane.scheduler.loop import Scheduler, SchedulerOptions
+from control_plane.scheduler.loop import Scheduler
+from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.seq import MTP, NONE
 from control_plane.tokenizer import load_tokenizer
 from protos.defaults import DEFAULT_MODEL_DIR
@@ -28,6 +29,7 @@ DEFAULT_PORT = 50050
 
 
 def add_serve_args(parser: argparse.ArgumentParser, gpu_service_required: bool = True) -> None:
+    """The server's own arguments, then one per scheduler option (from its fields)."""
     if gpu_service_required:
         parser.add_argument(
             "--gpu-service", required=True, metavar="HOST:PORT", help="the GPU service to drive"
@@ -43,57 +45,14 @@ def add_serve_args(parser: argparse.ArgumentParser, gpu_service_required: bool =
     parser.add_argument(
         "--method",
         choices=[MTP, NONE],
-        default=MTP,
+        default=DEFAULT_METHOD,
         help="speculative method of requests that leave it unspecified",
     )
-    parser.add_argument("--num-drafts", type=int, default=3, help="longest draft chain")
     parser.add_argument(
-        "--mtp-max-seqs", type=int, default=32, help="batched verify needs more than 1"
-    )
-    parser.add_argument(
-        "--max-queue",
+        "--max-new-tokens",
         type=int,
-        default=256,
-        help="requests waiting for a slot before RESOURCE_EXHAUSTED",
-    )
-    parser.add_argument(
-        "--prefill-chunk", type=int, default=512, help="prompt tokens per sequence per iteration"
-    )
-    parser.add_argument(
-        "--max-new-tokens", type=int, default=256, help="default for requests that leave it unset"
-    )
-    parser.add_argument(
-        "--prompt-lookup-decoding",
-        action="store_true",
-        help="copies from a repeating history replace MTP chains",
-    )
-    parser.add_argument(
-        "--draft-confidence-stop",
-        type=float,
-        default=None,
-        metavar="LOGPROB",
-        help="end a draft chain at the first draft below this log-probability",
-    )
-    parser.add_argument(
-        "--dcut-threshold",
-        type=float,
-        default=0.3,
-        help="D-Cut keeps drafts while their chain probability is at least this",
-    )
-    parser.add_argument(
-        "--dcut-width-cap", type=int, default=8, help="batches wider than this are not cut"
-    )
-    parser.add_argument(
-        "--spec-cost-model",
-        choices=["static", "measured"],
-        default="static",
-        help="draft depth from the K ladder or from measured step costs",
-    )
-    parser.add_argument(
-        "--spec-cost-slack",
-        type=float,
-        default=0.05,
-        help="take the shallowest depth within this fraction of the best rate",
+        default=DEFAULT_MAX_NEW_TOKENS,
+        help="default for requests that leave it unset",
     )
     parser.add_argument(
         "--otlp-endpoint",
@@ -109,24 +68,18 @@ def add_serve_args(parser: argparse.ArgumentParser, gpu_service_required: bool =
     parser.add_argument(
         "--grace", type=float, default=5.0, help="seconds in-flight streams get on SIGTERM"
     )
+    SchedulerOptions.add_arguments(parser)
 
 
 def build_scheduler(args: argparse.Namespace) -> Scheduler:
-    opts = SchedulerOptions(
-        num_drafts=args.num_drafts,
-        mtp_max_seqs=args.mtp_max_seqs,
-        max_queue=args.max_queue,
-        prefill_chunk=args.prefill_chunk,
-        prompt_lookup=args.prompt_lookup_decoding,
-        draft_confidence_stop=args.draft_confidence_stop,
-        dcut_threshold=args.dcut_threshold,
-        dcut_width_cap=args.dcut_width_cap,
-        spec_cost_model=args.spec_cost_model,
-        spec_cost_slack=args.spec_cost_slack,
-    )
     tokenizer = load_tokenizer(args.tokenizer)
     metrics = Metrics() if args.metrics_port is not None else None
-    return Scheduler(lambda: GrpcModel(args.gpu_service), tokenizer, opts, metrics=metrics)
+    return Scheduler(
+        lambda: GrpcModel(args.gpu_service),
+        tokenizer,
+        SchedulerOptions.from_args(args),
+        metrics=metrics,
+    )
 
 
 async def serve(args: argparse.Namespace) -> None:

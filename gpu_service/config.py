@@ -6,6 +6,8 @@ import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from protos import checks
+
 LINEAR = "linear_attention"
 FULL = "full_attention"
 
@@ -173,16 +175,8 @@ class ModelConfig:
 
 def parse_tiers(spec: str) -> tuple[int, ...]:
     """`"8:3,8:2,16:1"` -> per-slot verify capacity in drafts: (3,)*8 + (2,)*8 + (1,)*16."""
-    caps: list[int] = []
-    for part in spec.split(","):
-        try:
-            count, drafts = (int(x) for x in part.split(":"))
-        except ValueError:
-            raise ValueError(f"bad verify tier {part!r}; expected SLOTS:DRAFTS") from None
-        if count < 1 or drafts < 0:
-            raise ValueError(f"bad verify tier {part!r}; slots >= 1 and drafts >= 0")
-        caps.extend([drafts] * count)
-    return tuple(caps)
+    pairs = checks.parse_pairs(spec, "verify tier", "SLOTS", "DRAFTS")
+    return tuple(drafts for count, drafts in pairs for _ in range(count))
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from protos.model import (
     Proposal,
     Sampling,
     SequenceHandle,
+    room_to_propose,
 )
 from protos.telemetry import traced
 
@@ -211,11 +212,19 @@ class Drafter:
             checks.phase(s.seq_id, s.phase, IDLE, "propose for")
             if s.seq_len == 0:
                 raise FailedPrecondition(f"sequence {s.seq_id} is empty; prefill it first")
-            checks.fits_context(s.seq_id, s.seq_len - 1, num_drafts, self.svc.max_context)
+            self.check_room(s.seq_id, s.seq_len, num_drafts)
         return states
 
     def check_num_drafts(self, num_drafts: int) -> None:
         checks.within("num_drafts", num_drafts, 1, max(self.svc.slot_verify_drafts) + 1)
+
+    def check_room(self, seq_id: int, seq_len: int, num_drafts: int) -> None:
+        """`InvalidArgument` unless `num_drafts` drafts fit after `seq_len` committed tokens."""
+        if not room_to_propose(seq_len, num_drafts, self.svc.max_context):
+            raise InvalidArgument(
+                f"sequence {seq_id} holds {seq_len} tokens; {num_drafts} drafts from position "
+                f"{seq_len - 1} exceed the context of {self.svc.max_context}"
+            )
 
     def check_positions(self, seqs: Sequence[SequenceHandle], positions: Sequence[int]) -> None:
         """A caller's mirrored `seq_len`s, checked against the service's."""

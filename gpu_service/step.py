@@ -22,6 +22,7 @@ from protos.model import (
     Sampling,
     SequenceHandle,
     StepResult,
+    room_to_propose,
 )
 from protos.telemetry import span, traced, tracer
 
@@ -99,8 +100,7 @@ class Steps:
                     f"sequence {s.seq_id}'s verify is no longer the last one, so its hidden "
                     "rows are gone; settle each verify before the next"
                 )
-            after = s.seq_len - (s.pending_k - kept_rows[p])
-            checks.fits_context(s.seq_id, after - 1, num_drafts, self.svc.max_context)
+            self.drafter.check_room(s.seq_id, s.seq_len - (s.pending_k - kept_rows[p]), num_drafts)
         return states
 
     @traced("engine.step")
@@ -150,7 +150,7 @@ class Steps:
         acc = accepted[meta["wanted"]]
         last_rows = meta["row0"][meta["wanted"]] + acc
         pos = meta["before"] + acc  # the first draft's position: the last accepted row's
-        room = pos + num_drafts <= self.svc.max_context
+        room = room_to_propose(pos + 1, num_drafts, self.svc.max_context)
         slots = torch.where(room, meta["slots"][meta["wanted"]], state.pad_slot)
         pos = torch.where(room, pos, 0)
         hidden = state.verify_hidden[last_rows]
@@ -188,7 +188,7 @@ class Steps:
         self.verifier.commit(states, kept)
         mirror(seqs, states)
         ctx = self.svc.max_context
-        proposers = [i for i in wanted if before[i] + accepted[i] + num_drafts <= ctx]
+        proposers = [i for i in wanted if room_to_propose(before[i] + kept[i], num_drafts, ctx)]
         proposal = Proposal([], [])
         if wanted:
             full = proposal_rows(host[3], host[4], len(wanted), num_drafts)

@@ -1,5 +1,6 @@
 """Input checks shared by the engine's operations. Each raises a `ModelError` with a sentence,
-before any state is touched."""
+before any state is touched. Beside them, the parser of the `A:B,...` settings that both
+processes read (it raises `ValueError`: a bad setting is the operator's, not a client's)."""
 
 from __future__ import annotations
 
@@ -54,3 +55,23 @@ def phase(seq_id: int, actual: str, expected: str, action: str) -> None:
             "folded": "its last verify is folded but not committed",
         }
         raise FailedPrecondition(f"cannot {action} sequence {seq_id}: {reasons[actual]}")
+
+
+def parse_pairs(spec: str, what: str, first: str, second: str) -> list[tuple[int, int]]:
+    """`"A:B,C:D,..."` -> [(A, B), (C, D), ...]: whole numbers, each first one at least 1 and
+    each second one at least 0 (the K ladder's `ACTIVE:DRAFTS`, the verify tiers'
+    `SLOTS:DRAFTS`). `what` names one pair and `first`, `second` its parts in the error
+    sentence, a `ValueError` (a setting, not a request)."""
+    pairs = []
+    for part in spec.split(","):
+        try:
+            a, b = (int(x) for x in part.split(":"))
+        except ValueError:
+            a, b = 0, -1
+        if a < 1 or b < 0:
+            raise ValueError(
+                f"bad {what} {part!r}: expected {first}:{second}, whole numbers with "
+                f"{first} >= 1 and {second} >= 0"
+            )
+        pairs.append((a, b))
+    return pairs

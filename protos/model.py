@@ -89,6 +89,15 @@ def greedy_accepted(rows: Sequence[int], argmax: Sequence[int]) -> int:
     return n
 
 
+def room_to_propose(seq_len: int, num_drafts: int, max_context: int) -> bool:
+    """Whether `num_drafts` drafts fit after `seq_len` committed tokens, shared by the
+    scheduler (which asks for drafts) and the service (which refuses or skips them). The
+    drafter's entries sit at positions `seq_len - 1 .. seq_len + num_drafts - 2` (the first
+    at the last committed position, whose hidden it starts from), all inside the context.
+    Plain arithmetic, so it also holds elementwise for arrays of lengths."""
+    return seq_len - 1 + num_drafts <= max_context
+
+
 @dataclass(frozen=True)
 class StepResult:
     """One greedy speculative step (`decode_step`): the verify's rows and what the verdict
@@ -231,7 +240,7 @@ class Model(Protocol):
 
     def trim_proposer_state(self, seqs: Sequence[SequenceHandle], keep_own: int = 0) -> None:
         """Drop the drafter entries the last propose built from its own hidden, keeping the
-        first `keep_own` of them. With `keep_own = 0` (the seed's `(seq, 0, 0)`) the drafter
+        first `keep_own` of them. With `keep_own = 0`, as after every propose, the drafter
         keeps only entries built from the target's hiddens, so its state is a function of the
         committed history and a replay reproduces it exactly."""
 
@@ -262,8 +271,10 @@ class Model(Protocol):
         """A greedy step in one call: `decode_verify_batched` of the rows (no masks, no
         sampling), the greedy verdict (draft j + 1 stands while it equals row j's argmax; the
         token after the last standing draft is the argmax of its row), then `settle_verdict`
-        with every sequence that wants drafts and has room for `num_drafts` as a proposer.
-        Equal to those calls; one round trip instead of two."""
+        with every sequence that wants drafts and has room for `num_drafts`
+        (`room_to_propose` of its committed length) as a proposer. Equal to those calls;
+        one round trip instead of two. The scheduler takes this path for greedy rows unless
+        its `fused_step` lever is off."""
 
     def measure_costs(
         self, widths: Sequence[int], max_depth: int, repeats: int = 5, refresh: bool = False

@@ -13,6 +13,9 @@ from protos.model import (
     Logits,
     Proposal,
     SequenceHandle,
+    StepResult,
+    greedy_accepted,
+    room_to_propose,
 )
 
 Oracle = Callable[[tuple[int, ...]], int]
@@ -189,6 +192,26 @@ class FakeModel:
         self.trim_proposer_state(chosen)
         return proposal
 
+    def decode_step(self, tokens, ks, seqs, want_drafts, num_drafts) -> StepResult:
+        """The engine's greedy step, made of this fake's own calls so a test sees the same
+        verify, stash, fold, commit, propose and trim either way; `step` marks the one call."""
+        self.calls.append(("step", list(ks), [h.slot for h in seqs]))
+        before = [h.seq_len for h in seqs]
+        argmax = self.decode_verify_batched(tokens, ks, seqs)
+        accepted, lo = [], 0
+        for k in ks:
+            accepted.append(greedy_accepted(tokens[lo : lo + k], argmax[lo : lo + k]))
+            lo += k
+        kept = [n + 1 for n in accepted]
+        proposers = [
+            i
+            for i, want in enumerate(want_drafts)
+            if want and room_to_propose(before[i] + kept[i], num_drafts, self.max_context)
+        ]
+        last = [argmax[sum(ks[:i]) + accepted[i]] for i in proposers]
+        proposal = self.settle_verdict(seqs, kept, ks, proposers, last, num_drafts)
+        return StepResult(argmax, self.last_logprobs(), accepted, proposers, proposal)
+
     def measure_costs(self, widths, max_depth, repeats=5, refresh=False):
         """A chosen table: verifies cost 1 ms + 0.1 per row, proposes 0.5 ms per draft."""
         from protos.model import CostEntry
@@ -207,7 +230,11 @@ class FakeModel:
         return Logits(b"", "float32", (0, 320))
 
     def names(self) -> list[str]:
-        return [c[0] for c in self.calls if c[0] != "can_batch_verify"]
+        """The calls made, by name, `step` (the fused call's mark) and the gates left out."""
+        return [c[0] for c in self.calls if c[0] not in ("can_batch_verify", "step")]
+
+    def steps(self) -> list[tuple]:
+        return [c for c in self.calls if c[0] == "step"]
 
     def verify_calls(self) -> list[tuple]:
         return [c for c in self.calls if c[0] == "verify"]

@@ -9,15 +9,19 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from control_plane.cli import build_parser
 from control_plane.client import GrpcModel
+from control_plane.env import Env
 from control_plane.launch import start_control_plane, start_gpu_service, stop, wait_serving
 from control_plane.scheduler.loop import Scheduler
+from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.seq import MTP, NONE
 from control_plane.tokenizer import ByteTokenizer
 from gpu_service.engine import Engine
@@ -271,3 +275,26 @@ def test_get_stats_counts_the_levers(stub) -> None:
     assert stats.finished >= 1 and stats.steps >= 1
     assert stats.last_step_width >= 1, "mtp drafts: the last step had a width"
     assert stats.speculative.drafted >= stats.speculative.accepted
+
+
+def test_serve_arguments_come_from_the_scheduler_options() -> None:
+    """Every scheduler option is a flag of `met control-plane serve`, with its default; the
+    parsed flags make the options, and the environment still wins over them."""
+    parser = build_parser()
+    base = ["control-plane", "serve", "--gpu-service", "x:1"]
+    args = parser.parse_args(base)
+    assert SchedulerOptions.from_args(args) == SchedulerOptions()
+    flags = ["--no-fused-step", "--mtp-max-seqs", "2", "--k-ladder", "2:1", "--spec-cost-model"]
+    args = parser.parse_args([*base, *flags, "measured", "--prompt-lookup-decoding"])
+    opts = SchedulerOptions.from_args(args)
+    assert opts == replace(
+        SchedulerOptions(),
+        fused_step=False,
+        mtp_max_seqs=2,
+        k_ladder="2:1",
+        spec_cost_model="measured",
+        prompt_lookup=True,
+    )
+    assert not opts.with_env(Env(no_dcut=True)).dcut
+    with pytest.raises(ValueError, match="K ladder rung"):
+        SchedulerOptions.from_args(parser.parse_args([*base, "--k-ladder", "3"]))

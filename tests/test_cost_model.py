@@ -3,13 +3,16 @@ calibration, `propose_depth`, and the step under it."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from control_plane.env import Env
 from control_plane.scheduler.context import StepContext
 from control_plane.scheduler.cost_model import Calibration, CostTable, propose_depth
-from control_plane.scheduler.loop import Scheduler, SchedulerOptions
+from control_plane.scheduler.loop import Scheduler
+from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.seq import GenRequest
 from control_plane.scheduler.step import step_mtp
 from control_plane.tokenizer import ByteTokenizer
@@ -66,11 +69,11 @@ def test_propose_depth() -> None:
 def test_step_under_the_cost_model() -> None:
     model = FakeModel()
     costs = CostTable(model.measure_costs([1, 2, 4, 8], 3)[0])
-    ctx = StepContext.build(model.capabilities(), NO_ENV, 32, costs=costs)
+    ctx = StepContext.build(model.capabilities(), NO_ENV, costs)
     for _ in range(40):
         ctx.calibration.observe(1, 0)  # drafts never stand: the model's 0 floors to 1
     assert step_mtp(model, seqs(model, 2), ctx, 3).ladder_nd == 1
-    capped = StepContext.build(model.capabilities(), NO_ENV, 1, costs=costs)
+    capped = StepContext.build(model.capabilities(), replace(NO_ENV, mtp_max_seqs=1), costs)
     model2 = FakeModel()
     report = step_mtp(model2, seqs(model2, 2), capped, 3)
     assert report.ladder_nd == 0 and "propose" not in model2.names(), "plain decode above cap"
@@ -82,7 +85,7 @@ def test_scheduler_measures_once_and_stays_lossless(tiny_dir: Path) -> None:
     outs = {}
     for mode in ("static", "measured"):
         s = Scheduler(
-            lambda: engine, ByteTokenizer.default(), SchedulerOptions(spec_cost_model=mode), NO_ENV
+            lambda: engine, ByteTokenizer.default(), SchedulerOptions(spec_cost_model=mode), Env()
         )
         s.start()
         try:

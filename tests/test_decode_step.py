@@ -8,7 +8,7 @@ import pytest
 
 from control_plane.client import GrpcModel
 from gpu_service.engine import Engine
-from protos.model import InvalidArgument, Model, StepResult
+from protos.model import InvalidArgument, Model, StepResult, room_to_propose
 from tests.conftest import TINY_SERVICE
 from tests.steps import logit_rows
 
@@ -33,9 +33,8 @@ def _two_calls(model: Model, seqs, rows, want, nd) -> tuple[StepResult, list[byt
     logprobs = model.last_logprobs()
     accepted, last = _greedy(rows, argmax)
     cap = TINY_SERVICE.max_context
-    proposers = [
-        i for i, s in enumerate(seqs) if want[i] and s.seq_len - (ks[i] - accepted[i]) + nd <= cap
-    ]
+    committed = [s.seq_len - (k - n - 1) for s, k, n in zip(seqs, ks, accepted, strict=True)]
+    proposers = [i for i in range(len(seqs)) if want[i] and room_to_propose(committed[i], nd, cap)]
     proposal = model.settle_verdict(
         seqs, [n + 1 for n in accepted], ks, proposers, [last[i] for i in proposers], nd
     )
@@ -95,6 +94,22 @@ def test_no_drafts_without_room(engine: Engine) -> None:
     res = engine.decode_step([res.argmax[0]], [1], [seq], [True], 1)
     assert res.proposers == [0] and len(res.proposal.drafts[0]) == 1 and seq.seq_len == cap
     engine.free_sequence(seq)
+
+
+def test_a_proposer_without_room_is_refused(engine: Engine) -> None:
+    """The rule the scheduler asks by is the one the service checks."""
+    cap = TINY_SERVICE.max_context
+    assert room_to_propose(cap - 2, 3, cap) and not room_to_propose(cap - 1, 3, cap)
+    seq = engine.alloc_sequence()
+    try:
+        first = engine.prefill([seq], [[3] * (cap - 2)])[0]
+        (top,) = engine.decode_verify_batched([first], [1], [seq])
+        with pytest.raises(InvalidArgument, match="3 drafts from position .* exceed the context"):
+            engine.settle_verdict([seq], [1], [1], [0], [top], 3)
+        engine.settle_verdict([seq], [1], [1], [], [], 0)  # nothing ran: it still settles
+        assert seq.seq_len == cap - 1
+    finally:
+        engine.free_sequence(seq)
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from control_plane.env import Env
@@ -14,8 +16,8 @@ from tests.test_step_mtp import NO_ENV, seqs
 WIDE = (8,) * 8
 
 
-def ctx(model: FakeModel, env: Env = NO_ENV, **levers) -> StepContext:
-    return StepContext.build(model.capabilities(), env, 32, dflash=True, **levers)
+def ctx(model: FakeModel, **opts) -> StepContext:
+    return StepContext.build(model.capabilities(), replace(NO_ENV, dflash=True, **opts))
 
 
 def test_gamma_resolver() -> None:
@@ -28,9 +30,10 @@ def test_gamma_resolver() -> None:
 
 def test_pinned_by_flag_or_env(monkeypatch: pytest.MonkeyPatch) -> None:
     caps = FakeModel(caps=WIDE).capabilities()
-    assert StepContext.build(caps, NO_ENV, dflash=True, dflash_gamma=8).dflash_rung.pinned
+    assert not StepContext.build(caps, NO_ENV).dflash_rung.pinned
+    assert StepContext.build(caps, replace(NO_ENV, dflash_gamma=8)).dflash_rung.pinned
     monkeypatch.setenv("METRALE_DFLASH_STATIC_GAMMA", "1")
-    assert StepContext.build(caps, Env.read(), dflash=True).dflash_rung.pinned
+    assert StepContext.build(caps, NO_ENV.with_env(Env.read())).dflash_rung.pinned
 
 
 def test_batches_equal_gamma_in_slot_order() -> None:
@@ -55,14 +58,10 @@ def test_refused_group_goes_serial_whole() -> None:
     assert report.dflash_declined and report.serial_arms == ["DFlash"] * 3
 
 
-@pytest.mark.parametrize(
-    "env",
-    [Env(None, False, False, False, dflash_batch_verify=False), Env(None, False, False, True)],
-    ids=["METRALE_DFLASH_BATCH_VERIFY=0", "METRALE_NO_MTP_BATCH_VERIFY"],
-)
-def test_switched_off(env: Env) -> None:
+@pytest.mark.parametrize("lever", ["dflash_batch_verify", "batch_verify"])
+def test_switched_off(lever: str) -> None:
     model = FakeModel(caps=WIDE)
-    report = step_mtp(model, seqs(model, 3, drafts=[4] * 3), ctx(model, env), 8)
+    report = step_mtp(model, seqs(model, 3, drafts=[4] * 3), ctx(model, **{lever: False}), 8)
     assert report.batched_calls == [] and report.serial_arms == ["DFlash"] * 3
 
 

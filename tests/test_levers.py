@@ -4,16 +4,18 @@ each branch with a fake Model, then losslessness with each on, alone and togethe
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from control_plane.env import Env
 from control_plane.scheduler import dcut
-from control_plane.scheduler.adaptive import AdaptiveRung
+from control_plane.scheduler.adaptive import LOW, AdaptiveRung
 from control_plane.scheduler.context import StepContext
 from control_plane.scheduler.ladder import Ladder
-from control_plane.scheduler.loop import Scheduler, SchedulerOptions
+from control_plane.scheduler.loop import Scheduler
+from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.prompt_lookup import find_copy
 from control_plane.scheduler.seq import MTP, NONE, PROMPT_LOOKUP, ActiveSeq, GenRequest
 from control_plane.scheduler.step import step_mtp
@@ -27,8 +29,8 @@ from tests.test_step_mtp import NO_ENV, seqs
 TOK = ByteTokenizer.default()
 
 
-def ctx(model: FakeModel, env: Env = NO_ENV, **levers) -> StepContext:
-    return StepContext.build(model.capabilities(), env, 32, **levers)
+def ctx(model: FakeModel, **opts) -> StepContext:
+    return StepContext.build(model.capabilities(), replace(NO_ENV, **opts))
 
 
 # -- adaptive rung -------------------------------------------------------------------------
@@ -54,10 +56,23 @@ def test_adaptive_rung_rises_holds_and_falls() -> None:
 
 def test_adaptive_rung_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("METRALE_NO_MTP_ADAPTIVE_RUNG", "1")
-    c = StepContext.build(FakeModel().capabilities(), Env.read())
+    c = StepContext.build(FakeModel().capabilities(), NO_ENV.with_env(Env.read()))
     for _ in range(64):
         c.rung.observe(1, 1)
     assert c.rung.drafts_for(12, 3) == 1
+
+
+def test_adaptive_rung_moves_with_what_step_mtp_observes() -> None:
+    """Steps over 9 sequences whose first drafts stand raise the width from 1 to 2; once
+    first drafts fall, it comes back to 1."""
+    model = FakeModel(caps=(3,) * LOW, max_batch=LOW)
+    active = seqs(model, LOW, max_new=200)
+    c = ctx(model)
+    rising = [step_mtp(model, active, c, 3).ladder_nd for _ in range(10)]
+    assert rising[:2] == [1, 1] and rising[-1] == 2 and c.rung.raised, rising
+    model.drafter = lambda history, nd: [(history[-1] + 7) % 256] * nd  # first drafts fall
+    falling = [step_mtp(model, active, c, 3).ladder_nd for _ in range(10)]
+    assert falling[0] == 2 and falling[-1] == 1 and not c.rung.raised, falling
 
 
 # -- D-Cut ---------------------------------------------------------------------------------
@@ -80,20 +95,16 @@ def test_dcut_cuts_and_orders_the_batch() -> None:
 
 
 @pytest.mark.parametrize(
-    ("env", "levers", "nd"),
-    [
-        (Env(None, False, False, False, no_dcut=True), {}, 3),
-        (NO_ENV, {}, 1),
-        (NO_ENV, {"dcut_width_cap": 2}, 3),
-    ],
-    ids=["METRALE_NO_MTP_DCUT", "ladder-below-2", "wider-than-cap"],
+    ("opts", "nd"),
+    [({"dcut": False}, 3), ({}, 1), ({"dcut_width_cap": 2}, 3)],
+    ids=["no-dcut", "ladder-below-2", "wider-than-cap"],
 )
-def test_dcut_stands_aside(env: Env, levers: dict, nd: int) -> None:
+def test_dcut_stands_aside(opts: dict, nd: int) -> None:
     model = FakeModel()
     active = seqs(model, 3, drafts=[nd] * 3)
     for a in active:
         a.pending_conf = [0.9] + [0.1] * (nd - 1)
-    report = step_mtp(model, active, ctx(model, env, **levers), nd)
+    report = step_mtp(model, active, ctx(model, **opts), nd)
     assert not report.dcut and report.batched_calls == [[nd + 1] * 3]
 
 
@@ -105,7 +116,7 @@ def test_draft_confidence_stop_ends_chains_and_they_still_batch() -> None:
     active = seqs(model, 3)
     for a in active:
         a.draft_stop = -0.5  # log(0.9) = -0.105 passes; the fake's confidences are 0.9
-    step_mtp(model, active, ctx(model, draft_stop=-0.5), 3)
+    step_mtp(model, active, ctx(model, draft_confidence_stop=-0.5), 3)
     assert [len(a.pending_drafts) for a in active] == [3, 3, 3]
     for a in active:
         a.draft_stop = -0.05  # now every draft is below: no chain survives
@@ -113,7 +124,7 @@ def test_draft_confidence_stop_ends_chains_and_they_still_batch() -> None:
     active[1].pending_drafts = active[1].pending_drafts[:2]
     active[1].pending_conf = active[1].pending_conf[:2]
     model.calls.clear()
-    report = step_mtp(model, active, ctx(model, draft_stop=-0.05), 3)
+    report = step_mtp(model, active, ctx(model, draft_confidence_stop=-0.05), 3)
     assert sorted(report.batched_calls[0]) == [2, 3, 4], "each joins at its own depth"
     assert all(a.pending_drafts == [] for a in active)
 
@@ -193,21 +204,22 @@ def _requests(method: str) -> list[GenRequest]:
 
 
 @pytest.mark.parametrize(
-    ("env", "opts"),
+    "opts",
     [
-        (Env(None, False, False, False, no_adaptive_rung=True), {}),
-        (NO_ENV, {"dcut_threshold": 0.05}),
-        (NO_ENV, {"draft_confidence_stop": -3.0}),
-        (NO_ENV, {"prompt_lookup": True}),
-        (NO_ENV, {"prompt_lookup": True, "draft_confidence_stop": -3.0, "dcut_threshold": 0.05}),
+        {"adaptive_rung": False},
+        {"dcut_threshold": 0.05},
+        {"draft_confidence_stop": -3.0},
+        {"prompt_lookup": True},
+        {"prompt_lookup": True, "draft_confidence_stop": -3.0, "dcut_threshold": 0.05},
+        {"fused_step": False},
     ],
-    ids=["static-ladder", "dcut", "draft-stop", "prompt-lookup", "all"],
+    ids=["static-ladder", "dcut", "draft-stop", "prompt-lookup", "all", "two-calls"],
 )
-def test_lossless_with_levers(tiny_dir: Path, env: Env, opts: dict) -> None:
+def test_lossless_with_levers(tiny_dir: Path, opts: dict) -> None:
     engine = Engine(tiny_dir, ServiceConfig(verify_tiers="8:3,8:2", max_context=256))
     outs = {}
     for method in (NONE, "mixed"):
-        s = Scheduler(lambda: engine, TOK, SchedulerOptions(**opts), env)
+        s = Scheduler(lambda: engine, TOK, SchedulerOptions(**opts), Env())
         s.start()
         try:
             outs[method] = run_all(s, _requests(method))
@@ -241,7 +253,7 @@ def test_prompt_lookup_requests_are_lossless(tiny_dir: Path, echo_dir: Path) -> 
     for directory in (tiny_dir, echo_dir):
         engine = Engine(directory, ServiceConfig(verify_tiers="8:3,8:2", max_context=256))
         s = Scheduler(
-            lambda engine=engine: engine, TOK, SchedulerOptions(prompt_lookup=True), NO_ENV
+            lambda engine=engine: engine, TOK, SchedulerOptions(prompt_lookup=True), Env()
         )
         s.start()
         try:

@@ -10,7 +10,8 @@ import grpc
 import pytest
 
 from control_plane.env import Env
-from control_plane.scheduler.loop import Scheduler, SchedulerOptions
+from control_plane.scheduler.loop import Scheduler
+from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.seq import MTP, NONE, GenRequest
 from control_plane.tokenizer import ByteTokenizer
 from gpu_service.config import ServiceConfig
@@ -20,7 +21,7 @@ from tests.collect import Outcome, run_all
 from tests.fake_model import FakeModel, counting_oracle, perfect_drafter
 
 TOK = ByteTokenizer.default()
-NO_ENV = Env(None, False, False, False)
+NO_ENV = Env()  # no METRALE_* switch set
 
 
 def mixed_requests(method: str, n: int = 32, seed: int = 0) -> list[GenRequest]:
@@ -76,20 +77,23 @@ def test_full_accepts_with_a_perfect_drafter() -> None:
         assert o.finish.stats.accepted > 0 and o.finish.stats.mean_accepted_length > 2.0
 
 
-def test_partial_drafter_stays_lossless() -> None:
-    """Drafts right at the first position only: one accepted per verify, same tokens."""
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-step", "two-calls"])
+def test_partial_drafter_stays_lossless(fused: bool) -> None:
+    """Drafts right at the first position only: one accepted per verify, same tokens, by
+    either path of the `fused_step` lever."""
 
     def drafter(history: tuple[int, ...], nd: int) -> list[int]:
         return [counting_oracle(history)] + [200] * (nd - 1)
 
     model = FakeModel(drafter=drafter)
-    s = scheduler(model)
+    s = scheduler(model, fused_step=fused)
     try:
         (o,) = run_all(s, [GenRequest("a", (1,), 15)])
     finally:
         s.stop()
     assert o.tokens == list(range(2, 17))
     assert o.finish.stats.acceptance_at[0] == 1.0 and o.finish.stats.acceptance_at[1] == 0.0
+    assert bool(model.steps()) == fused
 
 
 def oracle_with(token: int, after: int):

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+from dataclasses import fields, replace
+
 import pytest
 
 from control_plane.env import Env
+from control_plane.scheduler.adaptive import LOW
 from control_plane.scheduler.batch_verify import (
     canonical_assignment,
     chunk_ranges,
     verify_batch_permutation,
 )
 from control_plane.scheduler.context import StepContext
+from control_plane.scheduler.cost_model import CostTable
 from control_plane.scheduler.ladder import Ladder, clamp_drafts_to_slot_capacity
+from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.seq import MTP, NONE, ActiveSeq, GenRequest
 from control_plane.scheduler.serial_verify import serial_verify_plan
 from control_plane.scheduler.step import step_mtp
@@ -19,7 +24,7 @@ from control_plane.scheduler.verdict import accepted
 from control_plane.tokenizer import ByteTokenizer
 from tests.fake_model import FakeModel, counting_oracle
 
-NO_ENV = Env(None, False, False, False)
+NO_ENV = SchedulerOptions()  # the defaults, untouched by any METRALE_* switch
 
 
 def seqs(
@@ -41,8 +46,12 @@ def seqs(
     return out
 
 
-def ctx(model: FakeModel, env: Env = NO_ENV, mtp_max_seqs: int = 32) -> StepContext:
-    return StepContext.build(model.capabilities(), env, mtp_max_seqs)
+def ctx(model: FakeModel, **opts) -> StepContext:
+    return StepContext.build(model.capabilities(), replace(NO_ENV, **opts))
+
+
+def options(env: Env) -> SchedulerOptions:
+    return NO_ENV.with_env(env)
 
 
 # -- width ---------------------------------------------------------------------------------
@@ -62,13 +71,30 @@ def test_ladder_rungs_and_above_the_last() -> None:
         Ladder.parse("4-3")
     with pytest.raises(ValueError, match="ACTIVE >= 1"):
         Ladder.parse("0:3")
+    with pytest.raises(ValueError, match="K ladder rung 'x:1'"):
+        SchedulerOptions(k_ladder="x:1")  # refused when the options are made
 
 
 def test_env_ladder_override_and_disable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("METRALE_MTP_K_LADDER", "2:2,64:1")
-    assert StepContext.build(FakeModel().capabilities(), Env.read()).ladder.drafts_for(2, 3) == 2
+    caps = FakeModel().capabilities()
+    assert StepContext.build(caps, options(Env.read())).rung.ladder.drafts_for(2, 3) == 2
     monkeypatch.setenv("METRALE_NO_MTP_K_LADDER", "1")
-    assert StepContext.build(FakeModel().capabilities(), Env.read()).ladder.drafts_for(30, 3) == 3
+    assert StepContext.build(caps, options(Env.read())).rung.ladder.drafts_for(30, 3) == 3
+
+
+def test_env_switches_override_options_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("METRALE_NO_MTP_DCUT", "METRALE_NO_FUSED_STEP"):
+        monkeypatch.setenv(name, "1")
+    monkeypatch.setenv("METRALE_DFLASH_BATCH_VERIFY", "0")
+    monkeypatch.setenv("METRALE_NO_MTP_BATCH_VERIFY", "0")  # "0" leaves a switch off
+    opts = SchedulerOptions(dcut_threshold=0.5).with_env(Env.read())
+    assert (opts.dcut, opts.fused_step, opts.dflash_batch_verify) == (False, False, False)
+    assert opts.batch_verify and opts.dcut_threshold == 0.5, "the rest stand"
+    assert SchedulerOptions().with_env(Env()) == SchedulerOptions()
+    every = Env(**{f.name: "1:1" if f.default is None else not f.default for f in fields(Env)})
+    assert set(every.overrides()) <= {f.name for f in fields(SchedulerOptions)}
+    assert len(every.overrides()) == len(fields(Env)), "each variable sets its own option"
 
 
 def test_width_clamped_to_smallest_slot_capacity() -> None:
@@ -82,13 +108,15 @@ def test_width_clamped_to_smallest_slot_capacity() -> None:
 # -- bootstrap -----------------------------------------------------------------------------
 
 
-def test_bootstrap_batched() -> None:
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-step", "two-calls"])
+def test_bootstrap_batched(fused: bool) -> None:
     model = FakeModel()
     active = seqs(model, 3)
-    report = step_mtp(model, active, ctx(model), 3)
+    report = step_mtp(model, active, ctx(model, fused_step=fused), 3)
     assert report.bootstrap == "batched"
     assert model.names() == ["verify", "stash", "fold", "commit", "propose", "trim"]
     assert model.verify_calls()[0][1] == [1, 1, 1]
+    assert len(model.steps()) == int(fused), "one decode_step call, or none with the lever off"
     assert all(len(a.pending_drafts) == 3 for a in active)
 
 
@@ -99,8 +127,7 @@ def test_bootstrap_serial_for_one_sequence() -> None:
 
 def test_bootstrap_serial_when_switched_off() -> None:
     model = FakeModel()
-    env = Env(None, False, True, False)
-    report = step_mtp(model, seqs(model, 3), ctx(model, env), 3)
+    report = step_mtp(model, seqs(model, 3), ctx(model, batch_bootstrap=False), 3)
     assert report.bootstrap == "serial"
     assert [c[1] for c in model.verify_calls()] == [[1], [1], [1]]
 
@@ -175,15 +202,73 @@ def test_after_the_width_grows_the_step_stays_batched() -> None:
     assert report.batched_calls == [[2, 2, 2]] and report.serial_arms == []
 
 
-@pytest.mark.parametrize(
-    ("env", "max_seqs"),
-    [(Env(None, False, False, True), 32), (NO_ENV, 1)],
-    ids=["METRALE_NO_MTP_BATCH_VERIFY", "mtp-max-seqs-1"],
-)
-def test_batched_verify_switched_off(env: Env, max_seqs: int) -> None:
+def test_batched_verify_switched_off() -> None:
     model = FakeModel()
-    report = step_mtp(model, seqs(model, 3, drafts=[3] * 3), ctx(model, env, max_seqs), 3)
+    opts = options(Env(no_batch_verify=True))
+    report = step_mtp(
+        model, seqs(model, 3, drafts=[3] * 3), StepContext.build(model.capabilities(), opts), 3
+    )
     assert report.batched_calls == [] and report.serial_arms == ["K4"] * 3
+
+
+def test_canonical_ragged_batch_in_slot_order() -> None:
+    """With D-Cut aside, sequences holding different draft counts verify in one call at
+    their own depths, in canonical (ascending slot) order, not deepest first."""
+    model = FakeModel()
+    active = seqs(model, 3, drafts=[3, 1, 2])
+    active.reverse()
+    report = step_mtp(model, active, ctx(model, dcut=False), 3)
+    assert report.batched_calls == [[4, 2, 3]] and not report.dcut
+    assert model.verify_calls()[0][2] == [0, 1, 2], "ascending slot"
+    assert [a.stats.accepted for a in reversed(active)] == [3, 1, 2]
+
+
+# -- --mtp-max-seqs ------------------------------------------------------------------------
+
+
+def _width_source(model: FakeModel, source: str, mtp_max_seqs: int) -> StepContext:
+    """A context whose width comes from `source`, set up to draft."""
+    opts = replace(NO_ENV, mtp_max_seqs=mtp_max_seqs, spec_cost_slack=0.0)
+    costs = CostTable(model.measure_costs([1, 2, 4, 8, 16], 3)[0])
+    c = StepContext.build(model.capabilities(), opts, costs if source == "cost-model" else None)
+    for _ in range(64):  # first drafts that stand: the rung rises, the cost model drafts
+        c.rung.observe(1, 1)
+        c.calibration.observe(3, 3)
+    assert c.rung.raised
+    return c
+
+
+@pytest.mark.parametrize("source", ["static-ladder", "adaptive-rung", "cost-model"])
+def test_above_mtp_max_seqs_steps_decode_plainly(source: str) -> None:
+    """Whichever source sets the width, more active sequences than the cap plain-decode;
+    at the cap each drafts its own width."""
+    n = LOW  # the adaptive rung's range: the ladder drafts 1 and the risen rung 2
+    widths = {}
+    for cap in (n - 1, n):
+        model = FakeModel(caps=(3,) * n)
+        active = seqs(model, n)
+        c = _width_source(model, source, cap)
+        if source == "static-ladder":
+            c.rung.enabled = False
+        widths[cap] = step_mtp(model, active, c, 3).ladder_nd
+        assert ("propose" in model.names()) == (widths[cap] > 0)
+    drafting = {"static-ladder": 1, "adaptive-rung": 2, "cost-model": 3}[source]
+    assert widths == {n - 1: 0, n: drafting}
+
+
+def test_above_mtp_max_seqs_no_drafts_are_proposed() -> None:
+    model = FakeModel()
+    active = seqs(model, 3, drafts=[0, 0, 0])
+    report = step_mtp(model, active, ctx(model, mtp_max_seqs=2), 3)
+    assert report.ladder_nd == 0 and "propose" not in model.names()
+    assert [len(a.generated) for a in active] == [2, 2, 2]
+    assert all(a.pending_drafts == [] for a in active)
+
+
+def test_mtp_max_seqs_1_verifies_serially() -> None:
+    model = FakeModel()
+    report = step_mtp(model, seqs(model, 1, drafts=[3]), ctx(model, mtp_max_seqs=1), 3)
+    assert report.ladder_nd == 3 and report.serial_arms == ["K4"]
 
 
 def test_partial_accept_verdict() -> None:
@@ -223,8 +308,7 @@ def test_serial_verify_plan(held: int, nd: int, plan: tuple[int, str]) -> None:
 def test_serial_arms_by_draft_count() -> None:
     model = FakeModel(caps=(5,) * 4)
     active = seqs(model, 4, drafts=[1, 2, 3, 5])
-    env = Env(None, True, False, True)
-    report = step_mtp(model, active, ctx(model, env), 5)
+    report = step_mtp(model, active, ctx(model, fixed_width=True, batch_verify=False), 5)
     assert report.serial_arms == ["K2", "K3", "K4", "KN"]
 
 

@@ -5,8 +5,9 @@ often, the rung raises those steps to 2 drafts.
 Rule: a window of the last `window` (64) verifies that carried drafts, each recording whether
 its first draft stood. With the window full, the rung rises when first-draft acceptance is at
 least `raise_at` (0.6) and falls when it drops below `lower_at` (0.4); in between it holds, so
-it does not flap. Outside 9..16 active sequences the ladder's width stands. Off with
-`METRALE_NO_MTP_ADAPTIVE_RUNG`.
+it does not flap. Outside 9..16 active sequences the ladder's width stands. Off with the
+`adaptive_rung` option (`--no-adaptive-rung`, `METRALE_NO_MTP_ADAPTIVE_RUNG`). Above
+`--mtp-max-seqs` the step plain-decodes whatever the rung says (see `step_width`).
 """
 
 from __future__ import annotations

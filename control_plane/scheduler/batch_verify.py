@@ -4,11 +4,12 @@ each call.
 `chunk_ranges(ks, max_rows, max_batch)`: consecutive ranges, greedily as long as possible,
 each within the row budget (sum of k) and the stash width (sequences per call).
 
-`canonical_assignment(n)`: whether a batch of `n` uses the canonical order; it is canonical
-whenever the batch is uniform or comes from the static ladder, which is the case of every
-batch this issue's step builds, and the D-Cut lever decides otherwise. It is asked with the
-width of the whole batch, never a chunk's, so a chunked batch keeps the order its depths
-were planned under.
+`canonical_assignment(n, dcut)`: whether a batch of `n` uses the canonical order; it is
+canonical whenever no depth planning reordered it (`dcut` false): a uniform batch, or one
+whose ragged depths come from the drafts each sequence holds (made at an older width, or
+near its token budget). A batch that D-Cut planned, or that copies joined at their own
+depths, is not, and goes deepest first. It is asked with the width of the whole batch,
+never a chunk's, so a chunked batch keeps the order its depths were planned under.
 
 `verify_batch_permutation(slots, depths, canonical)`: canonical: ascending slot; otherwise
 deepest first, then slot. The active index breaks ties, so the order is total."""
@@ -43,7 +44,9 @@ def verify_batch_permutation(slots: list[int], depths: list[int], canonical: boo
     return sorted(idx, key=lambda i: (-depths[i], slots[i], i))
 
 
-def step_verify_batched(model: Model, seqs: list[ActiveSeq], ks: list[int], ladder_nd: int) -> None:
+def step_verify_batched(
+    model: Model, seqs: list[ActiveSeq], ks: list[int], ladder_nd: int, fused: bool
+) -> None:
     """One call: each sequence's rows `[last, drafts[:k-1]]`."""
     rows = [[a.last, *a.pending_drafts[: k - 1]] for a, k in zip(seqs, ks, strict=True)]
-    verify_and_settle(model, seqs, rows, ladder_nd, "batched")
+    verify_and_settle(model, seqs, rows, ladder_nd, "batched", fused)

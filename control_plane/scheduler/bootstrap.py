@@ -1,9 +1,9 @@
 """Bootstrap: the sequences with no drafts pending take a one-token verify (k = 1), their
 verdict, and their first drafts.
 
-`can_batch_bootstrap`: batched when at least two sequences bootstrap, the lever is on
-(`METRALE_NO_MTP_BATCH_BOOTSTRAP` unset) and the service accepts one call of that many
-one-row sequences (`can_batch_verify`); otherwise each sequence bootstraps alone."""
+`can_batch_bootstrap`: batched when at least two sequences bootstrap, the `batch_bootstrap`
+lever is on and the service accepts one call of that many one-row sequences
+(`can_batch_verify`); otherwise each sequence bootstraps alone."""
 
 from __future__ import annotations
 
@@ -11,15 +11,28 @@ from control_plane.scheduler.context import StepContext
 from control_plane.scheduler.seq import ActiveSeq
 from control_plane.scheduler.verdict import verify_and_settle
 from protos.model import Model
+from protos.telemetry import span, tracer
+
+TRACER = tracer("met.control_plane")
 
 
 def can_batch_bootstrap(model: Model, ctx: StepContext, count: int) -> bool:
-    return count >= 2 and ctx.levers.batch_bootstrap and model.can_batch_verify([1] * count)
+    return count >= 2 and ctx.opts.batch_bootstrap and model.can_batch_verify([1] * count)
 
 
-def bootstrap_batched(model: Model, seqs: list[ActiveSeq], ladder_nd: int) -> None:
-    verify_and_settle(model, seqs, [[a.last] for a in seqs], ladder_nd, "bootstrap")
+def bootstrap(model: Model, seqs: list[ActiveSeq], ctx: StepContext, ladder_nd: int) -> str:
+    """Bootstrap `seqs`, proposing `ladder_nd` drafts each. -> "batched" or "serial"."""
+    batched = can_batch_bootstrap(model, ctx, len(seqs))
+    mode = "batched" if batched else "serial"
+    fused = ctx.opts.fused_step
+    with span(TRACER, "bootstrap", **{"met.bootstrap.mode": mode, "met.sequences": len(seqs)}):
+        if batched:
+            verify_and_settle(model, seqs, [[a.last] for a in seqs], ladder_nd, "bootstrap", fused)
+        else:
+            for a in seqs:
+                bootstrap_serial(model, a, ladder_nd, fused)
+    return mode
 
 
-def bootstrap_serial(model: Model, seq: ActiveSeq, ladder_nd: int) -> None:
-    verify_and_settle(model, [seq], [[seq.last]], ladder_nd, "bootstrap")
+def bootstrap_serial(model: Model, seq: ActiveSeq, ladder_nd: int, fused: bool) -> None:
+    verify_and_settle(model, [seq], [[seq.last]], ladder_nd, "bootstrap", fused)

@@ -4,7 +4,7 @@ A sequence keeps its drafts while the running product of their confidences (the 
 probability that the chain so far is right) stays at or above `threshold`, and keeps at least
 one; its k is that count + 1. The batch is then put in dispatch order, deepest first, then
 slot (not the canonical slot order: its depths now differ). D-Cut stands aside, every k being
-`ladder_nd + 1`, when `METRALE_NO_MTP_DCUT` is set, when `ladder_nd < 2` (nothing to cut), or
+`ladder_nd + 1`, when the `dcut` lever is off, when `ladder_nd < 2` (nothing to cut), or
 when the batch is wider than `width_cap` (wide batches are cheap per row; cutting saves
 little and costs the canonical order).
 """

@@ -5,19 +5,28 @@ argmax.
 Gamma resolver (`DFlashRung`): by the number of active sequences (bootstrapping ones count),
 `GAMMA_LADDER` `4:8,8:6,16:4,32:3` (past the last rung the last holds), never above the
 serve-wide count. Pinned, it returns the serve-wide count unchanged: by `--dflash-gamma` or
-`METRALE_DFLASH_STATIC_GAMMA`, or when that count is below 3 (nothing to resolve).
+`--dflash-static-gamma` (`METRALE_DFLASH_STATIC_GAMMA`), or when that count is below 3
+(nothing to resolve).
 
-Batched verify: two or more sequences with drafts, `METRALE_DFLASH_BATCH_VERIFY` not `0` and
-the MTP batch lever on. The batch is every sequence without a grammar whose draft count
+Batched verify: two or more sequences with drafts, the `dflash_batch_verify` and
+`batch_verify` levers on. The batch is every sequence without a grammar whose draft count
 equals the first such sequence's (gamma); the rest go serial. `m_max` is the widest group
 `can_batch_verify` accepts at `gamma + 1` rows, shrinking from the whole group; the group,
 in slot order, is verified in chunks of `m_max`; a trailing single goes serial. A refused
 group goes serial whole. The arm returns early (it records its own step span).
+
+A deliberate departure from the Rust engine: the verify (and the propose after its verdict)
+runs at the clamped width, the resolver's gamma clamped to the smallest verify-slot capacity
+as the bootstrap's is. The Rust arm clamps only the bootstrap's width and hands its verify
+arms the unclamped gamma, so a sequence could be given more drafts than its slot can verify
+next step; here the service would refuse that verify, so one width, clamped, serves the
+whole step.
 """
 
 from __future__ import annotations
 
 from control_plane.scheduler.ladder import Ladder
+from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.seq import ActiveSeq
 from control_plane.scheduler.verdict import verify_and_settle
 from protos.model import Model
@@ -65,41 +74,44 @@ def step_dflash(
     active: list[ActiveSeq],
     verify: list[int],
     num_drafts: int,
-    batch_levers: bool,
+    opts: SchedulerOptions,
     report,
 ) -> None:
     """The verify half of the DFlash arm (the bootstrap ran before it)."""
     serial: list[int] = []
-    if len(verify) >= 2 and batch_levers:
+    if len(verify) >= 2 and opts.dflash_batch_verify and opts.batch_verify:
         batchable, serial, gamma = plan_batch(active, verify)
         m_max = widest_chunk(model, gamma, len(batchable))
         if len(batchable) >= 2 and m_max >= 2:
             by_slot = sorted(batchable, key=lambda i: (active[i].slot, i))
             for lo in range(0, len(by_slot), m_max):
                 chunk = by_slot[lo : lo + m_max]
-                if len(chunk) >= 2:
-                    report.batched_calls.append([gamma + 1] * len(chunk))
-                    rows = [[active[i].last, *active[i].pending_drafts] for i in chunk]
-                    verify_and_settle(
-                        model, [active[i] for i in chunk], rows, num_drafts, "dflash-batched"
-                    )
-                else:
+                if len(chunk) < 2:
                     serial.extend(chunk)
+                    continue
+                report.batched_calls.append([gamma + 1] * len(chunk))
+                rows = [[active[i].last, *active[i].pending_drafts] for i in chunk]
+                seqs = [active[i] for i in chunk]
+                verify_and_settle(model, seqs, rows, num_drafts, "dflash-batched", opts.fused_step)
         else:
             report.dflash_declined = bool(batchable)
             serial.extend(batchable)
     else:
         serial = list(verify)
     for i in serial:
-        a = active[i]
-        drafts = a.pending_drafts
-        if a.grammar is not None:
-            kept = a.grammar.valid_prefix(drafts)
-            if kept < len(drafts):
-                a.stats.grammar_truncations += 1
-            drafts = drafts[:kept]
-        a.pending_drafts, a.pending_conf = drafts, a.pending_conf[: len(drafts)]
-        if not drafts:
-            continue
-        report.serial_arms.append("DFlash")
-        verify_and_settle(model, [a], [[a.last, *drafts]], num_drafts, "dflash-serial")
+        _verify_serial(model, active[i], num_drafts, opts.fused_step, report)
+
+
+def _verify_serial(model: Model, a: ActiveSeq, num_drafts: int, fused: bool, report) -> None:
+    """One sequence's drafts, cut before the first one its grammar rejects."""
+    drafts = a.pending_drafts
+    if a.grammar is not None:
+        kept = a.grammar.valid_prefix(drafts)
+        if kept < len(drafts):
+            a.stats.grammar_truncations += 1
+        drafts = drafts[:kept]
+    a.pending_drafts, a.pending_conf = drafts, a.pending_conf[: len(drafts)]
+    if not drafts:
+        return
+    report.serial_arms.append("DFlash")
+    verify_and_settle(model, [a], [[a.last, *drafts]], num_drafts, "dflash-serial", fused)

@@ -25,6 +25,7 @@ from control_plane.env import Env
 from control_plane.metrics import Metrics
 from control_plane.scheduler.context import StepContext
 from control_plane.scheduler.cost_model import CostTable
+from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.seq import ActiveSeq, GenRequest, Sink, SpecStats
 from control_plane.scheduler.step import step_mtp
 from protos.model import Capabilities, Model, ModelError, ResourceExhausted
@@ -32,22 +33,6 @@ from protos.telemetry import span, tracer
 
 log = logging.getLogger("control_plane.scheduler")
 TRACER = tracer("met.control_plane")
-
-
-@dataclass(frozen=True)
-class SchedulerOptions:
-    num_drafts: int = 3  # --num-drafts: the drafter's chain length at most
-    mtp_max_seqs: int = 32  # --mtp-max-seqs
-    max_queue: int = 256  # --max-queue: requests waiting for a slot
-    prefill_chunk: int = 512  # --prefill-chunk: prompt tokens per sequence per iteration
-    prompt_lookup: bool = False  # --prompt-lookup-decoding
-    draft_confidence_stop: float | None = None  # --draft-confidence-stop LOGPROB
-    dcut_threshold: float = 0.3  # --dcut-threshold
-    dcut_width_cap: int = 8  # --dcut-width-cap
-    spec_cost_model: str = "static"  # --spec-cost-model: static (the ladder) or measured
-    spec_cost_slack: float = 0.05  # --spec-cost-slack
-    dflash: bool = False  # a DFlash drafter: the seed's DFlash arm
-    dflash_gamma: int | None = None  # --dflash-gamma: pins gamma
 
 
 @dataclass
@@ -74,7 +59,8 @@ class Scheduler:
     ) -> None:
         self.metrics = metrics
         self.connect, self.tokenizer = connect, tokenizer
-        self.opts, self.env = opts or SchedulerOptions(), env or Env.read()
+        # The environment is read once, here; its switches override the options by name.
+        self.opts = (opts or SchedulerOptions()).with_env(env or Env.read())
         self.model: Model | None = None
         self.ctx: StepContext | None = None
         self.inbox: queue.Queue[tuple[str, object]] = queue.Queue()
@@ -231,35 +217,23 @@ class Scheduler:
 
     def _connect(self) -> None:
         model = self.connect()
-        if self.env.no_fused_step:
-            model = WithoutFusedStep(model)
         caps = model.capabilities()
-        o = self.opts
-        costs = None
-        if o.spec_cost_model == "measured":
-            widths = [w for w in (1, 2, 4, 8, 16, 32) if w <= caps.num_slots]
-            depth = min(o.num_drafts, max(caps.slot_verify_drafts))
-            entries, _ = model.measure_costs(widths, depth)
-            costs = CostTable(entries)
-        self.ctx = StepContext.build(
-            caps,
-            self.env,
-            o.mtp_max_seqs,
-            costs=costs,
-            spec_cost_slack=o.spec_cost_slack,
-            dcut_threshold=o.dcut_threshold,
-            dcut_width_cap=o.dcut_width_cap,
-            draft_stop=o.draft_confidence_stop,
-            prompt_lookup=o.prompt_lookup,
-            dflash=o.dflash,
-            dflash_gamma=o.dflash_gamma,
-        )
+        self.ctx = StepContext.build(caps, self.opts, self._measure(model, caps))
         self.model = model
         for a in self.waiting:
             a.max_context = caps.max_context
             a.vocab_size = caps.vocab_size
             a.drafter = caps.has_mtp
             a.set_eos(() if a.req.ignore_eos else caps.eos_token_ids)
+
+    def _measure(self, model: Model, caps: Capabilities) -> CostTable | None:
+        """The measured cost model's table, once per connection (`--spec-cost-model`)."""
+        if self.opts.spec_cost_model != "measured":
+            return None
+        widths = [w for w in (1, 2, 4, 8, 16, 32) if w <= caps.num_slots]
+        depth = min(self.opts.num_drafts, max(caps.slot_verify_drafts))
+        entries, _ = model.measure_costs(widths, depth)
+        return CostTable(entries)
 
     def _admit(self) -> None:
         assert self.model is not None and self.ctx is not None
@@ -371,16 +345,3 @@ class Scheduler:
         with self._lock:
             self.model, self.ctx = None, None
         time.sleep(0.1)  # a restarting service gets a moment before the next connect
-
-
-class WithoutFusedStep:
-    """A model whose greedy steps take the two calls (`METRALE_NO_FUSED_STEP`): every
-    attribute but `decode_step` is the wrapped model's."""
-
-    def __init__(self, model: object) -> None:
-        self._model = model
-
-    def __getattr__(self, name: str):
-        if name == "decode_step":
-            raise AttributeError(name)
-        return getattr(self._model, name)

@@ -1,9 +1,10 @@
 """Serial verify: one call per sequence.
 
 `serial_verify_plan(held, step_nd)`: keep `min(held, step_nd)` drafts (the drafter's chain
-length this step), and verify them with `k = kept + 1` rows. The arm is named as the seed
-names it: K2, K3, K4 for 1, 2, 3 drafts, KN for more. Every arm is the same
-`decode_verify_batched` call with one sequence; the name is for stats and traces."""
+length this step), and verify them with `k = kept + 1` rows. The arm is named by its row
+count, as the Rust engine's traces name it (so the two read alike): K2, K3, K4 for 1, 2, 3
+drafts, KN for more. Every arm is the same verify with one sequence; the name is for stats
+and traces."""
 
 from __future__ import annotations
 
@@ -17,5 +18,7 @@ def serial_verify_plan(held: int, step_nd: int) -> tuple[int, str]:
     return keep, {1: "K2", 2: "K3", 3: "K4"}.get(keep, "KN" if keep else "none")
 
 
-def step_verify_serial(model: Model, seq: ActiveSeq, drafts: list[int], step_nd: int) -> None:
-    verify_and_settle(model, [seq], [[seq.last, *drafts]], step_nd, "serial")
+def step_verify_serial(
+    model: Model, seq: ActiveSeq, drafts: list[int], step_nd: int, fused: bool
+) -> None:
+    verify_and_settle(model, [seq], [[seq.last, *drafts]], step_nd, "serial", fused)

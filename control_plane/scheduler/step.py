@@ -1,9 +1,13 @@
 """`step_mtp`: one speculative step over the active sequences.
 
-Invariants, as the seed's:
+Invariants:
 - on entry every sequence is either bootstrap (no drafts pending) or verify (drafts pending);
 - the step's draft width `ladder_nd` never exceeds the smallest verify-slot capacity among
-  the active sequences.
+  the active sequences (a draft past it has no verify row);
+- with more active sequences than `--mtp-max-seqs` the width is 0 and the step decodes
+  plainly, whichever source (static ladder, adaptive rung, cost model) sets it otherwise:
+  the cap bounds the cost of a step, so no width source may step over it (the DFlash arm
+  resolves its gamma by its own ladder and is not capped).
 """
 
 from __future__ import annotations
@@ -19,11 +23,7 @@ from control_plane.scheduler.batch_verify import (
     step_verify_batched,
     verify_batch_permutation,
 )
-from control_plane.scheduler.bootstrap import (
-    bootstrap_batched,
-    bootstrap_serial,
-    can_batch_bootstrap,
-)
+from control_plane.scheduler.bootstrap import bootstrap, bootstrap_serial
 from control_plane.scheduler.context import StepContext
 from control_plane.scheduler.cost_model import propose_depth
 from control_plane.scheduler.dflash import step_dflash
@@ -58,36 +58,38 @@ def split(active: list[ActiveSeq]) -> tuple[list[int], list[int]]:
 
 
 def step_width(active: list[ActiveSeq], ctx: StepContext, num_drafts: int) -> int:
-    if ctx.costs is not None:
-        nd = _measured_width(len(active), ctx, num_drafts)
+    n = len(active)
+    if n > ctx.opts.mtp_max_seqs or num_drafts <= 0:
+        nd = 0
+    elif ctx.costs is not None:
+        nd = _measured_width(n, ctx, num_drafts)
     else:
-        nd = ctx.rung.drafts_for(len(active), num_drafts)
+        nd = ctx.rung.drafts_for(n, num_drafts)
     return clamp_drafts_to_slot_capacity(nd, (ctx.capacity(a.slot) for a in active))
 
 
 def _measured_width(n: int, ctx: StepContext, num_drafts: int) -> int:
-    """The cost model's depth: 0 above --mtp-max-seqs (plain decoding), else at least 1."""
+    """The cost model's depth within the cap, floored to 1 as the ladder's is: a model
+    that prefers no draft does not suspend drafting (`--num-drafts 0` does)."""
     assert ctx.costs is not None
     with span(TRACER, "cost_model", **{"met.active": n}) as sp:
         depth = propose_depth(
             ctx.costs,
             ctx.calibration,
             n,
-            ctx.levers.spec_cost_slack,
-            ctx.levers.mtp_max_seqs,
+            ctx.opts.spec_cost_slack,
+            ctx.opts.mtp_max_seqs,
             num_drafts,
         )
         sp.set_attribute("met.depth", depth)
-    if n > ctx.levers.mtp_max_seqs or num_drafts <= 0:
-        return 0
     return min(max(depth, 1), num_drafts)
 
 
 def step_mtp(
     model: Model, active: list[ActiveSeq], ctx: StepContext, num_drafts: int
 ) -> StepReport:
-    """The seed's `StepOuter`: one span over the whole step, linked to every request it
-    served."""
+    """One span over the whole step (its outer timing), linked to every request it
+    served; then the width sources learn the step's acceptance."""
     links = [Link(a.req.span_context) for a in active if a.req.span_context is not None]
     before = [(a.stats.drafted, a.stats.accepted) for a in active]
     with TRACER.start_as_current_span("step_mtp", links=links) as sp:
@@ -116,7 +118,7 @@ def step_mtp(
 
 
 def _step(model: Model, active: list[ActiveSeq], ctx: StepContext, num_drafts: int) -> StepReport:
-    if ctx.levers.dflash:
+    if ctx.opts.dflash:
         return _step_dflash(model, active, ctx, num_drafts)
     report = StepReport(ladder_nd=step_width(active, ctx, num_drafts))
     ladder_nd = report.ladder_nd
@@ -126,58 +128,57 @@ def _step(model: Model, active: list[ActiveSeq], ctx: StepContext, num_drafts: i
     _copies(active, ctx, [i for i, a in enumerate(active) if a.req.method == PROMPT_LOOKUP])
     boot, verify = split(active)
     if boot:
-        batched = can_batch_bootstrap(model, ctx, len(boot))
-        report.bootstrap = "batched" if batched else "serial"
-        with span(
-            TRACER,
-            "bootstrap",
-            **{"met.bootstrap.mode": report.bootstrap, "met.sequences": len(boot)},
-        ):
-            if batched:
-                bootstrap_batched(model, [active[i] for i in boot], ladder_nd)
-            else:
-                for i in boot:
-                    bootstrap_serial(model, active[i], ladder_nd)
-    if ctx.levers.prompt_lookup:
+        report.bootstrap = bootstrap(model, [active[i] for i in boot], ctx, ladder_nd)
+    if ctx.opts.prompt_lookup:
         _copies(active, ctx, [i for i in verify if active[i].req.method == MTP])
     report.copied = [a.copy > 0 for a in active]
     serial, batchable, copies = _partition(active, verify, ctx, ladder_nd)
+    serial += _verify_batched(model, active, batchable, copies, ctx, report)
+    for i in serial:
+        _serial(model, active[i], ladder_nd, ctx.opts.fused_step, report)
+    settle_copies(active)
+    return report
+
+
+def _verify_batched(
+    model: Model,
+    active: list[ActiveSeq],
+    batchable: list[int],
+    copies: list[int],
+    ctx: StepContext,
+    report: StepReport,
+) -> list[int]:
+    """D-Cut's depths, then the batch in chunks the service accepts, each chunk in its
+    dispatch order. -> the sequences of the chunks that cannot batch (they go serial)."""
+    ladder_nd, o = report.ladder_nd, ctx.opts
     with span(TRACER, "dcut", **{"met.sequences": len(batchable)}) as sp:
         ks, report.dcut = dcut.plan(
-            active,
-            batchable,
-            ladder_nd,
-            ctx.levers.dcut,
-            ctx.levers.dcut_threshold,
-            ctx.levers.dcut_width_cap,
+            active, batchable, ladder_nd, o.dcut, o.dcut_threshold, o.dcut_width_cap
         )
         sp.set_attribute("met.dcut.ks", ks)
     for i in copies:
         batchable.append(i)
         ks.append(len(active[i].pending_drafts) + 1)
     canonical = canonical_assignment(len(batchable), report.dcut or bool(copies))
+    serial = []
     for lo, hi in chunk_ranges(ks, ctx.caps.max_rows, ctx.caps.max_batch):
         chunk, chunk_ks = batchable[lo:hi], ks[lo:hi]
-        if len(chunk) >= 2 and model.can_batch_verify(chunk_ks):
-            slots = [active[i].slot for i in chunk]
-            order = verify_batch_permutation(slots, chunk_ks, canonical)
-            report.batched_calls.append([chunk_ks[p] for p in order])
-            step_verify_batched(
-                model, [active[chunk[p]] for p in order], [chunk_ks[p] for p in order], ladder_nd
-            )
-        else:
+        if len(chunk) < 2 or not model.can_batch_verify(chunk_ks):
             serial.extend(chunk)
-    for i in serial:
-        _serial(model, active[i], ladder_nd, report)
-    settle_copies(active)
-    return report
+            continue
+        order = verify_batch_permutation([active[i].slot for i in chunk], chunk_ks, canonical)
+        seqs, seq_ks = [active[chunk[p]] for p in order], [chunk_ks[p] for p in order]
+        report.batched_calls.append(seq_ks)
+        step_verify_batched(model, seqs, seq_ks, ladder_nd, o.fused_step)
+    return serial
 
 
 def _step_dflash(
     model: Model, active: list[ActiveSeq], ctx: StepContext, num_drafts: int
 ) -> StepReport:
-    """The seed's DFlash arm: gamma from the resolver (it shadows the serve-wide count), the
-    bootstrap, then the DFlash verify; no prompt lookup, no D-Cut."""
+    """The DFlash arm: gamma from the resolver (it shadows the serve-wide count), the
+    bootstrap, then the DFlash verify; no prompt lookup, no D-Cut (its drafts come as one
+    block, so there is no chain to copy into or to cut)."""
     gamma = ctx.dflash_rung.drafts_for(len(active), num_drafts)
     width = clamp_drafts_to_slot_capacity(gamma, (ctx.capacity(a.slot) for a in active))
     report = StepReport(ladder_nd=width, copied=[False] * len(active))
@@ -185,15 +186,8 @@ def _step_dflash(
         a.stats.steps += 1
     boot, verify = split(active)
     if boot:
-        batched = can_batch_bootstrap(model, ctx, len(boot))
-        report.bootstrap = "batched" if batched else "serial"
-        if batched:
-            bootstrap_batched(model, [active[i] for i in boot], width)
-        else:
-            for i in boot:
-                bootstrap_serial(model, active[i], width)
-    levers = ctx.levers.dflash_batch_verify and ctx.levers.batch_verify
-    step_dflash(model, active, verify, width, levers, report)
+        report.bootstrap = bootstrap(model, [active[i] for i in boot], ctx, width)
+    step_dflash(model, active, verify, width, ctx.opts, report)
     return report
 
 
@@ -217,10 +211,7 @@ def _partition(
     at the old width), and so does one near its token budget; verifying those one at a time
     turned whole steps serial."""
     if not (
-        len(verify) >= 2
-        and ctx.levers.mtp_max_seqs > 1
-        and ctx.levers.batch_verify
-        and ladder_nd >= 1
+        len(verify) >= 2 and ctx.opts.mtp_max_seqs > 1 and ctx.opts.batch_verify and ladder_nd >= 1
     ):
         return list(verify), [], []  # grammar sequences are always among the serial
     serial, batchable, copies = [], [], []
@@ -237,7 +228,7 @@ def _partition(
     return serial, batchable, copies
 
 
-def _serial(model: Model, a: ActiveSeq, ladder_nd: int, report: StepReport) -> None:
+def _serial(model: Model, a: ActiveSeq, ladder_nd: int, fused: bool, report: StepReport) -> None:
     drafts = a.pending_drafts
     if a.grammar is not None:
         # Keep only the drafts before the first one the grammar would reject.
@@ -254,7 +245,7 @@ def _serial(model: Model, a: ActiveSeq, ladder_nd: int, report: StepReport) -> N
     if keep == 0:
         # Drafts with no room this step (the width fell to 0): verify the last token alone.
         report.serial_arms.append("K1")
-        bootstrap_serial(model, a, ladder_nd)
+        bootstrap_serial(model, a, ladder_nd, fused)
         return
     report.serial_arms.append(arm)
-    step_verify_serial(model, a, a.pending_drafts, ladder_nd)
+    step_verify_serial(model, a, a.pending_drafts, ladder_nd, fused)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from control_plane.scheduler.seq import ActiveSeq
-from protos.model import Model, Proposal
+from protos.model import Model, Proposal, Sampling, room_to_propose
 from protos.model import greedy_accepted as accepted
 from protos.telemetry import span, tracer
 
@@ -28,18 +28,33 @@ def verify_and_settle(
     rows: list[list[int]],
     step_nd: int,
     mode: str,
+    fused: bool,
 ) -> None:
     """One verify call over `rows[i]` of `seqs[i]`, its verdict, and the next drafts.
-    `mode` (bootstrap, batched or serial) names the path in the trace. Greedy rows with no
-    masks take one `decode_step` round trip when the model offers it (the scheduler hides it
-    under `METRALE_NO_FUSED_STEP`); otherwise the verify and the fused verdict are two calls."""
+    `mode` (bootstrap, batched or serial) names the path in the trace. With the `fused_step`
+    lever on, greedy rows with no masks take one `decode_step` round trip; masked or sampled
+    rows, or the lever off, take a verify call and a verdict call."""
+    masks = _row_masks(seqs, rows)
+    sampling = {
+        i: a.sampling(len(r)) for i, (a, r) in enumerate(zip(seqs, rows, strict=True)) if a.samples
+    }
+    if fused and not masks and not sampling:
+        _fused_step(model, seqs, rows, step_nd, mode)
+    else:
+        _two_calls(model, seqs, rows, step_nd, mode, masks, sampling)
+
+
+def _two_calls(
+    model: Model,
+    seqs: list[ActiveSeq],
+    rows: list[list[int]],
+    step_nd: int,
+    mode: str,
+    masks: dict[int, bytes],
+    sampling: dict[int, Sampling],
+) -> None:
     ks = [len(r) for r in rows]
     handles = [a.handle for a in seqs]
-    masks = _row_masks(seqs, rows)
-    sampling = {i: a.sampling(ks[i]) for i, a in enumerate(seqs) if a.samples}
-    if not masks and not sampling and hasattr(model, "decode_step"):
-        _fused_step(model, seqs, rows, step_nd, mode)
-        return
     q = [a.pending_conf[: k - 1] for a, k in zip(seqs, ks, strict=True)]
     with span(TRACER, "verify", **{"met.verify.mode": mode, "met.verify.ks": ks}):
         argmax = model.decode_verify_batched(
@@ -59,11 +74,11 @@ def verify_and_settle(
         else:
             na = accepted(r, argmax[off[i] : off[i + 1]])
             gains.append((na, argmax[off[i] + na]))
-    na = [n for n, _ in gains]
-    for i, a in enumerate(seqs):
+    for i, (a, (n, bonus)) in enumerate(zip(seqs, gains, strict=True)):
         a.pending_drafts, a.pending_conf = [], []
-        a.record_verify(ks[i] - 1, na[i])
-        a.gain([*rows[i][1 : na[i] + 1], gains[i][1]], logprobs[off[i] : off[i] + na[i] + 1])
+        a.record_verify(ks[i] - 1, n)
+        a.gain([*rows[i][1 : n + 1], bonus], logprobs[off[i] : off[i] + n + 1])
+    na = [n for n, _ in gains]
     proposers = [i for i, a in enumerate(seqs) if _can_propose(a, ks[i] - na[i] - 1, step_nd)]
     with span(TRACER, "verdict", **{"met.accepted": na, "met.proposers": len(proposers)}):
         proposal = model.settle_verdict(
@@ -150,8 +165,8 @@ def _row_masks(seqs: list[ActiveSeq], rows: list[list[int]]) -> dict[int, bytes]
 
 def _can_propose(a: ActiveSeq, rejected: int, step_nd: int) -> bool:
     """Whether the sequence takes drafts after this verdict: it drafts, goes on, and its
-    drafter's entries fit the context once the rejected rows are rewound."""
+    drafts fit the context once the rejected rows are rewound."""
     if step_nd < 1 or not a.wants_drafts:
         return False
     assert a.handle is not None
-    return a.handle.seq_len - rejected - 1 + step_nd <= a.max_context
+    return room_to_propose(a.handle.seq_len - rejected, step_nd, a.max_context)

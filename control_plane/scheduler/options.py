@@ -1,0 +1,119 @@
+"""Every scheduler option, once: its default and its help text. The command line of
+`met control-plane serve` is built from these fields (`add_arguments`, `from_args`) and the
+environment's `METRALE_*` switches override them by name (`with_env`)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from control_plane.env import Env
+from control_plane.scheduler.ladder import Ladder
+
+
+def _option(default: object, help: str, **cli: Any) -> Any:
+    """A field with its help; `cli` holds the argparse keywords that the default does not
+    imply: `flag` (a command-line name other than the field's), `choices`, `metavar`, and
+    `type` when the default is None."""
+    return field(default=default, metadata={"help": help, **cli})
+
+
+@dataclass(frozen=True)
+class SchedulerOptions:
+    num_drafts: int = _option(3, "longest draft chain (0: no drafting)")
+    mtp_max_seqs: int = _option(
+        32,
+        "with more active sequences than this, steps decode plainly (no drafts) whatever "
+        "sets the width; batched verify needs more than 1",
+    )
+    max_queue: int = _option(256, "requests waiting for a slot before RESOURCE_EXHAUSTED")
+    prefill_chunk: int = _option(512, "prompt tokens per sequence per iteration")
+    k_ladder: str = _option(
+        "4:3,8:3,16:1,32:1",
+        "draft width by active sequences, ACTIVE:DRAFTS rungs in ascending order",
+        metavar="LADDER",
+    )
+    fixed_width: bool = _option(
+        False,
+        "every step drafts --num-drafts: the K ladder and the adaptive rung stand aside",
+    )
+    adaptive_rung: bool = _option(
+        True,
+        "raise 9..16 active sequences to 2 drafts while first drafts stand",
+    )
+    batch_bootstrap: bool = _option(True, "bootstrap sequences without drafts in one call")
+    batch_verify: bool = _option(True, "verify sequences with drafts in batched calls")
+    fused_step: bool = _option(
+        True,
+        "greedy rows take one decode_step call, not a verify call and a verdict call",
+    )
+    dcut: bool = _option(True, "D-Cut: batched verify depths from draft confidences")
+    dcut_threshold: float = _option(
+        0.3, "D-Cut keeps drafts while their chain probability is at least this"
+    )
+    dcut_width_cap: int = _option(8, "batches wider than this are not cut")
+    prompt_lookup: bool = _option(
+        False,
+        "copies from a repeating history replace MTP chains",
+        flag="prompt_lookup_decoding",
+    )
+    draft_confidence_stop: float | None = _option(
+        None,
+        "end a draft chain at the first draft below this log-probability",
+        type=float,
+        metavar="LOGPROB",
+    )
+    spec_cost_model: str = _option(
+        "static",
+        "draft depth from the K ladder or from measured step costs",
+        choices=["static", "measured"],
+    )
+    spec_cost_slack: float = _option(
+        0.05, "take the shallowest depth within this fraction of the best rate"
+    )
+    dflash: bool = _option(
+        False, "plan for a DFlash drafter: gamma drafts at once, raw-argmax verify"
+    )
+    dflash_gamma: int | None = _option(
+        None,
+        "pin the DFlash gamma: the resolver stands aside and steps draft --num-drafts",
+        type=int,
+        metavar="GAMMA",
+    )
+    dflash_static_gamma: bool = _option(False, "pin the DFlash gamma, as --dflash-gamma does")
+    dflash_batch_verify: bool = _option(True, "batched DFlash verify")
+
+    def __post_init__(self) -> None:
+        Ladder.parse(self.k_ladder)  # a bad ladder is refused when the options are made
+
+    @property
+    def ladder(self) -> Ladder:
+        return Ladder.parse(self.k_ladder, enabled=not self.fixed_width)
+
+    @property
+    def dflash_pinned(self) -> bool:
+        return self.dflash_gamma is not None or self.dflash_static_gamma
+
+    def with_env(self, env: Env) -> SchedulerOptions:
+        """These options with the environment's switches applied over them."""
+        return replace(self, **env.overrides())
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        group = parser.add_argument_group("scheduler")
+        for f in fields(cls):
+            cli = dict(f.metadata)
+            flag = "--" + cli.pop("flag", f.name).replace("_", "-")
+            help = cli.pop("help") + Env.note(f.name)
+            if isinstance(f.default, bool):
+                cli["action"] = argparse.BooleanOptionalAction
+                help += f" (default: {'on' if f.default else 'off'})"
+            else:
+                cli.setdefault("type", type(f.default))
+                help += " (default: %(default)s)"
+            group.add_argument(flag, dest=f.name, default=f.default, help=help, **cli)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> SchedulerOptions:
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
