@@ -21,7 +21,7 @@ from gpu_service.engine import Engine
 from protos.met.v1 import generate_pb2 as pb
 from tests.collect import run_all
 from tests.fake_model import FakeModel
-from tests.test_step_mtp import NO_ENV, seqs
+from tests.test_step_mtp import seqs
 
 TOK = ByteTokenizer.default()
 COLOR = json.dumps(
@@ -66,7 +66,7 @@ def test_grammar_sequence_is_serial_truncated_and_masked(compiler: GrammarCompil
     # Sequence 1 generated 11 so far; its drafts (12, 13, 14) are not in [0-9a-z]: cut to 0.
     g = active[1]
     g.grammar = grammar
-    step_mtp(model, active, StepContext.build(model.capabilities(), NO_ENV), 3)
+    step_mtp(model, active, StepContext.build(model.capabilities(), SchedulerOptions()), 3)
     calls = model.verify_calls()
     assert calls[0][1] == [4, 4] and calls[1][1] == [1], "the grammar sequence went alone"
     assert g.stats.grammar_truncations == 1
@@ -83,7 +83,7 @@ def _color_requests(n: int) -> list[GenRequest]:
 
 def test_json_schema_requests_with_mtp(tiny_dir: Path, compiler: GrammarCompiler) -> None:
     engine = Engine(tiny_dir, ServiceConfig(verify_tiers="8:3,8:2", max_context=256))
-    s = Scheduler(lambda: engine, TOK, SchedulerOptions(), Env(None, False, False, False))
+    s = Scheduler(lambda: engine, TOK, SchedulerOptions(), Env())
     s.start()
     try:
         reqs = [
@@ -128,5 +128,5 @@ def test_grammar_that_keeps_every_draft(compiler: GrammarCompiler) -> None:
     model = FakeModel()
     (a,) = seqs(model, 1, drafts=[3])
     a.grammar = compiler.compile("regex", "(.|\\n)*")  # any text: the drafts all stand
-    step_mtp(model, [a], StepContext.build(model.capabilities(), NO_ENV), 3)
+    step_mtp(model, [a], StepContext.build(model.capabilities(), SchedulerOptions()), 3)
     assert a.stats.grammar_truncations == 0 and a.stats.drafted == 3

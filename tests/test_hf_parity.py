@@ -134,7 +134,7 @@ def test_no_mtp_checkpoint_serves_with_speculation_off(tmp_path: Path) -> None:
     directory, _ = _checkpoint(tmp_path, {})
     engine = Engine(directory, ServiceConfig(verify_tiers="4:3", max_context=256), "fp32")
     assert not engine.capabilities().has_mtp
-    s = Scheduler(lambda: engine, ByteTokenizer.default(), env=Env(None, False, False, False))
+    s = Scheduler(lambda: engine, ByteTokenizer.default(), env=Env())
     s.start()
     try:
         reqs = [GenRequest(m, (5, 6, 7), 6, method=m) for m in (MTP, NONE)]

@@ -21,7 +21,7 @@ from protos.model import Sampling
 from tests.collect import run_all
 
 TOK = ByteTokenizer.default()
-NO_ENV = Env(None, False, False, False)
+NO_ENV = Env()  # no METRALE_* switch set
 
 
 def test_distribution_top_k_top_p() -> None:

@@ -48,10 +48,10 @@ def memory_spans() -> InMemorySpanExporter:
 @pytest.fixture(params=["fused", "two-calls"])
 def in_process_api(tiny_dir: Path, request: pytest.FixtureRequest) -> Iterator[str]:
     """The generation API on a grpc.aio server in a thread, over an in-process engine; greedy
-    steps as one `decode_step`, or as verify + verdict (`METRALE_NO_FUSED_STEP`)."""
+    steps as one `decode_step`, or as verify + verdict (`--no-fused-step`)."""
     engine = Engine(tiny_dir, ServiceConfig(verify_tiers="4:3", max_context=256))
-    env = Env(None, False, False, False, no_fused_step=request.param == "two-calls")
-    scheduler = Scheduler(lambda: engine, ByteTokenizer.default(), SchedulerOptions(), env)
+    opts = SchedulerOptions(fused_step=request.param == "fused")
+    scheduler = Scheduler(lambda: engine, ByteTokenizer.default(), opts, Env())
     scheduler.start()
     loop = asyncio.new_event_loop()
     ready, stopping = threading.Event(), None

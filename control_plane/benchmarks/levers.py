@@ -19,34 +19,34 @@ from protos.model import Model
 
 CONFIGS = {
     "none": (NONE, {}, {}),
-    "mtp (static ladder)": (MTP, {"no_adaptive_rung": True, "no_dcut": True}, {}),
-    "mtp + adaptive rung": (MTP, {"no_dcut": True}, {}),
-    "mtp + D-Cut": (MTP, {"no_adaptive_rung": True}, {}),
+    "mtp (static ladder)": (MTP, {"adaptive_rung": False, "dcut": False}, {}),
+    "mtp + adaptive rung": (MTP, {"dcut": False}, {}),
+    "mtp + D-Cut": (MTP, {"adaptive_rung": False}, {}),
     "mtp + draft stop": (
         MTP,
-        {"no_adaptive_rung": True, "no_dcut": True},
+        {"adaptive_rung": False, "dcut": False},
         {"draft_confidence_stop": -2.0},
     ),
     "mtp + prompt lookup": (
         MTP,
-        {"no_adaptive_rung": True, "no_dcut": True},
+        {"adaptive_rung": False, "dcut": False},
         {"prompt_lookup": True},
     ),
-    "mtp + cost model": (MTP, {"no_dcut": True}, {"spec_cost_model": "measured"}),
+    "mtp + cost model": (MTP, {"dcut": False}, {"spec_cost_model": "measured"}),
     "prompt_lookup requests": (PROMPT_LOOKUP, {}, {}),
     "mtp, all levers": (MTP, {}, {"prompt_lookup": True, "draft_confidence_stop": -2.0}),
 }
 
 
 def measure(
-    engine: Model, work: Workload, method: str, env: dict, opts: dict, n: int, tokens: int
+    engine: Model, work: Workload, method: str, switches: dict, opts: dict, n: int, tokens: int
 ) -> str:
     """One configuration: `n` requests at once through a scheduler, as a line of figures."""
     s = Scheduler(
         lambda: engine,
         work.tokenizer,
-        SchedulerOptions(**opts),
-        Env(None, False, False, False, **env),
+        SchedulerOptions(**switches, **opts),
+        Env(),  # the configuration alone decides, whatever METRALE_* says
     )
     s.start()
     outs: list[list] = []
@@ -88,8 +88,8 @@ def main() -> None:
     work = Workload(DEFAULT_MODEL_DIR)
     engine.measure_costs([1, 2, 4, 8, 16, 32], 3)  # measured once, cached, outside the timing
     print(f"{args.concurrency} requests x {args.tokens} tokens, default model")
-    for name, (method, env, opts) in CONFIGS.items():
-        line = measure(engine, work, method, env, opts, args.concurrency, args.tokens)
+    for name, (method, switches, opts) in CONFIGS.items():
+        line = measure(engine, work, method, switches, opts, args.concurrency, args.tokens)
         print(f"{name:26} {line}")
 
 

@@ -7,7 +7,6 @@ import statistics
 from collections.abc import Callable
 
 from control_plane.benchmarks.workload import Workload, median, serve
-from control_plane.env import Env
 from control_plane.scheduler.seq import MTP, NONE, PROMPT_LOOKUP
 
 # label -> (method, scheduler options): the methods, and mtp with the measured cost model
@@ -33,13 +32,12 @@ def methods(
     methods alike; `baseline` (tok/s of one outside generate) runs in the same rounds at one
     request. -> (rows, failures, the baseline's median tok/s)"""
     rows, failures, outside = [], [], []
-    env = Env(None, False, False, False)
     for n in concurrency:
         runs: dict[str, list[dict]] = {label: [] for label in VARIANTS}
         for _ in range(repeats):
             for label, (m, options) in VARIANTS.items():
                 reqs = work.requests(m, n, tokens, label)
-                runs[label].append(serve(connect, reqs, env, work.tokenizer, options))
+                runs[label].append(serve(connect, reqs, work.tokenizer, options))
             if baseline is not None and n == 1:
                 outside.append(baseline())
         results = {m: median(r) for m, r in runs.items()}
@@ -61,7 +59,7 @@ def methods(
     return rows, failures, statistics.median(outside) if outside else None
 
 
-VERIFY_ARMS = {"batched": Env(None, False, False, False), "serial": Env(None, False, False, True)}
+VERIFY_ARMS: dict[str, dict] = {"batched": {}, "serial": {"batch_verify": False}}
 
 
 def batch_vs_serial(
@@ -74,9 +72,9 @@ def batch_vs_serial(
     for n in concurrency:
         runs: dict[str, list[dict]] = {label: [] for label in VERIFY_ARMS}
         for _ in range(repeats):
-            for label, env in VERIFY_ARMS.items():
+            for label, options in VERIFY_ARMS.items():
                 reqs = work.requests(MTP, n, tokens)
-                runs[label].append(serve(connect, reqs, env, work.tokenizer))
+                runs[label].append(serve(connect, reqs, work.tokenizer, options))
         for label, r in runs.items():
             m = median(r)
             rows.append(

@@ -27,12 +27,12 @@ def split(
     repeats: int,
 ) -> list[dict]:
     """Each method in process and through a GPU service child process over gRPC, greedy steps
-    as one `DecodeStep` round trip and as two calls (`METRALE_NO_FUSED_STEP`)."""
+    as one `DecodeStep` round trip and as two calls (`--no-fused-step`)."""
     proc, target = start_gpu_service(model_dir)
     rows = []
     try:
-        fused = Env(None, False, False, False)
-        two_calls = Env(None, False, False, False, no_fused_step=True)
+        fused: dict = {}
+        two_calls = {"fused_step": False}
         remote = lambda: GrpcModel(target)  # noqa: E731
         arms = (("local", local_connect, fused), ("grpc", remote, fused))
         arms += (("grpc_two_calls", remote, two_calls),)
@@ -40,9 +40,9 @@ def split(
             runs: dict[tuple[str, str], list[dict]] = {}
             for _ in range(repeats):  # methods and arms interleaved: drift falls on all alike
                 for m in (NONE, MTP):
-                    for where, connect, env in arms:
+                    for where, connect, options in arms:
                         reqs = work.requests(m, n, tokens)
-                        got = serve(connect, reqs, env, work.tokenizer)
+                        got = serve(connect, reqs, work.tokenizer, options)
                         runs.setdefault((m, where), []).append(got)
             rows += [_split_row(runs, m, n) for m in (NONE, MTP)]
     finally:
@@ -103,8 +103,8 @@ def main() -> None:
         for method in (NONE, MTP):
             for n in args.concurrency:
                 reqs = work.requests(method, n, args.tokens)
-                local = serve(lambda: engine, reqs, Env.read(), work.tokenizer)
-                remote = serve(lambda: GrpcModel(target), reqs, Env.read(), work.tokenizer)
+                local = serve(lambda: engine, reqs, work.tokenizer, env=Env.read())
+                remote = serve(lambda: GrpcModel(target), reqs, work.tokenizer, env=Env.read())
                 print(
                     f"{method:6}  {n:4d}   {local['tok_s']:16.1f}  {local['step_ms']:7.2f}   "
                     f"{remote['tok_s']:10.1f}  {remote['step_ms']:7.2f}   "

@@ -27,13 +27,15 @@ PROMPTS = [
 def serve(
     connect: Callable[[], Model],
     reqs: list[GenRequest],
-    env: Env,
     tokenizer,
     options: dict | None = None,
+    env: Env | None = None,
 ) -> dict:
-    """All of `reqs` at once through a scheduler; tokens per request and the figures."""
+    """All of `reqs` at once through a scheduler with `options` (scheduler option names);
+    tokens per request and the figures. The `METRALE_*` switches are ignored unless `env`
+    is given, so an arm is what its options say."""
     opts = SchedulerOptions(max_queue=len(reqs), **(options or {}))
-    sched = Scheduler(connect, tokenizer, opts, env)
+    sched = Scheduler(connect, tokenizer, opts, env or Env())
     sched.start()
     tokens: dict[str, list[int]] = {r.request_id: [] for r in reqs}
     first: dict[str, float] = {}  # when each request's first token arrived
@@ -84,7 +86,7 @@ def median(runs: list[dict]) -> dict:
     return out
 
 
-FIXED_DRAFTS = Env(None, True, False, False, no_dcut=True)  # num_drafts at every verify
+FIXED_DRAFTS = {"fixed_width": True, "dcut": False}  # num_drafts at every verify
 
 
 def serve_texts(
@@ -93,7 +95,7 @@ def serve_texts(
     prompts: list[str],
     method: str,
     tokens: int,
-    env: Env | None = None,
+    options: dict | None = None,
 ) -> dict:
     """Greedy continuations of `prompts`, all at once: texts in order, and the spec stats."""
     from control_plane.tokenizer import load_tokenizer
@@ -103,7 +105,7 @@ def serve_texts(
         GenRequest(f"{method}-{i}", tuple(tok.encode(p)), tokens, method=method)
         for i, p in enumerate(prompts)
     ]
-    r = serve(connect, reqs, env or Env(None, False, False, False), tok)
+    r = serve(connect, reqs, tok, options)
     r["texts"] = [tok.decode(r["tokens"][q.request_id]) for q in reqs]
     return r
 
