@@ -78,22 +78,22 @@ class FakeModel:
 
     def capabilities(self) -> Capabilities:
         return Capabilities(
-            "fake",
-            320,
-            len(self.caps),
-            len(self.caps) - len(self.slots),
-            self.caps,
-            self.max_rows,
-            ("eager",),
-            "eager",
-            "cpu",
-            self.max_context,
-            "float32",
-            8,
-            (257,),
-            True,
-            self.max_batch,
-            4096,
+            model_name="fake",
+            vocab_size=320,
+            num_slots=len(self.caps),
+            free_slots=len(self.caps) - len(self.slots),
+            slot_verify_drafts=self.caps,
+            max_rows=self.max_rows,
+            forwards=("eager",),
+            current_forward="eager",
+            device="cpu",
+            max_context=self.max_context,
+            dtype="float32",
+            hidden_size=8,
+            eos_token_ids=(257,),
+            has_mtp=True,
+            max_batch=self.max_batch,
+            max_prefill_tokens=4096,
         )
 
     def alloc_sequence(self) -> SequenceHandle:
