@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import jsonschema
@@ -21,6 +22,7 @@ from control_plane.circuit.shapes import (
     corrupted_draft,
     dedup,
     drafts,
+    slot_caps,
     slot_of,
 )
 from control_plane.circuit.verify_batch import DiffError, ShapeReport, verify_batch_failures
@@ -31,6 +33,7 @@ from gpu_service.config import ServiceConfig
 from gpu_service.engine import Engine
 from gpu_service.state import DeviceState
 from protos.defaults import DEFAULT_MODEL_DIR
+from protos.model import Logits
 
 
 def args(*extra: str) -> argparse.Namespace:
@@ -40,7 +43,7 @@ def args(*extra: str) -> argparse.Namespace:
 # -- helpers -------------------------------------------------------------------------------
 
 
-def test_batch_shapes_as_the_seed() -> None:
+def test_batch_shapes_deepest_first_then_one_ragged_mix() -> None:
     assert batch_shapes(2, [4]) == [[4, 4]]
     assert batch_shapes(7, [2, 4, 3]) == [[4] * 7, [3] * 7, [2] * 7, [4, 4, 4, 3, 3, 2, 2]]
     assert len(batch_shapes(2, [2, 3, 4])) == 3, "too few sequences to mix"
@@ -53,6 +56,14 @@ def test_caps_slots_offsets_dedup() -> None:
     assert [slot_of(i, 5, True) for i in range(5)] == [0, 1, 3, 4, 5]
     assert offsets([4, 3, 2]) == [0, 4, 7, 9]
     assert dedup([[2, 2], [2, 2], [3, 2], [2, 2]]) == [[2, 2], [3, 2], [2, 2]]
+
+
+def test_slot_caps_clamp_to_num_drafts() -> None:
+    tiers = (3, 3, 2, 2, 1)
+    assert slot_caps(tiers, 3, False, 5) == [4, 4, 3], "the slots' capacities"
+    assert slot_caps(tiers, 3, True, 5) == [4, 3, 3], "the spare slot before sequence 1"
+    assert slot_caps(tiers, 3, False, 2) == [3, 3, 3], "no more drafts than a step has"
+    assert slot_caps(tiers, 3, False, 1) == [2, 2, 2]
 
 
 def test_draft_corruption() -> None:
@@ -235,7 +246,7 @@ def test_bad_arguments(tiny_dir: Path) -> None:
         run_diff(engine, args("--steps", "1"))
 
 
-def test_report_fields_as_the_seed(tiny_dir: Path) -> None:
+def test_report_fields(tiny_dir: Path) -> None:
     engine = Engine(tiny_dir, ServiceConfig(verify_tiers="4:3", max_context=256))
     report = build_report(engine, args("--widths", "2"), [])
     assert set(report) >= {
@@ -248,3 +259,71 @@ def test_report_fields_as_the_seed(tiny_dir: Path) -> None:
         "verdict",
         "reasons",
     }
+
+
+class ConstantLogits:
+    """The engine with a logits readback that never changes: every comparison sees equal
+    bytes, which only the detection control can expose."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.engine, name)
+
+    def read_logits(self) -> Logits:
+        logits = self.engine.read_logits()
+        return replace(logits, data=bytes(len(logits.data)))
+
+
+class PerturbedPropose:
+    """The engine with one bit of sequence 1's propose logits flipped under `forward`: the
+    propose differs, the verify does not."""
+
+    def __init__(self, engine: Engine, forward: str) -> None:
+        self.engine, self.forward = engine, forward
+        self.proposed = False
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.engine, name)
+
+    def run_mtp_propose_batched(self, *args: object, **kwargs: object) -> object:
+        self.proposed = True
+        return self.engine.run_mtp_propose_batched(*args, **kwargs)
+
+    def read_logits(self) -> Logits:
+        logits, proposed, self.proposed = self.engine.read_logits(), self.proposed, False
+        if not proposed or self.engine.capabilities().current_forward != self.forward:
+            return logits
+        data = bytearray(logits.data)
+        data[len(data) // logits.shape[0]] ^= 1  # the lowest bit of sequence 1's first logit
+        return replace(logits, data=bytes(data))
+
+
+def test_a_blind_comparison_fails_the_detection_control(tiny_dir: Path) -> None:
+    engine = Engine(tiny_dir, ServiceConfig(verify_tiers="8:3", max_context=256))
+    report = run_diff(ConstantLogits(engine), args("--widths", "2", "--ks", "3", "--steps", "4"))
+    assert report["verdict"] == "FAIL"
+    assert report["shapes"][0]["detection_control"]["mismatched_steps"] == 0
+    assert report["reasons"] == [
+        "verify-batch [3, 3]: the detection control saw no difference after changing a draft"
+    ]
+
+
+def test_a_propose_only_mismatch_names_row_minus_one(tiny_dir: Path) -> None:
+    engine = Engine(tiny_dir, ServiceConfig(verify_tiers="8:3", max_context=256))
+    model = PerturbedPropose(engine, "eager-serial")
+    flags = ("--widths", "2", "--ks", "4", "--num-drafts", "2", "--steps", "4", "--mtp")
+    report = run_diff(model, args(*flags))
+    (shape,) = report["shapes"]
+    assert shape["ks"] == [3, 3], "two drafts per step: no verify wider than 3 rows"
+    (c,) = shape["comparisons"]
+    assert (c["first_mismatch"], c["first_mismatch_sequence"], c["first_mismatch_row"]) == (
+        0,
+        1,
+        -1,
+    )
+    assert c["prefill_equal"] and c["mismatched_steps"] == 4 and c["max_ulp"] == 1
+    assert c["argmax_agreement"] == 1.0
+    assert report["verdict"] == "FAIL"
+    assert "(first at 0, sequence 1, row -1)" in report["reasons"][0]

@@ -21,15 +21,27 @@ from protos.model import Model
 SCHEMA = Path(__file__).with_name("report.schema.json")
 
 
-def _int_list(text: str, name: str, low: int) -> list[int]:
+def _int_at_least(text: str, name: str, low: int) -> int:
     try:
-        values = [int(x) for x in text.split(",") if x.strip()]
+        value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{name} takes comma-separated integers, not {text!r}"
-        ) from None
-    if not values or min(values) < low:
-        raise argparse.ArgumentTypeError(f"{name} takes integers of at least {low}: {text!r}")
+        value = None
+    if value is None or value < low:
+        raise argparse.ArgumentTypeError(f"{name} takes integers of at least {low}, not {text!r}")
+    return value
+
+
+def _int_list(text: str, name: str, low: int) -> list[int]:
+    values = [x for x in text.split(",") if x.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"{name} takes comma-separated integers, not {text!r}")
+    return [_int_at_least(x, name, low) for x in values]
+
+
+def _name_list(text: str, name: str) -> list[str]:
+    values = [x.strip() for x in text.split(",") if x.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"{name} takes comma-separated names, not {text!r}")
     return values
 
 
@@ -57,14 +69,20 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--forwards",
         default="eager-serial",
-        type=lambda t: [f for f in t.split(",") if f],
+        type=lambda t: _name_list(t, "--forwards"),
         help="forwards compared with the reference (default %(default)s)",
     )
     parser.add_argument(
         "--fragment", action="store_true", help="hold a spare slot before sequence n/2"
     )
     parser.add_argument("--mtp", action="store_true", help="also diff the batched propose")
-    parser.add_argument("--num-drafts", type=int, default=3, help="drafts per propose")
+    parser.add_argument(
+        "--num-drafts",
+        default="3",
+        type=lambda t: _int_at_least(t, "--num-drafts", 1),
+        help="drafts per step: caps each verify at this many drafts, and the drafts per "
+        "propose with --mtp (default %(default)s)",
+    )
     parser.add_argument("--out", type=Path, default=Path("circuit-diff-verify-batch.json"))
     parser.add_argument(
         "--gpu-service",

@@ -24,8 +24,16 @@ def slot_of(i: int, n: int, fragment: bool) -> int:
     return i + int(fragment and i >= n // 2)
 
 
+def slot_caps(
+    slot_verify_drafts: tuple[int, ...], n: int, fragment: bool, num_drafts: int
+) -> list[int]:
+    """Each of `n` sequences' widest verify: the drafts its slot can verify, clamped to
+    `num_drafts` as the scheduler clamps a step's drafts, plus the row of its last token."""
+    return [min(slot_verify_drafts[slot_of(i, n, fragment)], num_drafts) + 1 for i in range(n)]
+
+
 def capped(shape: list[int], cap: list[int]) -> list[int]:
-    """Each sequence's width capped at `cap[i]` (its slot's verify capacity + 1)."""
+    """Each sequence's width capped at `cap[i]` (from `slot_caps`)."""
     return [min(k, c) for k, c in zip(shape, cap, strict=True)]
 
 

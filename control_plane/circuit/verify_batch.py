@@ -29,6 +29,7 @@ from control_plane.circuit.shapes import (
     continuation,
     dedup,
     drafts,
+    slot_caps,
     slot_of,
 )
 from control_plane.scheduler.verdict import accepted, offsets
@@ -96,75 +97,148 @@ def _alloc(
 
 
 def _free(model: Model, seqs: list[SequenceHandle], spare: SequenceHandle | None, n: int) -> None:
-    """In the seed's order: the upper half last-first, the spare, the lower half last-first."""
+    """In the reverse of allocation order (the upper half last-first, the spare, the lower half
+    last-first): a pool that hands out the slot freed last then has its free list back as it
+    was, and the next run takes the same slots."""
     mid = min(n // 2, len(seqs)) if spare is not None else 0
     for s in [*reversed(seqs[mid:]), *([spare] if spare else []), *reversed(seqs[:mid])]:
         model.free_sequence(s)
 
 
-def run_batch(
+def _last_after(ks: list[int], argmax: list[int], na: list[int]) -> list[int]:
+    """Each sequence's next last token: the verify's argmax after its accepted drafts."""
+    return [argmax[o + a] for o, a in zip(offsets(ks)[:-1], na, strict=True)]
+
+
+@dataclass(frozen=True)
+class Drafted:
+    """The reference's feed: each sequence's rows are its last token and drafts from its greedy
+    continuation; the verify's argmaxes decide the accepts and the next last token."""
+
+    greedy: list[list[int]]
+    vocab: int
+
+    def tokens(self, s: int, ks: list[int], last: list[int], pos: list[int]) -> list[int]:
+        return [
+            t
+            for i, k in enumerate(ks)
+            for t in [last[i], *drafts(self.greedy[i], pos[i], s, i, k, self.vocab)]
+        ]
+
+    def accepted(self, s: int, ks: list[int], tokens: list[int], argmax: list[int]) -> list[int]:
+        off = offsets(ks)
+        return [accepted(tokens[a:b], argmax[a:b]) for a, b in zip(off[:-1], off[1:], strict=True)]
+
+    def next_last(self, s: int, ks: list[int], argmax: list[int], na: list[int]) -> list[int]:
+        return _last_after(ks, argmax, na)
+
+
+@dataclass(frozen=True)
+class Replayed:
+    """Another run's feed, exactly: its rows and accepts, and as each next last token the
+    first row of its next step (after its final step, this run's argmax)."""
+
+    log: list[BatchStep]
+
+    def tokens(self, s: int, ks: list[int], last: list[int], pos: list[int]) -> list[int]:
+        return list(self.log[s].tokens)
+
+    def accepted(self, s: int, ks: list[int], tokens: list[int], argmax: list[int]) -> list[int]:
+        return list(self.log[s].accepted)
+
+    def next_last(self, s: int, ks: list[int], argmax: list[int], na: list[int]) -> list[int]:
+        if s + 1 < len(self.log):
+            return [self.log[s + 1].tokens[o] for o in offsets(ks)[:-1]]
+        return _last_after(ks, argmax, na)
+
+
+Feed = Drafted | Replayed
+
+
+@dataclass
+class _Cursor:
+    """What a run carries from step to step, per sequence: its last token and how far along
+    its greedy continuation it is."""
+
+    last: list[int]
+    pos: list[int]
+
+
+def _prefill_all(
+    model: Model, seqs: list[SequenceHandle], prompts: list[list[int]]
+) -> tuple[bytes, list[int], str]:
+    """Each prompt prefilled on its own. -> (the logits rows, the first tokens, their dtype)"""
+    data, first, dtype = b"", [], ""
+    for seq, prompt in zip(seqs, prompts, strict=True):
+        first.append(model.prefill([seq], [prompt])[0])
+        logits = model.read_logits()
+        data, dtype = data + logits.data, logits.dtype
+    return data, first, dtype
+
+
+def _verify(
+    model: Model, tokens: list[int], ks: list[int], seqs: list[SequenceHandle], run: Run
+) -> Step:
+    """The batched verify with write-on-accept, its time appended to `run`."""
+    if not model.can_batch_verify(ks):
+        raise DiffError(f"the service refuses a batched verify of {ks}")
+    t0 = time.perf_counter()
+    argmax = model.decode_verify_batched(tokens, ks, seqs, write_on_accept=True)
+    t1 = time.perf_counter()
+    step = Step(model.read_logits().data, argmax)
+    run.enqueue_ms.append((t1 - t0) * 1e3)
+    run.step_ms.append((time.perf_counter() - t0) * 1e3)
+    return step
+
+
+def _commit(
+    model: Model, setup: Setup, seqs: list[SequenceHandle], ks: list[int], na: list[int]
+) -> None:
+    """After a verify: the accepted rows stashed for the drafter, the GDN fold of the batch,
+    each accepted prefix committed."""
+    kept = [a + 1 for a in na]
+    if setup.drafter:
+        model.stash_verify_hidden_rows([o + a for o, a in zip(offsets(ks)[:-1], na, strict=True)])
+    model.gdn_fold_accepted(seqs, kept)
+    model.commit_accepted_prefix(seqs, kept, ks)
+
+
+def _step(
     model: Model,
     setup: Setup,
+    seqs: list[SequenceHandle],
     ks: list[int],
-    steps: int,
-    greedy: list[list[int]] | None = None,
-    replay: list[BatchStep] | None = None,
+    s: int,
+    feed: Feed,
+    cursor: _Cursor,
+    run: Run,
+) -> BatchStep:
+    """Step `s`: verify, commit, advance the cursor; with the drafter, the batched propose."""
+    tokens = feed.tokens(s, ks, cursor.last, cursor.pos)
+    step = _verify(model, tokens, ks, seqs, run)
+    na = feed.accepted(s, ks, tokens, step.argmax)
+    _commit(model, setup, seqs, ks, na)
+    cursor.last = feed.next_last(s, ks, step.argmax, na)
+    cursor.pos = [p + a + 1 for p, a in zip(cursor.pos, na, strict=True)]
+    if setup.drafter:
+        _propose_all(model, seqs, cursor.last, setup.drafter, step)
+    run.steps.append(step)
+    return BatchStep(tokens, na)
+
+
+def run_batch(
+    model: Model, setup: Setup, ks: list[int], steps: int, feed: Feed
 ) -> tuple[list[BatchStep], Run]:
-    """One run: the reference (drafts from `greedy`) or a replay of `replay` exactly."""
-    n, vocab = len(setup.prompts), model.capabilities().vocab_size
-    off = offsets(ks)
+    """One run of `steps` batched verifies at the widths `ks`, rows and accepts from `feed`.
+    -> (what each step fed, so that a replay can feed it again; the run's bytes)"""
+    n = len(setup.prompts)
     seqs, spare = _alloc(model, n, setup.fragment)
     try:
-        prefill, last, prefill_argmax = b"", [], []
-        for i, p in enumerate(setup.prompts):
-            first = model.prefill([seqs[i]], [p])[0]
-            prefill += model.read_logits().data
-            last.append(first)
-            prefill_argmax.append(first)
-        pos = [0] * n
-        log: list[BatchStep] = []
-        out: list[Step] = []
-        enqueue_ms, step_ms = [], []
-        for s in range(steps):
-            if replay is not None:
-                tokens = list(replay[s].tokens)
-            else:
-                assert greedy is not None
-                tokens = [
-                    t
-                    for i in range(n)
-                    for t in [last[i], *drafts(greedy[i], pos[i], s, i, ks[i], vocab)]
-                ]
-            if not model.can_batch_verify(ks):
-                raise DiffError(f"the service refuses a batched verify of {ks}")
-            t0 = time.perf_counter()
-            argmax = model.decode_verify_batched(tokens, ks, seqs, write_on_accept=True)
-            t1 = time.perf_counter()
-            step = Step(model.read_logits().data, argmax)
-            enqueue_ms.append((t1 - t0) * 1e3)
-            step_ms.append((time.perf_counter() - t0) * 1e3)
-            na = (
-                list(replay[s].accepted)
-                if replay is not None
-                else [
-                    accepted(tokens[off[i] : off[i + 1]], argmax[off[i] : off[i + 1]])
-                    for i in range(n)
-                ]
-            )
-            if setup.drafter:
-                model.stash_verify_hidden_rows([off[i] + na[i] for i in range(n)])
-            model.gdn_fold_accepted(seqs, [a + 1 for a in na])
-            model.commit_accepted_prefix(seqs, [a + 1 for a in na], ks)
-            for i in range(n):
-                nxt = replay[s + 1].tokens[off[i]] if replay and s + 1 < len(replay) else None
-                last[i] = nxt if nxt is not None else argmax[off[i] + na[i]]
-                pos[i] += na[i] + 1
-            if setup.drafter:
-                _propose_all(model, seqs, last, setup.drafter, step)
-            log.append(BatchStep(tokens, na))
-            out.append(step)
-        dtype = model.read_logits().dtype
-        return log, Run(prefill, prefill_argmax, out, ks, dtype, enqueue_ms, step_ms)
+        prefill, first, dtype = _prefill_all(model, seqs, setup.prompts)
+        run = Run(prefill, first, [], ks, dtype, [], [])
+        cursor = _Cursor(list(first), [0] * n)
+        log = [_step(model, setup, seqs, ks, s, feed, cursor, run) for s in range(steps)]
+        return log, run
     finally:
         _free(model, seqs, spare, n)
 
@@ -194,51 +268,66 @@ def diff_verify_batch(
     forwards: list[str],
     progress: Callable[[str], None] = lambda line: None,
 ) -> list[ShapeReport]:
-    """The reference and every forward for every width at every shape."""
+    """The reference and every forward for every width at every shape; each sequence's width
+    capped as the scheduler caps a step's drafts (`slot_caps`)."""
     caps = model.capabilities()
-    vocab = caps.vocab_size
     out = []
     for n in widths:
-        prompts = batch_prompts(n, vocab)
+        prompts = batch_prompts(n, caps.vocab_size)
         model.set_forward(reference)
         greedy = [continuation(model, p, steps * max(ks) + 1) for p in prompts]
-        cap = [caps.slot_verify_drafts[slot_of(i, n, fragment)] + 1 for i in range(n)]
+        cap = slot_caps(caps.slot_verify_drafts, n, fragment, num_drafts)
         setup = Setup(prompts, fragment, num_drafts if mtp else None)
+        feed = Drafted(greedy, caps.vocab_size)
         for shape in dedup([capped(s, cap) for s in batch_shapes(n, ks)]):
-            model.set_forward(reference)
-            if mtp:
-                # The seed's engine proposes differently on its first propose in a process,
-                # so one run is discarded first; kept for parity (ours needs none).
-                run_batch(model, setup, shape, 1, greedy=greedy)
-            log, ref = run_batch(model, setup, shape, steps, greedy=greedy)
-            comparisons, timings = [], [_timing(reference, ref)]
-            for name in forwards:
-                model.set_forward(name)
-                _, run = run_batch(model, setup, shape, steps, replay=log)
-                comparisons.append(compare(name, ref, run))
-                timings.append(_timing(name, run))
-            # The control runs under the last forward, still selected.
-            changed = [BatchStep(list(b.tokens), b.accepted) for b in log]
-            row = offsets(shape)[n // 2] + shape[n // 2] - 1
-            at = steps // 2
-            changed[at].tokens[row] = (changed[at].tokens[row] + 1) % vocab
-            _, ctl = run_batch(model, setup, shape, steps, replay=changed)
-            out.append(
-                ShapeReport(
-                    shape,
-                    [b.accepted for b in log],
-                    comparisons,
-                    timings,
-                    compare("last forward, one draft changed", ref, ctl),
-                )
-            )
+            report = _diff_shape(model, setup, shape, steps, feed, reference, forwards)
             progress(
                 f"verify-batch {shape}: "
                 + ", ".join(
-                    f"{c.variant} {'equal' if _equal(c) else 'DIFFERS'}" for c in comparisons
+                    f"{c.variant} {'equal' if _equal(c) else 'DIFFERS'}" for c in report.comparisons
                 )
             )
+            out.append(report)
     return out
+
+
+def _diff_shape(
+    model: Model,
+    setup: Setup,
+    shape: list[int],
+    steps: int,
+    feed: Drafted,
+    reference: str,
+    forwards: list[str],
+) -> ShapeReport:
+    """The reference at one shape, each forward replaying it, then the detection control."""
+    model.set_forward(reference)
+    if setup.drafter:
+        # An engine whose first propose in a process differs from every later one would show
+        # that difference as the forwards'; one discarded run goes first.
+        run_batch(model, setup, shape, 1, feed)
+    log, ref = run_batch(model, setup, shape, steps, feed)
+    comparisons, timings = [], [_timing(reference, ref)]
+    for name in forwards:
+        model.set_forward(name)
+        _, run = run_batch(model, setup, shape, steps, Replayed(log))
+        comparisons.append(compare(name, ref, run))
+        timings.append(_timing(name, run))
+    # The control runs under the last forward, still selected.
+    changed = Replayed(_one_draft_changed(log, shape, feed.vocab))
+    _, ctl = run_batch(model, setup, shape, steps, changed)
+    control = compare("last forward, one draft changed", ref, ctl)
+    return ShapeReport(shape, [b.accepted for b in log], comparisons, timings, control)
+
+
+def _one_draft_changed(log: list[BatchStep], shape: list[int], vocab: int) -> list[BatchStep]:
+    """`log` with the last row of sequence `n / 2` changed at the middle step: the detection
+    control's feed, whose difference a sound comparison must see."""
+    n, at = len(shape), len(log) // 2
+    row = offsets(shape)[n // 2] + shape[n // 2] - 1
+    changed = [BatchStep(list(b.tokens), b.accepted) for b in log]
+    changed[at].tokens[row] = (changed[at].tokens[row] + 1) % vocab
+    return changed
 
 
 def _equal(c: Comparison) -> bool:

@@ -13,6 +13,20 @@ BM, BN = 16, 16
 
 
 @triton.jit
+def _online_softmax(b_sc, b_v, b_acc, b_max, b_sum):
+    """One key block into the running softmax. b_sc: [BM, BN] scores (-inf where unseen);
+    b_v: [BN, BD]; b_acc: [BM, BD]; b_max, b_sum: [BM] -> (b_acc, b_max, b_sum) updated. A
+    row that has seen no key yet keeps a max of -inf; its exps are taken from 0 instead."""
+    b_new = tl.maximum(b_max, tl.max(b_sc, axis=1))
+    b_safe = tl.where(b_new == float("-inf"), 0.0, b_new)
+    b_p = tl.exp(b_sc - b_safe[:, None])
+    b_alpha = tl.exp(b_max - b_safe)
+    b_sum = b_sum * b_alpha + tl.sum(b_p, axis=1)
+    b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p, b_v, input_precision="ieee")
+    return b_acc, b_new, b_sum
+
+
+@triton.jit
 def _attention_kernel(
     q_ptr,
     k_ptr,
@@ -64,13 +78,7 @@ def _attention_kernel(
                 ok = tl.load(valid_ptr + slot * CTX + o_n, mask=m_n, other=0)
                 seen = seen & (ok[None, :] != 0)
             b_sc = tl.where(seen, b_sc, float("-inf"))
-            b_new = tl.maximum(b_max, tl.max(b_sc, axis=1))
-            b_safe = tl.where(b_new == float("-inf"), 0.0, b_new)
-            b_p = tl.exp(b_sc - b_safe[:, None])
-            b_alpha = tl.exp(b_max - b_safe)
-            b_sum = b_sum * b_alpha + tl.sum(b_p, axis=1)
-            b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p, b_v, input_precision="ieee")
-            b_max = b_new
+            b_acc, b_max, b_sum = _online_softmax(b_sc, b_v, b_acc, b_max, b_sum)
         b_o = b_acc / tl.maximum(b_sum, 1e-30)[:, None]
         tl.store(
             out_ptr + ((lo + o_m[:, None]) * HQ + h) * D + o_d[None, :],

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.gated_delta_rule.checks import check_inputs
+
 
 @triton.jit
 def _recurrent_kernel(
@@ -78,18 +80,9 @@ def recurrent_gated_delta_rule(
     (the live pool); rows: [pool, Hv, dk, dv] fp32 (verify rows; sequence i's row t goes to
     `vrows[i] + t`); cu: [n + 1], slots, vrows: [n]. `write_live` also leaves the last row's
     state live. -> o [T, Hv, dv] fp32"""
-    t_rows, hk, dk = q.shape
-    hv, dv = v.shape[1], v.shape[2]
-    if k.shape != q.shape or v.shape[0] != t_rows or g.shape != (t_rows, hv) != beta.shape:
-        raise ValueError(
-            "recurrent_gated_delta_rule: q, k [T, Hk, dk], v [T, Hv, dv], g and beta [T, Hv]"
-        )
-    if hv % hk:
-        raise ValueError(f"{hv} value heads do not group over {hk} key heads")
-    if states.dtype != torch.float32 or rows.dtype != torch.float32:
-        raise ValueError("the GDN state and its verify rows are fp32")
-    if states.shape[1:] != (hv, dk, dv) or rows.shape[1:] != (hv, dk, dv):
-        raise ValueError("recurrent_gated_delta_rule: state pools must be [*, Hv, dk, dv]")
+    t_rows, hk, hv, dk, dv = check_inputs(
+        "recurrent_gated_delta_rule", q, k, v, g, beta, {"states": states, "rows": rows}
+    )
     out = torch.empty(t_rows, hv, dv, dtype=torch.float32, device=q.device)
     _recurrent_kernel[(len(slots), hv)](
         q.contiguous(),

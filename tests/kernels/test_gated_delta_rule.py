@@ -4,6 +4,8 @@ heads, slots out of order)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -146,3 +148,39 @@ def test_training_form_matches_recurrent_with_gradients(length: int) -> None:
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
     for x, y in zip(a, b, strict=True):
         torch.testing.assert_close(x.grad, y.grad, atol=1e-4, rtol=1e-3)
+
+
+def _call_recurrent(q, k, v, g, beta, states, cu, slots) -> torch.Tensor:
+    rows = torch.zeros(8, *states.shape[1:])
+    vrows = torch.zeros(len(slots), dtype=torch.int32)
+    return recurrent.recurrent_gated_delta_rule(
+        q, k, v, g, beta, states, cu, slots, rows, vrows, write_live=False
+    )
+
+
+HOSTS = [_call_recurrent, chunk.chunk_gated_delta_rule]
+
+
+@pytest.mark.parametrize("host", HOSTS, ids=["recurrent", "chunk"])
+@pytest.mark.parametrize(
+    ("name", "shape"),
+    [("g", (3, 5)), ("beta", (3, 5)), ("g", (2, 4)), ("k", (3, 2, 8))],
+    ids=["g-heads", "beta-heads", "g-rows", "k-dim"],
+)
+def test_refuses_a_wrong_shape_naming_it(host, name: str, shape: tuple[int, ...]) -> None:
+    """Each tensor is checked on its own before any launch: a wrong g beside a right beta is
+    refused, the message naming the tensor, its shape and the one expected."""
+    q, k, v, g, beta, states, cu, slots = _batch([3], 2, 4, 16, 8)
+    inputs = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
+    expected = tuple(inputs[name].shape)
+    inputs[name] = torch.zeros(shape)
+    message = rf"{name} has shape \({', '.join(map(str, shape))}\).* = {re.escape(str(expected))}"
+    with pytest.raises(ValueError, match=message):
+        host(*inputs.values(), states, cu, slots)
+
+
+@pytest.mark.parametrize("host", HOSTS, ids=["recurrent", "chunk"])
+def test_refuses_a_half_precision_state(host) -> None:
+    q, k, v, g, beta, states, cu, slots = _batch([3], 2, 4, 16, 8)
+    with pytest.raises(ValueError, match="states is torch.float16; the GDN state is fp32"):
+        host(q, k, v, g, beta, states.half(), cu, slots)
