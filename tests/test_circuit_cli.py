@@ -75,3 +75,15 @@ def test_a_diff_that_cannot_run_exits_2_without_a_report(
         capsys.readouterr().err
     )
     assert not out.exists()
+
+
+def test_drafts_beyond_the_service_exit_2(
+    tiny_engine: Engine, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The service's own limit (its widest verify slot) refuses the run, in a sentence."""
+    out = tmp_path / "report.json"
+    flags = ("--widths", "2", "--ks", "3", "--mtp", "--num-drafts", "9", "--out", str(out))
+    assert report.main(args(*flags)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("circuit diff could not run: ") and "9" in err, err
+    assert not out.exists()

@@ -16,7 +16,7 @@ from control_plane.circuit.verify_batch import (
     verify_batch_failures,
 )
 from protos.defaults import DEFAULT_MODEL_DIR
-from protos.model import Model
+from protos.model import Model, ModelError
 
 SCHEMA = Path(__file__).with_name("report.schema.json")
 
@@ -176,7 +176,7 @@ def _connect(args: argparse.Namespace) -> Model:
 def main(args: argparse.Namespace) -> int:
     try:
         report = run_diff(_connect(args), args)
-    except DiffError as e:
+    except (DiffError, ModelError) as e:  # the arguments, or the service refusing them
         print(f"circuit diff could not run: {e}", file=sys.stderr)
         return 2
     text = json.dumps(report, indent=2)
