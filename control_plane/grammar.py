@@ -9,6 +9,7 @@ which is where drafts are cut."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Protocol
 
 import llguidance
@@ -85,7 +86,7 @@ class GrammarCompiler:
 
     def compile(self, kind: str, spec: str) -> LLGuidanceGrammar:
         """kind: json_schema, regex or lark. Raises ValueError with a sentence."""
-        builders = {
+        builders: dict[str, Callable[[str], str]] = {
             "json_schema": llguidance.LLMatcher.grammar_from_json_schema,
             "regex": llguidance.LLMatcher.grammar_from_regex,
             "lark": llguidance.LLMatcher.grammar_from_lark,

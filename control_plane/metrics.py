@@ -29,13 +29,21 @@ _LATENCY_BUCKETS = (
 
 class Metrics:
     def __init__(self) -> None:
-        r = self.registry = CollectorRegistry()
+        self.registry = CollectorRegistry()
+        self._add_request_counters(self.registry)
+        self._add_draft_counters(self.registry)
+        self._add_gauges(self.registry)
+        self._add_latency_histograms(self.registry)
+
+    def _add_request_counters(self, r: CollectorRegistry) -> None:
         self.requests = Counter("met:requests", "Requests received.", registry=r)
         self.request_success = Counter(
             "met:request_success", "Requests finished, by reason.", ["finished_reason"], registry=r
         )
         self.prompt_tokens = Counter("met:prompt_tokens", "Prompt tokens prefilled.", registry=r)
         self.generation_tokens = Counter("met:generation_tokens", "Tokens generated.", registry=r)
+
+    def _add_draft_counters(self, r: CollectorRegistry) -> None:
         self.steps = Counter("met:scheduler_steps", "step_mtp iterations.", registry=r)
         self.num_drafts = Counter(
             "met:spec_decode_num_drafts", "Verifies that carried drafts.", registry=r
@@ -63,6 +71,8 @@ class Metrics:
             "Verifies whose drafts a grammar cut short.",
             registry=r,
         )
+
+    def _add_gauges(self, r: CollectorRegistry) -> None:
         self.step_width = Gauge(
             "met:spec_decode_step_width",
             "Draft width of the last step (ladder, rung or cost model).",
@@ -78,6 +88,8 @@ class Metrics:
         self.free_slots = Gauge(
             "met:free_slots", "Slots of the GPU service not in use.", registry=r
         )
+
+    def _add_latency_histograms(self, r: CollectorRegistry) -> None:
         self.ttft = Histogram(
             "met:time_to_first_token_seconds",
             "Time to the first token.",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -30,14 +31,18 @@ def _median_us(fn: Callable[[], object], repeats: int = 200) -> float:
     return statistics.median(times) * 1e6
 
 
+def _padded_linear(x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
+    return linear(pad_rows(x), weight_t)
+
+
 def bench_linear() -> None:
     weight = torch.randn(768, 256)
     weight_t = weight.t().contiguous()
     print("linear 256 -> 768     rows   F.linear us   tiled us")
     for rows in (1, 4, 16, 32, 64):
         x = torch.randn(rows, 256)
-        plain = _median_us(lambda x=x: F.linear(x, weight))
-        tiled = _median_us(lambda x=x: linear(pad_rows(x), weight_t))
+        plain = _median_us(partial(F.linear, x, weight))
+        tiled = _median_us(partial(_padded_linear, x, weight_t))
         print(f"{'':22}{rows:4d}   {plain:11.1f}   {tiled:8.1f}")
 
 

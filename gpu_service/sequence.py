@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 IDLE, VERIFIED, FOLDED = "idle", "verified", "folded"
 
@@ -18,7 +22,8 @@ class SeqState:
     own_drafts: list[int] = field(default_factory=list)  # drafter positions from its own hidden
     verify_call: int = 0  # which verify call its pending rows came from
     verify_row: int = 0  # its first row in that call
-    draft_probs: object = None  # [nd, V] distributions its last sampled drafts came from
+    # [nd, V] the distributions its last sampled drafts came from
+    draft_probs: torch.Tensor | None = None
 
     @property
     def seq_len(self) -> int:

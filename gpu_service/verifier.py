@@ -101,10 +101,10 @@ class Verifier:
         row_masks = self.masks(dict(enumerate(masks or ())), len(prompts))
         states = self.slots.lookup("prefill", seqs)
         self._check_prefill(states, prompts)
-        prompts = [list(p) for p in prompts]
-        hidden = self._forward(states, prompts, PREFILL)
-        (ends,) = upload(hidden.device, (np.cumsum([len(p) for p in prompts]) - 1).tolist())
-        for s, p in zip(states, prompts, strict=True):
+        rows = [list(p) for p in prompts]
+        hidden = self._forward(states, rows, PREFILL)
+        (ends,) = upload(hidden.device, (np.cumsum([len(p) for p in rows]) - 1).tolist())
+        for s, p in zip(states, rows, strict=True):
             s.tokens.extend(p)
         out = self.keep_logits(self.model.logits(hidden[ends]), row_masks)
         for i, smp in sampled.items():

@@ -21,6 +21,50 @@ from training.checkpoint import init_model
 # The Triton interpreter decision, made before pytest imports a test module (and so a kernel).
 choose_device()
 
+# Tests marked `slow`, which `pytest -m "not slow"` (the fast tier) leaves out: seconds each on
+# a 2-core CPU. A key is a module, a test function (all its parameters) or one node id.
+SLOW_TESTS = {
+    "tests/test_hf_parity.py": "builds transformers' reference model for every comparison",
+    "tests/test_training.py::test_training_is_deterministic_and_resumes_exactly": "trains twice",
+    "tests/test_training.py::test_training_forward_matches_the_service_forward": "two forwards",
+    "tests/test_circuit_diff.py": "runs whole verify batches through both forwards",
+    "tests/test_default_model.py": "serves the bundled checkpoint end to end",
+    "tests/test_bench.py": "runs `met bench`",
+    "tests/test_telemetry.py": "starts both processes with an OTLP receiver",
+    "tests/kernels/test_gated_delta_rule.py": "the chunked kernel under the Triton interpreter",
+    "tests/test_triton_forward.py": "whole forwards under the Triton interpreter",
+    "tests/test_gpu_check.py::test_cpu_run_writes_a_passing_report": "runs the device check",
+    "tests/test_api.py::test_gpu_service_death_ends_streams_and_recovery": "restarts a service",
+    "tests/test_api.py::test_met_up_then_generate": "starts both processes with `met up`",
+    "tests/test_verify_semantics.py::test_verify_fold_commit_equals_one_at_a_time": "one "
+    "verify per token, for every depth and write mode",
+    "tests/test_verify_semantics.py::test_recurrent_and_chunked_prefill_agree": "both prefills",
+    "tests/test_sampling.py::test_seeded_sampling_with_and_without_speculation": "two full "
+    "sampled generations",
+}
+# Any test that uses one of these fixtures is slow: it waits on a process starting.
+SLOW_FIXTURES = {
+    "served": "starts a GPU service process",
+    "control_plane": "starts a control plane process",
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if _slow_reason(item) is not None:
+            item.add_marker(pytest.mark.slow)
+
+
+def _slow_reason(item: pytest.Item) -> str | None:
+    module, _, name = item.nodeid.partition("::")
+    function = f"{module}::{name.partition('[')[0]}"
+    for key in (item.nodeid, function, module):
+        if key in SLOW_TESTS:
+            return SLOW_TESTS[key]
+    fixtures = getattr(item, "fixturenames", ())
+    return next((SLOW_FIXTURES[f] for f in fixtures if f in SLOW_FIXTURES), None)
+
+
 TINY = ModelConfig.tiny()
 # Small tiers so that tests reach every tier and run out of slots quickly.
 TINY_SERVICE = ServiceConfig(

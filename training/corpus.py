@@ -1,6 +1,7 @@
 """The training corpus every machine has offline: the Python standard library's own source,
 without its test suites. A fixed set of files, chosen by a hash of their relative paths, is
-held out for evaluation; the split does not depend on the seed or on which files exist."""
+held out for evaluation; the split depends neither on the training `--seed` nor on which other
+files exist."""
 
 from __future__ import annotations
 
@@ -8,8 +9,12 @@ import hashlib
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 BOS, EOS = "<|bos|>", "<|eos|>"
 # Test suites, IDLE's UI strings and the generated codec tables of `encodings` are not the
@@ -90,12 +95,20 @@ def train_tokenizer(files: tuple[Path, ...], vocab_size: int, out: Path) -> None
     )
 
 
+def special_ids(tok: Tokenizer) -> tuple[int, int]:
+    """The ids of `<|bos|>` and `<|eos|>` in a tokenizer `train_tokenizer` wrote."""
+    bos, eos = tok.token_to_id(BOS), tok.token_to_id(EOS)
+    if bos is None or eos is None:
+        raise ValueError(f"the tokenizer has no {BOS} or no {EOS} token")
+    return bos, eos
+
+
 def encode_files(tokenizer_path: Path, files: tuple[Path, ...]) -> torch.Tensor:
     """One stream: each file as `<|bos|>` + its tokens + `<|eos|>`. -> int32 [N]"""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(tokenizer_path))
-    bos, eos = tok.token_to_id(BOS), tok.token_to_id(EOS)
+    bos, eos = special_ids(tok)
     ids: list[int] = []
     for enc in tok.encode_batch([read_text(f) for f in files], add_special_tokens=False):
         ids.append(bos)

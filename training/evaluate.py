@@ -89,7 +89,7 @@ def acceptance(model_dir: Path, prompts: list[str], tokens: int, concurrency: in
     """The MTP drafter under the real scheduler, in process, 3 drafts at every verify (no
     ladder, no D-Cut): mean accepted length per verify (bonus token included) and acceptance
     at each draft position, over all prompts."""
-    from control_plane.bench import FIXED_DRAFTS, serve_texts
+    from control_plane.benchmarks.workload import FIXED_DRAFTS, serve_texts
     from control_plane.scheduler.seq import MTP
     from gpu_service.config import ServiceConfig
     from gpu_service.engine import Engine
@@ -134,17 +134,15 @@ def evaluate(model_dir: Path, corpus: Corpus, work: Path) -> dict:
 
 
 def write_card(model_dir: Path, report: dict) -> None:
+    card = _card_training(report) + _card_evaluation(report) + _card_samples(report)
+    (model_dir / "README.md").write_text(card)
+
+
+def _card_training(report: dict) -> str:
+    """The model card's title and how the checkpoint was made."""
     tc = report["train_config"]
-    samples = "\n".join(
-        f"From held-out `{s['file']}`, after `{s['prompt_tail'].strip()}`:\n\n"
-        f"```text\n{s['prompt_tail']}{s['continuation']}\n```\n"
-        for s in report["samples"]
-    )
     held = ", ".join(f"`{f}`" for f in report["held_out_files"])
-    accepted = report["mean_accepted_length"]
-    python_like = f"{report['python_like']} of {report['prompts']}"
-    per_pos = ", ".join(f"{a:.2f}" for a in report["acceptance_per_position"])
-    card = f"""# met default checkpoint
+    return f"""# met default checkpoint
 
 A {report["parameters"] / 1e6:.2f}M-parameter Qwen3-Next-style hybrid (three Gated DeltaNet
 layers, one gated-attention layer, one MTP layer; tied embeddings) trained by `met train` to be
@@ -167,7 +165,15 @@ It is a test article, not a useful code model.
   on its own output (token t+3), as it runs for a second draft. {report["train_minutes"]}
   minutes on 2 CPU cores. Final training losses: {report["final_losses"]}.
 
-## Held-out evaluation (bf16 weights, as served)
+"""
+
+
+def _card_evaluation(report: dict) -> str:
+    """The model card's held-out measures and how they were taken."""
+    accepted = report["mean_accepted_length"]
+    python_like = f"{report['python_like']} of {report['prompts']}"
+    per_pos = ", ".join(f"{a:.2f}" for a in report["acceptance_per_position"])
+    return f"""## Held-out evaluation (bf16 weights, as served)
 
 | measure | value |
 |---|---|
@@ -187,10 +193,19 @@ position later: its perplexity is close to the main model's by construction. Gre
 from a model this small repeats itself (the samples show it), which is also part of why
 its drafts stand: the acceptance is of this model's own greedy text, as serving measures it.
 
-## Samples (greedy)
+"""
+
+
+def _card_samples(report: dict) -> str:
+    """The model card's greedy samples and how to reproduce the checkpoint."""
+    samples = "\n".join(
+        f"From held-out `{s['file']}`, after `{s['prompt_tail'].strip()}`:\n\n"
+        f"```text\n{s['prompt_tail']}{s['continuation']}\n```\n"
+        for s in report["samples"]
+    )
+    return f"""## Samples (greedy)
 
 {samples}
 Reproduce: `met train` (writes this directory; `--work` keeps the tokenizer, the token cache
 and the resumable state).
 """
-    (model_dir / "README.md").write_text(card)

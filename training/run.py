@@ -1,8 +1,8 @@
 """`met train`: the default checkpoint, main model and MTP head together, on the standard
 library's source.
 
-Deterministic given the seed: the batch of step `s` is drawn from a generator seeded by
-(seed, s), so a run resumed from its last checkpoint (weights, optimizer, step, written
+Deterministic given `TrainConfig.seed`: the batch of step `s` is drawn from a generator seeded
+by (seed, s), so a run resumed from its last checkpoint (weights, optimizer, step, written
 every `save_every` steps and on Ctrl-C) continues exactly as an uninterrupted one would. Weights
 train in fp32 and are exported in bf16, then evaluated as exported."""
 
@@ -20,7 +20,7 @@ import torch
 
 from gpu_service.config import ModelConfig
 from gpu_service.model.weights import init_weights, save_weights
-from training.corpus import BOS, EOS, Corpus, encode_files, train_tokenizer
+from training.corpus import Corpus, encode_files, special_ids, train_tokenizer
 from training.forward import TrainForward
 from training.options import TrainConfig
 
@@ -115,7 +115,13 @@ def prepare(corpus: Corpus, work: Path, tc: TrainConfig) -> tuple[torch.Tensor, 
 
 
 def _save_state(
-    path: Path, params, opt, step: int, tc: TrainConfig, log: list, seconds: float
+    path: Path,
+    params: dict[str, torch.Tensor],
+    opt: torch.optim.Optimizer,
+    step: int,
+    tc: TrainConfig,
+    log: list[dict],
+    seconds: float,
 ) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save(
@@ -132,6 +138,66 @@ def _save_state(
     tmp.replace(path)
 
 
+def _load_state(
+    path: Path, params: dict[str, torch.Tensor], opt: torch.optim.Optimizer, tc: TrainConfig
+) -> tuple[int, list[dict], float]:
+    """Restore weights and optimizer from `path` when it exists; -> step, loss log, seconds."""
+    if not path.exists():
+        return 0, [], 0.0
+    saved = torch.load(path)
+    if saved["train_config"] != asdict(tc):
+        raise ValueError(
+            f"{path} was written with other training settings; remove it or pass the same ones"
+        )
+    with torch.no_grad():
+        for n, w in params.items():
+            w.copy_(saved["params"][n])
+    opt.load_state_dict(saved["optimizer"])
+    print(f"resuming at step {saved['step']} from {path}", file=sys.stderr)
+    return saved["step"], saved["log"], saved.get("seconds", 0.0)
+
+
+def _tokenizer_config(work: Path, cfg: ModelConfig | None) -> ModelConfig:
+    """`cfg` (or the default config) with the vocabulary and special ids of the tokenizer
+    trained in `work`."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(work / "tokenizer.json"))
+    base = model_config(tok.get_vocab_size(), *special_ids(tok))
+    if cfg is None:
+        return base
+    return replace(
+        cfg,
+        vocab_size=base.vocab_size,
+        bos_token_id=base.bos_token_id,
+        eos_token_id=base.eos_token_id,
+    )
+
+
+def _optimize(
+    model: TrainForward,
+    params: dict[str, torch.Tensor],
+    opt: torch.optim.Optimizer,
+    batch: torch.Tensor,
+    tc: TrainConfig,
+    lr: float,
+) -> dict[str, float]:
+    """One AdamW step on `batch` ([B, T + 1]) at learning rate `lr`; -> the losses."""
+    for group in opt.param_groups:
+        group["lr"] = lr
+    losses = model.losses(batch[:, :-1], mtp2=tc.mtp2_weight > 0)
+    total = losses["main"]
+    if "mtp" in losses:
+        total = total + tc.mtp_weight * losses["mtp"]
+    if "mtp2" in losses:
+        total = total + tc.mtp2_weight * losses["mtp2"]
+    opt.zero_grad(set_to_none=True)
+    total.backward()
+    torch.nn.utils.clip_grad_norm_(params.values(), 1.0)
+    opt.step()
+    return {k: v.item() for k, v in losses.items()}
+
+
 def train(
     corpus: Corpus,
     work: Path,
@@ -142,57 +208,21 @@ def train(
     """Train (or resume) in `work`; -> fp32 weights, the model config, the loss log.
     `stop_at` saves and returns after that step, as a stop would (the schedule is still the
     whole run's)."""
-    from tokenizers import Tokenizer
-
     work.mkdir(parents=True, exist_ok=True)
     train_tokens, _ = prepare(corpus, work, tc)
-    tok = Tokenizer.from_file(str(work / "tokenizer.json"))
-    base = model_config(tok.get_vocab_size(), tok.token_to_id(BOS), tok.token_to_id(EOS))
-    if cfg is not None:
-        base = replace(
-            cfg,
-            vocab_size=base.vocab_size,
-            bos_token_id=base.bos_token_id,
-            eos_token_id=base.eos_token_id,
-        )
-    cfg = base
+    cfg = _tokenizer_config(work, cfg)
     params = init_params(cfg, tc.seed)
     opt = make_optimizer(params, tc)
-    step, log, seconds = 0, [], 0.0
     state_path = work / STATE_FILE
-    if state_path.exists():
-        saved = torch.load(state_path)
-        if saved["train_config"] != asdict(tc):
-            raise ValueError(
-                f"{state_path} was written with other training settings; "
-                "remove it or pass the same ones"
-            )
-        with torch.no_grad():
-            for n, w in params.items():
-                w.copy_(saved["params"][n])
-        opt.load_state_dict(saved["optimizer"])
-        step, log, seconds = saved["step"], saved["log"], saved.get("seconds", 0.0)
-        print(f"resuming at step {step} from {state_path}", file=sys.stderr)
+    step, log, seconds = _load_state(state_path, params, opt, tc)
     model = TrainForward(cfg, params, tc.seq_len)
     progress = Progress(tc.steps)
     t0, start_step, elapsed = time.perf_counter(), step, 0.0
     try:
         while step < min(tc.steps, stop_at or tc.steps):
-            for group in opt.param_groups:
-                group["lr"] = lr_at(tc, step)
             batch = batch_at(train_tokens, tc, step)
-            losses = model.losses(batch[:, :-1], mtp2=tc.mtp2_weight > 0)
-            total = losses["main"]
-            if "mtp" in losses:
-                total = total + tc.mtp_weight * losses["mtp"]
-            if "mtp2" in losses:
-                total = total + tc.mtp2_weight * losses["mtp2"]
-            opt.zero_grad(set_to_none=True)
-            total.backward()
-            torch.nn.utils.clip_grad_norm_(params.values(), 1.0)
-            opt.step()
+            values = _optimize(model, params, opt, batch, tc, lr_at(tc, step))
             step += 1
-            values = {k: v.item() for k, v in losses.items()}
             log.append({"step": step, **values})
             elapsed = time.perf_counter() - t0
             rate = (step - start_step) * tc.batch * tc.seq_len / elapsed

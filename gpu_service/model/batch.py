@@ -132,7 +132,10 @@ def _row_pos(segs: list[Segment], padded: int) -> list[int]:
 
 def _tiles(segs: list[Segment], padded: int, tile: int) -> dict[str, list[int]]:
     """Each sequence's rows in query tiles of its own: a tile attends to one slot's keys."""
-    tile_row, tile_pos, tile_slot, row_tile = [], [], [], [0] * padded
+    tile_row: list[int] = []
+    tile_pos: list[int] = []
+    tile_slot: list[int] = []
+    row_tile = [0] * padded
     for s in segs:
         for first in range(0, s.count, tile):
             tile_slot.append(s.slot)

@@ -42,8 +42,16 @@ class HybridModel:
         self.linear_index = {n: i for i, n in enumerate(cfg.linear_layers)}
         self.full_index = {n: i for i, n in enumerate(cfg.full_layers)}
         self.lm_head = weights.get("lm_head.weight", embed)
-        self.norms = _norm_weights(cfg, weights)
-        self.wt = _fold_norms(_transposed_linears(cfg, weights), self.norms, self.dtype)
+        norms = _norm_weights(weights)
+        self.wt = _transposed_linears(cfg, weights)
+        folded = _fold_norms(self.wt, norms, self.dtype)
+        # A folded norm keeps zeros as its weight (1 + 0 for a kernel that applies 1 + w) and
+        # no multiplier.
+        self.norms: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {
+            n: (torch.zeros_like(w), None) if n in folded else (w, one_plus)
+            for n, (w, one_plus) in norms.items()
+        }
+        self.head_norms = _head_norms(cfg, weights)
         self.neg_a = {  # -exp(A_log) per GDN layer, fp32
             n: -weights[f"model.layers.{n}.linear_attn.A_log"].float().exp()
             for n in cfg.linear_layers
@@ -180,7 +188,7 @@ class HybridModel:
         out = linear(x, self.wt[f"{p}.qkvg"])  # [P, (Hq + Hkv) d | Hq d | Hkv d]: q, k, gate, v
         qk_w = (hq + hkv) * d
         qk = self.ops.head_norm(
-            out[:, :qk_w].view(rows, hq + hkv, d), *self.norms[f"{p}.qk"], cfg.rms_norm_eps
+            out[:, :qk_w].view(rows, hq + hkv, d), *self.head_norms[p], cfg.rms_norm_eps
         )
         qk = apply_rope(qk, rope)
         q, k = qk[:, :hq], qk[:, hq:]
@@ -328,12 +336,12 @@ _FOLDED = {
 
 def _fold_norms(
     wt: dict[str, torch.Tensor],
-    norms: dict[str, tuple[torch.Tensor, torch.Tensor | None]],
+    norms: dict[str, tuple[torch.Tensor, torch.Tensor]],
     dtype: torch.dtype,
-) -> dict[str, torch.Tensor]:
-    """Scale each folded norm's consumers by its 1 + w, then mark the norm folded: its
-    weight becomes zeros (1 + 0 for a kernel that applies 1 + w) and no multiplier."""
-    for name in list(norms):
+) -> set[str]:
+    """Scale each foldable norm's consumers in `wt` by its 1 + w; -> the norms folded."""
+    folded = set()
+    for name, (_, one_plus) in norms.items():
         prefix, _, kind = name.rpartition(".")
         consumers = _FOLDED.get(kind, ())
         targets = [
@@ -344,16 +352,15 @@ def _fold_norms(
         ]
         if name == "mtp.pre_fc_norm_hidden":
             hidden = wt["mtp.fc"].shape[0] // 2  # fc's input is [embedding; hidden]
-            one_plus = norms[name][1]
             one_plus = torch.cat([torch.ones(hidden, device=one_plus.device), one_plus])
             wt["mtp.fc"] = _scaled(wt["mtp.fc"], one_plus, dtype)
         elif targets:
             for n in targets:
-                wt[n] = _scaled(wt[n], norms[name][1], dtype)
+                wt[n] = _scaled(wt[n], one_plus, dtype)
         else:
             continue
-        norms[name] = (torch.zeros_like(norms[name][0]), None)
-    return wt
+        folded.add(name)
+    return folded
 
 
 def _scaled(weight_t: torch.Tensor, one_plus: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -361,16 +368,23 @@ def _scaled(weight_t: torch.Tensor, one_plus: torch.Tensor, dtype: torch.dtype) 
     return (weight_t.float() * rows).to(dtype).contiguous()
 
 
-def _norm_weights(
-    cfg: ModelConfig, w: dict[str, torch.Tensor]
-) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
-    """Zero-centred norms as (w, 1 + w in fp32); an attention layer's q and k norms also as
-    one per-head pair, q's scaled by d ** -0.5 (the attention's scale, applied once here)."""
+def _norm_weights(w: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Zero-centred norms as (w, 1 + w in fp32)."""
     out = {}
     for name, t in w.items():
         part = name.split(".")[-2] if name.endswith(".weight") else ""
         if "norm" in part and not name.endswith("linear_attn.norm.weight"):
             out[name.removesuffix(".weight")] = (t, 1.0 + t.float())
+    return out
+
+
+def _head_norms(
+    cfg: ModelConfig, w: dict[str, torch.Tensor]
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Each attention layer's q and k norms as one per-head pair, by layer prefix: the raw
+    weights [2, d] and 1 + w per head [Hq + Hkv, d], q's scaled by d ** -0.5 (the attention's
+    scale, applied once here)."""
+    out = {}
     d, hq, hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     for name in w:
         if name.endswith("q_norm.weight"):
@@ -379,5 +393,5 @@ def _norm_weights(
             per_head = torch.cat(
                 [((1.0 + qn.float()) * d**-0.5).expand(hq, d), (1.0 + kn.float()).expand(hkv, d)]
             )
-            out[f"{p}.qk"] = (torch.stack([qn, kn]), per_head.contiguous())
+            out[p] = (torch.stack([qn, kn]), per_head.contiguous())
     return out

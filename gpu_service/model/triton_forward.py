@@ -31,14 +31,15 @@ def mix_gdn(
     write_live: bool,
 ) -> torch.Tensor:
     """Conv + gated delta rule of every sequence. mixed: [P, conv_dim] -> [P, Hv, dv] fp32"""
-    rows, cu, slots = batch.rows, batch.cu_seqlens, batch.seq_slot32
+    rows, cu, slots, vrows = batch.rows, batch.cu_seqlens, batch.seq_slot32, batch.seq_vrow32
+    if cu is None or slots is None or vrows is None:
+        raise ValueError("a draft batch (one row per sequence) reaches no GDN layer")
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     windows = state.conv[layer]
     if prefill:
         y = causal_conv1d(mixed[:rows], windows, weight, cu, slots)
     else:
-        vrows = batch.seq_vrow32
         y = causal_conv1d_update(
             mixed[:rows], windows, weight, cu, slots, state.verify_conv[layer], vrows
         )
@@ -60,9 +61,7 @@ def mix_gdn(
     if prefill:
         out[:rows] = chunk_gated_delta_rule(*args)
     else:
-        out[:rows] = recurrent_gated_delta_rule(
-            *args, state.verify_gdn[layer], batch.seq_vrow32, write_live
-        )
+        out[:rows] = recurrent_gated_delta_rule(*args, state.verify_gdn[layer], vrows, write_live)
     return out
 
 

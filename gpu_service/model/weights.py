@@ -50,7 +50,7 @@ def _swiglu_shapes(prefix: str, h: int, i: int) -> dict[str, tuple[int, ...]]:
 
 def _moe_shapes(cfg: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
     h, e = cfg.hidden_size, cfg.num_experts
-    shapes = {f"{prefix}.gate.weight": (e, h)}
+    shapes: dict[str, tuple[int, ...]] = {f"{prefix}.gate.weight": (e, h)}
     for n in range(e):
         shapes.update(_swiglu_shapes(f"{prefix}.experts.{n}", h, cfg.moe_intermediate_size))
     if cfg.shared_expert_intermediate_size:
