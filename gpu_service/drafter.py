@@ -71,9 +71,9 @@ class Drafter:
                 row += len(tok)
             self.state.mtp_carry_valid[s.slot] = True
         slots, last = [s.slot for s in group], [sg.row + sg.count - 1 for sg in segs]
-        tokens, src, slot_t, last_t = upload(hidden.device, pair_tokens, sources, slots, last)
+        tokens, src_t, slot_t, last_t = upload(hidden.device, pair_tokens, sources, slots, last)
         if mtp_segs:
-            pairs = torch.cat([self.state.mtp_carry, hidden]).index_select(0, src)
+            pairs = torch.cat([self.state.mtp_carry, hidden]).index_select(0, src_t)
             self.model.mtp_forward(tokens, pairs, mtp_segs, self.state, kv_only=True)
         self.state.mtp_carry[slot_t] = hidden[last_t]
 
@@ -154,11 +154,15 @@ class Drafter:
         padded = padded_rows(n, ROW_TILE)
         (index,) = upload(tok.device, [*range(n), *[0] * (padded - n)])
         tok, hidden = tok[index], hidden[index]
-        drafts, confs, qs = [], [], {i: [] for i in sampled}
+        drafts: list[torch.Tensor] = []
+        confs: list[torch.Tensor] = []
+        qs: dict[int, list[torch.Tensor]] = {i: [] for i in sampled}  # row -> each step's q
         for j in range(num_drafts):
             keys = min(key_len(top + j + 1, KEY_BLOCK), self.svc.max_context)
             batch = draft_batch(slots, pos + j, index, keys, KEY_BLOCK)
-            hidden = self.model.mtp_forward(tok, hidden, batch, self.state)
+            out = self.model.mtp_forward(tok, hidden, batch, self.state)
+            assert out is not None  # only a `kv_only` pass returns no hidden
+            hidden = out
             logits = self.model.logits(hidden, ROW_TILE)
             tok, conf = self.choice.ops.draft_argmax(logits)
             if sampled:

@@ -19,11 +19,27 @@ from protos.met.v1 import model_pb2 as pb
 from protos.met.v1 import model_pb2_grpc as pb_grpc
 from protos.model import ModelError, RowDraws, SequenceHandle
 
+_LOADING = "the model is still loading"
+
+
+class ModelLoading(ModelError):
+    """An RPC that arrived before the engine finished loading."""
+
+    code = "UNAVAILABLE"
+
 
 class ModelServicer(pb_grpc.ModelServiceServicer):
     def __init__(self) -> None:
         self.engine: Engine | None = None
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+
+    @property
+    def loaded(self) -> Engine:
+        """The engine, for calls `_call` runs: it has refused the RPC already when there is
+        none, and this raises the same status (through `ErrorInterceptor`) if one slips by."""
+        if self.engine is None:
+            raise ModelLoading(_LOADING)
+        return self.engine
 
     async def run_on_engine_thread(self, fn: Callable[[], Any]) -> Any:
         """Every torch call of the process on one thread, loading included."""
@@ -33,20 +49,20 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
         self, context: grpc.aio.ServicerContext, fn: Callable[..., Any], *args: Any
     ) -> Any:
         if self.engine is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, _LOADING)
         # The copied context carries the RPC's server span into the engine thread.
         ctx = contextvars.copy_context()
         return await asyncio.get_running_loop().run_in_executor(self._worker, ctx.run, fn, *args)
 
     async def Capabilities(self, request, context):
-        return cv.to_pb(await self._call(context, lambda: self.engine.capabilities()))
+        return cv.to_pb(await self._call(context, lambda: self.loaded.capabilities()))
 
     async def AllocSequence(self, request, context):
-        return cv.to_pb(await self._call(context, lambda: self.engine.alloc_sequence()))
+        return cv.to_pb(await self._call(context, lambda: self.loaded.alloc_sequence()))
 
     async def FreeSequence(self, request, context):
         (seq,) = cv.handles([request.seq_id])
-        await self._call(context, lambda: self.engine.free_sequence(seq))
+        await self._call(context, lambda: self.loaded.free_sequence(seq))
         return pb.FreeSequenceReply()
 
     async def Prefill(self, request, context):
@@ -54,8 +70,8 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
         argmax, logprobs = await self._call(
             context,
             lambda: (
-                self.engine.prefill(seqs, prompts, masks, sampling),
-                self.engine.last_logprobs(),
+                self.loaded.prefill(seqs, prompts, masks, sampling),
+                self.loaded.last_logprobs(),
             ),
         )
         return pb.PrefillReply(argmax=argmax, seq_lens=cv.seq_lens(seqs), logprobs=logprobs)
@@ -66,7 +82,7 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
         def run() -> tuple[list[int], list[float], list[RowDraws | None]]:
             masks = cv.row_masks_from_pb(request.masks)
             sampled = cv.seq_sampling_from_pb(request.sampling, len(seqs))
-            argmax = self.engine.decode_verify_batched(
+            argmax = self.loaded.decode_verify_batched(
                 list(request.tokens),
                 list(request.ks),
                 seqs,
@@ -74,7 +90,7 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
                 masks,
                 {i: s for i, s in enumerate(sampled) if s is not None},
             )
-            return argmax, self.engine.last_logprobs(), self.engine.last_draws()
+            return argmax, self.loaded.last_logprobs(), self.loaded.last_draws()
 
         argmax, logprobs, draws = await self._call(context, run)
         return pb.VerifyReply(
@@ -82,13 +98,13 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
         )
 
     async def CanBatchVerify(self, request, context):
-        ok = await self._call(context, lambda: self.engine.can_batch_verify(list(request.ks)))
+        ok = await self._call(context, lambda: self.loaded.can_batch_verify(list(request.ks)))
         return pb.CanBatchVerifyReply(ok=ok)
 
     async def FoldAccepted(self, request, context):
         seqs = cv.handles(request.seq_ids)
         await self._call(
-            context, lambda: self.engine.gdn_fold_accepted(seqs, list(request.fold_rows))
+            context, lambda: self.loaded.gdn_fold_accepted(seqs, list(request.fold_rows))
         )
         return pb.FoldReply()
 
@@ -96,14 +112,14 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
         seqs = cv.handles(request.seq_ids)
         lens = await self._call(
             context,
-            lambda: self.engine.commit_accepted_prefix(
+            lambda: self.loaded.commit_accepted_prefix(
                 seqs, list(request.kept_rows), list(request.ks)
             ),
         )
         return pb.CommitReply(seq_lens=lens)
 
     async def StashVerifyHiddenRows(self, request, context):
-        await self._call(context, lambda: self.engine.stash_verify_hidden_rows(list(request.rows)))
+        await self._call(context, lambda: self.loaded.stash_verify_hidden_rows(list(request.rows)))
         return pb.StashReply()
 
     async def Propose(self, request, context):
@@ -113,8 +129,8 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
 
     def _propose(self, request, seqs: list[SequenceHandle]):
         if request.positions:
-            self.engine.check_positions(seqs, list(request.positions))
-        return self.engine.run_mtp_propose_batched(
+            self.loaded.check_positions(seqs, list(request.positions))
+        return self.loaded.run_mtp_propose_batched(
             list(request.last),
             list(request.stash),
             request.num_drafts,
@@ -124,14 +140,14 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
 
     async def TrimProposer(self, request, context):
         seqs = cv.handles(request.seq_ids)
-        await self._call(context, lambda: self.engine.trim_proposer_state(seqs, request.keep_own))
+        await self._call(context, lambda: self.loaded.trim_proposer_state(seqs, request.keep_own))
         return pb.TrimReply()
 
     async def DecodeStep(self, request, context):
         seqs = cv.handles(request.seq_ids)
         r = await self._call(
             context,
-            lambda: self.engine.decode_step(
+            lambda: self.loaded.decode_step(
                 list(request.tokens),
                 list(request.ks),
                 seqs,
@@ -145,7 +161,7 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
         seqs = cv.handles(request.seq_ids)
         p = await self._call(
             context,
-            lambda: self.engine.settle_verdict(
+            lambda: self.loaded.settle_verdict(
                 seqs,
                 list(request.kept_rows),
                 list(request.ks),
@@ -160,18 +176,18 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
     async def MeasureCosts(self, request, context):
         entries, cached = await self._call(
             context,
-            lambda: self.engine.measure_costs(
+            lambda: self.loaded.measure_costs(
                 list(request.widths), request.max_depth, request.repeats or 5, request.refresh
             ),
         )
         return cv.costs_to_pb(entries, cached)
 
     async def SetForward(self, request, context):
-        await self._call(context, lambda: self.engine.set_forward(request.forward))
+        await self._call(context, lambda: self.loaded.set_forward(request.forward))
         return pb.SetForwardReply(current_forward=request.forward)
 
     async def ReadLogits(self, request, context):
-        return cv.to_pb(await self._call(context, lambda: self.engine.read_logits()))
+        return cv.to_pb(await self._call(context, lambda: self.loaded.read_logits()))
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):

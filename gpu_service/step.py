@@ -6,6 +6,7 @@ its results back in one transfer."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 
@@ -150,7 +151,9 @@ class Steps:
         acc = accepted[meta["wanted"]]
         last_rows = meta["row0"][meta["wanted"]] + acc
         pos = meta["before"] + acc  # the first draft's position: the last accepted row's
-        room = room_to_propose(pos + 1, num_drafts, self.svc.max_context)
+        # The rule is plain arithmetic, so it applies elementwise to a tensor of lengths.
+        fits = room_to_propose(cast(int, pos + 1), num_drafts, self.svc.max_context)
+        room = cast(torch.Tensor, fits)  # [n] bool
         slots = torch.where(room, meta["slots"][meta["wanted"]], state.pad_slot)
         pos = torch.where(room, pos, 0)
         hidden = state.verify_hidden[last_rows]
