@@ -13,13 +13,14 @@ import grpc
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from control_plane.detok import Tokenizer
-from control_plane.grammar import GrammarCompiler
+from control_plane.grammar import Grammar, GrammarCompiler
 from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.seq import (
     MTP,
     NONE,
     PROMPT_LOOKUP,
     Delta,
+    Event,
     Failure,
     Finish,
     GenRequest,
@@ -134,7 +135,7 @@ def _check_sampling(r: pb.GenerateRequest, caps: Capabilities) -> None:
         )
 
 
-def _grammar(r: pb.GenerateRequest, compiler: GrammarCompiler | None) -> object | None:
+def _grammar(r: pb.GenerateRequest, compiler: GrammarCompiler | None) -> Grammar | None:
     """The compiled `response_format`, or None when the request has none."""
     kind = r.response_format.WhichOneof("format") if r.HasField("response_format") else None
     if kind is None:
@@ -258,8 +259,12 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         """Hand the request to the scheduler; its events arrive on the returned queue."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
+
+        def sink(ev: Event) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, ev)
+
         try:
-            self.scheduler.submit(req, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+            self.scheduler.submit(req, sink)
         except ModelError as e:
             _failed(gen, e.code, str(e))
             await context.abort(getattr(grpc.StatusCode, e.code), str(e))

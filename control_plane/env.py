@@ -45,12 +45,13 @@ class Env:
 
     @classmethod
     def read(cls) -> Env:
-        values = {}
+        values: dict[str, Any] = {}  # each value has its field's type: str | None or bool
         for f in fields(cls):
             name = f.metadata["var"]
             if f.default is None:
                 values[f.name] = os.environ.get(name) or None
             else:
+                assert isinstance(f.default, bool)
                 values[f.name] = _flag(name, f.default)
         return cls(**values)
 

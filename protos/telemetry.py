@@ -19,7 +19,8 @@ from typing import Any
 
 import grpc
 from opentelemetry import context, propagate, trace
-from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode
+from opentelemetry.util.types import AttributeValue
 
 TRACED_SERVICES = ("/met.v1.ModelService/", "/met.v1.GenerationService/")
 
@@ -169,9 +170,14 @@ class ServerTracing(grpc.aio.ServerInterceptor):
 
 @contextmanager
 def span(
-    t: trace.Tracer, name: str, links: list | None = None, **attributes: Any
+    t: trace.Tracer,
+    name: str,
+    links: list[Link] | None = None,
+    /,
+    **attributes: AttributeValue | None,
 ) -> Iterator[Span]:
-    """A child of the current span; attributes with None values are left out."""
+    """A child of the current span; attributes with None values are left out. `links` is
+    positional so that every keyword is an attribute."""
     with t.start_as_current_span(
         name, links=links, attributes={k: v for k, v in attributes.items() if v is not None}
     ) as s:

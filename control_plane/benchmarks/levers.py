@@ -17,7 +17,7 @@ from control_plane.scheduler.seq import MTP, NONE, PROMPT_LOOKUP, GenRequest
 from protos.defaults import DEFAULT_MODEL_DIR
 from protos.model import Model
 
-CONFIGS = {
+CONFIGS: dict[str, tuple[str, dict[str, object], dict[str, object]]] = {
     "none": (NONE, {}, {}),
     "mtp (static ladder)": (MTP, {"adaptive_rung": False, "dcut": False}, {}),
     "mtp + adaptive rung": (MTP, {"dcut": False}, {}),

@@ -34,8 +34,11 @@ def split(
         fused: dict = {}
         two_calls = {"fused_step": False}
         remote = lambda: GrpcModel(target)  # noqa: E731
-        arms = (("local", local_connect, fused), ("grpc", remote, fused))
-        arms += (("grpc_two_calls", remote, two_calls),)
+        arms = (
+            ("local", local_connect, fused),
+            ("grpc", remote, fused),
+            ("grpc_two_calls", remote, two_calls),
+        )
         for n in concurrency:
             runs: dict[tuple[str, str], list[dict]] = {}
             for _ in range(repeats):  # methods and arms interleaved: drift falls on all alike

@@ -48,5 +48,5 @@ def step_verify_batched(
     model: Model, seqs: list[ActiveSeq], ks: list[int], ladder_nd: int, fused: bool
 ) -> None:
     """One call: each sequence's rows `[last, drafts[:k-1]]`."""
-    rows = [[a.last, *a.pending_drafts[: k - 1]] for a, k in zip(seqs, ks, strict=True)]
+    rows = [[a.last_token, *a.pending_drafts[: k - 1]] for a, k in zip(seqs, ks, strict=True)]
     verify_and_settle(model, seqs, rows, ladder_nd, "batched", fused)

@@ -7,6 +7,8 @@ lever is on and the service accepts one call of that many one-row sequences
 
 from __future__ import annotations
 
+from opentelemetry.util.types import AttributeValue
+
 from control_plane.scheduler.context import StepContext
 from control_plane.scheduler.seq import ActiveSeq
 from control_plane.scheduler.verdict import verify_and_settle
@@ -25,9 +27,12 @@ def bootstrap(model: Model, seqs: list[ActiveSeq], ctx: StepContext, ladder_nd: 
     batched = can_batch_bootstrap(model, ctx, len(seqs))
     mode = "batched" if batched else "serial"
     fused = ctx.opts.fused_step
-    with span(TRACER, "bootstrap", **{"met.bootstrap.mode": mode, "met.sequences": len(seqs)}):
+    attrs: dict[str, AttributeValue] = {"met.bootstrap.mode": mode, "met.sequences": len(seqs)}
+    with span(TRACER, "bootstrap", **attrs):
         if batched:
-            verify_and_settle(model, seqs, [[a.last] for a in seqs], ladder_nd, "bootstrap", fused)
+            verify_and_settle(
+                model, seqs, [[a.last_token] for a in seqs], ladder_nd, "bootstrap", fused
+            )
         else:
             for a in seqs:
                 bootstrap_serial(model, a, ladder_nd, fused)
@@ -35,4 +40,4 @@ def bootstrap(model: Model, seqs: list[ActiveSeq], ctx: StepContext, ladder_nd: 
 
 
 def bootstrap_serial(model: Model, seq: ActiveSeq, ladder_nd: int, fused: bool) -> None:
-    verify_and_settle(model, [seq], [[seq.last]], ladder_nd, "bootstrap", fused)
+    verify_and_settle(model, [seq], [[seq.last_token]], ladder_nd, "bootstrap", fused)

@@ -90,7 +90,7 @@ def step_dflash(
                     serial.extend(chunk)
                     continue
                 report.batched_calls.append([gamma + 1] * len(chunk))
-                rows = [[active[i].last, *active[i].pending_drafts] for i in chunk]
+                rows = [[active[i].last_token, *active[i].pending_drafts] for i in chunk]
                 seqs = [active[i] for i in chunk]
                 verify_and_settle(model, seqs, rows, num_drafts, "dflash-batched", opts.fused_step)
         else:
@@ -114,4 +114,4 @@ def _verify_serial(model: Model, a: ActiveSeq, num_drafts: int, fused: bool, rep
     if not drafts:
         return
     report.serial_arms.append("DFlash")
-    verify_and_settle(model, [a], [[a.last, *drafts]], num_drafts, "dflash-serial", fused)
+    verify_and_settle(model, [a], [[a.last_token, *drafts]], num_drafts, "dflash-serial", fused)

@@ -33,6 +33,7 @@ from protos.telemetry import span, tracer
 
 log = logging.getLogger("control_plane.scheduler")
 TRACER = tracer("met.control_plane")
+Payload = tuple[GenRequest, Sink] | str | None  # submit, cancel, wake
 
 
 @dataclass
@@ -63,7 +64,7 @@ class Scheduler:
         self.opts = (opts or SchedulerOptions()).with_env(env or Env.read())
         self.model: Model | None = None
         self.ctx: StepContext | None = None
-        self.inbox: queue.Queue[tuple[str, object]] = queue.Queue()
+        self.inbox: queue.Queue[tuple[str, Payload]] = queue.Queue()
         self.waiting: deque[ActiveSeq] = deque()
         self.prefilling: list[ActiveSeq] = []
         self.active: list[ActiveSeq] = []
@@ -149,9 +150,10 @@ class Scheduler:
             except queue.Empty:
                 return
 
-    def _take(self, kind: str, payload: object) -> None:
+    def _take(self, kind: str, payload: Payload) -> None:
         if kind == "submit":
-            req, sink = payload  # type: ignore[misc]
+            assert isinstance(payload, tuple)
+            req, sink = payload
             max_context = self.ctx.caps.max_context if self.ctx else 1 << 30
             eos = self.ctx.caps.eos_token_ids if self.ctx else ()
             a = ActiveSeq(req, sink, self.tokenizer, eos, max_context)
@@ -263,7 +265,7 @@ class Scheduler:
         with span(
             TRACER,
             "prefill",
-            links=links,
+            links,
             **{"met.sequences": len(batch), "met.tokens": sum(map(len, chunks))},
         ):
             # Grammars and min_new_tokens bind the first generated token too.
@@ -277,7 +279,7 @@ class Scheduler:
                 else None
                 for a, c in zip(batch, chunks, strict=True)
             ]
-            argmax = self.model.prefill([a.handle for a in batch], chunks, masks, sampling)
+            argmax = self.model.prefill([a.live_handle for a in batch], chunks, masks, sampling)
             logprobs = self.model.last_logprobs()
         for i, (a, chunk) in enumerate(zip(batch, chunks, strict=True)):
             a.prefilled += len(chunk)
@@ -316,8 +318,8 @@ class Scheduler:
         connection (the one it comes back on starts clean); otherwise free their sequences
         and carry on with the same connection."""
         gone = isinstance(error, grpc.RpcError)
-        if gone:
-            message = f"the GPU service failed: {error.details()}"  # type: ignore[union-attr]
+        if isinstance(error, grpc.RpcError):
+            message = f"the GPU service failed: {error.details()}"
         elif isinstance(error, ModelError):
             message = f"the GPU service refused: {error}"
         else:

@@ -97,7 +97,8 @@ class SchedulerOptions:
 
     def with_env(self, env: Env) -> SchedulerOptions:
         """These options with the environment's switches applied over them."""
-        return replace(self, **env.overrides())
+        overrides: dict[str, Any] = env.overrides()  # each value has its option's type
+        return replace(self, **overrides)
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:

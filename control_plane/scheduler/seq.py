@@ -6,10 +6,15 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+from opentelemetry.trace import SpanContext
 
 from control_plane.detok import Detokenizer, Tokenizer
 from protos.model import Sampling, SequenceHandle
+
+if TYPE_CHECKING:  # llguidance is imported only where grammars are compiled
+    from control_plane.grammar import Grammar
 
 NONE, MTP, PROMPT_LOOKUP = "none", "mtp", "prompt_lookup"
 
@@ -28,8 +33,8 @@ class GenRequest:
     method: str = MTP  # NONE, MTP or PROMPT_LOOKUP
     num_drafts: int | None = None  # cap on this request's drafts; None: the server's
     logprobs: bool = False
-    span_context: object | None = None  # the request's `generate` span, which steps link to
-    grammar: object | None = None  # a compiled `Grammar` its tokens must follow
+    span_context: SpanContext | None = None  # the request's `generate` span, steps link to it
+    grammar: Grammar | None = None  # a compiled grammar its tokens must follow
     temperature: float = 0.0  # 0: greedy
     top_k: int = 0
     top_p: float = 1.0
@@ -171,6 +176,20 @@ class ActiveSeq:
             if t < 8 * len(mask):
                 mask[t // 8] &= ~(1 << (t % 8)) & 0xFF
         return bytes(mask)
+
+    @property
+    def live_handle(self) -> SequenceHandle:
+        """The handle on the service, set at admission."""
+        if self.handle is None:
+            raise RuntimeError(f"request {self.req.request_id} has no sequence on the service yet")
+        return self.handle
+
+    @property
+    def last_token(self) -> int:
+        """The newest token, not yet in the cache; set once the prompt is prefilled."""
+        if self.last is None:
+            raise RuntimeError(f"request {self.req.request_id} has not been prefilled yet")
+        return self.last
 
     @property
     def slot(self) -> int:

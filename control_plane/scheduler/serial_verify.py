@@ -21,4 +21,4 @@ def serial_verify_plan(held: int, step_nd: int) -> tuple[int, str]:
 def step_verify_serial(
     model: Model, seq: ActiveSeq, drafts: list[int], step_nd: int, fused: bool
 ) -> None:
-    verify_and_settle(model, [seq], [[seq.last, *drafts]], step_nd, "serial", fused)
+    verify_and_settle(model, [seq], [[seq.last_token, *drafts]], step_nd, "serial", fused)

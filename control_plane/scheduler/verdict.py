@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 
+from opentelemetry.util.types import AttributeValue
+
 from control_plane.scheduler.seq import ActiveSeq
 from protos.model import Model, Proposal, Sampling, room_to_propose
 from protos.model import greedy_accepted as accepted
@@ -54,9 +56,10 @@ def _two_calls(
     sampling: dict[int, Sampling],
 ) -> None:
     ks = [len(r) for r in rows]
-    handles = [a.handle for a in seqs]
+    handles = [a.live_handle for a in seqs]
     q = [a.pending_conf[: k - 1] for a, k in zip(seqs, ks, strict=True)]
-    with span(TRACER, "verify", **{"met.verify.mode": mode, "met.verify.ks": ks}):
+    attrs: dict[str, AttributeValue] = {"met.verify.mode": mode, "met.verify.ks": ks}
+    with span(TRACER, "verify", **attrs):
         argmax = model.decode_verify_batched(
             [t for r in rows for t in r],
             ks,
@@ -72,21 +75,22 @@ def _two_calls(
         if i in sampling:
             gains.append(_rejection(seqs[i], r, q[i], draws[off[i] : off[i + 1]]))
         else:
-            na = accepted(r, argmax[off[i] : off[i + 1]])
-            gains.append((na, argmax[off[i] + na]))
+            n = accepted(r, argmax[off[i] : off[i + 1]])
+            gains.append((n, argmax[off[i] + n]))
     for i, (a, (n, bonus)) in enumerate(zip(seqs, gains, strict=True)):
         a.pending_drafts, a.pending_conf = [], []
         a.record_verify(ks[i] - 1, n)
         a.gain([*rows[i][1 : n + 1], bonus], logprobs[off[i] : off[i] + n + 1])
     na = [n for n, _ in gains]
     proposers = [i for i, a in enumerate(seqs) if _can_propose(a, ks[i] - na[i] - 1, step_nd)]
-    with span(TRACER, "verdict", **{"met.accepted": na, "met.proposers": len(proposers)}):
+    attrs = {"met.accepted": na, "met.proposers": len(proposers)}
+    with span(TRACER, "verdict", **attrs):
         proposal = model.settle_verdict(
             handles,
             [n + 1 for n in na],
             ks,
             proposers,
-            [seqs[i].last for i in proposers],
+            [seqs[i].last_token for i in proposers],
             step_nd if proposers else 0,
             [seqs[i].sampling(step_nd) if seqs[i].samples else None for i in proposers],
         )
@@ -98,11 +102,14 @@ def _fused_step(
 ) -> None:
     ks = [len(r) for r in rows]
     want = [step_nd >= 1 and a.wants_drafts for a in seqs]
-    with span(
-        TRACER, "verify", **{"met.verify.mode": mode, "met.verify.ks": ks, "met.fused": True}
-    ) as sp:
+    attrs: dict[str, AttributeValue] = {
+        "met.verify.mode": mode,
+        "met.verify.ks": ks,
+        "met.fused": True,
+    }
+    with span(TRACER, "verify", **attrs) as sp:
         result = model.decode_step(
-            [t for r in rows for t in r], ks, [a.handle for a in seqs], want, step_nd
+            [t for r in rows for t in r], ks, [a.live_handle for a in seqs], want, step_nd
         )
         sp.set_attribute("met.accepted", result.accepted)
         sp.set_attribute("met.proposers", len(result.proposers))
