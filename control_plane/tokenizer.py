@@ -1,5 +1,6 @@
-"""Byte-level tokenizer: ids 0..255 are bytes, special tokens above them. Torch-free, so the
-control plane can use it too."""
+"""Tokenizers of the control plane, the only process that tokenizes: a checkpoint's
+`tokenizer.json` (the `tokenizers` library), or the byte-level fallback (ids 0..255 are bytes,
+special tokens above them)."""
 
 from __future__ import annotations
 
