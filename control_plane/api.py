@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import math
 import time
 import uuid
+from collections.abc import Iterable
 
 import grpc
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
@@ -39,9 +41,22 @@ METHODS = {
 TRACER = tracer("met.control_plane")
 DEFAULT_METHOD = MTP  # for requests that leave the speculative method unspecified
 DEFAULT_MAX_NEW_TOKENS = 256  # for requests that leave max_new_tokens unset
+# UTF-8 bytes of a text prompt, checked before tokenizing: a tokenizer's ids and offsets take
+# hundreds of bytes per token, so an unbounded prompt grows the process before it is refused.
+DEFAULT_MAX_PROMPT_BYTES = 1 << 20
 
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
+
+
+@dataclasses.dataclass(frozen=True)
+class Admission:
+    """What the server fills in for a request that leaves it unset, and the bound it holds
+    every text prompt to; `met control-plane serve` sets each from its flag."""
+
+    default_method: str = DEFAULT_METHOD
+    default_max_new: int = DEFAULT_MAX_NEW_TOKENS
+    max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES
 
 
 class BadRequest(Exception):
@@ -54,15 +69,23 @@ def to_request(
     r: pb.GenerateRequest,
     tokenizer: Tokenizer,
     caps: Capabilities,
-    default_method: str,
-    default_max_new: int,
+    admission: Admission,
     request_id: str,
     compiler: GrammarCompiler | None = None,
 ) -> GenRequest:
-    """The wire request as the scheduler's `GenRequest`, or `BadRequest` with a sentence."""
-    ids = _prompt_ids(r, tokenizer, caps)
-    max_new = _max_new_tokens(r, len(ids), caps, default_max_new)
+    """The wire request as the scheduler's `GenRequest`, or `BadRequest` with a sentence.
+    The fields that need no tokenizer are checked first, the prompt's size before it is
+    tokenized, and the grammar compiled last."""
+    _check_method(r, caps)
     _check_sampling(r, caps)
+    _check_vocab("stop_token_ids", r.stop_token_ids, caps)
+    ids = _prompt_ids(r, tokenizer, caps, admission.max_prompt_bytes)
+    max_new = _max_new_tokens(r, len(ids), caps, admission.default_max_new)
+    if r.min_new_tokens > max_new:
+        raise BadRequest(
+            INVALID,
+            f"min_new_tokens is {r.min_new_tokens}; it must not exceed max_new_tokens ({max_new})",
+        )
     return GenRequest(
         request_id=request_id,
         prompt_ids=tuple(ids),
@@ -71,35 +94,35 @@ def to_request(
         stop=tuple(r.stop),
         stop_token_ids=tuple(r.stop_token_ids),
         ignore_eos=r.ignore_eos,
-        method=METHODS.get(r.speculative_method, default_method),
+        method=METHODS.get(r.speculative_method, admission.default_method),
         num_drafts=r.num_drafts if r.HasField("num_drafts") else None,
         logprobs=r.logprobs,
         grammar=_grammar(r, compiler),
         temperature=r.temperature,
         top_k=r.top_k,
-        top_p=r.top_p,
+        top_p=r.top_p or 1.0,  # proto3 cannot tell an unset top_p from 0
         seed=r.seed if r.HasField("seed") else None,
     )
 
 
-def _prompt_ids(r: pb.GenerateRequest, tokenizer: Tokenizer, caps: Capabilities) -> list[int]:
+def _prompt_ids(
+    r: pb.GenerateRequest, tokenizer: Tokenizer, caps: Capabilities, max_bytes: int
+) -> list[int]:
     if r.prompt and r.prompt_token_ids:
         raise BadRequest(INVALID, "give either prompt or prompt_token_ids, not both")
+    size = len(r.prompt.encode("utf-8"))
+    if size > max_bytes:
+        raise BadRequest(INVALID, f"prompt is {size} bytes; this server takes at most {max_bytes}")
     ids = list(r.prompt_token_ids) or tokenizer.encode(r.prompt)
     if not ids:
         raise BadRequest(INVALID, "the prompt is empty")
-    if bad := [t for t in ids if t >= caps.vocab_size]:
-        raise BadRequest(
-            INVALID,
-            f"prompt token id {bad[0]} is outside the vocabulary (0 .. {caps.vocab_size - 1})",
-        )
+    _room(len(ids), caps)  # before the vocabulary scan: a context's worth at most
+    _check_vocab("prompt_token_ids" if r.prompt_token_ids else "the tokenized prompt", ids, caps)
     return ids
 
 
-def _max_new_tokens(
-    r: pb.GenerateRequest, prompt_len: int, caps: Capabilities, default_max_new: int
-) -> int:
-    """The request's token budget: its own, or the server's default cut to the context."""
+def _room(prompt_len: int, caps: Capabilities) -> int:
+    """Context positions left after the prompt, at least one."""
     room = caps.max_context - prompt_len
     if room < 1:
         raise BadRequest(
@@ -107,31 +130,67 @@ def _max_new_tokens(
             f"the prompt has {prompt_len} tokens; the context holds "
             f"{caps.max_context} with room for at least one more",
         )
+    return room
+
+
+def _check_vocab(field: str, ids: Iterable[int], caps: Capabilities) -> None:
+    bad = next((t for t in ids if t >= caps.vocab_size), None)
+    if bad is not None:
+        raise BadRequest(
+            INVALID,
+            f"{field} holds token id {bad}, outside the vocabulary (0 .. {caps.vocab_size - 1})",
+        )
+
+
+def _max_new_tokens(
+    r: pb.GenerateRequest, prompt_len: int, caps: Capabilities, default_max_new: int
+) -> int:
+    """The request's token budget: its own, or the server's default cut to the context."""
+    room = _room(prompt_len, caps)
     max_new = r.max_new_tokens if r.HasField("max_new_tokens") else min(default_max_new, room)
     if max_new == 0:
         raise BadRequest(INVALID, "max_new_tokens is 0; ask for at least one token")
     if max_new > room:
         raise BadRequest(
             INVALID,
-            f"{prompt_len} prompt tokens and {max_new} new tokens exceed "
-            f"the context of {caps.max_context}",
+            f"max_new_tokens is {max_new}; after {prompt_len} prompt tokens "
+            f"the context of {caps.max_context} has room for {room}",
         )
     return max_new
 
 
-def _check_sampling(r: pb.GenerateRequest, caps: Capabilities) -> None:
-    """The method, the sampling parameters and the draft count."""
+def _check_method(r: pb.GenerateRequest, caps: Capabilities) -> None:
+    """The speculative method and the draft count."""
     if r.speculative_method not in (pb.SPECULATIVE_METHOD_UNSPECIFIED, *METHODS):
         raise BadRequest(
             INVALID,
             f"speculative_method {r.speculative_method} is unknown; use NONE, MTP or PROMPT_LOOKUP",
         )
-    if r.temperature < 0 or not 0.0 <= r.top_p <= 1.0:
-        raise BadRequest(INVALID, "temperature must be at least 0 and top_p within [0, 1]")
     most = max(caps.slot_verify_drafts)
-    if r.HasField("num_drafts") and r.num_drafts > most:
+    if r.HasField("num_drafts") and not 1 <= r.num_drafts <= most:
         raise BadRequest(
-            INVALID, f"num_drafts is {r.num_drafts}; the GPU service verifies at most {most} drafts"
+            INVALID,
+            f"num_drafts is {r.num_drafts}; it must be from 1 to {most}, the most drafts the "
+            "GPU service verifies (leave it unset for the server's, or use NONE for no drafts)",
+        )
+
+
+def _check_sampling(r: pb.GenerateRequest, caps: Capabilities) -> None:
+    """temperature, top_p and top_k: finite and in range (NaN fails every comparison, so each
+    test is written as what must hold)."""
+    if not (math.isfinite(r.temperature) and r.temperature >= 0):
+        raise BadRequest(
+            INVALID, f"temperature is {r.temperature}; it must be a finite number, 0 or above"
+        )
+    if not 0.0 <= r.top_p <= 1.0:
+        raise BadRequest(
+            INVALID, f"top_p is {r.top_p}; it must be above 0 and at most 1, or 0 for no cut"
+        )
+    if r.top_k > caps.vocab_size:
+        raise BadRequest(
+            INVALID,
+            f"top_k is {r.top_k}; it must be at most the vocabulary size {caps.vocab_size} "
+            "(0: no limit)",
         )
 
 
@@ -174,11 +233,9 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         self,
         scheduler: Scheduler,
         tokenizer: Tokenizer,
-        default_method: str = DEFAULT_METHOD,
-        default_max_new: int = DEFAULT_MAX_NEW_TOKENS,
+        admission: Admission = Admission(),
     ) -> None:
-        self.scheduler, self.tokenizer = scheduler, tokenizer
-        self.default_method, self.default_max_new = default_method, default_max_new
+        self.scheduler, self.tokenizer, self.admission = scheduler, tokenizer, admission
         self._ids = itertools.count()
         self._compiler: GrammarCompiler | None = None
 
@@ -237,15 +294,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 self._compiler = GrammarCompiler(
                     self.tokenizer, caps.vocab_size, caps.eos_token_ids
                 )
-            req = to_request(
-                request,
-                self.tokenizer,
-                caps,
-                self.default_method,
-                self.default_max_new,
-                key,
-                self._compiler,
-            )
+            req = to_request(request, self.tokenizer, caps, self.admission, key, self._compiler)
         except BadRequest as e:
             _failed(gen, e.code.name, str(e))
             await context.abort(e.code, str(e))

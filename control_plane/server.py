@@ -13,7 +13,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from control_plane.api import DEFAULT_MAX_NEW_TOKENS, DEFAULT_METHOD, GenerationServicer
+from control_plane.api import (
+    DEFAULT_MAX_NEW_TOKENS,
+    DEFAULT_MAX_PROMPT_BYTES,
+    DEFAULT_METHOD,
+    Admission,
+    GenerationServicer,
+)
 from control_plane.client import GrpcModel
 from control_plane.metrics import Metrics
 from control_plane.scheduler.loop import Scheduler
@@ -55,6 +61,14 @@ def add_serve_args(parser: argparse.ArgumentParser, gpu_service_required: bool =
         help="default for requests that leave it unset",
     )
     parser.add_argument(
+        "--max-prompt-bytes",
+        type=int,
+        default=DEFAULT_MAX_PROMPT_BYTES,
+        metavar="BYTES",
+        help="refuse text prompts longer than this in UTF-8, before tokenizing them; gRPC's "
+        "own 4 MiB message bound still applies (default: %(default)s)",
+    )
+    parser.add_argument(
         "--otlp-endpoint",
         default=None,
         help="export spans over OTLP here (shortcut for OTEL_EXPORTER_OTLP_ENDPOINT)",
@@ -69,6 +83,10 @@ def add_serve_args(parser: argparse.ArgumentParser, gpu_service_required: bool =
         "--grace", type=float, default=5.0, help="seconds in-flight streams get on SIGTERM"
     )
     SchedulerOptions.add_arguments(parser)
+
+
+def admission(args: argparse.Namespace) -> Admission:
+    return Admission(args.method, args.max_new_tokens, args.max_prompt_bytes)
 
 
 def build_scheduler(args: argparse.Namespace) -> Scheduler:
@@ -89,7 +107,7 @@ async def serve(args: argparse.Namespace) -> None:
     if scheduler.metrics is not None:
         metrics_port = scheduler.metrics.serve(args.metrics_port, args.host)
         print(f"control-plane metrics on http://{args.host}:{metrics_port}/metrics", flush=True)
-    servicer = GenerationServicer(scheduler, scheduler.tokenizer, args.method, args.max_new_tokens)
+    servicer = GenerationServicer(scheduler, scheduler.tokenizer, admission(args))
     health_servicer = health.aio.HealthServicer()
     server = grpc.aio.server()
     generate_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)
