@@ -26,6 +26,7 @@ from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.seq import MTP, NONE
 from control_plane.tokenizer import load_tokenizer
+from protos.bodies import RejectUndecodable
 from protos.defaults import DEFAULT_MODEL_DIR
 from protos.met.v1 import generate_pb2, generate_pb2_grpc
 from protos.telemetry import setup_tracing
@@ -109,7 +110,7 @@ async def serve(args: argparse.Namespace) -> None:
         print(f"control-plane metrics on http://{args.host}:{metrics_port}/metrics", flush=True)
     servicer = GenerationServicer(scheduler, scheduler.tokenizer, admission(args))
     health_servicer = health.aio.HealthServicer()
-    server = grpc.aio.server()
+    server = grpc.aio.server(interceptors=[RejectUndecodable()])  # INVALID_ARGUMENT, not UNKNOWN
     generate_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

@@ -1,35 +1,71 @@
 """Measured step costs for the control plane's cost model: verify and verdict+propose times
-by batch width and depth, on scratch sequences, cached next to the model.
+by batch width and depth, on scratch sequences.
 
-The cache file is keyed by the architecture, the forward, the thread count and the slot
-tiers: a different model shape or machine setup measures again. Widths whose slots cannot
-verify a depth are left out."""
+A table is keyed by the architecture, the forward, the thread count and the slot tiers: a
+different model shape or machine setup measures again. Widths whose slots cannot verify a
+depth are left out. A table shipped with the model is read, never written: measurements go
+to the cache directory (`cache_dir`)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
+from gpu_service.config import ServiceConfig
 from protos.model import CostEntry, InvalidArgument, ResourceExhausted
 
 PROMPT = [(7 * i + 3) % 251 for i in range(16)]
+# A measurement holds the engine for widths x depths x repeats steps; this bounds the last.
+MAX_REPEATS = 100
 
 
-def cache_path(model_dir: Path, forward: str, tiers: str) -> Path:
+def cache_dir() -> Path:
+    """`$XDG_CACHE_HOME/met/spec_cost`, by default `~/.cache/met/spec_cost`."""
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "met" / "spec_cost"
+
+
+def _file_name(model_dir: Path, forward: str, tiers: str) -> str:
     """Keyed by what the costs depend on: the architecture (a digest of config.json: a
     retrained checkpoint of another shape must not read the old costs), the forward, the
     thread count and the tiers."""
     config = model_dir / "config.json"
     arch = hashlib.sha256(config.read_bytes()).hexdigest()[:12] if config.exists() else "none"
     tier_key = tiers.replace(":", "x").replace(",", "_")
-    key = f"{arch}-{forward}-t{torch.get_num_threads()}-{tier_key}"
-    return model_dir / f"spec_cost.{key}.json"
+    return f"spec_cost.{arch}-{forward}-t{torch.get_num_threads()}-{tier_key}.json"
+
+
+def cache_path(model_dir: Path, forward: str, tiers: str) -> Path:
+    """The table to read: this machine's measurement in the cache directory, else one shipped
+    with the model, else where a measurement will go."""
+    name = _file_name(model_dir, forward, tiers)
+    measured, shipped = cache_dir() / name, model_dir / name
+    return shipped if shipped.exists() and not measured.exists() else measured
+
+
+def check(svc: ServiceConfig, widths: Sequence[int], max_depth: int, repeats: int) -> None:
+    """Refuse, before any work, a measurement the service's shape cannot run: widths from 1 to
+    `max_batch`, depths up to the widest verify slot's drafts, 1 to `MAX_REPEATS` repeats."""
+    if not widths or min(widths) < 1 or max(widths) > svc.max_batch:
+        raise InvalidArgument(
+            f"measured widths run from 1 to max_batch ({svc.max_batch}); "
+            f"asked for {min(widths, default=0)} to {max(widths, default=0)}"
+        )
+    capacity = max(svc.slot_verify_drafts)
+    if max_depth > capacity:
+        raise InvalidArgument(
+            f"max_depth {max_depth} is over the {capacity} drafts of the widest verify slot"
+        )
+    if not 1 <= repeats <= MAX_REPEATS:
+        raise InvalidArgument(f"repeats {repeats} is outside 1 to {MAX_REPEATS}")
 
 
 def load(path: Path, widths: list[int], max_depth: int) -> list[CostEntry] | None:
@@ -47,8 +83,7 @@ def load(path: Path, widths: list[int], max_depth: int) -> list[CostEntry] | Non
 def measure(engine, widths: list[int], max_depth: int, repeats: int) -> list[CostEntry]:
     """Time each (width, depth) the slots allow: a verify of depth + 1 rows per sequence, then
     its verdict (fold, commit and, for depth > 0, a propose of depth drafts)."""
-    if not widths or min(widths) < 1 or repeats < 1:
-        raise InvalidArgument("measure costs of widths >= 1 with at least one repeat")
+    check(engine.svc, widths, max_depth, repeats)
     free = engine.capabilities().free_slots
     if max(widths) > free:
         raise ResourceExhausted(
@@ -90,4 +125,10 @@ def measure(engine, widths: list[int], max_depth: int, repeats: int) -> list[Cos
 
 
 def save(path: Path, entries: list[CostEntry]) -> None:
-    path.write_text(json.dumps({"entries": [asdict(e) for e in entries]}, indent=1) + "\n")
+    """Into the cache directory under `path`'s name, whichever table `path` is: one shipped
+    with the model is read-only."""
+    target = cache_dir() / path.name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    scratch = target.with_suffix(f".{os.getpid()}.tmp")
+    scratch.write_text(json.dumps({"entries": [asdict(e) for e in entries]}, indent=1) + "\n")
+    scratch.replace(target)

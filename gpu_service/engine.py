@@ -242,7 +242,7 @@ class Engine:
         self, widths: Sequence[int], max_depth: int, repeats: int = 5, refresh: bool = False
     ) -> tuple[list[costs.CostEntry], bool]:
         """Verify and propose costs by width and depth (see gpu_service/costs.py), from the
-        cache next to the model unless `refresh` or the cache falls short. -> (entries, cached)"""
+        cache unless `refresh` or the cache falls short. -> (entries, cached)"""
         with self._hold():
             path = costs.cache_path(self.model_dir, self.forward_name, self.svc.verify_tiers)
             if not refresh:
@@ -253,7 +253,7 @@ class Engine:
             try:
                 costs.save(path, entries)
             except OSError:
-                pass  # a read-only model directory: measured, not cached
+                pass  # an unwritable cache directory: measured, not cached
             return entries, False
 
     def read_logits(self) -> Logits:

@@ -17,11 +17,28 @@ from gpu_service.device import DeviceError, choose_device, default_forward
 from gpu_service.engine import Engine
 from gpu_service.options import service_config
 from gpu_service.servicer import ErrorInterceptor, ModelServicer
+from protos.bodies import RejectUndecodable
 from protos.met.v1 import model_pb2, model_pb2_grpc
 from protos.telemetry import ServerTracing, setup_tracing
 
 log = logging.getLogger("gpu_service")
 SERVICE_NAME = model_pb2.DESCRIPTOR.services_by_name["ModelService"].full_name
+
+
+def build_server(
+    servicer: ModelServicer, health_servicer: health.aio.HealthServicer
+) -> grpc.aio.Server:
+    """The server with its services and interceptors, no port yet: `serve` and the tests
+    build it the same way."""
+    server = grpc.aio.server(
+        interceptors=[RejectUndecodable(), ServerTracing(), ErrorInterceptor()]
+    )
+    model_pb2_grpc.add_ModelServiceServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    return server
 
 
 async def serve(args: argparse.Namespace, device: torch.device) -> None:
@@ -33,12 +50,7 @@ async def serve(args: argparse.Namespace, device: torch.device) -> None:
     svc = service_config(args)
     servicer = ModelServicer()
     health_servicer = health.aio.HealthServicer()
-    server = grpc.aio.server(interceptors=[ServerTracing(), ErrorInterceptor()])
-    model_pb2_grpc.add_ModelServiceServicer_to_server(servicer, server)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
+    server = build_server(servicer, health_servicer)
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)

@@ -13,6 +13,7 @@ from typing import Any
 
 import grpc
 
+from gpu_service import costs
 from gpu_service.engine import Engine
 from protos import convert as cv
 from protos.met.v1 import model_pb2 as pb
@@ -174,11 +175,12 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
         return pb.VerdictReply(seq_lens=cv.seq_lens(seqs), **cv.proposal_to_pb(p))
 
     async def MeasureCosts(self, request, context):
+        widths, repeats = list(request.widths), request.repeats or 5
+        # Refused here, not behind whatever holds the engine thread.
+        costs.check(self.loaded.svc, widths, request.max_depth, repeats)
         entries, cached = await self._call(
             context,
-            lambda: self.loaded.measure_costs(
-                list(request.widths), request.max_depth, request.repeats or 5, request.refresh
-            ),
+            lambda: self.loaded.measure_costs(widths, request.max_depth, repeats, request.refresh),
         )
         return cv.costs_to_pb(entries, cached)
 

@@ -21,6 +21,16 @@ from training.checkpoint import init_model
 # The Triton interpreter decision, made before pytest imports a test module (and so a kernel).
 choose_device()
 
+
+@pytest.fixture(scope="session", autouse=True)
+def _cache_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Measured cost tables go under $XDG_CACHE_HOME: a directory of the run's own, set before
+    any service process starts so that it inherits it, never the user's cache."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
+        yield
+
+
 # Tests marked `slow`, which `pytest -m "not slow"` (the fast tier) leaves out: seconds each on
 # a 2-core CPU. A key is a module, a test function (all its parameters) or one node id.
 SLOW_TESTS = {

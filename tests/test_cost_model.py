@@ -16,6 +16,7 @@ from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.seq import GenRequest
 from control_plane.scheduler.step import step_mtp
 from control_plane.tokenizer import ByteTokenizer
+from gpu_service import costs as cost_tables
 from gpu_service.config import ServiceConfig
 from gpu_service.engine import Engine
 from protos.model import CostEntry, ResourceExhausted
@@ -93,7 +94,8 @@ def test_scheduler_measures_once_and_stays_lossless(tiny_dir: Path) -> None:
         finally:
             s.stop()
     assert outs["static"] == outs["measured"]
-    assert any(p.name.startswith("spec_cost.") for p in tiny_dir.iterdir())
+    assert any(p.name.startswith("spec_cost.") for p in cost_tables.cache_dir().iterdir())
+    assert not any(p.name.startswith("spec_cost.") for p in tiny_dir.iterdir())
 
 
 def test_engine_cache(tmp_path: Path, tiny_dir: Path) -> None:
