@@ -10,8 +10,11 @@ from dataclasses import dataclass, field
 from protos.model import (
     Capabilities,
     FailedPrecondition,
+    InvalidArgument,
     Logits,
+    NotFound,
     Proposal,
+    ResourceExhausted,
     SequenceHandle,
     StepResult,
     greedy_accepted,
@@ -44,6 +47,13 @@ def _masked(token: int, bits: bytes) -> int:
         return token
     allowed = [t for t in range(len(bits) * 8) if bits[t // 8] >> (t % 8) & 1]
     return token if token in allowed else allowed[0]
+
+
+def _check_masks(masks: dict[int, bytes]) -> None:
+    """The service's check, made before any of a call runs."""
+    for row, bits in masks.items():
+        if bits and not any(bits):
+            raise InvalidArgument(f"the mask of row {row} allows no token")
 
 
 @dataclass
@@ -97,17 +107,22 @@ class FakeModel:
         )
 
     def alloc_sequence(self) -> SequenceHandle:
-        slot = min(set(range(len(self.caps))) - set(self.slots.values()))
-        h = SequenceHandle(self.next_id, slot)
+        free = set(range(len(self.caps))) - set(self.slots.values())
+        if not free:
+            raise ResourceExhausted(f"all {len(self.caps)} slots are taken")
+        h = SequenceHandle(self.next_id, min(free))
         self.next_id += 1
-        self.seqs[h.seq_id], self.slots[h.seq_id] = _Seq(), slot
+        self.seqs[h.seq_id], self.slots[h.seq_id] = _Seq(), h.slot
         return h
 
     def free_sequence(self, seq: SequenceHandle) -> None:
+        if seq.seq_id not in self.seqs:
+            raise NotFound(f"sequence {seq.seq_id} is not allocated")
         del self.seqs[seq.seq_id], self.slots[seq.seq_id]
 
     def prefill(self, seqs, prompts, masks=None, sampling=None) -> list[int]:
         self.calls.append(("prefill", [len(p) for p in prompts]))
+        _check_masks(dict(enumerate(masks or ())))
         out = []
         for h, p in zip(seqs, prompts, strict=True):
             s = self.seqs[h.seq_id]
@@ -123,6 +138,7 @@ class FakeModel:
         self, tokens, ks, seqs, write_on_accept=True, masks=None, sampling=None
     ) -> list[int]:
         self.calls.append(("verify", list(ks), [h.slot for h in seqs]))
+        _check_masks(masks or {})
         out, lo = [], 0
         for h, k in zip(seqs, ks, strict=True):
             s = self.seqs[h.seq_id]

@@ -1,9 +1,12 @@
 """The scheduler loop, on its own thread: admit, prefill, step, stream, retire.
 
 Requests come in through a queue (bounded: past `max_queue` waiting, `ResourceExhausted`);
-events go out through each request's sink. A fault of the GPU service (it went away, or
-answered something the loop did not expect) ends every admitted request with a failure and
-starts over with a fresh connection: the service the loop reconnects to starts clean.
+events go out through each request's sink. A refusal that concerns one request (a mask
+that allows no token, a grammar that refuses its tokens) ends that request alone, with the
+refusal's status. A lost service (a transport error) ends every admitted request; the loop
+asks the service what it still holds, frees those sequences and starts over with a fresh
+connection. Free slots are the service's count (`Capabilities.free_slots`), kept in step
+with this loop's own allocs and frees: slots may be held by others.
 """
 
 from __future__ import annotations
@@ -28,12 +31,14 @@ from control_plane.scheduler.cost_model import CostTable
 from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.seq import ActiveSeq, GenRequest, Sink, SpecStats
 from control_plane.scheduler.step import step_mtp
-from protos.model import Capabilities, Model, ModelError, ResourceExhausted
+from protos.model import Capabilities, Model, ModelError, ResourceExhausted, Sampling
 from protos.telemetry import span, tracer
 
 log = logging.getLogger("control_plane.scheduler")
 TRACER = tracer("met.control_plane")
 Payload = tuple[GenRequest, Sink] | str | None  # submit, cancel, wake
+SLOT_POLL_S = 0.05  # with requests waiting and no free slot, how often to ask the service
+LOST = ("UNAVAILABLE", "DEADLINE_EXCEEDED")  # transport codes: the service is gone
 
 
 @dataclass
@@ -68,6 +73,8 @@ class Scheduler:
         self.waiting: deque[ActiveSeq] = deque()
         self.prefilling: list[ActiveSeq] = []
         self.active: list[ActiveSeq] = []
+        self.free_slots = 0  # the service's free slots, as of its last word and our calls
+        self._poll_at = 0.0  # when the service may next be asked for free slots
         self.counters, self.spec = Counters(), SpecStats()
         self._queued = 0  # submitted and not yet admitted, across threads
         self._lock = threading.Lock()
@@ -112,9 +119,7 @@ class Scheduler:
         with self._lock:
             spec = SpecStats()
             spec.merge(self.spec)
-            free = (
-                self.ctx.caps.num_slots - len(self.prefilling) - len(self.active) if self.ctx else 0
-            )
+            free = self.free_slots if self.ctx else 0
             counters = Counters(**vars(self.counters))
             counters.step_widths = dict(counters.step_widths)
             return {
@@ -130,17 +135,25 @@ class Scheduler:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                self._drain(block=not (self.waiting or self.prefilling or self.active))
+                self._drain(self._idle())
                 self._iterate()
-            except (grpc.RpcError, ModelError) as e:
-                self._reset(e)
             except Exception as e:  # a bug must fail its requests, not stop the loop
-                log.exception("the scheduler step failed")
+                if not isinstance(e, (grpc.RpcError, ModelError, OSError)):
+                    log.exception("the scheduler step failed")
                 self._reset(e)
 
-    def _drain(self, block: bool) -> None:
+    def _idle(self) -> float:
+        """How long the loop may wait for news: none with work to do; a poll's interval with
+        requests waiting on slots held elsewhere."""
+        if self.prefilling or self.active:
+            return 0.0
+        if not self.waiting:
+            return 0.5
+        return SLOT_POLL_S if self.model is not None and self.free_slots <= 0 else 0.0
+
+    def _drain(self, wait: float) -> None:
         try:
-            item = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
+            item = self.inbox.get(timeout=wait) if wait > 0 else self.inbox.get_nowait()
         except queue.Empty:
             return
         while True:
@@ -212,16 +225,16 @@ class Scheduler:
     def _gauges(self) -> None:
         if self.metrics is None or self.ctx is None:
             return
-        held = len(self.prefilling) + len(self.active)
-        self.metrics.running.set(held)
+        self.metrics.running.set(len(self.prefilling) + len(self.active))
         self.metrics.waiting.set(self._queued)
-        self.metrics.free_slots.set(self.ctx.caps.num_slots - held)
+        self.metrics.free_slots.set(self.free_slots)
 
     def _connect(self) -> None:
         model = self.connect()
         caps = model.capabilities()
         self.ctx = StepContext.build(caps, self.opts, self._measure(model, caps))
         self.model = model
+        self.free_slots = caps.free_slots  # others (or a past connection) may hold slots
         for a in self.waiting:
             a.max_context = caps.max_context
             a.vocab_size = caps.vocab_size
@@ -238,18 +251,35 @@ class Scheduler:
         return CostTable(entries)
 
     def _admit(self) -> None:
-        assert self.model is not None and self.ctx is not None
-        free = self.ctx.caps.num_slots - len(self.prefilling) - len(self.active)
-        while self.waiting and free > 0:
-            a = self.waiting.popleft()
+        """Waiting requests take free slots in order. One the service cannot place (its
+        slots are held elsewhere) stays at the head until a slot frees or the service
+        reports one free."""
+        assert self.model is not None
+        now = time.monotonic()
+        if self.waiting and self.free_slots <= 0 and now >= self._poll_at:
+            self._poll_at = now + SLOT_POLL_S
+            self.free_slots = self.model.capabilities().free_slots
+        while self.waiting and self.free_slots > 0:
+            a = self.waiting[0]
+            try:
+                a.handle = self.model.alloc_sequence()
+            except ResourceExhausted:
+                self.free_slots, self._poll_at = 0, now + SLOT_POLL_S
+                return
+            except ModelError as e:
+                a.handle = None
+                a.refuse(e.code, str(e))
+            self.waiting.popleft()
             self._dequeued(1)
-            a.handle = self.model.alloc_sequence()
+            if a.handle is None:
+                a.finish("error")
+                continue
+            self.free_slots -= 1
             self.prefilling.append(a)
-            free -= 1
 
     def _prefill(self) -> None:
         """One batched prefill call: each prefilling sequence's next chunk, within budget."""
-        assert self.model is not None and self.ctx is not None
+        assert self.ctx is not None
         budget = self.ctx.caps.max_prefill_tokens
         batch, chunks = [], []
         for a in self.prefilling:
@@ -268,34 +298,70 @@ class Scheduler:
             links,
             **{"met.sequences": len(batch), "met.tokens": sum(map(len, chunks))},
         ):
+            ends = zip(batch, chunks, strict=True)
+            last = [a.prefilled + len(c) == len(a.req.prompt_ids) for a, c in ends]
             # Grammars and min_new_tokens bind the first generated token too.
-            masks = [
-                a.row_mask([]) if a.prefilled + len(c) == len(a.req.prompt_ids) else b""
-                for a, c in zip(batch, chunks, strict=True)
-            ]
+            masks = [a.row_mask([]) if end else b"" for a, end in zip(batch, last, strict=True)]
             sampling = [
-                a.sampling(1)
-                if a.samples and a.prefilled + len(c) == len(a.req.prompt_ids)
-                else None
-                for a, c in zip(batch, chunks, strict=True)
+                a.sampling(1) if a.samples and end else None
+                for a, end in zip(batch, last, strict=True)
             ]
-            argmax = self.model.prefill([a.live_handle for a in batch], chunks, masks, sampling)
-            logprobs = self.model.last_logprobs()
-        for i, (a, chunk) in enumerate(zip(batch, chunks, strict=True)):
+            rows = self._prefill_rows(batch, chunks, masks, sampling)
+        for a, chunk, row in zip(batch, chunks, rows, strict=True):
+            if row is None:
+                continue
             a.prefilled += len(chunk)
             if a.prefilled == len(a.req.prompt_ids):
                 self.prefilling.remove(a)
                 self.active.append(a)
-                a.gain([argmax[i]], logprobs[i : i + 1])
+                a.gain([row[0]], [row[1]])
+
+    def _prefill_rows(
+        self,
+        batch: list[ActiveSeq],
+        chunks: list[list[int]],
+        masks: list[bytes],
+        sampling: list[Sampling | None],
+    ) -> list[tuple[int, float] | None]:
+        """The prefill call -> each sequence's (argmax, log-probability), None for one the
+        service refused. A refused batch is retried one sequence per call to find the one
+        the refusal concerns (a call is checked whole before any of it runs)."""
+        assert self.model is not None
+        try:
+            argmax = self.model.prefill([a.live_handle for a in batch], chunks, masks, sampling)
+        except ModelError as e:
+            if len(batch) == 1:
+                batch[0].refuse(e.code, str(e))
+                return [None]
+            return [
+                row
+                for i in range(len(batch))
+                for row in self._prefill_rows(
+                    batch[i : i + 1], chunks[i : i + 1], masks[i : i + 1], sampling[i : i + 1]
+                )
+            ]
+        return list(zip(argmax, self.model.last_logprobs(), strict=True))
 
     def _retire(self) -> None:
         for group in (self.prefilling, self.active):
             for a in [a for a in group if a.finished is not None]:
                 group.remove(a)
-                if self.model is not None and a.handle is not None:
-                    self.model.free_sequence(a.handle)
-                self._account(a)
+                self._free(a)
+                if a.failure is None:
+                    self._account(a)
                 a.finish(a.finished or "stop")
+
+    def _free(self, a: ActiveSeq) -> None:
+        """Release the request's sequence; one the service no longer knows is gone already."""
+        handle, a.handle = a.handle, None
+        if self.model is None or handle is None:
+            return
+        try:
+            self.model.free_sequence(handle)
+        except ModelError as e:
+            log.warning("freeing sequence %d: %s", handle.seq_id, e)
+            return
+        self.free_slots += 1
 
     def _account(self, a: ActiveSeq) -> None:
         with self._lock:
@@ -314,36 +380,55 @@ class Scheduler:
             self._queued -= n
 
     def _reset(self, error: Exception) -> None:
-        """A step failed: fail every admitted request. When the service went away, forget the
-        connection (the one it comes back on starts clean); otherwise free their sequences
-        and carry on with the same connection."""
-        gone = isinstance(error, grpc.RpcError)
-        if isinstance(error, grpc.RpcError):
-            message = f"the GPU service failed: {error.details()}"
-        elif isinstance(error, ModelError):
-            message = f"the GPU service refused: {error}"
-        else:
-            message = f"the scheduler failed: {type(error).__name__}: {error}"
-        code = "UNAVAILABLE" if gone else "INTERNAL"
+        """A step failed as a whole: fail every admitted request with the error's status.
+        When the service went away, ask it what it still holds, free those sequences and
+        start over on a fresh connection; otherwise free them and carry on."""
+        code, message = _status(error)
         failed = [*self.prefilling, *self.active]
         log.error("%s; failing %d requests", message, len(failed))
         for a in failed:
             a.fail(code, message)
         self.prefilling, self.active = [], []
-        if not gone and self.model is not None:
+        lost = isinstance(error, (grpc.RpcError, OSError))
+        if not lost and self.model is not None:
             for a in failed:
-                if a.handle is not None:
-                    try:
-                        self.model.free_sequence(a.handle)
-                    except (grpc.RpcError, ModelError):
-                        pass
+                self._free(a)
             return
         if self.model is None:  # the connection itself failed: the waiting fail too
             for a in self.waiting:
                 a.fail(code, message)
             self._dequeued(len(self.waiting))
             self.waiting.clear()
-        getattr(self.model, "close", lambda: None)()
+        else:
+            self._release(failed)
         with self._lock:
             self.model, self.ctx = None, None
         time.sleep(0.1)  # a restarting service gets a moment before the next connect
+
+    def _release(self, failed: list[ActiveSeq]) -> None:
+        """After a transport error: free the ended requests' sequences the service still
+        holds (none when it restarted, or cannot be reached), then close the connection."""
+        assert self.model is not None
+        try:
+            caps = self.model.capabilities()
+            if caps.free_slots < caps.num_slots:
+                for a in failed:
+                    self._free(a)
+        except (grpc.RpcError, OSError) as e:
+            log.warning("the GPU service is still unreachable: %s", _status(e)[1])
+        getattr(self.model, "close", lambda: None)()
+
+
+def _status(error: Exception) -> tuple[str, str]:
+    """-> (gRPC status code name, sentence) a failed step ends its requests with."""
+    if isinstance(error, grpc.RpcError):
+        code = getattr(error, "code", lambda: None)()
+        details = getattr(error, "details", lambda: None)() or str(error)
+        return (code.name if code is not None else "UNAVAILABLE"), (
+            f"the GPU service failed: {details}"
+        )
+    if isinstance(error, OSError):
+        return "UNAVAILABLE", f"the GPU service is unreachable: {error}"
+    if isinstance(error, ModelError):
+        return error.code, f"the GPU service refused: {error}"
+    return "INTERNAL", f"the scheduler failed: {type(error).__name__}: {error}"

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Protocol
 from opentelemetry.trace import SpanContext
 
 from control_plane.detok import Detokenizer, Tokenizer
-from protos.model import Sampling, SequenceHandle
+from protos.model import FailedPrecondition, ModelError, Sampling, SequenceHandle
 
 if TYPE_CHECKING:  # llguidance is imported only where grammars are compiled
     from control_plane.grammar import Grammar
@@ -140,6 +140,7 @@ class ActiveSeq:
         self.rng = random.Random(req.seed)
         self.generated: list[int] = []
         self.finished: str | None = None
+        self.failure: Failure | None = None  # a refusal that ends this request alone
         self.stats = SpecStats()
         self.detok = Detokenizer(tokenizer, req.stop)
         self._eos = () if req.ignore_eos else eos_ids
@@ -224,7 +225,12 @@ class ActiveSeq:
                 self.finished = "length"
                 break
         if self.grammar is not None and kept:
-            self.grammar.advance(kept)
+            try:
+                self.grammar.advance(kept)
+            except (ValueError, ModelError) as e:
+                code = e.code if isinstance(e, ModelError) else FailedPrecondition.code
+                self.refuse(code, str(e))
+                return
             if self.finished is None and self.grammar.is_done():
                 self.finished = "stop"
         if self.finished is None:
@@ -249,7 +255,16 @@ class ActiveSeq:
             self.observer.record_tokens(count, first, now - since)
         self.last_emit = now
 
+    def refuse(self, code: str, message: str) -> None:
+        """End this request alone with a failure (sent when it retires, after its sequence is
+        freed); the others go on."""
+        self.finished = "error"
+        self.failure = Failure(code, message)
+
     def finish(self, reason: str) -> None:
+        if self.failure is not None:
+            self.sink(self.failure)
+            return
         if self.finished is None:
             self.finished = reason
         self.sink(Finish(self.finished, len(self.req.prompt_ids), len(self.generated), self.stats))

@@ -9,7 +9,7 @@ import math
 from opentelemetry.util.types import AttributeValue
 
 from control_plane.scheduler.seq import ActiveSeq
-from protos.model import Model, Proposal, Sampling, room_to_propose
+from protos.model import Model, ModelError, Proposal, Sampling, room_to_propose
 from protos.model import greedy_accepted as accepted
 from protos.telemetry import span, tracer
 
@@ -35,7 +35,29 @@ def verify_and_settle(
     """One verify call over `rows[i]` of `seqs[i]`, its verdict, and the next drafts.
     `mode` (bootstrap, batched or serial) names the path in the trace. With the `fused_step`
     lever on, greedy rows with no masks take one `decode_step` round trip; masked or sampled
-    rows, or the lever off, take a verify call and a verdict call."""
+    rows, or the lever off, take a verify call and a verdict call.
+
+    A refusal ends the sequence it concerns alone: a refused batch is retried one sequence
+    per call to find it (the service checks a call whole before any of it runs, and a
+    sequence's rows are batch invariant, so the others' tokens are those of the batch)."""
+    try:
+        _verify(model, seqs, rows, step_nd, mode, fused)
+    except ModelError as e:
+        if len(seqs) == 1:
+            seqs[0].refuse(e.code, str(e))
+            return
+        for a, r in zip(seqs, rows, strict=True):
+            verify_and_settle(model, [a], [r], step_nd, mode, fused)
+
+
+def _verify(
+    model: Model,
+    seqs: list[ActiveSeq],
+    rows: list[list[int]],
+    step_nd: int,
+    mode: str,
+    fused: bool,
+) -> None:
     masks = _row_masks(seqs, rows)
     sampling = {
         i: a.sampling(len(r)) for i, (a, r) in enumerate(zip(seqs, rows, strict=True)) if a.samples
