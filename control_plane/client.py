@@ -1,19 +1,24 @@
 """`Model` over `met.v1.ModelService`: blocking stubs, protobuf converted at this edge, refused
-requests raised as the same `ModelError`s the in-process engine raises."""
+requests raised as the same `ModelError`s the in-process engine raises. Each client is one
+session of the service (protos/model.py), open from construction to `close`."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
 
-from protos import checks
+from protos import checks, tls
 from protos import convert as cv
 from protos.met.v1 import model_pb2 as pb
 from protos.met.v1 import model_pb2_grpc as pb_grpc
 from protos.model import (
+    ADMIN_KEY_ENV,
+    ADMIN_KEY_METADATA,
     ERRORS_BY_CODE,
+    SESSION_METADATA,
     Capabilities,
     CostEntry,
     Logits,
@@ -27,25 +32,43 @@ from protos.telemetry import ClientTracing
 
 
 class GrpcModel:
-    def __init__(self, target: str, timeout: float = 60.0) -> None:
+    def __init__(
+        self,
+        target: str,
+        timeout: float = 60.0,
+        admin_key: str | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
+        """Connects (over TLS with `credentials`) and opens the session: a `grpc.RpcError`
+        when the service is unreachable. `admin_key`, sent on admin calls only, defaults to
+        env `ADMIN_KEY_ENV`."""
         self.target = target
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(target)
+        self._channel = tls.open_channel(target, credentials)
         self._traced = grpc.intercept_channel(self._channel, ClientTracing("met.control_plane"))
         self._stub = pb_grpc.ModelServiceStub(self._traced)
         self._logprobs: list[float] = []
         self._draws: list[RowDraws | None] = []
+        # No deadline: the stream lives as long as the session.
+        self._session = pb_grpc.ModelServiceStub(self._channel).OpenSession(pb.OpenSessionRequest())
+        try:
+            self.session_id: str = next(self._session).session_id
+        except grpc.RpcError:
+            self._channel.close()
+            raise
+        self._metadata = ((SESSION_METADATA, self.session_id),)
+        key = admin_key if admin_key is not None else os.environ.get(ADMIN_KEY_ENV, "")
+        self._admin_metadata = (*self._metadata, (ADMIN_KEY_METADATA, key))
 
     def close(self) -> None:
+        """End the session (the service frees its sequences) and the connection."""
+        self._session.cancel()
         self._channel.close()
 
-    def wait_ready(self, timeout: float = 60.0) -> None:
-        """Block until the channel connects (not until the model is loaded: see health)."""
-        grpc.channel_ready_future(self._channel).result(timeout=timeout)
-
-    def _rpc(self, method: Callable[..., Any], request: Any) -> Any:
+    def _rpc(self, method: Callable[..., Any], request: Any, admin: bool = False) -> Any:
+        metadata = self._admin_metadata if admin else self._metadata
         try:
-            return method(request, timeout=self.timeout)
+            return method(request, timeout=self.timeout, metadata=metadata)
         except grpc.RpcError as e:
             error = ERRORS_BY_CODE.get(e.code().name)
             if error is None:
@@ -214,11 +237,13 @@ class GrpcModel:
         r = self._rpc(
             self._stub.MeasureCosts,
             pb.CostRequest(widths=widths, max_depth=max_depth, repeats=repeats, refresh=refresh),
+            admin=True,
         )
         return cv.costs_from_pb(r)
 
     def set_forward(self, name: str) -> None:
-        self._rpc(self._stub.SetForward, pb.SetForwardRequest(forward=name))
+        self._rpc(self._stub.SetForward, pb.SetForwardRequest(forward=name), admin=True)
 
     def read_logits(self) -> Logits:
-        return cv.from_pb(Logits, self._rpc(self._stub.ReadLogits, pb.ReadLogitsRequest()))
+        logits = self._rpc(self._stub.ReadLogits, pb.ReadLogitsRequest(), admin=True)
+        return cv.from_pb(Logits, logits)

@@ -7,7 +7,9 @@ import sys
 
 import grpc
 
+from control_plane.auth import bearer
 from control_plane.server import DEFAULT_PORT
+from protos import tls
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
 
@@ -39,6 +41,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json-schema", default=None, help="constrain the output (JSON text)")
     parser.add_argument("--regex", default=None, help="constrain the output to a regex")
     parser.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds")
+    parser.add_argument("--api-key", default=None, help="sent as `authorization: Bearer KEY`")
+    tls.add_client_args(parser, "tls", "the control plane")
 
 
 def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
@@ -66,10 +70,13 @@ def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
 
 
 def run(args: argparse.Namespace) -> int:
-    with grpc.insecure_channel(args.target) as channel:
+    credentials = tls.or_exit("met generate", lambda a: tls.channel_credentials(a, "tls"), args)
+    metadata = bearer(args.api_key) if args.api_key else None
+    with tls.open_channel(args.target, credentials) as channel:
         stub = pb_grpc.GenerationServiceStub(channel)
         try:
-            for msg in stub.Generate(build_request(args), timeout=args.timeout):
+            call = stub.Generate(build_request(args), timeout=args.timeout, metadata=metadata)
+            for msg in call:
                 sys.stdout.write(msg.text)
                 sys.stdout.flush()
                 if msg.finish_reason:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import secrets
 import subprocess
 import sys
 import threading
@@ -12,24 +14,44 @@ from typing import IO
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from protos import tls
+from protos.model import ADMIN_KEY_ENV
+
 
 def start_gpu_service(
-    model_dir: Path, *extra: str, timeout: float = 120.0
+    model_dir: Path,
+    *extra: str,
+    timeout: float = 120.0,
+    credentials: grpc.ChannelCredentials | None = None,
 ) -> tuple[subprocess.Popen, str]:
     """A `met gpu-service serve` child (a free loopback port unless `extra` names one);
-    returns it and its address once its health check says SERVING."""
+    returns it and its address once its health check, over TLS with `credentials` (what a child
+    given `--tls-*` flags in `extra` asks of its clients), says SERVING. Its admin key is env
+    `ADMIN_KEY_ENV`, set here to a random key unless set already: the child inherits it, and
+    so do this process's `GrpcModel`s and the control planes it starts."""
+    os.environ.setdefault(ADMIN_KEY_ENV, secrets.token_urlsafe(24))
     port = () if "--port" in extra else ("--port", "0")
-    return start("gpu-service", ["--model", str(model_dir), *port, *extra], timeout)
+    return start("gpu-service", ["--model", str(model_dir), *port, *extra], timeout, credentials)
 
 
 def start_control_plane(
-    gpu_service: str, *extra: str, timeout: float = 60.0
+    gpu_service: str,
+    *extra: str,
+    timeout: float = 60.0,
+    credentials: grpc.ChannelCredentials | None = None,
 ) -> tuple[subprocess.Popen, str]:
     port = () if "--port" in extra else ("--port", "0")
-    return start("control-plane", ["--gpu-service", gpu_service, *port, *extra], timeout)
+    return start(
+        "control-plane", ["--gpu-service", gpu_service, *port, *extra], timeout, credentials
+    )
 
 
-def start(process: str, args: list[str], timeout: float) -> tuple[subprocess.Popen, str]:
+def start(
+    process: str,
+    args: list[str],
+    timeout: float,
+    credentials: grpc.ChannelCredentials | None = None,
+) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "control_plane.cli", process, "serve", *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
@@ -43,7 +65,7 @@ def start(process: str, args: list[str], timeout: float) -> tuple[subprocess.Pop
     target = line.split("listening on", 1)[1].split()[0]
     # Keep draining the child's output so a full pipe never blocks it.
     threading.Thread(target=_forward, args=(process, proc.stdout), daemon=True).start()
-    wait_serving(target, timeout)
+    wait_serving(target, timeout, credentials)
     return proc, target
 
 
@@ -52,9 +74,11 @@ def _forward(process: str, stream: IO[str]) -> None:
         sys.stderr.write(f"[{process}] {line}")
 
 
-def wait_serving(target: str, timeout: float = 120.0) -> None:
+def wait_serving(
+    target: str, timeout: float = 120.0, credentials: grpc.ChannelCredentials | None = None
+) -> None:
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(target) as channel:
+    with tls.open_channel(target, credentials) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import signal
 from pathlib import Path
@@ -13,6 +14,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from control_plane import auth
 from control_plane.api import (
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_MAX_PROMPT_BYTES,
@@ -26,13 +28,25 @@ from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.seq import MTP, NONE
 from control_plane.tokenizer import load_tokenizer
+from protos import tls
 from protos.bodies import RejectUndecodable
 from protos.defaults import DEFAULT_MODEL_DIR
 from protos.met.v1 import generate_pb2, generate_pb2_grpc
+from protos.model import ADMIN_KEY_ENV
 from protos.telemetry import setup_tracing
 
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
 DEFAULT_PORT = 50050
+PROG = "met control-plane serve"
+
+
+@dataclasses.dataclass(frozen=True)
+class Security:
+    """What the TLS and key flags name, read and checked before anything starts."""
+
+    server: grpc.ServerCredentials | None  # None: plaintext
+    gpu_service: grpc.ChannelCredentials | None  # the channel to the GPU service; None: plaintext
+    api_keys: frozenset[str]  # empty: the generation API is open
 
 
 def add_serve_args(parser: argparse.ArgumentParser, gpu_service_required: bool = True) -> None:
@@ -40,6 +54,13 @@ def add_serve_args(parser: argparse.ArgumentParser, gpu_service_required: bool =
     if gpu_service_required:
         parser.add_argument(
             "--gpu-service", required=True, metavar="HOST:PORT", help="the GPU service to drive"
+        )
+        tls.add_client_args(parser, "gpu-service", "the GPU service")
+        parser.add_argument(
+            "--gpu-service-admin-key",
+            default=None,
+            help=f"the GPU service's admin key, for the measured cost model's MeasureCosts "
+            f"(default: env {ADMIN_KEY_ENV})",
         )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (0: a free one)")
@@ -83,45 +104,80 @@ def add_serve_args(parser: argparse.ArgumentParser, gpu_service_required: bool =
     parser.add_argument(
         "--grace", type=float, default=5.0, help="seconds in-flight streams get on SIGTERM"
     )
+    tls.add_server_args(parser)
+    auth.add_args(parser)
     SchedulerOptions.add_arguments(parser)
+
+
+def read_security(args: argparse.Namespace, prog: str, gpu_service: bool = True) -> Security:
+    """The flags' credentials and keys, or the process ended with status 2 and a sentence
+    naming the flag. Without `gpu_service` (`met up`, whose GPU service is its own loopback
+    child) the channel to it stays plaintext."""
+
+    def build(a: argparse.Namespace) -> Security:
+        client = tls.channel_credentials(a, "gpu-service") if gpu_service else None
+        return Security(tls.server_credentials(a), client, auth.read_keys(a))
+
+    return tls.or_exit(prog, build, args)
 
 
 def admission(args: argparse.Namespace) -> Admission:
     return Admission(args.method, args.max_new_tokens, args.max_prompt_bytes)
 
 
-def build_scheduler(args: argparse.Namespace) -> Scheduler:
+def build_scheduler(
+    args: argparse.Namespace, credentials: grpc.ChannelCredentials | None
+) -> Scheduler:
     tokenizer = load_tokenizer(args.tokenizer)
     metrics = Metrics() if args.metrics_port is not None else None
     return Scheduler(
-        lambda: GrpcModel(args.gpu_service),
+        lambda: GrpcModel(
+            args.gpu_service, admin_key=args.gpu_service_admin_key, credentials=credentials
+        ),
         tokenizer,
         SchedulerOptions.from_args(args),
         metrics=metrics,
     )
 
 
-async def serve(args: argparse.Namespace) -> None:
+def build_server(
+    servicer: GenerationServicer,
+    health_servicer: health.aio.HealthServicer,
+    api_keys: frozenset[str],
+) -> grpc.aio.Server:
+    """The server with its services and interceptors, no port yet: `serve` and the tests
+    build it the same way."""
+    # INVALID_ARGUMENT, not UNKNOWN, for a body that does not parse.
+    interceptors: list[grpc.aio.ServerInterceptor] = [RejectUndecodable()]
+    if api_keys:
+        # Outermost: a call without a key is refused before its body is even parsed.
+        interceptors.insert(0, auth.RequireApiKey(api_keys, [SERVICE_NAME]))
+    server = grpc.aio.server(interceptors=interceptors)
+    generate_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    return server
+
+
+async def serve(args: argparse.Namespace, security: Security) -> None:
     flush_spans = setup_tracing("control-plane", args.otlp_endpoint)
-    scheduler = build_scheduler(args)
+    scheduler = build_scheduler(args, security.gpu_service)
     scheduler.start()
     if scheduler.metrics is not None:
         metrics_port = scheduler.metrics.serve(args.metrics_port, args.host)
         print(f"control-plane metrics on http://{args.host}:{metrics_port}/metrics", flush=True)
     servicer = GenerationServicer(scheduler, scheduler.tokenizer, admission(args))
     health_servicer = health.aio.HealthServicer()
-    server = grpc.aio.server(interceptors=[RejectUndecodable()])  # INVALID_ARGUMENT, not UNKNOWN
-    generate_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
-    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    server = build_server(servicer, health_servicer, security.api_keys)
+    port = tls.add_port(server, f"{args.host}:{args.port}", security.server)
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     print(
-        f"control-plane listening on {args.host}:{port} (GPU service {args.gpu_service})",
+        f"control-plane listening on {args.host}:{port} ({describe(security)}, "
+        f"GPU service {args.gpu_service})",
         flush=True,
     )
     stop = asyncio.Event()
@@ -136,6 +192,12 @@ async def serve(args: argparse.Namespace) -> None:
     flush_spans()
 
 
+def describe(security: Security) -> str:
+    keys = "API key required" if security.api_keys else "no API key"
+    return f"{'TLS' if security.server else 'plaintext'}, {keys}"
+
+
 def run(args: argparse.Namespace) -> None:
+    security = read_security(args, PROG)
     logging.basicConfig(level=logging.INFO)
-    asyncio.run(serve(args))
+    asyncio.run(serve(args, security))

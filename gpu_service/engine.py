@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import torch
@@ -29,6 +29,7 @@ from protos.model import (
     Capabilities,
     InvalidArgument,
     Logits,
+    NotFound,
     Proposal,
     RowDraws,
     Sampling,
@@ -118,6 +119,14 @@ class Engine:
     def free_sequence(self, seq: SequenceHandle) -> None:
         with self._hold():
             self.slots.free(seq.seq_id)
+
+    def free_sequences(self, seq_ids: Sequence[int]) -> None:
+        """Free what an ended session left (the servicer's call, not a `Model` operation);
+        an id freed already is skipped."""
+        with self._hold():
+            for seq_id in seq_ids:
+                with suppress(NotFound):
+                    self.slots.free(seq_id)
 
     # -- verifier ------------------------------------------------------------------------
 

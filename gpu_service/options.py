@@ -3,10 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from gpu_service.config import ServiceConfig
+from protos import tls
 from protos.defaults import DEFAULT_MODEL_DIR
+from protos.model import ADMIN_KEY_ENV
+
+
+@dataclass(frozen=True)
+class Access:
+    """Who may call what (protos/model.py): sessions and the admin key."""
+
+    admin_key: str | None = None  # None: every admin call is refused
+    session_timeout: float = 10.0  # seconds to notice a session's client has vanished
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -49,6 +62,21 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--grace", type=float, default=5.0, help="seconds in-flight calls get on SIGTERM"
     )
+    tls.add_server_args(parser)
+    parser.add_argument(
+        "--admin-key",
+        default=os.environ.get(ADMIN_KEY_ENV),
+        help=f"the key admin calls (SetForward, ReadLogits, MeasureCosts) must send (default: "
+        f"env {ADMIN_KEY_ENV}; with neither, or an empty key, admin calls are refused)",
+    )
+    parser.add_argument(
+        "--session-timeout",
+        type=float,
+        default=Access.session_timeout,
+        metavar="SECONDS",
+        help="free a session's sequences at most this long after its client vanished "
+        "(default %(default)s)",
+    )
 
 
 def service_config(args: argparse.Namespace) -> ServiceConfig:
@@ -61,3 +89,11 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
         max_batch=args.max_batch,
         max_prefill_tokens=args.max_prefill_tokens,
     )
+
+
+def access(args: argparse.Namespace) -> Access:
+    if args.session_timeout <= 0:
+        message = f"--session-timeout is {args.session_timeout}; it must be above 0"
+        print(f"met gpu-service serve: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+    return Access(admin_key=args.admin_key or None, session_timeout=args.session_timeout)

@@ -15,8 +15,9 @@ from grpc_reflection.v1alpha import reflection
 
 from gpu_service.device import DeviceError, choose_device, default_forward
 from gpu_service.engine import Engine
-from gpu_service.options import service_config
+from gpu_service.options import access, service_config
 from gpu_service.servicer import ErrorInterceptor, ModelServicer
+from protos import tls
 from protos.bodies import RejectUndecodable
 from protos.met.v1 import model_pb2, model_pb2_grpc
 from protos.telemetry import ServerTracing, setup_tracing
@@ -29,9 +30,18 @@ def build_server(
     servicer: ModelServicer, health_servicer: health.aio.HealthServicer
 ) -> grpc.aio.Server:
     """The server with its services and interceptors, no port yet: `serve` and the tests
-    build it the same way."""
+    build it the same way. It pings every connection twice per session timeout, so that a
+    session whose client went silent ends within the timeout."""
+    half_timeout_ms = max(1, int(servicer.access.session_timeout * 500))
     server = grpc.aio.server(
-        interceptors=[RejectUndecodable(), ServerTracing(), ErrorInterceptor()]
+        interceptors=[RejectUndecodable(), ServerTracing(), ErrorInterceptor()],
+        options=[
+            ("grpc.keepalive_time_ms", half_timeout_ms),
+            ("grpc.keepalive_timeout_ms", half_timeout_ms),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0),  # a session stream carries no data
+            ("grpc.http2.ping_timeout_ms", half_timeout_ms),  # gRPC core's keepalive bound
+        ],
     )
     model_pb2_grpc.add_ModelServiceServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -41,17 +51,19 @@ def build_server(
     return server
 
 
-async def serve(args: argparse.Namespace, device: torch.device) -> None:
+async def serve(
+    args: argparse.Namespace, device: torch.device, credentials: grpc.ServerCredentials | None
+) -> None:
     # The engine runs on a worker thread. An OpenMP team outside the main thread doubled the
     # step time at 2 threads on a 2-core machine (measured: 13 ms against 6.3 ms at 1), so
     # one thread is the default; more pay off only with cores to spare.
     torch.set_num_threads(args.threads)
     flush_spans = setup_tracing("gpu-service", args.otlp_endpoint)
     svc = service_config(args)
-    servicer = ModelServicer()
+    servicer = ModelServicer(access(args))
     health_servicer = health.aio.HealthServicer()
     server = build_server(servicer, health_servicer)
-    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    port = tls.add_port(server, f"{args.host}:{args.port}", credentials)
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
@@ -80,6 +92,7 @@ async def serve(args: argparse.Namespace, device: torch.device) -> None:
     await stop.wait()
     print("gpu-service shutting down", flush=True)
     await health_servicer.enter_graceful_shutdown()
+    servicer.end_sessions()
     await server.stop(args.grace)
     flush_spans()
 
@@ -95,6 +108,7 @@ def _device_or_exit(flag: str) -> torch.device:
 
 
 def run(args: argparse.Namespace) -> None:
+    credentials = tls.or_exit("met gpu-service serve", tls.server_credentials, args)
     device = _device_or_exit(args.device)
     logging.basicConfig(level=logging.INFO)
-    asyncio.run(serve(args, device))
+    asyncio.run(serve(args, device, credentials))

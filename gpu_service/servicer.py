@@ -1,13 +1,15 @@
 """`met.v1.ModelService` over the engine: unpack, call, pack. Protobuf stops here.
 
 Engine calls run on one worker thread, so operations execute one at a time in arrival order
-while the event loop keeps answering health checks."""
+while the event loop keeps answering health checks. Sessions and the admin key (protos/model.py)
+are checked here, on the event loop: the engine knows nothing of them."""
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
-from collections.abc import Callable
+import hmac
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -15,10 +17,19 @@ import grpc
 
 from gpu_service import costs
 from gpu_service.engine import Engine
+from gpu_service.options import Access
+from gpu_service.slots import SessionTable
 from protos import convert as cv
 from protos.met.v1 import model_pb2 as pb
 from protos.met.v1 import model_pb2_grpc as pb_grpc
-from protos.model import ModelError, RowDraws, SequenceHandle
+from protos.model import (
+    ADMIN_KEY_METADATA,
+    SESSION_METADATA,
+    ModelError,
+    PermissionDenied,
+    RowDraws,
+    SequenceHandle,
+)
 
 _LOADING = "the model is still loading"
 
@@ -29,10 +40,28 @@ class ModelLoading(ModelError):
     code = "UNAVAILABLE"
 
 
+class NoSession(ModelError):
+    """A call that names no live session: to its client, a lost connection (it reconnects,
+    which opens a new session), so no `Model` error stands for it."""
+
+    code = "UNAUTHENTICATED"
+
+
+def _metadata(context: grpc.aio.ServicerContext, key: str) -> str | None:
+    for k, v in context.invocation_metadata() or ():
+        if k == key and isinstance(v, str):
+            return v
+    return None
+
+
 class ModelServicer(pb_grpc.ModelServiceServicer):
-    def __init__(self) -> None:
+    def __init__(self, access: Access | None = None) -> None:
         self.engine: Engine | None = None
+        self.access = access or Access()
+        self.sessions = SessionTable()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._closing = asyncio.Event()  # set on shutdown: every session stream ends
+        self._freeing: set[asyncio.Task[None]] = set()  # ended sessions' frees in flight
 
     @property
     def loaded(self) -> Engine:
@@ -55,19 +84,86 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
         ctx = contextvars.copy_context()
         return await asyncio.get_running_loop().run_in_executor(self._worker, ctx.run, fn, *args)
 
+    # -- sessions and the admin key ----------------------------------------------------------
+
+    def _session(self, context: grpc.aio.ServicerContext) -> str:
+        """The live session the call names, or `NoSession`."""
+        session = _metadata(context, SESSION_METADATA)
+        if session is None:
+            raise NoSession(
+                f"the call names no session: open one with OpenSession and send its id as "
+                f"`{SESSION_METADATA}` metadata"
+            )
+        if not self.sessions.is_live(session):
+            raise NoSession("the call's session is unknown or has ended; open a new one")
+        return session
+
+    def _owned(
+        self, context: grpc.aio.ServicerContext, seq_ids: Iterable[int]
+    ) -> list[SequenceHandle]:
+        """Handles of the sequences a call names, each owned by the call's session."""
+        ids = list(seq_ids)
+        self.sessions.check(self._session(context), ids)
+        return cv.handles(ids)
+
+    def _admin(self, context: grpc.aio.ServicerContext) -> None:
+        key = self.access.admin_key
+        if key is None:
+            raise PermissionDenied(
+                "admin calls are refused: the service was started without an admin key"
+            )
+        given = _metadata(context, ADMIN_KEY_METADATA) or ""
+        if not hmac.compare_digest(given.encode(), key.encode()):
+            raise PermissionDenied(
+                f"an admin call needs the service's admin key as `{ADMIN_KEY_METADATA}` metadata"
+            )
+
+    def end_sessions(self) -> None:
+        """End every session stream (on shutdown), freeing their sequences."""
+        self._closing.set()
+
+    async def OpenSession(self, request, context):
+        session = self.sessions.open()
+        try:
+            timeout = self.access.session_timeout
+            await context.write(pb.SessionInfo(session_id=session, timeout_s=timeout))
+            await self._closing.wait()  # or the client cancels, or its connection breaks
+        finally:
+            self._end(session)
+
+    def _end(self, session: str) -> None:
+        seq_ids = self.sessions.close(session)
+        if seq_ids and self.engine is not None:
+            engine = self.engine
+            task = asyncio.get_running_loop().create_task(
+                self.run_on_engine_thread(lambda: engine.free_sequences(seq_ids))
+            )
+            self._freeing.add(task)
+            task.add_done_callback(self._freeing.discard)
+
+    # -- operations ----------------------------------------------------------------------------
+
     async def Capabilities(self, request, context):
         return cv.to_pb(await self._call(context, lambda: self.loaded.capabilities()))
 
     async def AllocSequence(self, request, context):
-        return cv.to_pb(await self._call(context, lambda: self.loaded.alloc_sequence()))
+        session = self._session(context)
+        seq = await self._call(context, lambda: self.loaded.alloc_sequence())
+        if not self.sessions.is_live(session):  # it ended while the engine allocated
+            await self._call(context, lambda: self.loaded.free_sequences([seq.seq_id]))
+            raise NoSession("the call's session ended while it ran; open a new one")
+        self.sessions.own(session, seq.seq_id)
+        return cv.to_pb(seq)
 
     async def FreeSequence(self, request, context):
-        (seq,) = cv.handles([request.seq_id])
+        (seq,) = self._owned(context, [request.seq_id])
         await self._call(context, lambda: self.loaded.free_sequence(seq))
+        self.sessions.disown(seq.seq_id)
         return pb.FreeSequenceReply()
 
     async def Prefill(self, request, context):
         seqs, prompts, masks, sampling = cv.prefill_from_pb(request)
+        self._owned(context, (s.seq_id for s in seqs))
         argmax, logprobs = await self._call(
             context,
             lambda: (
@@ -78,7 +174,7 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
         return pb.PrefillReply(argmax=argmax, seq_lens=cv.seq_lens(seqs), logprobs=logprobs)
 
     async def DecodeVerifyBatched(self, request, context):
-        seqs = cv.handles(request.seq_ids)
+        seqs = self._owned(context, request.seq_ids)
 
         def run() -> tuple[list[int], list[float], list[RowDraws | None]]:
             masks = cv.row_masks_from_pb(request.masks)
@@ -99,18 +195,19 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
         )
 
     async def CanBatchVerify(self, request, context):
+        self._session(context)
         ok = await self._call(context, lambda: self.loaded.can_batch_verify(list(request.ks)))
         return pb.CanBatchVerifyReply(ok=ok)
 
     async def FoldAccepted(self, request, context):
-        seqs = cv.handles(request.seq_ids)
+        seqs = self._owned(context, request.seq_ids)
         await self._call(
             context, lambda: self.loaded.gdn_fold_accepted(seqs, list(request.fold_rows))
         )
         return pb.FoldReply()
 
     async def CommitAcceptedPrefix(self, request, context):
-        seqs = cv.handles(request.seq_ids)
+        seqs = self._owned(context, request.seq_ids)
         lens = await self._call(
             context,
             lambda: self.loaded.commit_accepted_prefix(
@@ -120,11 +217,12 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
         return pb.CommitReply(seq_lens=lens)
 
     async def StashVerifyHiddenRows(self, request, context):
+        self._session(context)
         await self._call(context, lambda: self.loaded.stash_verify_hidden_rows(list(request.rows)))
         return pb.StashReply()
 
     async def Propose(self, request, context):
-        seqs = cv.handles(request.seq_ids)
+        seqs = self._owned(context, request.seq_ids)
         p = await self._call(context, lambda: self._propose(request, seqs))
         return pb.ProposeReply(**cv.proposal_to_pb(p))
 
@@ -140,12 +238,12 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
         )
 
     async def TrimProposer(self, request, context):
-        seqs = cv.handles(request.seq_ids)
+        seqs = self._owned(context, request.seq_ids)
         await self._call(context, lambda: self.loaded.trim_proposer_state(seqs, request.keep_own))
         return pb.TrimReply()
 
     async def DecodeStep(self, request, context):
-        seqs = cv.handles(request.seq_ids)
+        seqs = self._owned(context, request.seq_ids)
         r = await self._call(
             context,
             lambda: self.loaded.decode_step(
@@ -159,7 +257,7 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
         return cv.step_to_pb(r, cv.seq_lens(seqs))
 
     async def SettleVerdict(self, request, context):
-        seqs = cv.handles(request.seq_ids)
+        seqs = self._owned(context, request.seq_ids)
         p = await self._call(
             context,
             lambda: self.loaded.settle_verdict(
@@ -175,6 +273,7 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
         return pb.VerdictReply(seq_lens=cv.seq_lens(seqs), **cv.proposal_to_pb(p))
 
     async def MeasureCosts(self, request, context):
+        self._admin(context)
         widths, repeats = list(request.widths), request.repeats or 5
         # Refused here, not behind whatever holds the engine thread.
         costs.check(self.loaded.svc, widths, request.max_depth, repeats)
@@ -185,10 +284,12 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
         return cv.costs_to_pb(entries, cached)
 
     async def SetForward(self, request, context):
+        self._admin(context)
         await self._call(context, lambda: self.loaded.set_forward(request.forward))
         return pb.SetForwardReply(current_forward=request.forward)
 
     async def ReadLogits(self, request, context):
+        self._admin(context)
         return cv.to_pb(await self._call(context, lambda: self.loaded.read_logits()))
 
 

@@ -1,8 +1,10 @@
-"""The slot table: which sequence holds which state slot, and each sequence's host record."""
+"""The slot table: which sequence holds which state slot, and each sequence's host record; and
+the session table: which client session owns which sequence (the servicer's, over gRPC)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import secrets
+from collections.abc import Callable, Iterable, Sequence
 
 from gpu_service.sequence import SeqState
 from protos import checks
@@ -42,7 +44,7 @@ class SlotTable:
         try:
             return self._seqs[seq_id]
         except KeyError:
-            raise NotFound(f"sequence {seq_id} is unknown or already freed") from None
+            raise unknown_sequence(seq_id) from None
 
     def lookup(self, what: str, handles: Sequence[SequenceHandle]) -> list[SeqState]:
         """The sequences a call names: at least one, each once, each known."""
@@ -50,6 +52,56 @@ class SlotTable:
         ids = [h.seq_id for h in handles]
         checks.distinct(what, ids)
         return [self.get(i) for i in ids]
+
+
+def unknown_sequence(seq_id: int) -> NotFound:
+    """The refusal of a sequence the caller may not name: unknown, freed, or another
+    session's (the same sentence, so that an id reveals nothing of other sessions)."""
+    return NotFound(f"sequence {seq_id} is unknown or already freed")
+
+
+class SessionTable:
+    """Live sessions and the sequences each allocated. Pure bookkeeping: the servicer keeps
+    it on its event loop and frees an ended session's sequences through the engine."""
+
+    def __init__(self) -> None:
+        self._seqs: dict[str, set[int]] = {}  # live session -> its sequence ids
+        self._owner: dict[int, str] = {}  # sequence id -> its session
+
+    @property
+    def num_live(self) -> int:
+        return len(self._seqs)
+
+    def open(self) -> str:
+        """A new session; its id is unguessable, since naming it is all a call needs."""
+        session = secrets.token_urlsafe(16)
+        self._seqs[session] = set()
+        return session
+
+    def is_live(self, session: str) -> bool:
+        return session in self._seqs
+
+    def own(self, session: str, seq_id: int) -> None:
+        self._seqs[session].add(seq_id)
+        self._owner[seq_id] = session
+
+    def disown(self, seq_id: int) -> None:
+        session = self._owner.pop(seq_id, None)
+        if session is not None:
+            self._seqs[session].discard(seq_id)
+
+    def check(self, session: str, seq_ids: Iterable[int]) -> None:
+        """`NotFound` for the first id the session does not own."""
+        for seq_id in seq_ids:
+            if self._owner.get(seq_id) != session:
+                raise unknown_sequence(seq_id)
+
+    def close(self, session: str) -> list[int]:
+        """End the session. -> the sequences it still owned, for the caller to free."""
+        seq_ids = sorted(self._seqs.pop(session, ()))
+        for seq_id in seq_ids:
+            del self._owner[seq_id]
+        return seq_ids
 
 
 def mirror(handles: Sequence[SequenceHandle], states: Sequence[SeqState]) -> None:

@@ -18,7 +18,7 @@ from google.protobuf.message import DecodeError
 
 Prepare = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
 
-_BUILDERS = {
+HANDLER_BUILDERS = {
     (False, False): ("unary_unary", grpc.unary_unary_rpc_method_handler),
     (False, True): ("unary_stream", grpc.unary_stream_rpc_method_handler),
     (True, False): ("stream_unary", grpc.stream_unary_rpc_method_handler),
@@ -84,7 +84,7 @@ def guard(handler: grpc.RpcMethodHandler | None, method: str) -> grpc.RpcMethodH
     """The handler with a lenient deserializer and a behavior that refuses `Undecodable`."""
     if handler is None or handler.request_deserializer is None:
         return handler
-    kind, build = _BUILDERS[(handler.request_streaming, handler.response_streaming)]
+    kind, build = HANDLER_BUILDERS[(handler.request_streaming, handler.response_streaming)]
     prepare = _checked_stream if handler.request_streaming else _refuse_undecodable
     return build(
         _guard(getattr(handler, kind), prepare),

@@ -9,6 +9,22 @@ Lifecycle of one sequence (each step checked by the service, out-of-order calls 
 
     alloc_sequence -> prefill* -> [decode_verify_batched -> stash? -> fold -> commit
                                    -> (propose -> trim)?]* -> free_sequence
+
+Over gRPC, sequences belong to sessions (the in-process engine has none): a client opens a
+session (`OpenSession`, a stream it keeps open) and names it in `SESSION_METADATA` on every
+call but `Capabilities`. A sequence belongs to the session that allocated it: to any other
+session it is `NotFound`, with the sentence of an unknown sequence. When the session's stream
+closes or breaks (the client closed it, or died, or its connection went silent for the
+service's `--session-timeout`, 10 s by default), the service frees the session's sequences.
+A call naming no live session is refused with UNAUTHENTICATED (a lost connection to the
+caller: it reconnects, which opens a new session).
+
+`set_forward`, `read_logits` and `measure_costs` act on the whole service, so over gRPC they
+are admin calls: they need the service's admin key (`--admin-key`, or `ADMIN_KEY_ENV`) in
+`ADMIN_KEY_METADATA`, and are `PermissionDenied` without it. A service started without a key
+refuses every admin call. `met up` and `control_plane.launch.start_gpu_service` put a random
+key in `ADMIN_KEY_ENV` (unless one is set), which the service and every `GrpcModel` of the
+process and its children read.
 """
 
 from __future__ import annotations
@@ -40,9 +56,20 @@ class FailedPrecondition(ModelError):
     code = "FAILED_PRECONDITION"
 
 
+class PermissionDenied(ModelError):
+    """An admin call without the service's admin key."""
+
+    code = "PERMISSION_DENIED"
+
+
 ERRORS_BY_CODE: dict[str, type[ModelError]] = {
-    cls.code: cls for cls in (InvalidArgument, NotFound, ResourceExhausted, FailedPrecondition)
+    cls.code: cls
+    for cls in (InvalidArgument, NotFound, ResourceExhausted, FailedPrecondition, PermissionDenied)
 }
+
+SESSION_METADATA = "met-session"  # the session a call belongs to
+ADMIN_KEY_METADATA = "met-admin-key"  # the admin key, on admin calls
+ADMIN_KEY_ENV = "MET_ADMIN_KEY"  # the admin key's default, for the service and its clients
 
 
 @dataclass
@@ -157,7 +184,8 @@ class Model(Protocol):
         `ResourceExhausted` when every slot is taken."""
 
     def free_sequence(self, seq: SequenceHandle) -> None:
-        """Release the sequence and its slot. An unknown or freed id is `NotFound`."""
+        """Release the sequence and its slot. An unknown or freed id, or another session's,
+        is `NotFound`."""
 
     def prefill(
         self,
@@ -284,18 +312,19 @@ class Model(Protocol):
         (a table shipped with the model is read, never written); the cache is used unless
         `refresh` or it lacks an asked width or depth. Widths within `max_batch`, depth within
         the widest verify slot, at most 100 repeats: anything else is refused before any work.
-        Widths whose slots cannot verify a depth are left out.
+        Widths whose slots cannot verify a depth are left out. An admin call over gRPC.
         -> (entries, whether they came from the cache)"""
 
     def set_forward(self, name: str) -> None:
         """Select the forward: `eager` (plain torch), `triton` (the per-sequence parts as Triton
         kernels), or `eager-serial` / `triton-serial` (a batched call run one sequence at a
         time inside the service, same buffers and replies). Unknown names are
-        `InvalidArgument`."""
+        `InvalidArgument`. An admin call over gRPC."""
 
     def last_logprobs(self) -> list[float]:
         """The log-probability of each row's argmax in the last prefill or verify (the gRPC
         client answers from that call's reply, with no call of its own)."""
 
     def read_logits(self) -> Logits:
-        """The logits buffer of the last prefill, verify or propose, in the model's dtype."""
+        """The logits buffer of the last prefill, verify or propose, in the model's dtype.
+        An admin call over gRPC."""

@@ -22,12 +22,14 @@ from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.options import SchedulerOptions
 from control_plane.tokenizer import ByteTokenizer
 from gpu_service.engine import Engine
+from gpu_service.options import Access
 from gpu_service.server import build_server
 from gpu_service.servicer import ModelServicer
 from protos.bodies import RejectUndecodable
 from protos.met.v1 import generate_pb2, generate_pb2_grpc, model_pb2
 from tests.conftest import TINY_SERVICE
 
+ADMIN_KEY = "test-admin-key"  # the key `serving` gives its service
 GARBAGE = b"\xff" * 8  # a varint that never ends
 BAD_UTF8 = b"\x0a\x01\xff"  # field 1, length-delimited, one byte that is not UTF-8
 MODEL_SERVICE = model_pb2.DESCRIPTOR.services_by_name["ModelService"]
@@ -37,7 +39,7 @@ GENERATION_SERVICE = generate_pb2.DESCRIPTOR.services_by_name["GenerationService
 @asynccontextmanager
 async def serving(engine: Engine) -> AsyncIterator[str]:
     """The GPU service's server over `engine`, built as `serve` builds it, on a free port."""
-    servicer = ModelServicer()
+    servicer = ModelServicer(Access(admin_key=ADMIN_KEY))
     servicer.engine = engine
     server = build_server(servicer, health.aio.HealthServicer())
     port = server.add_insecure_port("127.0.0.1:0")

@@ -14,9 +14,9 @@ from gpu_service import costs
 from gpu_service.engine import Engine
 from protos.met.v1 import model_pb2 as pb
 from protos.met.v1 import model_pb2_grpc as pb_grpc
-from protos.model import InvalidArgument
+from protos.model import ADMIN_KEY_METADATA, InvalidArgument
 from tests.conftest import TINY_SERVICE
-from tests.test_bodies import serving
+from tests.test_bodies import ADMIN_KEY, serving
 
 HUGE_DEPTH = 2**32 - 1
 # TINY_SERVICE: max_batch 8, the widest verify slot takes 3 drafts.
@@ -61,7 +61,10 @@ async def test_huge_depth_refused_over_grpc(model_dir: Path) -> None:
             stub = pb_grpc.ModelServiceStub(channel)
             t0 = time.perf_counter()
             with pytest.raises(grpc.aio.AioRpcError) as refused:
-                await stub.MeasureCosts(pb.CostRequest(widths=[1], max_depth=HUGE_DEPTH))
+                await stub.MeasureCosts(
+                    pb.CostRequest(widths=[1], max_depth=HUGE_DEPTH),
+                    metadata=((ADMIN_KEY_METADATA, ADMIN_KEY),),
+                )
             assert time.perf_counter() - t0 < 1.0
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "max_depth 4294967295" in (refused.value.details() or "")

@@ -17,7 +17,7 @@ from control_plane.client import GrpcModel
 from gpu_service.engine import Engine
 from protos.met.v1 import model_pb2 as pb
 from protos.met.v1 import model_pb2_grpc as pb_grpc
-from protos.model import Model
+from protos.model import SESSION_METADATA, Model
 from tests.steps import logit_rows
 
 
@@ -101,14 +101,19 @@ def test_reflection_lists_and_calls(served: str) -> None:
     ids=["not-found", "invalid-argument"],
 )
 def test_status_codes_on_the_wire(served: str, request_: object, code: grpc.StatusCode) -> None:
-    with grpc.insecure_channel(served) as channel:
-        stub = pb_grpc.ModelServiceStub(channel)
-        method = (
-            stub.DecodeVerifyBatched
-            if isinstance(request_, pb.VerifyRequest)
-            else stub.FoldAccepted
-        )
-        with pytest.raises(grpc.RpcError) as caught:
-            method(request_)
-        assert caught.value.code() == code
-        assert caught.value.details()
+    """Raw stubs inside a live session (a `GrpcModel` holds it open)."""
+    model = GrpcModel(served)
+    try:
+        with grpc.insecure_channel(served) as channel:
+            stub = pb_grpc.ModelServiceStub(channel)
+            method = (
+                stub.DecodeVerifyBatched
+                if isinstance(request_, pb.VerifyRequest)
+                else stub.FoldAccepted
+            )
+            with pytest.raises(grpc.RpcError) as caught:
+                method(request_, metadata=((SESSION_METADATA, model.session_id),))
+            assert caught.value.code() == code
+            assert caught.value.details()
+    finally:
+        model.close()

@@ -16,7 +16,7 @@ from control_plane.circuit.verify_batch import (
     verify_batch_failures,
 )
 from protos.defaults import DEFAULT_MODEL_DIR
-from protos.model import Model, ModelError
+from protos.model import ADMIN_KEY_ENV, Model, ModelError
 
 SCHEMA = Path(__file__).with_name("report.schema.json")
 
@@ -89,6 +89,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         metavar="HOST:PORT",
         default=None,
         help="a running GPU service (default: an engine in this process)",
+    )
+    parser.add_argument(
+        "--gpu-service-admin-key",
+        default=None,
+        metavar="KEY",
+        help="the GPU service's admin key, which the diff's forward switches and logits "
+        f"read-backs need (default: env {ADMIN_KEY_ENV})",
     )
     parser.add_argument(
         "--model", type=Path, default=DEFAULT_MODEL_DIR, help="checkpoint of the in-process engine"
@@ -167,7 +174,7 @@ def _connect(args: argparse.Namespace) -> Model:
     if args.gpu_service:
         from control_plane.client import GrpcModel
 
-        return GrpcModel(args.gpu_service)
+        return GrpcModel(args.gpu_service, admin_key=args.gpu_service_admin_key)
     from gpu_service.engine import Engine
 
     return Engine(args.model)

@@ -6,6 +6,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class OpenSessionRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SessionInfo(_message.Message):
+    __slots__ = ("session_id", "timeout_s")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    timeout_s: float
+    def __init__(self, session_id: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
 class CapabilitiesRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -26,7 +26,10 @@ if _version_not_supported:
 
 
 class ModelServiceStub:
-    """Missing associated documentation comment in .proto file."""
+    """Every call but Capabilities and OpenSession names its session in the `met-session` metadata;
+    SetForward, MeasureCosts and ReadLogits are admin calls instead: they name no session and
+    need the admin key in the `met-admin-key` metadata. See protos/model.py.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -34,6 +37,11 @@ class ModelServiceStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.OpenSession = channel.unary_stream(
+                '/met.v1.ModelService/OpenSession',
+                request_serializer=met_dot_v1_dot_model__pb2.OpenSessionRequest.SerializeToString,
+                response_deserializer=met_dot_v1_dot_model__pb2.SessionInfo.FromString,
+                _registered_method=True)
         self.Capabilities = channel.unary_unary(
                 '/met.v1.ModelService/Capabilities',
                 request_serializer=met_dot_v1_dot_model__pb2.CapabilitiesRequest.SerializeToString,
@@ -117,7 +125,18 @@ class ModelServiceStub:
 
 
 class ModelServiceServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Every call but Capabilities and OpenSession names its session in the `met-session` metadata;
+    SetForward, MeasureCosts and ReadLogits are admin calls instead: they name no session and
+    need the admin key in the `met-admin-key` metadata. See protos/model.py.
+    """
+
+    def OpenSession(self, request, context):
+        """A session: one SessionInfo, then the stream stays open while the session lives. Closing
+        or losing the stream ends the session, and the service frees the sequences it allocated.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
 
     def Capabilities(self, request, context):
         """Missing associated documentation comment in .proto file."""
@@ -208,7 +227,8 @@ class ModelServiceServicer:
 
     def MeasureCosts(self, request, context):
         """Verify and propose costs by batch width and depth, measured on scratch sequences, cached
-        on disk next to the model (measured again only when asked or when the cache falls short).
+        under $XDG_CACHE_HOME/met (measured again only when asked or when the cache falls short);
+        out-of-range widths, depth or repeats are refused before any work.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -223,6 +243,11 @@ class ModelServiceServicer:
 
 def add_ModelServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'OpenSession': grpc.unary_stream_rpc_method_handler(
+                    servicer.OpenSession,
+                    request_deserializer=met_dot_v1_dot_model__pb2.OpenSessionRequest.FromString,
+                    response_serializer=met_dot_v1_dot_model__pb2.SessionInfo.SerializeToString,
+            ),
             'Capabilities': grpc.unary_unary_rpc_method_handler(
                     servicer.Capabilities,
                     request_deserializer=met_dot_v1_dot_model__pb2.CapabilitiesRequest.FromString,
@@ -312,7 +337,37 @@ def add_ModelServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class ModelService:
-    """Missing associated documentation comment in .proto file."""
+    """Every call but Capabilities and OpenSession names its session in the `met-session` metadata;
+    SetForward, MeasureCosts and ReadLogits are admin calls instead: they name no session and
+    need the admin key in the `met-admin-key` metadata. See protos/model.py.
+    """
+
+    @staticmethod
+    def OpenSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/met.v1.ModelService/OpenSession',
+            met_dot_v1_dot_model__pb2.OpenSessionRequest.SerializeToString,
+            met_dot_v1_dot_model__pb2.SessionInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def Capabilities(request,
