@@ -26,6 +26,7 @@ from control_plane.scheduler.seq import (
     Failure,
     Finish,
     GenRequest,
+    Queued,
     SpecStats,
 )
 from protos.met.v1 import generate_pb2 as pb
@@ -228,6 +229,12 @@ def finish_message(ev: Finish, rid: str) -> pb.GenerateResponse:
     )
 
 
+def queued_message(ev: Queued, rid: str) -> pb.GenerateResponse:
+    return pb.GenerateResponse(
+        queued=pb.Queued(position=ev.position, queue_length=ev.queue_length), request_id=rid
+    )
+
+
 class GenerationServicer(pb_grpc.GenerationServiceServicer):
     def __init__(
         self,
@@ -256,6 +263,9 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     async def _generate(self, request, context, rid: str, gen: Span):
         key = f"{rid}#{next(self._ids)}"  # clients may reuse ids; the scheduler must not
         started = time.monotonic()
+        # Headers now, not with the first message: a client sees the call is taken even
+        # while it waits for a slot.
+        await context.send_initial_metadata(())
         req = await self._convert(request, context, key, gen)
         events = await self._submit(req, context, gen)
         done, first = False, None
@@ -269,6 +279,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                     yield pb.GenerateResponse(
                         token_ids=ev.token_ids, text=ev.text, logprobs=ev.logprobs, request_id=rid
                     )
+                elif isinstance(ev, Queued):
+                    yield queued_message(ev, rid)
                 elif isinstance(ev, Finish):
                     done = True
                     _finished(gen, ev)
@@ -305,15 +317,16 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         return dataclasses.replace(req, span_context=gen.get_span_context())
 
     async def _submit(self, req: GenRequest, context, gen: Span) -> asyncio.Queue:
-        """Hand the request to the scheduler; its events arrive on the returned queue."""
+        """Hand the request to the scheduler; its events and `Queued` notices arrive on the
+        returned queue."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
-        def sink(ev: Event) -> None:
+        def sink(ev: Event | Queued) -> None:
             loop.call_soon_threadsafe(events.put_nowait, ev)
 
         try:
-            self.scheduler.submit(req, sink)
+            self.scheduler.submit(req, sink, sink)
         except ModelError as e:
             _failed(gen, e.code, str(e))
             await context.abort(getattr(grpc.StatusCode, e.code), str(e))

@@ -77,6 +77,9 @@ def run(args: argparse.Namespace) -> int:
         try:
             call = stub.Generate(build_request(args), timeout=args.timeout, metadata=metadata)
             for msg in call:
+                if msg.HasField("queued"):
+                    q = msg.queued
+                    print(f"queued: position {q.position} of {q.queue_length}", file=sys.stderr)
                 sys.stdout.write(msg.text)
                 sys.stdout.flush()
                 if msg.finish_reason:

@@ -1,12 +1,13 @@
 """The scheduler loop, on its own thread: admit, prefill, step, stream, retire.
 
 Requests come in through a queue (bounded: past `max_queue` waiting, `ResourceExhausted`);
-events go out through each request's sink. A refusal that concerns one request (a mask
-that allows no token, a grammar that refuses its tokens) ends that request alone, with the
-refusal's status. A lost service (a transport error) ends every admitted request; the loop
-asks the service what it still holds, frees those sequences and starts over with a fresh
-connection. Free slots are the service's count (`Capabilities.free_slots`), kept in step
-with this loop's own allocs and frees: slots may be held by others.
+events go out through each request's sink, and, to those that ask, `Queued` notices while
+they wait for a slot. A refusal that concerns one request (a mask that allows no token, a
+grammar that refuses its tokens) ends that request alone, with the refusal's status. A lost
+service (a transport error) ends every admitted request; the loop asks the service what it
+still holds, frees those sequences and starts over with a fresh connection. Free slots are
+the service's count (`Capabilities.free_slots`), kept in step with this loop's own allocs
+and frees: slots may be held by others.
 """
 
 from __future__ import annotations
@@ -29,14 +30,14 @@ from control_plane.metrics import Metrics
 from control_plane.scheduler.context import StepContext
 from control_plane.scheduler.cost_model import CostTable
 from control_plane.scheduler.options import SchedulerOptions
-from control_plane.scheduler.seq import ActiveSeq, GenRequest, Sink, SpecStats
+from control_plane.scheduler.seq import ActiveSeq, GenRequest, QueueSink, Sink, SpecStats
 from control_plane.scheduler.step import step_mtp
 from protos.model import Capabilities, Model, ModelError, ResourceExhausted, Sampling
 from protos.telemetry import span, tracer
 
 log = logging.getLogger("control_plane.scheduler")
 TRACER = tracer("met.control_plane")
-Payload = tuple[GenRequest, Sink] | str | None  # submit, cancel, wake
+Payload = tuple[GenRequest, Sink, QueueSink | None] | str | None  # submit, cancel, wake
 SLOT_POLL_S = 0.05  # with requests waiting and no free slot, how often to ask the service
 LOST = ("UNAVAILABLE", "DEADLINE_EXCEEDED")  # transport codes: the service is gone
 
@@ -99,7 +100,9 @@ class Scheduler:
             assert self.ctx is not None
             return self.ctx.caps
 
-    def submit(self, req: GenRequest, sink: Sink) -> None:
+    def submit(self, req: GenRequest, sink: Sink, on_queued: QueueSink | None = None) -> None:
+        """Queue the request; its events go to `sink`, and, when it cannot be admitted at
+        once, `Queued` notices to `on_queued`."""
         with self._lock:
             if self._queued >= self.opts.max_queue:
                 raise ResourceExhausted(
@@ -110,7 +113,7 @@ class Scheduler:
             self.counters.requests += 1
         if self.metrics is not None:
             self.metrics.requests.inc()
-        self.inbox.put(("submit", (req, sink)))
+        self.inbox.put(("submit", (req, sink, on_queued)))
 
     def cancel(self, request_id: str) -> None:
         self.inbox.put(("cancel", request_id))
@@ -166,7 +169,7 @@ class Scheduler:
     def _take(self, kind: str, payload: Payload) -> None:
         if kind == "submit":
             assert isinstance(payload, tuple)
-            req, sink = payload
+            req, sink, on_queued = payload
             max_context = self.ctx.caps.max_context if self.ctx else 1 << 30
             eos = self.ctx.caps.eos_token_ids if self.ctx else ()
             a = ActiveSeq(req, sink, self.tokenizer, eos, max_context)
@@ -174,6 +177,7 @@ class Scheduler:
             a.drafter = self.ctx.caps.has_mtp if self.ctx else True
             a.observer = self.metrics
             a.draft_stop = self.opts.draft_confidence_stop
+            a.on_queued = on_queued
             self.waiting.append(a)
         elif kind == "cancel":
             self._cancel(str(payload))
@@ -201,6 +205,7 @@ class Scheduler:
         # Each iteration is a trace of its own; requests reach it through span links.
         with TRACER.start_as_current_span("scheduler_iteration", context=Context()):
             self._admit()
+            self._tell_places()
             self._prefill()
             self._retire()
             if self.active:
@@ -276,6 +281,12 @@ class Scheduler:
                 continue
             self.free_slots -= 1
             self.prefilling.append(a)
+
+    def _tell_places(self) -> None:
+        """Each request still waiting after admission hears where it stands."""
+        now = time.monotonic()
+        for position, a in enumerate(self.waiting, start=1):
+            a.tell_place(position, len(self.waiting), now)
 
     def _prefill(self) -> None:
         """One batched prefill call: each prefilling sequence's next chunk, within budget."""

@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # llguidance is imported only where grammars are compiled
     from control_plane.grammar import Grammar
 
 NONE, MTP, PROMPT_LOOKUP = "none", "mtp", "prompt_lookup"
+QUEUED_UPDATE_S = 0.25  # the least time between two `Queued` notices to one request
 
 
 @dataclass(frozen=True)
@@ -106,8 +107,17 @@ class Failure:
     message: str
 
 
+@dataclass(frozen=True)
+class Queued:
+    """Where a request waiting for a slot stands; sent only to those that ask for it."""
+
+    position: int  # 1: the next to be admitted
+    queue_length: int  # requests waiting, this one included
+
+
 Event = Delta | Finish | Failure
 Sink = Callable[[Event], None]
+QueueSink = Callable[[Queued], None]
 
 
 class Observer(Protocol):
@@ -147,6 +157,8 @@ class ActiveSeq:
         self.observer: Observer | None = None
         self.submitted = time.monotonic()
         self.last_emit: float | None = None
+        self.on_queued: QueueSink | None = None
+        self.told: tuple[int, float] | None = None  # the last (position, time) sent on_queued
 
     @property
     def samples(self) -> bool:
@@ -157,6 +169,18 @@ class ActiveSeq:
         r = self.req
         uniforms = tuple(self.rng.random() for _ in range(draws))
         return Sampling(r.temperature, r.top_k, r.top_p, uniforms)
+
+    def tell_place(self, position: int, queue_length: int, now: float) -> None:
+        """Send a `Queued` notice: the first at once, later ones only as the request moves
+        forward, at most every QUEUED_UPDATE_S."""
+        if self.on_queued is None:
+            return
+        if self.told is not None:
+            last, at = self.told
+            if position >= last or now - at < QUEUED_UPDATE_S:
+                return
+        self.told = (position, now)
+        self.on_queued(Queued(position, queue_length))
 
     def set_eos(self, eos_ids: tuple[int, ...]) -> None:
         self._eos = () if self.req.ignore_eos else eos_ids

@@ -90,8 +90,16 @@ class SpeculativeStats(_message.Message):
     grammar_truncations: int
     def __init__(self, steps: _Optional[int] = ..., verifies: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., acceptance_per_position: _Optional[_Iterable[float]] = ..., grammar_truncations: _Optional[int] = ...) -> None: ...
 
+class Queued(_message.Message):
+    __slots__ = ("position", "queue_length")
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    position: int
+    queue_length: int
+    def __init__(self, position: _Optional[int] = ..., queue_length: _Optional[int] = ...) -> None: ...
+
 class GenerateResponse(_message.Message):
-    __slots__ = ("token_ids", "text", "logprobs", "finish_reason", "usage", "speculative_stats", "request_id")
+    __slots__ = ("token_ids", "text", "logprobs", "finish_reason", "usage", "speculative_stats", "request_id", "queued")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +107,7 @@ class GenerateResponse(_message.Message):
     USAGE_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_STATS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -106,7 +115,8 @@ class GenerateResponse(_message.Message):
     usage: Usage
     speculative_stats: SpeculativeStats
     request_id: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., speculative_stats: _Optional[_Union[SpeculativeStats, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    queued: Queued
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., speculative_stats: _Optional[_Union[SpeculativeStats, _Mapping]] = ..., request_id: _Optional[str] = ..., queued: _Optional[_Union[Queued, _Mapping]] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()

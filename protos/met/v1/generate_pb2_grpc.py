@@ -51,7 +51,8 @@ class GenerationServiceServicer:
 
     def Generate(self, request, context):
         """Streams the tokens of one request as they are accepted; the last message carries the
-        finish reason, usage and speculative stats.
+        finish reason, usage and speculative stats. Headers come at once; a request that cannot
+        be admitted at once first gets messages carrying `queued` and no tokens.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

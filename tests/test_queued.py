@@ -1,0 +1,144 @@
+"""Waiting is visible: a `Generate` call gets its headers at once, and a request that cannot
+be admitted at once hears its place in the queue before its tokens, over real gRPC."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import grpc
+import pytest
+
+from control_plane.api import GenerationServicer
+from control_plane.generate_cli import add_args, run
+from control_plane.scheduler.loop import Scheduler
+from control_plane.scheduler.seq import QUEUED_UPDATE_S, ActiveSeq, GenRequest, Queued
+from control_plane.tokenizer import ByteTokenizer
+from gpu_service.config import ServiceConfig
+from gpu_service.engine import Engine
+from protos.met.v1 import generate_pb2 as pb
+from protos.met.v1 import generate_pb2_grpc as pb_grpc
+
+ONE_SLOT = ServiceConfig(verify_tiers="1:3", max_context=2048)
+TOK = ByteTokenizer.default()
+PROMPT = (3, 4, 5)
+# Holds the one slot far longer than the test needs it; cancelled once the other is queued.
+LONG = pb.GenerateRequest(
+    prompt_token_ids=PROMPT,
+    max_new_tokens=2000,
+    ignore_eos=True,
+    speculative_method=pb.SPECULATIVE_METHOD_NONE,
+)
+SHORT = pb.GenerateRequest(prompt_token_ids=[7, 8, 9], max_new_tokens=12, ignore_eos=True)
+PROMPTLY_S = 5.0
+
+
+@contextmanager
+def serving(scheduler: Scheduler) -> Iterator[str]:
+    """The generation API on a grpc.aio server in a thread; yields its address."""
+    loop = asyncio.new_event_loop()
+    ready, box = threading.Event(), {}
+
+    async def main() -> None:
+        server = grpc.aio.server()
+        pb_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(scheduler, TOK), server)
+        box["port"] = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        box["stop"] = asyncio.Event()
+        ready.set()
+        await box["stop"].wait()
+        await server.stop(1)
+
+    thread = threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True)
+    thread.start()
+    assert ready.wait(30)
+    try:
+        yield f"127.0.0.1:{box['port']}"
+    finally:
+        loop.call_soon_threadsafe(box["stop"].set)
+        thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def one_slot(tiny_dir: Path) -> Iterator[str]:
+    engine = Engine(tiny_dir, ONE_SLOT)
+    scheduler = Scheduler(lambda: engine, TOK)
+    scheduler.start()
+    try:
+        with serving(scheduler) as target:
+            yield target
+    finally:
+        scheduler.stop()
+
+
+def tokens_of(messages: list[pb.GenerateResponse]) -> list[int]:
+    return [t for m in messages for t in m.token_ids]
+
+
+def test_admitted_at_once_hears_no_queue(one_slot: str) -> None:
+    with grpc.insecure_channel(one_slot) as channel:
+        messages = list(pb_grpc.GenerationServiceStub(channel).Generate(SHORT, timeout=60))
+    assert len(tokens_of(messages)) == 12
+    assert not any(m.HasField("queued") for m in messages)
+
+
+def test_queued_stream_hears_its_place_then_its_tokens(one_slot: str) -> None:
+    with grpc.insecure_channel(one_slot) as channel:
+        stub = pb_grpc.GenerationServiceStub(channel)
+        quiet = tokens_of(list(stub.Generate(SHORT, timeout=60)))
+        hold = stub.Generate(LONG, timeout=60)
+        assert next(hold).token_ids  # admitted: the slot is taken
+        waiting = stub.Generate(SHORT, timeout=60)
+        started = time.monotonic()
+        waiting.initial_metadata()
+        assert time.monotonic() - started < PROMPTLY_S
+        first = next(waiting)
+        assert first.HasField("queued") and not first.token_ids
+        assert (first.queued.position, first.queued.queue_length) == (1, 1)
+        assert hold.is_active()  # heard while the slot was still held
+        hold.cancel()
+        rest = list(waiting)
+    assert tokens_of(rest) == quiet
+    assert rest[-1].finish_reason == "length"
+    assert not any(m.HasField("queued") for m in rest if m.token_ids)
+
+
+def test_headers_come_before_any_event(tiny_dir: Path) -> None:
+    """A scheduler that never runs sends nothing, yet the call's headers arrive."""
+    engine = Engine(tiny_dir, ONE_SLOT)
+    idle = Scheduler(lambda: engine, TOK)  # not started: requests stay in its inbox
+    with serving(idle) as target, grpc.insecure_channel(target) as channel:
+        call = pb_grpc.GenerationServiceStub(channel).Generate(SHORT, timeout=30)
+        started = time.monotonic()
+        call.initial_metadata()
+        assert time.monotonic() - started < PROMPTLY_S and call.is_active()
+        call.cancel()
+
+
+def test_met_generate_prints_its_place(one_slot: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with grpc.insecure_channel(one_slot) as channel:
+        hold = pb_grpc.GenerationServiceStub(channel).Generate(LONG, timeout=60)
+        assert next(hold).token_ids
+        threading.Timer(0.5, hold.cancel).start()
+        parser = argparse.ArgumentParser()
+        add_args(parser)
+        argv = ["hi", "--target", one_slot, "--max-new-tokens", "4", "--ignore-eos"]
+        assert run(parser.parse_args(argv)) == 0
+    err = capsys.readouterr().err
+    assert "queued: position 1 of 1" in err and "[length]" in err
+
+
+def test_places_are_told_once_then_only_forward_and_throttled() -> None:
+    told: list[Queued] = []
+    a = ActiveSeq(GenRequest("w", PROMPT, 4), lambda ev: None, TOK, (), 256)
+    a.on_queued = told.append
+    a.tell_place(2, 2, now=0.0)
+    a.tell_place(2, 3, now=1.0)  # others queued behind: not news
+    a.tell_place(1, 3, now=QUEUED_UPDATE_S / 2)  # forward, but too soon
+    a.tell_place(1, 3, now=QUEUED_UPDATE_S)
+    assert told == [Queued(2, 2), Queued(1, 3)]
