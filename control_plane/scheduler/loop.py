@@ -274,13 +274,15 @@ class Scheduler:
             except ModelError as e:
                 a.handle = None
                 a.refuse(e.code, str(e))
+            if a.handle is not None:
+                # Counted as placed before it leaves the queue: a snapshot from another
+                # thread never sees it in neither list while its slot is taken.
+                self.free_slots -= 1
+                self.prefilling.append(a)
             self.waiting.popleft()
             self._dequeued(1)
             if a.handle is None:
                 a.finish("error")
-                continue
-            self.free_slots -= 1
-            self.prefilling.append(a)
 
     def _tell_places(self) -> None:
         """Each request still waiting after admission hears where it stands."""
@@ -356,8 +358,8 @@ class Scheduler:
     def _retire(self) -> None:
         for group in (self.prefilling, self.active):
             for a in [a for a in group if a.finished is not None]:
+                self._free(a)  # before it leaves the list: a snapshot sees its slot free first
                 group.remove(a)
-                self._free(a)
                 if a.failure is None:
                     self._account(a)
                 a.finish(a.finished or "stop")
@@ -435,9 +437,12 @@ def _status(error: Exception) -> tuple[str, str]:
     if isinstance(error, grpc.RpcError):
         code = getattr(error, "code", lambda: None)()
         details = getattr(error, "details", lambda: None)() or str(error)
-        return (code.name if code is not None else "UNAVAILABLE"), (
-            f"the GPU service failed: {details}"
-        )
+        name = code.name if code is not None else "UNAVAILABLE"
+        if name == "UNAUTHENTICATED":
+            # The service ended this control plane's session (it stopped answering past the
+            # session timeout): the link was lost; the client's own credentials are fine.
+            name = "UNAVAILABLE"
+        return name, f"the GPU service failed: {details}"
     if isinstance(error, OSError):
         return "UNAVAILABLE", f"the GPU service is unreachable: {error}"
     if isinstance(error, ModelError):
