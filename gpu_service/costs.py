@@ -4,7 +4,10 @@ by batch width and depth, on scratch sequences.
 A table is keyed by the architecture, the forward, the thread count and the slot tiers: a
 different model shape or machine setup measures again. Widths whose slots cannot verify a
 depth are left out. A table shipped with the model is read, never written: measurements go
-to the cache directory (`cache_dir`)."""
+to the cache directory (`cache_dir`).
+
+A measurement runs in short steps (`measurement`): in process they run back to back; the
+servicer queues each as its own engine-thread job, so other clients' calls run between them."""
 
 from __future__ import annotations
 
@@ -13,18 +16,25 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
+from contextlib import suppress
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from gpu_service.config import ServiceConfig
-from protos.model import CostEntry, InvalidArgument, ResourceExhausted
+from protos.model import CostEntry, InvalidArgument, ResourceExhausted, SequenceHandle
+
+if TYPE_CHECKING:
+    from gpu_service.engine import Engine
 
 PROMPT = [(7 * i + 3) % 251 for i in range(16)]
-# A measurement holds the engine for widths x depths x repeats steps; this bounds the last.
+# A measurement takes widths x depths x repeats engine steps; this bounds the last.
 MAX_REPEATS = 100
+# A measurement in steps (`measurement`); its result is (entries, whether from the cache).
+Job = Generator[None, None, tuple[list[CostEntry], bool]]
 
 
 def cache_dir() -> Path:
@@ -66,6 +76,14 @@ def check(svc: ServiceConfig, widths: Sequence[int], max_depth: int, repeats: in
         )
     if not 1 <= repeats <= MAX_REPEATS:
         raise InvalidArgument(f"repeats {repeats} is outside 1 to {MAX_REPEATS}")
+    # Each repeat of each cell commits one token to the scratch sequences, and the last verify
+    # and propose need room for 2 * max_depth + 1 more.
+    cells = len(set(widths)) * (max_depth + 1)
+    if len(PROMPT) + cells * repeats + 2 * max_depth + 1 > svc.max_context:
+        raise InvalidArgument(
+            f"{cells} cells of {repeats} repeats grow the scratch sequences past the context "
+            f"of {svc.max_context} tokens; ask for fewer widths, depths or repeats"
+        )
 
 
 def load(path: Path, widths: list[int], max_depth: int) -> list[CostEntry] | None:
@@ -80,48 +98,89 @@ def load(path: Path, widths: list[int], max_depth: int) -> list[CostEntry] | Non
     return entries if covered else None
 
 
-def measure(engine, widths: list[int], max_depth: int, repeats: int) -> list[CostEntry]:
-    """Time each (width, depth) the slots allow: a verify of depth + 1 rows per sequence, then
-    its verdict (fold, commit and, for depth > 0, a propose of depth drafts)."""
+def measurement(
+    engine: Engine, widths: list[int], max_depth: int, repeats: int, refresh: bool
+) -> Job:
+    """The table from the cache unless `refresh` or it falls short, else measured and saved,
+    as a job in steps: each `next` is a short stretch of engine work (the cache read with the
+    scratch sequences' allocation and prefill, then one repeat of one cell), so a caller that
+    shares the engine can run other work between steps. Closing the job between steps frees
+    the scratch sequences. `advance` runs one step, `run` all of them."""
     check(engine.svc, widths, max_depth, repeats)
-    free = engine.capabilities().free_slots
-    if max(widths) > free:
-        raise ResourceExhausted(
-            f"measuring a width of {max(widths)} needs that many free slots; {free} are free"
-        )
-    seqs = [engine.alloc_sequence() for _ in range(max(widths))]
+    path = cache_path(engine.model_dir, engine.forward_name, engine.svc.verify_tiers)
+    if not refresh and (cached := load(path, widths, max_depth)) is not None:
+        return cached, True
+    seqs: list[SequenceHandle] = []
     try:
+        _check_free(engine, max(widths))
+        for _ in range(max(widths)):
+            seqs.append(engine.alloc_sequence())
         engine.prefill(seqs, [PROMPT] * len(seqs))
-        caps = engine.svc.slot_verify_drafts
-        out = []
-        for w in sorted(set(widths)):
-            group = seqs[:w]
-            for depth in range(max_depth + 1):
-                if any(caps[s.slot] < depth for s in group):
-                    continue
-                verify, propose = [], []
-                for _ in range(repeats):
-                    t0 = time.perf_counter()
-                    engine.decode_verify_batched([1] * (w * (depth + 1)), [depth + 1] * w, group)
-                    t1 = time.perf_counter()
-                    proposers = list(range(w)) if depth and engine.cfg.has_mtp else []
-                    engine.settle_verdict(
-                        group,
-                        [1] * w,
-                        [depth + 1] * w,
-                        proposers,
-                        [1] * len(proposers),
-                        depth if proposers else 0,
-                    )
-                    verify.append((t1 - t0) * 1e3)
-                    propose.append((time.perf_counter() - t1) * 1e3)
-                out.append(
-                    CostEntry(w, depth, statistics.median(verify), statistics.median(propose))
-                )
-        return out
+        entries = yield from _cells(engine, seqs, widths, max_depth, repeats)
     finally:
         for s in seqs:
             engine.free_sequence(s)
+    with suppress(OSError):  # an unwritable cache directory: measured, not cached
+        save(path, entries)
+    return entries, False
+
+
+def advance(job: Job) -> tuple[list[CostEntry], bool] | None:
+    """Runs `job`'s next step: its result (entries, cached) once it has finished, else None."""
+    try:
+        next(job)
+    except StopIteration as done:
+        return done.value
+    return None
+
+
+def run(job: Job) -> tuple[list[CostEntry], bool]:
+    """Every step of `job`, back to back. -> (entries, cached)"""
+    while (result := advance(job)) is None:
+        continue
+    return result
+
+
+def _check_free(engine: Engine, width: int) -> None:
+    free = engine.capabilities().free_slots
+    if width > free:
+        raise ResourceExhausted(
+            f"measuring a width of {width} needs that many free slots; {free} are free"
+        )
+
+
+def _cells(
+    engine: Engine, seqs: list[SequenceHandle], widths: list[int], max_depth: int, repeats: int
+) -> Generator[None, None, list[CostEntry]]:
+    """Each (width, depth) the slots allow, timed as the median of `repeats`; a step before
+    each repeat."""
+    caps = engine.svc.slot_verify_drafts
+    entries = []
+    for w in sorted(set(widths)):
+        for depth in range(max_depth + 1):
+            if any(caps[s.slot] < depth for s in seqs[:w]):
+                continue
+            times = []
+            for _ in range(repeats):
+                yield
+                times.append(_time_once(engine, seqs[:w], depth))
+            verify, propose = (statistics.median(t) for t in zip(*times, strict=True))
+            entries.append(CostEntry(w, depth, verify, propose))
+    return entries
+
+
+def _time_once(engine: Engine, group: list[SequenceHandle], depth: int) -> tuple[float, float]:
+    """A verify of depth + 1 rows per sequence, then its verdict (fold, commit and, for
+    depth > 0, a propose of depth drafts). -> (verify ms, verdict ms)"""
+    w = len(group)
+    t0 = time.perf_counter()
+    engine.decode_verify_batched([1] * (w * (depth + 1)), [depth + 1] * w, group)
+    t1 = time.perf_counter()
+    proposers = list(range(w)) if depth and engine.cfg.has_mtp else []
+    engine.settle_verdict(
+        group, [1] * w, [depth + 1] * w, proposers, [1] * len(proposers), depth if proposers else 0
+    )
+    return (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3
 
 
 def save(path: Path, entries: list[CostEntry]) -> None:

@@ -253,17 +253,7 @@ class Engine:
         """Verify and propose costs by width and depth (see gpu_service/costs.py), from the
         cache unless `refresh` or the cache falls short. -> (entries, cached)"""
         with self._hold():
-            path = costs.cache_path(self.model_dir, self.forward_name, self.svc.verify_tiers)
-            if not refresh:
-                entries = costs.load(path, list(widths), max_depth)
-                if entries is not None:
-                    return entries, True
-            entries = costs.measure(self, list(widths), max_depth, repeats)
-            try:
-                costs.save(path, entries)
-            except OSError:
-                pass  # an unwritable cache directory: measured, not cached
-            return entries, False
+            return costs.run(costs.measurement(self, list(widths), max_depth, repeats, refresh))
 
     def read_logits(self) -> Logits:
         with self._hold():

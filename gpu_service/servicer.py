@@ -277,11 +277,16 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
         widths, repeats = list(request.widths), request.repeats or 5
         # Refused here, not behind whatever holds the engine thread.
         costs.check(self.loaded.svc, widths, request.max_depth, repeats)
-        entries, cached = await self._call(
-            context,
-            lambda: self.loaded.measure_costs(widths, request.max_depth, repeats, request.refresh),
-        )
-        return cv.costs_to_pb(entries, cached)
+        job = costs.measurement(self.loaded, widths, request.max_depth, repeats, request.refresh)
+        try:
+            # One engine-thread job per step: calls queued meanwhile run between them.
+            while (result := await self._call(context, costs.advance, job)) is None:
+                continue
+        finally:
+            # Frees the scratch sequences on error or cancellation; shielded, so a second
+            # cancellation cannot drop the job from the queue.
+            await asyncio.shield(self.run_on_engine_thread(job.close))
+        return cv.costs_to_pb(*result)
 
     async def SetForward(self, request, context):
         self._admin(context)

@@ -34,6 +34,7 @@ def _cache_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 # Tests marked `slow`, which `pytest -m "not slow"` (the fast tier) leaves out: seconds each on
 # a 2-core CPU. A key is a module, a test function (all its parameters) or one node id.
 SLOW_TESTS = {
+    "tests/test_costs_fair.py": "measurements slowed to seconds on purpose",
     "tests/test_beside.py": "starts both processes beside live streams",
     "tests/test_fuzz.py": "3,000 malformed RPCs against both processes",
     "tests/test_restart.py": "kills and freezes control plane processes",

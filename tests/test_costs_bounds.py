@@ -28,6 +28,7 @@ OUT_OF_RANGE = {
     "width-over-max-batch": ([9], 1, 5, "max_batch"),
     "repeats-zero": ([1], 1, 0, "repeats"),
     "repeats-over-cap": ([1], 1, costs.MAX_REPEATS + 1, "repeats"),
+    "past-the-context": ([1, 2, 4], 2, 40, "context of 256"),  # 9 cells x 40 commits
 }
 
 
