@@ -4,7 +4,6 @@ be admitted at once hears its place in the queue before its tokens, over real gR
 from __future__ import annotations
 
 import argparse
-import asyncio
 import threading
 import time
 from collections.abc import Iterator
@@ -23,6 +22,7 @@ from gpu_service.config import ServiceConfig
 from gpu_service.engine import Engine
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
+from tests.servers import aio_server_in_thread
 
 ONE_SLOT = ServiceConfig(verify_tiers="1:3", max_context=2048)
 TOK = ByteTokenizer.default()
@@ -41,27 +41,16 @@ PROMPTLY_S = 5.0
 @contextmanager
 def serving(scheduler: Scheduler) -> Iterator[str]:
     """The generation API on a grpc.aio server in a thread; yields its address."""
-    loop = asyncio.new_event_loop()
-    ready, box = threading.Event(), {}
 
-    async def main() -> None:
+    async def start() -> tuple[grpc.aio.Server, int]:
         server = grpc.aio.server()
         pb_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(scheduler, TOK), server)
-        box["port"] = server.add_insecure_port("127.0.0.1:0")
+        port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
-        box["stop"] = asyncio.Event()
-        ready.set()
-        await box["stop"].wait()
-        await server.stop(1)
+        return server, port
 
-    thread = threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True)
-    thread.start()
-    assert ready.wait(30)
-    try:
-        yield f"127.0.0.1:{box['port']}"
-    finally:
-        loop.call_soon_threadsafe(box["stop"].set)
-        thread.join(30)
+    with aio_server_in_thread(start) as target:
+        yield target
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ from control_plane.client import GrpcModel
 from control_plane.launch import start_control_plane, start_gpu_service, stop
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
+from tests.servers import free_slots_within
 
 SESSION_TIMEOUT = 2.0
 SLACK = 1.5  # scheduling noise on a loaded machine, on top of the bound under test
@@ -52,15 +53,6 @@ def observer(service: str) -> Iterator[GrpcModel]:
     assert model.capabilities().num_slots == NUM_SLOTS
     yield model
     model.close()
-
-
-def free_slots_within(model: GrpcModel, want: int, seconds: float) -> float:
-    """Seconds until the service reports `want` free slots; fails after `seconds`."""
-    start = time.monotonic()
-    while (free := model.capabilities().free_slots) != want:
-        assert time.monotonic() - start < seconds, f"{free} slots free, not {want}"
-        time.sleep(0.02)  # polling another process's cleanup
-    return time.monotonic() - start
 
 
 def fewest_free_slots(model: GrpcModel, work: Callable[[], object]) -> int:

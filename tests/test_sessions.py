@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from protos.met.v1 import model_pb2 as pb
 from protos.met.v1 import model_pb2_grpc as pb_grpc
 from protos.model import SESSION_METADATA, NotFound, PermissionDenied
 from tests.conftest import SERVE_ARGS
+from tests.servers import free_slots_within
 
 KEY = "test-admin-key"
 SESSION_TIMEOUT = 1.0
@@ -53,15 +53,6 @@ def observer(target: str) -> Iterator[GrpcModel]:
     model = GrpcModel(target)
     yield model
     model.close()
-
-
-def free_slots_within(model: GrpcModel, want: int, seconds: float) -> float:
-    """Seconds until the service reports `want` free slots; fails after `seconds`."""
-    start = time.monotonic()
-    while (free := model.capabilities().free_slots) != want:
-        assert time.monotonic() - start < seconds, f"{free} slots free, not {want}"
-        time.sleep(0.02)  # polling another process's cleanup
-    return time.monotonic() - start
 
 
 def test_another_sessions_sequence_is_not_found(target: str) -> None:

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -32,6 +30,7 @@ from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
 from tests.conftest import SERVE_ARGS
 from tests.otlp_receiver import Receiver
+from tests.servers import aio_server_in_thread
 
 _EXPORTER = InMemorySpanExporter()
 
@@ -53,30 +52,19 @@ def in_process_api(tiny_dir: Path, request: pytest.FixtureRequest) -> Iterator[s
     opts = SchedulerOptions(fused_step=request.param == "fused")
     scheduler = Scheduler(lambda: engine, ByteTokenizer.default(), opts, Env())
     scheduler.start()
-    loop = asyncio.new_event_loop()
-    ready, stopping = threading.Event(), None
-    box: dict = {}
 
-    async def main() -> None:
+    async def start() -> tuple[grpc.aio.Server, int]:
         server = grpc.aio.server()
         pb_grpc.add_GenerationServiceServicer_to_server(
             GenerationServicer(scheduler, ByteTokenizer.default()), server
         )
-        box["port"] = server.add_insecure_port("127.0.0.1:0")
+        port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
-        box["stop"] = asyncio.Event()
-        ready.set()
-        await box["stop"].wait()
-        await server.stop(1)
+        return server, port
 
-    thread = threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True)
-    thread.start()
-    ready.wait(30)
-    yield f"127.0.0.1:{box['port']}"
-    loop.call_soon_threadsafe(box["stop"].set)
-    thread.join(30)
+    with aio_server_in_thread(start) as target:
+        yield target
     scheduler.stop()
-    del stopping
 
 
 def _settled_spans(exporter: InMemorySpanExporter, timeout: float = 10.0) -> list:

@@ -4,12 +4,10 @@ the last test runs both service processes under mutual TLS."""
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 import ipaddress
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +36,7 @@ from protos import tls
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
 from tests.conftest import SERVE_ARGS, TINY_SERVICE
+from tests.servers import aio_server_in_thread
 
 KEY = "sk-test-1"
 SHORT = pb.GenerateRequest(prompt_token_ids=[3, 4, 5], max_new_tokens=3, ignore_eos=True)
@@ -132,27 +131,18 @@ def target(certs: Certs, tiny_dir: Path) -> Iterator[str]:
     engine = Engine(tiny_dir, TINY_SERVICE)
     scheduler = Scheduler(lambda: engine, ByteTokenizer.default())
     scheduler.start()
-    loop = asyncio.new_event_loop()
-    ready, box = threading.Event(), {}
 
-    async def main() -> None:
+    async def start() -> tuple[grpc.aio.Server, int]:
         servicer = GenerationServicer(scheduler, scheduler.tokenizer)
         health_servicer = health.aio.HealthServicer()
         server = build_server(servicer, health_servicer, security.api_keys)
-        box["port"] = tls.add_port(server, "127.0.0.1:0", security.server)
+        port = tls.add_port(server, "127.0.0.1:0", security.server)
         await server.start()
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-        box["stop"] = asyncio.Event()
-        ready.set()
-        await box["stop"].wait()
-        await server.stop(1)
+        return server, port
 
-    thread = threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True)
-    thread.start()
-    assert ready.wait(30)
-    yield f"127.0.0.1:{box['port']}"
-    loop.call_soon_threadsafe(box["stop"].set)
-    thread.join(30)
+    with aio_server_in_thread(start) as target:
+        yield target
     scheduler.stop()
 
 

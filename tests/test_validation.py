@@ -4,8 +4,6 @@ stream beside it runs on undisturbed."""
 
 from __future__ import annotations
 
-import asyncio
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +21,7 @@ from gpu_service.config import ServiceConfig
 from gpu_service.engine import Engine
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
+from tests.servers import aio_server_in_thread
 
 SERVICE = ServiceConfig(verify_tiers="4:3", max_context=256)  # drafts 1..3; tiny vocab: 320
 NAN, INF = float("nan"), float("inf")
@@ -58,27 +57,18 @@ def api(tiny_dir: Path) -> Iterator[Api]:
     engine = Engine(tiny_dir, SERVICE)
     scheduler = Scheduler(lambda: engine, tokenizer.inner)
     scheduler.start()
-    loop = asyncio.new_event_loop()
-    ready, box = threading.Event(), {}
 
-    async def main() -> None:
+    async def start() -> tuple[grpc.aio.Server, int]:
         server = grpc.aio.server()
-        servicer = GenerationServicer(scheduler, tokenizer)
-        pb_grpc.add_GenerationServiceServicer_to_server(servicer, server)
-        box["port"] = server.add_insecure_port("127.0.0.1:0")
+        pb_grpc.add_GenerationServiceServicer_to_server(
+            GenerationServicer(scheduler, tokenizer), server
+        )
+        port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
-        box["stop"] = asyncio.Event()
-        ready.set()
-        await box["stop"].wait()
-        await server.stop(1)
+        return server, port
 
-    thread = threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True)
-    thread.start()
-    assert ready.wait(30)
-    with grpc.insecure_channel(f"127.0.0.1:{box['port']}") as channel:
+    with aio_server_in_thread(start) as target, grpc.insecure_channel(target) as channel:
         yield Api(pb_grpc.GenerationServiceStub(channel), tokenizer, scheduler)
-    loop.call_soon_threadsafe(box["stop"].set)
-    thread.join(30)
     scheduler.stop()
 
 

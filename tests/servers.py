@@ -1,0 +1,50 @@
+"""Test helpers for servers run inside the test process, and for waiting on another process."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+
+import grpc
+
+from control_plane.client import GrpcModel
+
+# Builds and starts a server on the thread's event loop; -> (the server, its port).
+Start = Callable[[], Awaitable[tuple[grpc.aio.Server, int]]]
+
+
+@contextmanager
+def aio_server_in_thread(start: Start) -> Iterator[str]:
+    """A grpc.aio server on an event loop of its own thread, for tests that call it through
+    blocking stubs; yields its loopback address and stops it on the way out."""
+    loop = asyncio.new_event_loop()
+    ready, box = threading.Event(), {}
+
+    async def main() -> None:
+        server, box["port"] = await start()
+        box["stop"] = asyncio.Event()
+        ready.set()
+        await box["stop"].wait()
+        await server.stop(1)
+
+    thread = threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True)
+    thread.start()
+    assert ready.wait(30), "the server did not start"
+    try:
+        yield f"127.0.0.1:{box['port']}"
+    finally:
+        loop.call_soon_threadsafe(box["stop"].set)
+        thread.join(30)
+        loop.close()
+
+
+def free_slots_within(model: GrpcModel, want: int, seconds: float) -> float:
+    """Seconds until the service reports `want` free slots; fails after `seconds`."""
+    start = time.monotonic()
+    while (free := model.capabilities().free_slots) != want:
+        assert time.monotonic() - start < seconds, f"{free} slots free, not {want}"
+        time.sleep(0.02)  # polling another process's cleanup
+    return time.monotonic() - start
