@@ -302,11 +302,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         try:
             caps = await loop.run_in_executor(None, self.scheduler.capabilities)
             gen.set_attribute("gen_ai.request.model", caps.model_name)
-            if self._compiler is None:
-                self._compiler = GrammarCompiler(
-                    self.tokenizer, caps.vocab_size, caps.eos_token_ids
-                )
-            req = to_request(request, self.tokenizer, caps, self.admission, key, self._compiler)
+            compiler = self._grammar_compiler(request, caps)
+            req = to_request(request, self.tokenizer, caps, self.admission, key, compiler)
         except BadRequest as e:
             _failed(gen, e.code.name, str(e))
             await context.abort(e.code, str(e))
@@ -315,6 +312,15 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             _failed(gen, "UNAVAILABLE", message)
             await context.abort(grpc.StatusCode.UNAVAILABLE, message)
         return dataclasses.replace(req, span_context=gen.get_span_context())
+
+    def _grammar_compiler(
+        self, request: pb.GenerateRequest, caps: Capabilities
+    ) -> GrammarCompiler | None:
+        """The grammar engine, built by the first request that carries a `response_format`;
+        requests without one never touch it."""
+        if self._compiler is None and request.HasField("response_format"):
+            self._compiler = GrammarCompiler(self.tokenizer, caps.vocab_size, caps.eos_token_ids)
+        return self._compiler
 
     async def _submit(self, req: GenRequest, context, gen: Span) -> asyncio.Queue:
         """Hand the request to the scheduler; its events and `Queued` notices arrive on the

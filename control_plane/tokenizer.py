@@ -4,9 +4,14 @@ special tokens above them)."""
 
 from __future__ import annotations
 
+import codecs
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer as _Tokenizer
 
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -24,6 +29,9 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         """Bytes only; special and unused ids are dropped, broken UTF-8 replaced."""
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    def stream(self) -> ByteStream:
+        return ByteStream()
 
     def to_json(self) -> str:
         return (
@@ -71,6 +79,55 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
+
+    def stream(self) -> HFStream:
+        return HFStream(self._tok)
+
+
+@dataclass
+class ByteStream:
+    """`ByteTokenizer.decode`, a token at a time: bytes accumulate and only complete UTF-8 is
+    released (broken sequences replaced as soon as they cannot complete)."""
+
+    utf8: codecs.IncrementalDecoder = field(
+        default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace")
+    )
+
+    def step(self, token_id: int) -> str:
+        return self.utf8.decode(bytes([token_id])) if 0 <= token_id < 256 else ""
+
+    def flush(self) -> str:
+        return self.utf8.decode(b"", final=True)
+
+
+class HFStream:
+    """`HFTokenizer.decode`, a token at a time, by `tokenizers`' DecodeStream; the ids it
+    holds back for an incomplete character are kept, with one token of context before them,
+    for `flush`."""
+
+    def __init__(self, tok: _Tokenizer) -> None:
+        from tokenizers.decoders import DecodeStream
+
+        self._tok = tok
+        self._stream = DecodeStream(skip_special_tokens=True)
+        self._context: list[int] = []  # the last token whose step released text
+        self._held: list[int] = []
+
+    def step(self, token_id: int) -> str:
+        text = self._stream.step(self._tok, token_id)
+        if text is None:
+            self._held.append(token_id)
+            return ""
+        self._context, self._held = [token_id], []
+        return text
+
+    def flush(self) -> str:
+        if not self._held:
+            return ""
+        prefix = self._tok.decode(self._context, skip_special_tokens=True)
+        text = self._tok.decode(self._context + self._held, skip_special_tokens=True)
+        self._context, self._held = [], []
+        return text[len(prefix) :] if text.startswith(prefix) else text
 
 
 def _byte_to_unicode() -> dict[int, str]:

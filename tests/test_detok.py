@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
-from control_plane.detok import Detokenizer
-from control_plane.tokenizer import ByteTokenizer
+import random
+from dataclasses import dataclass
+
+import pytest
+
+from control_plane.detok import Detokenizer, Tokenizer
+from control_plane.tokenizer import ByteTokenizer, load_tokenizer
+from protos.defaults import DEFAULT_MODEL_DIR
 
 TOK = ByteTokenizer.default()
 
@@ -42,3 +48,108 @@ def test_final_flushes_held_text() -> None:
     d = Detokenizer(TOK, ("xyz",))
     feed(d, "ax")
     assert d.delta(final=True) == "x"
+
+
+class FullDecode:
+    """The reference: the whole output decoded again at every step."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...]) -> None:
+        self.tokenizer, self.stop = tokenizer, stop
+        self.longest = max((len(s) for s in stop), default=0)
+        self.ids: list[int] = []
+        self.text, self.sent, self.stopped = "", 0, False
+
+    def push(self, ids: list[int], check_stop: bool = True) -> bool:
+        self.ids.extend(ids)
+        self.text = self.tokenizer.decode(self.ids)
+        if check_stop:
+            start = max(0, self.sent - self.longest)
+            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+            if hits:
+                self.text = self.text[: min(hits)]
+                self.stopped = True
+        return self.stopped
+
+    def delta(self, final: bool = False) -> str:
+        end = len(self.text)
+        if not final and not self.stopped:
+            end -= Detokenizer(self.tokenizer, self.stop)._held(self.text)
+        out = self.text[self.sent : max(end, self.sent)]
+        self.sent += len(out)
+        return out
+
+
+def stream(d: Detokenizer | FullDecode, ids: list[int], early: int) -> tuple[list[str], int]:
+    """Push a token at a time, in steps of 1 to 3, as the scheduler does; the deltas and the
+    number of tokens taken before a stop string."""
+    out, i, rng = [], 0, random.Random(len(ids))
+    while i < len(ids):
+        for t in ids[i : i + rng.randint(1, 3)]:
+            i += 1
+            if d.push([t], check_stop=i > early):
+                return [*out, d.delta(final=True)], i
+        out.append(d.delta())
+    return [*out, d.delta(final=True)], i
+
+
+HF = load_tokenizer(DEFAULT_MODEL_DIR)
+PIECES = ["a", "b", " ab", "ba", "é", "日本", "\U0001f600", "abc"]
+
+
+def random_ids(tokenizer: Tokenizer, seed: int, n: int) -> list[int]:
+    """Text pieces, broken UTF-8 and special ids, tokenized piece by piece."""
+    rng = random.Random(seed)
+    ids: list[int] = []
+    while len(ids) < n:
+        r = rng.random()
+        if r < 0.1:
+            ids.extend(rng.choice(["日".encode(), b"\xff", b"\xe2\x82"]))
+        elif r < 0.15:
+            ids.append(rng.choice([256, 257]))
+        else:
+            ids.extend(tokenizer.encode(rng.choice(PIECES)))
+    return ids[:n]
+
+
+@dataclass
+class CountingTokenizer:
+    """A tokenizer without a stream of its own; counts the ids it decodes."""
+
+    inner: Tokenizer
+    decoded: int = 0
+
+    def encode(self, text: str) -> list[int]:
+        return self.inner.encode(text)
+
+    def decode(self, ids: list[int]) -> str:
+        self.decoded += len(ids)
+        return self.inner.decode(ids)
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("kind", ["byte", "hf", "byte-window", "hf-window"])
+def test_streaming_matches_full_decoding(kind: str, seed: int) -> None:
+    tokenizer: Tokenizer = HF if kind.startswith("hf") else TOK
+    if kind.endswith("window"):
+        tokenizer = CountingTokenizer(tokenizer)
+    ids = random_ids(tokenizer, seed, 2000)
+    stop = () if seed % 3 == 0 else ("aab", "日é")
+    early = 0 if seed % 2 else 40
+    assert stream(Detokenizer(tokenizer, stop), ids, early) == stream(
+        FullDecode(tokenizer, stop), ids, early
+    )
+
+
+def test_streams_never_decode_the_whole_output(monkeypatch: pytest.MonkeyPatch) -> None:
+    for tokenizer in (TOK, HF):
+        ids = random_ids(tokenizer, 0, 2000)
+        monkeypatch.setattr(type(tokenizer), "decode", None)  # a call would raise
+        assert stream(Detokenizer(tokenizer, ("aab",)), ids, len(ids))[1] == len(ids)
+
+
+@pytest.mark.parametrize("tokenizer", [TOK, HF], ids=["byte", "hf"])
+def test_the_window_fallback_decodes_a_bounded_window(tokenizer: Tokenizer) -> None:
+    ids = random_ids(tokenizer, 0, 2000)
+    counting = CountingTokenizer(tokenizer)
+    assert stream(Detokenizer(counting, ("aab",)), ids, len(ids))[1] == len(ids)
+    assert counting.decoded <= 10 * len(ids)  # ids decoded, over all the calls

@@ -3,12 +3,16 @@ truncation and per-row masks, and JSON-schema requests end to end with `mtp` on.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
 import grpc
 import pytest
+from opentelemetry.trace import INVALID_SPAN
 
+from control_plane import api
+from control_plane.api import GenerationServicer
 from control_plane.env import Env
 from control_plane.grammar import GrammarCompiler
 from control_plane.scheduler.context import StepContext
@@ -130,3 +134,41 @@ def test_grammar_that_keeps_every_draft(compiler: GrammarCompiler) -> None:
     a.grammar = compiler.compile("regex", "(.|\\n)*")  # any text: the drafts all stand
     step_mtp(model, [a], StepContext.build(model.capabilities(), SchedulerOptions()), 3)
     assert a.stats.grammar_truncations == 0 and a.stats.drafted == 3
+
+
+class Aborted(Exception):
+    pass
+
+
+class Context:
+    """The part of a grpc.aio context `_convert` uses: abort raises."""
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise Aborted(code, details)
+
+
+def convert(servicer: GenerationServicer, request: pb.GenerateRequest) -> GenRequest:
+    return asyncio.run(servicer._convert(request, Context(), "k", INVALID_SPAN))
+
+
+def test_requests_without_a_grammar_never_build_the_engine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def refuse(*args: object) -> None:
+        raise AssertionError("the grammar engine was built")
+
+    monkeypatch.setattr(api, "GrammarCompiler", refuse)
+    servicer = GenerationServicer(FakeModel(), TOK)  # type: ignore[arg-type]
+    req = convert(servicer, pb.GenerateRequest(prompt="hi", max_new_tokens=4))
+    assert req.grammar is None and servicer._compiler is None
+
+
+def test_a_grammar_that_does_not_compile_fails_its_request_alone() -> None:
+    servicer = GenerationServicer(FakeModel(), TOK)  # type: ignore[arg-type]
+    bad = pb.GenerateRequest(prompt="x", response_format=pb.ResponseFormat(regex="[a-"))
+    with pytest.raises(Aborted) as caught:
+        convert(servicer, bad)
+    assert caught.value.args[0] == grpc.StatusCode.INVALID_ARGUMENT
+    good = pb.GenerateRequest(prompt="x", response_format=pb.ResponseFormat(regex="[ab]+"))
+    assert convert(servicer, good).grammar is not None
+    assert convert(servicer, pb.GenerateRequest(prompt="x")).grammar is None
