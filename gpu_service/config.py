@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from protos import checks
@@ -39,7 +39,10 @@ class ModelConfig:
     tie_word_embeddings: bool = True
     max_position_embeddings: int = 4096
     bos_token_id: int = 0
-    eos_token_id: int = 1
+    eos_token_id: int = 1  # the first EOS id; `all_eos` has every one
+    # EOS ids beyond the first: config.json's list, and generation_config.json's (a list in
+    # Qwen checkpoints), which is where transformers' generate reads them.
+    more_eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
     model_type: str = "qwen3_next"
     # sparse MoE (Qwen3-Next): layers not in mlp_only_layers whose index + 1 is a multiple
@@ -57,6 +60,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
+        object.__setattr__(self, "more_eos_token_ids", tuple(self.more_eos_token_ids))
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(
                 f"num_experts_per_tok is {self.num_experts_per_tok}; it must be in "
@@ -140,8 +144,16 @@ class ModelConfig:
             eos_token_id=257,
         )
 
+    @property
+    def all_eos(self) -> tuple[int, ...]:
+        """Every id that ends a sequence, the first EOS first, each once."""
+        return tuple(dict.fromkeys((self.eos_token_id, *self.more_eos_token_ids)))
+
     def to_json(self) -> str:
         d = asdict(self)
+        more = d.pop("more_eos_token_ids")
+        if more:
+            d["eos_token_id"] = list(self.all_eos)
         d["layer_types"] = list(self.layer_types)
         d["mlp_only_layers"] = list(self.mlp_only_layers)
         d["architectures"] = ["Qwen3NextForCausalLM"]
@@ -158,9 +170,12 @@ class ModelConfig:
                 d.setdefault(key, rope[key])
         if d.get("dtype"):
             d.setdefault("torch_dtype", d["dtype"])
+        eos = d.get("eos_token_id")
+        if isinstance(eos, list) and eos:
+            d["more_eos_token_ids"] = tuple(eos[1:])
         for key in ("eos_token_id", "bos_token_id"):
             if isinstance(d.get(key), list):
-                d[key] = d[key][0]
+                d[key] = d[key][0] if d[key] else None
             if d.get(key) is None:
                 d.pop(key, None)
         if d.get("torch_dtype") is None:
@@ -170,7 +185,14 @@ class ModelConfig:
 
     @classmethod
     def load(cls, directory: Path) -> ModelConfig:
-        return cls.from_dict(json.loads((directory / "config.json").read_text()))
+        cfg = cls.from_dict(json.loads((directory / "config.json").read_text()))
+        generation = directory / "generation_config.json"
+        if not generation.exists():
+            return cfg
+        eos = json.loads(generation.read_text()).get("eos_token_id")
+        ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+        more = tuple(i for i in dict.fromkeys((*cfg.all_eos, *ids)) if i != cfg.eos_token_id)
+        return replace(cfg, more_eos_token_ids=more)
 
 
 def parse_tiers(spec: str) -> tuple[int, ...]:

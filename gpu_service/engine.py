@@ -105,7 +105,7 @@ class Engine:
             max_context=self.svc.max_context,
             dtype=str(self.model.dtype).removeprefix("torch."),
             hidden_size=self.cfg.hidden_size,
-            eos_token_ids=(self.cfg.eos_token_id,),
+            eos_token_ids=self.cfg.all_eos,
             has_mtp=self.cfg.has_mtp,
             max_batch=self.svc.max_batch,
             max_prefill_tokens=self.svc.max_prefill_tokens,

@@ -88,3 +88,21 @@ def test_tiers_and_bf16_serving(tiny_dir: Path) -> None:
     engine.prefill([seq], [[1, 2, 3]])
     logits = engine.read_logits()
     assert logits.dtype == "bfloat16" and len(logits.data) == 2 * 320
+
+
+def test_every_eos_id_of_the_checkpoint_ends_a_sequence(tmp_path: Path) -> None:
+    """config.json's EOS list and generation_config.json's (a list in Qwen checkpoints) both
+    reach `Capabilities.eos_token_ids`, the first id first, each once; the scheduler ends a
+    sequence on any of them. A round trip through config.json keeps the list."""
+    init_model(tmp_path, TINY, seed=2)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["eos_token_id"] = [257, 9]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [9, 11, 257]}))
+    cfg = ModelConfig.load(tmp_path)
+    assert (cfg.eos_token_id, cfg.all_eos) == (257, (257, 9, 11))
+    assert ModelConfig.from_dict(json.loads(cfg.to_json())).all_eos == (257, 9, 11)
+    engine = Engine(tmp_path, ServiceConfig(verify_tiers="2:1", max_context=256))
+    assert engine.capabilities().eos_token_ids == (257, 9, 11)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 257}))
+    assert ModelConfig.load(tmp_path).all_eos == (257, 9)
