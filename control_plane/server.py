@@ -15,14 +15,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from control_plane import auth
-from control_plane.api import (
+from control_plane.api import GenerationServicer
+from control_plane.client import GrpcModel
+from control_plane.door import (
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_MAX_PROMPT_BYTES,
     DEFAULT_METHOD,
     Admission,
-    GenerationServicer,
 )
-from control_plane.client import GrpcModel
 from control_plane.metrics import Metrics
 from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.options import SchedulerOptions
@@ -168,7 +168,7 @@ async def serve(args: argparse.Namespace, security: Security) -> None:
     if scheduler.metrics is not None:
         metrics_port = scheduler.metrics.serve(args.metrics_port, args.host)
         print(f"control-plane metrics on http://{args.host}:{metrics_port}/metrics", flush=True)
-    servicer = GenerationServicer(scheduler, scheduler.tokenizer, admission(args))
+    servicer = GenerationServicer(scheduler, admission(args))
     health_servicer = health.aio.HealthServicer()
     server = build_server(servicer, health_servicer, security.api_keys)
     port = tls.add_port(server, f"{args.host}:{args.port}", security.server)

@@ -62,9 +62,7 @@ async def control_target(tiny_dir: Path) -> AsyncIterator[str]:
     scheduler = Scheduler(lambda: engine, ByteTokenizer.default(), SchedulerOptions(), Env())
     scheduler.start()
     server = grpc.aio.server(interceptors=[RejectUndecodable()])
-    generate_pb2_grpc.add_GenerationServiceServicer_to_server(
-        GenerationServicer(scheduler, scheduler.tokenizer), server
-    )
+    generate_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(scheduler), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     yield f"127.0.0.1:{port}"

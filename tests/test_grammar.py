@@ -11,8 +11,8 @@ import grpc
 import pytest
 from opentelemetry.trace import INVALID_SPAN
 
-from control_plane import api
-from control_plane.api import GenerationServicer
+from control_plane import door as door_module
+from control_plane.door import BadRequest, Door
 from control_plane.env import Env
 from control_plane.grammar import GrammarCompiler
 from control_plane.scheduler.context import StepContext
@@ -136,19 +136,22 @@ def test_grammar_that_keeps_every_draft(compiler: GrammarCompiler) -> None:
     assert a.stats.grammar_truncations == 0 and a.stats.drafted == 3
 
 
-class Aborted(Exception):
-    pass
+class Submitted:
+    """The part of a scheduler the door uses; a request is kept instead of scheduled."""
+
+    def __init__(self) -> None:
+        self.model, self.tokenizer, self.got = FakeModel(), TOK, []
+
+    def capabilities(self):
+        return self.model.capabilities()
+
+    def submit(self, req: GenRequest, sink, on_queued) -> None:
+        self.got.append(req)
 
 
-class Context:
-    """The part of a grpc.aio context `_convert` uses: abort raises."""
-
-    async def abort(self, code: grpc.StatusCode, details: str) -> None:
-        raise Aborted(code, details)
-
-
-def convert(servicer: GenerationServicer, request: pb.GenerateRequest) -> GenRequest:
-    return asyncio.run(servicer._convert(request, Context(), "k", INVALID_SPAN))
+def convert(door: Door, request: pb.GenerateRequest) -> GenRequest:
+    asyncio.run(door.enter(request, "k", INVALID_SPAN))
+    return door.scheduler.got[-1]  # type: ignore[attr-defined]
 
 
 def test_requests_without_a_grammar_never_build_the_engine(
@@ -157,18 +160,18 @@ def test_requests_without_a_grammar_never_build_the_engine(
     def refuse(*args: object) -> None:
         raise AssertionError("the grammar engine was built")
 
-    monkeypatch.setattr(api, "GrammarCompiler", refuse)
-    servicer = GenerationServicer(FakeModel(), TOK)  # type: ignore[arg-type]
-    req = convert(servicer, pb.GenerateRequest(prompt="hi", max_new_tokens=4))
-    assert req.grammar is None and servicer._compiler is None
+    monkeypatch.setattr(door_module, "GrammarCompiler", refuse)
+    door = Door(Submitted())  # type: ignore[arg-type]
+    req = convert(door, pb.GenerateRequest(prompt="hi", max_new_tokens=4))
+    assert req.grammar is None and door._compiler is None
 
 
 def test_a_grammar_that_does_not_compile_fails_its_request_alone() -> None:
-    servicer = GenerationServicer(FakeModel(), TOK)  # type: ignore[arg-type]
+    door = Door(Submitted())  # type: ignore[arg-type]
     bad = pb.GenerateRequest(prompt="x", response_format=pb.ResponseFormat(regex="[a-"))
-    with pytest.raises(Aborted) as caught:
-        convert(servicer, bad)
-    assert caught.value.args[0] == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(BadRequest) as caught:
+        convert(door, bad)
+    assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
     good = pb.GenerateRequest(prompt="x", response_format=pb.ResponseFormat(regex="[ab]+"))
-    assert convert(servicer, good).grammar is not None
-    assert convert(servicer, pb.GenerateRequest(prompt="x")).grammar is None
+    assert convert(door, good).grammar is not None
+    assert convert(door, pb.GenerateRequest(prompt="x")).grammar is None

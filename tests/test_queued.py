@@ -44,7 +44,7 @@ def serving(scheduler: Scheduler) -> Iterator[str]:
 
     async def start() -> tuple[grpc.aio.Server, int]:
         server = grpc.aio.server()
-        pb_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(scheduler, TOK), server)
+        pb_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(scheduler), server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         return server, port

@@ -55,9 +55,7 @@ def in_process_api(tiny_dir: Path, request: pytest.FixtureRequest) -> Iterator[s
 
     async def start() -> tuple[grpc.aio.Server, int]:
         server = grpc.aio.server()
-        pb_grpc.add_GenerationServiceServicer_to_server(
-            GenerationServicer(scheduler, ByteTokenizer.default()), server
-        )
+        pb_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(scheduler), server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         return server, port

@@ -133,7 +133,7 @@ def target(certs: Certs, tiny_dir: Path) -> Iterator[str]:
     scheduler.start()
 
     async def start() -> tuple[grpc.aio.Server, int]:
-        servicer = GenerationServicer(scheduler, scheduler.tokenizer)
+        servicer = GenerationServicer(scheduler)
         health_servicer = health.aio.HealthServicer()
         server = build_server(servicer, health_servicer, security.api_keys)
         port = tls.add_port(server, "127.0.0.1:0", security.server)

@@ -11,8 +11,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from control_plane.api import Admission, BadRequest, GenerationServicer, to_request
+from control_plane.api import GenerationServicer
 from control_plane.cli import build_parser
+from control_plane.door import Admission, BadRequest, to_request
 from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.seq import MTP
 from control_plane.server import admission
@@ -42,6 +43,9 @@ class RecordingTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.inner.decode(ids)
 
+    def stream(self):
+        return self.inner.stream()
+
 
 @dataclass
 class Api:
@@ -55,14 +59,12 @@ def api(tiny_dir: Path) -> Iterator[Api]:
     """The generation API on a grpc.aio server in a thread, over an in-process engine."""
     tokenizer = RecordingTokenizer()
     engine = Engine(tiny_dir, SERVICE)
-    scheduler = Scheduler(lambda: engine, tokenizer.inner)
+    scheduler = Scheduler(lambda: engine, tokenizer)  # type: ignore[arg-type]
     scheduler.start()
 
     async def start() -> tuple[grpc.aio.Server, int]:
         server = grpc.aio.server()
-        pb_grpc.add_GenerationServiceServicer_to_server(
-            GenerationServicer(scheduler, tokenizer), server
-        )
+        pb_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(scheduler), server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         return server, port

@@ -1,0 +1,244 @@
+"""The one way in for every front (the gRPC API, the HTTP one): a `GenerateRequest` checked
+and converted against the served model, handed to the scheduler, its events on a queue. A
+request that cannot be taken raises `BadRequest` with its status and a sentence."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+from collections.abc import Iterable
+
+import grpc
+from opentelemetry.trace import Span
+
+from control_plane.detok import Tokenizer
+from control_plane.grammar import Grammar, GrammarCompiler
+from control_plane.scheduler.loop import Scheduler
+from control_plane.scheduler.seq import MTP, NONE, PROMPT_LOOKUP, Event, GenRequest, Queued
+from protos.met.v1 import generate_pb2 as pb
+from protos.model import Capabilities, ModelError
+
+METHODS = {
+    pb.SPECULATIVE_METHOD_NONE: NONE,
+    pb.SPECULATIVE_METHOD_MTP: MTP,
+    pb.SPECULATIVE_METHOD_PROMPT_LOOKUP: PROMPT_LOOKUP,
+}
+DEFAULT_METHOD = MTP  # for requests that leave the speculative method unspecified
+DEFAULT_MAX_NEW_TOKENS = 256  # for requests that leave max_new_tokens unset
+# UTF-8 bytes of a text prompt, checked before tokenizing: a tokenizer's ids and offsets take
+# hundreds of bytes per token, so an unbounded prompt grows the process before it is refused.
+DEFAULT_MAX_PROMPT_BYTES = 1 << 20
+
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+
+
+@dataclasses.dataclass(frozen=True)
+class Admission:
+    """What the server fills in for a request that leaves it unset, and the bound it holds
+    every text prompt to; `met control-plane serve` sets each from its flag."""
+
+    default_method: str = DEFAULT_METHOD
+    default_max_new: int = DEFAULT_MAX_NEW_TOKENS
+    max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES
+
+
+class BadRequest(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def to_request(
+    r: pb.GenerateRequest,
+    tokenizer: Tokenizer,
+    caps: Capabilities,
+    admission: Admission,
+    request_id: str,
+    compiler: GrammarCompiler | None = None,
+) -> GenRequest:
+    """The wire request as the scheduler's `GenRequest`, or `BadRequest` with a sentence.
+    The fields that need no tokenizer are checked first, the prompt's size before it is
+    tokenized, and the grammar compiled last."""
+    _check_method(r, caps)
+    _check_sampling(r, caps)
+    _check_vocab("stop_token_ids", r.stop_token_ids, caps)
+    ids = _prompt_ids(r, tokenizer, caps, admission.max_prompt_bytes)
+    max_new = _max_new_tokens(r, len(ids), caps, admission.default_max_new)
+    if r.min_new_tokens > max_new:
+        raise BadRequest(
+            INVALID,
+            f"min_new_tokens is {r.min_new_tokens}; it must not exceed max_new_tokens ({max_new})",
+        )
+    return GenRequest(
+        request_id=request_id,
+        prompt_ids=tuple(ids),
+        max_new_tokens=max_new,
+        min_new_tokens=r.min_new_tokens,
+        stop=tuple(r.stop),
+        stop_token_ids=tuple(r.stop_token_ids),
+        ignore_eos=r.ignore_eos,
+        method=METHODS.get(r.speculative_method, admission.default_method),
+        num_drafts=r.num_drafts if r.HasField("num_drafts") else None,
+        logprobs=r.logprobs,
+        grammar=_grammar(r, compiler),
+        temperature=r.temperature,
+        top_k=r.top_k,
+        top_p=r.top_p or 1.0,  # proto3 cannot tell an unset top_p from 0
+        seed=r.seed if r.HasField("seed") else None,
+    )
+
+
+def _prompt_ids(
+    r: pb.GenerateRequest, tokenizer: Tokenizer, caps: Capabilities, max_bytes: int
+) -> list[int]:
+    if r.prompt and r.prompt_token_ids:
+        raise BadRequest(INVALID, "give either prompt or prompt_token_ids, not both")
+    size = len(r.prompt.encode("utf-8"))
+    if size > max_bytes:
+        raise BadRequest(INVALID, f"prompt is {size} bytes; this server takes at most {max_bytes}")
+    ids = list(r.prompt_token_ids) or tokenizer.encode(r.prompt)
+    if not ids:
+        raise BadRequest(INVALID, "the prompt is empty")
+    _room(len(ids), caps)  # before the vocabulary scan: a context's worth at most
+    _check_vocab("prompt_token_ids" if r.prompt_token_ids else "the tokenized prompt", ids, caps)
+    return ids
+
+
+def _room(prompt_len: int, caps: Capabilities) -> int:
+    """Context positions left after the prompt, at least one."""
+    room = caps.max_context - prompt_len
+    if room < 1:
+        raise BadRequest(
+            INVALID,
+            f"the prompt has {prompt_len} tokens; the context holds "
+            f"{caps.max_context} with room for at least one more",
+        )
+    return room
+
+
+def _check_vocab(field: str, ids: Iterable[int], caps: Capabilities) -> None:
+    bad = next((t for t in ids if t >= caps.vocab_size), None)
+    if bad is not None:
+        raise BadRequest(
+            INVALID,
+            f"{field} holds token id {bad}, outside the vocabulary (0 .. {caps.vocab_size - 1})",
+        )
+
+
+def _max_new_tokens(
+    r: pb.GenerateRequest, prompt_len: int, caps: Capabilities, default_max_new: int
+) -> int:
+    """The request's token budget: its own, or the server's default cut to the context."""
+    room = _room(prompt_len, caps)
+    max_new = r.max_new_tokens if r.HasField("max_new_tokens") else min(default_max_new, room)
+    if max_new == 0:
+        raise BadRequest(INVALID, "max_new_tokens is 0; ask for at least one token")
+    if max_new > room:
+        raise BadRequest(
+            INVALID,
+            f"max_new_tokens is {max_new}; after {prompt_len} prompt tokens "
+            f"the context of {caps.max_context} has room for {room}",
+        )
+    return max_new
+
+
+def _check_method(r: pb.GenerateRequest, caps: Capabilities) -> None:
+    """The speculative method and the draft count."""
+    if r.speculative_method not in (pb.SPECULATIVE_METHOD_UNSPECIFIED, *METHODS):
+        raise BadRequest(
+            INVALID,
+            f"speculative_method {r.speculative_method} is unknown; use NONE, MTP or PROMPT_LOOKUP",
+        )
+    most = max(caps.slot_verify_drafts)
+    if r.HasField("num_drafts") and not 1 <= r.num_drafts <= most:
+        raise BadRequest(
+            INVALID,
+            f"num_drafts is {r.num_drafts}; it must be from 1 to {most}, the most drafts the "
+            "GPU service verifies (leave it unset for the server's, or use NONE for no drafts)",
+        )
+
+
+def _check_sampling(r: pb.GenerateRequest, caps: Capabilities) -> None:
+    """temperature, top_p and top_k: finite and in range (NaN fails every comparison, so each
+    test is written as what must hold)."""
+    if not (math.isfinite(r.temperature) and r.temperature >= 0):
+        raise BadRequest(
+            INVALID, f"temperature is {r.temperature}; it must be a finite number, 0 or above"
+        )
+    if not 0.0 <= r.top_p <= 1.0:
+        raise BadRequest(
+            INVALID, f"top_p is {r.top_p}; it must be above 0 and at most 1, or 0 for no cut"
+        )
+    if r.top_k > caps.vocab_size:
+        raise BadRequest(
+            INVALID,
+            f"top_k is {r.top_k}; it must be at most the vocabulary size {caps.vocab_size} "
+            "(0: no limit)",
+        )
+
+
+def _grammar(r: pb.GenerateRequest, compiler: GrammarCompiler | None) -> Grammar | None:
+    """The compiled `response_format`, or None when the request has none."""
+    kind = r.response_format.WhichOneof("format") if r.HasField("response_format") else None
+    if kind is None:
+        return None
+    if compiler is None:
+        raise BadRequest(grpc.StatusCode.UNIMPLEMENTED, "this server has no grammar engine")
+    try:
+        return compiler.compile(kind, getattr(r.response_format, kind))
+    except ValueError as e:
+        raise BadRequest(INVALID, f"response_format: {e}") from None
+
+
+class Door:
+    """Admission for one scheduler: the grammar engine is built for the tokenizer in use by
+    the first request that carries a grammar, and again when the served model changes."""
+
+    def __init__(self, scheduler: Scheduler, admission: Admission = Admission()) -> None:
+        self.scheduler, self.admission = scheduler, admission
+        self._compiler: GrammarCompiler | None = None
+        self._compiled_for: Tokenizer | None = None  # the tokenizer `_compiler` was built for
+
+    async def enter(self, request: pb.GenerateRequest, key: str, span: Span) -> asyncio.Queue:
+        """Check, convert and submit the request under `key`; its events (and `Queued`
+        notices) arrive on the returned queue. Raises `BadRequest` for a request this server
+        will not take, the GPU service out of reach included."""
+        loop = asyncio.get_running_loop()
+        try:
+            caps = await loop.run_in_executor(None, self.scheduler.capabilities)
+        except grpc.RpcError as e:
+            raise BadRequest(
+                grpc.StatusCode.UNAVAILABLE, f"the GPU service is not reachable: {e.details()}"
+            ) from None
+        span.set_attribute("gen_ai.request.model", caps.model_name)
+        tokenizer = self.scheduler.tokenizer
+        compiler = self._grammar_compiler(request, tokenizer, caps)
+        req = to_request(request, tokenizer, caps, self.admission, key, compiler)
+        req = dataclasses.replace(req, span_context=span.get_span_context())
+        events: asyncio.Queue = asyncio.Queue()
+
+        def sink(ev: Event | Queued) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, ev)
+
+        try:
+            self.scheduler.submit(req, sink, sink)
+        except ModelError as e:
+            raise BadRequest(getattr(grpc.StatusCode, e.code), str(e)) from None
+        return events
+
+    def leave(self, key: str) -> None:
+        """The client is gone before its request finished: free its slot."""
+        self.scheduler.cancel(key)
+
+    def _grammar_compiler(
+        self, request: pb.GenerateRequest, tokenizer: Tokenizer, caps: Capabilities
+    ) -> GrammarCompiler | None:
+        """Requests without a `response_format` never touch the grammar engine."""
+        if not request.HasField("response_format"):
+            return None
+        if self._compiler is None or self._compiled_for is not tokenizer:
+            self._compiler = GrammarCompiler(tokenizer, caps.vocab_size, caps.eos_token_ids)
+            self._compiled_for = tokenizer
+        return self._compiler
