@@ -5,7 +5,9 @@ special tokens above them)."""
 from __future__ import annotations
 
 import codecs
+import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -13,7 +15,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from tokenizers import Tokenizer as _Tokenizer
 
-TOKENIZER_FILE = "tokenizer.json"
+from control_plane.detok import Tokenizer
+from protos.model import TOKENIZER_FILES
+
+TOKENIZER_FILE = TOKENIZER_FILES[0]
 
 
 @dataclass(frozen=True)
@@ -163,6 +168,33 @@ def write_byte_level(directory: Path, specials: tuple[str, ...] = ("<|bos|>", "<
         )
         + "\n"
     )
+
+
+@dataclass(frozen=True)
+class Tokenization:
+    """A checkpoint's text side: its tokenizer, and the files it came from (tokenizer config,
+    chat template, generation config), by file name, for whatever else reads them."""
+
+    tokenizer: Tokenizer
+    files: Mapping[str, bytes]
+    origin: str  # where the files came from, for messages
+
+    @property
+    def digest(self) -> str:
+        """Equal for equal files: a reconnect that finds another digest found another model."""
+        h = hashlib.sha256()
+        for name in sorted(self.files):
+            h.update(name.encode() + b"\0" + hashlib.sha256(self.files[name]).digest())
+        return h.hexdigest()[:16]
+
+    @classmethod
+    def from_dir(cls, directory: Path) -> Tokenization:
+        files = {
+            name: (directory / name).read_bytes()
+            for name in TOKENIZER_FILES
+            if (directory / name).is_file()
+        }
+        return cls(load_tokenizer(directory), files, str(directory))
 
 
 def load_tokenizer(directory: Path) -> ByteTokenizer | HFTokenizer:

@@ -70,6 +70,14 @@ ERRORS_BY_CODE: dict[str, type[ModelError]] = {
 SESSION_METADATA = "met-session"  # the session a call belongs to
 ADMIN_KEY_METADATA = "met-admin-key"  # the admin key, on admin calls
 ADMIN_KEY_ENV = "MET_ADMIN_KEY"  # the admin key's default, for the service and its clients
+# The checkpoint files the control plane needs to tokenize, render chats and stop: the service
+# hands them over (`Model.tokenizer_files`), so the control plane needs no copy of the model.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
 
 
 @dataclass

@@ -32,6 +32,7 @@ from control_plane.scheduler.cost_model import CostTable
 from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.seq import ActiveSeq, GenRequest, QueueSink, Sink, SpecStats
 from control_plane.scheduler.step import step_mtp
+from control_plane.tokenizer import Tokenization
 from protos.model import Capabilities, Model, ModelError, ResourceExhausted, Sampling
 from protos.telemetry import span, tracer
 
@@ -59,13 +60,19 @@ class Scheduler:
     def __init__(
         self,
         connect: Callable[[], Model],
-        tokenizer: Tokenizer,
+        tokenizer: Tokenizer | Tokenization | None = None,
         opts: SchedulerOptions | None = None,
         env: Env | None = None,
         metrics: Metrics | None = None,
     ) -> None:
         self.metrics = metrics
-        self.connect, self.tokenizer = connect, tokenizer
+        self.connect = connect
+        # A tokenizer given here overrides the one the service's checkpoint ships.
+        if tokenizer is None or isinstance(tokenizer, Tokenization):
+            self.override = tokenizer
+        else:
+            self.override = Tokenization(tokenizer, {}, "the tokenizer given")
+        self.tokenization: Tokenization | None = self.override
         # The environment is read once, here; its switches override the options by name.
         self.opts = (opts or SchedulerOptions()).with_env(env or Env.read())
         self.model: Model | None = None
@@ -81,6 +88,13 @@ class Scheduler:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The tokenizer in use (the served model's unless overridden); known once connected."""
+        if self.tokenization is None:
+            raise RuntimeError("the scheduler has not connected to a GPU service yet")
+        return self.tokenization.tokenizer
 
     # -- from other threads --------------------------------------------------------------
 
