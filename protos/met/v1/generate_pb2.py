@@ -24,31 +24,33 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15met/v1/generate.proto\x12\x06met.v1\"\xc2\x03\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x1b\n\x0emax_new_tokens\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x16\n\x0emin_new_tokens\x18\x04 \x01(\r\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x13\n\x0btemperature\x18\x08 \x01(\x02\x12\r\n\x05top_p\x18\t \x01(\x02\x12\r\n\x05top_k\x18\n \x01(\r\x12\x11\n\x04seed\x18\x0b \x01(\x04H\x01\x88\x01\x01\x12\x10\n\x08logprobs\x18\x0c \x01(\x08\x12\x12\n\nrequest_id\x18\r \x01(\t\x12\x35\n\x12speculative_method\x18\x0e \x01(\x0e\x32\x19.met.v1.SpeculativeMethod\x12\x17\n\nnum_drafts\x18\x0f \x01(\rH\x02\x88\x01\x01\x12/\n\x0fresponse_format\x18\x10 \x01(\x0b\x32\x16.met.v1.ResponseFormatB\x11\n\x0f_max_new_tokensB\x07\n\x05_seedB\r\n\x0b_num_drafts\"R\n\x0eResponseFormat\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12\x0e\n\x04lark\x18\x03 \x01(\tH\x00\x42\x08\n\x06\x66ormat\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xb2\x01\n\x10SpeculativeStats\x12\r\n\x05steps\x18\x01 \x01(\r\x12\x10\n\x08verifies\x18\x02 \x01(\r\x12\x0f\n\x07\x64rafted\x18\x03 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x04 \x01(\r\x12\x1c\n\x14mean_accepted_length\x18\x05 \x01(\x02\x12\x1f\n\x17\x61\x63\x63\x65ptance_per_position\x18\x06 \x03(\x02\x12\x1b\n\x13grammar_truncations\x18\x07 \x01(\r\"0\n\x06Queued\x12\x10\n\x08position\x18\x01 \x01(\r\x12\x14\n\x0cqueue_length\x18\x02 \x01(\r\"\xe3\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1c\n\x05usage\x18\x05 \x01(\x0b\x32\r.met.v1.Usage\x12\x33\n\x11speculative_stats\x18\x06 \x01(\x0b\x32\x18.met.v1.SpeculativeStats\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x1e\n\x06queued\x18\x08 \x01(\x0b\x32\x0e.met.v1.Queued\"\x11\n\x0fGetStatsRequest\"\xa2\x02\n\rGetStatsReply\x12\x10\n\x08requests\x18\x01 \x01(\x04\x12\x10\n\x08\x66inished\x18\x02 \x01(\x04\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x04\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\x04\x12\r\n\x05steps\x18\x05 \x01(\x04\x12-\n\x0bspeculative\x18\x06 \x01(\x0b\x32\x18.met.v1.SpeculativeStats\x12\x0e\n\x06\x61\x63tive\x18\x07 \x01(\r\x12\x0e\n\x06queued\x18\x08 \x01(\r\x12\x12\n\nfree_slots\x18\t \x01(\r\x12\x1c\n\x14prompt_lookup_copies\x18\n \x01(\x04\x12\x12\n\ndcut_steps\x18\x0b \x01(\x04\x12\x17\n\x0flast_step_width\x18\x0c \x01(\r*\x96\x01\n\x11SpeculativeMethod\x12\"\n\x1eSPECULATIVE_METHOD_UNSPECIFIED\x10\x00\x12\x1b\n\x17SPECULATIVE_METHOD_NONE\x10\x01\x12\x1a\n\x16SPECULATIVE_METHOD_MTP\x10\x02\x12$\n SPECULATIVE_METHOD_PROMPT_LOOKUP\x10\x03\x32\x90\x01\n\x11GenerationService\x12?\n\x08Generate\x12\x17.met.v1.GenerateRequest\x1a\x18.met.v1.GenerateResponse0\x01\x12:\n\x08GetStats\x12\x17.met.v1.GetStatsRequest\x1a\x15.met.v1.GetStatsReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15met/v1/generate.proto\x12\x06met.v1\"\xa7\x04\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x1b\n\x0emax_new_tokens\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x16\n\x0emin_new_tokens\x18\x04 \x01(\r\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x13\n\x0btemperature\x18\x08 \x01(\x02\x12\r\n\x05top_p\x18\t \x01(\x02\x12\r\n\x05top_k\x18\n \x01(\r\x12\x11\n\x04seed\x18\x0b \x01(\x04H\x01\x88\x01\x01\x12\x10\n\x08logprobs\x18\x0c \x01(\x08\x12\x12\n\nrequest_id\x18\r \x01(\t\x12\x35\n\x12speculative_method\x18\x0e \x01(\x0e\x32\x19.met.v1.SpeculativeMethod\x12\x17\n\nnum_drafts\x18\x0f \x01(\rH\x02\x88\x01\x01\x12/\n\x0fresponse_format\x18\x10 \x01(\x0b\x32\x16.met.v1.ResponseFormat\x12%\n\x08messages\x18\x11 \x03(\x0b\x32\x13.met.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x12 \x01(\x08H\x03\x88\x01\x01\x42\x11\n\x0f_max_new_tokensB\x07\n\x05_seedB\r\n\x0b_num_draftsB\x18\n\x16_add_generation_prompt\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"R\n\x0eResponseFormat\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12\x0e\n\x04lark\x18\x03 \x01(\tH\x00\x42\x08\n\x06\x66ormat\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xb2\x01\n\x10SpeculativeStats\x12\r\n\x05steps\x18\x01 \x01(\r\x12\x10\n\x08verifies\x18\x02 \x01(\r\x12\x0f\n\x07\x64rafted\x18\x03 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x04 \x01(\r\x12\x1c\n\x14mean_accepted_length\x18\x05 \x01(\x02\x12\x1f\n\x17\x61\x63\x63\x65ptance_per_position\x18\x06 \x03(\x02\x12\x1b\n\x13grammar_truncations\x18\x07 \x01(\r\"0\n\x06Queued\x12\x10\n\x08position\x18\x01 \x01(\r\x12\x14\n\x0cqueue_length\x18\x02 \x01(\r\"\xe3\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1c\n\x05usage\x18\x05 \x01(\x0b\x32\r.met.v1.Usage\x12\x33\n\x11speculative_stats\x18\x06 \x01(\x0b\x32\x18.met.v1.SpeculativeStats\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x1e\n\x06queued\x18\x08 \x01(\x0b\x32\x0e.met.v1.Queued\"\x11\n\x0fGetStatsRequest\"\xa2\x02\n\rGetStatsReply\x12\x10\n\x08requests\x18\x01 \x01(\x04\x12\x10\n\x08\x66inished\x18\x02 \x01(\x04\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x04\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\x04\x12\r\n\x05steps\x18\x05 \x01(\x04\x12-\n\x0bspeculative\x18\x06 \x01(\x0b\x32\x18.met.v1.SpeculativeStats\x12\x0e\n\x06\x61\x63tive\x18\x07 \x01(\r\x12\x0e\n\x06queued\x18\x08 \x01(\r\x12\x12\n\nfree_slots\x18\t \x01(\r\x12\x1c\n\x14prompt_lookup_copies\x18\n \x01(\x04\x12\x12\n\ndcut_steps\x18\x0b \x01(\x04\x12\x17\n\x0flast_step_width\x18\x0c \x01(\r*\x96\x01\n\x11SpeculativeMethod\x12\"\n\x1eSPECULATIVE_METHOD_UNSPECIFIED\x10\x00\x12\x1b\n\x17SPECULATIVE_METHOD_NONE\x10\x01\x12\x1a\n\x16SPECULATIVE_METHOD_MTP\x10\x02\x12$\n SPECULATIVE_METHOD_PROMPT_LOOKUP\x10\x03\x32\x90\x01\n\x11GenerationService\x12?\n\x08Generate\x12\x17.met.v1.GenerateRequest\x1a\x18.met.v1.GenerateResponse0\x01\x12:\n\x08GetStats\x12\x17.met.v1.GetStatsRequest\x1a\x15.met.v1.GetStatsReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'met.v1.generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SPECULATIVEMETHOD']._serialized_start=1403
-  _globals['_SPECULATIVEMETHOD']._serialized_end=1553
+  _globals['_SPECULATIVEMETHOD']._serialized_start=1550
+  _globals['_SPECULATIVEMETHOD']._serialized_end=1700
   _globals['_GENERATEREQUEST']._serialized_start=34
-  _globals['_GENERATEREQUEST']._serialized_end=484
-  _globals['_RESPONSEFORMAT']._serialized_start=486
-  _globals['_RESPONSEFORMAT']._serialized_end=568
-  _globals['_USAGE']._serialized_start=570
-  _globals['_USAGE']._serialized_end=627
-  _globals['_SPECULATIVESTATS']._serialized_start=630
-  _globals['_SPECULATIVESTATS']._serialized_end=808
-  _globals['_QUEUED']._serialized_start=810
-  _globals['_QUEUED']._serialized_end=858
-  _globals['_GENERATERESPONSE']._serialized_start=861
-  _globals['_GENERATERESPONSE']._serialized_end=1088
-  _globals['_GETSTATSREQUEST']._serialized_start=1090
-  _globals['_GETSTATSREQUEST']._serialized_end=1107
-  _globals['_GETSTATSREPLY']._serialized_start=1110
-  _globals['_GETSTATSREPLY']._serialized_end=1400
-  _globals['_GENERATIONSERVICE']._serialized_start=1556
-  _globals['_GENERATIONSERVICE']._serialized_end=1700
+  _globals['_GENERATEREQUEST']._serialized_end=585
+  _globals['_CHATMESSAGE']._serialized_start=587
+  _globals['_CHATMESSAGE']._serialized_end=631
+  _globals['_RESPONSEFORMAT']._serialized_start=633
+  _globals['_RESPONSEFORMAT']._serialized_end=715
+  _globals['_USAGE']._serialized_start=717
+  _globals['_USAGE']._serialized_end=774
+  _globals['_SPECULATIVESTATS']._serialized_start=777
+  _globals['_SPECULATIVESTATS']._serialized_end=955
+  _globals['_QUEUED']._serialized_start=957
+  _globals['_QUEUED']._serialized_end=1005
+  _globals['_GENERATERESPONSE']._serialized_start=1008
+  _globals['_GENERATERESPONSE']._serialized_end=1235
+  _globals['_GETSTATSREQUEST']._serialized_start=1237
+  _globals['_GETSTATSREQUEST']._serialized_end=1254
+  _globals['_GETSTATSREPLY']._serialized_start=1257
+  _globals['_GETSTATSREPLY']._serialized_end=1547
+  _globals['_GENERATIONSERVICE']._serialized_start=1703
+  _globals['_GENERATIONSERVICE']._serialized_end=1847
 # @@protoc_insertion_point(module_scope)

@@ -19,7 +19,7 @@ SPECULATIVE_METHOD_MTP: SpeculativeMethod
 SPECULATIVE_METHOD_PROMPT_LOOKUP: SpeculativeMethod
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_token_ids", "max_new_tokens", "min_new_tokens", "stop", "stop_token_ids", "ignore_eos", "temperature", "top_p", "top_k", "seed", "logprobs", "request_id", "speculative_method", "num_drafts", "response_format")
+    __slots__ = ("prompt", "prompt_token_ids", "max_new_tokens", "min_new_tokens", "stop", "stop_token_ids", "ignore_eos", "temperature", "top_p", "top_k", "seed", "logprobs", "request_id", "speculative_method", "num_drafts", "response_format", "messages", "add_generation_prompt")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,8 @@ class GenerateRequest(_message.Message):
     SPECULATIVE_METHOD_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_new_tokens: int
@@ -52,7 +54,17 @@ class GenerateRequest(_message.Message):
     speculative_method: SpeculativeMethod
     num_drafts: int
     response_format: ResponseFormat
-    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., logprobs: _Optional[bool] = ..., request_id: _Optional[str] = ..., speculative_method: _Optional[_Union[SpeculativeMethod, str]] = ..., num_drafts: _Optional[int] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ...) -> None: ...
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    add_generation_prompt: bool
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., logprobs: _Optional[bool] = ..., request_id: _Optional[str] = ..., speculative_method: _Optional[_Union[SpeculativeMethod, str]] = ..., num_drafts: _Optional[int] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ...) -> None: ...
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class ResponseFormat(_message.Message):
     __slots__ = ("json_schema", "regex", "lark")
