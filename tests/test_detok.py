@@ -153,3 +153,13 @@ def test_the_window_fallback_decodes_a_bounded_window(tokenizer: Tokenizer) -> N
     counting = CountingTokenizer(tokenizer)
     assert stream(Detokenizer(counting, ("aab",)), ids, len(ids))[1] == len(ids)
     assert counting.decoded <= 10 * len(ids)  # ids decoded, over all the calls
+
+
+def test_the_detokenization_benchmark_streams_exactly() -> None:
+    """`python -m control_plane.benchmarks.detok` at small lengths: it checks each stream
+    against the whole decode before it times anything."""
+    from control_plane.benchmarks.detok import measure
+
+    rows = measure(HF, lengths=(50, 100), repeats=1)
+    assert [r["tokens"] for r in rows] == [50, 100]
+    assert all(r["streamed_us_per_token"] > 0 for r in rows)
