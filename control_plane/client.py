@@ -70,15 +70,22 @@ class GrpcModel:
         try:
             return method(request, timeout=self.timeout, metadata=metadata)
         except grpc.RpcError as e:
-            error = ERRORS_BY_CODE.get(e.code().name)
-            if error is None:
-                raise
-            raise error(e.details()) from None
+            raise _refused(e) from None
 
     def capabilities(self) -> Capabilities:
         return cv.from_pb(
             Capabilities, self._rpc(self._stub.Capabilities, pb.CapabilitiesRequest())
         )
+
+    def tokenizer_files(self) -> dict[str, bytes]:
+        files: dict[str, bytearray] = {}
+        chunks = self._stub.TokenizerFiles(pb.TokenizerFilesRequest(), timeout=self.timeout)
+        try:
+            for chunk in chunks:
+                files.setdefault(chunk.name, bytearray()).extend(chunk.data)
+        except grpc.RpcError as e:
+            raise _refused(e) from None
+        return {name: bytes(data) for name, data in files.items()}
 
     def alloc_sequence(self) -> SequenceHandle:
         h = self._rpc(self._stub.AllocSequence, pb.AllocSequenceRequest())
@@ -247,3 +254,9 @@ class GrpcModel:
     def read_logits(self) -> Logits:
         logits = self._rpc(self._stub.ReadLogits, pb.ReadLogitsRequest(), admin=True)
         return cv.from_pb(Logits, logits)
+
+
+def _refused(e: grpc.RpcError) -> Exception:
+    """A refusal as the `ModelError` the in-process engine raises; a transport error as is."""
+    error = ERRORS_BY_CODE.get(e.code().name)
+    return e if error is None else error(e.details())

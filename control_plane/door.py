@@ -12,10 +12,12 @@ from collections.abc import Iterable
 import grpc
 from opentelemetry.trace import Span
 
+from control_plane.chat import ChatTemplate
 from control_plane.detok import Tokenizer
 from control_plane.grammar import Grammar, GrammarCompiler
 from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.seq import MTP, NONE, PROMPT_LOOKUP, Event, GenRequest, Queued
+from control_plane.tokenizer import Tokenization
 from protos.met.v1 import generate_pb2 as pb
 from protos.model import Capabilities, ModelError
 
@@ -26,9 +28,11 @@ METHODS = {
 }
 DEFAULT_METHOD = MTP  # for requests that leave the speculative method unspecified
 DEFAULT_MAX_NEW_TOKENS = 256  # for requests that leave max_new_tokens unset
-# UTF-8 bytes of a text prompt, checked before tokenizing: a tokenizer's ids and offsets take
-# hundreds of bytes per token, so an unbounded prompt grows the process before it is refused.
+# UTF-8 bytes of a text prompt or a rendered chat, checked before tokenizing: a tokenizer's ids
+# and offsets take hundreds of bytes per token, so an unbounded prompt grows the process before
+# it is refused.
 DEFAULT_MAX_PROMPT_BYTES = 1 << 20
+PROMPT_FIELDS = ("prompt", "prompt_token_ids", "messages")  # a request gives exactly one
 
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -37,7 +41,8 @@ INVALID = grpc.StatusCode.INVALID_ARGUMENT
 @dataclasses.dataclass(frozen=True)
 class Admission:
     """What the server fills in for a request that leaves it unset, and the bound it holds
-    every text prompt to; `met control-plane serve` sets each from its flag."""
+    every text prompt and rendered chat to; `met control-plane serve` sets each from its
+    flag."""
 
     default_method: str = DEFAULT_METHOD
     default_max_new: int = DEFAULT_MAX_NEW_TOKENS
@@ -57,14 +62,16 @@ def to_request(
     admission: Admission,
     request_id: str,
     compiler: GrammarCompiler | None = None,
+    chat: ChatTemplate | None = None,
 ) -> GenRequest:
     """The wire request as the scheduler's `GenRequest`, or `BadRequest` with a sentence.
     The fields that need no tokenizer are checked first, the prompt's size before it is
-    tokenized, and the grammar compiled last."""
+    tokenized, and the grammar compiled last. `chat` is the model's template, for a request
+    with messages (None: the model has none)."""
     _check_method(r, caps)
     _check_sampling(r, caps)
     _check_vocab("stop_token_ids", r.stop_token_ids, caps)
-    ids = _prompt_ids(r, tokenizer, caps, admission.max_prompt_bytes)
+    ids = _prompt_ids(r, tokenizer, caps, admission.max_prompt_bytes, chat)
     max_new = _max_new_tokens(r, len(ids), caps, admission.default_max_new)
     if r.min_new_tokens > max_new:
         raise BadRequest(
@@ -91,19 +98,47 @@ def to_request(
 
 
 def _prompt_ids(
-    r: pb.GenerateRequest, tokenizer: Tokenizer, caps: Capabilities, max_bytes: int
+    r: pb.GenerateRequest,
+    tokenizer: Tokenizer,
+    caps: Capabilities,
+    max_bytes: int,
+    chat: ChatTemplate | None,
 ) -> list[int]:
-    if r.prompt and r.prompt_token_ids:
-        raise BadRequest(INVALID, "give either prompt or prompt_token_ids, not both")
-    size = len(r.prompt.encode("utf-8"))
+    given = [name for name in PROMPT_FIELDS if getattr(r, name)]
+    if len(given) > 1:
+        raise BadRequest(
+            INVALID,
+            f"give one of prompt, prompt_token_ids and messages; this request has "
+            f"{' and '.join(given)}",
+        )
+    text, field = (_render(r, chat), "the rendered chat") if r.messages else (r.prompt, "prompt")
+    size = len(text.encode("utf-8"))
     if size > max_bytes:
-        raise BadRequest(INVALID, f"prompt is {size} bytes; this server takes at most {max_bytes}")
-    ids = list(r.prompt_token_ids) or tokenizer.encode(r.prompt)
+        raise BadRequest(INVALID, f"{field} is {size} bytes; this server takes at most {max_bytes}")
+    # A chat is tokenized as transformers tokenizes one: its template wrote the special tokens.
+    ids = list(r.prompt_token_ids) or tokenizer.encode(text)
     if not ids:
         raise BadRequest(INVALID, "the prompt is empty")
     _room(len(ids), caps)  # before the vocabulary scan: a context's worth at most
     _check_vocab("prompt_token_ids" if r.prompt_token_ids else "the tokenized prompt", ids, caps)
     return ids
+
+
+def _render(r: pb.GenerateRequest, chat: ChatTemplate | None) -> str:
+    """The request's messages as prompt text, by the model's chat template."""
+    if chat is None:
+        raise BadRequest(
+            INVALID, "the model has no chat template, so it cannot take messages; send a prompt"
+        )
+    empty = next((i for i, m in enumerate(r.messages) if not m.role), None)
+    if empty is not None:
+        raise BadRequest(INVALID, f"messages[{empty}] has an empty role")
+    messages = [{"role": m.role, "content": m.content} for m in r.messages]
+    generation_prompt = not r.HasField("add_generation_prompt") or r.add_generation_prompt
+    try:
+        return chat.render(messages, generation_prompt)
+    except ValueError as e:
+        raise BadRequest(INVALID, str(e)) from None
 
 
 def _room(prompt_len: int, caps: Capabilities) -> int:
@@ -194,12 +229,15 @@ def _grammar(r: pb.GenerateRequest, compiler: GrammarCompiler | None) -> Grammar
 
 class Door:
     """Admission for one scheduler: the grammar engine is built for the tokenizer in use by
-    the first request that carries a grammar, and again when the served model changes."""
+    the first request that carries a grammar, the chat template compiled by the first that
+    carries messages, each again when the served model changes."""
 
     def __init__(self, scheduler: Scheduler, admission: Admission = Admission()) -> None:
         self.scheduler, self.admission = scheduler, admission
         self._compiler: GrammarCompiler | None = None
         self._compiled_for: Tokenizer | None = None  # the tokenizer `_compiler` was built for
+        self._chat: ChatTemplate | None = None
+        self._chat_for: Tokenization | None = None  # the files `_chat` was read from
 
     async def enter(self, request: pb.GenerateRequest, key: str, span: Span) -> asyncio.Queue:
         """Check, convert and submit the request under `key`; its events (and `Queued`
@@ -212,10 +250,13 @@ class Door:
             raise BadRequest(
                 grpc.StatusCode.UNAVAILABLE, f"the GPU service is not reachable: {e.details()}"
             ) from None
+        except ModelError as e:  # a served model whose files give no tokenizer, among others
+            raise BadRequest(getattr(grpc.StatusCode, e.code), str(e)) from None
         span.set_attribute("gen_ai.request.model", caps.model_name)
         tokenizer = self.scheduler.tokenizer
         compiler = self._grammar_compiler(request, tokenizer, caps)
-        req = to_request(request, tokenizer, caps, self.admission, key, compiler)
+        chat = self._chat_template(request)
+        req = to_request(request, tokenizer, caps, self.admission, key, compiler, chat)
         req = dataclasses.replace(req, span_context=span.get_span_context())
         events: asyncio.Queue = asyncio.Queue()
 
@@ -242,3 +283,18 @@ class Door:
             self._compiler = GrammarCompiler(tokenizer, caps.vocab_size, caps.eos_token_ids)
             self._compiled_for = tokenizer
         return self._compiler
+
+    def _chat_template(self, request: pb.GenerateRequest) -> ChatTemplate | None:
+        """Requests without messages never read the template."""
+        if not request.messages:
+            return None
+        tokenization = self.scheduler.tokenization
+        if tokenization is None:  # not connected: `enter` asked for capabilities first
+            return None
+        if self._chat_for is not tokenization:
+            try:
+                self._chat = ChatTemplate.from_files(tokenization.files)
+            except ValueError as e:
+                raise BadRequest(INVALID, f"the model's chat template is unusable: {e}") from None
+            self._chat_for = tokenization
+        return self._chat

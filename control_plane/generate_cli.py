@@ -21,7 +21,11 @@ METHODS = {
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("prompt")
+    parser.add_argument("prompt", help="the prompt text; with --chat, the user's message")
+    parser.add_argument(
+        "--chat", action="store_true", help="send a chat, rendered by the model's chat template"
+    )
+    parser.add_argument("--system", default=None, help="a system message first (implies --chat)")
     parser.add_argument(
         "--target", default=f"127.0.0.1:{DEFAULT_PORT}", help="the control plane, HOST:PORT"
     )
@@ -47,7 +51,6 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
     r = pb.GenerateRequest(
-        prompt=args.prompt,
         min_new_tokens=args.min_new_tokens,
         stop=args.stop,
         stop_token_ids=args.stop_token_id,
@@ -59,6 +62,12 @@ def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
         request_id=args.request_id,
         speculative_method=METHODS.get(args.method, pb.SPECULATIVE_METHOD_UNSPECIFIED),
     )
+    if args.chat or args.system is not None:
+        if args.system is not None:
+            r.messages.add(role="system", content=args.system)
+        r.messages.add(role="user", content=args.prompt)
+    else:
+        r.prompt = args.prompt
     if args.json_schema is not None:
         r.response_format.json_schema = args.json_schema
     elif args.regex is not None:

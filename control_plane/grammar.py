@@ -72,10 +72,11 @@ class GrammarCompiler:
     """Compiles response formats for one vocabulary (the tokenizer's bytes, built once)."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_ids: tuple[int, ...]) -> None:
-        path = getattr(tokenizer, "path", None)
-        if path is not None:  # an HF tokenizer.json: llguidance reads it directly
+        text = getattr(tokenizer, "json", None)
+        if text is not None:  # an HF tokenizer.json's text: llguidance parses it directly
+            # Only a string that starts with "{" is JSON to llguidance (else a path or a name).
             self.tokenizer = llguidance.LLTokenizer(
-                str(path), n_vocab=vocab_size, eos_token=list(eos_ids)
+                text.lstrip(), n_vocab=vocab_size, eos_token=list(eos_ids)
             )
             return
         specials = getattr(tokenizer, "special_tokens", {})

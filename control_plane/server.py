@@ -8,13 +8,14 @@ import asyncio
 import dataclasses
 import logging
 import signal
+import ssl
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from control_plane import auth
+from control_plane import auth, openai_http
 from control_plane.api import GenerationServicer
 from control_plane.client import GrpcModel
 from control_plane.door import (
@@ -22,21 +23,22 @@ from control_plane.door import (
     DEFAULT_MAX_PROMPT_BYTES,
     DEFAULT_METHOD,
     Admission,
+    Door,
 )
 from control_plane.metrics import Metrics
 from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.seq import MTP, NONE
-from control_plane.tokenizer import load_tokenizer
+from control_plane.tokenizer import Tokenization
 from protos import tls
 from protos.bodies import RejectUndecodable
-from protos.defaults import DEFAULT_MODEL_DIR
 from protos.met.v1 import generate_pb2, generate_pb2_grpc
 from protos.model import ADMIN_KEY_ENV
 from protos.telemetry import setup_tracing
 
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
 DEFAULT_PORT = 50050
+DEFAULT_HTTP_PORT = 8000  # vLLM's; `met up` serves HTTP by default, `serve` only when asked
 PROG = "met control-plane serve"
 
 
@@ -62,13 +64,12 @@ def add_serve_args(parser: argparse.ArgumentParser, gpu_service_required: bool =
             help=f"the GPU service's admin key, for the measured cost model's MeasureCosts "
             f"(default: env {ADMIN_KEY_ENV})",
         )
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (0: a free one)")
+    add_listen_args(parser, None if gpu_service_required else DEFAULT_HTTP_PORT)
     parser.add_argument(
         "--tokenizer",
         type=Path,
-        default=None if not gpu_service_required else DEFAULT_MODEL_DIR,
-        help="directory with tokenizer.json (default: the served model's)",
+        default=None,
+        help="a checkpoint directory whose tokenizer files override those the GPU service serves",
     )
     parser.add_argument(
         "--method",
@@ -109,6 +110,20 @@ def add_serve_args(parser: argparse.ArgumentParser, gpu_service_required: bool =
     SchedulerOptions.add_arguments(parser)
 
 
+def add_listen_args(parser: argparse.ArgumentParser, http_port: int | None) -> None:
+    """Where the control plane listens: gRPC, and HTTP on `http_port` unless told otherwise."""
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (0: a free one)")
+    default = "off" if http_port is None else http_port
+    parser.add_argument(
+        "--http-port",
+        type=int,
+        default=http_port,
+        help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions) on "
+        f"this port, with the same TLS and keys (0: a free one; default: {default})",
+    )
+
+
 def read_security(args: argparse.Namespace, prog: str, gpu_service: bool = True) -> Security:
     """The flags' credentials and keys, or the process ended with status 2 and a sentence
     naming the flag. Without `gpu_service` (`met up`, whose GPU service is its own loopback
@@ -128,7 +143,7 @@ def admission(args: argparse.Namespace) -> Admission:
 def build_scheduler(
     args: argparse.Namespace, credentials: grpc.ChannelCredentials | None
 ) -> Scheduler:
-    tokenizer = load_tokenizer(args.tokenizer)
+    tokenizer = Tokenization.from_dir(args.tokenizer) if args.tokenizer is not None else None
     metrics = Metrics() if args.metrics_port is not None else None
     return Scheduler(
         lambda: GrpcModel(
@@ -173,6 +188,7 @@ async def serve(args: argparse.Namespace, security: Security) -> None:
     server = build_server(servicer, health_servicer, security.api_keys)
     port = tls.add_port(server, f"{args.host}:{args.port}", security.server)
     await server.start()
+    http = serve_http(args, servicer.door, security) if args.http_port is not None else None
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     print(
@@ -187,9 +203,21 @@ async def serve(args: argparse.Namespace, security: Security) -> None:
     await stop.wait()
     print("control-plane shutting down", flush=True)
     await health_servicer.enter_graceful_shutdown()
-    await server.stop(args.grace)
+    await asyncio.gather(server.stop(args.grace), *([http.stop()] if http else []))
     await loop.run_in_executor(None, scheduler.stop)
     flush_spans()
+
+
+def serve_http(args: argparse.Namespace, door: Door, security: Security) -> openai_http.HttpServer:
+    """The OpenAI-compatible front on `door`, under the gRPC port's certificate and keys."""
+    tls: dict = {"ssl_certfile": args.tls_cert, "ssl_keyfile": args.tls_key}
+    if args.tls_client_ca is not None:
+        tls |= {"ssl_ca_certs": str(args.tls_client_ca), "ssl_cert_reqs": ssl.CERT_REQUIRED}
+    app = openai_http.build_app(door, security.api_keys)
+    http = openai_http.serve(app, args.host, args.http_port, args.grace, **tls)
+    scheme = "https" if security.server else "http"
+    print(f"control-plane OpenAI API on {scheme}://{args.host}:{http.port}/v1", flush=True)
+    return http
 
 
 def describe(security: Security) -> str:

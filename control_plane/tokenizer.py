@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from tokenizers import Tokenizer as _Tokenizer
 
+from control_plane.chat import write_default_template
 from control_plane.detok import Tokenizer
-from protos.model import TOKENIZER_FILES
+from protos.model import TOKENIZER_FILES, read_tokenizer_files
 
 TOKENIZER_FILE = TOKENIZER_FILES[0]
 
@@ -57,25 +58,23 @@ class ByteTokenizer:
         return cls({"<|bos|>": 256, "<|eos|>": 257}, 256, 257)
 
     @classmethod
-    def load(cls, directory: Path) -> ByteTokenizer:
-        d = json.loads((directory / TOKENIZER_FILE).read_text())
-        if d.get("type") != "byte":
-            raise ValueError(
-                f"{directory / TOKENIZER_FILE}: tokenizer type {d.get('type')!r} "
-                "is not supported (only 'byte')"
-            )
-        return cls(dict(d["special_tokens"]), int(d["bos_token_id"]), int(d["eos_token_id"]))
+    def from_json(cls, spec: dict) -> ByteTokenizer:
+        """`to_json`'s file, parsed."""
+        return cls(
+            dict(spec["special_tokens"]), int(spec["bos_token_id"]), int(spec["eos_token_id"])
+        )
 
 
 class HFTokenizer:
     """A `tokenizers` tokenizer.json (what HF checkpoints ship), with the same three calls the
-    control plane uses; special tokens are dropped when decoding."""
+    control plane uses; special tokens are dropped when decoding. `json` keeps the file's text,
+    which llguidance builds its own copy from."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, text: str) -> None:
         from tokenizers import Tokenizer
 
-        self.path = path
-        self._tok = Tokenizer.from_file(str(path))
+        self.json = text
+        self._tok = Tokenizer.from_str(text)
         added = self._tok.get_added_tokens_decoder()
         self.special_tokens = {t.content: i for i, t in added.items() if t.special}
 
@@ -148,7 +147,7 @@ def _byte_to_unicode() -> dict[int, str]:
 
 def write_byte_level(directory: Path, specials: tuple[str, ...] = ("<|bos|>", "<|eos|>")) -> None:
     """The default model's tokenizer as an HF tokenizer.json: byte b is id b (a byte-level BPE
-    with no merges), the special tokens right after."""
+    with no merges), the special tokens right after; with its config and chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     chars = _byte_to_unicode()
@@ -168,6 +167,7 @@ def write_byte_level(directory: Path, specials: tuple[str, ...] = ("<|bos|>", "<
         )
         + "\n"
     )
+    write_default_template(directory)
 
 
 @dataclass(frozen=True)
@@ -188,18 +188,29 @@ class Tokenization:
         return h.hexdigest()[:16]
 
     @classmethod
+    def from_files(cls, files: Mapping[str, bytes], origin: str) -> Tokenization:
+        """The tokenizer of a checkpoint's files (`TOKENIZER_FILES`, by name): an HF
+        tokenizer.json, or this project's older byte file. A missing or unreadable
+        tokenizer.json is a `ValueError` with a sentence naming `origin`."""
+        data = files.get(TOKENIZER_FILE)
+        if data is None:
+            raise ValueError(f"{origin} has no {TOKENIZER_FILE}")
+        try:
+            text = data.decode("utf-8")
+            spec = json.loads(text)
+            byte_file = isinstance(spec, dict) and spec.get("type") == "byte"
+            tokenizer = ByteTokenizer.from_json(spec) if byte_file else HFTokenizer(text)
+        except Exception as e:  # the decoder, the parser and `tokenizers` raise their own types
+            raise ValueError(
+                f"{origin}: {TOKENIZER_FILE} does not load as a tokenizer: {e}"
+            ) from None
+        return cls(tokenizer, dict(files), origin)
+
+    @classmethod
     def from_dir(cls, directory: Path) -> Tokenization:
-        files = {
-            name: (directory / name).read_bytes()
-            for name in TOKENIZER_FILES
-            if (directory / name).is_file()
-        }
-        return cls(load_tokenizer(directory), files, str(directory))
+        return cls.from_files(read_tokenizer_files(directory), str(directory))
 
 
-def load_tokenizer(directory: Path) -> ByteTokenizer | HFTokenizer:
+def load_tokenizer(directory: Path) -> Tokenizer:
     """The checkpoint's tokenizer: an HF tokenizer.json, or this project's older byte file."""
-    path = directory / TOKENIZER_FILE
-    if json.loads(path.read_text()).get("type") == "byte":
-        return ByteTokenizer.load(directory)
-    return HFTokenizer(path)
+    return Tokenization.from_dir(directory).tokenizer

@@ -1,6 +1,7 @@
 """`met up`: the GPU service (a child process) and the control plane (this process), serving
-the default model until SIGTERM or Ctrl-C. The TLS and key flags secure the control plane's
-own port; the child listens on loopback, in plaintext."""
+the default model until SIGTERM or Ctrl-C, over gRPC and, on 8000 unless `--http-port` says
+otherwise, OpenAI-compatible HTTP. The TLS and key flags secure the control plane's own
+ports; the child listens on loopback, in plaintext."""
 
 from __future__ import annotations
 
@@ -21,8 +22,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         args.gpu_service = target
         args.gpu_service_admin_key = None  # the key `start_gpu_service` put in the environment
-        if args.tokenizer is None:
-            args.tokenizer = args.model
         asyncio.run(serve(args, security))
     finally:
         code = stop(proc)

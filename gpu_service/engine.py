@@ -35,6 +35,7 @@ from protos.model import (
     Sampling,
     SequenceHandle,
     StepResult,
+    read_tokenizer_files,
 )
 
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -60,6 +61,8 @@ class Engine:
         self.svc = svc or ServiceConfig()
         self.name = model_dir.resolve().name
         self.model_dir = model_dir
+        # Read once, as the weights are: the files served stay those of the weights loaded.
+        self._tokenizer_files = read_tokenizer_files(model_dir)
         torch_dtype = getattr(torch, DTYPE_NAMES.get(dtype or "", dtype or self.cfg.torch_dtype))
         self.device = resolve_device(device or "auto")
         weights, self.cfg = load_weights(self.cfg, model_dir, torch_dtype, self.device)
@@ -110,6 +113,9 @@ class Engine:
             max_batch=self.svc.max_batch,
             max_prefill_tokens=self.svc.max_prefill_tokens,
         )
+
+    def tokenizer_files(self) -> dict[str, bytes]:
+        return dict(self._tokenizer_files)
 
     def alloc_sequence(self) -> SequenceHandle:
         with self._hold():

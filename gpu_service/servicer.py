@@ -32,6 +32,9 @@ from protos.model import (
 )
 
 _LOADING = "the model is still loading"
+# Bytes of a file per TokenizerFileChunk: a real tokenizer.json (~11 MB) passes in chunks well
+# inside gRPC's 4 MiB message bound.
+TOKENIZER_CHUNK_BYTES = 1 << 20
 
 
 class ModelLoading(ModelError):
@@ -145,6 +148,15 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
 
     async def Capabilities(self, request, context):
         return cv.to_pb(await self._call(context, lambda: self.loaded.capabilities()))
+
+    async def TokenizerFiles(self, request, context):
+        # Read when the checkpoint loaded: no engine-thread job, no session (read-only).
+        if self.engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, _LOADING)
+        for name, data in self.loaded.tokenizer_files().items():
+            # An empty file is one empty chunk, so that its name still arrives.
+            for lo in range(0, max(len(data), 1), TOKENIZER_CHUNK_BYTES):
+                yield pb.TokenizerFileChunk(name=name, data=data[lo : lo + TOKENIZER_CHUNK_BYTES])
 
     async def AllocSequence(self, request, context):
         session = self._session(context)

@@ -12,12 +12,12 @@ Lifecycle of one sequence (each step checked by the service, out-of-order calls 
 
 Over gRPC, sequences belong to sessions (the in-process engine has none): a client opens a
 session (`OpenSession`, a stream it keeps open) and names it in `SESSION_METADATA` on every
-call but `Capabilities`. A sequence belongs to the session that allocated it: to any other
-session it is `NotFound`, with the sentence of an unknown sequence. When the session's stream
-closes or breaks (the client closed it, or died, or its connection went silent for the
-service's `--session-timeout`, 10 s by default), the service frees the session's sequences.
-A call naming no live session is refused with UNAUTHENTICATED (a lost connection to the
-caller: it reconnects, which opens a new session).
+call but the read-only `Capabilities` and `TokenizerFiles`. A sequence belongs to the session
+that allocated it: to any other session it is `NotFound`, with the sentence of an unknown
+sequence. When the session's stream closes or breaks (the client closed it, or died, or its
+connection went silent for the service's `--session-timeout`, 10 s by default), the service
+frees the session's sequences. A call naming no live session is refused with UNAUTHENTICATED
+(a lost connection to the caller: it reconnects, which opens a new session).
 
 `set_forward`, `read_logits` and `measure_costs` act on the whole service, so over gRPC they
 are admin calls: they need the service's admin key (`--admin-key`, or `ADMIN_KEY_ENV`) in
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 
@@ -78,6 +79,15 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "generation_config.json",
 )
+
+
+def read_tokenizer_files(directory: Path) -> dict[str, bytes]:
+    """The files of `TOKENIZER_FILES` that exist in a checkpoint directory, by name."""
+    return {
+        name: (directory / name).read_bytes()
+        for name in TOKENIZER_FILES
+        if (directory / name).is_file()
+    }
 
 
 @dataclass
@@ -186,6 +196,13 @@ class Model(Protocol):
     def capabilities(self) -> Capabilities:
         """Model name, vocabulary, slots (count, free, per-slot verify capacity), row budget,
         forwards and the current one, device."""
+
+    def tokenizer_files(self) -> dict[str, bytes]:
+        """The served checkpoint's files of `TOKENIZER_FILES` that exist, by name, as read
+        when it loaded: the control plane tokenizes, renders chats and stops with them, and
+        tells a reconnect to another model by them. Over gRPC a server stream of chunks
+        (`TokenizerFiles`), each file's in order, so files past the 4 MiB message bound pass;
+        no session needed."""
 
     def alloc_sequence(self) -> SequenceHandle:
         """A new sequence (id never reused) on the lowest free slot, with an empty cache.

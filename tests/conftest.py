@@ -48,6 +48,10 @@ SLOW_TESTS = {
     "tests/test_default_model.py": "serves the bundled checkpoint end to end",
     "tests/test_bench.py": "runs `met bench`",
     "tests/test_telemetry.py": "starts both processes with an OTLP receiver",
+    "tests/test_openai_http.py::test_greedy_text_is_the_grpc_apis_whole_and_streamed": "three "
+    "generations over both fronts",
+    "tests/test_openai_http.py::test_chat_is_the_grpc_apis_whole_and_streamed": "three chats",
+    "tests/test_openai_http.py::test_json_schema_output_validates": "builds the grammar engine",
     "tests/kernels/test_gated_delta_rule.py": "the chunked kernel under the Triton interpreter",
     "tests/test_triton_forward.py": "whole forwards under the Triton interpreter",
     "tests/test_gpu_check.py::test_cpu_run_writes_a_passing_report": "runs the device check",

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from control_plane.tokenizer import TOKENIZER_FILE, ByteTokenizer
 from protos.model import (
     Capabilities,
     FailedPrecondition,
@@ -21,6 +22,7 @@ from protos.model import (
     room_to_propose,
 )
 
+BYTE_FILES = {TOKENIZER_FILE: ByteTokenizer.default().to_json().encode()}
 Oracle = Callable[[tuple[int, ...]], int]
 Drafter = Callable[[tuple[int, ...], int], list[int]]  # (history incl. last, nd) -> drafts
 
@@ -74,8 +76,13 @@ class FakeModel:
         oracle: Oracle = counting_oracle,
         drafter: Drafter | None = None,
         refuse: Callable[[list[int]], bool] = lambda ks: False,
+        files: dict[str, bytes] | None = None,
+        name: str = "fake",
     ) -> None:
         self.caps, self.max_rows, self.max_batch = tuple(caps), max_rows, max_batch
+        # The checkpoint's tokenizer files: the byte tokenizer unless the test chooses.
+        self.files = BYTE_FILES if files is None else files
+        self.name = name
         self.max_context = max_context
         self.oracle = oracle
         self.drafter = drafter or perfect_drafter(oracle)
@@ -88,7 +95,7 @@ class FakeModel:
 
     def capabilities(self) -> Capabilities:
         return Capabilities(
-            model_name="fake",
+            model_name=self.name,
             vocab_size=320,
             num_slots=len(self.caps),
             free_slots=len(self.caps) - len(self.slots),
@@ -105,6 +112,10 @@ class FakeModel:
             max_batch=self.max_batch,
             max_prefill_tokens=4096,
         )
+
+    def tokenizer_files(self) -> dict[str, bytes]:
+        self.calls.append(("tokenizer_files",))
+        return dict(self.files)
 
     def alloc_sequence(self) -> SequenceHandle:
         free = set(range(len(self.caps))) - set(self.slots.values())

@@ -13,6 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 # The package's wrapper script always exits 0; the binary beside it reports errors.
 BINARY = Path(compose.__file__).parent / "docker-compose"
+HTTP_PORT = "8000"  # the control plane's OpenAI-compatible API
 
 
 def _config(*files: Path) -> subprocess.CompletedProcess:
@@ -35,7 +36,8 @@ def services() -> dict:
 def test_services_and_ports(services: dict) -> None:
     assert set(services) == {"jaeger", "gpu-service", "control-plane"}
     assert not services["gpu-service"].get("ports"), "the GPU service port stays internal"
-    assert [p["published"] for p in services["control-plane"]["ports"]] == ["50050", "9464"]
+    published = [p["published"] for p in services["control-plane"]["ports"]]
+    assert published == ["50050", "9464", HTTP_PORT]
     assert [p["target"] for p in services["jaeger"]["ports"]] == [16686]
     assert "2." in services["jaeger"]["image"].rsplit(":", 1)[1], "Jaeger v2"
 
@@ -64,10 +66,18 @@ def test_both_export_to_jaeger(services: dict) -> None:
         assert env["OTEL_SERVICE_NAME"] == name
 
 
+def test_the_control_plane_serves_http_on_its_published_port(services: dict) -> None:
+    command = services["control-plane"]["command"]
+    assert command[command.index("--http-port") + 1] == HTTP_PORT
+    assert "--host" in command and command[command.index("--host") + 1] == "0.0.0.0"
+
+
 def test_cpu_variant_reserves_no_gpu() -> None:
     result = _config(ROOT / "compose.yaml", ROOT / "compose.cpu.yaml")
     assert result.returncode == 0, result.stderr
-    assert "deploy" not in json.loads(result.stdout)["services"]["gpu-service"]
+    services = json.loads(result.stdout)["services"]
+    assert "deploy" not in services["gpu-service"]
+    assert HTTP_PORT in [p["published"] for p in services["control-plane"]["ports"]]
 
 
 def test_dockerfile_installs_as_the_readme() -> None:

@@ -1,4 +1,5 @@
-"""Checkpoint directories: `config.json`, `model.safetensors`, `tokenizer.json`."""
+"""Checkpoint directories: `config.json`, `model.safetensors`, `tokenizer.json` (with
+`tokenizer_config.json` and `chat_template.jinja`)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from protos.defaults import DEFAULT_SEED
 
 
 def init_model(directory: Path, cfg: ModelConfig | None = None, seed: int = DEFAULT_SEED) -> Path:
-    """Write a checkpoint with seeded random weights (and a byte-level tokenizer when the
-    directory has none). An existing config.json is kept and used."""
+    """Write a checkpoint with seeded random weights (and a byte-level tokenizer with the
+    default chat template when the directory has no tokenizer). An existing config.json is
+    kept and used."""
     directory.mkdir(parents=True, exist_ok=True)
     if cfg is None:
         cfg = ModelConfig.load(directory) if (directory / "config.json").exists() else ModelConfig()

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from control_plane.chat import write_default_template
 from gpu_service.config import ModelConfig
 from gpu_service.model.weights import init_weights, save_weights
 from training.corpus import Corpus, encode_files, special_ids, train_tokenizer
@@ -240,13 +241,15 @@ def train(
 
 
 def export(weights: dict[str, torch.Tensor], cfg: ModelConfig, work: Path, out: Path) -> None:
-    """The checkpoint directory the service loads: config, bf16 weights, tokenizer."""
+    """The checkpoint directory the service loads: config, bf16 weights, tokenizer, chat
+    template."""
     out.mkdir(parents=True, exist_ok=True)
     cfg = replace(cfg, torch_dtype="float32")  # the serving dtype on a CPU; weights stay bf16
     (out / "config.json").write_text(cfg.to_json())
     save_weights({n: w.to(torch.bfloat16) for n, w in weights.items()}, out)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (out / name).write_bytes((work / name).read_bytes())
+    write_default_template(out)
 
 
 def run(args: argparse.Namespace) -> int:

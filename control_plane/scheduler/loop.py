@@ -7,7 +7,10 @@ grammar that refuses its tokens) ends that request alone, with the refusal's sta
 service (a transport error) ends every admitted request; the loop asks the service what it
 still holds, frees those sequences and starts over with a fresh connection. Free slots are
 the service's count (`Capabilities.free_slots`), kept in step with this loop's own allocs
-and frees: slots may be held by others.
+and frees: slots may be held by others. The tokenizer is the served checkpoint's, unless one
+is given: each connection asks for its files, and one that finds other files (the service now
+serves another model) reloads it and refuses the requests still waiting, tokenized for the
+old model, with UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -33,12 +36,20 @@ from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.seq import ActiveSeq, GenRequest, QueueSink, Sink, SpecStats
 from control_plane.scheduler.step import step_mtp
 from control_plane.tokenizer import Tokenization
-from protos.model import Capabilities, Model, ModelError, ResourceExhausted, Sampling
+from protos.model import (
+    Capabilities,
+    FailedPrecondition,
+    Model,
+    ModelError,
+    ResourceExhausted,
+    Sampling,
+)
 from protos.telemetry import span, tracer
 
 log = logging.getLogger("control_plane.scheduler")
 TRACER = tracer("met.control_plane")
-Payload = tuple[GenRequest, Sink, QueueSink | None] | str | None  # submit, cancel, wake
+# submit (with the tokenizer the prompt was tokenized with), cancel, wake
+Payload = tuple[GenRequest, Sink, QueueSink | None, Tokenizer] | str | None
 SLOT_POLL_S = 0.05  # with requests waiting and no free slot, how often to ask the service
 LOST = ("UNAVAILABLE", "DEADLINE_EXCEEDED")  # transport codes: the service is gone
 
@@ -73,6 +84,8 @@ class Scheduler:
         else:
             self.override = Tokenization(tokenizer, {}, "the tokenizer given")
         self.tokenization: Tokenization | None = self.override
+        # Waiting when the served model changed: tokenized for the old one, to be refused.
+        self._stale: list[ActiveSeq] = []
         # The environment is read once, here; its switches override the options by name.
         self.opts = (opts or SchedulerOptions()).with_env(env or Env.read())
         self.model: Model | None = None
@@ -114,9 +127,21 @@ class Scheduler:
             assert self.ctx is not None
             return self.ctx.caps
 
-    def submit(self, req: GenRequest, sink: Sink, on_queued: QueueSink | None = None) -> None:
+    def submit(
+        self,
+        req: GenRequest,
+        sink: Sink,
+        on_queued: QueueSink | None = None,
+        tokenizer: Tokenizer | None = None,
+    ) -> None:
         """Queue the request; its events go to `sink`, and, when it cannot be admitted at
-        once, `Queued` notices to `on_queued`."""
+        once, `Queued` notices to `on_queued`. `tokenizer` is the one its prompt was
+        tokenized with (default: the one in use, connecting first if need be); a request
+        tokenized with one no longer in use is refused with UNAVAILABLE."""
+        if tokenizer is None:
+            if self.tokenization is None:
+                self.capabilities()
+            tokenizer = self.tokenizer
         with self._lock:
             if self._queued >= self.opts.max_queue:
                 raise ResourceExhausted(
@@ -127,7 +152,7 @@ class Scheduler:
             self.counters.requests += 1
         if self.metrics is not None:
             self.metrics.requests.inc()
-        self.inbox.put(("submit", (req, sink, on_queued)))
+        self.inbox.put(("submit", (req, sink, on_queued, tokenizer)))
 
     def cancel(self, request_id: str) -> None:
         self.inbox.put(("cancel", request_id))
@@ -183,18 +208,48 @@ class Scheduler:
     def _take(self, kind: str, payload: Payload) -> None:
         if kind == "submit":
             assert isinstance(payload, tuple)
-            req, sink, on_queued = payload
+            req, sink, on_queued, tokenizer = payload
             max_context = self.ctx.caps.max_context if self.ctx else 1 << 30
             eos = self.ctx.caps.eos_token_ids if self.ctx else ()
-            a = ActiveSeq(req, sink, self.tokenizer, eos, max_context)
+            a = ActiveSeq(req, sink, tokenizer, eos, max_context)
             a.vocab_size = self.ctx.caps.vocab_size if self.ctx else 0
             a.drafter = self.ctx.caps.has_mtp if self.ctx else True
             a.observer = self.metrics
             a.draft_stop = self.opts.draft_confidence_stop
             a.on_queued = on_queued
-            self.waiting.append(a)
+            self._enqueue(a, tokenizer)
         elif kind == "cancel":
             self._cancel(str(payload))
+
+    def _enqueue(self, a: ActiveSeq, tokenizer: Tokenizer) -> None:
+        """The request waits, unless the tokenizer it was tokenized with went out of use
+        before it got here."""
+        with self._lock:  # a connect on another thread may change the tokenizer meanwhile
+            stale = self.tokenization is not None and tokenizer is not self.tokenizer
+            if not stale:
+                self.waiting.append(a)
+        if stale:
+            self._refuse_stale([a])
+
+    def _drop_stale(self) -> None:
+        """Waiting requests tokenized for the model the service served before are refused."""
+        with self._lock:
+            marked, self._stale = set(self._stale), []
+            stale = [a for a in self.waiting if a in marked]
+            self.waiting = deque(a for a in self.waiting if a not in marked)
+        self._refuse_stale(stale)
+
+    def _refuse_stale(self, stale: list[ActiveSeq]) -> None:
+        """Each ends alone: its ids mean other text, or none, to the model served now."""
+        assert self.tokenization is not None
+        message = (
+            f"the GPU service now serves another model ({self.tokenization.origin}) than the "
+            "one this request was tokenized for; send it again"
+        )
+        for a in stale:
+            a.refuse("UNAVAILABLE", message)
+            a.finish("error")
+        self._dequeued(len(stale))
 
     def _cancel(self, request_id: str) -> None:
         for a in list(self.waiting):
@@ -214,6 +269,8 @@ class Scheduler:
                 return
             with self._lock:
                 self._connect()
+        if self._stale:
+            self._drop_stale()
         if not (self.waiting or self.prefilling or self.active):
             return
         # Each iteration is a trace of its own; requests reach it through span links.
@@ -250,15 +307,52 @@ class Scheduler:
 
     def _connect(self) -> None:
         model = self.connect()
-        caps = model.capabilities()
-        self.ctx = StepContext.build(caps, self.opts, self._measure(model, caps))
-        self.model = model
+        try:
+            caps = model.capabilities()
+            served = self.override if self.override is not None else self._served(model, caps)
+            ctx = StepContext.build(caps, self.opts, self._measure(model, caps))
+        except BaseException:
+            getattr(model, "close", lambda: None)()  # the service would keep its session open
+            raise
+        self._use(served)
+        self.ctx, self.model = ctx, model
         self.free_slots = caps.free_slots  # others (or a past connection) may hold slots
         for a in self.waiting:
             a.max_context = caps.max_context
             a.vocab_size = caps.vocab_size
             a.drafter = caps.has_mtp
             a.set_eos(() if a.req.ignore_eos else caps.eos_token_ids)
+
+    def _served(self, model: Model, caps: Capabilities) -> Tokenization:
+        """The served checkpoint's tokenizer; files that give none are `FailedPrecondition`."""
+        try:
+            return Tokenization.from_files(
+                model.tokenizer_files(), f"the GPU service's model {caps.model_name!r}"
+            )
+        except ValueError as e:
+            raise FailedPrecondition(
+                f"{e}; the control plane cannot tokenize for it (a --tokenizer DIR given to the "
+                "control plane overrides the model's)"
+            ) from None
+
+    def _use(self, new: Tokenization) -> None:
+        """The connection's tokenizer. The same files keep the one in use (and what was built
+        for it); other files mean the service now serves another model, and the requests
+        waiting were tokenized for the old one."""
+        old = self.tokenization
+        if old is not None and (old is new or old.digest == new.digest):
+            return
+        if old is not None:
+            log.warning(
+                "the GPU service now serves another model: %s (tokenizer files %s), where it "
+                "served %s (%s); the tokenizer was reloaded",
+                new.origin,
+                new.digest,
+                old.origin,
+                old.digest,
+            )
+            self._stale.extend(self.waiting)
+        self.tokenization = new
 
     def _measure(self, model: Model, caps: Capabilities) -> CostTable | None:
         """The measured cost model's table, once per connection (`--spec-cost-model`)."""

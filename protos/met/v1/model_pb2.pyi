@@ -58,6 +58,18 @@ class CapabilitiesReply(_message.Message):
     max_prefill_tokens: int
     def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_slots: _Optional[int] = ..., free_slots: _Optional[int] = ..., slot_verify_drafts: _Optional[_Iterable[int]] = ..., max_rows: _Optional[int] = ..., forwards: _Optional[_Iterable[str]] = ..., current_forward: _Optional[str] = ..., device: _Optional[str] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., hidden_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_mtp: _Optional[bool] = ..., max_batch: _Optional[int] = ..., max_prefill_tokens: _Optional[int] = ...) -> None: ...
 
+class TokenizerFilesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TokenizerFileChunk(_message.Message):
+    __slots__ = ("name", "data")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    data: bytes
+    def __init__(self, name: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+
 class AllocSequenceRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -26,9 +26,9 @@ if _version_not_supported:
 
 
 class ModelServiceStub:
-    """Every call but Capabilities and OpenSession names its session in the `met-session` metadata;
-    SetForward, MeasureCosts and ReadLogits are admin calls instead: they name no session and
-    need the admin key in the `met-admin-key` metadata. See protos/model.py.
+    """Every call but Capabilities, TokenizerFiles and OpenSession names its session in the
+    `met-session` metadata; SetForward, MeasureCosts and ReadLogits are admin calls instead: they
+    name no session and need the admin key in the `met-admin-key` metadata. See protos/model.py.
     """
 
     def __init__(self, channel):
@@ -46,6 +46,11 @@ class ModelServiceStub:
                 '/met.v1.ModelService/Capabilities',
                 request_serializer=met_dot_v1_dot_model__pb2.CapabilitiesRequest.SerializeToString,
                 response_deserializer=met_dot_v1_dot_model__pb2.CapabilitiesReply.FromString,
+                _registered_method=True)
+        self.TokenizerFiles = channel.unary_stream(
+                '/met.v1.ModelService/TokenizerFiles',
+                request_serializer=met_dot_v1_dot_model__pb2.TokenizerFilesRequest.SerializeToString,
+                response_deserializer=met_dot_v1_dot_model__pb2.TokenizerFileChunk.FromString,
                 _registered_method=True)
         self.AllocSequence = channel.unary_unary(
                 '/met.v1.ModelService/AllocSequence',
@@ -125,9 +130,9 @@ class ModelServiceStub:
 
 
 class ModelServiceServicer:
-    """Every call but Capabilities and OpenSession names its session in the `met-session` metadata;
-    SetForward, MeasureCosts and ReadLogits are admin calls instead: they name no session and
-    need the admin key in the `met-admin-key` metadata. See protos/model.py.
+    """Every call but Capabilities, TokenizerFiles and OpenSession names its session in the
+    `met-session` metadata; SetForward, MeasureCosts and ReadLogits are admin calls instead: they
+    name no session and need the admin key in the `met-admin-key` metadata. See protos/model.py.
     """
 
     def OpenSession(self, request, context):
@@ -140,6 +145,14 @@ class ModelServiceServicer:
 
     def Capabilities(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TokenizerFiles(self, request, context):
+        """The checkpoint's tokenizer files that exist (protos/model.py TOKENIZER_FILES), each as
+        chunks in order: a tokenizer.json passes gRPC's 4 MiB message bound.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -253,6 +266,11 @@ def add_ModelServiceServicer_to_server(servicer, server):
                     request_deserializer=met_dot_v1_dot_model__pb2.CapabilitiesRequest.FromString,
                     response_serializer=met_dot_v1_dot_model__pb2.CapabilitiesReply.SerializeToString,
             ),
+            'TokenizerFiles': grpc.unary_stream_rpc_method_handler(
+                    servicer.TokenizerFiles,
+                    request_deserializer=met_dot_v1_dot_model__pb2.TokenizerFilesRequest.FromString,
+                    response_serializer=met_dot_v1_dot_model__pb2.TokenizerFileChunk.SerializeToString,
+            ),
             'AllocSequence': grpc.unary_unary_rpc_method_handler(
                     servicer.AllocSequence,
                     request_deserializer=met_dot_v1_dot_model__pb2.AllocSequenceRequest.FromString,
@@ -337,9 +355,9 @@ def add_ModelServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class ModelService:
-    """Every call but Capabilities and OpenSession names its session in the `met-session` metadata;
-    SetForward, MeasureCosts and ReadLogits are admin calls instead: they name no session and
-    need the admin key in the `met-admin-key` metadata. See protos/model.py.
+    """Every call but Capabilities, TokenizerFiles and OpenSession names its session in the
+    `met-session` metadata; SetForward, MeasureCosts and ReadLogits are admin calls instead: they
+    name no session and need the admin key in the `met-admin-key` metadata. See protos/model.py.
     """
 
     @staticmethod
@@ -386,6 +404,33 @@ class ModelService:
             '/met.v1.ModelService/Capabilities',
             met_dot_v1_dot_model__pb2.CapabilitiesRequest.SerializeToString,
             met_dot_v1_dot_model__pb2.CapabilitiesReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TokenizerFiles(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/met.v1.ModelService/TokenizerFiles',
+            met_dot_v1_dot_model__pb2.TokenizerFilesRequest.SerializeToString,
+            met_dot_v1_dot_model__pb2.TokenizerFileChunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,198 @@
+"""A checkpoint's chat template, rendered as transformers' `apply_chat_template(messages,
+tokenize=False)` renders it: the same sandboxed jinja2 environment and helpers, and the same
+context (the messages, `add_generation_prompt` and the special tokens of tokenizer_config.json),
+so that a chat becomes the prompt the model was trained on."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2 import nodes
+from jinja2.ext import Extension, loopcontrols
+from jinja2.parser import Parser
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.utils import Namespace
+
+from protos.defaults import DEFAULT_MODEL_DIR
+from protos.model import TOKENIZER_FILES
+
+CONFIG_FILE, TEMPLATE_FILE = TOKENIZER_FILES[1:3]  # tokenizer_config.json, chat_template.jinja
+
+
+class Refusal(jinja2.TemplateError):
+    """The template called `raise_exception`: it will not render this chat."""
+
+
+def _raise_exception(message: str) -> None:
+    raise Refusal(message)
+
+
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # jinja2's own filter escapes HTML characters (`<` as \u003c), which would change the prompt.
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class _Dict:
+    """`dict` for templates: its calls without its class attributes, a way out of the sandbox."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any) -> dict:
+        return dict.fromkeys(*args)
+
+
+def _check_name(name: object) -> None:
+    if isinstance(name, str) and name.startswith("_"):
+        raise jinja2.exceptions.SecurityError(
+            f"a chat template may not store {name!r} on a namespace: underscore names are refused"
+        )
+
+
+class _Namespace(Namespace):
+    """`namespace()` refusing underscore names, which lead to Python's internals."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:  # jinja2's signature: `self` is a name too
+        self, attrs = args[0], dict(*args[1:], **kwargs)
+        for name in attrs:
+            _check_name(name)
+        Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _check_name(name)
+        super().__setitem__(name, value)
+
+
+class _Generation(Extension):
+    """`{% generation %}...{% endgeneration %}`: transformers marks the assistant's tokens with
+    it for training masks; rendered, it is its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Parser) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Callable[[], str]) -> str:
+        return caller()
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals.update(
+        raise_exception=_raise_exception,
+        strftime_now=_strftime_now,
+        dict=_Dict(),
+        namespace=_Namespace,
+    )
+    return env
+
+
+_ENV = _environment()
+
+
+class ChatTemplate:
+    """One checkpoint's chat template, compiled once, and the special tokens it may name."""
+
+    def __init__(self, source: str, special_tokens: Mapping[str, str]) -> None:
+        try:
+            self._template = _ENV.from_string(source)
+        except jinja2.TemplateSyntaxError as e:
+            raise ValueError(f"the chat template does not compile (line {e.lineno}): {e}") from None
+        self.special_tokens = dict(special_tokens)
+
+    @classmethod
+    def from_files(cls, files: Mapping[str, bytes]) -> ChatTemplate | None:
+        """The template of a checkpoint's tokenizer files (by name), or None when it has none:
+        `chat_template.jinja`, else tokenizer_config.json's `chat_template`, as transformers
+        loads it. Raises `ValueError` for files it cannot read."""
+        config = _config(files)
+        if TEMPLATE_FILE in files:
+            source: str | None = _text(files, TEMPLATE_FILE)
+        else:
+            source = _config_template(config)
+        return None if source is None else cls(source, _special_tokens(config))
+
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        """The chat as the prompt text; `ValueError` with a sentence when the template refuses
+        it or fails on it."""
+        context = {
+            **self.special_tokens,
+            "messages": messages,
+            "tools": None,
+            "documents": None,
+            "add_generation_prompt": add_generation_prompt,
+        }
+        try:
+            return self._template.render(context)
+        except Refusal as e:
+            raise ValueError(f"the chat template refuses these messages: {e}") from None
+        # A template is a program: whatever it raises concerns this chat alone.
+        except Exception as e:
+            raise ValueError(f"the chat template failed on these messages: {e}") from None
+
+
+def _text(files: Mapping[str, bytes], name: str) -> str:
+    try:
+        return files[name].decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{name} is not UTF-8 text: {e}") from None
+
+
+def _config(files: Mapping[str, bytes]) -> dict[str, Any]:
+    if CONFIG_FILE not in files:
+        return {}
+    try:
+        config = json.loads(_text(files, CONFIG_FILE))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{CONFIG_FILE} is not JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{CONFIG_FILE} holds a {type(config).__name__}, not a JSON object")
+    return config
+
+
+def _config_template(config: Mapping[str, Any]) -> str | None:
+    """tokenizer_config.json's template: a string, or a list of named ones of which transformers
+    renders "default" when no tools are given."""
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+def _special_tokens(config: Mapping[str, Any]) -> dict[str, str]:
+    """The named special tokens (bos_token, eos_token, unk_token, pad_token, ...) that
+    transformers puts in a template's context; a value may be an AddedToken as a dict."""
+    tokens = {}
+    for key, value in config.items():
+        content = value.get("content") if isinstance(value, dict) else value
+        if key.endswith("_token") and isinstance(content, str):
+            tokens[key] = content
+    return tokens
+
+
+def write_default_template(directory: Path) -> None:
+    """The bundled model's chat template, its one home, into a checkpoint written fresh."""
+    (directory / TEMPLATE_FILE).write_bytes((DEFAULT_MODEL_DIR / TEMPLATE_FILE).read_bytes())

@@ -1,0 +1,338 @@
+"""OpenAI request bodies as `GenerateRequest`s: what the HTTP front takes, what it refuses.
+
+A known parameter this server cannot honour (`n` above 1, penalties, `logit_bias`, tools, ...)
+is refused with a sentence naming it, never dropped. Unknown fields are ignored, as vLLM
+ignores them: SDKs add their own (`user`, `metadata`, `store`), and none of those changes the
+output. Only types, and what the wire types cannot hold, are checked here; the ranges of the
+fields a `GenerateRequest` carries are the `Door`'s to check.
+
+Beyond OpenAI's parameters it takes `speculative` ({"method": "none" | "mtp" |
+"prompt_lookup", "num_drafts": N}), `add_generation_prompt` (chat), and vLLM's `top_k`,
+`min_tokens`, `ignore_eos` and `stop_token_ids`. Left unset, `temperature` is 1 as in OpenAI's
+API, and `max_tokens` the server's `--max-new-tokens`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from control_plane.door import INVALID, METHODS, BadRequest
+from protos.met.v1 import generate_pb2 as pb
+
+UINT32, UINT64 = (1 << 32) - 1, (1 << 64) - 1
+METHOD_NAMES = {name: method for method, name in METHODS.items()}
+FORMATS = "text, json_object or json_schema"
+SPECULATIVE_KEYS = ("method", "num_drafts")
+
+# Parameters taken only at a value that changes nothing: name -> (those values, what this
+# server does instead). An absent or null parameter is always taken.
+REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "n": ((1,), "returns one choice per request (n: 1)"),
+    "best_of": ((1,), "returns one choice per request (best_of: 1)"),
+    "echo": ((False,), "does not echo the prompt"),
+    "suffix": (("",), "inserts no suffix"),
+    "logit_bias": (({},), "has no logit bias"),
+    "presence_penalty": ((0,), "applies no penalties"),
+    "frequency_penalty": ((0,), "applies no penalties"),
+    "repetition_penalty": ((1,), "applies no penalties"),
+    "min_p": ((0,), "has no min_p cut (top_p and top_k are taken)"),
+    "use_beam_search": ((False,), "has no beam search"),
+    "top_logprobs": ((0,), "returns the chosen token's log-probability only (top_logprobs: 0)"),
+    "tools": (([],), "has no tool calling"),
+    "tool_choice": (("none",), "has no tool calling"),
+    "functions": (([],), "has no tool calling"),
+    "function_call": (("none",), "has no tool calling"),
+    "audio": ((), "generates text only"),
+    "modalities": ((["text"],), "generates text only"),
+    "prediction": ((), "takes no predicted output (see `speculative` for its own drafts)"),
+    "guided_json": ((), "takes structured output as response_format"),
+    "guided_regex": ((), "takes structured output as response_format"),
+    "guided_choice": ((), "takes structured output as response_format"),
+    "guided_grammar": ((), "takes structured output as response_format"),
+}
+
+
+class InvalidParam(BadRequest):
+    """A request refused before it reaches the `Door`; `param` names the parameter, `status`
+    an HTTP status other than the code's."""
+
+    def __init__(
+        self,
+        param: str | None,
+        message: str,
+        code: grpc.StatusCode = INVALID,
+        status: int | None = None,
+    ) -> None:
+        super().__init__(code, message)
+        self.param, self.status = param, status
+
+
+@dataclasses.dataclass(frozen=True)
+class Ask:
+    """One OpenAI request: the `GenerateRequest` and what shapes its response."""
+
+    request: pb.GenerateRequest
+    model: str | None  # None: the served one
+    stream: bool
+    include_usage: bool  # a last streamed chunk carries the usage
+
+
+def completion_request(body: Any) -> Ask:
+    """A `/v1/completions` body; `InvalidParam` with a sentence when it cannot be taken."""
+    return _ask(body, _prompt, _completion_logprobs)
+
+
+def chat_request(body: Any) -> Ask:
+    """A `/v1/chat/completions` body; `InvalidParam` with a sentence when it cannot be taken."""
+    return _ask(body, _messages, _chat_logprobs)
+
+
+def _ask(
+    body: Any,
+    prompt: Callable[[dict, pb.GenerateRequest], None],
+    logprobs: Callable[[dict], bool],
+) -> Ask:
+    if not isinstance(body, dict):
+        raise InvalidParam(None, "the body must be a JSON object")
+    _refuse_unsupported(body)
+    try:
+        r = _sampling(body)
+        prompt(body, r)
+        r.logprobs = logprobs(body)
+        _response_format(body, r)
+        _speculative(body, r)
+    except UnicodeEncodeError as e:  # JSON can carry lone surrogates; protobuf strings cannot
+        raise InvalidParam(None, f"the body holds text that is not valid Unicode: {e}") from None
+    options = _object(body, "stream_options") or {}
+    return Ask(
+        r,
+        _str(body, "model") or None,  # "" too: the served one
+        bool(_bool(body, "stream")),
+        bool(_bool(options, "include_usage", "stream_options.include_usage")),
+    )
+
+
+def _refuse_unsupported(body: dict) -> None:
+    for name, (takes, instead) in REFUSED.items():
+        value = body.get(name)
+        if value is not None and value not in takes:
+            raise InvalidParam(name, f"{name} is {_shown(value)}; this server {instead}")
+
+
+def _sampling(body: dict) -> pb.GenerateRequest:
+    """The budget, the sampler and the stops."""
+    r = pb.GenerateRequest(stop=_stop(body))
+    if (max_new := _max_tokens(body)) is not None:
+        r.max_new_tokens = max_new
+    temperature = _number(body, "temperature")
+    r.temperature = 1.0 if temperature is None else temperature
+    r.top_p = _number(body, "top_p") or 0.0  # 0: no cut
+    if (seed := _int(body, "seed", most=UINT64)) is not None:
+        r.seed = seed
+    r.top_k = _int(body, "top_k") or 0
+    r.min_new_tokens = _int(body, "min_tokens") or 0
+    r.ignore_eos = bool(_bool(body, "ignore_eos"))
+    r.stop_token_ids.extend(_ids(_list(body, "stop_token_ids"), "stop_token_ids"))
+    return r
+
+
+def _max_tokens(body: dict) -> int | None:
+    old, new = _int(body, "max_tokens"), _int(body, "max_completion_tokens")
+    if old is not None and new is not None and old != new:
+        raise InvalidParam(
+            "max_tokens", f"max_tokens ({old}) and max_completion_tokens ({new}) differ; give one"
+        )
+    return new if new is not None else old
+
+
+def _stop(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return stop
+    raise InvalidParam("stop", f"stop is {_shown(stop)}; it must be a string or a list of them")
+
+
+def _prompt(body: dict, r: pb.GenerateRequest) -> None:
+    """Text, or token ids; a batch of one prompt is that prompt."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        r.prompt = prompt
+    elif isinstance(prompt, list) and all(_is_int(t) for t in prompt):
+        r.prompt_token_ids.extend(_ids(prompt, "prompt"))
+    elif isinstance(prompt, list) and all(isinstance(p, str | list) for p in prompt):
+        raise InvalidParam("prompt", f"prompt holds {len(prompt)} prompts; send one a request")
+    else:
+        raise InvalidParam(
+            "prompt", f"prompt is {_shown(prompt)}; it must be text or a list of token ids"
+        )
+
+
+def _messages(body: dict, r: pb.GenerateRequest) -> None:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidParam("messages", "messages must be a non-empty list of {role, content}")
+    for i, m in enumerate(messages):
+        role = m.get("role") if isinstance(m, dict) else None
+        if not isinstance(role, str):
+            raise InvalidParam("messages", f"messages[{i}] has no role; each needs one")
+        r.messages.add(role=role, content=_content(m.get("content"), i))
+    if (add := _bool(body, "add_generation_prompt")) is not None:
+        r.add_generation_prompt = add
+
+
+def _content(content: Any, i: int) -> str:
+    """A message's text: a string, or text parts (joined)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise InvalidParam(
+            "messages", f"messages[{i}].content is {_shown(content)}; it must be text or parts"
+        )
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text":
+            raise InvalidParam(
+                "messages",
+                f"messages[{i}].content[{j}] is {_shown(part)}; this server takes text parts only",
+            )
+    texts = [_str(p, "text", f"messages[{i}].content[{j}].text") for j, p in enumerate(content)]
+    return "".join(t or "" for t in texts)
+
+
+def _completion_logprobs(body: dict) -> bool:
+    """`logprobs: 0`: each token's own log-probability, no alternatives."""
+    n = _int(body, "logprobs")
+    if n:
+        raise InvalidParam(
+            "logprobs",
+            f"logprobs is {n}; this server returns the chosen token's log-probability only "
+            "(logprobs: 0)",
+        )
+    return n == 0
+
+
+def _chat_logprobs(body: dict) -> bool:
+    return bool(_bool(body, "logprobs"))
+
+
+def _response_format(body: dict, r: pb.GenerateRequest) -> None:
+    form = _object(body, "response_format")
+    kind = None if form is None else form.get("type")
+    if form is None or kind == "text":
+        return
+    if kind == "json_object":
+        r.response_format.json_schema = "{}"  # any JSON value
+    elif kind == "json_schema":
+        schema = (_object(form, "json_schema", "response_format.json_schema") or {}).get("schema")
+        if not isinstance(schema, dict | bool):
+            raise InvalidParam(
+                "response_format", "response_format.json_schema.schema must be a JSON schema"
+            )
+        r.response_format.json_schema = json.dumps(schema)
+    else:
+        raise InvalidParam(
+            "response_format", f"response_format type {_shown(kind)} is unknown; use {FORMATS}"
+        )
+
+
+def _speculative(body: dict, r: pb.GenerateRequest) -> None:
+    spec = _object(body, "speculative")
+    if spec is None:
+        return
+    unknown = sorted(set(spec) - set(SPECULATIVE_KEYS))
+    if unknown:
+        raise InvalidParam(
+            "speculative",
+            f"speculative.{unknown[0]} is unknown; it takes {' and '.join(SPECULATIVE_KEYS)}",
+        )
+    method = spec.get("method")
+    if method is not None:
+        if method not in METHOD_NAMES:
+            names = ", ".join(METHOD_NAMES)
+            raise InvalidParam(
+                "speculative", f"speculative.method is {_shown(method)}; use one of {names}"
+            )
+        r.speculative_method = METHOD_NAMES[method]
+    if (n := _int(spec, "num_drafts", "speculative.num_drafts")) is not None:
+        r.num_drafts = n
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int(obj: dict, key: str, param: str | None = None, most: int = UINT32) -> int | None:
+    value = obj.get(key)
+    if value is None:
+        return None
+    if not _is_int(value) or not 0 <= value <= most:
+        name = param or key
+        raise InvalidParam(name, f"{name} is {_shown(value)}; it must be an integer, 0 to {most}")
+    return value
+
+
+def _ids(values: list, param: str) -> list[int]:
+    bad = [v for v in values if not _is_int(v) or not 0 <= v <= UINT32]
+    if bad:
+        raise InvalidParam(
+            param, f"{param} holds {_shown(bad[0])}; a token id is an integer, 0 to {UINT32}"
+        )
+    return values
+
+
+def _number(obj: dict, key: str) -> float | None:
+    value = obj.get(key)
+    if value is None:
+        return None
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        try:
+            return float(value)
+        except OverflowError:  # an integer past any float
+            pass
+    raise InvalidParam(key, f"{key} is {_shown(value)}; it must be a number")
+
+
+def _bool(obj: dict, key: str, param: str | None = None) -> bool | None:
+    value = obj.get(key)
+    if value is None or isinstance(value, bool):
+        return value
+    name = param or key
+    raise InvalidParam(name, f"{name} is {_shown(value)}; it must be true or false")
+
+
+def _str(obj: dict, key: str, param: str | None = None) -> str | None:
+    value = obj.get(key)
+    if value is None or isinstance(value, str):
+        return value
+    name = param or key
+    raise InvalidParam(name, f"{name} is {_shown(value)}; it must be a string")
+
+
+def _list(obj: dict, key: str) -> list:
+    value = obj.get(key)
+    if value is None or isinstance(value, list):
+        return value or []
+    raise InvalidParam(key, f"{key} is {_shown(value)}; it must be a list")
+
+
+def _object(obj: dict, key: str, param: str | None = None) -> dict | None:
+    value = obj.get(key)
+    if value is None or isinstance(value, dict):
+        return value
+    name = param or key
+    raise InvalidParam(name, f"{name} is {_shown(value)}; it must be an object")
+
+
+def _shown(value: Any) -> str:
+    """A value as JSON, cut short: sentences quote what the client sent."""
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."

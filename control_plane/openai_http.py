@@ -1,0 +1,336 @@
+"""The OpenAI-compatible HTTP front: `GET /v1/models`, `POST /v1/completions` and
+`POST /v1/chat/completions`, streamed as server-sent events or whole, through the same `Door`
+(and so the same scheduler) as the gRPC API. `openai_body` says which parameters it takes.
+
+A request is one OpenTelemetry SERVER span under the caller's `traceparent`, like a `Generate`
+call. A client that disconnects before the end cancels its request, which frees its slot. With
+API keys configured, every route wants `Authorization: Bearer <key>`, as the gRPC API does."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Iterator
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Any, TypeVar
+
+import grpc
+import uvicorn
+from opentelemetry import propagate
+from opentelemetry.trace import Span, SpanKind, Tracer
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from control_plane import auth
+from control_plane.api import TRACER, failed, finished, request_attributes
+from control_plane.door import BadRequest, Door
+from control_plane.openai_body import Ask, InvalidParam, chat_request, completion_request
+from control_plane.openai_reply import DONE, Reply, error, grpc_error, sse
+from control_plane.scheduler.seq import Delta, Failure, Finish, Queued
+from protos.model import Capabilities, ModelError
+
+T = TypeVar("T")
+OWNER = "met"
+# As gRPC bounds a message: a JSON body is read whole before any of it is checked.
+MAX_BODY_BYTES = 4 << 20
+
+
+def build_app(
+    door: Door, api_keys: frozenset[str] = frozenset(), tracer: Tracer = TRACER
+) -> ASGIApp:
+    """The Starlette app over `door`; with `api_keys`, each request must carry one."""
+    front = Front(door, tracer)
+    app: ASGIApp = Starlette(
+        routes=[
+            Route("/v1/models", front.models, methods=["GET"]),
+            Route("/v1/completions", front.completions, methods=["POST"]),
+            Route("/v1/chat/completions", front.chat, methods=["POST"]),
+        ],
+        exception_handlers={HTTPException: _http_error},
+    )
+    return RequireKey(app, api_keys) if api_keys else app
+
+
+class RequireKey:
+    """401 in OpenAI's shape for a request without one of `keys`, before its body is read."""
+
+    def __init__(self, app: ASGIApp, keys: frozenset[str]) -> None:
+        self.app, self.keys = app, keys
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]
+            sentence = auth.refusal(headers, self.keys)
+            if sentence is not None:
+                body = error(401, sentence, grpc.StatusCode.UNAUTHENTICATED.name.lower())
+                await JSONResponse(body, 401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own refusals (no such route, wrong method) in OpenAI's shape."""
+    assert isinstance(exc, HTTPException)
+    code = HTTPStatus(exc.status_code).phrase.lower().replace(" ", "_")
+    body = error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code)
+    return JSONResponse(body, exc.status_code, headers=exc.headers)
+
+
+def _refused(e: BadRequest) -> JSONResponse:
+    param, status = getattr(e, "param", None), getattr(e, "status", None)
+    status, body = grpc_error(e.code, str(e), param, status)
+    return JSONResponse(body, status)
+
+
+@dataclass
+class Flight:
+    """One admitted request, from the Door's queue to the end of its response."""
+
+    door: Door
+    key: str
+    events: asyncio.Queue
+    span: Span
+    done: bool = False
+    started: float = field(default_factory=time.monotonic)
+    first: bool = True  # no token yet
+
+    async def next(self) -> Delta | Queued | Finish:
+        """The next event; a `Failure` is raised as `BadRequest`."""
+        ev = await self.events.get()
+        if isinstance(ev, Delta) and ev.token_ids and self.first:
+            self.first = False
+            self.span.set_attribute("met.time_to_first_token_s", time.monotonic() - self.started)
+        elif isinstance(ev, Finish):
+            self.done = True
+            finished(self.span, ev)
+        elif isinstance(ev, Failure):
+            self.done = True
+            failed(self.span, ev.code, ev.message)
+            raise BadRequest(getattr(grpc.StatusCode, ev.code), ev.message)
+        return ev
+
+    def end(self) -> None:
+        """However the response ended: a request its client left is cancelled (the span
+        ends first, so that it is complete once the slot is free)."""
+        if not self.done:
+            self.span.set_attribute("gen_ai.response.finish_reasons", ["cancelled"])
+        self.span.end()
+        if not self.done:
+            self.door.leave(self.key)
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events that end their flight however the response ends, a client gone
+    before the first chunk included (the body's generator then never runs)."""
+
+    def __init__(self, content: AsyncIterator[str], flight: Flight, rid: str) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"x-request-id": rid})
+        self.flight = flight
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.flight.end()
+
+
+class Front:
+    """The routes' handlers over one `Door`."""
+
+    def __init__(self, door: Door, tracer: Tracer = TRACER) -> None:
+        self.door, self.tracer = door, tracer
+        self._ids = itertools.count()
+
+    async def models(self, request: Request) -> Response:
+        try:
+            caps = await self._capabilities()
+        except BadRequest as e:
+            return _refused(e)
+        model = {"id": caps.model_name, "object": "model", "created": 0, "owned_by": OWNER}
+        return JSONResponse({"object": "list", "data": [model]})
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: Request, chat: bool) -> Response:
+        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+        span = self.tracer.start_span(
+            "generate",
+            context=propagate.extract(request.headers),
+            kind=SpanKind.SERVER,
+            attributes={"met.request_id": rid, "url.path": request.url.path},
+        )
+        try:
+            ask, caps = await self._admit(request, chat, rid, span)
+            key = f"{rid}#{next(self._ids)}"  # clients may reuse ids; the scheduler must not
+            flight = Flight(self.door, key, await self.door.enter(ask.request, key, span), span)
+        except BadRequest as e:
+            failed(span, e.code.name, str(e))
+            span.end()
+            return _refused(e)
+        prefix = "chatcmpl-" if chat else "cmpl-"
+        reply = Reply(chat, prefix + rid, caps.model_name, self.door.scheduler.tokenizer)
+        if ask.stream:
+            return EventStream(_events(reply, flight, ask.include_usage), flight, rid)
+        try:
+            body = await _or_gone(request, _whole(reply, flight))
+        except BadRequest as e:
+            return _refused(e)
+        finally:
+            flight.end()
+        return JSONResponse(body, headers={"x-request-id": rid})
+
+    async def _admit(
+        self, request: Request, chat: bool, rid: str, span: Span
+    ) -> tuple[Ask, Capabilities]:
+        """The request read and checked against the served model, or `BadRequest`."""
+        ask = (chat_request if chat else completion_request)(await _json(request))
+        span.set_attributes(request_attributes(ask.request, rid))
+        if chat:
+            span.set_attribute("gen_ai.operation.name", "chat")
+        caps = await self._capabilities()
+        if ask.model not in (None, caps.model_name):
+            raise InvalidParam(
+                "model",
+                f"model {ask.model!r} is not served here; this server serves "
+                f"{caps.model_name!r} (GET /v1/models)",
+                grpc.StatusCode.NOT_FOUND,
+            )
+        return ask, caps
+
+    async def _capabilities(self) -> Capabilities:
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(None, self.door.scheduler.capabilities)
+        except grpc.RpcError as e:
+            raise BadRequest(
+                grpc.StatusCode.UNAVAILABLE, f"the GPU service is not reachable: {e.details()}"
+            ) from None
+        except ModelError as e:
+            raise BadRequest(getattr(grpc.StatusCode, e.code), str(e)) from None
+
+
+async def _json(request: Request) -> Any:
+    """The body, read up to MAX_BODY_BYTES and parsed."""
+    data = bytearray()
+    try:
+        async for chunk in request.stream():
+            data += chunk
+            if len(data) > MAX_BODY_BYTES:
+                raise InvalidParam(
+                    None,
+                    f"the body is over {MAX_BODY_BYTES} bytes, this server's bound",
+                    status=413,
+                )
+    except ClientDisconnect:
+        raise BadRequest(grpc.StatusCode.CANCELLED, "the client left before its body") from None
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError
+        raise InvalidParam(None, f"the body is not JSON: {e}") from None
+
+
+async def _whole(reply: Reply, flight: Flight) -> dict:
+    text: list[str] = []
+    ids: list[int] = []
+    logprobs: list[float] = []
+    while True:
+        ev = await flight.next()
+        if isinstance(ev, Delta):
+            text.append(ev.text)
+            ids += ev.token_ids
+            logprobs += ev.logprobs
+        elif isinstance(ev, Finish):
+            return reply.whole("".join(text), ids, logprobs, ev)
+
+
+async def _events(reply: Reply, flight: Flight, include_usage: bool) -> AsyncIterator[str]:
+    """The stream's chunks, then `[DONE]`; a request waiting for a slot hears its place as
+    SSE comments, which clients skip."""
+    try:
+        if reply.chat:
+            yield sse(reply.opening())
+        while True:
+            ev = await flight.next()
+            if isinstance(ev, Queued):
+                yield f": queued {ev.position} of {ev.queue_length}\n\n"
+            elif isinstance(ev, Delta):
+                yield sse(reply.chunk(ev))
+            else:
+                yield sse(reply.closing(ev))
+                if include_usage:
+                    yield sse(reply.usage_chunk(ev))
+                break
+    except BadRequest as e:  # the status line is gone: the error travels as an event
+        yield sse(grpc_error(e.code, str(e))[1])
+    yield DONE
+
+
+async def _or_gone(request: Request, work: Awaitable[T]) -> T | None:
+    """`work`'s result, or None once the client has disconnected (`work` cancelled)."""
+    job = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait((job, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        job.cancel()
+    return job.result() if job.done() and not job.cancelled() else None
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns when the client is gone (the body was read before)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without signal handlers of its own: the control plane's loop owns SIGTERM and
+    SIGINT and stops this server with the gRPC one."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+@dataclass
+class HttpServer:
+    port: int
+    server: uvicorn.Server
+    task: asyncio.Task
+
+    async def stop(self) -> None:
+        """Stop accepting; streams in flight get the `grace` given to `serve`."""
+        self.server.should_exit = True
+        await self.task
+
+
+def serve(app: Any, host: str, port: int, grace: float, **tls: Any) -> HttpServer:
+    """uvicorn serving `app` on this loop, its socket bound and listening on return (port 0:
+    a free one). `tls`: uvicorn's `ssl_*` settings."""
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_config=None,
+        timeout_graceful_shutdown=math.ceil(grace),  # whole seconds
+        **tls,
+    )
+    sock = config.bind_socket()
+    sock.listen(config.backlog)  # connections wait in the backlog until uvicorn accepts
+    server = _Uvicorn(config)
+    task = asyncio.ensure_future(server.serve(sockets=[sock]))
+    return HttpServer(sock.getsockname()[1], server, task)

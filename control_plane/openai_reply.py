@@ -1,0 +1,134 @@
+"""Scheduler events as OpenAI response bodies: the whole completion, its stream chunks, the
+usage and, beside it, the request's `speculative` statistics; errors in OpenAI's shape with
+the HTTP status of their gRPC code."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from control_plane.api import stats_message
+from control_plane.detok import Tokenizer
+from control_plane.scheduler.seq import Delta, Finish
+
+STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    # The model cannot serve the request as asked (no chat template, no MTP head); the same
+    # request will not succeed later, so not 409.
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNIMPLEMENTED: 501,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+}  # any other status: server_error
+DONE = "data: [DONE]\n\n"
+
+
+def error(status: int, message: str, code: str, param: str | None = None) -> dict:
+    kind = ERROR_TYPES.get(status, "server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def grpc_error(
+    code: grpc.StatusCode, message: str, param: str | None = None, status: int | None = None
+) -> tuple[int, dict]:
+    """-> (HTTP status, body) of a request refused or failed with this gRPC code (`status`
+    overrides the code's); `code` in the body is the gRPC code's name, in lower case."""
+    status = status or STATUS.get(code, 500)
+    return status, error(status, message, code.name.lower(), param)
+
+
+def sse(body: dict) -> str:
+    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+
+def usage(ev: Finish) -> dict:
+    total = ev.prompt_tokens + ev.completion_tokens
+    return {
+        "prompt_tokens": ev.prompt_tokens,
+        "completion_tokens": ev.completion_tokens,
+        "total_tokens": total,
+    }
+
+
+def speculative(ev: Finish) -> dict:
+    """The gRPC API's `SpeculativeStats`, field for field."""
+    return MessageToDict(
+        stats_message(ev.stats),
+        preserving_proto_field_name=True,
+        always_print_fields_with_no_presence=True,
+    )
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What every body of one response shares; `chat` picks the chat shapes."""
+
+    chat: bool
+    id: str
+    model: str
+    tokenizer: Tokenizer  # spells each token of a logprobs list
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def opening(self) -> dict:
+        """The first chunk of a chat stream: the assistant's role."""
+        return self._body(True, {"role": "assistant", "content": ""}, None, None)
+
+    def chunk(self, ev: Delta) -> dict:
+        delta = {"content": ev.text} if self.chat else ev.text
+        return self._body(True, delta, self._logprobs(ev.token_ids, ev.logprobs), None)
+
+    def closing(self, ev: Finish) -> dict:
+        """The last chunk with a choice: its finish reason, and the speculative statistics."""
+        body = self._body(True, {} if self.chat else "", None, ev.reason)
+        return {**body, "speculative": speculative(ev)}
+
+    def usage_chunk(self, ev: Finish) -> dict:
+        return {**self._head(True), "choices": [], "usage": usage(ev)}
+
+    def whole(self, text: str, ids: list[int], logprobs: list[float], ev: Finish) -> dict:
+        message = {"role": "assistant", "content": text} if self.chat else text
+        body = self._body(False, message, self._logprobs(ids, logprobs), ev.reason)
+        return {**body, "usage": usage(ev), "speculative": speculative(ev)}
+
+    def _head(self, chunk: bool) -> dict:
+        kind = "text_completion"
+        if self.chat:
+            kind = "chat.completion.chunk" if chunk else "chat.completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def _body(
+        self, chunk: bool, content: dict | str, logprobs: dict | None, finish: str | None
+    ) -> dict:
+        name = ("delta" if chunk else "message") if self.chat else "text"
+        choice = {"index": 0, name: content, "logprobs": logprobs, "finish_reason": finish}
+        return {**self._head(chunk), "choices": [choice]}
+
+    def _logprobs(self, ids: list[int], logprobs: list[float]) -> dict | None:
+        """Each token's own log-probability (there are no alternatives: top_logprobs 0)."""
+        if not logprobs:
+            return None
+        tokens = [self.tokenizer.decode([t]) for t in ids]
+        if self.chat:
+            content = [
+                {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                for t, lp in zip(tokens, logprobs, strict=True)
+            ]
+            return {"content": content}
+        return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": None}
