@@ -68,6 +68,15 @@ class LLGuidanceGrammar:
         return self.matcher.is_stopped()
 
 
+def _compact_json(schema: str) -> str:
+    """JSON without whitespace between tokens unless the schema's `x-guidance` allows it: a
+    model allowed free whitespace may spend its whole budget on it (a weak or random model
+    does), and compact output is what a client parses anyway."""
+    return llguidance.LLMatcher.grammar_from_json_schema(
+        schema, defaults={"whitespace_flexible": False}
+    )
+
+
 class GrammarCompiler:
     """Compiles response formats for one vocabulary (the tokenizer's bytes, built once)."""
 
@@ -88,7 +97,7 @@ class GrammarCompiler:
     def compile(self, kind: str, spec: str) -> LLGuidanceGrammar:
         """kind: json_schema, regex or lark. Raises ValueError with a sentence."""
         builders: dict[str, Callable[[str], str]] = {
-            "json_schema": llguidance.LLMatcher.grammar_from_json_schema,
+            "json_schema": _compact_json,
             "regex": llguidance.LLMatcher.grammar_from_regex,
             "lark": llguidance.LLMatcher.grammar_from_lark,
         }

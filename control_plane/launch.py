@@ -39,10 +39,11 @@ def start_control_plane(
     *extra: str,
     timeout: float = 60.0,
     credentials: grpc.ChannelCredentials | None = None,
+    seen: list[str] | None = None,
 ) -> tuple[subprocess.Popen, str]:
     port = () if "--port" in extra else ("--port", "0")
     return start(
-        "control-plane", ["--gpu-service", gpu_service, *port, *extra], timeout, credentials
+        "control-plane", ["--gpu-service", gpu_service, *port, *extra], timeout, credentials, seen
     )
 
 
@@ -51,7 +52,10 @@ def start(
     args: list[str],
     timeout: float,
     credentials: grpc.ChannelCredentials | None = None,
+    seen: list[str] | None = None,
 ) -> tuple[subprocess.Popen, str]:
+    """The child and its gRPC address; the lines it printed before that one go to `seen`
+    (other addresses it announces: metrics, the HTTP API)."""
     cmd = [sys.executable, "-m", "control_plane.cli", process, "serve", *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
@@ -59,6 +63,8 @@ def start(
         if "listening on" in line:
             break
         sys.stderr.write(f"[{process}] {line}")
+        if seen is not None:
+            seen.append(line)
     else:
         proc.kill()
         raise RuntimeError(f"the {process} exited before listening (status {proc.wait()})")

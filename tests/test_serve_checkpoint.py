@@ -4,10 +4,14 @@ hands it, and its tokens and text are transformers' own."""
 
 from __future__ import annotations
 
+import json
+import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import grpc
+import jsonschema
+import openai
 import pytest
 import torch
 from transformers import GenerationConfig
@@ -22,6 +26,8 @@ from tests.hf_checkpoint import MESSAGES, PROMPT, Checkpoint, greedy, make_check
 class Pair:
     checkpoint: Checkpoint
     stub: pb_grpc.GenerationServiceStub
+    openai: openai.OpenAI  # the control plane's HTTP front
+    gpu: subprocess.Popen
 
 
 @pytest.fixture(scope="module")
@@ -29,10 +35,13 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     checkpoint = make_checkpoint(tmp_path_factory.mktemp("hf"))
     gpu, target = start_gpu_service(checkpoint.directory, "--max-context", "256")
     try:
-        cp, cp_target = start_control_plane(target)
+        seen: list[str] = []
+        cp, cp_target = start_control_plane(target, "--http-port", "0", seen=seen)
+        base = next(line.split(" on ", 1)[1].strip() for line in seen if "OpenAI API on" in line)
+        client = openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=120)
         try:
             with grpc.insecure_channel(cp_target) as channel:
-                yield Pair(checkpoint, pb_grpc.GenerationServiceStub(channel))
+                yield Pair(checkpoint, pb_grpc.GenerationServiceStub(channel), client, gpu)
         finally:
             stop(cp)
     finally:
@@ -83,3 +92,64 @@ def test_the_second_eos_id_ends_a_sequence(pair: Pair) -> None:
     assert theirs[-1] == ck.eos_ids[1] and len(theirs) < 12, "the checkpoint is as made"
     assert last.finish_reason == "stop"
     assert ids == theirs[:-1], "the EOS token ends the output and is not part of it"
+
+
+GREEDY = dict(max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+
+
+def test_the_openai_client_gets_the_grpc_apis_text(pair: Pair) -> None:
+    """Completions and chat, whole and streamed, against the real HTTP front: the greedy text
+    of the same prompt over gRPC."""
+    _, text, _ = generate(pair.stub, prompt=PROMPT, max_new_tokens=12, ignore_eos=True)
+    whole = pair.openai.completions.create(model="", prompt=PROMPT, **GREEDY)
+    assert whole.choices[0].text == text and whole.choices[0].finish_reason == "length"
+    parts = pair.openai.completions.create(model="", prompt=PROMPT, stream=True, **GREEDY)
+    assert "".join(c.choices[0].text for c in parts if c.choices) == text
+
+    messages = [pb.ChatMessage(**m) for m in MESSAGES]
+    _, chat_text, _ = generate(pair.stub, messages=messages, max_new_tokens=12, ignore_eos=True)
+    reply = pair.openai.chat.completions.create(model="", messages=MESSAGES, **GREEDY)
+    assert reply.choices[0].message.content == chat_text
+    assert reply.usage is not None and reply.usage.completion_tokens == 12
+    parts = pair.openai.chat.completions.create(model="", messages=MESSAGES, stream=True, **GREEDY)
+    assert "".join(c.choices[0].delta.content or "" for c in parts if c.choices) == chat_text
+
+
+def test_a_json_schema_reply_validates(pair: Pair) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    reply = pair.openai.chat.completions.create(
+        model="",
+        messages=MESSAGES,
+        max_tokens=40,
+        temperature=0,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "answer", "schema": schema},
+        },
+    )
+    jsonschema.validate(json.loads(reply.choices[0].message.content or ""), schema)
+
+
+def test_a_bad_request_is_400_in_openais_shape(pair: Pair) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        pair.openai.chat.completions.create(model="", messages=MESSAGES, n=2)
+    assert caught.value.status_code == 400
+    assert (
+        caught.value.body["type"] == "invalid_request_error" and "n" in caught.value.body["message"]
+    )
+
+
+def test_with_the_gpu_service_stopped_requests_are_503(pair: Pair) -> None:
+    """Last in this module: it stops the GPU service."""
+    stop(pair.gpu)
+    with pytest.raises(openai.APIStatusError) as caught:
+        pair.openai.completions.create(model="", prompt=PROMPT, max_tokens=2)
+    assert caught.value.status_code == 503
+    assert (
+        caught.value.body["code"] == "unavailable" and "GPU service" in caught.value.body["message"]
+    )
