@@ -10,5 +10,5 @@ COPY kernels kernels
 COPY training training
 RUN python3 -m venv .venv && .venv/bin/pip install --no-cache-dir -e .
 ENV PATH=/app/.venv/bin:$PATH
-EXPOSE 50050 50051
+EXPOSE 50050 50051 8000
 CMD ["met", "gpu-service", "serve", "--host", "0.0.0.0", "--port", "50051"]

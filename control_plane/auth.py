@@ -50,18 +50,21 @@ def read_keys(args: argparse.Namespace) -> frozenset[str]:
     return frozenset(keys)
 
 
-def refusal(metadata: Collection[tuple[str, Any]], keys: frozenset[str]) -> str | None:
-    """Why a call with this metadata is refused, or None when it carries a valid key."""
+def refusal(
+    metadata: Collection[tuple[str, Any]], keys: frozenset[str], carrier: str = "metadata"
+) -> str | None:
+    """Why a call with this metadata (gRPC's, or HTTP's headers: `carrier` "header") is
+    refused, or None when it carries a valid key."""
     values = [v for k, v in metadata if k == "authorization"]
     if not values:
-        return "this API requires an API key: send `authorization: Bearer <key>` metadata."
+        return f"this API requires an API key: send `authorization: Bearer <key>` {carrier}."
     value = values[0] if isinstance(values[0], str) else values[0].decode(errors="replace")
     if not value.startswith(SCHEME):
-        return "the authorization metadata is not of the form `Bearer <key>`."
+        return f"the authorization {carrier} is not of the form `Bearer <key>`."
     offered = value[len(SCHEME) :].strip().encode()
     # Compared against every key in constant time, so timing tells nothing about a near miss.
     if not any([hmac.compare_digest(offered, k.encode()) for k in keys]):
-        return "the API key in the authorization metadata is not one this server accepts."
+        return f"the API key in the authorization {carrier} is not one this server accepts."
     return None
 
 

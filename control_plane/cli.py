@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
     server.add_serve_args(up, gpu_service_required=False)
-    up.set_defaults(fn=_up, tokenizer=None)
+    up.set_defaults(fn=_up)
 
     gen = sub.add_parser("generate", help="stream one request from a running control plane")
     generate_cli.add_args(gen)

@@ -243,15 +243,7 @@ class Door:
         """Check, convert and submit the request under `key`; its events (and `Queued`
         notices) arrive on the returned queue. Raises `BadRequest` for a request this server
         will not take, the GPU service out of reach included."""
-        loop = asyncio.get_running_loop()
-        try:
-            caps = await loop.run_in_executor(None, self.scheduler.capabilities)
-        except grpc.RpcError as e:
-            raise BadRequest(
-                grpc.StatusCode.UNAVAILABLE, f"the GPU service is not reachable: {e.details()}"
-            ) from None
-        except ModelError as e:  # a served model whose files give no tokenizer, among others
-            raise BadRequest(getattr(grpc.StatusCode, e.code), str(e)) from None
+        caps = await self.capabilities()
         span.set_attribute("gen_ai.request.model", caps.model_name)
         tokenizer = self.scheduler.tokenizer
         compiler = self._grammar_compiler(request, tokenizer, caps)
@@ -259,15 +251,29 @@ class Door:
         req = to_request(request, tokenizer, caps, self.admission, key, compiler, chat)
         req = dataclasses.replace(req, span_context=span.get_span_context())
         events: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
 
         def sink(ev: Event | Queued) -> None:
             loop.call_soon_threadsafe(events.put_nowait, ev)
 
         try:
-            self.scheduler.submit(req, sink, sink)
+            self.scheduler.submit(req, sink, sink, tokenizer)
         except ModelError as e:
             raise BadRequest(getattr(grpc.StatusCode, e.code), str(e)) from None
         return events
+
+    async def capabilities(self) -> Capabilities:
+        """The served model's, connecting first if need be; `BadRequest` with UNAVAILABLE when
+        the GPU service is out of reach, or the status of its refusal."""
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(None, self.scheduler.capabilities)
+        except grpc.RpcError as e:
+            raise BadRequest(
+                grpc.StatusCode.UNAVAILABLE, f"the GPU service is not reachable: {e.details()}"
+            ) from None
+        except ModelError as e:  # a served model whose files give no tokenizer, among others
+            raise BadRequest(getattr(grpc.StatusCode, e.code), str(e)) from None
 
     def leave(self, key: str) -> None:
         """The client is gone before its request finished: free its slot."""

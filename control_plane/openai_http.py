@@ -37,7 +37,7 @@ from control_plane.door import BadRequest, Door
 from control_plane.openai_body import Ask, InvalidParam, chat_request, completion_request
 from control_plane.openai_reply import DONE, Reply, error, grpc_error, sse
 from control_plane.scheduler.seq import Delta, Failure, Finish, Queued
-from protos.model import Capabilities, ModelError
+from protos.model import Capabilities
 
 T = TypeVar("T")
 OWNER = "met"
@@ -70,7 +70,7 @@ class RequireKey:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]
-            sentence = auth.refusal(headers, self.keys)
+            sentence = auth.refusal(headers, self.keys, "header")
             if sentence is not None:
                 body = error(401, sentence, grpc.StatusCode.UNAUTHENTICATED.name.lower())
                 await JSONResponse(body, 401)(scope, receive, send)
@@ -153,7 +153,7 @@ class Front:
 
     async def models(self, request: Request) -> Response:
         try:
-            caps = await self._capabilities()
+            caps = await self.door.capabilities()
         except BadRequest as e:
             return _refused(e)
         model = {"id": caps.model_name, "object": "model", "created": 0, "owned_by": OWNER}
@@ -201,7 +201,7 @@ class Front:
         span.set_attributes(request_attributes(ask.request, rid))
         if chat:
             span.set_attribute("gen_ai.operation.name", "chat")
-        caps = await self._capabilities()
+        caps = await self.door.capabilities()
         if ask.model not in (None, caps.model_name):
             raise InvalidParam(
                 "model",
@@ -210,17 +210,6 @@ class Front:
                 grpc.StatusCode.NOT_FOUND,
             )
         return ask, caps
-
-    async def _capabilities(self) -> Capabilities:
-        loop = asyncio.get_running_loop()
-        try:
-            return await loop.run_in_executor(None, self.door.scheduler.capabilities)
-        except grpc.RpcError as e:
-            raise BadRequest(
-                grpc.StatusCode.UNAVAILABLE, f"the GPU service is not reachable: {e.details()}"
-            ) from None
-        except ModelError as e:
-            raise BadRequest(getattr(grpc.StatusCode, e.code), str(e)) from None
 
 
 async def _json(request: Request) -> Any:

@@ -140,10 +140,20 @@ def admission(args: argparse.Namespace) -> Admission:
     return Admission(args.method, args.max_new_tokens, args.max_prompt_bytes)
 
 
+def read_tokenizer(args: argparse.Namespace) -> Tokenization | None:
+    """`--tokenizer`'s files, or None for the served model's."""
+    if args.tokenizer is None:
+        return None
+    try:
+        return Tokenization.from_dir(args.tokenizer)
+    except (OSError, ValueError) as e:
+        raise tls.FlagError(f"--tokenizer {args.tokenizer}: {e}") from None
+
+
 def build_scheduler(
     args: argparse.Namespace, credentials: grpc.ChannelCredentials | None
 ) -> Scheduler:
-    tokenizer = Tokenization.from_dir(args.tokenizer) if args.tokenizer is not None else None
+    tokenizer = tls.or_exit(PROG, read_tokenizer, args)
     metrics = Metrics() if args.metrics_port is not None else None
     return Scheduler(
         lambda: GrpcModel(
@@ -187,6 +197,11 @@ async def serve(args: argparse.Namespace, security: Security) -> None:
     health_servicer = health.aio.HealthServicer()
     server = build_server(servicer, health_servicer, security.api_keys)
     port = tls.add_port(server, f"{args.host}:{args.port}", security.server)
+    # Before any port is announced: a SIGTERM right after the announcement shuts down cleanly.
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
     await server.start()
     http = serve_http(args, servicer.door, security) if args.http_port is not None else None
     for name in ("", SERVICE_NAME):
@@ -196,10 +211,6 @@ async def serve(args: argparse.Namespace, security: Security) -> None:
         f"GPU service {args.gpu_service})",
         flush=True,
     )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     print("control-plane shutting down", flush=True)
     await health_servicer.enter_graceful_shutdown()

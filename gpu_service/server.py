@@ -66,13 +66,13 @@ async def serve(
     port = tls.add_port(server, f"{args.host}:{args.port}", credentials)
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    await server.start()
-    print(f"gpu-service listening on {args.host}:{port}", flush=True)
-
+    # Before the port is announced: a SIGTERM right after the announcement shuts down cleanly.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    await server.start()
+    print(f"gpu-service listening on {args.host}:{port}", flush=True)
 
     def load() -> Engine:
         engine = Engine(args.model, svc, args.dtype, device)

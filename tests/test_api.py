@@ -217,7 +217,7 @@ def test_gpu_service_death_ends_streams_and_recovery(tiny_dir: Path) -> None:
 def test_met_up_then_generate() -> None:
     """The README's first command, then a client streaming from it."""
     up = subprocess.Popen(
-        [sys.executable, "-m", "control_plane.cli", "up", "--port", "0"],
+        [sys.executable, "-m", "control_plane.cli", "up", "--port", "0", "--http-port", "0"],
         stdout=subprocess.PIPE,
         text=True,
     )

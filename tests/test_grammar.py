@@ -145,7 +145,7 @@ class Submitted:
     def capabilities(self):
         return self.model.capabilities()
 
-    def submit(self, req: GenRequest, sink, on_queued) -> None:
+    def submit(self, req: GenRequest, sink, on_queued, tokenizer=None) -> None:
         self.got.append(req)
 
 
