@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP front: `GET /v1/models`, `POST /v1/completions` and
+"""The OpenAI-compatible HTTP front: `GET /health`, `GET /v1/models`, `POST /v1/completions` and
 `POST /v1/chat/completions`, streamed as server-sent events or whole, through the same `Door`
 (and so the same scheduler) as the gRPC API. `openai_body` says which parameters it takes.
 
@@ -52,6 +52,7 @@ def build_app(
     front = Front(door, tracer)
     app: ASGIApp = Starlette(
         routes=[
+            Route("/health", front.health, methods=["GET"]),
             Route("/v1/models", front.models, methods=["GET"]),
             Route("/v1/completions", front.completions, methods=["POST"]),
             Route("/v1/chat/completions", front.chat, methods=["POST"]),
@@ -62,13 +63,15 @@ def build_app(
 
 
 class RequireKey:
-    """401 in OpenAI's shape for a request without one of `keys`, before its body is read."""
+    """401 in OpenAI's shape for a request without one of `keys`, before its body is read;
+    `/health` is open, as gRPC's health service is."""
 
     def __init__(self, app: ASGIApp, keys: frozenset[str]) -> None:
         self.app, self.keys = app, keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
+        # Probes carry no key, and the health route tells nothing a key would guard.
+        if scope["type"] == "http" and scope["path"] != "/health":
             headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]
             sentence = auth.refusal(headers, self.keys, "header")
             if sentence is not None:
@@ -150,6 +153,15 @@ class Front:
     def __init__(self, door: Door, tracer: Tracer = TRACER) -> None:
         self.door, self.tracer = door, tracer
         self._ids = itertools.count()
+
+    async def health(self, request: Request) -> Response:
+        """200 while the GPU service answers, 503 in OpenAI's error shape otherwise (what a
+        load balancer or an orchestrator's probe reads, as vLLM's `/health`)."""
+        try:
+            await self.door.capabilities()
+        except BadRequest as e:
+            return _refused(e)
+        return JSONResponse({})
 
     async def models(self, request: Request) -> Response:
         try:

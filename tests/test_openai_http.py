@@ -122,6 +122,7 @@ def grpc_text(stub: pb_grpc.GenerationServiceStub, request: pb.GenerateRequest) 
 def test_models_names_the_served_model(fronts: Fronts) -> None:
     (model,) = fronts.client.models.list().data
     assert model.id == fronts.engine.capabilities().model_name
+    assert httpx2.get(f"{fronts.http[: -len('/v1')]}/health", timeout=30).status_code == 200
 
 
 def test_greedy_text_is_the_grpc_apis_whole_and_streamed(fronts: Fronts) -> None:
@@ -316,7 +317,9 @@ def test_gpu_service_gone_is_503() -> None:
                 client(f"http://127.0.0.1:{http.port}/v1").completions.create(
                     model="", prompt="a", max_tokens=1
                 )
+            health = httpx2.get(f"http://127.0.0.1:{http.port}/health", timeout=30)
         finally:
             on(loop, http.stop())
     assert caught.value.status_code == 503 and caught.value.body["code"] == "unavailable"
     assert caught.value.body["message"].startswith("the GPU service is not reachable")
+    assert health.status_code == 503 and health.json()["error"]["code"] == "unavailable"
