@@ -12,6 +12,8 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import torch
+from opentelemetry import propagate
+from opentelemetry.trace import SpanKind
 
 from gpu_service import costs
 from gpu_service.config import ModelConfig, ServiceConfig
@@ -20,6 +22,7 @@ from gpu_service.drafter import Drafter
 from gpu_service.model.backend import EAGER, Choice, EagerOps
 from gpu_service.model.hybrid import HybridModel
 from gpu_service.model.weights import load_weights
+from gpu_service.pipeline import EngineSteps, run_plan
 from gpu_service.slots import SlotTable
 from gpu_service.state import DeviceState
 from gpu_service.step import Steps
@@ -30,13 +33,19 @@ from protos.model import (
     InvalidArgument,
     Logits,
     NotFound,
+    PlanResult,
     Proposal,
     RowDraws,
     Sampling,
     SequenceHandle,
+    StepPlan,
     StepResult,
+    StepStream,
     read_tokenizer_files,
 )
+from protos.telemetry import tracer
+
+_TRACER = tracer("met.engine")
 
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -231,6 +240,21 @@ class Engine:
     ) -> StepResult:
         with self._hold():
             return self.steps.decode_step(tokens, ks, seqs, want_drafts, num_drafts)
+
+    def run_plan(self, plan: StepPlan) -> PlanResult:
+        """One step plan (`StepPlan`), under the caller's trace context."""
+        with (
+            self._hold(),
+            _TRACER.start_as_current_span(
+                "engine.plan", context=propagate.extract(plan.trace), kind=SpanKind.SERVER
+            ),
+        ):
+            return run_plan(
+                plan, lambda h: self.slots.get(h.seq_id).continuation, self.steps.decode_step
+            )
+
+    def open_steps(self) -> StepStream:
+        return EngineSteps(self.run_plan)
 
     # -- forwards and admin --------------------------------------------------------------
 

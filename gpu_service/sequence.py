@@ -24,6 +24,9 @@ class SeqState:
     verify_row: int = 0  # its first row in that call
     # [nd, V] the distributions its last sampled drafts came from
     draft_probs: torch.Tensor | None = None
+    # The rows its last `decode_step` leaves to verify next (its bonus token, then the drafts
+    # it proposed), for a step plan that continues it; any other call naming it drops them.
+    continuation: list[int] | None = None
 
     @property
     def seq_len(self) -> int:

@@ -47,11 +47,15 @@ class SlotTable:
             raise unknown_sequence(seq_id) from None
 
     def lookup(self, what: str, handles: Sequence[SequenceHandle]) -> list[SeqState]:
-        """The sequences a call names: at least one, each once, each known."""
+        """The sequences a call names: at least one, each once, each known. The call moves
+        their state on, so what their last step left to continue from is dropped."""
         checks.not_empty(what, handles)
         ids = [h.seq_id for h in handles]
         checks.distinct(what, ids)
-        return [self.get(i) for i in ids]
+        states = [self.get(i) for i in ids]
+        for s in states:
+            s.continuation = None
+        return states
 
 
 def unknown_sequence(seq_id: int) -> NotFound:

@@ -199,6 +199,12 @@ class Steps:
             proposal = Proposal([full.drafts[j] for j in keep], [full.confidences[j] for j in keep])
             for s in states:
                 s.own_drafts = []
+        row0 = 0
+        for s, k, a in zip(states, ks, accepted, strict=True):
+            s.continuation = [argmax[row0 + a]]
+            row0 += k
+        for i, drafts in zip(proposers, proposal.drafts, strict=True):
+            states[i].continuation = [*(states[i].continuation or []), *drafts]
         return StepResult(argmax, logprobs, accepted, proposers, proposal)
 
 

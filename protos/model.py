@@ -30,7 +30,7 @@ process and its children read.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -153,6 +153,53 @@ class StepResult:
     accepted: list[int]  # per sequence: drafts that stood
     proposers: list[int]  # indexes of the sequences that got new drafts
     proposal: Proposal  # their drafts, in `proposers` order
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step of a step stream (`Model.open_steps`): a greedy `decode_step` whose rows the
+    service may fill in itself. A sequence that `continues` verifies its own last verdict:
+    the bonus token of its last `decode_step` (or plan) and the drafts that step proposed for
+    it, at most `ks[i]` rows of them (0: all); the others give their rows in `tokens`, `ks[i]`
+    of them each. A continuing sequence whose last operation was anything else (another call,
+    a refusal, a free) is refused alone: its state is never guessed."""
+
+    seqs: list[SequenceHandle]
+    continues: list[bool]
+    tokens: list[int]  # the rows of the sequences that do not continue, in order
+    ks: list[int]  # given rows, or the most rows a continuing sequence takes (0: all)
+    want_drafts: list[bool]
+    num_drafts: int
+    trace: dict[str, str] = field(default_factory=dict)  # W3C trace context of the plan's span
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """What one plan did, in plan order: `step` covers the sequences it ran (`ran`, indexes
+    into the plan), whose rows `rows`/`ks` (the continuing ones filled in); `refused` the
+    others, each with its status code and sentence. `waited_s`: how long the service sat idle
+    between the previous plan of the stream and this one (0 for the first)."""
+
+    step: StepResult
+    ran: list[int]
+    rows: list[int]
+    ks: list[int]
+    refused: list[tuple[int, str, str]]  # (index, status code name, sentence)
+    waited_s: float = 0.0
+
+
+class StepStream(Protocol):
+    """Plans one way, results the other, in order; the service runs plans back to back, so
+    the caller sends plan N + 1 before it reads result N and the service never waits."""
+
+    def send(self, plan: StepPlan) -> None: ...
+
+    def recv(self) -> PlanResult:
+        """The next plan's result; raises what a transport failure raises (every plan in
+        flight is then lost) or a `ModelError` refusing the whole plan."""
+        ...
+
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -328,6 +375,13 @@ class Model(Protocol):
         (`room_to_propose` of its committed length) as a proposer. Equal to those calls;
         one round trip instead of two. The scheduler takes this path for greedy rows unless
         its `fused_step` lever is off."""
+
+    def open_steps(self) -> StepStream:
+        """A step stream: `StepPlan`s run in order, one `PlanResult` each. The unary calls
+        stay; the control plane pipelines greedy `none` and `mtp` steps over this, sending a
+        plan that continues from the service's own verdict before the previous result is
+        back, and discarding what a sequence that finished meanwhile gains. Over gRPC, the
+        bidirectional `StepStream` RPC of the session; in process, a worker thread."""
 
     def measure_costs(
         self, widths: Sequence[int], max_depth: int, repeats: int = 5, refresh: bool = False

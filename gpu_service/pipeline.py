@@ -1,0 +1,172 @@
+"""Step plans (`StepPlan`) run on the engine: a continuing sequence's rows come from its own
+last verdict, kept on its state by `decode_step`; a sequence the plan cannot run is refused
+alone and the rest of the plan runs. `EngineSteps` is the in-process step stream: plans queue
+to a worker thread that runs them back to back, as the GPU service's stream does."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+from protos.model import (
+    FailedPrecondition,
+    InvalidArgument,
+    ModelError,
+    PlanResult,
+    Proposal,
+    SequenceHandle,
+    StepPlan,
+    StepResult,
+)
+
+Refusal = tuple[int, str, str]
+
+
+def plan_rows(
+    plan: StepPlan, continuation: Callable[[SequenceHandle], list[int] | None]
+) -> tuple[list[int], list[list[int]], list[Refusal]]:
+    """-> (the indexes that can run, their rows, the refused): `continuation` gives what a
+    sequence's last step left to verify (None: nothing; raises `ModelError` for a sequence
+    the service does not know)."""
+    n = len(plan.seqs)
+    for name, values in (
+        ("continues", plan.continues),
+        ("ks", plan.ks),
+        ("want_drafts", plan.want_drafts),
+    ):
+        if len(values) != n:
+            raise ValueError(f"a step plan of {n} sequences has {len(values)} {name}")
+    given = sum(k for k, c in zip(plan.ks, plan.continues, strict=True) if not c)
+    if given != len(plan.tokens):
+        raise InvalidArgument(f"a step plan gives {len(plan.tokens)} tokens for {given} rows")
+    ran, rows, refused, at = [], [], [], 0
+    for i, (handle, cont, k) in enumerate(zip(plan.seqs, plan.continues, plan.ks, strict=True)):
+        own = plan.tokens[at : at + k] if not cont else None
+        at += 0 if cont else k
+        try:
+            if cont:
+                own = continuation(handle)
+                if own is None:
+                    raise FailedPrecondition(
+                        f"sequence {handle.seq_id} has no step of its own to continue from (its "
+                        "last call was not a decode step, or it was refused)"
+                    )
+                own = own[:k] if k else own
+        except ModelError as e:
+            refused.append((i, e.code, str(e)))
+            continue
+        assert own is not None
+        ran.append(i)
+        rows.append(own)
+    return ran, rows, refused
+
+
+def run_plan(
+    plan: StepPlan,
+    continuation: Callable[[SequenceHandle], list[int] | None],
+    decode_step: Callable[..., StepResult],
+) -> PlanResult:
+    """The plan on `decode_step`. A refusal of the whole call is narrowed to the sequence it
+    concerns: each sequence runs alone (its rows are batch invariant, so the others' tokens
+    are those of the batch)."""
+    ran, rows, refused = plan_rows(plan, continuation)
+    if not ran:
+        return PlanResult(StepResult([], [], [], [], Proposal([], [])), [], [], [], refused)
+    seqs = [plan.seqs[i] for i in ran]
+    want = [plan.want_drafts[i] for i in ran]
+    flat, ks = [t for r in rows for t in r], [len(r) for r in rows]
+    try:
+        step = decode_step(flat, ks, seqs, want, plan.num_drafts)
+        return PlanResult(step, ran, flat, ks, refused)
+    except ModelError as e:
+        if len(ran) == 1:
+            return PlanResult(
+                StepResult([], [], [], [], Proposal([], [])),
+                [],
+                [],
+                [],
+                sorted([*refused, (ran[0], e.code, str(e))]),
+            )
+    return _one_by_one(plan, ran, rows, refused, decode_step)
+
+
+def _one_by_one(
+    plan: StepPlan,
+    ran: list[int],
+    rows: list[list[int]],
+    refused: list[Refusal],
+    decode_step: Callable[..., StepResult],
+) -> PlanResult:
+    argmax: list[int] = []
+    logprobs: list[float] = []
+    accepted: list[int] = []
+    proposers: list[int] = []
+    drafts: list[list[int]] = []
+    confs: list[list[float]] = []
+    kept: list[int] = []
+    flat: list[int] = []
+    ks: list[int] = []
+    for i, r in zip(ran, rows, strict=True):
+        try:
+            s = decode_step(r, [len(r)], [plan.seqs[i]], [plan.want_drafts[i]], plan.num_drafts)
+        except ModelError as e:
+            refused.append((i, e.code, str(e)))
+            continue
+        if s.proposers:
+            proposers.append(len(kept))
+            drafts += s.proposal.drafts
+            confs += s.proposal.confidences
+        kept.append(i)
+        argmax += s.argmax
+        logprobs += s.logprobs
+        accepted += s.accepted
+        flat += r
+        ks.append(len(r))
+    step = StepResult(argmax, logprobs, accepted, proposers, Proposal(drafts, confs))
+    return PlanResult(step, kept, flat, ks, sorted(refused))
+
+
+class EngineSteps:
+    """An in-process step stream over an engine's `run_plan`: one worker thread runs the
+    plans in order; results (or the exception a plan raised) come back in order."""
+
+    def __init__(self, run: Callable[[StepPlan], PlanResult]) -> None:
+        self._run = run
+        self._plans: queue.Queue[StepPlan | None] = queue.Queue()
+        self._results: queue.Queue[PlanResult | BaseException] = queue.Queue()
+        self._thread = threading.Thread(target=self._work, name="engine-steps", daemon=True)
+        self._thread.start()
+
+    def send(self, plan: StepPlan) -> None:
+        self._plans.put(plan)
+
+    def recv(self) -> PlanResult:
+        result = self._results.get()
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def close(self) -> None:
+        self._plans.put(None)
+        self._thread.join(timeout=30)
+
+    def _work(self) -> None:
+        idle_since: float | None = None
+        while True:
+            plan = self._plans.get()
+            if plan is None:
+                return
+            started = time.perf_counter()
+            waited = started - idle_since if idle_since is not None else 0.0
+            try:
+                result = self._run(plan)
+                self._results.put(
+                    PlanResult(
+                        result.step, result.ran, result.rows, result.ks, result.refused, waited
+                    )
+                )
+            except Exception as e:  # handed to the reader, who decides what it ends
+                self._results.put(e)
+            idle_since = time.perf_counter()
