@@ -33,6 +33,7 @@ from control_plane.metrics import Metrics
 from control_plane.scheduler.context import StepContext
 from control_plane.scheduler.cost_model import CostTable
 from control_plane.scheduler.options import SchedulerOptions
+from control_plane.scheduler.pipeline import Pipeline, runs_ahead
 from control_plane.scheduler.seq import ActiveSeq, GenRequest, QueueSink, Sink, SpecStats
 from control_plane.scheduler.step import step_mtp
 from control_plane.tokenizer import Tokenization
@@ -43,6 +44,7 @@ from protos.model import (
     ModelError,
     ResourceExhausted,
     Sampling,
+    SequenceHandle,
 )
 from protos.telemetry import span, tracer
 
@@ -90,6 +92,7 @@ class Scheduler:
         self.opts = (opts or SchedulerOptions()).with_env(env or Env.read())
         self.model: Model | None = None
         self.ctx: StepContext | None = None
+        self.pipeline = Pipeline(self._release_handle)
         self.inbox: queue.Queue[tuple[str, Payload]] = queue.Queue()
         self.waiting: deque[ActiveSeq] = deque()
         self.prefilling: list[ActiveSeq] = []
@@ -183,6 +186,11 @@ class Scheduler:
                 if not isinstance(e, (grpc.RpcError, ModelError, OSError)):
                     log.exception("the scheduler step failed")
                 self._reset(e)
+        try:
+            self.pipeline.drain(self.ctx)  # stopping: the frees that wait on flights
+        except (grpc.RpcError, ModelError, OSError) as e:
+            log.warning("stopping with plans in flight: %s", _status(e)[1])
+        self.pipeline.close()
 
     def _idle(self) -> float:
         """How long the loop may wait for news: none with work to do; a poll's interval with
@@ -271,6 +279,8 @@ class Scheduler:
                 self._connect()
         if self._stale:
             self._drop_stale()
+        if not self.active and self.pipeline.flights:
+            self.pipeline.drain(self.ctx)  # what is still in flight, and the frees it holds
         if not (self.waiting or self.prefilling or self.active):
             return
         # Each iteration is a trace of its own; requests reach it through span links.
@@ -280,23 +290,39 @@ class Scheduler:
             self._prefill()
             self._retire()
             if self.active:
-                assert self.model is not None and self.ctx is not None
-                width = len(self.active)
-                report = step_mtp(self.model, self.active, self.ctx, self.opts.num_drafts)
-                with self._lock:
-                    self.counters.steps += 1
-                    widths = self.counters.step_widths
-                    widths[width] = widths.get(width, 0) + 1
-                    self.counters.copies += sum(report.copied)
-                    self.counters.dcut_steps += int(report.dcut)
-                    self.counters.last_width = report.ladder_nd
-                if self.metrics is not None:
-                    self.metrics.steps.inc()
-                    self.metrics.copies.inc(sum(report.copied))
-                    self.metrics.dcut_steps.inc(int(report.dcut))
-                    self.metrics.step_width.set(report.ladder_nd)
+                self._step()
                 self._retire()
         self._gauges()
+
+    def _step(self) -> None:
+        """One step of every active sequence: those that run ahead through the pipeline, the
+        others the synchronous way (`step_mtp`)."""
+        assert self.model is not None and self.ctx is not None
+        ctx, nd, pipe = self.ctx, self.opts.num_drafts, self.pipeline
+        ahead = pipe.fits([a for a in self.active if runs_ahead(a, ctx)], ctx, nd)
+        rest = [a for a in self.active if not any(a is b for b in ahead)]
+        if any(pipe.holds(a) for a in rest) or (pipe.flights and not ahead):
+            pipe.drain(ctx)  # their last results first: the synchronous way needs them
+        if ahead:
+            pipe.advance(self.model, ahead, ctx, nd)
+            self._count(len(ahead), 0, False, pipe.flights[-1].step_nd)
+        if rest:
+            report = step_mtp(self.model, rest, ctx, nd)
+            self._count(len(rest), sum(report.copied), report.dcut, report.ladder_nd)
+
+    def _count(self, width: int, copies: int, dcut: bool, step_nd: int) -> None:
+        with self._lock:
+            self.counters.steps += 1
+            widths = self.counters.step_widths
+            widths[width] = widths.get(width, 0) + 1
+            self.counters.copies += copies
+            self.counters.dcut_steps += int(dcut)
+            self.counters.last_width = step_nd
+        if self.metrics is not None:
+            self.metrics.steps.inc()
+            self.metrics.copies.inc(copies)
+            self.metrics.dcut_steps.inc(int(dcut))
+            self.metrics.step_width.set(step_nd)
 
     def _gauges(self) -> None:
         if self.metrics is None or self.ctx is None:
@@ -477,6 +503,13 @@ class Scheduler:
         handle, a.handle = a.handle, None
         if self.model is None or handle is None:
             return
+        if self.pipeline.holds(a):  # a plan in flight still runs it: freed once it is back
+            self.pipeline.defer_free(a, handle)
+            return
+        self._release_handle(handle)
+
+    def _release_handle(self, handle: SequenceHandle) -> None:
+        assert self.model is not None
         try:
             self.model.free_sequence(handle)
         except ModelError as e:
@@ -505,6 +538,7 @@ class Scheduler:
         When the service went away, ask it what it still holds, free those sequences and
         start over on a fresh connection; otherwise free them and carry on."""
         code, message = _status(error)
+        self.pipeline.close()  # what was in flight is lost with the step
         failed = [*self.prefilling, *self.active]
         log.error("%s; failing %d requests", message, len(failed))
         for a in failed:

@@ -48,6 +48,10 @@ class SchedulerOptions:
         True,
         "greedy rows take one decode_step call, not a verify call and a verdict call",
     )
+    pipeline: bool = _option(
+        True,
+        "greedy none and mtp steps run ahead: step N + 1 is sent before step N's result is back",
+    )
     dcut: bool = _option(True, "D-Cut: batched verify depths from draft confidences")
     dcut_threshold: float = _option(
         0.3, "D-Cut keeps drafts while their chain probability is at least this"

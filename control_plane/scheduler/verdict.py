@@ -9,7 +9,7 @@ import math
 from opentelemetry.util.types import AttributeValue
 
 from control_plane.scheduler.seq import ActiveSeq
-from protos.model import Model, ModelError, Proposal, Sampling, room_to_propose
+from protos.model import Model, ModelError, Proposal, Sampling, StepResult, room_to_propose
 from protos.model import greedy_accepted as accepted
 from protos.telemetry import span, tracer
 
@@ -135,11 +135,19 @@ def _fused_step(
         )
         sp.set_attribute("met.accepted", result.accepted)
         sp.set_attribute("met.proposers", len(result.proposers))
-    off = offsets(ks)
+    apply_step(seqs, rows, result, step_nd)
+
+
+def apply_step(
+    seqs: list[ActiveSeq], rows: list[list[int]], result: StepResult, step_nd: int
+) -> None:
+    """A greedy step's result on its sequences: what each gains, its verify's statistics,
+    and its next drafts."""
+    off = offsets([len(r) for r in rows])
     for i, a in enumerate(seqs):
         na = result.accepted[i]
         a.pending_drafts, a.pending_conf = [], []
-        a.record_verify(ks[i] - 1, na)
+        a.record_verify(len(rows[i]) - 1, na)
         bonus = result.argmax[off[i] + na]
         a.gain([*rows[i][1 : na + 1], bonus], result.logprobs[off[i] : off[i] + na + 1])
     _take_drafts(seqs, result.proposers, result.proposal, step_nd)

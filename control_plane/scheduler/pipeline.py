@@ -1,0 +1,221 @@
+"""The pipelined step: greedy `none` and `mtp` sequences run one step ahead over the model's
+step stream (`Model.open_steps`). Each iteration sends the plan of step N + 1, which tells
+every sequence of step N to continue from the service's own verdict, and only then reads
+step N's result; so the service runs step N + 1 while this process streams step N's tokens,
+and never waits for it.
+
+What it costs in knowledge: a plan is made before the previous result is read, so the step's
+width comes from statistics one step old, and a sequence that finishes in step N (EOS, a
+stop, its length, a cancel) is already in step N + 1. Its part of that result is discarded,
+never streamed, and its sequence is freed only once that result is back; a client receives
+exactly the tokens of the unpipelined step (greedy verification is lossless whatever the
+drafts). A sequence joins at the next plan with its rows given (after its prefill, or after
+steps taken the synchronous way); one the service refuses in a plan ends alone.
+
+What cannot run ahead does not: grammars and `min_new_tokens` (their masks need the latest
+tokens), sampling, prompt lookup, the DFlash arm and the confidence stop go the synchronous
+way, in the same iteration. D-Cut does not cut pipelined drafts (it needs their confidences
+before the plan is sent)."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from opentelemetry import propagate
+from opentelemetry.trace import Link, Span, set_span_in_context
+
+from control_plane.scheduler.context import StepContext
+from control_plane.scheduler.seq import MTP, NONE, ActiveSeq
+from control_plane.scheduler.step import step_width
+from control_plane.scheduler.verdict import apply_step, offsets
+from protos.model import (
+    Model,
+    PlanResult,
+    Proposal,
+    SequenceHandle,
+    StepPlan,
+    StepResult,
+    StepStream,
+)
+from protos.telemetry import tracer
+
+TRACER = tracer("met.control_plane")
+DEPTH = 2  # plans in flight once the pipeline runs: the one running and the next
+
+
+def runs_ahead(a: ActiveSeq, ctx: StepContext) -> bool:
+    """Whether a sequence's next step may be planned before its last result is read."""
+    o = ctx.opts
+    return (
+        o.pipeline
+        and o.fused_step
+        and not (o.dflash or o.prompt_lookup or o.draft_confidence_stop is not None)
+        and a.req.method in (NONE, MTP)
+        and a.grammar is None
+        and not a.samples
+        and len(a.generated) >= a.req.min_new_tokens
+    )
+
+
+@dataclass
+class Flight:
+    """One plan sent and not yet read back."""
+
+    seqs: list[ActiveSeq]
+    step_nd: int
+    span: Span
+    before: list[tuple[int, int]]  # each sequence's (drafted, accepted) before the step
+
+    def holds(self, a: ActiveSeq) -> bool:
+        return any(s is a for s in self.seqs)
+
+
+@dataclass
+class Pipeline:
+    """The flights of one connection, and the sequences whose frees wait for them."""
+
+    release: Callable[[SequenceHandle], None]  # frees a sequence on the service
+    stream: StepStream | None = None
+    flights: deque[Flight] = field(default_factory=deque)
+    deferred: list[tuple[ActiveSeq, SequenceHandle]] = field(default_factory=list)
+
+    def holds(self, a: ActiveSeq) -> bool:
+        """A plan in flight names the sequence: freeing it must wait for that result."""
+        return any(f.holds(a) for f in self.flights)
+
+    def defer_free(self, a: ActiveSeq, handle: SequenceHandle) -> None:
+        self.deferred.append((a, handle))
+
+    def fits(self, seqs: list[ActiveSeq], ctx: StepContext, num_drafts: int) -> list[ActiveSeq]:
+        """The longest prefix of `seqs` one plan can carry (rows and batch bounds)."""
+        nd = step_width(seqs, ctx, num_drafts)
+        rows, out = 0, []
+        for a in seqs[: ctx.caps.max_batch]:
+            if rows + nd + 1 > ctx.caps.max_rows:
+                break
+            rows += nd + 1
+            out.append(a)
+        return out
+
+    def advance(
+        self, model: Model, seqs: list[ActiveSeq], ctx: StepContext, num_drafts: int
+    ) -> None:
+        """Send the next plan for `seqs` (and one more when none was in flight), then read
+        the oldest result back."""
+        if self.stream is None:
+            self.stream = model.open_steps()
+        while True:
+            self._send(seqs, ctx, num_drafts)
+            if len(self.flights) >= DEPTH:
+                break
+        self._read(ctx)
+
+    def drain(self, ctx: StepContext | None) -> None:
+        """Read every flight back: nothing runs ahead any more."""
+        while self.flights:
+            self._read(ctx)
+        self._free_deferred()
+
+    def close(self) -> None:
+        """The connection is gone: the flights and the deferred frees with it."""
+        for f in self.flights:
+            f.span.end()
+        self.flights.clear()
+        self.deferred.clear()
+        if self.stream is not None:
+            stream, self.stream = self.stream, None
+            stream.close()
+
+    def _send(self, seqs: list[ActiveSeq], ctx: StepContext, num_drafts: int) -> None:
+        assert self.stream is not None
+        last = self.flights[-1] if self.flights else None
+        step_nd = step_width(seqs, ctx, num_drafts)
+        continues = [last is not None and last.holds(a) for a in seqs]
+        tokens, ks = [], []
+        for a, cont in zip(seqs, continues, strict=True):
+            cap = min(step_nd, a.req.num_drafts if a.req.num_drafts is not None else step_nd)
+            if cont:
+                ks.append(cap + 1)
+            else:
+                rows = [a.last_token, *a.pending_drafts[:cap]]
+                tokens += rows
+                ks.append(len(rows))
+        links = [Link(a.req.span_context) for a in seqs if a.req.span_context is not None]
+        sp = TRACER.start_span("step_mtp", links=links)
+        sp.set_attributes(
+            {"met.active": len(seqs), "met.ladder_nd": step_nd, "met.pipelined": True}
+        )
+        trace: dict[str, str] = {}
+        propagate.inject(trace, context=set_span_in_context(sp))
+        want = [step_nd >= 1 and a.wants_drafts for a in seqs]
+        self.stream.send(
+            StepPlan([a.live_handle for a in seqs], continues, tokens, ks, want, step_nd, trace)
+        )
+        for a in seqs:
+            a.stats.steps += 1
+        before = [(a.stats.drafted, a.stats.accepted) for a in seqs]
+        self.flights.append(Flight(list(seqs), step_nd, sp, before))
+
+    def _read(self, ctx: StepContext | None) -> None:
+        assert self.stream is not None
+        result = self.stream.recv()  # a lost stream raises: `close` ends what is in flight
+        flight = self.flights.popleft()
+        _apply(flight, result, ctx)
+        self._free_deferred()
+
+    def _free_deferred(self) -> None:
+        waiting = []
+        for a, handle in self.deferred:
+            if self.holds(a):
+                waiting.append((a, handle))
+            else:
+                self.release(handle)
+        self.deferred = waiting
+
+
+def _select(result: PlanResult, keep: list[int]) -> StepResult:
+    """The step's result for the ran sequences at `keep` (indexes into `result.ran`)."""
+    step, off = result.step, offsets(result.ks)
+    rows = [r for j in keep for r in range(off[j], off[j + 1])]
+    where = {j: n for n, j in enumerate(step.proposers)}
+    props = [where[j] for j in keep if j in where]
+    return StepResult(
+        [step.argmax[r] for r in rows],
+        [step.logprobs[r] for r in rows],
+        [step.accepted[j] for j in keep],
+        [n for n, j in enumerate(keep) if j in where],
+        Proposal(
+            [step.proposal.drafts[p] for p in props],
+            [step.proposal.confidences[p] for p in props],
+        ),
+    )
+
+
+def _apply(flight: Flight, result: PlanResult, ctx: StepContext | None) -> None:
+    """The result on the sequences still running; a finished one's part is dropped."""
+    refused = {i: (code, message) for i, code, message in result.refused}
+    for i, (code, message) in refused.items():
+        a = flight.seqs[i]
+        if a.finished is None:
+            a.refuse(code, message)
+    keep = [j for j, i in enumerate(result.ran) if flight.seqs[i].finished is None]
+    rows, off = [], 0
+    for k in result.ks:
+        rows.append(result.rows[off : off + k])
+        off += k
+    seqs = [flight.seqs[result.ran[j]] for j in keep]
+    if seqs:
+        apply_step(seqs, [rows[j] for j in keep], _select(result, keep), flight.step_nd)
+    flight.span.set_attributes(
+        {"met.accepted": [result.step.accepted[j] for j in keep], "met.refused": len(refused)}
+    )
+    flight.span.end()
+    if ctx is None:
+        return
+    for j in keep:
+        a = flight.seqs[result.ran[j]]
+        d, n = flight.before[result.ran[j]]
+        ctx.rung.observe(a.stats.drafted - d, a.stats.accepted - n)
+        ctx.calibration.observe(a.stats.drafted - d, a.stats.accepted - n)

@@ -1,0 +1,226 @@
+"""The pipelined step on a real engine in process: greedy outputs token-identical with the
+pipeline on and off (32 concurrent prompts, every method, stop strings and stop ids firing
+mid-step, grammars mixed in, cancellations at random points), sampling reproducible, and the
+stale-result cases: a plan continuing a sequence cancelled or freed meanwhile, a stop string
+found one step late."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+from pathlib import Path
+
+import pytest
+
+from control_plane.env import Env
+from control_plane.grammar import GrammarCompiler
+from control_plane.scheduler.loop import Scheduler
+from control_plane.scheduler.options import SchedulerOptions
+from control_plane.scheduler.seq import MTP, NONE, PROMPT_LOOKUP, Delta, GenRequest
+from control_plane.tokenizer import ByteTokenizer
+from gpu_service.config import ServiceConfig
+from gpu_service.engine import Engine
+from protos.model import StepPlan
+from tests.collect import Outcome, run_all
+
+TOK = ByteTokenizer.default()
+SERVICE = ServiceConfig(verify_tiers="16:3,16:2", max_context=256)
+METHODS = (NONE, MTP, PROMPT_LOOKUP)
+
+
+def requests(n: int, seed: int = 0) -> list[GenRequest]:
+    """Prompts with repeats (prompt lookup finds copies); every third request has stop
+    strings, every fifth a stop id, chosen so that some fire mid-step."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        base = [rng.randrange(32, 127) for _ in range(rng.randint(3, 12))]
+        prompt = tuple(base * rng.choice([1, 3]))
+        stop = ("e", "a ") if i % 3 == 0 else ()
+        stop_ids = (rng.randrange(97, 123),) if i % 5 == 0 else ()
+        out.append(
+            GenRequest(
+                f"r{i}",
+                prompt,
+                rng.randint(8, 40),
+                method=METHODS[i % 3],
+                stop=stop,
+                stop_token_ids=stop_ids,
+            )
+        )
+    return out
+
+
+def serve(engine: Engine, reqs: list[GenRequest], pipeline: bool, **opts) -> list[Outcome]:
+    s = Scheduler(lambda: engine, TOK, SchedulerOptions(pipeline=pipeline, **opts), Env())
+    s.start()
+    try:
+        return run_all(s, reqs)
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dir: Path) -> Engine:
+    return Engine(tiny_dir, SERVICE)
+
+
+def test_greedy_outputs_are_identical_with_and_without_the_pipeline(engine: Engine) -> None:
+    reqs = requests(32)
+    plain = serve(engine, reqs, pipeline=False)
+    piped = serve(engine, reqs, pipeline=True)
+    for r, a, b in zip(reqs, plain, piped, strict=True):
+        assert (a.tokens, a.text, a.finish.reason) == (b.tokens, b.text, b.finish.reason), r
+    assert {o.finish.reason for o in piped} == {"stop", "length"}, "stops fired"
+    assert engine.capabilities().free_slots == engine.capabilities().num_slots
+
+
+def test_the_pipeline_ran_ahead(engine: Engine) -> None:
+    """The plans went back to back: the engine's stream ran every greedy step."""
+    plans = []
+    run = engine.run_plan
+
+    def counted(plan: StepPlan):
+        plans.append(plan)
+        return run(plan)
+
+    engine.run_plan = counted  # type: ignore[method-assign]
+    try:
+        serve(engine, [GenRequest(f"p{i}", (65 + i, 66), 24, method=MTP) for i in range(4)], True)
+    finally:
+        del engine.run_plan
+    assert len(plans) >= 6 and any(all(p.continues) for p in plans)
+
+
+def test_grammars_mixed_in_keep_every_output(engine: Engine, tiny_dir: Path) -> None:
+    caps = engine.capabilities()
+    compiler = GrammarCompiler(TOK, caps.vocab_size, caps.eos_token_ids)
+    schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}})
+
+    def reqs() -> list[GenRequest]:
+        out = requests(12, seed=3)
+        for i in (1, 6):
+            r = out[i]
+            out[i] = GenRequest(
+                r.request_id,
+                r.prompt_ids,
+                30,
+                method=MTP,
+                grammar=compiler.compile("json_schema", schema),
+            )
+        return out
+
+    plain = serve(engine, reqs(), pipeline=False)
+    piped = serve(engine, reqs(), pipeline=True)
+    assert [o.tokens for o in plain] == [o.tokens for o in piped]
+
+
+def test_a_seeded_sampled_request_repeats(engine: Engine) -> None:
+    def reqs() -> list[GenRequest]:
+        sampled = GenRequest("s", (70, 71, 72), 24, method=MTP, temperature=0.8, seed=5)
+        return [sampled, *requests(6, seed=4)]
+
+    first, second = serve(engine, reqs(), True), serve(engine, reqs(), True)
+    assert [o.tokens for o in first] == [o.tokens for o in second]
+
+
+def test_cancellations_at_random_points_change_no_one_else(engine: Engine) -> None:
+    """Every fourth request is cancelled after a random number of its tokens arrive: what it
+    streamed is a prefix of its own uncancelled output, the others are unchanged, and every
+    slot is free afterwards."""
+    reqs = requests(16, seed=7)
+    plain = serve(engine, reqs, pipeline=False)
+    rng = random.Random(9)
+    s = Scheduler(lambda: engine, TOK, SchedulerOptions(), Env())
+    outs = [Outcome() for _ in reqs]
+    cut = {i: rng.randint(1, 6) for i in range(0, 16, 4)}
+
+    def sink(i: int):
+        def on(ev) -> None:
+            outs[i](ev)
+            if i in cut and isinstance(ev, Delta) and len(outs[i].tokens) >= cut[i]:
+                s.cancel(reqs[i].request_id)
+
+        return on
+
+    s.start()
+    try:
+        for i, r in enumerate(reqs):
+            s.submit(r, sink(i))
+        for o in outs:
+            assert o.done.wait(120)
+    finally:
+        s.stop()
+    for i, (a, b) in enumerate(zip(plain, outs, strict=True)):
+        if i in cut:
+            assert a.tokens[: len(b.tokens)] == b.tokens
+        else:
+            assert a.tokens == b.tokens
+    assert engine.capabilities().free_slots == engine.capabilities().num_slots
+
+
+def test_a_stop_string_found_one_step_late_streams_nothing_after_it(engine: Engine) -> None:
+    """The step after the one that meets the stop string was already planned; its tokens
+    never reach the client."""
+    reqs = [GenRequest(f"q{i}", (80 + i, 81, 82), 40, method=MTP, stop=("a",)) for i in range(4)]
+    for a, b in zip(serve(engine, reqs, False), serve(engine, reqs, True), strict=True):
+        assert (a.tokens, a.text) == (b.tokens, b.text)
+        assert "a" not in b.text
+
+
+def test_plans_continuing_a_freed_or_moved_sequence_refuse_it_alone(engine: Engine) -> None:
+    a, b, c = (engine.alloc_sequence() for _ in range(3))
+    first = engine.prefill([a, b, c], [[65, 66], [67, 68], [69, 70]])
+    engine.decode_step(first, [1, 1, 1], [a, b, c], [True] * 3, 2)
+    steps = engine.open_steps()
+    try:
+        engine.free_sequence(a)  # freed while its next plan is on its way
+        engine.prefill([c], [[71]])  # moved on by another call: nothing to continue from
+        steps.send(StepPlan([a, b, c], [True] * 3, [], [0, 0, 0], [True] * 3, 2))
+        result = steps.recv()
+    finally:
+        steps.close()
+    assert result.ran == [1]
+    assert [(i, code) for i, code, _ in result.refused] == [
+        (0, "NOT_FOUND"),
+        (2, "FAILED_PRECONDITION"),
+    ]
+    assert "continue" in result.refused[1][2]
+    for h in (b, c):
+        engine.free_sequence(h)
+
+
+def test_a_sequence_cancelled_with_its_next_plan_in_flight_is_freed_after_it(
+    engine: Engine,
+) -> None:
+    """Cancelled from another thread while the pipeline runs: its slot comes back only once
+    the plan that still names it is read back, and nothing is refused."""
+    s = Scheduler(lambda: engine, TOK, SchedulerOptions(), Env())
+    frees: list[int] = []
+    free = engine.free_sequence
+
+    def recording(h) -> None:
+        frees.append(h.seq_id)
+        free(h)
+
+    engine.free_sequence = recording  # type: ignore[method-assign]
+    done = threading.Event()
+    out = Outcome()
+
+    def sink(ev) -> None:
+        out(ev)
+        if isinstance(ev, Delta) and len(out.tokens) >= 3 and not done.is_set():
+            done.set()
+            s.cancel("c")
+
+    s.start()
+    try:
+        s.submit(GenRequest("c", (90, 91), 200, method=MTP, ignore_eos=True), sink)
+        assert out.done.wait(120)
+    finally:
+        s.stop()
+        del engine.free_sequence
+    assert out.finish is not None and out.finish.reason == "cancelled" and out.failure is None
+    assert len(frees) == 1
+    assert engine.capabilities().free_slots == engine.capabilities().num_slots
