@@ -22,7 +22,7 @@ from control_plane.tokenizer import ByteTokenizer
 from gpu_service.config import ServiceConfig
 from gpu_service.engine import Engine
 from protos.model import StepPlan
-from tests.collect import Outcome, run_all
+from tests.collect import Outcome
 
 TOK = ByteTokenizer.default()
 SERVICE = ServiceConfig(verify_tiers="16:3,16:2", max_context=256)
@@ -53,10 +53,17 @@ def requests(n: int, seed: int = 0) -> list[GenRequest]:
 
 
 def serve(engine: Engine, reqs: list[GenRequest], pipeline: bool, **opts) -> list[Outcome]:
+    """Every request submitted before the loop starts: its first iteration takes them all, so
+    that each run sees the same batches."""
     s = Scheduler(lambda: engine, TOK, SchedulerOptions(pipeline=pipeline, **opts), Env())
+    outs = [Outcome() for _ in reqs]
+    for r, o in zip(reqs, outs, strict=True):
+        s.submit(r, o)
     s.start()
     try:
-        return run_all(s, reqs)
+        for o in outs:
+            assert o.done.wait(120), "a request did not finish"
+        return outs
     finally:
         s.stop()
 

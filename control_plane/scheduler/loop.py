@@ -67,6 +67,8 @@ class Counters:
     copies: int = 0  # prompt-lookup copies verified
     dcut_steps: int = 0  # steps whose batch D-Cut planned
     last_width: int = 0  # the last step's draft width
+    plans: int = 0  # pipelined steps (step plans read back)
+    engine_waited_s: float = 0.0  # the service's idle time between them, as it measured it
 
 
 class Scheduler:
@@ -92,7 +94,7 @@ class Scheduler:
         self.opts = (opts or SchedulerOptions()).with_env(env or Env.read())
         self.model: Model | None = None
         self.ctx: StepContext | None = None
-        self.pipeline = Pipeline(self._release_handle)
+        self.pipeline = Pipeline(self._release_handle, self._planned)
         self.inbox: queue.Queue[tuple[str, Payload]] = queue.Queue()
         self.waiting: deque[ActiveSeq] = deque()
         self.prefilling: list[ActiveSeq] = []
@@ -309,6 +311,11 @@ class Scheduler:
         if rest:
             report = step_mtp(self.model, rest, ctx, nd)
             self._count(len(rest), sum(report.copied), report.dcut, report.ladder_nd)
+
+    def _planned(self, waited_s: float) -> None:
+        with self._lock:
+            self.counters.plans += 1
+            self.counters.engine_waited_s += waited_s
 
     def _count(self, width: int, copies: int, dcut: bool, step_nd: int) -> None:
         with self._lock:

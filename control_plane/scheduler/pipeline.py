@@ -77,6 +77,7 @@ class Pipeline:
     """The flights of one connection, and the sequences whose frees wait for them."""
 
     release: Callable[[SequenceHandle], None]  # frees a sequence on the service
+    read_back: Callable[[float], None]  # each result's `waited_s`, for the counters
     stream: StepStream | None = None
     flights: deque[Flight] = field(default_factory=deque)
     deferred: list[tuple[ActiveSeq, SequenceHandle]] = field(default_factory=list)
@@ -162,6 +163,7 @@ class Pipeline:
         assert self.stream is not None
         result = self.stream.recv()  # a lost stream raises: `close` ends what is in flight
         flight = self.flights.popleft()
+        self.read_back(result.waited_s)
         _apply(flight, result, ctx)
         self._free_deferred()
 
