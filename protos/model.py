@@ -25,6 +25,15 @@ are admin calls: they need the service's admin key (`--admin-key`, or `ADMIN_KEY
 refuses every admin call. `met up` and `control_plane.launch.start_gpu_service` put a random
 key in `ADMIN_KEY_ENV` (unless one is set), which the service and every `GrpcModel` of the
 process and its children read.
+
+Who decides what. The control plane decides the policy of every step: which sequences are in
+it, the draft width, the prefill chunks, every lever. The service applies only the greedy
+verdict rule (`greedy_accepted`, `room_to_propose`), in `decode_step` and in a step plan. A
+step plan (`open_steps`) may ask the service to continue a sequence from its own previous
+result (the bonus token and the drafts it proposed), which the control plane has not read yet:
+so the control plane sends step N + 1 while the service runs step N, and the service's state is
+never guessed: a sequence touched by any other call since has nothing to continue from, and is
+refused alone. Tokens a sequence gains after it finished are the control plane's to discard.
 """
 
 from __future__ import annotations

@@ -20,6 +20,8 @@ class WireSpan:
     parent_id: bytes
     attributes: dict
     links: list[bytes]  # span ids
+    start_ns: int = 0
+    end_ns: int = 0
 
 
 def _value(v) -> object:
@@ -58,6 +60,8 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
                                 s.parent_span_id,
                                 {a.key: _value(a.value) for a in s.attributes},
                                 [link.span_id for link in s.links],
+                                s.start_time_unix_nano,
+                                s.end_time_unix_nano,
                             )
                         )
         return trace_service_pb2.ExportTraceServiceResponse()

@@ -23,11 +23,13 @@ from control_plane.api import GenerationServicer
 from control_plane.env import Env
 from control_plane.launch import start_control_plane, start_gpu_service, stop
 from control_plane.scheduler.loop import Scheduler, SchedulerOptions
+from control_plane.scheduler.seq import MTP, GenRequest
 from control_plane.tokenizer import ByteTokenizer
 from gpu_service.config import ServiceConfig
 from gpu_service.engine import Engine
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
+from tests.collect import Outcome
 from tests.conftest import SERVE_ARGS
 from tests.otlp_receiver import Receiver
 from tests.servers import aio_server_in_thread
@@ -47,9 +49,10 @@ def memory_spans() -> InMemorySpanExporter:
 @pytest.fixture(params=["fused", "two-calls"])
 def in_process_api(tiny_dir: Path, request: pytest.FixtureRequest) -> Iterator[str]:
     """The generation API on a grpc.aio server in a thread, over an in-process engine; greedy
-    steps as one `decode_step`, or as verify + verdict (`--no-fused-step`)."""
+    steps the synchronous way (the pipeline's spans have a test of their own), as one
+    `decode_step`, or as verify + verdict (`--no-fused-step`)."""
     engine = Engine(tiny_dir, ServiceConfig(verify_tiers="4:3", max_context=256))
-    opts = SchedulerOptions(fused_step=request.param == "fused")
+    opts = SchedulerOptions(fused_step=request.param == "fused", pipeline=False)
     scheduler = Scheduler(lambda: engine, ByteTokenizer.default(), opts, Env())
     scheduler.start()
 
@@ -153,6 +156,30 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def test_pipelined_steps_overlap_and_carry_their_plans(
+    memory_spans: InMemorySpanExporter, tiny_dir: Path
+) -> None:
+    """In process: each plan's engine span sits under its step's span, and a step's span opens
+    before the previous one closes (step N + 1 is sent before step N is read)."""
+    engine = Engine(tiny_dir, ServiceConfig(verify_tiers="4:3", max_context=256))
+    scheduler = Scheduler(lambda: engine, ByteTokenizer.default(), SchedulerOptions(), Env())
+    memory_spans.clear()
+    out = Outcome()
+    scheduler.submit(GenRequest("p", (1, 2), 24, method=MTP, ignore_eos=True), out)
+    scheduler.start()
+    try:
+        assert out.done.wait(60) and out.finish is not None
+    finally:
+        scheduler.stop()
+    spans = _settled_spans(memory_spans)
+    ids = {s.context.span_id: s for s in spans}
+    steps = sorted((s for s in spans if s.name == "step_mtp"), key=lambda s: s.start_time)
+    plans = [s for s in spans if s.name == "engine.plan"]
+    assert len(plans) >= 3 and all(s.attributes["met.pipelined"] for s in steps)
+    assert {ids[p.parent.span_id].name for p in plans} == {"step_mtp"}
+    assert any(b.start_time < a.end_time for a, b in zip(steps, steps[1:], strict=False))
+
+
 def test_both_processes_export_one_trace(tiny_dir: Path) -> None:
     receiver = Receiver()
     env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint}
@@ -193,20 +220,21 @@ def test_both_processes_export_one_trace(tiny_dir: Path) -> None:
     services = {s.service for s in spans}
     assert {"gpu-service", "control-plane"} <= services
     ids = {s.span_id: s for s in spans}
-    step_rpc = "met.v1.ModelService/DecodeStep"  # greedy: one round trip a step
-    servers = [s for s in spans if s.service == "gpu-service" and s.name == step_rpc]
-    assert servers and all(s.kind == 2 for s in servers)  # SPAN_KIND_SERVER
-    under_step = 0
-    for s in servers:
-        chain, cur = [], s
-        while cur.parent_id in ids:
-            cur = ids[cur.parent_id]
-            chain.append(cur)
-        if any(c.name == "step_mtp" and c.service == "control-plane" for c in chain):
-            under_step += 1
-            assert all(c.trace_id == s.trace_id for c in chain)
-            assert chain[0].name == step_rpc  # the client span
-    assert under_step > 0
+    # Greedy steps are pipelined: each plan runs on the service under its step's span.
+    plans = [s for s in spans if s.service == "gpu-service" and s.name == "engine.plan"]
+    assert plans and all(s.kind == 2 for s in plans)  # SPAN_KIND_SERVER
+    steps = [s for s in spans if s.service == "control-plane" and s.name == "step_mtp"]
+    for p in plans:
+        step = ids[p.parent_id]
+        assert step.name == "step_mtp" and step.service == "control-plane"
+        assert step.trace_id == p.trace_id
+    # Two steps overlap across the processes: the control plane opened step N + 1 while the
+    # service ran step N.
+    assert any(
+        p.start_ns < s.start_ns < p.end_ns and s.span_id != p.parent_id
+        for p in plans
+        for s in steps
+    )
     verdict_children = {
         s.name
         for s in spans
