@@ -5,6 +5,8 @@ session of the service (protos/model.py), open from construction to `close`."""
 from __future__ import annotations
 
 import os
+import queue
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,11 +24,14 @@ from protos.model import (
     Capabilities,
     CostEntry,
     Logits,
+    PlanResult,
     Proposal,
     RowDraws,
     Sampling,
     SequenceHandle,
+    StepPlan,
     StepResult,
+    StepStream,
 )
 from protos.telemetry import ClientTracing
 
@@ -233,6 +238,9 @@ class GrpcModel:
         self._draws = [None] * len(r.argmax)
         return cv.step_from_pb(r)
 
+    def open_steps(self) -> StepStream:
+        return GrpcSteps(self._stub.StepStream, self._metadata)
+
     def trim_proposer_state(self, seqs: Sequence[SequenceHandle], keep_own: int = 0) -> None:
         self._rpc(
             self._stub.TrimProposer, pb.TrimRequest(seq_ids=cv.seq_ids(seqs), keep_own=keep_own)
@@ -254,6 +262,40 @@ class GrpcModel:
     def read_logits(self) -> Logits:
         logits = self._rpc(self._stub.ReadLogits, pb.ReadLogitsRequest(), admin=True)
         return cv.from_pb(Logits, logits)
+
+
+class GrpcSteps:
+    """The caller's end of a `StepStream` call: `send` queues the plan for the call's request
+    iterator (which gRPC drains on a thread of its own), `recv` blocks for the next result and
+    gives the handles of the sequences that ran their new lengths. One thread may send while
+    another reads."""
+
+    def __init__(self, method: Callable[..., Any], metadata: tuple[tuple[str, str], ...]) -> None:
+        self._plans: queue.SimpleQueue[pb.StepPlan | None] = queue.SimpleQueue()
+        self._sent: deque[StepPlan] = deque()  # sent, their results not read yet
+        # No deadline: the stream lives as long as its caller keeps it.
+        self._call = method(iter(self._plans.get, None), metadata=metadata)
+
+    def send(self, plan: StepPlan) -> None:
+        self._sent.append(plan)  # before the plan leaves, so its result always finds it
+        self._plans.put(cv.plan_to_pb(plan))
+
+    def recv(self) -> PlanResult:
+        try:
+            reply = next(self._call, None)
+        except grpc.RpcError as e:
+            raise _refused(e) from None
+        if reply is None:
+            raise RuntimeError("the step stream ended: it was closed")
+        plan = self._sent.popleft()
+        result = cv.plan_result_from_pb(reply)
+        cv.mirror_seq_lens([plan.seqs[i] for i in result.ran], reply.step.seq_lens)
+        return result
+
+    def close(self) -> None:
+        """End the plans and the call; a `recv` waiting meanwhile raises CANCELLED."""
+        self._plans.put(None)
+        self._call.cancel()
 
 
 def _refused(e: grpc.RpcError) -> Exception:

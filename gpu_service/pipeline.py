@@ -1,15 +1,19 @@
 """Step plans (`StepPlan`) run on the engine: a continuing sequence's rows come from its own
 last verdict, kept on its state by `decode_step`; a sequence the plan cannot run is refused
-alone and the rest of the plan runs. `EngineSteps` is the in-process step stream: plans queue
-to a worker thread that runs them back to back, as the GPU service's stream does."""
+alone and the rest of the plan runs; a malformed plan is refused for every sequence it names.
+`EngineSteps` is the in-process step stream: plans queue to a worker thread that runs them
+back to back, as the GPU service's stream does; both time their waits with `PlanClock`."""
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 
+from protos import checks
 from protos.model import (
     FailedPrecondition,
     InvalidArgument,
@@ -24,23 +28,35 @@ from protos.model import (
 Refusal = tuple[int, str, str]
 
 
+def check_plan(plan: StepPlan) -> None:
+    """What refuses a plan whole: parallel lists of different lengths, a sequence named twice,
+    tokens that do not fill the rows of the sequences that give theirs."""
+    checks.same_length(
+        "a step plan",
+        seqs=plan.seqs,
+        continues=plan.continues,
+        ks=plan.ks,
+        want_drafts=plan.want_drafts,
+    )
+    checks.distinct("a step plan", [h.seq_id for h in plan.seqs])
+    given = sum(k for k, c in zip(plan.ks, plan.continues, strict=True) if not c)
+    if given != len(plan.tokens):
+        raise InvalidArgument(f"a step plan gives {len(plan.tokens)} tokens for {given} rows")
+
+
+def refuse_all(plan: StepPlan, error: ModelError) -> PlanResult:
+    """The result of a plan refused whole: every sequence it names, with the one sentence."""
+    refused = [(i, error.code, str(error)) for i in range(len(plan.seqs))]
+    return PlanResult(StepResult([], [], [], [], Proposal([], [])), [], [], [], refused)
+
+
 def plan_rows(
     plan: StepPlan, continuation: Callable[[SequenceHandle], list[int] | None]
 ) -> tuple[list[int], list[list[int]], list[Refusal]]:
     """-> (the indexes that can run, their rows, the refused): `continuation` gives what a
     sequence's last step left to verify (None: nothing; raises `ModelError` for a sequence
     the service does not know)."""
-    n = len(plan.seqs)
-    for name, values in (
-        ("continues", plan.continues),
-        ("ks", plan.ks),
-        ("want_drafts", plan.want_drafts),
-    ):
-        if len(values) != n:
-            raise ValueError(f"a step plan of {n} sequences has {len(values)} {name}")
-    given = sum(k for k, c in zip(plan.ks, plan.continues, strict=True) if not c)
-    if given != len(plan.tokens):
-        raise InvalidArgument(f"a step plan gives {len(plan.tokens)} tokens for {given} rows")
+    check_plan(plan)
     ran, rows, refused, at = [], [], [], 0
     for i, (handle, cont, k) in enumerate(zip(plan.seqs, plan.continues, plan.ks, strict=True)):
         own = plan.tokens[at : at + k] if not cont else None
@@ -71,7 +87,10 @@ def run_plan(
     """The plan on `decode_step`. A refusal of the whole call is narrowed to the sequence it
     concerns: each sequence runs alone (its rows are batch invariant, so the others' tokens
     are those of the batch)."""
-    ran, rows, refused = plan_rows(plan, continuation)
+    try:
+        ran, rows, refused = plan_rows(plan, continuation)
+    except ModelError as e:
+        return refuse_all(plan, e)
     if not ran:
         return PlanResult(StepResult([], [], [], [], Proposal([], [])), [], [], [], refused)
     seqs = [plan.seqs[i] for i in ran]
@@ -128,19 +147,71 @@ def _one_by_one(
     return PlanResult(step, kept, flat, ks, sorted(refused))
 
 
+def run_without(
+    plan: StepPlan, refused: Sequence[Refusal], run: Callable[[StepPlan], PlanResult]
+) -> PlanResult:
+    """`run` of the plan less the sequences its caller refused already (the servicer refuses
+    other sessions' sequences, which the engine cannot tell from its own), their refusals
+    merged into the result."""
+    if not refused:
+        return run(plan)
+    try:
+        check_plan(plan)
+    except ModelError as e:
+        return refuse_all(plan, e)
+    out = {i for i, _, _ in refused}
+    keep = [i for i in range(len(plan.seqs)) if i not in out]
+    tokens, at = [], 0
+    for i, (cont, k) in enumerate(zip(plan.continues, plan.ks, strict=True)):
+        if not cont:
+            tokens += plan.tokens[at : at + k] if i not in out else []
+            at += k
+    r = run(
+        replace(
+            plan,
+            seqs=[plan.seqs[i] for i in keep],
+            continues=[plan.continues[i] for i in keep],
+            tokens=tokens,
+            ks=[plan.ks[i] for i in keep],
+            want_drafts=[plan.want_drafts[i] for i in keep],
+        )
+    )
+    lifted = [(keep[j], code, sentence) for j, code, sentence in r.refused]
+    return replace(r, ran=[keep[j] for j in r.ran], refused=sorted([*refused, *lifted]))
+
+
+class PlanClock:
+    """How long a stream kept its runner waiting for each plan: from the end of the previous
+    plan to this plan's arrival; 0 for the first, and for a plan that was there already, so
+    that plans sent ahead read 0 however the runner hands over between them. One thread (the
+    runner's) calls `run`."""
+
+    def __init__(self) -> None:
+        self._ended: float | None = None
+
+    def run(self, arrived: float, plan: Callable[[], PlanResult]) -> PlanResult:
+        """`plan()`'s result with its wait; `arrived`: `time.perf_counter()` when the plan
+        reached the stream."""
+        waited = 0.0 if self._ended is None else max(0.0, arrived - self._ended)
+        try:
+            return replace(plan(), waited_s=waited)
+        finally:
+            self._ended = time.perf_counter()
+
+
 class EngineSteps:
     """An in-process step stream over an engine's `run_plan`: one worker thread runs the
     plans in order; results (or the exception a plan raised) come back in order."""
 
     def __init__(self, run: Callable[[StepPlan], PlanResult]) -> None:
         self._run = run
-        self._plans: queue.Queue[StepPlan | None] = queue.Queue()
+        self._plans: queue.Queue[tuple[StepPlan, float] | None] = queue.Queue()
         self._results: queue.Queue[PlanResult | BaseException] = queue.Queue()
         self._thread = threading.Thread(target=self._work, name="engine-steps", daemon=True)
         self._thread.start()
 
     def send(self, plan: StepPlan) -> None:
-        self._plans.put(plan)
+        self._plans.put((plan, time.perf_counter()))
 
     def recv(self) -> PlanResult:
         result = self._results.get()
@@ -153,20 +224,10 @@ class EngineSteps:
         self._thread.join(timeout=30)
 
     def _work(self) -> None:
-        idle_since: float | None = None
-        while True:
-            plan = self._plans.get()
-            if plan is None:
-                return
-            started = time.perf_counter()
-            waited = started - idle_since if idle_since is not None else 0.0
+        clock = PlanClock()
+        while (item := self._plans.get()) is not None:
+            plan, arrived = item
             try:
-                result = self._run(plan)
-                self._results.put(
-                    PlanResult(
-                        result.step, result.ran, result.rows, result.ks, result.refused, waited
-                    )
-                )
+                self._results.put(clock.run(arrived, functools.partial(self._run, plan)))
             except Exception as e:  # handed to the reader, who decides what it ends
                 self._results.put(e)
-            idle_since = time.perf_counter()

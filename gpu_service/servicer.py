@@ -7,9 +7,11 @@ are checked here, on the event loop: the engine knows nothing of them."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
+import functools
 import hmac
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -18,7 +20,9 @@ import grpc
 from gpu_service import costs
 from gpu_service.engine import Engine
 from gpu_service.options import Access
+from gpu_service.pipeline import Refusal
 from gpu_service.slots import SessionTable
+from gpu_service.step_stream import serve_plans
 from protos import convert as cv
 from protos.met.v1 import model_pb2 as pb
 from protos.met.v1 import model_pb2_grpc as pb_grpc
@@ -26,9 +30,12 @@ from protos.model import (
     ADMIN_KEY_METADATA,
     SESSION_METADATA,
     ModelError,
+    NotFound,
     PermissionDenied,
+    PlanResult,
     RowDraws,
     SequenceHandle,
+    StepPlan,
 )
 
 _LOADING = "the model is still loading"
@@ -268,6 +275,27 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
         )
         return cv.step_to_pb(r, cv.seq_lens(seqs))
 
+    async def StepStream(self, request_iterator, context):
+        admit = functools.partial(self._admit_plan, context)
+        plans = serve_plans(request_iterator, admit, self._worker, self._closing)
+        async with contextlib.aclosing(plans) as results:  # a caller gone stops its plans
+            async for result in results:
+                yield result
+
+    def _admit_plan(
+        self, context: grpc.aio.ServicerContext, request: pb.StepPlan
+    ) -> tuple[StepPlan, list[Refusal], Callable[[StepPlan], PlanResult]]:
+        """A plan, checked as a unary call is (a live session, a loaded model); its sequences
+        that the session does not own are refused alone, as `_owned` refuses a call's."""
+        session, plan = self._session(context), cv.plan_from_pb(request)
+        refused = []
+        for i, h in enumerate(plan.seqs):
+            try:
+                self.sessions.check(session, [h.seq_id])
+            except NotFound as e:
+                refused.append((i, e.code, str(e)))
+        return plan, refused, self.loaded.run_plan
+
     async def SettleVerdict(self, request, context):
         seqs = self._owned(context, request.seq_ids)
         p = await self._call(
@@ -315,6 +343,12 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
+        if handler is not None and handler.stream_stream is not None:
+            return grpc.stream_stream_rpc_method_handler(
+                _guarded_stream(handler.stream_stream),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
         if handler is None or handler.unary_unary is None:
             return handler
         inner = handler.unary_unary
@@ -330,3 +364,17 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer,
         )
+
+
+def _guarded_stream(inner: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+    """A stream handler whose refusal (`ModelError`) ends the stream with its status, after
+    the replies before it."""
+
+    async def guarded(requests, context):
+        try:
+            async for reply in inner(requests, context):
+                yield reply
+        except ModelError as e:
+            await context.abort(getattr(grpc.StatusCode, e.code), str(e))
+
+    return guarded

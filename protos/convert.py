@@ -21,10 +21,12 @@ from protos.model import (
     CostEntry,
     InvalidArgument,
     Logits,
+    PlanResult,
     Proposal,
     RowDraws,
     Sampling,
     SequenceHandle,
+    StepPlan,
     StepResult,
 )
 
@@ -216,6 +218,60 @@ def step_from_pb(reply: pb.StepReply) -> StepResult:
         list(reply.accepted),
         list(reply.proposers),
         proposal_from_pb(reply, len(reply.proposers)),
+    )
+
+
+# -- step streams: a plan names its sequences by id; a result carries the lengths of those
+# that ran -----------------------------------------------------------------------------
+
+
+def plan_to_pb(plan: StepPlan) -> pb.StepPlan:
+    return pb.StepPlan(
+        seq_ids=seq_ids(plan.seqs),
+        continues=plan.continues,
+        tokens=plan.tokens,
+        ks=plan.ks,
+        want_drafts=plan.want_drafts,
+        num_drafts=plan.num_drafts,
+        trace=plan.trace,
+    )
+
+
+def plan_from_pb(msg: pb.StepPlan) -> StepPlan:
+    """`plan_to_pb` backwards, with the service's handles (`handles`)."""
+    return StepPlan(
+        handles(msg.seq_ids),
+        list(msg.continues),
+        list(msg.tokens),
+        list(msg.ks),
+        list(msg.want_drafts),
+        msg.num_drafts,
+        dict(msg.trace),
+    )
+
+
+def plan_result_to_pb(r: PlanResult, lens: Sequence[int]) -> pb.PlanResult:
+    """`lens`: the length of each sequence that ran after its commit, in `r.ran` order."""
+    return pb.PlanResult(
+        step=step_to_pb(r.step, lens),
+        ran=r.ran,
+        rows=r.rows,
+        ks=r.ks,
+        refused=[pb.PlanRefusal(index=i, code=c, message=m) for i, c, m in r.refused],
+        waited_s=r.waited_s,
+    )
+
+
+def plan_result_from_pb(msg: pb.PlanResult) -> PlanResult:
+    """`plan_result_to_pb` backwards; the lengths stay in `msg.step.seq_lens`, for
+    `mirror_seq_lens` on the plan's sequences that ran."""
+    return PlanResult(
+        step_from_pb(msg.step),
+        list(msg.ran),
+        list(msg.rows),
+        list(msg.ks),
+        [(r.index, r.code, r.message) for r in msg.refused],
+        msg.waited_s,
     )
 
 

@@ -171,7 +171,9 @@ class StepPlan:
     the bonus token of its last `decode_step` (or plan) and the drafts that step proposed for
     it, at most `ks[i]` rows of them (0: all); the others give their rows in `tokens`, `ks[i]`
     of them each. A continuing sequence whose last operation was anything else (another call,
-    a refusal, a free) is refused alone: its state is never guessed."""
+    a refusal, a free) is refused alone: its state is never guessed. A malformed plan (lists
+    of other lengths, a sequence named twice, tokens that do not fill the rows) refuses every
+    sequence with INVALID_ARGUMENT and changes nothing."""
 
     seqs: list[SequenceHandle]
     continues: list[bool]
@@ -204,8 +206,8 @@ class StepStream(Protocol):
     def send(self, plan: StepPlan) -> None: ...
 
     def recv(self) -> PlanResult:
-        """The next plan's result; raises what a transport failure raises (every plan in
-        flight is then lost) or a `ModelError` refusing the whole plan."""
+        """The next plan's result, refusals inside it; raises what a transport failure
+        raises (every plan in flight is then lost)."""
         ...
 
     def close(self) -> None: ...

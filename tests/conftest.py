@@ -39,6 +39,8 @@ SLOW_TESTS = {
     "tests/test_fuzz.py": "3,000 malformed RPCs against both processes",
     "tests/test_restart.py": "kills and freezes control plane processes",
     "tests/test_sessions.py": "starts service processes, kills and freezes clients",
+    "tests/test_step_stream.py::test_recv_raises_unavailable_soon_after_the_service_dies": "starts "
+    "and kills a GPU service",
     "tests/test_tls.py::test_mutual_tls_between_the_processes": "both processes under mTLS",
     "tests/test_tls.py::test_processes_refuse_a_cert_without_its_key": "starts each process",
     "tests/test_hf_parity.py": "builds transformers' reference model for every comparison",

@@ -1,23 +1,28 @@
 """A `Model` whose outputs the test chooses: the target's greedy next token and the drafter's
 chain are functions of the history. It records every call, so a test can see which path a
-step took."""
+step took. Its step stream runs the engine's plan rules (`run_plan`) over its `decode_step`."""
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from control_plane.tokenizer import TOKENIZER_FILE, ByteTokenizer
+from gpu_service.pipeline import run_plan
 from protos.model import (
     Capabilities,
     FailedPrecondition,
     InvalidArgument,
     Logits,
     NotFound,
+    PlanResult,
     Proposal,
     ResourceExhausted,
     SequenceHandle,
+    StepPlan,
     StepResult,
+    StepStream,
     greedy_accepted,
     room_to_propose,
 )
@@ -64,6 +69,7 @@ class _Seq:
     pending: int = 0
     folded: int = 0
     row: int = 0  # first row in the last verify
+    continuation: list[int] | None = None  # as the engine's `SeqState.continuation`
 
 
 class FakeModel:
@@ -131,8 +137,18 @@ class FakeModel:
             raise NotFound(f"sequence {seq.seq_id} is not allocated")
         del self.seqs[seq.seq_id], self.slots[seq.seq_id]
 
+    def _moved(self, seqs: Sequence[SequenceHandle]) -> None:
+        """A call names these sequences: each must be allocated, and what its last step left
+        to continue from is gone."""
+        for h in seqs:
+            if h.seq_id not in self.seqs:
+                raise NotFound(f"sequence {h.seq_id} is not allocated")
+        for h in seqs:
+            self.seqs[h.seq_id].continuation = None
+
     def prefill(self, seqs, prompts, masks=None, sampling=None) -> list[int]:
         self.calls.append(("prefill", [len(p) for p in prompts]))
+        self._moved(seqs)
         _check_masks(dict(enumerate(masks or ())))
         out = []
         for h, p in zip(seqs, prompts, strict=True):
@@ -149,6 +165,7 @@ class FakeModel:
         self, tokens, ks, seqs, write_on_accept=True, masks=None, sampling=None
     ) -> list[int]:
         self.calls.append(("verify", list(ks), [h.slot for h in seqs]))
+        self._moved(seqs)
         _check_masks(masks or {})
         out, lo = [], 0
         for h, k in zip(seqs, ks, strict=True):
@@ -173,6 +190,7 @@ class FakeModel:
 
     def gdn_fold_accepted(self, seqs, fold_rows) -> None:
         self.calls.append(("fold", list(fold_rows)))
+        self._moved(seqs)
         for h, a in zip(seqs, fold_rows, strict=True):
             s = self.seqs[h.seq_id]
             if not 1 <= a <= s.pending:
@@ -181,6 +199,7 @@ class FakeModel:
 
     def commit_accepted_prefix(self, seqs, kept_rows, ks) -> list[int]:
         self.calls.append(("commit", list(kept_rows)))
+        self._moved(seqs)
         for h, kept, k in zip(seqs, kept_rows, ks, strict=True):
             s = self.seqs[h.seq_id]
             assert s.pending == k and s.folded == kept
@@ -194,6 +213,7 @@ class FakeModel:
 
     def run_mtp_propose_batched(self, last, stash, num_drafts, seqs, sampling=None) -> Proposal:
         self.calls.append(("propose", len(seqs), num_drafts))
+        self._moved(seqs)
         drafts = [
             self.drafter((*self.seqs[h.seq_id].tokens, t), num_drafts)
             for h, t in zip(seqs, last, strict=True)
@@ -202,6 +222,7 @@ class FakeModel:
 
     def trim_proposer_state(self, seqs, keep_own: int = 0) -> None:
         self.calls.append(("trim", len(seqs)))
+        self._moved(seqs)
 
     def settle_verdict(
         self, seqs, kept_rows, ks, proposers, last, num_drafts, sampling=None
@@ -237,7 +258,23 @@ class FakeModel:
         ]
         last = [argmax[sum(ks[:i]) + accepted[i]] for i in proposers]
         proposal = self.settle_verdict(seqs, kept, ks, proposers, last, num_drafts)
+        drafts = dict(zip(proposers, proposal.drafts, strict=True))
+        for i, h in enumerate(seqs):  # what a plan continuing it verifies: bonus, then drafts
+            bonus = argmax[sum(ks[:i]) + accepted[i]]
+            self.seqs[h.seq_id].continuation = [bonus, *drafts.get(i, [])]
         return StepResult(argmax, self.last_logprobs(), accepted, proposers, proposal)
+
+    def open_steps(self) -> StepStream:
+        """Each plan runs as it is sent, on the sender's thread, so a test's call log keeps
+        one order: the order the service would run them in. The fake never waits for a
+        plan (`waited_s` 0)."""
+        return _InlineSteps(lambda plan: run_plan(plan, self._continuation, self.decode_step))
+
+    def _continuation(self, h: SequenceHandle) -> list[int] | None:
+        s = self.seqs.get(h.seq_id)
+        if s is None:
+            raise NotFound(f"sequence {h.seq_id} is not allocated")
+        return None if s.continuation is None else list(s.continuation)
 
     def measure_costs(self, widths, max_depth, repeats=5, refresh=False):
         """A chosen table: verifies cost 1 ms + 0.1 per row, proposes 0.5 ms per draft."""
@@ -265,3 +302,28 @@ class FakeModel:
 
     def verify_calls(self) -> list[tuple]:
         return [c for c in self.calls if c[0] == "verify"]
+
+
+class _InlineSteps:
+    """A step stream that runs each plan when it is sent; results, or the exception a plan
+    raised, come back in order."""
+
+    def __init__(self, run: Callable[[StepPlan], PlanResult]) -> None:
+        self._run = run
+        self._results: deque[PlanResult | Exception] = deque()
+
+    def send(self, plan: StepPlan) -> None:
+        try:
+            self._results.append(self._run(plan))
+        except Exception as e:  # handed to the reader, as the engine's stream hands it
+            self._results.append(e)
+
+    def recv(self) -> PlanResult:
+        assert self._results, "recv with every plan's result read already"
+        result = self._results.popleft()
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def close(self) -> None:
+        self._results.clear()

@@ -143,7 +143,11 @@ def random_message(fz: Fuzz, desc: Descriptor, depth: int = 0) -> Message:
         if f.type == FieldDescriptor.TYPE_MESSAGE:
             if depth > 2:
                 continue
-            if f.is_repeated:
+            if f.message_type.GetOptions().map_entry:  # scalar values, as the protos' maps
+                for _ in range(fz.rng.choice([0, 1, 2, 3, 9])):
+                    entry = random_message(fz, f.message_type, depth + 1)
+                    getattr(msg, f.name)[entry.key] = entry.value
+            elif f.is_repeated:
                 for _ in range(fz.rng.choice([0, 1, 2, 3, 9])):
                     item = random_message(fz, f.message_type, depth + 1)
                     getattr(msg, f.name).add().CopyFrom(item)

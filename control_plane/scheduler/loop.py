@@ -197,7 +197,7 @@ class Scheduler:
     def _idle(self) -> float:
         """How long the loop may wait for news: none with work to do; a poll's interval with
         requests waiting on slots held elsewhere."""
-        if self.prefilling or self.active:
+        if self.prefilling or self.active or self.pipeline.flights:
             return 0.0
         if not self.waiting:
             return 0.5
@@ -303,11 +303,13 @@ class Scheduler:
         ctx, nd, pipe = self.ctx, self.opts.num_drafts, self.pipeline
         ahead = pipe.fits([a for a in self.active if runs_ahead(a, ctx)], ctx, nd)
         rest = [a for a in self.active if not any(a is b for b in ahead)]
-        if any(pipe.holds(a) for a in rest) or (pipe.flights and not ahead):
-            pipe.drain(ctx)  # their last results first: the synchronous way needs them
+        if rest or (pipe.flights and not ahead):
+            # Nothing runs ahead beside a synchronous step: its verify and its verdict may be
+            # two calls, and a plan run between them would no longer leave its verify last.
+            pipe.drain(ctx)
         if ahead:
-            pipe.advance(self.model, ahead, ctx, nd)
-            self._count(len(ahead), 0, False, pipe.flights[-1].step_nd)
+            step_nd = pipe.advance(self.model, ahead, ctx, nd, ahead_by=0 if rest else 1)
+            self._count(len(ahead), 0, False, step_nd)
         if rest:
             report = step_mtp(self.model, rest, ctx, nd)
             self._count(len(rest), sum(report.copied), report.dcut, report.ladder_nd)

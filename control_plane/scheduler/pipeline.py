@@ -42,7 +42,6 @@ from protos.model import (
 from protos.telemetry import tracer
 
 TRACER = tracer("met.control_plane")
-DEPTH = 2  # plans in flight once the pipeline runs: the one running and the next
 
 
 def runs_ahead(a: ActiveSeq, ctx: StepContext) -> bool:
@@ -101,17 +100,23 @@ class Pipeline:
         return out
 
     def advance(
-        self, model: Model, seqs: list[ActiveSeq], ctx: StepContext, num_drafts: int
-    ) -> None:
-        """Send the next plan for `seqs` (and one more when none was in flight), then read
-        the oldest result back."""
+        self,
+        model: Model,
+        seqs: list[ActiveSeq],
+        ctx: StepContext,
+        num_drafts: int,
+        ahead_by: int = 1,
+    ) -> int:
+        """Send the next plan for `seqs` (and more until `ahead_by` plans stay in flight once
+        the oldest result is read back), then read that result. -> the last plan's width."""
         if self.stream is None:
             self.stream = model.open_steps()
         while True:
-            self._send(seqs, ctx, num_drafts)
-            if len(self.flights) >= DEPTH:
+            step_nd = self._send(seqs, ctx, num_drafts)
+            if len(self.flights) > ahead_by:
                 break
         self._read(ctx)
+        return step_nd
 
     def drain(self, ctx: StepContext | None) -> None:
         """Read every flight back: nothing runs ahead any more."""
@@ -129,7 +134,7 @@ class Pipeline:
             stream, self.stream = self.stream, None
             stream.close()
 
-    def _send(self, seqs: list[ActiveSeq], ctx: StepContext, num_drafts: int) -> None:
+    def _send(self, seqs: list[ActiveSeq], ctx: StepContext, num_drafts: int) -> int:
         assert self.stream is not None
         last = self.flights[-1] if self.flights else None
         step_nd = step_width(seqs, ctx, num_drafts)
@@ -158,6 +163,7 @@ class Pipeline:
             a.stats.steps += 1
         before = [(a.stats.drafted, a.stats.accepted) for a in seqs]
         self.flights.append(Flight(list(seqs), step_nd, sp, before))
+        return step_nd
 
     def _read(self, ctx: StepContext | None) -> None:
         assert self.stream is not None

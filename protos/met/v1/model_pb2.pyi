@@ -385,3 +385,54 @@ class StepReply(_message.Message):
     drafts: _containers.RepeatedScalarFieldContainer[int]
     confidences: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, argmax: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., accepted: _Optional[_Iterable[int]] = ..., seq_lens: _Optional[_Iterable[int]] = ..., proposers: _Optional[_Iterable[int]] = ..., drafts: _Optional[_Iterable[int]] = ..., confidences: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class StepPlan(_message.Message):
+    __slots__ = ("seq_ids", "continues", "tokens", "ks", "want_drafts", "num_drafts", "trace")
+    class TraceEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    CONTINUES_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KS_FIELD_NUMBER: _ClassVar[int]
+    WANT_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    TRACE_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    continues: _containers.RepeatedScalarFieldContainer[bool]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    ks: _containers.RepeatedScalarFieldContainer[int]
+    want_drafts: _containers.RepeatedScalarFieldContainer[bool]
+    num_drafts: int
+    trace: _containers.ScalarMap[str, str]
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., continues: _Optional[_Iterable[bool]] = ..., tokens: _Optional[_Iterable[int]] = ..., ks: _Optional[_Iterable[int]] = ..., want_drafts: _Optional[_Iterable[bool]] = ..., num_drafts: _Optional[int] = ..., trace: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class PlanRefusal(_message.Message):
+    __slots__ = ("index", "code", "message")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    code: str
+    message: str
+    def __init__(self, index: _Optional[int] = ..., code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class PlanResult(_message.Message):
+    __slots__ = ("step", "ran", "rows", "ks", "refused", "waited_s")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RAN_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    KS_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    WAITED_S_FIELD_NUMBER: _ClassVar[int]
+    step: StepReply
+    ran: _containers.RepeatedScalarFieldContainer[int]
+    rows: _containers.RepeatedScalarFieldContainer[int]
+    ks: _containers.RepeatedScalarFieldContainer[int]
+    refused: _containers.RepeatedCompositeFieldContainer[PlanRefusal]
+    waited_s: float
+    def __init__(self, step: _Optional[_Union[StepReply, _Mapping]] = ..., ran: _Optional[_Iterable[int]] = ..., rows: _Optional[_Iterable[int]] = ..., ks: _Optional[_Iterable[int]] = ..., refused: _Optional[_Iterable[_Union[PlanRefusal, _Mapping]]] = ..., waited_s: _Optional[float] = ...) -> None: ...

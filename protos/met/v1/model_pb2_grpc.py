@@ -112,6 +112,11 @@ class ModelServiceStub:
                 request_serializer=met_dot_v1_dot_model__pb2.StepRequest.SerializeToString,
                 response_deserializer=met_dot_v1_dot_model__pb2.StepReply.FromString,
                 _registered_method=True)
+        self.StepStream = channel.stream_stream(
+                '/met.v1.ModelService/StepStream',
+                request_serializer=met_dot_v1_dot_model__pb2.StepPlan.SerializeToString,
+                response_deserializer=met_dot_v1_dot_model__pb2.PlanResult.FromString,
+                _registered_method=True)
         self.SetForward = channel.unary_unary(
                 '/met.v1.ModelService/SetForward',
                 request_serializer=met_dot_v1_dot_model__pb2.SetForwardRequest.SerializeToString,
@@ -232,6 +237,24 @@ class ModelServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StepStream(self, request_iterator, context):
+        """The step stream of the caller's session (protos/model.py StepPlan, PlanResult): the
+        service runs plans in arrival order, back to back, and answers each with one PlanResult,
+        in plan order, as it ends; so a caller sends plan N + 1 before it reads result N and the
+        service never waits. A sequence the service cannot run (unknown, freed, another
+        session's, nothing of its own to continue from, or refused by the step) is refused
+        alone, inside its plan's result, and the rest of the plan runs; a malformed plan
+        (lists of different lengths, a sequence named twice, tokens that do not fill the given
+        rows) is refused in its result for every sequence it names. Either way the stream goes
+        on. It ends OK after the last result once the caller ends its plans; a plan naming no
+        live session ends it with UNAUTHENTICATED, a service shutting down with UNAVAILABLE
+        (after the results of the plans it had); a caller that cancels or goes away stops the
+        plans still queued.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SetForward(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -330,6 +353,11 @@ def add_ModelServiceServicer_to_server(servicer, server):
                     servicer.DecodeStep,
                     request_deserializer=met_dot_v1_dot_model__pb2.StepRequest.FromString,
                     response_serializer=met_dot_v1_dot_model__pb2.StepReply.SerializeToString,
+            ),
+            'StepStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.StepStream,
+                    request_deserializer=met_dot_v1_dot_model__pb2.StepPlan.FromString,
+                    response_serializer=met_dot_v1_dot_model__pb2.PlanResult.SerializeToString,
             ),
             'SetForward': grpc.unary_unary_rpc_method_handler(
                     servicer.SetForward,
@@ -755,6 +783,33 @@ class ModelService:
             '/met.v1.ModelService/DecodeStep',
             met_dot_v1_dot_model__pb2.StepRequest.SerializeToString,
             met_dot_v1_dot_model__pb2.StepReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StepStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/met.v1.ModelService/StepStream',
+            met_dot_v1_dot_model__pb2.StepPlan.SerializeToString,
+            met_dot_v1_dot_model__pb2.PlanResult.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,230 @@
+"""The step stream over gRPC (`StepStream`): plans sent ahead give the tokens of the same
+unary steps, refusals stay with their sequence, the service's wait is measured, and a dead
+service fails a waiting `recv` at once. The conversions first, as tests/test_convert.py's."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from control_plane.client import GrpcModel
+from control_plane.launch import start_gpu_service
+from gpu_service.pipeline import PlanClock
+from protos import convert as cv
+from protos.model import PlanResult, Proposal, SequenceHandle, StepPlan, StepResult
+from tests.conftest import SERVE_ARGS
+
+PROMPTS = [[1, 2, 3, 4, 5], [9] * 7, [200, 100, 50]]
+NUM_DRAFTS = 2  # within every slot the three prompts take (0 .. 2: 3, 3 and 2 drafts)
+UNKNOWN = 10**9
+
+
+def wire(msg: Any) -> Any:
+    """The message as the other process parses it."""
+    return type(msg).FromString(msg.SerializeToString())
+
+
+def test_plan_round_trip() -> None:
+    plan = StepPlan(
+        cv.handles([5, 2**40, 7]),
+        [True, False, False],
+        [11, 12, 13],
+        [0, 2, 1],
+        [True, False, True],
+        3,
+        {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"},
+    )
+    assert cv.plan_from_pb(wire(cv.plan_to_pb(plan))) == plan
+
+
+@pytest.mark.parametrize(
+    "result",
+    [
+        PlanResult(
+            StepResult(
+                [5, 6, 7, 8], [-0.5, 0.0, -1.0, -0.25], [1, 0], [1], Proposal([[3]], [[0.5]])
+            ),
+            [0, 2],
+            [1, 2, 3, 4],
+            [3, 1],
+            [(1, "NOT_FOUND", "sequence 9 is unknown or already freed")],
+            0.125,
+        ),
+        PlanResult(
+            StepResult([], [], [], [], Proposal([], [])),
+            [],
+            [],
+            [],
+            [(0, "INVALID_ARGUMENT", "a"), (1, "INVALID_ARGUMENT", "a")],
+        ),
+    ],
+    ids=["a-refusal-among-two", "refused-whole"],
+)
+def test_plan_result_round_trip(result: PlanResult) -> None:
+    lens = [20 + i for i in range(len(result.ran))]
+    reply = wire(cv.plan_result_to_pb(result, lens))
+    assert cv.plan_result_from_pb(reply) == result
+    assert list(reply.step.seq_lens) == lens
+
+
+def test_plan_clock() -> None:
+    """A plan waits from the end of the one before it to its own arrival; a plan that was
+    there already, or the first, waits 0."""
+    clock = PlanClock()
+    empty = PlanResult(StepResult([], [], [], [], Proposal([], [])), [], [], [], [])
+    assert clock.run(time.perf_counter(), lambda: empty).waited_s == 0.0
+    assert clock.run(time.perf_counter() - 1.0, lambda: empty).waited_s == 0.0
+    assert clock.run(time.perf_counter() + 0.25, lambda: empty).waited_s >= 0.25
+
+
+def continuations(step: StepResult, ks: list[int]) -> list[list[int]]:
+    """What each sequence's next continuing plan verifies: its bonus token, then its drafts."""
+    out, row0 = [], 0
+    for k, accepted in zip(ks, step.accepted, strict=True):
+        out.append([step.argmax[row0 + accepted]])
+        row0 += k
+    for j, i in enumerate(step.proposers):
+        out[i] += step.proposal.drafts[j]
+    return out
+
+
+def unary_steps(model: GrpcModel, n: int) -> tuple[list[StepResult], list[list[int]], list[int]]:
+    """`n` DecodeSteps of PROMPTS, each verifying the last one's continuations. -> (the
+    steps, each step's rows, the final lengths)"""
+    seqs = [model.alloc_sequence() for _ in PROMPTS]
+    rows = [[t] for t in model.prefill(seqs, PROMPTS)]
+    steps, flat = [], []
+    for _ in range(n):
+        ks = [len(r) for r in rows]
+        flat.append([t for r in rows for t in r])
+        steps.append(model.decode_step(flat[-1], ks, seqs, [True] * 3, NUM_DRAFTS))
+        rows = continuations(steps[-1], ks)
+    lens = [s.seq_len for s in seqs]
+    for s in seqs:
+        model.free_sequence(s)
+    return steps, flat, lens
+
+
+def test_plans_sent_ahead_equal_unary_steps(client: GrpcModel) -> None:
+    steps, rows, lens = unary_steps(client, 5)
+    seqs = [client.alloc_sequence() for _ in PROMPTS]  # the slots the unary steps had
+    first = client.prefill(seqs, PROMPTS)
+    stream = client.open_steps()
+    try:
+        stream.send(StepPlan(seqs, [False] * 3, first, [1] * 3, [True] * 3, NUM_DRAFTS))
+        for _ in range(4):
+            stream.send(StepPlan(seqs, [True] * 3, [], [0] * 3, [True] * 3, NUM_DRAFTS))
+        results = [stream.recv() for _ in range(5)]
+        assert [s.seq_len for s in seqs] == lens, "each result gave the handles their lengths"
+        stream.send(StepPlan(seqs, [True] * 3, [], [0] * 3, [True] * 3, NUM_DRAFTS))
+        late = stream.recv()
+    finally:
+        stream.close()
+    assert [r.step for r in results] == steps
+    assert [r.rows for r in results] == rows
+    assert all(r.ran == [0, 1, 2] and not r.refused for r in results)
+    # Plans sent ahead reach the service while the one before runs (0), unless a loaded
+    # machine delays reading one past that end (test_plan_clock has the exact rule); the
+    # last plan left only after the service answered the one before it.
+    assert results[0].waited_s == 0.0
+    assert all(r.waited_s < 0.05 for r in results)
+    assert late.waited_s > 0
+    for s in seqs:
+        client.free_sequence(s)
+
+
+def test_refusals_stay_with_their_sequence(client: GrpcModel, served: str) -> None:
+    other = GrpcModel(served)
+    try:
+        a, b, c, d = (client.alloc_sequence() for _ in range(4))
+        first = client.prefill([a, b, c, d], [[1, 2], [3, 4], [5, 6], [7, 8]])
+        rows = continuations(
+            client.decode_step(first, [1] * 4, [a, b, c, d], [True] * 4, 2), [1] * 4
+        )
+        theirs = other.alloc_sequence()
+        other.decode_step(other.prefill([theirs], [[9, 10]]), [1], [theirs], [False], 0)
+        client.free_sequence(a)
+        client.prefill([c], [[11]])  # its last call is not a step: nothing to continue from
+        plan = StepPlan(
+            [a, b, SequenceHandle(UNKNOWN, 0), c, theirs, d],
+            [True, False, True, True, True, True],
+            rows[1][:2],  # b gives its rows
+            [0, 2, 0, 0, 0, 0],
+            [True] * 6,
+            2,
+        )
+        malformed = StepPlan([b, d], [True, True], [], [0, 0], [True], 2)
+        stream = client.open_steps()
+        try:
+            for p in (plan, malformed, StepPlan([d], [True], [], [0], [False], 0)):
+                stream.send(p)
+            result, refused_whole, after = (stream.recv() for _ in range(3))
+        finally:
+            stream.close()
+        assert (result.ran, result.rows) == ([1, 5], [*rows[1][:2], *rows[3]])
+        codes = [(i, code) for i, code, _ in result.refused]
+        assert codes == [
+            (0, "NOT_FOUND"),
+            (2, "NOT_FOUND"),
+            (3, "FAILED_PRECONDITION"),
+            (4, "NOT_FOUND"),
+        ]
+        sentences = {i: sentence for i, _, sentence in result.refused}
+        assert sentences[4] == sentences[2].replace(str(UNKNOWN), str(theirs.seq_id))
+        assert "continue" in sentences[3]
+        assert refused_whole.ran == [] and [r[:2] for r in refused_whole.refused] == [
+            (0, "INVALID_ARGUMENT"),
+            (1, "INVALID_ARGUMENT"),
+        ]
+        assert after.ran == [0], "the stream went on"
+        theirs_stream = other.open_steps()
+        try:
+            theirs_stream.send(StepPlan([theirs], [True], [], [0], [False], 0))
+            assert theirs_stream.recv().ran == [0], "the other session's sequence is untouched"
+        finally:
+            theirs_stream.close()
+        for h in (b, c, d):
+            client.free_sequence(h)
+    finally:
+        other.close()
+
+
+def test_a_closed_stream_stops_its_plans(client: GrpcModel) -> None:
+    """Plans queued behind the one running never run once their caller is gone: the unary
+    step after the close finds the sequence short of them."""
+    seq = client.alloc_sequence()
+    stream = client.open_steps()
+    stream.send(StepPlan([seq], [False], client.prefill([seq], [[1, 2, 3]]), [1], [False], 0))
+    for _ in range(200):
+        stream.send(StepPlan([seq], [True], [], [0], [False], 0))  # one token each
+    stream.recv()
+    stream.close()
+    client.decode_step([5], [1], [seq], [False], 0)
+    assert seq.seq_len < 3 + 201 + 1
+    client.free_sequence(seq)
+
+
+def test_recv_raises_unavailable_soon_after_the_service_dies(tiny_dir: Path) -> None:
+    proc, target = start_gpu_service(tiny_dir, *SERVE_ARGS)
+    model = GrpcModel(target)
+    try:
+        seq = model.alloc_sequence()
+        stream = model.open_steps()
+        stream.send(StepPlan([seq], [False], model.prefill([seq], [[1, 2, 3]]), [1], [True], 1))
+        assert stream.recv().ran == [0]
+        proc.kill()
+        proc.wait(10)
+        killed = time.monotonic()
+        stream.send(StepPlan([seq], [True], [], [0], [True], 1))
+        with pytest.raises(grpc.RpcError) as lost:
+            stream.recv()
+        assert lost.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert time.monotonic() - killed < 2.0
+    finally:
+        proc.kill()
+        proc.wait(10)
+        model.close()
