@@ -42,10 +42,18 @@ def test_bench_quick(tmp_path: Path) -> None:
     assert mtp["accepted_length"] > 1.5, "the trained drafter's drafts stand"
     assert report["memory"]["tiered_bytes"] < report["memory"]["full_capacity_bytes"]
     assert {(r["method"], r["concurrency"]) for r in report["split"]} == {("none", 1), ("mtp", 1)}
-    assert all(r["grpc_step_ms"] > 0 and r["grpc_tok_s"] > 0 for r in report["split"])
+    for r in report["split"]:
+        arms = ("in_process", "in_process_unpipelined", "grpc", "grpc_unpipelined")
+        assert all(r[f"{a}_tok_s"] > 0 and r[f"{a}_step_ms"] > 0 for a in arms)
+        assert r["in_process_plans"] > 0 and r["grpc_plans"] > 0, "the pipeline ran"
+        assert r["in_process_unpipelined_plans"] == 0 and r["grpc_unpipelined_plans"] == 0
+        assert 0 <= r["grpc_idle"] <= 1 and 0 <= r["in_process_idle"] <= 1
+        assert r["grpc_over_in_process"] > 0 and r["grpc_over_in_process_unpipelined"] > 0
     assert [r["concurrency"] for r in report["speedup"]] == [1]
     chart = out.with_suffix(".png")
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "mtp / none at 1" in result.stdout
+    assert "split mtp  at 1: pipelined" in result.stdout
     table = (tmp_path / "bench.md").read_text()
     assert "| mtp | 1 |" in table and "| prompt_lookup | 4 |" in table
+    assert "service idle between steps (gRPC, pipelined)" in table

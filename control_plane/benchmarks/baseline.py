@@ -43,3 +43,14 @@ def against_transformers(rows: list[dict], outside: float) -> dict:
         "threads": 1,
         "in_process": {m: v / outside for m, v in ours.items()},
     }
+
+
+def grpc_against_transformers(against: dict, split_rows: list[dict]) -> dict:
+    """`against` with our pipelined tok/s over gRPC at one request (the split's), each with
+    its ratio to transformers' generate."""
+    ours = {r["method"]: r["grpc_tok_s"] for r in split_rows if r["concurrency"] == 1}
+    return {
+        **against,
+        "grpc_tok_s": ours,
+        "grpc": {m: v / against["tok_s"] for m, v in ours.items()},
+    }

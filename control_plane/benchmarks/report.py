@@ -30,7 +30,7 @@ def markdown(report: dict) -> str:
     out += _split_tables(report)
     out += [
         "",
-        "| verify | concurrent | tok/s | decode-phase tok/s | step ms |",
+        "| verify (steps unpipelined) | concurrent | tok/s | decode-phase tok/s | step ms |",
         "|---|---|---|---|---|",
     ]
     for r in report["batch_vs_serial"]:
@@ -56,25 +56,42 @@ def markdown(report: dict) -> str:
 
 
 def _split_tables(report: dict) -> list[str]:
-    """In process against over gRPC per method, then mtp over none in each."""
+    """In process against over gRPC per method, pipelined and not, then mtp over none."""
     out = [
         "",
-        "| method | concurrent | tok/s in process | tok/s over gRPC | (two calls a step) | "
-        "step ms in process | step ms over gRPC | (two calls) | split cost | (two calls) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| method | concurrent | tok/s in process | tok/s over gRPC | gRPC / in process | "
+        "unpipelined: in process | over gRPC | gRPC / in process | "
+        "service idle between steps (gRPC, pipelined) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["split"]:
         out.append(
             f"| {r['method']} | {r['concurrency']} | {r['in_process_tok_s']:.1f} | "
-            f"{r['grpc_tok_s']:.1f} | {r['grpc_two_calls_tok_s']:.1f} | "
-            f"{r['in_process_step_ms']:.1f} | {r['grpc_step_ms']:.1f} | "
-            f"{r['grpc_two_calls_step_ms']:.1f} | {r['overhead'] * 100:+.0f}% | "
-            f"{r['overhead_two_calls'] * 100:+.0f}% |"
+            f"{r['grpc_tok_s']:.1f} | {r['grpc_over_in_process']:.2f}x | "
+            f"{r['in_process_unpipelined_tok_s']:.1f} | {r['grpc_unpipelined_tok_s']:.1f} | "
+            f"{r['grpc_over_in_process_unpipelined']:.2f}x | {r['grpc_idle'] * 100:.1f}% |"
         )
-    out += ["", "| concurrent | mtp / none in process | mtp / none over gRPC |", "|---|---|---|"]
+    out += [
+        "",
+        "| concurrent | mtp / none in process | mtp / none over gRPC (both pipelined) |",
+        "|---|---|---|",
+    ]
     for r in report["speedup"]:
         out.append(f"| {r['concurrency']} | {r['in_process']:.2f}x | {r['grpc']:.2f}x |")
     return out
+
+
+def split_lines(rows: list[dict]) -> list[str]:
+    """The split's rows as printed lines."""
+    return [
+        f"split {r['method']:4} at {r['concurrency']}: pipelined {r['in_process_tok_s']:6.1f} "
+        f"tok/s in process, {r['grpc_tok_s']:6.1f} over gRPC "
+        f"({r['grpc_over_in_process']:.2f}x; service idle {r['grpc_idle'] * 100:.1f}% "
+        f"between steps); unpipelined {r['in_process_unpipelined_tok_s']:6.1f} in process, "
+        f"{r['grpc_unpipelined_tok_s']:6.1f} over gRPC "
+        f"({r['grpc_over_in_process_unpipelined']:.2f}x)"
+        for r in rows
+    ]
 
 
 def _against(report: dict) -> list[str]:
@@ -82,14 +99,15 @@ def _against(report: dict) -> list[str]:
     out = []
     hf = report.get("transformers_generate")
     if hf:
-        ours = {r["method"]: r["grpc_tok_s"] for r in report["split"] if r["concurrency"] == 1}
         out.append(
             f"transformers `Qwen3NextForCausalLM.generate` (greedy, 1 request, "
             f"{hf['threads']} thread, measured in the same rounds as the methods): "
             f"{hf['tok_s']:.1f} tok/s; ours in process at 1 request: "
             + ", ".join(f"{k} {x:.2f}x" for k, x in hf["in_process"].items())
-            + "; over gRPC: "
-            + ", ".join(f"{k} {v:.1f} tok/s ({v / hf['tok_s']:.2f}x)" for k, v in ours.items())
+            + "; over gRPC (pipelined): "
+            + ", ".join(
+                f"{k} {v:.1f} tok/s ({hf['grpc'][k]:.2f}x)" for k, v in hf["grpc_tok_s"].items()
+            )
             + "."
         )
     ratios = report.get("batched_over_serial", {})
@@ -142,7 +160,7 @@ def draw_chart(report: dict, path: Path) -> None:
                 marker=marker,
                 color="black",
                 zorder=3,
-                label=f"{m} over gRPC",
+                label=f"{m} over gRPC (pipelined)",
             )
     ax.set_xticks(range(len(concs)), [str(c) for c in concs])
     ax.set_xlabel("concurrent requests")
@@ -173,14 +191,8 @@ def print_table(report: dict) -> None:
             f"batched verify / serial at {n}: {x['decode_tok_s']:.2f}x decode phase, "
             f"{x['tok_s']:.2f}x end to end"
         )
-    for r in report["split"]:
-        print(
-            f"split {r['method']:4} at {r['concurrency']}: {r['in_process_tok_s']:6.1f} tok/s "
-            f"in process, {r['grpc_tok_s']:6.1f} over gRPC ({r['grpc_two_calls_tok_s']:.1f} "
-            f"with two calls a step); step {r['in_process_step_ms']:.1f} ms vs "
-            f"{r['grpc_step_ms']:.1f} ({r['overhead'] * 100:+.0f}%; two calls "
-            f"{r['grpc_two_calls_step_ms']:.1f}, {r['overhead_two_calls'] * 100:+.0f}%)"
-        )
+    for line in split_lines(report["split"]):
+        print(line)
     for r in report["speedup"]:
         print(
             f"mtp / none at {r['concurrency']}: {r['in_process']:.2f}x in process, "
@@ -199,13 +211,12 @@ def print_table(report: dict) -> None:
         )
     if report.get("transformers_generate"):
         t = report["transformers_generate"]
-        hf = t["tok_s"]
-        grpc = {r["method"]: r["grpc_tok_s"] for r in report["split"] if r["concurrency"] == 1}
         print(
-            f"transformers generate (1 request, greedy): {hf:.1f} tok/s; ours in process: "
+            f"transformers generate (1 request, greedy): {t['tok_s']:.1f} tok/s; ours in "
+            "process: "
             + ", ".join(f"{m} {x:.2f}x" for m, x in t["in_process"].items())
-            + "; over gRPC: "
-            + ", ".join(f"{m} {v:.1f} ({v / hf:.2f}x)" for m, v in grpc.items())
+            + "; over gRPC (pipelined): "
+            + ", ".join(f"{m} {v:.1f} ({t['grpc'][m]:.2f}x)" for m, v in t["grpc_tok_s"].items())
         )
     for f in report["failures"]:
         print(f"FAIL: {f}", file=sys.stderr)

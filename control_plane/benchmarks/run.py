@@ -5,7 +5,8 @@ On one checkpoint (default: the bundled one), each figure a median over repeats:
   width) at several concurrencies: output tokens per second, mean accepted length, acceptance
   per draft position; all must produce identical tokens (the run fails otherwise);
 - batched vs serial verify (`METRALE_NO_MTP_BATCH_VERIFY`);
-- in process vs over gRPC (a GPU service child process): the split's cost per step;
+- in process vs over gRPC (a GPU service child process), greedy steps pipelined and not:
+  the split's cost, and the service's idle time between pipelined steps;
 - the verify buffers' bytes with the slot tiers vs every slot at full capacity;
 - tracing off vs exporting to a local OTLP receiver (both processes);
 - transformers' own `generate` on the same checkpoint, the outside baseline.
@@ -19,7 +20,11 @@ import argparse
 import json
 from pathlib import Path
 
-from control_plane.benchmarks.baseline import against_transformers, transformers_baseline
+from control_plane.benchmarks.baseline import (
+    against_transformers,
+    grpc_against_transformers,
+    transformers_baseline,
+)
 from control_plane.benchmarks.methods import batch_vs_serial, batched_over_serial, methods
 from control_plane.benchmarks.report import draw_chart, markdown, print_table
 from control_plane.benchmarks.split import speedups, split
@@ -68,6 +73,9 @@ def measure(args: argparse.Namespace) -> dict:
     report["batched_over_serial"] = batched_over_serial(report["batch_vs_serial"])
     report["split"] = split(args.model, local, work, [1] if quick else [1, 4], tokens, repeats)
     report["speedup"] = speedups(report["split"])
+    if "transformers_generate" in report:
+        hf = report["transformers_generate"]
+        report["transformers_generate"] = grpc_against_transformers(hf, report["split"])
     report["memory"] = memory(engine)
     if not quick:
         report["tracing"] = tracing(4, tokens)

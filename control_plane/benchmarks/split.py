@@ -2,20 +2,29 @@
 `python -m control_plane.benchmarks.split`.
 
 The same requests through the scheduler, in one run: driving the engine in process, then
-driving a GPU service process over gRPC on loopback. Prints tokens per second and the mean
-step time of each, and the split's overhead."""
+driving a GPU service process over gRPC on loopback, each with greedy steps pipelined (the
+default) and not. Prints tokens per second of each, gRPC over in process, and how much of
+the run the service spent idle between pipelined steps."""
 
 from __future__ import annotations
 
 import argparse
+import statistics
 from pathlib import Path
 
 from control_plane.benchmarks.workload import Workload, median, serve
 from control_plane.client import GrpcModel
-from control_plane.env import Env
 from control_plane.launch import start_gpu_service, stop
 from control_plane.scheduler.seq import MTP, NONE
 from protos.defaults import DEFAULT_MODEL_DIR
+
+# name, over gRPC, scheduler options
+ARMS: tuple[tuple[str, bool, dict], ...] = (
+    ("in_process", False, {}),
+    ("in_process_unpipelined", False, {"pipeline": False}),
+    ("grpc", True, {}),
+    ("grpc_unpipelined", True, {"pipeline": False}),
+)
 
 
 def split(
@@ -26,27 +35,22 @@ def split(
     tokens: int,
     repeats: int,
 ) -> list[dict]:
-    """Each method in process and through a GPU service child process over gRPC, greedy steps
-    as one `DecodeStep` round trip and as two calls (`--no-fused-step`)."""
+    """Each method in process and through a GPU service child process over gRPC, with the
+    pipelined step stream and without it (`--no-pipeline`)."""
     proc, target = start_gpu_service(model_dir)
     rows = []
     try:
-        fused: dict = {}
-        two_calls = {"fused_step": False}
         remote = lambda: GrpcModel(target)  # noqa: E731
-        arms = (
-            ("local", local_connect, fused),
-            ("grpc", remote, fused),
-            ("grpc_two_calls", remote, two_calls),
-        )
         for n in concurrency:
             runs: dict[tuple[str, str], list[dict]] = {}
             for _ in range(repeats):  # methods and arms interleaved: drift falls on all alike
                 for m in (NONE, MTP):
-                    for where, connect, options in arms:
+                    for arm, over_grpc, options in ARMS:
                         reqs = work.requests(m, n, tokens)
+                        connect = remote if over_grpc else local_connect
                         got = serve(connect, reqs, work.tokenizer, options)
-                        runs.setdefault((m, where), []).append(got)
+                        got["idle"] = got["engine_waited_s"] / got["seconds"]
+                        runs.setdefault((m, arm), []).append(got)
             rows += [_split_row(runs, m, n) for m in (NONE, MTP)]
     finally:
         stop(proc)
@@ -54,23 +58,23 @@ def split(
 
 
 def _split_row(runs: dict[tuple[str, str], list[dict]], method: str, n: int) -> dict:
-    """One method at one concurrency: its medians in process and over gRPC, and their ratio."""
-    local, grpc_, two = (
-        median(runs[(method, where)]) for where in ("local", "grpc", "grpc_two_calls")
+    """One method at one concurrency: each arm's medians, gRPC over in process with the
+    pipeline and without it, and the service's idle fraction between pipelined steps."""
+    arm = {name: median(runs[(method, name)]) for name, _, _ in ARMS}
+    row: dict = {"method": method, "concurrency": n}
+    for name in arm:
+        row[f"{name}_tok_s"] = arm[name]["tok_s"]
+        row[f"{name}_step_ms"] = arm[name]["step_ms"]
+        row[f"{name}_plans"] = min(r["plans"] for r in runs[(method, name)])
+        row[f"{name}_accepted_length"] = arm[name]["accepted_length"]
+    for name in ("in_process", "grpc"):  # engine_waited_s over the run's wall time
+        row[f"{name}_idle"] = statistics.median(r["idle"] for r in runs[(method, name)])
+    row["grpc_over_in_process"] = row["grpc_tok_s"] / row["in_process_tok_s"]
+    row["grpc_over_in_process_unpipelined"] = (
+        row["grpc_unpipelined_tok_s"] / row["in_process_unpipelined_tok_s"]
     )
-    return {
-        "method": method,
-        "concurrency": n,
-        "in_process_tok_s": local["tok_s"],
-        "grpc_tok_s": grpc_["tok_s"],
-        "grpc_two_calls_tok_s": two["tok_s"],
-        "in_process_step_ms": local["step_ms"],
-        "grpc_step_ms": grpc_["step_ms"],
-        "grpc_two_calls_step_ms": two["step_ms"],
-        "overhead": grpc_["step_ms"] / local["step_ms"] - 1,
-        "overhead_two_calls": two["step_ms"] / local["step_ms"] - 1,
-        "accepted_length": grpc_["accepted_length"],
-    }
+    row["accepted_length"] = arm["grpc"]["accepted_length"]
+    return row
 
 
 def speedups(split_rows: list[dict]) -> list[dict]:
@@ -90,31 +94,22 @@ def speedups(split_rows: list[dict]) -> list[dict]:
 def main() -> None:
     import torch
 
+    from control_plane.benchmarks.report import split_lines
     from gpu_service.config import ServiceConfig
     from gpu_service.engine import Engine
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(1)  # as the GPU service runs its engine (see gpu_service/server.py)
     engine = Engine(DEFAULT_MODEL_DIR, ServiceConfig())
     work = Workload(DEFAULT_MODEL_DIR)
-    proc, target = start_gpu_service(DEFAULT_MODEL_DIR)
-    try:
-        print("method  seqs   in-process tok/s  step ms   gRPC tok/s  step ms   overhead")
-        for method in (NONE, MTP):
-            for n in args.concurrency:
-                reqs = work.requests(method, n, args.tokens)
-                local = serve(lambda: engine, reqs, work.tokenizer, env=Env.read())
-                remote = serve(lambda: GrpcModel(target), reqs, work.tokenizer, env=Env.read())
-                print(
-                    f"{method:6}  {n:4d}   {local['tok_s']:16.1f}  {local['step_ms']:7.2f}   "
-                    f"{remote['tok_s']:10.1f}  {remote['step_ms']:7.2f}   "
-                    f"{(remote['step_ms'] / local['step_ms'] - 1) * 100:7.1f}%"
-                )
-    finally:
-        stop(proc)
+    rows = split(
+        DEFAULT_MODEL_DIR, lambda: engine, work, args.concurrency, args.tokens, args.repeats
+    )
+    print("\n".join(split_lines(rows)))
 
 
 if __name__ == "__main__":

@@ -63,7 +63,7 @@ def serve(
     seconds = end - t0
     snap = sched.snapshot()
     sched.stop()
-    spec = snap["spec"]
+    spec, counters = snap["spec"], snap["counters"]
     made = sum(map(len, tokens.values()))
     # After every request has its first token: the decode phase, prefill behind it.
     decode = end - max(first.values(), default=t0)
@@ -71,10 +71,13 @@ def serve(
         "tokens": tokens,
         "tok_s": made / seconds,
         "decode_tok_s": (made - len(first)) / decode if decode > 0 else 0.0,
-        "step_ms": seconds / max(snap["counters"].steps, 1) * 1e3,
+        "step_ms": seconds / max(counters.steps, 1) * 1e3,
         "accepted_length": spec.mean_accepted_length,
         "acceptance": spec.acceptance_at,
         "spec": spec,
+        "seconds": seconds,  # the run's wall time, first submit to last token
+        "plans": counters.plans,  # pipelined steps read back
+        "engine_waited_s": counters.engine_waited_s,  # the service idle between them
     }
 
 

@@ -172,7 +172,8 @@ class Scheduler:
             return {
                 "counters": counters,
                 "spec": spec,
-                "active": len(self.active) + len(self.prefilling),
+                # Finished ones whose slot a plan in flight still holds count until it is free.
+                "active": len(self.active) + len(self.prefilling) + len(self.pipeline.deferred),
                 "queued": self._queued,
                 "free_slots": free,
             }

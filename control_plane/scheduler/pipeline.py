@@ -13,9 +13,11 @@ drafts). A sequence joins at the next plan with its rows given (after its prefil
 steps taken the synchronous way); one the service refuses in a plan ends alone.
 
 What cannot run ahead does not: grammars and `min_new_tokens` (their masks need the latest
-tokens), sampling, prompt lookup, the DFlash arm and the confidence stop go the synchronous
-way, in the same iteration. D-Cut does not cut pipelined drafts (it needs their confidences
-before the plan is sent)."""
+tokens), sampling, prompt lookup, the DFlash arm, the confidence stop and `--no-batch-verify` go the
+synchronous way, in the same iteration, and while any sequence does nothing runs ahead (a
+synchronous verify and its verdict may be two calls, and nothing may run between them). D-Cut
+cuts a continuing sequence's drafts by the confidences of the step before (the drafts it
+continues with are not back yet)."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 from opentelemetry import propagate
 from opentelemetry.trace import Link, Span, set_span_in_context
 
+from control_plane.scheduler import dcut
 from control_plane.scheduler.context import StepContext
 from control_plane.scheduler.seq import MTP, NONE, ActiveSeq
 from control_plane.scheduler.step import step_width
@@ -50,6 +53,7 @@ def runs_ahead(a: ActiveSeq, ctx: StepContext) -> bool:
     return (
         o.pipeline
         and o.fused_step
+        and o.batch_verify
         and not (o.dflash or o.prompt_lookup or o.draft_confidence_stop is not None)
         and a.req.method in (NONE, MTP)
         and a.grammar is None
@@ -140,8 +144,12 @@ class Pipeline:
         step_nd = step_width(seqs, ctx, num_drafts)
         continues = [last is not None and last.holds(a) for a in seqs]
         tokens, ks = [], []
+        o = ctx.opts
+        cut = o.dcut and step_nd >= 2 and len(seqs) <= o.dcut_width_cap
         for a, cont in zip(seqs, continues, strict=True):
             cap = min(step_nd, a.req.num_drafts if a.req.num_drafts is not None else step_nd)
+            if cut and a.pending_conf:  # a continuing sequence's: those of the step before
+                cap = min(cap, dcut.depth(a.pending_conf[:step_nd], o.dcut_threshold))
             if cont:
                 ks.append(cap + 1)
             else:
