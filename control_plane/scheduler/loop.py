@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 
 import grpc
 from opentelemetry.context import Context
-from opentelemetry.trace import Link
 
 from control_plane.detok import Tokenizer
 from control_plane.env import Env
@@ -34,19 +33,20 @@ from control_plane.scheduler.context import StepContext
 from control_plane.scheduler.cost_model import CostTable
 from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.pipeline import Pipeline, runs_ahead
+from control_plane.scheduler.prefill import prefill
 from control_plane.scheduler.seq import ActiveSeq, GenRequest, QueueSink, Sink, SpecStats
+from control_plane.scheduler.served import replaces, served_by
+from control_plane.scheduler.status import step_status
 from control_plane.scheduler.step import step_mtp
 from control_plane.tokenizer import Tokenization
 from protos.model import (
     Capabilities,
-    FailedPrecondition,
     Model,
     ModelError,
     ResourceExhausted,
-    Sampling,
     SequenceHandle,
 )
-from protos.telemetry import span, tracer
+from protos.telemetry import tracer
 
 log = logging.getLogger("control_plane.scheduler")
 TRACER = tracer("met.control_plane")
@@ -192,7 +192,7 @@ class Scheduler:
         try:
             self.pipeline.drain(self.ctx)  # stopping: the frees that wait on flights
         except (grpc.RpcError, ModelError, OSError) as e:
-            log.warning("stopping with plans in flight: %s", _status(e)[1])
+            log.warning("stopping with plans in flight: %s", step_status(e)[1])
         self.pipeline.close()
 
     def _idle(self) -> float:
@@ -345,7 +345,7 @@ class Scheduler:
         model = self.connect()
         try:
             caps = model.capabilities()
-            served = self.override if self.override is not None else self._served(model, caps)
+            served = self.override if self.override is not None else served_by(model, caps)
             ctx = StepContext.build(caps, self.opts, self._measure(model, caps))
         except BaseException:
             getattr(model, "close", lambda: None)()  # the service would keep its session open
@@ -359,34 +359,10 @@ class Scheduler:
             a.drafter = caps.has_mtp
             a.set_eos(() if a.req.ignore_eos else caps.eos_token_ids)
 
-    def _served(self, model: Model, caps: Capabilities) -> Tokenization:
-        """The served checkpoint's tokenizer; files that give none are `FailedPrecondition`."""
-        try:
-            return Tokenization.from_files(
-                model.tokenizer_files(), f"the GPU service's model {caps.model_name!r}"
-            )
-        except ValueError as e:
-            raise FailedPrecondition(
-                f"{e}; the control plane cannot tokenize for it (a --tokenizer DIR given to the "
-                "control plane overrides the model's)"
-            ) from None
-
     def _use(self, new: Tokenization) -> None:
-        """The connection's tokenizer. The same files keep the one in use (and what was built
-        for it); other files mean the service now serves another model, and the requests
-        waiting were tokenized for the old one."""
-        old = self.tokenization
-        if old is not None and (old is new or old.digest == new.digest):
-            return
-        if old is not None:
-            log.warning(
-                "the GPU service now serves another model: %s (tokenizer files %s), where it "
-                "served %s (%s); the tokenizer was reloaded",
-                new.origin,
-                new.digest,
-                old.origin,
-                old.digest,
-            )
+        """The connection's tokenizer; another model's means the requests waiting were
+        tokenized for the old one."""
+        if replaces(self.tokenization, new):
             self._stale.extend(self.waiting)
         self.tokenization = new
 
@@ -435,69 +411,12 @@ class Scheduler:
             a.tell_place(position, len(self.waiting), now)
 
     def _prefill(self) -> None:
-        """One batched prefill call: each prefilling sequence's next chunk, within budget."""
-        assert self.ctx is not None
+        """One batched prefill call; the sequences whose prompt is in now become active."""
+        assert self.model is not None and self.ctx is not None
         budget = self.ctx.caps.max_prefill_tokens
-        batch, chunks = [], []
-        for a in self.prefilling:
-            n = min(len(a.req.prompt_ids) - a.prefilled, self.opts.prefill_chunk, budget)
-            if n <= 0:
-                break
-            batch.append(a)
-            chunks.append(list(a.req.prompt_ids[a.prefilled : a.prefilled + n]))
-            budget -= n
-        if not batch:
-            return
-        links = [Link(a.req.span_context) for a in batch if a.req.span_context is not None]
-        with span(
-            TRACER,
-            "prefill",
-            links,
-            **{"met.sequences": len(batch), "met.tokens": sum(map(len, chunks))},
-        ):
-            ends = zip(batch, chunks, strict=True)
-            last = [a.prefilled + len(c) == len(a.req.prompt_ids) for a, c in ends]
-            # Grammars and min_new_tokens bind the first generated token too.
-            masks = [a.row_mask([]) if end else b"" for a, end in zip(batch, last, strict=True)]
-            sampling = [
-                a.sampling(1) if a.samples and end else None
-                for a, end in zip(batch, last, strict=True)
-            ]
-            rows = self._prefill_rows(batch, chunks, masks, sampling)
-        for a, chunk, row in zip(batch, chunks, rows, strict=True):
-            if row is None:
-                continue
-            a.prefilled += len(chunk)
-            if a.prefilled == len(a.req.prompt_ids):
-                self.prefilling.remove(a)
-                self.active.append(a)
-                a.gain([row[0]], [row[1]])
-
-    def _prefill_rows(
-        self,
-        batch: list[ActiveSeq],
-        chunks: list[list[int]],
-        masks: list[bytes],
-        sampling: list[Sampling | None],
-    ) -> list[tuple[int, float] | None]:
-        """The prefill call -> each sequence's (argmax, log-probability), None for one the
-        service refused. A refused batch is retried one sequence per call to find the one
-        the refusal concerns (a call is checked whole before any of it runs)."""
-        assert self.model is not None
-        try:
-            argmax = self.model.prefill([a.live_handle for a in batch], chunks, masks, sampling)
-        except ModelError as e:
-            if len(batch) == 1:
-                batch[0].refuse(e.code, str(e))
-                return [None]
-            return [
-                row
-                for i in range(len(batch))
-                for row in self._prefill_rows(
-                    batch[i : i + 1], chunks[i : i + 1], masks[i : i + 1], sampling[i : i + 1]
-                )
-            ]
-        return list(zip(argmax, self.model.last_logprobs(), strict=True))
+        for a in prefill(self.model, self.prefilling, self.opts.prefill_chunk, budget):
+            self.prefilling.remove(a)
+            self.active.append(a)
 
     def _retire(self) -> None:
         for group in (self.prefilling, self.active):
@@ -547,7 +466,7 @@ class Scheduler:
         """A step failed as a whole: fail every admitted request with the error's status.
         When the service went away, ask it what it still holds, free those sequences and
         start over on a fresh connection; otherwise free them and carry on."""
-        code, message = _status(error)
+        code, message = step_status(error)
         self.pipeline.close()  # what was in flight is lost with the step
         failed = [*self.prefilling, *self.active]
         log.error("%s; failing %d requests", message, len(failed))
@@ -580,23 +499,5 @@ class Scheduler:
                 for a in failed:
                     self._free(a)
         except (grpc.RpcError, OSError) as e:
-            log.warning("the GPU service is still unreachable: %s", _status(e)[1])
+            log.warning("the GPU service is still unreachable: %s", step_status(e)[1])
         getattr(self.model, "close", lambda: None)()
-
-
-def _status(error: Exception) -> tuple[str, str]:
-    """-> (gRPC status code name, sentence) a failed step ends its requests with."""
-    if isinstance(error, grpc.RpcError):
-        code = getattr(error, "code", lambda: None)()
-        details = getattr(error, "details", lambda: None)() or str(error)
-        name = code.name if code is not None else "UNAVAILABLE"
-        if name == "UNAUTHENTICATED":
-            # The service ended this control plane's session (it stopped answering past the
-            # session timeout): the link was lost; the client's own credentials are fine.
-            name = "UNAVAILABLE"
-        return name, f"the GPU service failed: {details}"
-    if isinstance(error, OSError):
-        return "UNAVAILABLE", f"the GPU service is unreachable: {error}"
-    if isinstance(error, ModelError):
-        return error.code, f"the GPU service refused: {error}"
-    return "INTERNAL", f"the scheduler failed: {type(error).__name__}: {error}"

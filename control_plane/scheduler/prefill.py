@@ -1,0 +1,77 @@
+"""The scheduler's prefill: one batched call a loop iteration, each prefilling sequence's next
+chunk within the call's token budget; a refusal ends the sequence it concerns alone."""
+
+from __future__ import annotations
+
+from opentelemetry.trace import Link
+
+from control_plane.scheduler.seq import ActiveSeq
+from protos.model import Model, ModelError, Sampling
+from protos.telemetry import span, tracer
+
+TRACER = tracer("met.control_plane")
+
+
+def prefill(model: Model, prefilling: list[ActiveSeq], chunk: int, budget: int) -> list[ActiveSeq]:
+    """The call over each sequence's next chunk (at most `chunk` tokens, `budget` in all); a
+    sequence whose whole prompt is now in gains its first token. -> those sequences."""
+    batch, chunks = [], []
+    for a in prefilling:
+        n = min(len(a.req.prompt_ids) - a.prefilled, chunk, budget)
+        if n <= 0:
+            break
+        batch.append(a)
+        chunks.append(list(a.req.prompt_ids[a.prefilled : a.prefilled + n]))
+        budget -= n
+    if not batch:
+        return []
+    links = [Link(a.req.span_context) for a in batch if a.req.span_context is not None]
+    with span(
+        TRACER,
+        "prefill",
+        links,
+        **{"met.sequences": len(batch), "met.tokens": sum(map(len, chunks))},
+    ):
+        ends = zip(batch, chunks, strict=True)
+        last = [a.prefilled + len(c) == len(a.req.prompt_ids) for a, c in ends]
+        # Grammars and min_new_tokens bind the first generated token too.
+        masks = [a.row_mask([]) if end else b"" for a, end in zip(batch, last, strict=True)]
+        sampling = [
+            a.sampling(1) if a.samples and end else None for a, end in zip(batch, last, strict=True)
+        ]
+        rows = _rows(model, batch, chunks, masks, sampling)
+    done = []
+    for a, c, row in zip(batch, chunks, rows, strict=True):
+        if row is None:
+            continue
+        a.prefilled += len(c)
+        if a.prefilled == len(a.req.prompt_ids):
+            done.append(a)
+            a.gain([row[0]], [row[1]])
+    return done
+
+
+def _rows(
+    model: Model,
+    batch: list[ActiveSeq],
+    chunks: list[list[int]],
+    masks: list[bytes],
+    sampling: list[Sampling | None],
+) -> list[tuple[int, float] | None]:
+    """The prefill call -> each sequence's (argmax, log-probability), None for one the
+    service refused. A refused batch is retried one sequence per call to find the one
+    the refusal concerns (a call is checked whole before any of it runs)."""
+    try:
+        argmax = model.prefill([a.live_handle for a in batch], chunks, masks, sampling)
+    except ModelError as e:
+        if len(batch) == 1:
+            batch[0].refuse(e.code, str(e))
+            return [None]
+        return [
+            row
+            for i in range(len(batch))
+            for row in _rows(
+                model, batch[i : i + 1], chunks[i : i + 1], masks[i : i + 1], sampling[i : i + 1]
+            )
+        ]
+    return list(zip(argmax, model.last_logprobs(), strict=True))
