@@ -27,8 +27,9 @@ MESSAGES = [
     {"role": "system", "content": "You write Python."},
     {"role": "user", "content": "Sum a list, please."},
 ]
-CONFIG = dict(
-    vocab_size=VOCAB,
+# A small Qwen3-Next: three GDN layers, then one attention layer; no experts.
+BASE = dict(
+    vocab_size=300,
     hidden_size=64,
     intermediate_size=96,
     num_hidden_layers=4,
@@ -44,6 +45,7 @@ CONFIG = dict(
     partial_rotary_factor=0.25,
     max_position_embeddings=512,
 )
+CONFIG = {**BASE, "vocab_size": VOCAB}
 CORPUS = textwrap.dedent(
     '''
     def add(a, b):

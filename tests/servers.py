@@ -10,7 +10,10 @@ from contextlib import contextmanager
 
 import grpc
 
+from control_plane.api import GenerationServicer
 from control_plane.client import GrpcModel
+from control_plane.scheduler.loop import Scheduler
+from protos.met.v1 import generate_pb2_grpc as pb_grpc
 
 # Builds and starts a server on the thread's event loop; -> (the server, its port).
 Start = Callable[[], Awaitable[tuple[grpc.aio.Server, int]]]
@@ -39,6 +42,28 @@ def aio_server_in_thread(start: Start) -> Iterator[str]:
         loop.call_soon_threadsafe(box["stop"].set)
         thread.join(30)
         loop.close()
+
+
+@contextmanager
+def serving(scheduler: Scheduler, run: bool = True) -> Iterator[str]:
+    """The generation API over `scheduler` on a grpc.aio server in a thread, the scheduler
+    running meanwhile unless not `run`; yields its address."""
+
+    async def start() -> tuple[grpc.aio.Server, int]:
+        server = grpc.aio.server()
+        pb_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(scheduler), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        return server, port
+
+    if run:
+        scheduler.start()
+    try:
+        with aio_server_in_thread(start) as target:
+            yield target
+    finally:
+        if run:
+            scheduler.stop()
 
 
 def free_slots_within(model: GrpcModel, want: int, seconds: float) -> float:

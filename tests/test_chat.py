@@ -17,7 +17,6 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from control_plane import generate_cli
-from control_plane.api import GenerationServicer
 from control_plane.chat import CONFIG_FILE, TEMPLATE_FILE, ChatTemplate
 from control_plane.cli import build_parser
 from control_plane.door import Admission, BadRequest, to_request
@@ -28,7 +27,7 @@ from protos.defaults import DEFAULT_MODEL_DIR
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
 from tests.conftest import TINY_SERVICE
-from tests.servers import aio_server_in_thread
+from tests.servers import serving
 
 # Qwen3's template without its tool calls: system first, the last query found by a reversed
 # walk with a namespace, reasoning split out of assistant turns after it.
@@ -228,18 +227,8 @@ def api(tiny_dir: Path) -> Iterator[Api]:
     tokenizer files (the tiny checkpoint's: the default template) come from the checkpoint."""
     engine = Engine(tiny_dir, TINY_SERVICE)
     scheduler = Scheduler(lambda: engine, Tokenization.from_dir(tiny_dir))
-    scheduler.start()
-
-    async def start() -> tuple[grpc.aio.Server, int]:
-        server = grpc.aio.server()
-        pb_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(scheduler), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        return server, port
-
-    with aio_server_in_thread(start) as target, grpc.insecure_channel(target) as channel:
+    with serving(scheduler) as target, grpc.insecure_channel(target) as channel:
         yield Api(pb_grpc.GenerationServiceStub(channel), scheduler)
-    scheduler.stop()
 
 
 @contextmanager

@@ -13,25 +13,9 @@ from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 from gpu_service.config import ServiceConfig
 from gpu_service.engine import Engine
 from gpu_service.model.hybrid import PREFILL, Segment
+from tests.hf_checkpoint import BASE
 from tests.steps import logit_rows
 
-BASE = dict(
-    vocab_size=300,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=16,
-    linear_value_head_dim=16,
-    layer_types=["linear_attention"] * 3 + ["full_attention"],
-    num_experts=0,
-    partial_rotary_factor=0.25,
-    max_position_embeddings=512,
-)
 CONFIGS = {
     "dense-untied": {},
     "moe-shared": dict(

@@ -7,13 +7,11 @@ import argparse
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
 import pytest
 
-from control_plane.api import GenerationServicer
 from control_plane.generate_cli import add_args, run
 from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.seq import QUEUED_UPDATE_S, ActiveSeq, GenRequest, Queued
@@ -22,7 +20,7 @@ from gpu_service.config import ServiceConfig
 from gpu_service.engine import Engine
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
-from tests.servers import aio_server_in_thread
+from tests.servers import serving
 
 ONE_SLOT = ServiceConfig(verify_tiers="1:3", max_context=2048)
 TOK = ByteTokenizer.default()
@@ -38,31 +36,11 @@ SHORT = pb.GenerateRequest(prompt_token_ids=[7, 8, 9], max_new_tokens=12, ignore
 PROMPTLY_S = 5.0
 
 
-@contextmanager
-def serving(scheduler: Scheduler) -> Iterator[str]:
-    """The generation API on a grpc.aio server in a thread; yields its address."""
-
-    async def start() -> tuple[grpc.aio.Server, int]:
-        server = grpc.aio.server()
-        pb_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(scheduler), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        return server, port
-
-    with aio_server_in_thread(start) as target:
-        yield target
-
-
 @pytest.fixture(scope="module")
 def one_slot(tiny_dir: Path) -> Iterator[str]:
     engine = Engine(tiny_dir, ONE_SLOT)
-    scheduler = Scheduler(lambda: engine, TOK)
-    scheduler.start()
-    try:
-        with serving(scheduler) as target:
-            yield target
-    finally:
-        scheduler.stop()
+    with serving(Scheduler(lambda: engine, TOK)) as target:
+        yield target
 
 
 def tokens_of(messages: list[pb.GenerateResponse]) -> list[int]:
@@ -101,7 +79,7 @@ def test_headers_come_before_any_event(tiny_dir: Path) -> None:
     """A scheduler that never runs sends nothing, yet the call's headers arrive."""
     engine = Engine(tiny_dir, ONE_SLOT)
     idle = Scheduler(lambda: engine, TOK)  # not started: requests stay in its inbox
-    with serving(idle) as target, grpc.insecure_channel(target) as channel:
+    with serving(idle, run=False) as target, grpc.insecure_channel(target) as channel:
         call = pb_grpc.GenerationServiceStub(channel).Generate(SHORT, timeout=30)
         started = time.monotonic()
         call.initial_metadata()

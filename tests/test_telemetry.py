@@ -19,7 +19,6 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from control_plane.api import GenerationServicer
 from control_plane.env import Env
 from control_plane.launch import start_control_plane, start_gpu_service, stop
 from control_plane.scheduler.loop import Scheduler, SchedulerOptions
@@ -32,7 +31,7 @@ from protos.met.v1 import generate_pb2_grpc as pb_grpc
 from tests.collect import Outcome
 from tests.conftest import SERVE_ARGS
 from tests.otlp_receiver import Receiver
-from tests.servers import aio_server_in_thread
+from tests.servers import serving
 
 _EXPORTER = InMemorySpanExporter()
 
@@ -53,19 +52,8 @@ def in_process_api(tiny_dir: Path, request: pytest.FixtureRequest) -> Iterator[s
     `decode_step`, or as verify + verdict (`--no-fused-step`)."""
     engine = Engine(tiny_dir, ServiceConfig(verify_tiers="4:3", max_context=256))
     opts = SchedulerOptions(fused_step=request.param == "fused", pipeline=False)
-    scheduler = Scheduler(lambda: engine, ByteTokenizer.default(), opts, Env())
-    scheduler.start()
-
-    async def start() -> tuple[grpc.aio.Server, int]:
-        server = grpc.aio.server()
-        pb_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(scheduler), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        return server, port
-
-    with aio_server_in_thread(start) as target:
+    with serving(Scheduler(lambda: engine, ByteTokenizer.default(), opts, Env())) as target:
         yield target
-    scheduler.stop()
 
 
 def _settled_spans(exporter: InMemorySpanExporter, timeout: float = 10.0) -> list:

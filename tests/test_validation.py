@@ -11,7 +11,6 @@ from pathlib import Path
 import grpc
 import pytest
 
-from control_plane.api import GenerationServicer
 from control_plane.cli import build_parser
 from control_plane.door import Admission, BadRequest, to_request
 from control_plane.scheduler.loop import Scheduler
@@ -22,7 +21,7 @@ from gpu_service.config import ServiceConfig
 from gpu_service.engine import Engine
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
-from tests.servers import aio_server_in_thread
+from tests.servers import serving
 
 SERVICE = ServiceConfig(verify_tiers="4:3", max_context=256)  # drafts 1..3; tiny vocab: 320
 NAN, INF = float("nan"), float("inf")
@@ -60,18 +59,8 @@ def api(tiny_dir: Path) -> Iterator[Api]:
     tokenizer = RecordingTokenizer()
     engine = Engine(tiny_dir, SERVICE)
     scheduler = Scheduler(lambda: engine, tokenizer)  # type: ignore[arg-type]
-    scheduler.start()
-
-    async def start() -> tuple[grpc.aio.Server, int]:
-        server = grpc.aio.server()
-        pb_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(scheduler), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        return server, port
-
-    with aio_server_in_thread(start) as target, grpc.insecure_channel(target) as channel:
+    with serving(scheduler) as target, grpc.insecure_channel(target) as channel:
         yield Api(pb_grpc.GenerationServiceStub(channel), tokenizer, scheduler)
-    scheduler.stop()
 
 
 def tokens_of(call) -> list[int]:
