@@ -7,10 +7,9 @@ grammar that refuses its tokens) ends that request alone, with the refusal's sta
 service (a transport error) ends every admitted request; the loop asks the service what it
 still holds, frees those sequences and starts over with a fresh connection. Free slots are
 the service's count (`Capabilities.free_slots`), kept in step with this loop's own allocs
-and frees: slots may be held by others. The tokenizer is the served checkpoint's, unless one
-is given: each connection asks for its files, and one that finds other files (the service now
-serves another model) reloads it and refuses the requests still waiting, tokenized for the
-old model, with UNAVAILABLE.
+and frees: slots may be held by others. The tokenizer is the served checkpoint's unless one
+is given; a connection that finds another model's reloads it and refuses the requests still
+waiting (tokenized for the old model) with UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import grpc
 from opentelemetry.context import Context
@@ -34,10 +32,11 @@ from control_plane.scheduler.cost_model import CostTable
 from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.pipeline import Pipeline, runs_ahead
 from control_plane.scheduler.prefill import prefill
-from control_plane.scheduler.seq import ActiveSeq, GenRequest, QueueSink, Sink, SpecStats
+from control_plane.scheduler.seq import ActiveSeq, GenRequest, QueueSink, Sink
 from control_plane.scheduler.served import replaces, served_by
 from control_plane.scheduler.status import step_status
 from control_plane.scheduler.step import step_mtp
+from control_plane.scheduler.tally import Tally
 from control_plane.tokenizer import Tokenization
 from protos.model import (
     Capabilities,
@@ -53,22 +52,6 @@ TRACER = tracer("met.control_plane")
 # submit (with the tokenizer the prompt was tokenized with), cancel, wake
 Payload = tuple[GenRequest, Sink, QueueSink | None, Tokenizer] | str | None
 SLOT_POLL_S = 0.05  # with requests waiting and no free slot, how often to ask the service
-LOST = ("UNAVAILABLE", "DEADLINE_EXCEEDED")  # transport codes: the service is gone
-
-
-@dataclass
-class Counters:
-    requests: int = 0
-    finished: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    steps: int = 0
-    step_widths: dict[int, int] = field(default_factory=dict)  # active sequences -> steps
-    copies: int = 0  # prompt-lookup copies verified
-    dcut_steps: int = 0  # steps whose batch D-Cut planned
-    last_width: int = 0  # the last step's draft width
-    plans: int = 0  # pipelined steps (step plans read back)
-    engine_waited_s: float = 0.0  # the service's idle time between them, as it measured it
 
 
 class Scheduler:
@@ -94,14 +77,14 @@ class Scheduler:
         self.opts = (opts or SchedulerOptions()).with_env(env or Env.read())
         self.model: Model | None = None
         self.ctx: StepContext | None = None
-        self.pipeline = Pipeline(self._release_handle, self._planned)
+        self.tally = Tally(metrics)
+        self.pipeline = Pipeline(self._release_handle, self.tally.planned)
         self.inbox: queue.Queue[tuple[str, Payload]] = queue.Queue()
         self.waiting: deque[ActiveSeq] = deque()
         self.prefilling: list[ActiveSeq] = []
         self.active: list[ActiveSeq] = []
         self.free_slots = 0  # the service's free slots, as of its last word and our calls
         self._poll_at = 0.0  # when the service may next be asked for free slots
-        self.counters, self.spec = Counters(), SpecStats()
         self._queued = 0  # submitted and not yet admitted, across threads
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -154,21 +137,16 @@ class Scheduler:
                     f"{self.opts.max_queue}); retry later"
                 )
             self._queued += 1
-            self.counters.requests += 1
-        if self.metrics is not None:
-            self.metrics.requests.inc()
+        self.tally.submitted()
         self.inbox.put(("submit", (req, sink, on_queued, tokenizer)))
 
     def cancel(self, request_id: str) -> None:
         self.inbox.put(("cancel", request_id))
 
     def snapshot(self) -> dict:
+        counters, spec = self.tally.copy()
         with self._lock:
-            spec = SpecStats()
-            spec.merge(self.spec)
             free = self.free_slots if self.ctx else 0
-            counters = Counters(**vars(self.counters))
-            counters.step_widths = dict(counters.step_widths)
             return {
                 "counters": counters,
                 "spec": spec,
@@ -310,29 +288,10 @@ class Scheduler:
             pipe.drain(ctx)
         if ahead:
             step_nd = pipe.advance(self.model, ahead, ctx, nd, ahead_by=0 if rest else 1)
-            self._count(len(ahead), 0, False, step_nd)
+            self.tally.stepped(len(ahead), 0, False, step_nd)
         if rest:
             report = step_mtp(self.model, rest, ctx, nd)
-            self._count(len(rest), sum(report.copied), report.dcut, report.ladder_nd)
-
-    def _planned(self, waited_s: float) -> None:
-        with self._lock:
-            self.counters.plans += 1
-            self.counters.engine_waited_s += waited_s
-
-    def _count(self, width: int, copies: int, dcut: bool, step_nd: int) -> None:
-        with self._lock:
-            self.counters.steps += 1
-            widths = self.counters.step_widths
-            widths[width] = widths.get(width, 0) + 1
-            self.counters.copies += copies
-            self.counters.dcut_steps += int(dcut)
-            self.counters.last_width = step_nd
-        if self.metrics is not None:
-            self.metrics.steps.inc()
-            self.metrics.copies.inc(copies)
-            self.metrics.dcut_steps.inc(int(dcut))
-            self.metrics.step_width.set(step_nd)
+            self.tally.stepped(len(rest), sum(report.copied), report.dcut, report.ladder_nd)
 
     def _gauges(self) -> None:
         if self.metrics is None or self.ctx is None:
@@ -424,7 +383,7 @@ class Scheduler:
                 self._free(a)  # before it leaves the list: a snapshot sees its slot free first
                 group.remove(a)
                 if a.failure is None:
-                    self._account(a)
+                    self.tally.finished(a)
                 a.finish(a.finished or "stop")
 
     def _free(self, a: ActiveSeq) -> None:
@@ -445,18 +404,6 @@ class Scheduler:
             log.warning("freeing sequence %d: %s", handle.seq_id, e)
             return
         self.free_slots += 1
-
-    def _account(self, a: ActiveSeq) -> None:
-        with self._lock:
-            self.counters.finished += 1
-            self.counters.prompt_tokens += len(a.req.prompt_ids)
-            self.counters.completion_tokens += len(a.generated)
-            self.spec.merge(a.stats)
-        if self.metrics is not None:
-            self.metrics.request_success.labels(finished_reason=a.finished or "stop").inc()
-            self.metrics.prompt_tokens.inc(len(a.req.prompt_ids))
-            self.metrics.mean_accepted_length.set(self.spec.mean_accepted_length)
-            self.metrics.grammar_truncations.inc(a.stats.grammar_truncations)
 
     def _dequeued(self, n: int) -> None:
         with self._lock:
