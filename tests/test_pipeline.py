@@ -231,3 +231,21 @@ def test_a_sequence_cancelled_with_its_next_plan_in_flight_is_freed_after_it(
     assert out.finish is not None and out.finish.reason == "cancelled" and out.failure is None
     assert len(frees) == 1
     assert engine.capabilities().free_slots == engine.capabilities().num_slots
+
+
+def test_a_plan_is_cut_to_the_rows_it_gets_at_its_own_width() -> None:
+    """Eight sequences get one draft each (16 rows); eight rows hold four of them, but four get
+    three drafts from the ladder (16 rows again): the cut is taken again at that width."""
+    from control_plane.scheduler.context import StepContext
+    from control_plane.scheduler.pipeline import Pipeline
+    from control_plane.scheduler.step import step_width
+    from tests.fake_model import FakeModel
+    from tests.test_step_mtp import seqs
+
+    model = FakeModel(caps=(3,) * 8, max_rows=8)
+    active = seqs(model, 8)
+    ctx = StepContext.build(model.capabilities(), SchedulerOptions(k_ladder="4:3,8:1"))
+    assert step_width(active, ctx, 3) == 1
+    cut = Pipeline(lambda h: None, lambda w: None).fits(active, ctx, 3)
+    assert len(cut) * (step_width(cut, ctx, 3) + 1) <= 8
+    assert cut == active[:2], "two sequences of four rows each"

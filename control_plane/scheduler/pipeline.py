@@ -93,14 +93,15 @@ class Pipeline:
         self.deferred.append((a, handle))
 
     def fits(self, seqs: list[ActiveSeq], ctx: StepContext, num_drafts: int) -> list[ActiveSeq]:
-        """The longest prefix of `seqs` one plan can carry (rows and batch bounds)."""
-        nd = step_width(seqs, ctx, num_drafts)
-        rows, out = 0, []
-        for a in seqs[: ctx.caps.max_batch]:
-            if rows + nd + 1 > ctx.caps.max_rows:
+        """The longest prefix of `seqs` one plan can carry at the width it would get (rows
+        and batch bounds); fewer sequences may get a wider step, so the width is taken again
+        for each cut."""
+        out = seqs[: ctx.caps.max_batch]
+        while out:
+            rows = step_width(out, ctx, num_drafts) + 1
+            if len(out) * rows <= ctx.caps.max_rows:
                 break
-            rows += nd + 1
-            out.append(a)
+            out = out[: min(len(out) - 1, ctx.caps.max_rows // rows)]
         return out
 
     def advance(
