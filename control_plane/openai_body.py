@@ -301,20 +301,21 @@ def _number(obj: dict, key: str) -> float | None:
     raise InvalidParam(key, f"{key} is {_shown(value)}; it must be a number")
 
 
-def _bool(obj: dict, key: str, param: str | None = None) -> bool | None:
+def _typed(obj: dict, key: str, kind: type, what: str, param: str | None) -> Any:
+    """`obj[key]` when absent, null or of `kind`; otherwise refused, naming `param`."""
     value = obj.get(key)
-    if value is None or isinstance(value, bool):
+    if value is None or isinstance(value, kind):
         return value
     name = param or key
-    raise InvalidParam(name, f"{name} is {_shown(value)}; it must be true or false")
+    raise InvalidParam(name, f"{name} is {_shown(value)}; it must be {what}")
+
+
+def _bool(obj: dict, key: str, param: str | None = None) -> bool | None:
+    return _typed(obj, key, bool, "true or false", param)
 
 
 def _str(obj: dict, key: str, param: str | None = None) -> str | None:
-    value = obj.get(key)
-    if value is None or isinstance(value, str):
-        return value
-    name = param or key
-    raise InvalidParam(name, f"{name} is {_shown(value)}; it must be a string")
+    return _typed(obj, key, str, "a string", param)
 
 
 def _list(obj: dict, key: str) -> list:
