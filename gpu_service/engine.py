@@ -20,6 +20,7 @@ from gpu_service.config import ModelConfig, ServiceConfig
 from gpu_service.device import describe_device, resolve_device
 from gpu_service.drafter import Drafter
 from gpu_service.model.backend import EAGER, Choice, EagerOps
+from gpu_service.model.digest import checkpoint_digest
 from gpu_service.model.hybrid import HybridModel
 from gpu_service.model.weights import load_weights
 from gpu_service.pipeline import EngineSteps, run_plan
@@ -75,6 +76,8 @@ class Engine:
         torch_dtype = getattr(torch, DTYPE_NAMES.get(dtype or "", dtype or self.cfg.torch_dtype))
         self.device = resolve_device(device or "auto")
         weights, self.cfg = load_weights(self.cfg, model_dir, torch_dtype, self.device)
+        # Once, of the files just loaded: the engine never loads other weights.
+        self.digest = checkpoint_digest(model_dir)
         self.model = HybridModel(self.cfg, weights, self.svc.max_context)
         self.state = DeviceState(self.cfg, self.svc, torch_dtype, self.device)
         self.choice = Choice()
@@ -121,6 +124,7 @@ class Engine:
             has_mtp=self.cfg.has_mtp,
             max_batch=self.svc.max_batch,
             max_prefill_tokens=self.svc.max_prefill_tokens,
+            model_digest=self.digest,
         )
 
     def tokenizer_files(self) -> dict[str, bytes]:

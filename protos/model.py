@@ -126,6 +126,9 @@ class Capabilities:
     has_mtp: bool
     max_batch: int  # sequences in one batched verify or propose (the stash width)
     max_prefill_tokens: int  # prompt tokens in one prefill call, over all sequences
+    # Names the checkpoint served (config.json and the weights, gpu_service/model/digest.py),
+    # so a control plane over several replicas can refuse one that serves another model.
+    model_digest: str
 
 
 @dataclass(frozen=True)

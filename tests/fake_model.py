@@ -117,6 +117,7 @@ class FakeModel:
             has_mtp=True,
             max_batch=self.max_batch,
             max_prefill_tokens=4096,
+            model_digest="fake",
         )
 
     def tokenizer_files(self) -> dict[str, bytes]:

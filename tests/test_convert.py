@@ -42,6 +42,7 @@ CAPS = Capabilities(
     has_mtp=True,
     max_batch=8,
     max_prefill_tokens=512,
+    model_digest="0123456789abcdef",
 )
 
 SAME_NAMED = [

@@ -127,7 +127,7 @@ def save_weights(weights: dict[str, torch.Tensor], directory: Path) -> None:
     )
 
 
-def _shards(directory: Path) -> list[Path]:
+def shard_paths(directory: Path) -> list[Path]:
     index = directory / "model.safetensors.index.json"
     if index.exists():
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -151,7 +151,7 @@ def load_weights(
     `mtp.*` tensors loads with the drafter off (the returned config has no MTP layer)."""
     from safetensors import safe_open
 
-    shards = _shards(directory)
+    shards = shard_paths(directory)
     names: dict[str, Path] = {}
     for shard in shards:
         with safe_open(str(shard), "pt") as f:
