@@ -68,6 +68,27 @@ def _train(args: argparse.Namespace) -> None:
     sys.exit(run(args))
 
 
+def _replica_count(text: str) -> int:
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(
+            f"the number of GPU services must be a whole number of at least 1, not {text!r}"
+        )
+    return int(text)
+
+
+def _add_up_args(parser: argparse.ArgumentParser) -> None:
+    """`met up`'s own arguments; the control plane's follow them."""
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
+    parser.add_argument(
+        "--replicas",
+        type=_replica_count,
+        default=1,
+        metavar="N",
+        help="GPU-service children, each on its own free port, all serving --model; the "
+        "control plane routes among them (default: %(default)s)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     from control_plane import generate_cli, server
     from control_plane.benchmarks import run as bench
@@ -91,9 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     cp_serve.set_defaults(fn=_control_plane)
 
     up = sub.add_parser(
-        "up", help="start the GPU service and the control plane on the default model and serve"
+        "up", help="start the GPU service(s) and the control plane on the default model and serve"
     )
-    up.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
+    _add_up_args(up)
     server.add_serve_args(up, gpu_service_required=False)
     up.set_defaults(fn=_up)
 

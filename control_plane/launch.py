@@ -29,9 +29,15 @@ def start_gpu_service(
     given `--tls-*` flags in `extra` asks of its clients), says SERVING. Its admin key is env
     `ADMIN_KEY_ENV`, set here to a random key unless set already: the child inherits it, and
     so do this process's `GrpcModel`s and the control planes it starts."""
-    os.environ.setdefault(ADMIN_KEY_ENV, secrets.token_urlsafe(24))
+    set_admin_key()
     port = () if "--port" in extra else ("--port", "0")
     return start("gpu-service", ["--model", str(model_dir), *port, *extra], timeout, credentials)
+
+
+def set_admin_key() -> None:
+    """Env `ADMIN_KEY_ENV` set to a random key unless set already. Whoever starts GPU services
+    from several threads calls it first, so that no two of them draw different keys."""
+    os.environ.setdefault(ADMIN_KEY_ENV, secrets.token_urlsafe(24))
 
 
 def start_control_plane(

@@ -1,29 +1,59 @@
-"""`met up`: the GPU service (a child process) and the control plane (this process), serving
-the default model until SIGTERM or Ctrl-C, over gRPC and, on 8000 unless `--http-port` says
-otherwise, OpenAI-compatible HTTP. The TLS and key flags secure the control plane's own
-ports; the child listens on loopback, in plaintext."""
+"""`met up`: `--replicas` GPU services (child processes) and the control plane (this process),
+serving the default model until SIGTERM or Ctrl-C, over gRPC and, on 8000 unless `--http-port`
+says otherwise, OpenAI-compatible HTTP. The TLS and key flags secure the control plane's own
+ports; the children listen on loopback, in plaintext."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
+import subprocess
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
-from control_plane.launch import start_gpu_service, stop
+from control_plane.launch import set_admin_key, start_gpu_service, stop
 from control_plane.server import read_security, serve
+
+Child = tuple[subprocess.Popen, str]  # the process and the address it serves on
 
 
 def run(args: argparse.Namespace) -> int:
     security = read_security(args, "met up", gpu_service=False)
     logging.basicConfig(level=logging.INFO)
     extra = ("--otlp-endpoint", args.otlp_endpoint) if args.otlp_endpoint else ()
-    proc, target = start_gpu_service(args.model, *extra)
-    print(f"gpu-service ready on {target}", flush=True)
+    set_admin_key()  # before the threads, so that every child inherits the same key
+    children = start_all(args.replicas, lambda: start_gpu_service(args.model, *extra), stop)
+    for _, target in children:
+        print(f"gpu-service ready on {target}", flush=True)
     try:
-        args.gpu_service = target
-        args.gpu_service_admin_key = None  # the key `start_gpu_service` put in the environment
+        args.gpu_service = ",".join(target for _, target in children)
+        args.gpu_service_admin_key = None  # the key `set_admin_key` put in the environment
         asyncio.run(serve(args, security))
     finally:
-        code = stop(proc)
-        print(f"gpu-service exited with status {code}", flush=True)
+        code = stop_all(children, stop)
     return code
+
+
+def start_all(
+    count: int, start_one: Callable[[], Child], stop_one: Callable[[subprocess.Popen], int]
+) -> list[Child]:
+    """`count` children started at once (each loads its model for seconds), in start order. If
+    any fails to start, those that did are stopped and the first failure is raised."""
+    with ThreadPoolExecutor(max_workers=count) as pool:
+        futures = [pool.submit(start_one) for _ in range(count)]
+    errors = [e for f in futures if (e := f.exception()) is not None]
+    children = [f.result() for f in futures if f.exception() is None]
+    if errors:
+        stop_all(children, stop_one)
+        raise errors[0]
+    return children
+
+
+def stop_all(children: list[Child], stop_one: Callable[[subprocess.Popen], int]) -> int:
+    """Every child stopped at once, each one's exit status printed; the first nonzero, else 0."""
+    with ThreadPoolExecutor(max_workers=max(len(children), 1)) as pool:
+        codes = list(pool.map(stop_one, [proc for proc, _ in children]))
+    for (_, target), code in zip(children, codes, strict=True):
+        print(f"gpu-service exited with status {code} ({target})", flush=True)
+    return next((code for code in codes if code), 0)

@@ -26,41 +26,91 @@ def _config(*files: Path) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.fixture(scope="module")
-def services() -> dict:
-    result = _config(ROOT / "compose.yaml")
+def _services(*files: Path) -> dict:
+    result = _config(*files)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)["services"]
 
 
+def _replicas(services: dict) -> dict[str, str]:
+    """GPU-service replica name -> the address the control plane dials, from each one's command."""
+    out = {}
+    for name, svc in services.items():
+        command = svc.get("command") or []
+        if command[:3] == ["met", "gpu-service", "serve"]:
+            out[name] = f"{name}:{command[command.index('--port') + 1]}"
+    return out
+
+
+def _devices(svc: dict) -> list[dict]:
+    return svc["deploy"]["resources"]["reservations"]["devices"]
+
+
+@pytest.fixture(scope="module")
+def services() -> dict:
+    return _services(ROOT / "compose.yaml")
+
+
+@pytest.fixture(scope="module")
+def cpu_services() -> dict:
+    return _services(ROOT / "compose.yaml", ROOT / "compose.cpu.yaml")
+
+
 def test_services_and_ports(services: dict) -> None:
-    assert set(services) == {"jaeger", "gpu-service", "control-plane"}
-    assert not services["gpu-service"].get("ports"), "the GPU service port stays internal"
+    replicas = _replicas(services)
+    assert len(replicas) >= 2
+    assert set(services) == {"jaeger", "control-plane", *replicas}
+    for name in replicas:
+        assert not services[name].get("ports"), "the GPU service port stays internal"
     published = [p["published"] for p in services["control-plane"]["ports"]]
     assert published == ["50050", "9464", HTTP_PORT]
     assert [p["target"] for p in services["jaeger"]["ports"]] == [16686]
     assert "2." in services["jaeger"]["image"].rsplit(":", 1)[1], "Jaeger v2"
 
 
-def test_gpu_only_on_the_model_service(services: dict) -> None:
-    devices = services["gpu-service"]["deploy"]["resources"]["reservations"]["devices"]
-    assert devices == [{"capabilities": ["gpu"], "driver": "nvidia", "count": 1}]
+def test_each_replica_reserves_its_own_gpu(services: dict) -> None:
+    ids = []
+    for name in _replicas(services):
+        (device,) = _devices(services[name])
+        assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+        assert "count" not in device, "a count would give every replica the first GPU"
+        ids += device["device_ids"]
+    assert len(ids) == len(_replicas(services)) == len(set(ids)), ids
+
+
+def test_gpu_only_on_the_model_services(services: dict) -> None:
     for name in ("jaeger", "control-plane"):
         assert "deploy" not in services[name]
 
 
+def test_replicas_differ_only_in_name_device_and_service_name(services: dict) -> None:
+    def shared(svc: dict) -> dict:
+        env = {k: v for k, v in svc["environment"].items() if k != "OTEL_SERVICE_NAME"}
+        return {**{k: v for k, v in svc.items() if k != "deploy"}, "environment": env}
+
+    first, *rest = [shared(services[name]) for name in _replicas(services)]
+    assert all(other == first for other in rest)
+
+
+def test_the_control_plane_dials_every_replica(services: dict) -> None:
+    command = services["control-plane"]["command"]
+    listed = command[command.index("--gpu-service") + 1].split(",")
+    assert sorted(listed) == sorted(_replicas(services).values())
+
+
 def test_health_and_startup_order(services: dict) -> None:
-    for name, port in (("gpu-service", "50051"), ("control-plane", "50050")):
+    checked = {**dict.fromkeys(_replicas(services), "50051"), "control-plane": "50050"}
+    for name, port in checked.items():
         svc = services[name]
         assert svc["healthcheck"]["test"][0] == "CMD"
         assert svc["environment"]["MET_HEALTH_TARGET"] == f"localhost:{port}"
     deps = services["control-plane"]["depends_on"]
-    assert deps["gpu-service"]["condition"] == "service_healthy"
-    assert "gpu-service:50051" in services["control-plane"]["command"]
+    for name in _replicas(services):
+        assert deps[name]["condition"] == "service_healthy"
 
 
-def test_both_export_to_jaeger(services: dict) -> None:
-    for name in ("gpu-service", "control-plane"):
+def test_every_service_exports_to_jaeger(services: dict) -> None:
+    for name in (*_replicas(services), "control-plane"):
         env = services[name]["environment"]
         assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4317"
         assert env["OTEL_SERVICE_NAME"] == name
@@ -72,12 +122,12 @@ def test_the_control_plane_serves_http_on_its_published_port(services: dict) -> 
     assert "--host" in command and command[command.index("--host") + 1] == "0.0.0.0"
 
 
-def test_cpu_variant_reserves_no_gpu() -> None:
-    result = _config(ROOT / "compose.yaml", ROOT / "compose.cpu.yaml")
-    assert result.returncode == 0, result.stderr
-    services = json.loads(result.stdout)["services"]
-    assert "deploy" not in services["gpu-service"]
-    assert HTTP_PORT in [p["published"] for p in services["control-plane"]["ports"]]
+def test_cpu_variant_reserves_no_gpu(services: dict, cpu_services: dict) -> None:
+    assert _replicas(cpu_services) == _replicas(services)
+    for name in cpu_services:
+        assert "deploy" not in cpu_services[name], name
+    assert cpu_services["control-plane"]["command"] == services["control-plane"]["command"]
+    assert HTTP_PORT in [p["published"] for p in cpu_services["control-plane"]["ports"]]
 
 
 def test_dockerfile_installs_as_the_readme() -> None:
