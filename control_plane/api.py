@@ -11,7 +11,7 @@ import grpc
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from control_plane.door import Admission, BadRequest, Door
-from control_plane.scheduler.loop import Scheduler
+from control_plane.replicas import Drives
 from control_plane.scheduler.seq import Delta, Failure, Finish, Queued, SpecStats
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
@@ -48,7 +48,7 @@ def queued_message(ev: Queued, rid: str) -> pb.GenerateResponse:
 
 
 class GenerationServicer(pb_grpc.GenerationServiceServicer):
-    def __init__(self, scheduler: Scheduler, admission: Admission | None = None) -> None:
+    def __init__(self, scheduler: Drives, admission: Admission | None = None) -> None:
         self.scheduler = scheduler
         self.door = Door(scheduler, admission or Admission())
         self._ids = itertools.count()
@@ -121,7 +121,24 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             prompt_lookup_copies=c.copies,
             dcut_steps=c.dcut_steps,
             last_step_width=c.last_width,
+            replicas=[replica_stats(r) for r in snap.get("replicas", ())],
         )
+
+
+def replica_stats(r: dict) -> pb.ReplicaStats:
+    """One replica's line of `GetStats`, from the router's snapshot."""
+    c = r["counters"]
+    return pb.ReplicaStats(
+        replica=r["replica"],
+        up=r["up"],
+        requests=c.requests,
+        finished=c.finished,
+        completion_tokens=c.completion_tokens,
+        steps=c.steps,
+        active=r["active"],
+        queued=r["queued"],
+        free_slots=r["free_slots"],
+    )
 
 
 def request_attributes(r: pb.GenerateRequest, rid: str) -> dict:

@@ -43,13 +43,16 @@ class GrpcModel:
         timeout: float = 60.0,
         admin_key: str | None = None,
         credentials: grpc.ChannelCredentials | None = None,
+        authority: str | None = None,
     ) -> None:
         """Connects (over TLS with `credentials`) and opens the session: a `grpc.RpcError`
         when the service is unreachable. `admin_key`, sent on admin calls only, defaults to
-        env `ADMIN_KEY_ENV`."""
+        env `ADMIN_KEY_ENV`. `authority`: the name the service's certificate must carry
+        when `target` is one of the addresses that name resolved to."""
         self.target = target
         self.timeout = timeout
-        self._channel = tls.open_channel(target, credentials)
+        named = (("grpc.ssl_target_name_override", authority),) if authority and credentials else ()
+        self._channel = tls.open_channel(target, credentials, named)
         self._traced = grpc.intercept_channel(self._channel, ClientTracing("met.control_plane"))
         self._stub = pb_grpc.ModelServiceStub(self._traced)
         self._logprobs: list[float] = []

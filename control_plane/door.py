@@ -15,7 +15,8 @@ from opentelemetry.trace import Span
 from control_plane.chat import ChatTemplate
 from control_plane.detok import Tokenizer
 from control_plane.grammar import Grammar, GrammarCompiler
-from control_plane.scheduler.loop import Scheduler
+from control_plane.metrics import REPLICA_ATTRIBUTE
+from control_plane.replicas import Drives
 from control_plane.scheduler.seq import MTP, NONE, PROMPT_LOOKUP, Event, GenRequest, Queued
 from control_plane.tokenizer import Tokenization
 from protos.met.v1 import generate_pb2 as pb
@@ -232,7 +233,7 @@ class Door:
     the first request that carries a grammar, the chat template compiled by the first that
     carries messages, each again when the served model changes."""
 
-    def __init__(self, scheduler: Scheduler, admission: Admission = Admission()) -> None:
+    def __init__(self, scheduler: Drives, admission: Admission = Admission()) -> None:
         self.scheduler, self.admission = scheduler, admission
         self._compiler: GrammarCompiler | None = None
         self._compiled_for: Tokenizer | None = None  # the tokenizer `_compiler` was built for
@@ -257,9 +258,10 @@ class Door:
             loop.call_soon_threadsafe(events.put_nowait, ev)
 
         try:
-            self.scheduler.submit(req, sink, sink, tokenizer)
+            replica = self.scheduler.submit(req, sink, sink, tokenizer)
         except ModelError as e:
             raise BadRequest(getattr(grpc.StatusCode, e.code), str(e)) from None
+        span.set_attribute(REPLICA_ATTRIBUTE, replica)
         return events
 
     async def capabilities(self) -> Capabilities:

@@ -2,12 +2,21 @@
 where vLLM has one: `spec_decode_num_drafts`, `spec_decode_num_draft_tokens`,
 `spec_decode_num_accepted_tokens`, `spec_decode_num_accepted_tokens_per_pos`,
 `num_requests_running`, `num_requests_waiting`, `time_to_first_token_seconds`,
-`inter_token_latency_seconds`, `prompt_tokens`, `generation_tokens`, `request_success`."""
+`inter_token_latency_seconds`, `prompt_tokens`, `generation_tokens`, `request_success`.
+
+Every series carries a `replica` label: the GPU service (its address) whose scheduler counted
+it, as vLLM's carry `engine`. A scheduler writes through its replica's view
+(`Metrics.replica`), so one registry serves every replica the control plane drives."""
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+REPLICA = "replica"  # the label
+REPLICA_ATTRIBUTE = "met.replica"  # the span attribute, on a request's span and each step's
 _LATENCY_BUCKETS = (
     0.001,
     0.0025,
@@ -30,83 +39,93 @@ _LATENCY_BUCKETS = (
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self._add_request_counters(self.registry)
-        self._add_draft_counters(self.registry)
-        self._add_gauges(self.registry)
-        self._add_latency_histograms(self.registry)
+        self._add_request_counters()
+        self._add_draft_counters()
+        self._add_gauges()
+        self._add_latency_histograms()
 
-    def _add_request_counters(self, r: CollectorRegistry) -> None:
-        self.requests = Counter("met:requests", "Requests received.", registry=r)
-        self.request_success = Counter(
-            "met:request_success", "Requests finished, by reason.", ["finished_reason"], registry=r
-        )
-        self.prompt_tokens = Counter("met:prompt_tokens", "Prompt tokens prefilled.", registry=r)
-        self.generation_tokens = Counter("met:generation_tokens", "Tokens generated.", registry=r)
+    def _counter(self, name: str, doc: str, *labels: str) -> Counter:
+        return Counter(name, doc, [REPLICA, *labels], registry=self.registry)
 
-    def _add_draft_counters(self, r: CollectorRegistry) -> None:
-        self.steps = Counter("met:scheduler_steps", "step_mtp iterations.", registry=r)
-        self.num_drafts = Counter(
-            "met:spec_decode_num_drafts", "Verifies that carried drafts.", registry=r
+    def _gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(name, doc, [REPLICA], registry=self.registry)
+
+    def _histogram(self, name: str, doc: str) -> Histogram:
+        return Histogram(name, doc, [REPLICA], buckets=_LATENCY_BUCKETS, registry=self.registry)
+
+    def _add_request_counters(self) -> None:
+        self.requests = self._counter("met:requests", "Requests received.")
+        self.request_success = self._counter(
+            "met:request_success", "Requests finished, by reason.", "finished_reason"
         )
-        self.draft_tokens = Counter(
-            "met:spec_decode_num_draft_tokens", "Drafts verified.", registry=r
+        self.prompt_tokens = self._counter("met:prompt_tokens", "Prompt tokens prefilled.")
+        self.generation_tokens = self._counter("met:generation_tokens", "Tokens generated.")
+
+    def _add_draft_counters(self) -> None:
+        self.steps = self._counter("met:scheduler_steps", "step_mtp iterations.")
+        self.num_drafts = self._counter(
+            "met:spec_decode_num_drafts", "Verifies that carried drafts."
         )
-        self.accepted_tokens = Counter(
-            "met:spec_decode_num_accepted_tokens", "Drafts accepted.", registry=r
+        self.draft_tokens = self._counter("met:spec_decode_num_draft_tokens", "Drafts verified.")
+        self.accepted_tokens = self._counter(
+            "met:spec_decode_num_accepted_tokens", "Drafts accepted."
         )
-        self.accepted_per_pos = Counter(
+        self.accepted_per_pos = self._counter(
             "met:spec_decode_num_accepted_tokens_per_pos",
             "Drafts accepted, by draft position.",
-            ["position"],
-            registry=r,
+            "position",
         )
-        self.copies = Counter(
-            "met:prompt_lookup_copies", "Prompt-lookup copies verified.", registry=r
-        )
-        self.dcut_steps = Counter(
-            "met:dcut_steps", "Steps whose batch depths D-Cut planned.", registry=r
-        )
-        self.grammar_truncations = Counter(
-            "met:grammar_draft_truncations",
-            "Verifies whose drafts a grammar cut short.",
-            registry=r,
+        self.copies = self._counter("met:prompt_lookup_copies", "Prompt-lookup copies verified.")
+        self.dcut_steps = self._counter("met:dcut_steps", "Steps whose batch depths D-Cut planned.")
+        self.grammar_truncations = self._counter(
+            "met:grammar_draft_truncations", "Verifies whose drafts a grammar cut short."
         )
 
-    def _add_gauges(self, r: CollectorRegistry) -> None:
-        self.step_width = Gauge(
+    def _add_gauges(self) -> None:
+        self.step_width = self._gauge(
             "met:spec_decode_step_width",
             "Draft width of the last step (ladder, rung or cost model).",
-            registry=r,
         )
-        self.mean_accepted_length = Gauge(
+        self.mean_accepted_length = self._gauge(
             "met:spec_decode_mean_accepted_length",
             "Tokens per verify, bonus included, over every finished request.",
-            registry=r,
         )
-        self.running = Gauge("met:num_requests_running", "Sequences holding a slot.", registry=r)
-        self.waiting = Gauge("met:num_requests_waiting", "Requests waiting for a slot.", registry=r)
-        self.free_slots = Gauge(
-            "met:free_slots", "Slots of the GPU service not in use.", registry=r
-        )
+        self.running = self._gauge("met:num_requests_running", "Sequences holding a slot.")
+        self.waiting = self._gauge("met:num_requests_waiting", "Requests waiting for a slot.")
+        self.free_slots = self._gauge("met:free_slots", "Slots of the GPU service not in use.")
 
-    def _add_latency_histograms(self, r: CollectorRegistry) -> None:
-        self.ttft = Histogram(
-            "met:time_to_first_token_seconds",
-            "Time to the first token.",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.itl = Histogram(
-            "met:inter_token_latency_seconds",
-            "Time per output token after the first.",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+    def _add_latency_histograms(self) -> None:
+        self.ttft = self._histogram("met:time_to_first_token_seconds", "Time to the first token.")
+        self.itl = self._histogram(
+            "met:inter_token_latency_seconds", "Time per output token after the first."
         )
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Serve `/metrics` over HTTP on a thread; returns the bound port."""
         server, _ = start_http_server(port, addr=host, registry=self.registry)
         return server.server_port
+
+    def replica(self, name: str) -> ReplicaMetrics:
+        """The series of one replica, under the same attribute names."""
+        return ReplicaMetrics(self, name)
+
+
+class ReplicaMetrics:
+    """`Metrics` seen from one replica's scheduler: each family's `replica` label given."""
+
+    def __init__(self, root: Metrics, name: str) -> None:
+        self.root, self.name = root, name
+        for metric in vars(root).values():  # each series shows, at 0, from the start
+            if isinstance(metric, (Counter, Gauge, Histogram)):
+                try:
+                    metric.labels(**{REPLICA: name})
+                except ValueError:  # a family with labels of its own: series come with them
+                    pass
+
+    def __getattr__(self, family: str) -> Any:
+        series = _Series(getattr(self.root, family), self.name)
+        setattr(self, family, series)  # built once per family
+        return series
 
     def record_verify(self, drafted: int, accepted: int) -> None:
         if drafted:
@@ -125,3 +144,21 @@ class Metrics:
             count -= 1
         for _ in range(count):
             self.itl.observe(seconds / max(count, 1))
+
+
+class _Series:
+    """A family's series for one replica; a family with labels of its own takes them in
+    `labels`, one without is written directly (`inc`, `set`, `observe`)."""
+
+    def __init__(self, family: Any, replica: str) -> None:
+        self.family, self.replica = family, replica
+
+    def labels(self, **labels: str) -> Any:
+        return self.family.labels(**{REPLICA: self.replica}, **labels)
+
+    @functools.cached_property
+    def _child(self) -> Any:
+        return self.family.labels(**{REPLICA: self.replica})
+
+    def __getattr__(self, method: str) -> Any:
+        return getattr(self._child, method)

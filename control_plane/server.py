@@ -26,7 +26,8 @@ from control_plane.door import (
     Door,
 )
 from control_plane.metrics import Metrics
-from control_plane.scheduler.loop import Scheduler
+from control_plane.replicas import Router, Target, TargetError, parse_targets
+from control_plane.scheduler.loop import Joins, Scheduler
 from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.seq import MTP, NONE
 from control_plane.tokenizer import Tokenization
@@ -36,6 +37,7 @@ from protos.met.v1 import generate_pb2, generate_pb2_grpc
 from protos.model import ADMIN_KEY_ENV
 from protos.telemetry import setup_tracing
 
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
 DEFAULT_PORT = 50050
 DEFAULT_HTTP_PORT = 8000  # vLLM's; `met up` serves HTTP by default, `serve` only when asked
@@ -54,16 +56,7 @@ class Security:
 def add_serve_args(parser: argparse.ArgumentParser, gpu_service_required: bool = True) -> None:
     """The server's own arguments, then one per scheduler option (from its fields)."""
     if gpu_service_required:
-        parser.add_argument(
-            "--gpu-service", required=True, metavar="HOST:PORT", help="the GPU service to drive"
-        )
-        tls.add_client_args(parser, "gpu-service", "the GPU service")
-        parser.add_argument(
-            "--gpu-service-admin-key",
-            default=None,
-            help=f"the GPU service's admin key, for the measured cost model's MeasureCosts "
-            f"(default: env {ADMIN_KEY_ENV})",
-        )
+        add_gpu_service_args(parser)
     add_listen_args(parser, None if gpu_service_required else DEFAULT_HTTP_PORT)
     parser.add_argument(
         "--tokenizer",
@@ -110,6 +103,25 @@ def add_serve_args(parser: argparse.ArgumentParser, gpu_service_required: bool =
     SchedulerOptions.add_arguments(parser)
 
 
+def add_gpu_service_args(parser: argparse.ArgumentParser) -> None:
+    """The GPU services to drive, and how to reach them."""
+    parser.add_argument(
+        "--gpu-service",
+        required=True,
+        metavar="HOST:PORT[,...]",
+        help="the GPU service to drive, or several replicas, comma-separated; "
+        "dns:///NAME:PORT is every address NAME resolves to, resolved again as it changes "
+        "(compose's scaled services)",
+    )
+    tls.add_client_args(parser, "gpu-service", "the GPU service")
+    parser.add_argument(
+        "--gpu-service-admin-key",
+        default=None,
+        help=f"the GPU service's admin key, for the measured cost model's MeasureCosts "
+        f"(default: env {ADMIN_KEY_ENV})",
+    )
+
+
 def add_listen_args(parser: argparse.ArgumentParser, http_port: int | None) -> None:
     """Where the control plane listens: gRPC, and HTTP on `http_port` unless told otherwise."""
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
@@ -150,19 +162,30 @@ def read_tokenizer(args: argparse.Namespace) -> Tokenization | None:
         raise tls.FlagError(f"--tokenizer {args.tokenizer}: {e}") from None
 
 
-def build_scheduler(
-    args: argparse.Namespace, credentials: grpc.ChannelCredentials | None
-) -> Scheduler:
+def read_targets(args: argparse.Namespace) -> list[Target]:
+    try:
+        return parse_targets(args.gpu_service)
+    except TargetError as e:
+        raise tls.FlagError(f"--gpu-service {args.gpu_service!r}: {e}") from None
+
+
+def build_router(args: argparse.Namespace, credentials: grpc.ChannelCredentials | None) -> Router:
+    """A scheduler per replica the targets name, all under one metrics registry."""
+    targets = tls.or_exit(PROG, read_targets, args)
     tokenizer = tls.or_exit(PROG, read_tokenizer, args)
     metrics = Metrics() if args.metrics_port is not None else None
-    return Scheduler(
-        lambda: GrpcModel(
-            args.gpu_service, admin_key=args.gpu_service_admin_key, credentials=credentials
-        ),
-        tokenizer,
-        SchedulerOptions.from_args(args),
-        metrics=metrics,
-    )
+    opts = SchedulerOptions.from_args(args)
+
+    def build(address: str, authority: str | None, joins: Joins) -> Scheduler:
+        def connect() -> GrpcModel:
+            key = args.gpu_service_admin_key
+            return GrpcModel(address, admin_key=key, credentials=credentials, authority=authority)
+
+        return Scheduler(connect, tokenizer, opts, metrics=metrics, replica=address, joins=joins)
+
+    router = Router(targets, build)
+    router.metrics = metrics
+    return router
 
 
 def build_server(
@@ -188,24 +211,31 @@ def build_server(
 
 async def serve(args: argparse.Namespace, security: Security) -> None:
     flush_spans = setup_tracing("control-plane", args.otlp_endpoint)
-    scheduler = build_scheduler(args, security.gpu_service)
-    scheduler.start()
-    if scheduler.metrics is not None:
-        metrics_port = scheduler.metrics.serve(args.metrics_port, args.host)
-        print(f"control-plane metrics on http://{args.host}:{metrics_port}/metrics", flush=True)
-    servicer = GenerationServicer(scheduler, admission(args))
+    router = build_router(args, security.gpu_service)
+    loop = asyncio.get_running_loop()
     health_servicer = health.aio.HealthServicer()
+
+    def tell_health(up: bool) -> None:  # from the router's thread, or this one
+        status = health_pb2.HealthCheckResponse.SERVING if up else NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            asyncio.run_coroutine_threadsafe(health_servicer.set(name, status), loop)
+
+    # Every replica asked once before the port opens: health is right from the first check.
+    await loop.run_in_executor(None, router.start)
+    tell_health(router.healthy)
+    router.on_health = tell_health
+    if router.metrics is not None:
+        metrics_port = router.metrics.serve(args.metrics_port, args.host)
+        print(f"control-plane metrics on http://{args.host}:{metrics_port}/metrics", flush=True)
+    servicer = GenerationServicer(router, admission(args))
     server = build_server(servicer, health_servicer, security.api_keys)
     port = tls.add_port(server, f"{args.host}:{args.port}", security.server)
     # Before any port is announced: a SIGTERM right after the announcement shuts down cleanly.
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await server.start()
     http = serve_http(args, servicer.door, security) if args.http_port is not None else None
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     print(
         f"control-plane listening on {args.host}:{port} ({describe(security)}, "
         f"GPU service {args.gpu_service})",
@@ -215,7 +245,7 @@ async def serve(args: argparse.Namespace, security: Security) -> None:
     print("control-plane shutting down", flush=True)
     await health_servicer.enter_graceful_shutdown()
     await asyncio.gather(server.stop(args.grace), *([http.stop()] if http else []))
-    await loop.run_in_executor(None, scheduler.stop)
+    await loop.run_in_executor(None, router.stop)
     flush_spans()
 
 

@@ -18,6 +18,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
+from prometheus_client.parser import text_string_to_metric_families
 
 from control_plane.env import Env
 from control_plane.launch import start_control_plane, start_gpu_service, stop
@@ -189,10 +190,10 @@ def test_both_processes_export_one_trace(tiny_dir: Path) -> None:
                 pb.GenerateRequest(prompt_token_ids=[1, 2], ignore_eos=True, max_new_tokens=120)
             )
             next(stream)
-            before = _metrics(metrics_port)
+            before = _metrics(metrics_port, target)
             for _ in range(3):
                 next(stream)
-            during = _metrics(metrics_port)
+            during = _metrics(metrics_port, target)
             list(stream)
     finally:
         assert stop(cp) == 0 and stop(gpu) == 0  # graceful: both flush their spans
@@ -231,14 +232,15 @@ def test_both_processes_export_one_trace(tiny_dir: Path) -> None:
     assert {"fold", "commit", "propose", "trim", "stash"} <= verdict_children
 
 
-def _metrics(port: int) -> dict[str, float]:
+def _metrics(port: int, replica: str) -> dict[str, float]:
+    """The samples labelled with `replica` alone (every series carries its replica)."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#") and "{" not in line:
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
+    return {
+        s.name: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.labels == {"replica": replica}
+    }
 
 
 def test_no_endpoint_exports_nothing(tmp_path: Path) -> None:

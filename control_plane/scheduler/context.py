@@ -21,6 +21,7 @@ class StepContext:
     costs: CostTable | None = None
     calibration: Calibration = field(default_factory=Calibration)
     dflash_rung: DFlashRung = field(default_factory=DFlashRung)
+    replica: str = "local"  # the GPU service it steps, as its spans name it
 
     @classmethod
     def build(
@@ -28,10 +29,12 @@ class StepContext:
         caps: Capabilities,
         opts: SchedulerOptions | None = None,
         costs: CostTable | None = None,
+        replica: str = "local",
     ) -> StepContext:
         opts = opts or SchedulerOptions()
         rung = AdaptiveRung(opts.ladder, enabled=opts.adaptive_rung)
-        return cls(opts, caps, rung, costs, dflash_rung=DFlashRung(opts.dflash_pinned))
+        dflash = DFlashRung(opts.dflash_pinned)
+        return cls(opts, caps, rung, costs, dflash_rung=dflash, replica=replica)
 
     def capacity(self, slot: int) -> int:
         return self.caps.slot_verify_drafts[slot]

@@ -26,7 +26,7 @@ from opentelemetry.context import Context
 
 from control_plane.detok import Tokenizer
 from control_plane.env import Env
-from control_plane.metrics import Metrics
+from control_plane.metrics import REPLICA_ATTRIBUTE, Metrics, ReplicaMetrics
 from control_plane.scheduler.context import StepContext
 from control_plane.scheduler.cost_model import CostTable
 from control_plane.scheduler.options import SchedulerOptions
@@ -51,6 +51,9 @@ log = logging.getLogger("control_plane.scheduler")
 TRACER = tracer("met.control_plane")
 # submit (with the tokenizer the prompt was tokenized with), cancel, wake
 Payload = tuple[GenRequest, Sink, QueueSink | None, Tokenizer] | str | None
+# A replica's connection, with its capabilities and tokenization: the tokenization to use,
+# or the refusal it raises.
+Joins = Callable[["Scheduler", Capabilities, Tokenization], Tokenization]
 SLOT_POLL_S = 0.05  # with requests waiting and no free slot, how often to ask the service
 
 
@@ -62,8 +65,16 @@ class Scheduler:
         opts: SchedulerOptions | None = None,
         env: Env | None = None,
         metrics: Metrics | None = None,
+        replica: str = "local",
+        joins: Joins | None = None,
     ) -> None:
-        self.metrics = metrics
+        self.metrics = metrics  # the registry, which the server exports
+        self.replica = replica  # the GPU service's name in labels, attributes and stats
+        series = metrics.replica(replica) if metrics is not None else None
+        self.series: ReplicaMetrics | None = series
+        # Asked at each connection, with its tokenization: the one to use, or a refusal
+        # (several replicas behind one router must serve one model).
+        self.joins = joins
         self.connect = connect
         # A tokenizer given here overrides the one the service's checkpoint ships.
         if tokenizer is None or isinstance(tokenizer, Tokenization):
@@ -77,7 +88,7 @@ class Scheduler:
         self.opts = (opts or SchedulerOptions()).with_env(env or Env.read())
         self.model: Model | None = None
         self.ctx: StepContext | None = None
-        self.tally = Tally(metrics)
+        self.tally = Tally(series)
         self.pipeline = Pipeline(self._release_handle, self.tally.planned)
         self.inbox: queue.Queue[tuple[str, Payload]] = queue.Queue()
         self.waiting: deque[ActiveSeq] = deque()
@@ -121,11 +132,11 @@ class Scheduler:
         sink: Sink,
         on_queued: QueueSink | None = None,
         tokenizer: Tokenizer | None = None,
-    ) -> None:
+    ) -> str:
         """Queue the request; its events go to `sink`, and, when it cannot be admitted at
         once, `Queued` notices to `on_queued`. `tokenizer` is the one its prompt was
         tokenized with (default: the one in use, connecting first if need be); a request
-        tokenized with one no longer in use is refused with UNAVAILABLE."""
+        tokenized with one no longer in use is refused with UNAVAILABLE. -> the replica"""
         if tokenizer is None:
             if self.tokenization is None:
                 self.capabilities()
@@ -139,6 +150,7 @@ class Scheduler:
             self._queued += 1
         self.tally.submitted()
         self.inbox.put(("submit", (req, sink, on_queued, tokenizer)))
+        return self.replica
 
     def cancel(self, request_id: str) -> None:
         self.inbox.put(("cancel", request_id))
@@ -203,7 +215,7 @@ class Scheduler:
             a = ActiveSeq(req, sink, tokenizer, eos, max_context)
             a.vocab_size = self.ctx.caps.vocab_size if self.ctx else 0
             a.drafter = self.ctx.caps.has_mtp if self.ctx else True
-            a.observer = self.metrics
+            a.observer = self.series
             a.draft_stop = self.opts.draft_confidence_stop
             a.on_queued = on_queued
             self._enqueue(a, tokenizer)
@@ -265,7 +277,10 @@ class Scheduler:
         if not (self.waiting or self.prefilling or self.active):
             return
         # Each iteration is a trace of its own; requests reach it through span links.
-        with TRACER.start_as_current_span("scheduler_iteration", context=Context()):
+        attrs = {REPLICA_ATTRIBUTE: self.replica}
+        with TRACER.start_as_current_span(
+            "scheduler_iteration", context=Context(), attributes=attrs
+        ):
             self._admit()
             self._tell_places()
             self._prefill()
@@ -294,18 +309,20 @@ class Scheduler:
             self.tally.stepped(len(rest), sum(report.copied), report.dcut, report.ladder_nd)
 
     def _gauges(self) -> None:
-        if self.metrics is None or self.ctx is None:
+        if self.series is None or self.ctx is None:
             return
-        self.metrics.running.set(len(self.prefilling) + len(self.active))
-        self.metrics.waiting.set(self._queued)
-        self.metrics.free_slots.set(self.free_slots)
+        self.series.running.set(len(self.prefilling) + len(self.active))
+        self.series.waiting.set(self._queued)
+        self.series.free_slots.set(self.free_slots)
 
     def _connect(self) -> None:
         model = self.connect()
         try:
             caps = model.capabilities()
             served = self.override if self.override is not None else served_by(model, caps)
-            ctx = StepContext.build(caps, self.opts, self._measure(model, caps))
+            if self.joins is not None:
+                served = self.joins(self, caps, served)
+            ctx = StepContext.build(caps, self.opts, self._measure(model, caps), self.replica)
         except BaseException:
             getattr(model, "close", lambda: None)()  # the service would keep its session open
             raise

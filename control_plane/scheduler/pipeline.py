@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from opentelemetry import propagate
 from opentelemetry.trace import Link, Span, set_span_in_context
 
+from control_plane.metrics import REPLICA_ATTRIBUTE
 from control_plane.scheduler import dcut
 from control_plane.scheduler.context import StepContext
 from control_plane.scheduler.seq import MTP, NONE, ActiveSeq
@@ -160,7 +161,12 @@ class Pipeline:
         links = [Link(a.req.span_context) for a in seqs if a.req.span_context is not None]
         sp = TRACER.start_span("step_mtp", links=links)
         sp.set_attributes(
-            {"met.active": len(seqs), "met.ladder_nd": step_nd, "met.pipelined": True}
+            {
+                "met.active": len(seqs),
+                "met.ladder_nd": step_nd,
+                "met.pipelined": True,
+                REPLICA_ATTRIBUTE: ctx.replica,
+            }
         )
         trace: dict[str, str] = {}
         propagate.inject(trace, context=set_span_in_context(sp))

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from opentelemetry.trace import Link
 
+from control_plane.metrics import REPLICA_ATTRIBUTE
 from control_plane.scheduler import dcut
 from control_plane.scheduler.batch_verify import (
     canonical_assignment,
@@ -92,7 +93,8 @@ def step_mtp(
     served; then the width sources learn the step's acceptance."""
     links = [Link(a.req.span_context) for a in active if a.req.span_context is not None]
     before = [(a.stats.drafted, a.stats.accepted) for a in active]
-    with TRACER.start_as_current_span("step_mtp", links=links) as sp:
+    attrs = {REPLICA_ATTRIBUTE: ctx.replica}
+    with TRACER.start_as_current_span("step_mtp", links=links, attributes=attrs) as sp:
         report = _step(model, active, ctx, num_drafts)
         for a, (d, n), copied in zip(active, before, report.copied, strict=True):
             if not copied:

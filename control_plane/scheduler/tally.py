@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from control_plane.metrics import Metrics
+from control_plane.metrics import ReplicaMetrics
 from control_plane.scheduler.seq import ActiveSeq, SpecStats
 
 
@@ -25,8 +25,33 @@ class Counters:
     engine_waited_s: float = 0.0  # the service's idle time between them, as it measured it
 
 
+def merge_counters(a: Counters, b: Counters) -> Counters:
+    """Two schedulers' counters as one: sums, the step widths' histograms added, and the
+    wider of the two last widths."""
+    out = Counters(**{f: getattr(a, f) + getattr(b, f) for f in SUMMED})
+    out.step_widths = {
+        w: a.step_widths.get(w, 0) + b.step_widths.get(w, 0)
+        for w in {*a.step_widths, *b.step_widths}
+    }
+    out.last_width = max(a.last_width, b.last_width)
+    return out
+
+
+SUMMED = (
+    "requests",
+    "finished",
+    "prompt_tokens",
+    "completion_tokens",
+    "steps",
+    "copies",
+    "dcut_steps",
+    "plans",
+    "engine_waited_s",
+)
+
+
 class Tally:
-    def __init__(self, metrics: Metrics | None) -> None:
+    def __init__(self, metrics: ReplicaMetrics | None) -> None:
         self.metrics = metrics
         self.counters, self.spec = Counters(), SpecStats()
         self._lock = threading.Lock()

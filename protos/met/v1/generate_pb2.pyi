@@ -135,7 +135,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsReply(_message.Message):
-    __slots__ = ("requests", "finished", "prompt_tokens", "completion_tokens", "steps", "speculative", "active", "queued", "free_slots", "prompt_lookup_copies", "dcut_steps", "last_step_width")
+    __slots__ = ("requests", "finished", "prompt_tokens", "completion_tokens", "steps", "speculative", "active", "queued", "free_slots", "prompt_lookup_copies", "dcut_steps", "last_step_width", "replicas")
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +148,7 @@ class GetStatsReply(_message.Message):
     PROMPT_LOOKUP_COPIES_FIELD_NUMBER: _ClassVar[int]
     DCUT_STEPS_FIELD_NUMBER: _ClassVar[int]
     LAST_STEP_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     requests: int
     finished: int
     prompt_tokens: int
@@ -160,4 +161,27 @@ class GetStatsReply(_message.Message):
     prompt_lookup_copies: int
     dcut_steps: int
     last_step_width: int
-    def __init__(self, requests: _Optional[int] = ..., finished: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., speculative: _Optional[_Union[SpeculativeStats, _Mapping]] = ..., active: _Optional[int] = ..., queued: _Optional[int] = ..., free_slots: _Optional[int] = ..., prompt_lookup_copies: _Optional[int] = ..., dcut_steps: _Optional[int] = ..., last_step_width: _Optional[int] = ...) -> None: ...
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStats]
+    def __init__(self, requests: _Optional[int] = ..., finished: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., speculative: _Optional[_Union[SpeculativeStats, _Mapping]] = ..., active: _Optional[int] = ..., queued: _Optional[int] = ..., free_slots: _Optional[int] = ..., prompt_lookup_copies: _Optional[int] = ..., dcut_steps: _Optional[int] = ..., last_step_width: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStats, _Mapping]]] = ...) -> None: ...
+
+class ReplicaStats(_message.Message):
+    __slots__ = ("replica", "up", "requests", "finished", "completion_tokens", "steps", "active", "queued", "free_slots")
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    UP_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    FREE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    replica: str
+    up: bool
+    requests: int
+    finished: int
+    completion_tokens: int
+    steps: int
+    active: int
+    queued: int
+    free_slots: int
+    def __init__(self, replica: _Optional[str] = ..., up: _Optional[bool] = ..., requests: _Optional[int] = ..., finished: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., active: _Optional[int] = ..., queued: _Optional[int] = ..., free_slots: _Optional[int] = ...) -> None: ...
