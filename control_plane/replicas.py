@@ -103,6 +103,7 @@ class Replica:
         self.name, self.scheduler = name, scheduler
         self.listed = True  # still named by its `--gpu-service` entry
         self.identity: tuple[str, str] | None = None  # model name and digest, once accepted
+        self.refused: tuple[str, str] | None = None  # what it served when last refused
 
     @property
     def up(self) -> bool:
@@ -256,9 +257,11 @@ class Router:
                     f"{caps.model_digest}) where the replicas up serve {want}; it is not "
                     "routed to"
                 )
-                log.error("%s", message)
+                if replica.refused != identity:  # said once, not at every probe
+                    log.error("%s", message)
+                    replica.refused = identity
                 raise FailedPrecondition(message)
-            replica.identity = identity
+            replica.identity, replica.refused = identity, None
             # Replicas serving the same files share one tokenizer object: a request
             # tokenized with it is not stale on whichever replica it lands.
             return self._tokenizations.setdefault(served.digest, served)

@@ -268,5 +268,6 @@ def describe(security: Security) -> str:
 
 def run(args: argparse.Namespace) -> None:
     security = read_security(args, PROG)
+    tls.or_exit(PROG, read_targets, args)  # a bad list ends the process before anything starts
     logging.basicConfig(level=logging.INFO)
     asyncio.run(serve(args, security))

@@ -60,6 +60,8 @@ SLOW_TESTS = {
     "tests/test_gpu_check.py::test_cpu_run_writes_a_passing_report": "runs the device check",
     "tests/test_api.py::test_gpu_service_death_ends_streams_and_recovery": "restarts a service",
     "tests/test_api.py::test_met_up_then_generate": "starts both processes with `met up`",
+    "tests/test_replicas.py::test_a_bad_list_ends_the_process_with_a_sentence": "starts a "
+    "control plane process",
     "tests/test_verify_semantics.py::test_verify_fold_commit_equals_one_at_a_time": "one "
     "verify per token, for every depth and write mode",
     "tests/test_verify_semantics.py::test_recurrent_and_chunked_prefill_agree": "both prefills",
@@ -69,6 +71,7 @@ SLOW_TESTS = {
 # Any test that uses one of these fixtures is slow: it waits on a process starting.
 SLOW_FIXTURES = {
     "served": "starts a GPU service process",
+    "two_services": "starts two GPU service processes",
     "control_plane": "starts a control plane process",
 }
 

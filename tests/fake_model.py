@@ -84,11 +84,12 @@ class FakeModel:
         refuse: Callable[[list[int]], bool] = lambda ks: False,
         files: dict[str, bytes] | None = None,
         name: str = "fake",
+        digest: str = "fake",
     ) -> None:
         self.caps, self.max_rows, self.max_batch = tuple(caps), max_rows, max_batch
         # The checkpoint's tokenizer files: the byte tokenizer unless the test chooses.
         self.files = BYTE_FILES if files is None else files
-        self.name = name
+        self.name, self.digest = name, digest
         self.max_context = max_context
         self.oracle = oracle
         self.drafter = drafter or perfect_drafter(oracle)
@@ -117,7 +118,7 @@ class FakeModel:
             has_mtp=True,
             max_batch=self.max_batch,
             max_prefill_tokens=4096,
-            model_digest="fake",
+            model_digest=self.digest,
         )
 
     def tokenizer_files(self) -> dict[str, bytes]:
