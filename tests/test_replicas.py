@@ -288,3 +288,16 @@ def _wait_up(stub, replica: str, timeout: float = 10.0) -> None:
     ):
         assert time.monotonic() < deadline, f"{replica} did not rejoin"
         time.sleep(0.05)  # the router asks a replica that is down twice a second
+
+
+def test_a_name_is_dialled_by_address_and_verified_by_name() -> None:
+    """`dns:///` replicas are built with the name their certificate must carry; listed
+    addresses with none (gRPC checks their own host)."""
+    built: dict[str, str | None] = {}
+
+    def build(address: str, authority: str | None, joins: Joins) -> Scheduler:
+        built[address] = authority
+        return Scheduler(lambda: FakeModel(), TOKENIZER, SchedulerOptions(), Env())
+
+    Router(parse_targets("dns:///localhost:7,127.0.0.2:8"), build)
+    assert built["127.0.0.1:7"] == "localhost" and built["127.0.0.2:8"] is None

@@ -104,6 +104,10 @@ def test_one_generation_span_tree(memory_spans: InMemorySpanExporter, in_process
     assert a["gen_ai.response.finish_reasons"] == ("length",)
     assert a["gen_ai.request.model"] and a["met.time_to_first_token_s"] > 0
     assert a["met.spec.verifies"] == 4
+    # Which GPU service served it, the request and each step (the scheduler's default name).
+    assert a["met.replica"] == "local"
+    for name in ("scheduler_iteration", "step_mtp"):
+        assert {s.attributes["met.replica"] for s in by_name[name]} == {"local"}
 
     def parent(s):
         return ids[s.parent.span_id] if s.parent and s.parent.span_id in ids else None

@@ -27,11 +27,15 @@ from control_plane import generate_cli
 from control_plane.api import GenerationServicer
 from control_plane.auth import bearer
 from control_plane.cli import build_parser
+from control_plane.client import GrpcModel
 from control_plane.launch import start_control_plane, start_gpu_service, stop
 from control_plane.scheduler.loop import Scheduler
 from control_plane.server import PROG, build_server, read_security
 from control_plane.tokenizer import ByteTokenizer
 from gpu_service.engine import Engine
+from gpu_service.options import Access
+from gpu_service.server import build_server as build_gpu_server
+from gpu_service.servicer import ModelServicer
 from protos import tls
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
@@ -309,3 +313,35 @@ def test_mutual_tls_between_the_processes(certs: Certs, tiny_dir: Path) -> None:
             assert stop(cp) == 0
     finally:
         assert stop(gpu) == 0
+
+
+def test_a_replica_found_by_name_is_verified_against_that_name(
+    certs: Certs, tiny_dir: Path, tmp_path: Path
+) -> None:
+    """An address that `dns:///NAME` resolved to is dialled by address, and its certificate
+    must carry NAME: it is accepted under NAME and refused under another or under none."""
+    name = "gpu.replicas.test"
+    ca_key = serialization.load_pem_private_key((certs.ca.parent / "ca.key").read_bytes(), None)
+    assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
+    ca = (x509.load_pem_x509_certificate(certs.ca.read_bytes()).subject, ca_key)
+    san = x509.SubjectAlternativeName([x509.DNSName(name)])  # no IP: the address alone fails
+    _issue(tmp_path, name, ca, san=san)
+    key, cert = (tmp_path / f"{name}.key").read_bytes(), (tmp_path / f"{name}.pem").read_bytes()
+    engine = Engine(tiny_dir, TINY_SERVICE)
+
+    async def start() -> tuple[grpc.aio.Server, int]:
+        servicer = ModelServicer(Access())
+        servicer.engine = engine
+        server = build_gpu_server(servicer, health.aio.HealthServicer())
+        creds = grpc.ssl_server_credentials([(key, cert)])
+        port = tls.add_port(server, "127.0.0.1:0", creds)
+        await server.start()
+        return server, port
+
+    with aio_server_in_thread(start) as target:
+        model = GrpcModel(target, timeout=10, credentials=certs.client(), authority=name)
+        assert model.capabilities().model_name == engine.name
+        model.close()
+        for authority in (None, "other.replicas.test"):
+            with pytest.raises(grpc.RpcError):
+                GrpcModel(target, timeout=5, credentials=certs.client(), authority=authority)
