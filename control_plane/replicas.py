@@ -18,10 +18,14 @@ sets the model, so that a fleet restarted on a new checkpoint serves it.
 **Routing.** A new request goes to the replica with the most free capacity. Free capacity is
 the replica's free slots less the requests already waiting for one there; among equals, the
 shortest queue wins; remaining ties go round robin. Only replicas that are up and serve the
-tokenizer the request was tokenized with are candidates. A request never moves once it is
-submitted to a replica, so never once its slot is allocated. With every replica down it
-goes to the first listed, whose scheduler refuses it as it refuses any request with no
-service in reach.
+tokenizer the request was tokenized with are candidates. With every replica down it goes to
+the first listed, whose scheduler refuses it as it refuses any request with no service in
+reach.
+
+**Moves.** A request never moves once its slot is allocated: when its replica is lost it
+ends `UNAVAILABLE`. One still waiting for a slot there is placed again, by the same rule,
+among the other replicas (it then counts in both replicas' `requests`); with none up it ends
+`UNAVAILABLE` too.
 """
 
 from __future__ import annotations
@@ -37,10 +41,10 @@ from collections.abc import Callable, Sequence
 from control_plane.detok import Tokenizer
 from control_plane.metrics import Metrics
 from control_plane.scheduler.loop import Joins, Scheduler
-from control_plane.scheduler.seq import GenRequest, QueueSink, Sink, SpecStats
+from control_plane.scheduler.seq import ActiveSeq, GenRequest, QueueSink, Sink, SpecStats
 from control_plane.scheduler.tally import Counters, merge_counters
 from control_plane.tokenizer import Tokenization
-from protos.model import Capabilities, FailedPrecondition
+from protos.model import Capabilities, FailedPrecondition, ModelError, ResourceExhausted
 
 log = logging.getLogger("control_plane.replicas")
 DNS_SCHEME = "dns:///"
@@ -154,9 +158,9 @@ class Router:
     def start(self) -> None:
         """Each replica asked once, here, before the monitor takes over: health and routing
         are right from the first request."""
+        self._pass()
         for r in self.replicas:
             r.scheduler.start()
-        self._pass()
         self._monitor.start()
 
     def stop(self) -> None:
@@ -192,7 +196,7 @@ class Router:
     ) -> str:
         """Place the request (the rule: module docstring); returns its replica's name."""
         with self._route:
-            replica = self._place(tokenizer)
+            replica = self._place(tokenizer) or next(iter(self._listed()), self.replicas[0])
             replica.scheduler.submit(req, sink, on_queued, tokenizer)
         return replica.name
 
@@ -216,12 +220,13 @@ class Router:
 
     # -- placement ------------------------------------------------------------------------
 
-    def _place(self, tokenizer: Tokenizer | None) -> Replica:
-        up = [r for r in self.replicas if r.up]
+    def _place(self, tokenizer: Tokenizer | None, lost: Scheduler | None = None) -> Replica | None:
+        """The replica the rule picks, None when none is up (other than `lost`)."""
+        up = [r for r in self.replicas if r.up and r.scheduler is not lost]
         if tokenizer is not None:
             up = [r for r in up if _serves(r, tokenizer)]
         if not up:
-            return next(iter(self._listed()), self.replicas[0])
+            return None
         turn = next(self._turn)
         scored = []
         for i, r in enumerate(up):
@@ -230,6 +235,25 @@ class Router:
             # Most free capacity, then the shortest queue, then the next in turn.
             scored.append((-free, snap["queued"], (i - turn) % len(up), r))
         return min(scored, key=lambda s: s[:3])[3]
+
+    def _handoff(self, lost: Scheduler, waiting: list[ActiveSeq]) -> list[ActiveSeq]:
+        """Requests that waited for a slot on a replica now lost, placed again by the rule
+        among the others; -> those no other replica takes."""
+        unplaced = []
+        for a in waiting:
+            with self._route:
+                replica = self._place(a.tokenizer, lost)
+                try:
+                    if replica is None:
+                        raise ResourceExhausted("no other replica is up")
+                    replica.scheduler.submit(a.req, a.sink, a.on_queued, a.tokenizer)
+                except ModelError:
+                    unplaced.append(a)
+        if len(unplaced) < len(waiting):
+            log.info(
+                "%d requests waiting on a lost replica went to others", len(waiting) - len(unplaced)
+            )
+        return unplaced
 
     def _by_preference(self) -> list[Replica]:
         return [*(r for r in self.replicas if r.up), *(r for r in self.replicas if not r.up)]
@@ -316,8 +340,9 @@ class Router:
                 known[address].listed = True
                 continue
             replica = Replica(address, self.build(address, authority, self._joins))
+            replica.scheduler.handoff = self._handoff
             self.replicas.append(replica)
-            if self._monitor.is_alive() or self._healthy is not None:  # started
+            if self._monitor.is_alive():  # new after the start: started here
                 replica.scheduler.start()
             log.info("replica %s listed", address)
         for r in self.replicas:

@@ -60,7 +60,7 @@ def test_a_bad_list_ends_the_process_with_a_sentence() -> None:
     assert "--gpu-service 'a:1,b': 'b' is not HOST:PORT" in done.stderr
 
 
-class Fleet:
+class Fakes:
     """Routers over fakes: each address's model, or None for one that cannot be reached."""
 
     def __init__(self, models: dict[str, FakeModel | None]) -> None:
@@ -70,7 +70,7 @@ class Fleet:
         def build(address: str, authority: str | None, joins: Joins) -> Scheduler:
             def connect() -> FakeModel:
                 model = self.models[address]
-                if model is None:
+                if model is None or getattr(model, "down", False):
                     raise OSError(f"{address} is down")
                 return model
 
@@ -93,14 +93,14 @@ def _place(router: Router, n: int) -> list[str]:
 
 
 def test_equal_replicas_take_turns() -> None:
-    router = Fleet({"a:1": FakeModel(), "b:1": FakeModel()}).router()
+    router = Fakes({"a:1": FakeModel(), "b:1": FakeModel()}).router()
     assert _place(router, 6) == ["a:1", "b:1"] * 3
 
 
 def test_most_free_capacity_first_then_turns() -> None:
     """b has 4 slots to a's 8: a takes requests until its free slots less its queue fall to
     b's, then they alternate."""
-    router = Fleet({"a:1": FakeModel(), "b:1": FakeModel(caps=(3, 3, 2, 1))}).router()
+    router = Fakes({"a:1": FakeModel(), "b:1": FakeModel(caps=(3, 3, 2, 1))}).router()
     placed = _place(router, 8)
     assert placed[:4] == ["a:1"] * 4
     assert sorted(placed[4:]) == ["a:1", "a:1", "b:1", "b:1"]
@@ -111,23 +111,23 @@ def test_the_shorter_queue_breaks_a_tie_of_free_capacity() -> None:
     no capacity left; b's queue is the shorter, though a's turn has come."""
     a, b = FakeModel(caps=(1, 1)), FakeModel(caps=(1,))
     b.alloc_sequence()  # held by another client: b reports no free slot
-    router = Fleet({"a:1": a, "b:1": b}).router()
+    router = Fakes({"a:1": a, "b:1": b}).router()
     assert _place(router, 3) == ["a:1", "a:1", "b:1"]
 
 
 def test_a_replica_down_is_skipped_and_health_follows() -> None:
-    fleet = Fleet({"a:1": None, "b:1": FakeModel()})
+    fleet = Fakes({"a:1": None, "b:1": FakeModel()})
     router = fleet.router()
     assert router.healthy
     assert _place(router, 3) == ["b:1"] * 3
     assert [r["up"] for r in router.snapshot()["replicas"]] == [False, True]
-    assert Fleet({"a:1": None}).router().healthy is False
+    assert Fakes({"a:1": None}).router().healthy is False
 
 
 def test_a_replica_serving_another_model_is_refused(caplog: pytest.LogCaptureFixture) -> None:
     models = {"a:1": FakeModel(), "b:1": FakeModel(digest="other")}
     with caplog.at_level(logging.ERROR, logger="control_plane.replicas"):
-        router = Fleet(models).router()  # type: ignore[arg-type]
+        router = Fakes(models).router()  # type: ignore[arg-type]
     assert _place(router, 2) == ["a:1", "a:1"]
     assert [r.up for r in router.replicas] == [True, False]
     (line,) = [r.getMessage() for r in caplog.records]
@@ -137,7 +137,7 @@ def test_a_replica_serving_another_model_is_refused(caplog: pytest.LogCaptureFix
 
 def test_replicas_share_one_tokenizer_and_serve_through_the_router() -> None:
     """Requests tokenized once are not stale on either replica, and the snapshot sums both."""
-    router = Fleet({"a:1": FakeModel(), "b:1": FakeModel()}).router(start=True)
+    router = Fakes({"a:1": FakeModel(), "b:1": FakeModel()}).router(start=True)
     try:
         a, b = (r.scheduler for r in router.replicas)
         assert a.tokenization is b.tokenization is router.tokenization
@@ -149,6 +149,50 @@ def test_replicas_share_one_tokenizer_and_serve_through_the_router() -> None:
         snap = router.snapshot()
         assert snap["counters"].finished == 6
         assert [r["counters"].finished for r in snap["replicas"]] == [3, 3]
+    finally:
+        router.stop()
+
+
+class LostOnPrefill(FakeModel):
+    """A service that goes away at its first prefill: it cannot be dialled again."""
+
+    down = False
+
+    def prefill(self, seqs, prompts, masks=None, sampling=None) -> list[int]:
+        self.down = True
+        raise OSError("connection reset")
+
+
+def test_requests_waiting_on_a_lost_replica_go_to_another() -> None:
+    """a has one slot: the request in it fails with a; the two waiting behind it hold no slot,
+    so b serves them."""
+    router = Fakes({"a:1": LostOnPrefill(caps=(1,)), "b:1": FakeModel()}).router()
+    a = router.replicas[0].scheduler
+    outs = [Outcome() for _ in range(3)]
+    for i, out in enumerate(outs):
+        a.submit(GenRequest(f"r{i}", (1, 2 + i), 5, method=NONE), out, None, TOKENIZER)
+    router.start()  # every replica is up before a's loop takes the three
+    try:
+        assert all(o.done.wait(30) for o in outs)
+        first, *moved = outs
+        assert first.failure is not None and first.failure.code == "UNAVAILABLE"
+        assert all(o.finish is not None and len(o.tokens) == 5 for o in moved)
+        finished = {r["replica"]: r["counters"].finished for r in router.snapshot()["replicas"]}
+        assert finished == {"a:1": 0, "b:1": 2}
+    finally:
+        router.stop()
+
+
+def test_with_no_other_replica_up_the_waiting_fail() -> None:
+    router = Fakes({"a:1": LostOnPrefill(caps=(1,)), "b:1": None}).router()
+    a = router.replicas[0].scheduler
+    outs = [Outcome() for _ in range(2)]
+    for i, out in enumerate(outs):
+        a.submit(GenRequest(f"r{i}", (1, 2 + i), 5, method=NONE), out, None, TOKENIZER)
+    router.start()
+    try:
+        assert all(o.done.wait(30) for o in outs)
+        assert all(o.failure is not None and o.failure.code == "UNAVAILABLE" for o in outs)
     finally:
         router.stop()
 

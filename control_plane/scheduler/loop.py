@@ -75,6 +75,9 @@ class Scheduler:
         # Asked at each connection, with its tokenization: the one to use, or a refusal
         # (several replicas behind one router must serve one model).
         self.joins = joins
+        # Set by a router: the requests still waiting for a slot when the service is lost go
+        # to another replica; -> those it could not place, which fail here.
+        self.handoff: Callable[[Scheduler, list[ActiveSeq]], list[ActiveSeq]] | None = None
         self.connect = connect
         # A tokenizer given here overrides the one the service's checkpoint ships.
         if tokenizer is None or isinstance(tokenizer, Tokenization):
@@ -438,6 +441,8 @@ class Scheduler:
             a.fail(code, message)
         self.prefilling, self.active = [], []
         lost = isinstance(error, (grpc.RpcError, OSError))
+        if lost:
+            self._hand_off()
         if not lost and self.model is not None:
             for a in failed:
                 self._free(a)
@@ -452,6 +457,15 @@ class Scheduler:
         with self._lock:
             self.model, self.ctx = None, None
         time.sleep(0.1)  # a restarting service gets a moment before the next connect
+
+    def _hand_off(self) -> None:
+        """Requests that hold no slot yet may go elsewhere: to a router's other replicas."""
+        if self.handoff is None or not self.waiting:
+            return
+        waiting = list(self.waiting)
+        unplaced = self.handoff(self, waiting)
+        self._dequeued(len(waiting) - len(unplaced))
+        self.waiting = deque(unplaced)
 
     def _release(self, failed: list[ActiveSeq]) -> None:
         """After a transport error: free the ended requests' sequences the service still

@@ -137,6 +137,7 @@ class ActiveSeq:
         max_context: int,
     ) -> None:
         self.req, self.sink, self.max_context = req, sink, max_context
+        self.tokenizer = tokenizer  # the one its prompt was tokenized with
         self.handle: SequenceHandle | None = None
         self.prefilled = 0  # prompt tokens in the service's cache
         self.last: int | None = None  # the newest token, not yet in the cache
