@@ -345,3 +345,36 @@ def test_a_name_is_dialled_by_address_and_verified_by_name() -> None:
 
     Router(parse_targets("dns:///localhost:7,127.0.0.2:8"), build)
     assert built["127.0.0.1:7"] == "localhost" and built["127.0.0.2:8"] is None
+
+
+def test_a_name_resolved_again_brings_and_drops_replicas(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What compose's scaling does to a service name: a copy appears, another goes. The new
+    address becomes a replica; the vanished one is no longer routed to."""
+    answers = [["10.0.0.1"], ["10.0.0.1", "10.0.0.2"], ["10.0.0.2"]]
+
+    def getaddrinfo(host: str, port: int, *args, **kwargs) -> list:
+        assert host == "gpu-service"
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port)) for ip in answers[0]]
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    fakes = Fakes({"10.0.0.1:5": FakeModel(), "10.0.0.2:5": FakeModel()})
+    built: list[str] = []
+
+    def build(address: str, authority: str | None, joins: Joins) -> Scheduler:
+        built.append(address)
+        connect = lambda: fakes.models[address]  # noqa: E731
+        return Scheduler(
+            connect, TOKENIZER, SchedulerOptions(), Env(), replica=address, joins=joins
+        )
+
+    router = Router(parse_targets("dns:///gpu-service:5"), build, resolve_s=0.0)
+    router._pass()
+    assert built == ["10.0.0.1:5"] and _place(router, 1) == ["10.0.0.1:5"]
+    answers.pop(0)
+    router._pass()
+    assert built == ["10.0.0.1:5", "10.0.0.2:5"]
+    assert [r.up for r in router.replicas] == [True, True]
+    answers.pop(0)
+    router._pass()
+    assert [r.up for r in router.replicas] == [False, True]
+    assert _place(router, 2) == ["10.0.0.2:5"] * 2
