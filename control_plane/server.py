@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection
 from control_plane import auth, openai_http
 from control_plane.api import GenerationServicer
 from control_plane.client import GrpcModel
+from control_plane.detok import Tokenizer
 from control_plane.door import (
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_MAX_PROMPT_BYTES,
@@ -25,6 +26,7 @@ from control_plane.door import (
     Admission,
     Door,
 )
+from control_plane.env import Env
 from control_plane.metrics import Metrics
 from control_plane.replicas import Router, Target, TargetError, parse_targets
 from control_plane.scheduler.loop import Joins, Scheduler
@@ -175,13 +177,30 @@ def build_router(args: argparse.Namespace, credentials: grpc.ChannelCredentials 
     tokenizer = tls.or_exit(PROG, read_tokenizer, args)
     metrics = Metrics() if args.metrics_port is not None else None
     opts = SchedulerOptions.from_args(args)
+    return grpc_router(targets, tokenizer, opts, metrics, credentials, args.gpu_service_admin_key)
+
+
+def grpc_router(
+    targets: list[Target],
+    tokenizer: Tokenizer | Tokenization | None,
+    opts: SchedulerOptions,
+    metrics: Metrics | None = None,
+    credentials: grpc.ChannelCredentials | None = None,
+    admin_key: str | None = None,
+    env: Env | None = None,
+) -> Router:
+    """A router whose replicas' schedulers drive their GPU services over gRPC (`env`: the
+    switches the schedulers read; default the process environment)."""
 
     def build(address: str, authority: str | None, joins: Joins) -> Scheduler:
         def connect() -> GrpcModel:
-            key = args.gpu_service_admin_key
-            return GrpcModel(address, admin_key=key, credentials=credentials, authority=authority)
+            return GrpcModel(
+                address, admin_key=admin_key, credentials=credentials, authority=authority
+            )
 
-        return Scheduler(connect, tokenizer, opts, metrics=metrics, replica=address, joins=joins)
+        return Scheduler(
+            connect, tokenizer, opts, env, metrics=metrics, replica=address, joins=joins
+        )
 
     router = Router(targets, build)
     router.metrics = metrics

@@ -1,4 +1,5 @@
-"""`met bench --quick` as a smoke test: it runs end to end and the three methods agree."""
+"""`met bench --quick` as a smoke test: it runs end to end and the three methods agree; the
+replicas section on the tiny checkpoint."""
 
 from __future__ import annotations
 
@@ -6,6 +7,10 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+from control_plane.benchmarks.replicas import replicas
+from control_plane.benchmarks.report import replicas_lines
+from control_plane.benchmarks.workload import Workload
 
 
 def test_bench_quick(tmp_path: Path) -> None:
@@ -57,3 +62,17 @@ def test_bench_quick(tmp_path: Path) -> None:
     table = (tmp_path / "bench.md").read_text()
     assert "| mtp | 1 |" in table and "| prompt_lookup | 4 |" in table
     assert "service idle between steps (gRPC, pipelined)" in table
+
+
+def test_replicas_bench_rows(tiny_dir: Path) -> None:
+    """Every arm of the replicas section serves the same requests to the same tokens, and a
+    router over two services puts requests on both."""
+    work = Workload(tiny_dir)
+    (row,) = replicas(tiny_dir, work, concurrency=[2], tokens=4, repeats=1, count=2)
+    assert row["method"] == "mtp" and row["concurrency"] == 2 and row["replicas"] == 2
+    assert all(row[f"{arm}_tok_s"] > 0 for arm in ("single", "router_1", "router_n"))
+    assert row["router_1_over_single"] > 0 and row["router_n_over_router_1"] > 0
+    assert row["requests_by_replica"] == [1, 1]
+    assert row["identical"]
+    lines = replicas_lines([row])
+    assert lines[0].startswith("replicas mtp at 2: single") and "routing, not scaling" in lines[1]

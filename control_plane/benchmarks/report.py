@@ -52,7 +52,51 @@ def markdown(report: dict) -> str:
             f"to a local OTLP receiver ({t['spans']} spans)."
         )
     out += _against(report)
+    out += _replicas_table(report.get("replicas", []))
     return "\n".join(out) + "\n"
+
+
+def _replicas_table(rows: list[dict]) -> list[str]:
+    """One service under a plain scheduler, under a router, and N services under a router."""
+    if not rows:
+        return []
+    n = rows[0]["replicas"]
+    out = [
+        "",
+        f"| method | concurrent | tok/s single | router, 1 replica | router_1 / single | "
+        f"router, {n} replicas | router_{n} / router_1 | requests per replica | identical |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        split = "/".join(map(str, r["requests_by_replica"]))
+        out.append(
+            f"| {r['method']} | {r['concurrency']} | {r['single_tok_s']:.1f} | "
+            f"{r['router_1_tok_s']:.1f} | {r['router_1_over_single']:.2f}x | "
+            f"{r['router_n_tok_s']:.1f} | {r['router_n_over_router_1']:.2f}x | {split} | "
+            f"{'yes' if r['identical'] else 'NO'} |"
+        )
+    return [*out, "", _replicas_note(rows[0])]
+
+
+def replicas_lines(rows: list[dict]) -> list[str]:
+    """The replicas section's rows as printed lines, and what its multi-replica figure means."""
+    lines = [
+        f"replicas {r['method']} at {r['concurrency']}: single {r['single_tok_s']:6.1f} tok/s, "
+        f"router_1 {r['router_1_tok_s']:6.1f} ({r['router_1_over_single']:.2f}x single), "
+        f"router_{r['replicas']} {r['router_n_tok_s']:6.1f} "
+        f"({r['router_n_over_router_1']:.2f}x router_1; requests per replica "
+        f"{'/'.join(map(str, r['requests_by_replica']))}); identical {r['identical']}"
+        for r in rows
+    ]
+    return [*lines, _replicas_note(rows[0])] if rows else lines
+
+
+def _replicas_note(row: dict) -> str:
+    n = row["replicas"]
+    return (
+        f"note: the {n} GPU services share this machine's {row['cores']} cores and its device, "
+        f"so router_{n} / router_1 measures routing, not scaling"
+    )
 
 
 def _split_tables(report: dict) -> list[str]:
@@ -218,5 +262,7 @@ def print_table(report: dict) -> None:
             + "; over gRPC (pipelined): "
             + ", ".join(f"{m} {v:.1f} ({t['grpc'][m]:.2f}x)" for m, v in t["grpc_tok_s"].items())
         )
+    for line in replicas_lines(report.get("replicas", [])):
+        print(line)
     for f in report["failures"]:
         print(f"FAIL: {f}", file=sys.stderr)

@@ -9,7 +9,10 @@ On one checkpoint (default: the bundled one), each figure a median over repeats:
   the split's cost, and the service's idle time between pipelined steps;
 - the verify buffers' bytes with the slot tiers vs every slot at full capacity;
 - tracing off vs exporting to a local OTLP receiver (both processes);
-- transformers' own `generate` on the same checkpoint, the outside baseline.
+- transformers' own `generate` on the same checkpoint, the outside baseline;
+- with `--replicas N`: greedy `mtp` through one GPU service child under a plain scheduler,
+  the same child through a router, and N children through a router: what routing costs,
+  and the requests each replica took; all must produce identical tokens.
 Prompts are the checkpoint's held-out ones when it ships them. Prints a table, writes JSON
 (`--out`) and a PNG chart (`--chart`). `--quick` is the CI-sized smoke run.
 """
@@ -26,6 +29,7 @@ from control_plane.benchmarks.baseline import (
     transformers_baseline,
 )
 from control_plane.benchmarks.methods import batch_vs_serial, batched_over_serial, methods
+from control_plane.benchmarks.replicas import replicas
 from control_plane.benchmarks.report import draw_chart, markdown, print_table
 from control_plane.benchmarks.split import speedups, split
 from control_plane.benchmarks.tracing import tracing
@@ -79,6 +83,16 @@ def measure(args: argparse.Namespace) -> dict:
     report["memory"] = memory(engine)
     if not quick:
         report["tracing"] = tracing(4, tokens)
+    if args.replicas:
+        rows = replicas(
+            args.model, work, [4] if quick else [16, 32], tokens, repeats, args.replicas
+        )
+        report["replicas"] = rows
+        failures += [
+            f"replicas at {r['concurrency']}: the arms' tokens differ"
+            for r in rows
+            if not r["identical"]
+        ]
     report["failures"] = failures
     return report
 
@@ -131,3 +145,19 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--chart", type=Path, default=None, help="the PNG chart (default: --out with .png)"
     )
     parser.add_argument("--markdown", type=Path, default=None, help="the report's tables")
+    parser.add_argument(
+        "--replicas",
+        type=_replica_count,
+        default=None,
+        metavar="N",
+        help="also measure routing: one GPU service with and without a router, and N services "
+        "under one (default: not measured)",
+    )
+
+
+def _replica_count(text: str) -> int:
+    if not text.strip().isdigit() or int(text) < 2:
+        raise argparse.ArgumentTypeError(
+            f"the GPU services to route among must number at least 2, not {text!r}"
+        )
+    return int(text)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from control_plane.env import Env
+from control_plane.replicas import Drives
 from control_plane.scheduler.loop import Scheduler, SchedulerOptions
 from control_plane.scheduler.seq import Finish, GenRequest
 from protos.model import Model
@@ -34,8 +35,18 @@ def serve(
     """All of `reqs` at once through a scheduler with `options` (scheduler option names);
     tokens per request and the figures. The `METRALE_*` switches are ignored unless `env`
     is given, so an arm is what its options say."""
-    opts = SchedulerOptions(max_queue=len(reqs), **(options or {}))
-    sched = Scheduler(connect, tokenizer, opts, env or Env())
+    return drive(Scheduler(connect, tokenizer, options_for(reqs, options), env or Env()), reqs)
+
+
+def options_for(reqs: list[GenRequest], options: dict | None = None) -> SchedulerOptions:
+    """Scheduler options that queue every one of `reqs` at once."""
+    return SchedulerOptions(max_queue=len(reqs), **(options or {}))
+
+
+def drive(sched: Drives, reqs: list[GenRequest]) -> dict:
+    """All of `reqs` at once through `sched` (a scheduler, or a router over several), which
+    this starts and stops: tokens per request and the figures, and the requests each replica
+    took when it is a router."""
     sched.start()
     tokens: dict[str, list[int]] = {r.request_id: [] for r in reqs}
     first: dict[str, float] = {}  # when each request's first token arrived
@@ -78,6 +89,7 @@ def serve(
         "seconds": seconds,  # the run's wall time, first submit to last token
         "plans": counters.plans,  # pipelined steps read back
         "engine_waited_s": counters.engine_waited_s,  # the service idle between them
+        "by_replica": {r["replica"]: r["counters"].requests for r in snap.get("replicas", ())},
     }
 
 
