@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from protos.model import CostEntry
+from control_plane.scheduler.options import SchedulerOptions
+from protos.model import Capabilities, CostEntry, Model
 
 PRIOR, MIN_SEEN, WINDOW = 0.5, 32, 512
 
@@ -81,3 +82,14 @@ def propose_depth(
         return 0
     best = max(rates.values())
     return min(d for d, r in rates.items() if r >= best * (1 - slack))
+
+
+def measured_table(model: Model, caps: Capabilities, opts: SchedulerOptions) -> CostTable | None:
+    """The measured cost model's table, once per connection (`--spec-cost-model measured`);
+    None under any other cost model."""
+    if opts.spec_cost_model != "measured":
+        return None
+    widths = [w for w in (1, 2, 4, 8, 16, 32) if w <= caps.num_slots]
+    depth = min(opts.num_drafts, max(caps.slot_verify_drafts))
+    entries, _ = model.measure_costs(widths, depth)
+    return CostTable(entries)

@@ -28,23 +28,17 @@ from control_plane.detok import Tokenizer
 from control_plane.env import Env
 from control_plane.metrics import REPLICA_ATTRIBUTE, Metrics, ReplicaMetrics
 from control_plane.scheduler.context import StepContext
-from control_plane.scheduler.cost_model import CostTable
+from control_plane.scheduler.cost_model import measured_table
 from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.pipeline import Pipeline, runs_ahead
 from control_plane.scheduler.prefill import prefill
 from control_plane.scheduler.seq import ActiveSeq, GenRequest, QueueSink, Sink
-from control_plane.scheduler.served import replaces, served_by
+from control_plane.scheduler.served import refuse_stale, replaces, served_by
 from control_plane.scheduler.status import step_status
 from control_plane.scheduler.step import step_mtp
 from control_plane.scheduler.tally import Tally
 from control_plane.tokenizer import Tokenization
-from protos.model import (
-    Capabilities,
-    Model,
-    ModelError,
-    ResourceExhausted,
-    SequenceHandle,
-)
+from protos.model import Capabilities, Model, ModelError, ResourceExhausted, SequenceHandle
 from protos.telemetry import tracer
 
 log = logging.getLogger("control_plane.scheduler")
@@ -244,15 +238,8 @@ class Scheduler:
         self._refuse_stale(stale)
 
     def _refuse_stale(self, stale: list[ActiveSeq]) -> None:
-        """Each ends alone: its ids mean other text, or none, to the model served now."""
         assert self.tokenization is not None
-        message = (
-            f"the GPU service now serves another model ({self.tokenization.origin}) than the "
-            "one this request was tokenized for; send it again"
-        )
-        for a in stale:
-            a.refuse("UNAVAILABLE", message)
-            a.finish("error")
+        refuse_stale(stale, self.tokenization)
         self._dequeued(len(stale))
 
     def _cancel(self, request_id: str) -> None:
@@ -325,7 +312,8 @@ class Scheduler:
             served = self.override if self.override is not None else served_by(model, caps)
             if self.joins is not None:
                 served = self.joins(self, caps, served)
-            ctx = StepContext.build(caps, self.opts, self._measure(model, caps), self.replica)
+            costs = measured_table(model, caps, self.opts)
+            ctx = StepContext.build(caps, self.opts, costs, self.replica)
         except BaseException:
             getattr(model, "close", lambda: None)()  # the service would keep its session open
             raise
@@ -344,15 +332,6 @@ class Scheduler:
         if replaces(self.tokenization, new):
             self._stale.extend(self.waiting)
         self.tokenization = new
-
-    def _measure(self, model: Model, caps: Capabilities) -> CostTable | None:
-        """The measured cost model's table, once per connection (`--spec-cost-model`)."""
-        if self.opts.spec_cost_model != "measured":
-            return None
-        widths = [w for w in (1, 2, 4, 8, 16, 32) if w <= caps.num_slots]
-        depth = min(self.opts.num_drafts, max(caps.slot_verify_drafts))
-        entries, _ = model.measure_costs(widths, depth)
-        return CostTable(entries)
 
     def _admit(self) -> None:
         """Waiting requests take free slots in order. One the service cannot place (its

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+from control_plane.scheduler.seq import ActiveSeq
 from control_plane.tokenizer import Tokenization
 from protos.model import Capabilities, FailedPrecondition, Model
 
@@ -38,3 +39,15 @@ def replaces(old: Tokenization | None, new: Tokenization) -> bool:
         old.digest,
     )
     return True
+
+
+def refuse_stale(stale: list[ActiveSeq], now: Tokenization) -> None:
+    """Requests tokenized for the model served before `now` end alone: their ids mean other
+    text, or none, to the model served now."""
+    message = (
+        f"the GPU service now serves another model ({now.origin}) than the one this request "
+        "was tokenized for; send it again"
+    )
+    for a in stale:
+        a.refuse("UNAVAILABLE", message)
+        a.finish("error")
