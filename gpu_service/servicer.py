@@ -276,18 +276,22 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
         return cv.step_to_pb(r, cv.seq_lens(seqs))
 
     async def StepStream(self, request_iterator, context):
-        admit = functools.partial(self._admit_plan, context)
+        # A call's metadata is fixed: its session is read once, its liveness at every plan.
+        session = _metadata(context, SESSION_METADATA)
+        admit = functools.partial(self._admit_plan, context, session)
         plans = serve_plans(request_iterator, admit, self._worker, self._closing)
         async with contextlib.aclosing(plans) as results:  # a caller gone stops its plans
             async for result in results:
                 yield result
 
     def _admit_plan(
-        self, context: grpc.aio.ServicerContext, request: pb.StepPlan
+        self, context: grpc.aio.ServicerContext, session: str | None, request: pb.StepPlan
     ) -> tuple[StepPlan, list[Refusal], Callable[[StepPlan], PlanResult]]:
         """A plan, checked as a unary call is (a live session, a loaded model); its sequences
         that the session does not own are refused alone, as `_owned` refuses a call's."""
-        session, plan = self._session(context), cv.plan_from_pb(request)
+        if session is None or not self.sessions.is_live(session):
+            session = self._session(context)  # raises the refusal with its sentence
+        plan = cv.plan_from_pb(request)
         refused = []
         for i, h in enumerate(plan.seqs):
             try:

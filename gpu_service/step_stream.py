@@ -6,7 +6,6 @@ asyncio; the servicer passes in how a plan is admitted and the engine thread."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from concurrent.futures import Executor
@@ -62,8 +61,9 @@ async def _queue(
         async for request in requests:
             arrived = time.perf_counter()
             plan, refused, run = admit(request)
-            job = functools.partial(_run, run, clock, plan, refused, arrived)
-            jobs.put_nowait(loop.run_in_executor(worker, job))
+            job: asyncio.Future[pb.PlanResult] = loop.create_future()
+            worker.submit(_run, run, clock, plan, refused, arrived, job)
+            jobs.put_nowait(job)
     except asyncio.CancelledError:  # by `closing`, or by a caller gone (then no one reads)
         jobs.put_nowait(ShuttingDown("the service is shutting down"))
         raise
@@ -74,9 +74,43 @@ async def _queue(
 
 
 def _run(
-    run: Run, clock: PlanClock, plan: StepPlan, refused: list[Refusal], arrived: float
-) -> pb.PlanResult:
-    """One plan, on the engine thread; the handles of the sequences that ran hold their new
-    lengths."""
-    r = clock.run(arrived, lambda: run_without(plan, refused, run))
-    return cv.plan_result_to_pb(r, [plan.seqs[i].seq_len for i in r.ran])
+    run: Run,
+    clock: PlanClock,
+    plan: StepPlan,
+    refused: list[Refusal],
+    arrived: float,
+    job: asyncio.Future[pb.PlanResult],
+) -> None:
+    """One plan, on the engine thread, unless its caller went away meanwhile (`job`
+    cancelled); the handles of the sequences that ran hold their new lengths. The result
+    goes to `job` on its loop in one call: no executor future to chain on the way."""
+    if job.cancelled():
+        return
+    try:
+        r = clock.run(arrived, lambda: run_without(plan, refused, run))
+        reply = cv.plan_result_to_pb(r, [plan.seqs[i].seq_len for i in r.ran])
+    except BaseException as e:  # as an executor future would hold it
+        _settle_soon(job, None, e)
+    else:
+        _settle_soon(job, reply, None)
+
+
+def _settle_soon(
+    job: asyncio.Future[pb.PlanResult], reply: pb.PlanResult | None, error: BaseException | None
+) -> None:
+    try:
+        job.get_loop().call_soon_threadsafe(_settle, job, reply, error)
+    except RuntimeError:  # the loop closed: no one waits for the result
+        pass
+
+
+def _settle(
+    job: asyncio.Future[pb.PlanResult], reply: pb.PlanResult | None, error: BaseException | None
+) -> None:
+    if job.done():  # cancelled while it ran
+        return
+    if error is not None:
+        job.set_exception(error)
+    else:
+        assert reply is not None
+        job.set_result(reply)
