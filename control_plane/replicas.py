@@ -228,12 +228,13 @@ class Router:
         if not up:
             return None
         turn = next(self._turn)
+        if len(up) == 1:
+            return up[0]
         scored = []
         for i, r in enumerate(up):
-            snap = r.scheduler.snapshot()
-            free = snap["free_slots"] - snap["queued"]
+            free, queued = r.scheduler.load()
             # Most free capacity, then the shortest queue, then the next in turn.
-            scored.append((-free, snap["queued"], (i - turn) % len(up), r))
+            scored.append((queued - free, queued, (i - turn) % len(up), r))
         return min(scored, key=lambda s: s[:3])[3]
 
     def _handoff(self, lost: Scheduler, waiting: list[ActiveSeq]) -> list[ActiveSeq]:

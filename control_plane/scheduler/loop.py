@@ -152,6 +152,11 @@ class Scheduler:
     def cancel(self, request_id: str) -> None:
         self.inbox.put(("cancel", request_id))
 
+    def load(self) -> tuple[int, int]:
+        """(free slots, requests waiting for one): what a router places by."""
+        with self._lock:
+            return (self.free_slots if self.ctx else 0), self._queued
+
     def snapshot(self) -> dict:
         counters, spec = self.tally.copy()
         with self._lock:
