@@ -74,5 +74,7 @@ def test_replicas_bench_rows(tiny_dir: Path) -> None:
     assert row["router_1_over_single"] > 0 and row["router_n_over_router_1"] > 0
     assert row["requests_by_replica"] == [1, 1]
     assert row["identical"]
+    assert row["single_submit_us"] > 0 and row["router_1_submit_us"] > 0
     lines = replicas_lines([row])
+    assert "us through the router" in lines[0]
     assert lines[0].startswith("replicas mtp at 2: single") and "routing, not scaling" in lines[1]

@@ -97,6 +97,11 @@ def _row(runs: dict[str, list[dict]], n: int, count: int) -> dict:
     row: dict = {"method": MTP, "concurrency": n, "replicas": count, "cores": os.cpu_count()}
     for name in ARMS:
         row[f"{name}_tok_s"] = arm[name]["tok_s"]
+    for name in ("single", "router_1"):  # what placing a request costs, the rule included
+        row[f"{name}_submit_us"] = statistics.median(r["submit_s"] for r in runs[name]) / n * 1e6
+    # The rule's share of a run: the only code the router adds on the way of a request.
+    extra = (row["router_1_submit_us"] - row["single_submit_us"]) * n / 1e6
+    row["routing_share"] = extra / statistics.median(r["seconds"] for r in runs["router_1"])
     row["router_1_over_single"] = _paired(runs["router_1"], runs["single"])
     row["router_n_over_router_1"] = _paired(runs["router_n"], runs["router_1"])
     row["requests_by_replica"] = list(runs["router_n"][0]["by_replica"].values())

@@ -85,7 +85,9 @@ def replicas_lines(rows: list[dict]) -> list[str]:
         f"router_1 {r['router_1_tok_s']:6.1f} ({r['router_1_over_single']:.2f}x single), "
         f"router_{r['replicas']} {r['router_n_tok_s']:6.1f} "
         f"({r['router_n_over_router_1']:.2f}x router_1; requests per replica "
-        f"{'/'.join(map(str, r['requests_by_replica']))}); identical {r['identical']}"
+        f"{'/'.join(map(str, r['requests_by_replica']))}); identical {r['identical']}; "
+        f"placing a request {r['router_1_submit_us']:.0f} us through the router, "
+        f"{r['single_submit_us']:.0f} us direct ({r['routing_share'] * 100:.2f}% of the run)"
         for r in rows
     ]
     return [*lines, _replicas_note(rows[0])] if rows else lines

@@ -69,6 +69,7 @@ def drive(sched: Drives, reqs: list[GenRequest]) -> dict:
     t0 = time.perf_counter()
     for r in reqs:
         sched.submit(r, sink_for(r.request_id))
+    submitted = time.perf_counter()
     done.wait()
     end = time.perf_counter()
     seconds = end - t0
@@ -87,6 +88,7 @@ def drive(sched: Drives, reqs: list[GenRequest]) -> dict:
         "acceptance": spec.acceptance_at,
         "spec": spec,
         "seconds": seconds,  # the run's wall time, first submit to last token
+        "submit_s": submitted - t0,  # placing every request (a router's rule runs here)
         "plans": counters.plans,  # pipelined steps read back
         "engine_waited_s": counters.engine_waited_s,  # the service idle between them
         "by_replica": {r["replica"]: r["counters"].requests for r in snap.get("replicas", ())},
