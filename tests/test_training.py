@@ -3,6 +3,7 @@ deterministic given its seed and resumes exactly, and the evaluation's Python ch
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import replace
 from pathlib import Path
 
@@ -16,8 +17,8 @@ from gpu_service.state import DeviceState
 from training.corpus import Corpus, is_held_out
 from training.evaluate import looks_like_python, prompt_from
 from training.forward import TrainForward
-from training.options import TrainConfig
-from training.run import STATE_FILE, train
+from training.options import TrainConfig, add_args
+from training.run import STATE_FILE, model_config, train
 
 TINY = ModelConfig.tiny()
 SOURCE = '''"""A module."""
@@ -162,3 +163,16 @@ def test_prompts_end_at_a_def_past_the_first_quarter() -> None:
 )
 def test_looks_like_python(continuation: str, ok: bool) -> None:
     assert looks_like_python("class A:\n    def grow(self, by):\n", continuation) is ok
+
+
+def test_layers_repeat_the_qwen3_next_pattern() -> None:
+    cfg = model_config(300, 0, 1, layers=12)
+    assert cfg.num_hidden_layers == 12 and cfg.num_nextn_predict_layers == 1
+    assert cfg.layer_types == ("linear_attention",) * 3 + ("full_attention",) + cfg.layer_types[:8]
+    assert [i for i, t in enumerate(cfg.layer_types) if t == "full_attention"] == [3, 7, 11]
+    parser = argparse.ArgumentParser()
+    add_args(parser)
+    assert parser.parse_args(["--layers", "12"]).layers == 12
+    for bad in ("6", "0", "-4"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--layers", bad])

@@ -23,6 +23,9 @@ class TrainConfig:
     vocab_size: int = 4096
     seed: int = 0
     save_every: int = 100
+    # Target layers, in Qwen3-Next's pattern: three Gated DeltaNet layers, then one gated
+    # attention layer, repeated; one MTP layer after them.
+    layers: int = 4
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -35,5 +38,19 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--layers",
+        type=_layers,
+        default=TrainConfig.layers,
+        help="target layers, a multiple of 4: three Gated DeltaNet layers then one attention "
+        "layer, repeated (default: %(default)s)",
+    )
+    parser.add_argument(
         "--corpus", type=Path, default=None, help="a source tree (default: the stdlib's)"
     )
+
+
+def _layers(text: str) -> int:
+    n = int(text)
+    if n < 4 or n % 4:
+        raise argparse.ArgumentTypeError(f"{n} is not a positive multiple of 4")
+    return n

@@ -47,8 +47,17 @@ def batch_at(tokens: torch.Tensor, tc: TrainConfig, step: int) -> torch.Tensor:
     return torch.stack([tokens[s : s + tc.seq_len + 1] for s in starts.tolist()]).long()
 
 
-def model_config(vocab_size: int, bos: int, eos: int) -> ModelConfig:
-    return replace(ModelConfig(), vocab_size=vocab_size, bos_token_id=bos, eos_token_id=eos)
+def model_config(vocab_size: int, bos: int, eos: int, layers: int = 4) -> ModelConfig:
+    """The default shape at `layers` target layers, Qwen3-Next's pattern repeated."""
+    pattern = ModelConfig().layer_types
+    return replace(
+        ModelConfig(),
+        vocab_size=vocab_size,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        num_hidden_layers=layers,
+        layer_types=pattern * (layers // len(pattern)),
+    )
 
 
 def init_params(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
@@ -158,13 +167,13 @@ def _load_state(
     return saved["step"], saved["log"], saved.get("seconds", 0.0)
 
 
-def _tokenizer_config(work: Path, cfg: ModelConfig | None) -> ModelConfig:
+def _tokenizer_config(work: Path, cfg: ModelConfig | None, layers: int) -> ModelConfig:
     """`cfg` (or the default config) with the vocabulary and special ids of the tokenizer
     trained in `work`."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(work / "tokenizer.json"))
-    base = model_config(tok.get_vocab_size(), *special_ids(tok))
+    base = model_config(tok.get_vocab_size(), *special_ids(tok), layers)
     if cfg is None:
         return base
     return replace(
@@ -211,7 +220,7 @@ def train(
     whole run's)."""
     work.mkdir(parents=True, exist_ok=True)
     train_tokens, _ = prepare(corpus, work, tc)
-    cfg = _tokenizer_config(work, cfg)
+    cfg = _tokenizer_config(work, cfg, tc.layers)
     params = init_params(cfg, tc.seed)
     opt = make_optimizer(params, tc)
     state_path = work / STATE_FILE
@@ -256,7 +265,7 @@ def run(args: argparse.Namespace) -> int:
     from training.evaluate import evaluate, write_card
 
     torch.manual_seed(args.seed)
-    tc = TrainConfig(steps=args.steps, seed=args.seed)
+    tc = TrainConfig(steps=args.steps, seed=args.seed, layers=args.layers)
     if args.batch:
         tc = replace(tc, batch=args.batch)
     if args.seq_len:
