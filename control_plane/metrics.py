@@ -93,6 +93,9 @@ class Metrics:
         self.running = self._gauge("met:num_requests_running", "Sequences holding a slot.")
         self.waiting = self._gauge("met:num_requests_waiting", "Requests waiting for a slot.")
         self.free_slots = self._gauge("met:free_slots", "Slots of the GPU service not in use.")
+        self.up = self._gauge(
+            "met:replica_up", "1 while the GPU service is up: connected, serving the model."
+        )
 
     def _add_latency_histograms(self) -> None:
         self.ttft = self._histogram("met:time_to_first_token_seconds", "Time to the first token.")

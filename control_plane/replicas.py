@@ -302,6 +302,9 @@ class Router:
         for r in self._listed():
             if r.scheduler.ctx is None:
                 self._probe(r)
+        if self.metrics is not None:
+            for r in self.replicas:
+                self.metrics.up.labels(replica=r.name).set(int(r.up))
         self._tell_health()
 
     @property

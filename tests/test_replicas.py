@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from control_plane.env import Env
 from control_plane.launch import start_control_plane, start_gpu_service, stop, wait_serving
+from control_plane.metrics import Metrics
 from control_plane.replicas import Router, Target, TargetError, parse_targets
 from control_plane.scheduler.loop import Joins, Scheduler
 from control_plane.scheduler.options import SchedulerOptions
@@ -78,6 +79,7 @@ class Fakes:
             return Scheduler(connect, TOKENIZER, opts, Env(), replica=address, joins=joins)
 
         router = Router(parse_targets(",".join(self.models)), build)
+        router.metrics = Metrics()
         if start:
             router.start()
         else:  # no threads: every replica asked once, requests stay where they are placed
@@ -116,9 +118,11 @@ def test_the_shorter_queue_breaks_a_tie_of_free_capacity() -> None:
 
 
 def test_a_replica_down_is_skipped_and_health_follows() -> None:
-    fleet = Fakes({"a:1": None, "b:1": FakeModel()})
-    router = fleet.router()
+    router = Fakes({"a:1": None, "b:1": FakeModel()}).router()
     assert router.healthy
+    sample = router.metrics.registry.get_sample_value
+    up = [sample("met:replica_up", {"replica": r}) for r in ("a:1", "b:1")]
+    assert up == [0, 1], "met:replica_up says which"
     assert _place(router, 3) == ["b:1"] * 3
     assert [r["up"] for r in router.snapshot()["replicas"]] == [False, True]
     assert Fakes({"a:1": None}).router().healthy is False
