@@ -1,5 +1,6 @@
 """`met bench --quick` as a smoke test: it runs end to end and the three methods agree; the
-replicas section on the tiny checkpoint."""
+replicas section, the draft's cost and transformers' static batch on the tiny checkpoint; the
+draft-cost fit and the speedup prediction on chosen numbers."""
 
 from __future__ import annotations
 
@@ -8,9 +9,26 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from control_plane.benchmarks.baseline import batch_against_transformers, transformers_baselines
+from control_plane.benchmarks.predict import (
+    cost_figures,
+    deviation,
+    draft_cost,
+    draft_ms,
+    mtp_step_ms,
+    predicted_speedup,
+    prediction,
+    target_step_ms,
+    verify_at,
+)
 from control_plane.benchmarks.replicas import replicas
-from control_plane.benchmarks.report import replicas_lines
+from control_plane.benchmarks.report import figure_lines, replicas_lines
 from control_plane.benchmarks.workload import Workload
+from gpu_service import costs
+from gpu_service.engine import Engine
+from protos.model import CostEntry
 
 
 def test_bench_quick(tmp_path: Path) -> None:
@@ -62,6 +80,24 @@ def test_bench_quick(tmp_path: Path) -> None:
     table = (tmp_path / "bench.md").read_text()
     assert "| mtp | 1 |" in table and "| prompt_lookup | 4 |" in table
     assert "service idle between steps (gRPC, pipelined)" in table
+    _check_figures(report, result.stdout, table)
+
+
+def _check_figures(report: dict, stdout: str, table: str) -> None:
+    """The draft's cost and the predicted speedup at one request; no static batch under
+    `--quick`."""
+    cost, pred = report["draft_cost"], report["prediction"]
+    assert [e["depth"] for e in cost["entries"]] == [0, 1, 2, 3]
+    assert cost["target_step_ms"] > 0 and cost["draft_ms"] > 0
+    assert cost["draft_over_step"] == cost["draft_ms"] / cost["target_step_ms"]
+    assert pred["drafts_from"] == "spec stats" and 0 < pred["drafts_per_verify"] <= 3
+    assert pred["accepted_length"] > 1 and pred["mtp_step_ms"] > cost["target_step_ms"]
+    assert pred["predicted"] > 0 and pred["measured_in_process"] > 0 and pred["measured_grpc"] > 0
+    assert pred["deviation_grpc"] == pred["predicted"] / pred["measured_grpc"] - 1
+    assert "transformers_generate_batch" not in report
+    for text in (stdout, table):
+        assert "draft cost at 1 request: target step" in text
+        assert "mtp / none at 1 predicted from accepted length" in text and "over gRPC (" in text
 
 
 def test_replicas_bench_rows(tiny_dir: Path) -> None:
@@ -78,3 +114,106 @@ def test_replicas_bench_rows(tiny_dir: Path) -> None:
     lines = replicas_lines([row])
     assert "us through the router" in lines[0]
     assert lines[0].startswith("replicas mtp at 2: single") and "routing, not scaling" in lines[1]
+
+
+def _entries(propose: list[float], verify: list[float]) -> list[CostEntry]:
+    """Width 1 at depths 0.., and a width-2 row the figures must leave out."""
+    rows = [CostEntry(1, j, v, p) for j, (v, p) in enumerate(zip(verify, propose, strict=True))]
+    return [*rows, CostEntry(2, 0, 100.0, 100.0), CostEntry(2, 1, 100.0, 900.0)]
+
+
+# verdicts grow by 2, 3 and 5.5 ms over the plain one at 1, 2 and 3 drafts:
+# (1 * 2 + 2 * 3 + 3 * 5.5) / (1 + 4 + 9) = 1.75 ms a draft
+ENTRIES = _entries(propose=[0.5, 2.5, 3.5, 6.0], verify=[3.0, 3.5, 4.0, 5.0])
+
+
+def test_draft_cost_is_the_slope_through_depth_0() -> None:
+    assert target_step_ms(ENTRIES) == 3.5
+    assert draft_ms(ENTRIES) == 1.75
+    figures = cost_figures(ENTRIES)
+    assert figures["draft_over_step"] == 0.5 and figures["verdict_ms"] == 0.5
+    assert [e["depth"] for e in figures["entries"]] == [0, 1, 2, 3]
+    assert draft_ms(_entries(propose=[0.5, 1.5], verify=[3.0, 3.0])) == 1.0, "one depth is enough"
+    with pytest.raises(ValueError, match="depth of 1 or more"):
+        draft_ms(_entries(propose=[0.5], verify=[3.0]))
+
+
+def test_verify_is_interpolated_between_measured_depths() -> None:
+    assert verify_at(ENTRIES, 2) == 4.0
+    assert verify_at(ENTRIES, 1.5) == 3.75
+    assert verify_at(ENTRIES, 2.25) == 4.25
+    assert verify_at(ENTRIES, 7) == 5.0 and verify_at(ENTRIES, -1) == 3.0
+
+
+def test_predicted_speedup() -> None:
+    # verify at 2 drafts 4.0 + plain verdict 0.5 + 2 drafts of 1.75 = 8 ms for 4 tokens
+    assert mtp_step_ms(ENTRIES, 2, 1.75) == 8.0
+    assert predicted_speedup(4.0, 3.5, 8.0) == 1.75
+    assert deviation(1.75, 1.4) == pytest.approx(0.25, rel=1e-12)
+    rows = [
+        {"method": "mtp", "concurrency": 1, "tok_s": 300.0, "accepted_length": 4.0},
+        {"method": "none", "concurrency": 1, "tok_s": 200.0, "accepted_length": 1.0},
+        {"method": "mtp", "concurrency": 4, "tok_s": 9e9, "accepted_length": 1.0},
+    ]
+    rows[0]["drafts_per_verify"] = 2.0
+    cost = {"max_depth": 3, **cost_figures(ENTRIES)}
+    speedup = [{"concurrency": 1, "in_process": 9.0, "grpc": 1.4}]
+    got = prediction(rows, cost, speedup)
+    assert got["mtp_step_ms"] == 8.0 and got["predicted"] == 1.75
+    assert got["measured_in_process"] == 1.5 and got["measured_grpc"] == 1.4
+    assert got["deviation_in_process"] == pytest.approx(1 / 6, rel=1e-12)
+    assert got["deviation_grpc"] == pytest.approx(0.25, rel=1e-12)
+    rows[0]["drafts_per_verify"] = None  # no verifies: the configured depth
+    got = prediction(rows, cost, [])
+    # 5.0 + 0.5 + 3 * 1.75 = 10.75 ms
+    assert got["drafts_from"] == "configured" and got["predicted"] == 4.0 * 3.5 / 10.75
+    assert "measured_grpc" not in got
+
+
+def test_draft_cost_measures_in_a_scratch_cache(engine: Engine) -> None:
+    """Measured afresh, and the user's cost tables (here the test session's) left as they
+    were."""
+    before = sorted(costs.cache_dir().glob("*")) if costs.cache_dir().exists() else []
+    got = draft_cost(engine, 2, 3)
+    assert got["max_depth"] == 2 and got["repeats"] == 3
+    assert [(e["width"], e["depth"]) for e in got["entries"]] == [(1, 0), (1, 1), (1, 2)]
+    assert got["target_step_ms"] > 0 and got["draft_ms"] > 0
+    after = sorted(costs.cache_dir().glob("*")) if costs.cache_dir().exists() else []
+    assert after == before
+
+
+def test_transformers_static_batch(tiny_dir: Path) -> None:
+    """transformers' generate over a left-padded batch, against ours at as many requests."""
+    work = Workload(tiny_dir)
+    runs = transformers_baselines(tiny_dir, work, 3, [1, 4])
+    assert sorted(runs) == [1, 4] and all(run() > 0 for run in runs.values())
+    rows = [
+        {"method": m, "concurrency": n, "tok_s": t}
+        for m, n, t in (("none", 4, 400.0), ("mtp", 4, 600.0), ("mtp_measured", 4, 1.0))
+    ]
+    got = batch_against_transformers(rows, [{"method": "mtp", "concurrency": 1}], 200.0, 4)
+    assert got["in_process"] == {"none": 2.0, "mtp": 3.0} and got["grpc"] == {}
+    assert got["tok_s"] == 200.0 and got["batch"] == 4
+
+
+def test_figure_lines() -> None:
+    rows = [
+        {"method": "mtp", "concurrency": 1, "tok_s": 3.0, "accepted_length": 4.0},
+        {"method": "none", "concurrency": 1, "tok_s": 2.0, "accepted_length": 1.0},
+        {"method": "none", "concurrency": 4, "tok_s": 400.0},
+        {"method": "mtp", "concurrency": 4, "tok_s": 600.0},
+    ]
+    rows[0]["drafts_per_verify"] = 2.0
+    cost = {**cost_figures(ENTRIES), "max_depth": 3, "repeats": 5}
+    report = {
+        "draft_cost": cost,
+        "prediction": prediction(rows, cost, []),
+        "transformers_generate_batch": batch_against_transformers(rows, [], 200.0, 4),
+    }
+    draft, predicted, batch = figure_lines(report)
+    assert "one MTP draft 1.75 ms: 50.0% of a step" in draft
+    assert ": 1.75x; measured 1.50x in process (+16.7%)" in predicted
+    assert "static batch of 4" in batch and "mtp 600.0 (3.00x)" in batch
+    assert batch.endswith("(over gRPC not measured at 4)")
+    del report["transformers_generate_batch"]
+    assert len(figure_lines(report)) == 2

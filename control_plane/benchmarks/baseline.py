@@ -1,4 +1,5 @@
-"""`met bench`'s outside baseline: transformers' own `generate` on the same checkpoint."""
+"""`met bench`'s outside baseline: transformers' own `generate` on the same checkpoint, one
+request and a static batch."""
 
 from __future__ import annotations
 
@@ -7,31 +8,56 @@ from collections.abc import Callable
 from pathlib import Path
 
 from control_plane.benchmarks.workload import Workload
+from control_plane.scheduler.seq import MTP, NONE
 
 
-def transformers_baseline(
-    model_dir: Path, work: Workload, tokens: int
-) -> Callable[[], float] | None:
+def transformers_baselines(
+    model_dir: Path, work: Workload, tokens: int, batches: list[int]
+) -> dict[int, Callable[[], float]]:
     """transformers' own greedy generate on the same checkpoint (no speculation: it offers
-    none for this model), one request: a callable that runs it once and returns its tok/s;
-    None when transformers is not installed."""
+    none for this model), for each batch size in `batches`: a callable that runs it once and
+    returns its tok/s over every generated token of the batch; empty when transformers is not
+    installed. A batch is the workload's first prompts (cycled, as `Workload.requests` takes
+    them), left-padded to the longest."""
     try:
         import torch
         from transformers import Qwen3NextForCausalLM
     except ImportError:
-        return None
+        return {}
     # fp32, as our engine computes on a CPU (bf16 weights widen exactly).
     model = Qwen3NextForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = torch.tensor([list(work.prompts[0])])
+    return {n: _generate(model, work, tokens, n) for n in batches}
+
+
+def _generate(model, work: Workload, tokens: int, n: int) -> Callable[[], float]:
+    import torch
+
+    prompts = [list(work.prompts[i % len(work.prompts)]) for i in range(n)]
+    width = max(map(len, prompts))
+    pad = model.config.eos_token_id  # masked out: any id would do, and the config has no pad
+    # ids, mask: [n, width], the prompts flush right
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+
+    def run(new: int) -> int:
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            pad_token_id=pad,
+        )
+        return n * (out.shape[1] - width)
 
     def once() -> float:
         with torch.no_grad():
             t0 = time.perf_counter()
-            out = model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
-            return (out.shape[1] - ids.shape[1]) / (time.perf_counter() - t0)
+            made = run(tokens)
+            return made / (time.perf_counter() - t0)
 
     with torch.no_grad():
-        model.generate(ids, max_new_tokens=2, do_sample=False)
+        run(2)
     return once
 
 
@@ -53,4 +79,24 @@ def grpc_against_transformers(against: dict, split_rows: list[dict]) -> dict:
         **against,
         "grpc_tok_s": ours,
         "grpc": {m: v / against["tok_s"] for m, v in ours.items()},
+    }
+
+
+def batch_against_transformers(
+    rows: list[dict], split_rows: list[dict], outside: float, n: int
+) -> dict:
+    """`none` and `mtp` at `n` concurrent requests against transformers' generate over a static
+    batch of `n`: ours in process (the methods section's), and over gRPC where the split
+    measured `n`; each with its tok/s and its ratio to transformers'."""
+    at_n = lambda r: r["concurrency"] == n and r["method"] in (NONE, MTP)  # noqa: E731
+    ours = {r["method"]: r["tok_s"] for r in rows if at_n(r)}
+    grpc = {r["method"]: r["grpc_tok_s"] for r in split_rows if at_n(r)}
+    return {
+        "batch": n,
+        "tok_s": outside,
+        "threads": 1,
+        "in_process_tok_s": ours,
+        "in_process": {m: v / outside for m, v in ours.items()},
+        "grpc_tok_s": grpc,
+        "grpc": {m: v / outside for m, v in grpc.items()},
     }

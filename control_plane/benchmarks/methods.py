@@ -7,7 +7,7 @@ import statistics
 from collections.abc import Callable
 
 from control_plane.benchmarks.workload import Workload, median, serve
-from control_plane.scheduler.seq import MTP, NONE, PROMPT_LOOKUP
+from control_plane.scheduler.seq import MTP, NONE, PROMPT_LOOKUP, SpecStats
 
 # label -> (method, scheduler options): the methods, and mtp with the measured cost model
 # choosing each step's width (`--spec-cost-model measured`) in place of the static ladder.
@@ -26,20 +26,24 @@ def methods(
     concurrency: list[int],
     tokens: int,
     repeats: int,
-    baseline: Callable[[], float] | None = None,
-) -> tuple[list, list, float | None]:
+    baselines: dict[int, Callable[[], float]] | None = None,
+) -> tuple[list, list, dict[int, float]]:
     """Every method at every concurrency, repeats interleaved so that drift spreads over the
-    methods alike; `baseline` (tok/s of one outside generate) runs in the same rounds at one
-    request. -> (rows, failures, the baseline's median tok/s)"""
-    rows, failures, outside = [], [], []
+    methods alike; `baselines` (by concurrency: tok/s of one outside generate of that batch)
+    run in the same rounds at their concurrency.
+    -> (rows, failures, each baseline's median tok/s by concurrency)"""
+    rows: list[dict] = []
+    failures: list[str] = []
+    outside: dict[int, list[float]] = {}
+    baselines = baselines or {}
     for n in concurrency:
         runs: dict[str, list[dict]] = {label: [] for label in VARIANTS}
         for _ in range(repeats):
             for label, (m, options) in VARIANTS.items():
                 reqs = work.requests(m, n, tokens, label)
                 runs[label].append(serve(connect, reqs, work.tokenizer, options))
-            if baseline is not None and n == 1:
-                outside.append(baseline())
+            if n in baselines:
+                outside.setdefault(n, []).append(baselines[n]())
         results = {m: median(r) for m, r in runs.items()}
         base = [results[NONE]["tokens"][f"{NONE}-{i}"] for i in range(n)]
         for m, r in results.items():
@@ -53,10 +57,17 @@ def methods(
                     "tok_s": r["tok_s"],
                     "accepted_length": r["accepted_length"],
                     "acceptance_per_position": r["acceptance"],
+                    "drafts_per_verify": _drafts_per_verify(r["spec"]),
                     "identical": same,
                 }
             )
-    return rows, failures, statistics.median(outside) if outside else None
+    return rows, failures, {n: statistics.median(v) for n, v in outside.items()}
+
+
+def _drafts_per_verify(spec: SpecStats) -> float | None:
+    """Drafts verified per verify, over the same verifies as the mean accepted length (plain
+    ones included); None when nothing was verified."""
+    return spec.drafted / spec.verifies if spec.verifies else None
 
 
 # Unpipelined: a pipelined step verifies its whole plan at once whatever `batch_verify` says.

@@ -52,6 +52,7 @@ def markdown(report: dict) -> str:
             f"to a local OTLP receiver ({t['spans']} spans)."
         )
     out += _against(report)
+    out += ["", *(f"- {line}" for line in figure_lines(report))]
     out += _replicas_table(report.get("replicas", []))
     return "\n".join(out) + "\n"
 
@@ -138,6 +139,53 @@ def split_lines(rows: list[dict]) -> list[str]:
         f"({r['grpc_over_in_process_unpipelined']:.2f}x)"
         for r in rows
     ]
+
+
+def figure_lines(report: dict) -> list[str]:
+    """A draft's cost against a target step, the speedup the accepted length predicts against
+    the measured one (`control_plane.benchmarks.predict`), and transformers' static batch
+    against ours, where measured: lines printed and in the markdown alike."""
+    lines = [_draft_line(report["draft_cost"]), _prediction_line(report["prediction"])]
+    if "transformers_generate_batch" in report:
+        lines.append(_batch_line(report["transformers_generate_batch"]))
+    return lines
+
+
+def _draft_line(c: dict) -> str:
+    return (
+        f"draft cost at 1 request: target step {c['target_step_ms']:.2f} ms (a plain decode "
+        f"step: verify and verdict), one MTP draft {c['draft_ms']:.2f} ms: "
+        f"{c['draft_over_step'] * 100:.1f}% of a step (slope through depth 0 over depths "
+        f"1..{c['max_depth']}, medians of {c['repeats']} repeats)"
+    )
+
+
+def _prediction_line(p: dict) -> str:
+    grpc = (
+        f", {p['measured_grpc']:.2f}x over gRPC ({p['deviation_grpc'] * 100:+.1f}%)"
+        if "measured_grpc" in p
+        else ""
+    )
+    return (
+        f"mtp / none at 1 predicted from accepted length {p['accepted_length']:.2f} and "
+        f"{p['drafts_per_verify']:.2f} drafts per verify ({p['drafts_from']}), an mtp step of "
+        f"{p['mtp_step_ms']:.2f} ms: {p['predicted']:.2f}x; measured "
+        f"{p['measured_in_process']:.2f}x in process ({p['deviation_in_process'] * 100:+.1f}%)"
+        + grpc
+    )
+
+
+def _batch_line(b: dict) -> str:
+    n = b["batch"]
+    ours = ", ".join(
+        f"{m} {v:.1f} ({b['in_process'][m]:.2f}x)" for m, v in b["in_process_tok_s"].items()
+    )
+    grpc = ", ".join(f"{m} {v:.1f} ({b['grpc'][m]:.2f}x)" for m, v in b["grpc_tok_s"].items())
+    return (
+        f"transformers generate, static batch of {n} (greedy, {b['threads']} thread): "
+        f"{b['tok_s']:.1f} tok/s; ours at {n} concurrent in process: {ours}"
+        + (f"; over gRPC: {grpc}" if grpc else f" (over gRPC not measured at {n})")
+    )
 
 
 def _against(report: dict) -> list[str]:
@@ -264,7 +312,7 @@ def print_table(report: dict) -> None:
             + "; over gRPC (pipelined): "
             + ", ".join(f"{m} {v:.1f} ({t['grpc'][m]:.2f}x)" for m, v in t["grpc_tok_s"].items())
         )
-    for line in replicas_lines(report.get("replicas", [])):
+    for line in [*figure_lines(report), *replicas_lines(report.get("replicas", []))]:
         print(line)
     for f in report["failures"]:
         print(f"FAIL: {f}", file=sys.stderr)

@@ -9,7 +9,11 @@ On one checkpoint (default: the bundled one), each figure a median over repeats:
   the split's cost, and the service's idle time between pipelined steps;
 - the verify buffers' bytes with the slot tiers vs every slot at full capacity;
 - tracing off vs exporting to a local OTLP receiver (both processes);
-- transformers' own `generate` on the same checkpoint, the outside baseline;
+- transformers' own `generate` on the same checkpoint, the outside baseline: one request,
+  and a static batch of 16 against ours at 16 concurrent requests;
+- at one request: a draft's measured cost against a plain decode step, and the mtp / none
+  speedup the accepted length predicts from them against the measured one
+  (`control_plane.benchmarks.predict`);
 - with `--replicas N`: greedy `mtp` through one GPU service child under a plain scheduler,
   the same child through a router, and N children through a router: what routing costs,
   and the requests each replica took; all must produce identical tokens.
@@ -25,16 +29,21 @@ from pathlib import Path
 
 from control_plane.benchmarks.baseline import (
     against_transformers,
+    batch_against_transformers,
     grpc_against_transformers,
-    transformers_baseline,
+    transformers_baselines,
 )
 from control_plane.benchmarks.methods import batch_vs_serial, batched_over_serial, methods
+from control_plane.benchmarks.predict import configured_depth, draft_cost, prediction
 from control_plane.benchmarks.replicas import replicas
 from control_plane.benchmarks.report import draw_chart, markdown, print_table
 from control_plane.benchmarks.split import speedups, split
 from control_plane.benchmarks.tracing import tracing
 from control_plane.benchmarks.workload import Workload
 from protos.defaults import DEFAULT_MODEL_DIR
+
+# transformers' static batch, against ours at as many concurrent requests.
+BATCH = 16
 
 
 def memory(engine) -> dict:
@@ -67,19 +76,25 @@ def measure(args: argparse.Namespace) -> dict:
     conc, tokens, repeats = ([1, 4], 12, 1) if quick else ([1, 4, 16], 64, 5)
     report: dict = {"model": engine.name, "quick": quick, "machine": machine()}
     local = lambda: engine  # noqa: E731
-    hf = None if quick else transformers_baseline(args.model, work, tokens)
+    hf = {} if quick else transformers_baselines(args.model, work, tokens, [1, BATCH])
     report["methods"], failures, outside = methods(local, work, conc, tokens, repeats, hf)
-    if outside is not None:
-        report["transformers_generate"] = against_transformers(report["methods"], outside)
+    if 1 in outside:
+        report["transformers_generate"] = against_transformers(report["methods"], outside[1])
+    report["draft_cost"] = draft_cost(engine, configured_depth(engine), 10 if quick else 40)
     report["batch_vs_serial"] = batch_vs_serial(
         local, work, [4] if quick else [8, 16], tokens, repeats
     )
     report["batched_over_serial"] = batched_over_serial(report["batch_vs_serial"])
     report["split"] = split(args.model, local, work, [1] if quick else [1, 4], tokens, repeats)
     report["speedup"] = speedups(report["split"])
+    report["prediction"] = prediction(report["methods"], report["draft_cost"], report["speedup"])
     if "transformers_generate" in report:
-        hf = report["transformers_generate"]
-        report["transformers_generate"] = grpc_against_transformers(hf, report["split"])
+        one = report["transformers_generate"]
+        report["transformers_generate"] = grpc_against_transformers(one, report["split"])
+    if BATCH in outside:
+        report["transformers_generate_batch"] = batch_against_transformers(
+            report["methods"], report["split"], outside[BATCH], BATCH
+        )
     report["memory"] = memory(engine)
     if not quick:
         report["tracing"] = tracing(4, tokens)
