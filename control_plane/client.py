@@ -250,13 +250,21 @@ class GrpcModel:
         )
 
     def measure_costs(
-        self, widths: Sequence[int], max_depth: int, repeats: int = 5, refresh: bool = False
+        self,
+        widths: Sequence[int],
+        max_depth: int,
+        repeats: int = 5,
+        refresh: bool = False,
+        cached_only: bool = False,
     ) -> tuple[list[CostEntry], bool]:
-        r = self._rpc(
-            self._stub.MeasureCosts,
-            pb.CostRequest(widths=widths, max_depth=max_depth, repeats=repeats, refresh=refresh),
-            admin=True,
+        request = pb.CostRequest(
+            widths=widths,
+            max_depth=max_depth,
+            repeats=repeats,
+            refresh=refresh,
+            cached_only=cached_only,
         )
+        r = self._rpc(self._stub.MeasureCosts, request, admin=not cached_only)
         return cv.costs_from_pb(r)
 
     def set_forward(self, name: str) -> None:

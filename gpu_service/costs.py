@@ -99,17 +99,25 @@ def load(path: Path, widths: list[int], max_depth: int) -> list[CostEntry] | Non
 
 
 def measurement(
-    engine: Engine, widths: list[int], max_depth: int, repeats: int, refresh: bool
+    engine: Engine,
+    widths: list[int],
+    max_depth: int,
+    repeats: int,
+    refresh: bool,
+    cached_only: bool = False,
 ) -> Job:
-    """The table from the cache unless `refresh` or it falls short, else measured and saved,
-    as a job in steps: each `next` is a short stretch of engine work (the cache read with the
-    scratch sequences' allocation and prefill, then one repeat of one cell), so a caller that
-    shares the engine can run other work between steps. Closing the job between steps frees
+    """The table from the cache unless `refresh` or it falls short, else measured and saved
+    (with `cached_only`: else no entries), as a job in steps: each `next` is a short stretch
+    of engine work (the cache read with the scratch sequences' allocation and prefill, then
+    one repeat of one cell), so a caller that shares the engine can run other work between
+    steps. Closing the job between steps frees
     the scratch sequences. `advance` runs one step, `run` all of them."""
     check(engine.svc, widths, max_depth, repeats)
     path = cache_path(engine.model_dir, engine.forward_name, engine.svc.verify_tiers)
     if not refresh and (cached := load(path, widths, max_depth)) is not None:
         return cached, True
+    if cached_only:
+        return [], False
     seqs: list[SequenceHandle] = []
     try:
         _check_free(engine, max(widths))

@@ -282,12 +282,18 @@ class Engine:
         self.forwards[name] = after_fold
 
     def measure_costs(
-        self, widths: Sequence[int], max_depth: int, repeats: int = 5, refresh: bool = False
+        self,
+        widths: Sequence[int],
+        max_depth: int,
+        repeats: int = 5,
+        refresh: bool = False,
+        cached_only: bool = False,
     ) -> tuple[list[costs.CostEntry], bool]:
         """Verify and propose costs by width and depth (see gpu_service/costs.py), from the
         cache unless `refresh` or the cache falls short. -> (entries, cached)"""
         with self._hold():
-            return costs.run(costs.measurement(self, list(widths), max_depth, repeats, refresh))
+            job = costs.measurement(self, list(widths), max_depth, repeats, refresh, cached_only)
+            return costs.run(job)
 
     def read_logits(self) -> Logits:
         with self._hold():

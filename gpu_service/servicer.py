@@ -317,11 +317,14 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
         return pb.VerdictReply(seq_lens=cv.seq_lens(seqs), **cv.proposal_to_pb(p))
 
     async def MeasureCosts(self, request, context):
-        self._admin(context)
+        if not request.cached_only:  # reading the table costs no engine time
+            self._admin(context)
         widths, repeats = list(request.widths), request.repeats or 5
         # Refused here, not behind whatever holds the engine thread.
         costs.check(self.loaded.svc, widths, request.max_depth, repeats)
-        job = costs.measurement(self.loaded, widths, request.max_depth, repeats, request.refresh)
+        job = costs.measurement(
+            self.loaded, widths, request.max_depth, repeats, request.refresh, request.cached_only
+        )
         try:
             # One engine-thread job per step: calls queued meanwhile run between them.
             while (result := await self._call(context, costs.advance, job)) is None:

@@ -398,14 +398,20 @@ class Model(Protocol):
         bidirectional `StepStream` RPC of the session; in process, a worker thread."""
 
     def measure_costs(
-        self, widths: Sequence[int], max_depth: int, repeats: int = 5, refresh: bool = False
+        self,
+        widths: Sequence[int],
+        max_depth: int,
+        repeats: int = 5,
+        refresh: bool = False,
+        cached_only: bool = False,
     ) -> tuple[list[CostEntry], bool]:
         """Verify and verdict+propose times by batch width and depth (drafts), measured on
         scratch sequences (needs max(widths) free slots) and cached under `$XDG_CACHE_HOME`
         (a table shipped with the model is read, never written); the cache is used unless
         `refresh` or it lacks an asked width or depth. Widths within `max_batch`, depth within
         the widest verify slot, at most 100 repeats: anything else is refused before any work.
-        Widths whose slots cannot verify a depth are left out. An admin call over gRPC.
+        Widths whose slots cannot verify a depth are left out. An admin call over gRPC, except
+        `cached_only`: the cached table or no entries, never a measurement.
         -> (entries, whether they came from the cache)"""
 
     def set_forward(self, name: str) -> None:

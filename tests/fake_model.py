@@ -278,11 +278,14 @@ class FakeModel:
             raise NotFound(f"sequence {h.seq_id} is not allocated")
         return None if s.continuation is None else list(s.continuation)
 
-    def measure_costs(self, widths, max_depth, repeats=5, refresh=False):
-        """A chosen table: verifies cost 1 ms + 0.1 per row, proposes 0.5 ms per draft."""
+    def measure_costs(self, widths, max_depth, repeats=5, refresh=False, cached_only=False):
+        """A chosen table: verifies cost 1 ms + 0.1 per row, proposes 0.5 ms per draft; a
+        service with no table cached (`cached = False`) gives none to a `cached_only` call."""
         from protos.model import CostEntry
 
         self.calls.append(("measure_costs", list(widths), max_depth))
+        if cached_only and not getattr(self, "cached", True):
+            return [], False
         return [
             CostEntry(w, d, 1.0 + 0.1 * w * (d + 1), 0.5 * d)
             for w in widths

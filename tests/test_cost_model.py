@@ -114,3 +114,43 @@ def test_measure_over_grpc(client) -> None:
     entries, _ = client.measure_costs([1, 2], 1, repeats=1)
     assert {(e.width, e.depth) for e in entries} >= {(1, 0), (1, 1), (2, 0), (2, 1)}
     assert all(e.verify_ms > 0 for e in entries)
+
+
+def test_cached_only_reads_the_table_and_never_measures(
+    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    engine = Engine(tiny_dir, ServiceConfig(verify_tiers="2:3,2:1", max_context=256))
+    assert engine.measure_costs([1, 2], 1, cached_only=True) == ([], False)
+    assert not any(tmp_path.rglob("spec_cost.*")), "nothing measured, nothing written"
+    measured, _ = engine.measure_costs([1, 2], 1, repeats=1)
+    assert engine.measure_costs([1, 2], 1, cached_only=True) == (measured, True)
+
+
+def test_cached_only_needs_no_admin_key(served: str) -> None:
+    from control_plane.client import GrpcModel
+    from protos.model import ModelError
+
+    model = GrpcModel(served, admin_key="not the key")
+    try:
+        entries, cached = model.measure_costs([1], 0, cached_only=True)
+        assert cached == bool(entries)
+        with pytest.raises(ModelError):
+            model.measure_costs([1], 0, repeats=1)
+    finally:
+        model.close()
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_auto_uses_the_services_table_when_it_has_one(cached: bool) -> None:
+    """`auto` asks for the table the service has, never a measurement; without one the step
+    keeps the static ladder."""
+    model = FakeModel()
+    model.cached = cached
+    opts = SchedulerOptions(spec_cost_model="auto")
+    s = Scheduler(lambda: model, ByteTokenizer.default(), opts, Env())
+    s.capabilities()
+    assert s.ctx is not None and (s.ctx.costs is not None) == cached
+    assert [c for c in model.calls if c[0] == "measure_costs"] == [
+        ("measure_costs", [1, 2, 4, 8], 3)
+    ]

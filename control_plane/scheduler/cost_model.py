@@ -85,11 +85,13 @@ def propose_depth(
 
 
 def measured_table(model: Model, caps: Capabilities, opts: SchedulerOptions) -> CostTable | None:
-    """The measured cost model's table, once per connection (`--spec-cost-model measured`);
-    None under any other cost model."""
-    if opts.spec_cost_model != "measured":
+    """The measured cost model's table, once per connection: under `measured`, measured by
+    the service if it has none; under `auto`, the one it has, else None (the ladder), which
+    asks no admin key and no engine time; None under `static`."""
+    if opts.spec_cost_model == "static":
         return None
     widths = [w for w in (1, 2, 4, 8, 16, 32) if w <= caps.num_slots]
     depth = min(opts.num_drafts, max(caps.slot_verify_drafts))
-    entries, _ = model.measure_costs(widths, depth)
-    return CostTable(entries)
+    auto = opts.spec_cost_model == "auto"
+    entries, _ = model.measure_costs(widths, depth, cached_only=auto)
+    return CostTable(entries) if entries else None

@@ -70,8 +70,10 @@ class SchedulerOptions:
     )
     spec_cost_model: str = _option(
         "static",
-        "draft depth from the K ladder or from measured step costs",
-        choices=["static", "measured"],
+        "draft depth from the K ladder (static), from measured step costs (measured: the "
+        "service measures them once if it has no table), or from the table the service has "
+        "for its model, forward and tiers, else the ladder (auto)",
+        choices=["static", "measured", "auto"],
     )
     spec_cost_slack: float = _option(
         0.05, "take the shallowest depth within this fraction of the best rate"

@@ -325,16 +325,18 @@ class ReadLogitsReply(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CostRequest(_message.Message):
-    __slots__ = ("widths", "max_depth", "repeats", "refresh")
+    __slots__ = ("widths", "max_depth", "repeats", "refresh", "cached_only")
     WIDTHS_FIELD_NUMBER: _ClassVar[int]
     MAX_DEPTH_FIELD_NUMBER: _ClassVar[int]
     REPEATS_FIELD_NUMBER: _ClassVar[int]
     REFRESH_FIELD_NUMBER: _ClassVar[int]
+    CACHED_ONLY_FIELD_NUMBER: _ClassVar[int]
     widths: _containers.RepeatedScalarFieldContainer[int]
     max_depth: int
     repeats: int
     refresh: bool
-    def __init__(self, widths: _Optional[_Iterable[int]] = ..., max_depth: _Optional[int] = ..., repeats: _Optional[int] = ..., refresh: _Optional[bool] = ...) -> None: ...
+    cached_only: bool
+    def __init__(self, widths: _Optional[_Iterable[int]] = ..., max_depth: _Optional[int] = ..., repeats: _Optional[int] = ..., refresh: _Optional[bool] = ..., cached_only: _Optional[bool] = ...) -> None: ...
 
 class CostEntry(_message.Message):
     __slots__ = ("width", "depth", "verify_ms", "propose_ms")
