@@ -12,15 +12,19 @@ LINEAR = "linear_attention"
 FULL = "full_attention"
 
 
+# Qwen3-Next's layers repeat this: three Gated DeltaNet layers, then one gated attention layer.
+LAYER_PATTERN = (LINEAR, LINEAR, LINEAR, FULL)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    # The defaults are the bundled checkpoint's (trained by `met train`): small enough to
-    # train on two CPU cores in under 45 minutes.
+    # The defaults are the bundled checkpoint's (trained by `met train`): Qwen3-Next's layer
+    # pattern at 12 target layers, narrow enough to train on two CPU cores in under 3 hours.
     vocab_size: int = 4096
     hidden_size: int = 128
     intermediate_size: int = 384
-    num_hidden_layers: int = 4
-    layer_types: tuple[str, ...] = (LINEAR, LINEAR, LINEAR, FULL)
+    num_hidden_layers: int = 12
+    layer_types: tuple[str, ...] = LAYER_PATTERN * 3
     # gated full attention
     num_attention_heads: int = 4
     num_key_value_heads: int = 2

@@ -164,7 +164,10 @@ class Drafter:
             assert out is not None  # only a `kv_only` pass returns no hidden
             hidden = out
             logits = self.model.logits(hidden, ROW_TILE)
-            tok, conf = self.choice.ops.draft_argmax(logits)
+            # Only the real rows: the padding rows' drafts are never read, so they repeat
+            # row 0's (a row's argmax and softmax do not depend on the other rows).
+            tok, conf = self.choice.ops.draft_argmax(logits[:n])
+            tok = tok[index]
             if sampled:
                 tok, conf = self._sample(logits, tok, conf, sampled, qs, j)
             drafts.append(tok)

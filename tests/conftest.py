@@ -93,6 +93,9 @@ def _slow_reason(item: pytest.Item) -> str | None:
 
 
 TINY = ModelConfig.tiny()
+# The first bundled checkpoint (4 target layers, 1.6M parameters), kept as the fixture of tests
+# that need a trained model but not the default's depth: a third of its step time.
+TRAINED = Path(__file__).resolve().parent / "fixtures" / "trained4"
 # Small tiers so that tests reach every tier and run out of slots quickly.
 TINY_SERVICE = ServiceConfig(
     verify_tiers="2:3,2:2,4:1", max_context=256, max_rows=24, max_batch=8, max_prefill_tokens=512

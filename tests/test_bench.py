@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from control_plane.benchmarks.baseline import batch_against_transformers, transformers_baselines
+from control_plane.benchmarks.depth import DEEP, DEEP_TIERS, depth, depth_lines, depth_table
 from control_plane.benchmarks.predict import (
     cost_figures,
     deviation,
@@ -81,6 +82,9 @@ def test_bench_quick(tmp_path: Path) -> None:
     assert "| mtp | 1 |" in table and "| prompt_lookup | 4 |" in table
     assert "service idle between steps (gRPC, pipelined)" in table
     _check_figures(report, result.stdout, table)
+    arms = {r["arm"] for r in report["depth"]["rows"]}
+    assert arms == {"none", "fixed_3", "fixed_7", "measured_3", "measured_deep"}
+    assert "draft depth (tiers 4:7," in result.stdout and "| measured_deep | 1 |" in table
 
 
 def _check_figures(report: dict, stdout: str, table: str) -> None:
@@ -98,6 +102,27 @@ def _check_figures(report: dict, stdout: str, table: str) -> None:
     for text in (stdout, table):
         assert "draft cost at 1 request: target step" in text
         assert "mtp / none at 1 predicted from accepted length" in text and "over gRPC (" in text
+
+
+def test_depth_arms_draft_as_told_and_match_plain_decoding(tiny_dir: Path) -> None:
+    """Fixed depths draft that many at every verify but a sequence's last; the measured cost
+    model stays within its cap; every arm makes plain decoding's tokens."""
+    section = depth(tiny_dir, Workload(tiny_dir), [1], 12, 1, quick=False)
+    rows = {r["arm"]: r for r in section["rows"]}
+    assert set(rows) == {"none", *(f"fixed_{d}" for d in range(1, DEEP + 1))} | {
+        "measured_3",
+        "measured_deep",
+    }
+    assert section["failures"] == [] and all(r["identical"] for r in rows.values())
+    assert rows["none"]["drafts_per_verify"] == 0.0 and rows["none"]["over_none"] == 1.0
+    # d drafts at every verify but the first (it bootstraps the drafter): 12 tokens, 11 verifies
+    per = [rows[f"fixed_{d}"]["drafts_per_verify"] for d in range(1, DEEP + 1)]
+    assert per == pytest.approx([d * 10 / 11 for d in range(1, DEEP + 1)])
+    assert rows["measured_3"]["drafts_per_verify"] <= 3
+    assert rows["measured_deep"]["drafts_per_verify"] <= DEEP
+    lines = depth_lines(section)
+    assert lines[0] == f"draft depth (tiers {DEEP_TIERS}):" and len(lines) == len(rows)
+    assert "| fixed_1 | 1 |" in "\n".join(depth_table(section))
 
 
 def test_replicas_bench_rows(tiny_dir: Path) -> None:

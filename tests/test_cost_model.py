@@ -40,7 +40,15 @@ def test_calibration_prior_then_observed() -> None:
     assert c.rate(0) == 0.5
     for _ in range(40):
         c.observe(3, 1)  # first stands, second falls, third not judged
-    assert c.rate(0) == 1.0 and c.rate(1) == 0.0 and c.rate(2) == 0.5
+    assert c.rate(0) == 1.0 and c.rate(1) == 0.0
+    assert c.rate(2) == 0.0 and c.rate(7) == 0.0, "unjudged: the deepest judged position's"
+    deep = Calibration()
+    for _ in range(40):
+        deep.observe(3, 3)
+    assert deep.rate(5) == 1.0, "drafts that all stood: try deeper"
+    few = Calibration()
+    few.observe(2, 2)
+    assert few.rate(0) == few.rate(1) == 0.5, "too few observations anywhere: the prior"
 
 
 def test_table_widths() -> None:

@@ -1,9 +1,11 @@
 """The committed default checkpoint, trained by `met train`: it loads with no download, its
-greedy text from held-out prompts is Python, and its MTP head's drafts are accepted."""
+greedy text from held-out prompts is Python, and its MTP head's drafts are accepted; the
+4-layer trained fixture's drafts too, as the tests that use it rely on."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from safetensors import safe_open
@@ -15,6 +17,7 @@ from gpu_service.config import ModelConfig, ServiceConfig
 from gpu_service.engine import Engine
 from gpu_service.model.weights import WEIGHTS_FILE
 from protos.defaults import DEFAULT_MODEL_DIR
+from tests.conftest import TRAINED
 from training.evaluate import PROMPTS_FILE, load_prompts, looks_like_python
 
 
@@ -62,10 +65,12 @@ def test_greedy_text_from_held_out_prompts_is_python(engine: Engine, prompts: li
     assert sum(good) >= 6, texts
 
 
-def test_mtp_drafts_are_accepted_and_lossless(engine: Engine, prompts: list[str]) -> None:
-    sample = prompts[4:12]
-    plain = serve_texts(lambda: engine, DEFAULT_MODEL_DIR, sample, NONE, 48)
-    spec = serve_texts(lambda: engine, DEFAULT_MODEL_DIR, sample, MTP, 48, FIXED_DRAFTS)
+@pytest.mark.parametrize("model_dir", [DEFAULT_MODEL_DIR, TRAINED], ids=["default", "fixture"])
+def test_mtp_drafts_are_accepted_and_lossless(model_dir: Path) -> None:
+    engine = Engine(model_dir, ServiceConfig())
+    sample = load_prompts(model_dir)[4:12]
+    plain = serve_texts(lambda: engine, model_dir, sample, NONE, 48)
+    spec = serve_texts(lambda: engine, model_dir, sample, MTP, 48, FIXED_DRAFTS)
     stats = spec["spec"]
     # 3 drafts at every verify but each sequence's first (it bootstraps the drafter) and
     # its last (cut to the tokens left)

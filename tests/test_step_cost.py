@@ -19,9 +19,8 @@ from gpu_service.model.batch import Segment
 from gpu_service.model.hybrid import PREFILL, VERIFY, HybridModel
 from gpu_service.model.weights import load_weights
 from gpu_service.state import DeviceState
-from protos.defaults import DEFAULT_MODEL_DIR
 from protos.model import SequenceHandle
-from tests.conftest import TINY_SERVICE
+from tests.conftest import TINY_SERVICE, TRAINED
 
 PROMPT = [5, 9, 14, 3, 7, 7, 2, 8]
 # Ops that read a tensor's values on the host (a synchronising copy on a GPU).
@@ -105,7 +104,8 @@ def _greedy_step_ops(engine: Engine, batch: int) -> int:
 
 @pytest.fixture(scope="module")
 def default_engine() -> Engine:
-    return Engine(Path(DEFAULT_MODEL_DIR))
+    """The 4-layer trained fixture: the operation budget below is its step's."""
+    return Engine(TRAINED)
 
 
 @contextmanager

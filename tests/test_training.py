@@ -15,10 +15,11 @@ from gpu_service.model.hybrid import PREFILL, HybridModel, Segment
 from gpu_service.model.weights import init_weights
 from gpu_service.state import DeviceState
 from training.corpus import Corpus, is_held_out
+from training.distill import DISTILL_FILE, distill
 from training.evaluate import looks_like_python, prompt_from
 from training.forward import TrainForward
 from training.options import TrainConfig, add_args
-from training.run import STATE_FILE, model_config, train
+from training.run import STATE_FILE, model_config, prepare, train
 
 TINY = ModelConfig.tiny()
 SOURCE = '''"""A module."""
@@ -176,3 +177,58 @@ def test_layers_repeat_the_qwen3_next_pattern() -> None:
     for bad in ("6", "0", "-4"):
         with pytest.raises(SystemExit):
             parser.parse_args(["--layers", bad])
+
+
+def test_distillation_moves_only_the_head_and_resumes_exactly(
+    corpus: Corpus, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tc = replace(TC, distill_steps=4)
+    trained, cfg, _ = train(corpus, tmp_path / "main", tc, TINY)
+    tokens = prepare(corpus, tmp_path / "main", tc)[0]
+
+    def run(work: Path, stop_at: int | None = None) -> tuple[dict[str, bytes], list[dict]]:
+        model = TrainForward(cfg, {n: w.clone() for n, w in trained.items()}, tc.seq_len)
+        log, seconds = distill(tokens, work, tc, model, stop_at)
+        assert seconds > 0
+        return _weights_bytes({n: w.detach() for n, w in model.p.items()}), log
+
+    straight, log = run(tmp_path / "a")
+    before = _weights_bytes(trained)
+    moved = {n for n in before if before[n] != straight[n]}
+    assert moved and all(n.startswith("mtp.") for n in moved), moved
+    assert len(log) == 4 and set(log[0]) == {"step", "kl_mtp", "kl_mtp2"}
+    run(tmp_path / "b", stop_at=2)
+    assert (tmp_path / "b" / DISTILL_FILE).exists()
+    resumed, resumed_log = run(tmp_path / "b")
+    assert "resuming distillation at step 2" in capsys.readouterr().err
+    assert resumed == straight and resumed_log == log
+    with pytest.raises(ValueError, match="other training settings"):
+        run_other = TrainForward(cfg, dict(trained), tc.seq_len)
+        distill(tokens, tmp_path / "b", replace(tc, distill_lr=1e-5), run_other)
+    # The main run's state ignores the distillation's settings.
+    again, _, _ = train(corpus, tmp_path / "main", replace(tc, distill_steps=9), TINY)
+    assert _weights_bytes(again) == before
+
+
+def test_distillation_pairs_each_head_row_with_the_targets_next_position() -> None:
+    """Row t of the head's first pass and the target at t + 1 both predict token t + 2."""
+    params = init_weights(TINY, 5)
+    model = TrainForward(TINY, params, 16)
+    tokens = torch.randint(0, TINY.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    losses = model.distill_losses(tokens)
+    with torch.no_grad():
+        hidden = model.hidden(tokens)
+        first, second = model.mtp(tokens, hidden, True)
+        teacher = torch.log_softmax(hidden @ model.lm_head.T, -1)
+        assert first is not None and second is not None
+
+        def kl(h: torch.Tensor, rows: range, shift: int) -> float:
+            student = torch.log_softmax(h @ model.lm_head.T, -1)
+            total = sum(
+                (teacher[0, t + shift].exp() * (teacher[0, t + shift] - student[0, t])).sum()
+                for t in rows
+            )
+            return float(total) / len(rows)
+
+    assert float(losses["mtp"]) == pytest.approx(kl(first, range(10), 1), rel=1e-4)
+    assert float(losses["mtp2"]) == pytest.approx(kl(second, range(9), 2), rel=1e-4)

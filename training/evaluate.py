@@ -144,8 +144,8 @@ def _card_training(report: dict) -> str:
     held = ", ".join(f"`{f}`" for f in report["held_out_files"])
     return f"""# met default checkpoint
 
-A {report["parameters"] / 1e6:.2f}M-parameter Qwen3-Next-style hybrid (three Gated DeltaNet
-layers, one gated-attention layer, one MTP layer; tied embeddings) trained by `met train` to be
+A {report["parameters"] / 1e6:.2f}M-parameter Qwen3-Next-style hybrid
+({_layers(tc["layers"])}, one MTP layer; tied embeddings) trained by `met train` to be
 the bundled model of this repository: small enough to serve and test on a CPU, trained well
 enough that its MTP head's drafts are accepted, so speculative decoding has something to buy.
 It is a test article, not a useful code model.
@@ -162,10 +162,32 @@ It is a test article, not a useful code model.
   {tc["lr"]}, warmup {tc["warmup"]}, cosine to {tc["min_lr_ratio"]}x, weight decay
   {tc["weight_decay"]}), seed {tc["seed"]}; loss = main + {tc["mtp_weight"]} x MTP (token
   t+2 from the hidden at t and the embedding of t+1) + {tc["mtp2_weight"]} x the MTP head run
-  on its own output (token t+3), as it runs for a second draft. {report["train_minutes"]}
-  minutes on 2 CPU cores. Final training losses: {report["final_losses"]}.
+  on its own output (token t+3), as it runs for a second draft. Final training losses:
+  {report["final_losses"]}.{_card_distill(report)}
+- Time: {report["train_minutes"]} minutes on 2 CPU cores in all, over every sitting (the
+  state files keep the seconds each resume spent).
 
 """
+
+
+def _layers(n: int) -> str:
+    """The target's layers in words."""
+    if n == 4:
+        return "three Gated DeltaNet layers, one gated-attention layer"
+    return (
+        f"{n} target layers: three Gated DeltaNet layers then one gated-attention layer, {n // 4}x"
+    )
+
+
+def _card_distill(report: dict) -> str:
+    tc = report["train_config"]
+    if not tc.get("distill_steps"):
+        return ""
+    return f"""
+- Then {tc["distill_steps"]} steps of the MTP head alone (every other weight frozen) learning
+  the trained target's own distributions: KL divergence from the target's at the same
+  position, weighted as above, AdamW at lr {tc["distill_lr"]} (`training/distill.py`).
+  Final: {report["final_distill_losses"]}."""
 
 
 def _card_evaluation(report: dict) -> str:

@@ -25,7 +25,13 @@ class TrainConfig:
     save_every: int = 100
     # Target layers, in Qwen3-Next's pattern: three Gated DeltaNet layers, then one gated
     # attention layer, repeated; one MTP layer after them.
-    layers: int = 4
+    layers: int = 12
+    # After the main run, the MTP head alone learns the trained target's own next-token
+    # distributions (`training/distill.py`): acceptance is agreement with the target, not
+    # with the corpus. Settings named `distill_*` leave the main run as it is, so a main run
+    # resumes under other ones.
+    distill_steps: int = 400
+    distill_lr: float = 1e-3
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -43,6 +49,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         default=TrainConfig.layers,
         help="target layers, a multiple of 4: three Gated DeltaNet layers then one attention "
         "layer, repeated (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--distill-steps",
+        type=int,
+        default=TrainConfig.distill_steps,
+        help="steps of the MTP head learning the trained target's distributions after the "
+        "main run (0: none; default: %(default)s)",
     )
     parser.add_argument(
         "--corpus", type=Path, default=None, help="a source tree (default: the stdlib's)"

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from control_plane.chat import write_default_template
-from gpu_service.config import ModelConfig
+from gpu_service.config import LAYER_PATTERN, ModelConfig
 from gpu_service.model.weights import init_weights, save_weights
 from training.corpus import Corpus, encode_files, special_ids, train_tokenizer
 from training.forward import TrainForward
@@ -47,16 +47,17 @@ def batch_at(tokens: torch.Tensor, tc: TrainConfig, step: int) -> torch.Tensor:
     return torch.stack([tokens[s : s + tc.seq_len + 1] for s in starts.tolist()]).long()
 
 
-def model_config(vocab_size: int, bos: int, eos: int, layers: int = 4) -> ModelConfig:
+def model_config(
+    vocab_size: int, bos: int, eos: int, layers: int = TrainConfig.layers
+) -> ModelConfig:
     """The default shape at `layers` target layers, Qwen3-Next's pattern repeated."""
-    pattern = ModelConfig().layer_types
     return replace(
         ModelConfig(),
         vocab_size=vocab_size,
         bos_token_id=bos,
         eos_token_id=eos,
         num_hidden_layers=layers,
-        layer_types=pattern * (layers // len(pattern)),
+        layer_types=LAYER_PATTERN * (layers // len(LAYER_PATTERN)),
     )
 
 
@@ -155,16 +156,26 @@ def _load_state(
     if not path.exists():
         return 0, [], 0.0
     saved = torch.load(path)
-    if saved["train_config"] != asdict(tc):
-        raise ValueError(
-            f"{path} was written with other training settings; remove it or pass the same ones"
-        )
+    check_settings(path, saved["train_config"], tc, main_only=True)
     with torch.no_grad():
         for n, w in params.items():
             w.copy_(saved["params"][n])
     opt.load_state_dict(saved["optimizer"])
     print(f"resuming at step {saved['step']} from {path}", file=sys.stderr)
     return saved["step"], saved["log"], saved.get("seconds", 0.0)
+
+
+def check_settings(path: Path, saved: dict, tc: TrainConfig, main_only: bool) -> None:
+    """A resume must run under the settings its state was written with; the main run's
+    state ignores the distillation's settings, which do not change it."""
+
+    def kept(settings: dict) -> dict:
+        return {k: v for k, v in settings.items() if not (main_only and k.startswith("distill_"))}
+
+    if kept(saved) != kept(asdict(tc)):
+        raise ValueError(
+            f"{path} was written with other training settings; remove it or pass the same ones"
+        )
 
 
 def _tokenizer_config(work: Path, cfg: ModelConfig | None, layers: int) -> ModelConfig:
@@ -262,23 +273,36 @@ def export(weights: dict[str, torch.Tensor], cfg: ModelConfig, work: Path, out: 
 
 
 def run(args: argparse.Namespace) -> int:
+    from training.distill import distill
     from training.evaluate import evaluate, write_card
 
     torch.manual_seed(args.seed)
-    tc = TrainConfig(steps=args.steps, seed=args.seed, layers=args.layers)
+    tc = TrainConfig(
+        steps=args.steps, seed=args.seed, layers=args.layers, distill_steps=args.distill_steps
+    )
     if args.batch:
         tc = replace(tc, batch=args.batch)
     if args.seq_len:
         tc = replace(tc, seq_len=args.seq_len)
     corpus = Corpus.scan(args.corpus)
     weights, cfg, log = train(corpus, args.work, tc)
-    minutes = torch.load(args.work / STATE_FILE)["seconds"] / 60  # over every resume
+    seconds = torch.load(args.work / STATE_FILE)["seconds"]  # over every resume
+    distilled: list[dict] = []
+    if tc.distill_steps and cfg.has_mtp:
+        model = TrainForward(cfg, weights, tc.seq_len)
+        distilled, more = distill(prepare(corpus, args.work, tc)[0], args.work, tc, model)
+        weights = {n: w.detach() for n, w in weights.items()}
+        seconds += more
+    minutes = seconds / 60
     export(weights, cfg, args.work, args.out)
     report = evaluate(args.out, corpus, args.work)
     report.update(
         train_config=asdict(tc),
         train_minutes=round(minutes, 1),
         final_losses={k: round(v, 4) for k, v in log[-1].items() if k != "step"},
+        final_distill_losses={
+            k: round(v, 4) for k, v in (distilled or [{}])[-1].items() if k != "step"
+        },
         train_files=len(corpus.train),
         held_out_files=corpus.relative(corpus.held_out),
         python=sys.version.split()[0],

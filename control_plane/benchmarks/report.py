@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from control_plane.benchmarks.depth import depth_lines, depth_table
 from control_plane.benchmarks.methods import MTP_MEASURED
 from control_plane.scheduler.seq import MTP, NONE, PROMPT_LOOKUP
 
@@ -53,6 +54,7 @@ def markdown(report: dict) -> str:
         )
     out += _against(report)
     out += ["", *(f"- {line}" for line in figure_lines(report))]
+    out += depth_table(report.get("depth"))
     out += _replicas_table(report.get("replicas", []))
     return "\n".join(out) + "\n"
 
@@ -312,7 +314,8 @@ def print_table(report: dict) -> None:
             + "; over gRPC (pipelined): "
             + ", ".join(f"{m} {v:.1f} ({t['grpc'][m]:.2f}x)" for m, v in t["grpc_tok_s"].items())
         )
-    for line in [*figure_lines(report), *replicas_lines(report.get("replicas", []))]:
+    more = [*depth_lines(report.get("depth")), *replicas_lines(report.get("replicas", []))]
+    for line in [*figure_lines(report), *more]:
         print(line)
     for f in report["failures"]:
         print(f"FAIL: {f}", file=sys.stderr)

@@ -11,6 +11,8 @@ On one checkpoint (default: the bundled one), each figure a median over repeats:
 - tracing off vs exporting to a local OTLP receiver (both processes);
 - transformers' own `generate` on the same checkpoint, the outside baseline: one request,
   and a static batch of 16 against ours at 16 concurrent requests;
+- drafting deeper: an engine with deeper verify slots, fixed depths and the measured cost
+  model up to them (`control_plane.benchmarks.depth`);
 - at one request: a draft's measured cost against a plain decode step, and the mtp / none
   speedup the accepted length predicts from them against the measured one
   (`control_plane.benchmarks.predict`);
@@ -33,6 +35,7 @@ from control_plane.benchmarks.baseline import (
     grpc_against_transformers,
     transformers_baselines,
 )
+from control_plane.benchmarks.depth import depth
 from control_plane.benchmarks.methods import batch_vs_serial, batched_over_serial, methods
 from control_plane.benchmarks.predict import configured_depth, draft_cost, prediction
 from control_plane.benchmarks.replicas import replicas
@@ -96,6 +99,8 @@ def measure(args: argparse.Namespace) -> dict:
             report["methods"], report["split"], outside[BATCH], BATCH
         )
     report["memory"] = memory(engine)
+    report["depth"] = depth(args.model, work, [1] if quick else [1, 4], tokens, repeats, quick)
+    failures += report["depth"]["failures"]
     if not quick:
         report["tracing"] = tracing(4, tokens)
     if args.replicas:

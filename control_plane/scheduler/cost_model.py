@@ -4,9 +4,10 @@ service's measured verify and propose costs and the observed acceptance.
 For `n` active sequences and depth `d`, a step costs `verify(n, d) + propose(n, d)` (measured;
 a width between two measured ones takes the next larger, past the largest it scales
 linearly) and gains `n * (1 + a_1 + a_1 a_2 + ... + a_1..a_d)` tokens, `a_j` the acceptance at
-draft position j (observed over a window of verifies; 0.5 until a position has 32
-observations). `propose_depth` picks the depth with the most tokens per millisecond, then the
-shallowest depth within `slack` of it (a cheaper step at nearly the same rate). Above
+draft position j (observed over a window of verifies; until a position has 32 observations,
+the deepest shallower position's rate, else 0.5). `propose_depth` picks the depth with the
+most tokens per millisecond, then the shallowest depth within `slack` of it (a cheaper step at
+nearly the same rate). Above
 `--mtp-max-seqs` it returns 0 and the step plain-decodes; within the cap the caller floors a 0
 to 1; `--num-drafts 0` turns drafting off.
 
@@ -41,8 +42,15 @@ class Calibration:
                 break  # positions past the first rejection were not judged
 
     def rate(self, position: int) -> float:
-        seen = self.by_position[position] if position < len(self.by_position) else ()
-        return sum(seen) / len(seen) if len(seen) >= MIN_SEEN else PRIOR
+        """A position seen too little to judge takes the rate of the deepest shallower one
+        that was (PRIOR if none was): a draft that follows a run of accepted ones stands at
+        least about as often, so the model tries a depth it has not drafted yet, and then
+        sees it, rather than never drafting past the deepest depth it was started at."""
+        for j in range(min(position, len(self.by_position) - 1), -1, -1):
+            seen = self.by_position[j]
+            if len(seen) >= MIN_SEEN:
+                return sum(seen) / len(seen)
+        return PRIOR
 
 
 class CostTable:

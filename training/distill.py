@@ -1,0 +1,122 @@
+"""`met train`'s second stage: the MTP head alone learns the trained target's own next-token
+distributions (self-distillation, as EAGLE and Medusa-2 train their drafters).
+
+A draft stands when it is the target's choice, not the corpus's next token, so after the main
+run the head's loss is the KL divergence from the target's distribution at the same position
+(`TrainForward.distill_losses`); every other weight, the tied embedding included, stays as the
+main run left it. Its batches are drawn after the main run's (step `steps + s`), its schedule
+is the main run's shape over `distill_steps` at `distill_lr`, and it resumes from its own
+state file as the main run does."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+
+from training.forward import TrainForward
+from training.options import TrainConfig
+from training.run import Progress, batch_at, check_settings, lr_at, make_optimizer
+
+DISTILL_FILE = "distill.pt"
+
+
+def head_names(params: dict[str, torch.Tensor]) -> list[str]:
+    return [n for n in params if n.startswith("mtp.")]
+
+
+def schedule(tc: TrainConfig) -> TrainConfig:
+    """The learning-rate schedule's settings for the distillation steps."""
+    return replace(
+        tc, steps=tc.distill_steps, lr=tc.distill_lr, warmup=max(1, tc.distill_steps // 20)
+    )
+
+
+def distill(
+    train_tokens: torch.Tensor,
+    work: Path,
+    tc: TrainConfig,
+    model: TrainForward,
+    stop_at: int | None = None,
+) -> tuple[list[dict], float]:
+    """Distil the head of `model` in place; -> the loss log and the seconds spent, over every
+    resume. `stop_at` saves and returns after that step, as a stop would."""
+    work.mkdir(parents=True, exist_ok=True)
+    params = model.p
+    names = head_names(params)
+    for n, w in params.items():
+        w.requires_grad_(n in names)
+    head = {n: params[n] for n in names}
+    opt = make_optimizer(head, schedule(tc))
+    path = work / DISTILL_FILE
+    step, log, seconds = _load(path, head, opt, tc)
+    progress = Progress(tc.distill_steps)
+    t0, start, elapsed = time.perf_counter(), step, 0.0
+    while step < min(tc.distill_steps, stop_at or tc.distill_steps):
+        batch = batch_at(train_tokens, tc, tc.steps + step)
+        values = _optimize(model, head, opt, batch, tc, lr_at(schedule(tc), step))
+        step += 1
+        log.append({"step": step, **values})
+        elapsed = time.perf_counter() - t0
+        rate = (step - start) * tc.batch * tc.seq_len / elapsed
+        progress.update(step, values, rate, elapsed / (step - start) * (tc.distill_steps - step))
+        if step % tc.save_every == 0 or step in (tc.distill_steps, stop_at):
+            _save(path, head, opt, step, tc, log, seconds + elapsed)
+    progress.close()
+    return log, seconds + elapsed
+
+
+def _optimize(
+    model: TrainForward,
+    head: dict[str, torch.Tensor],
+    opt: torch.optim.Optimizer,
+    batch: torch.Tensor,
+    tc: TrainConfig,
+    lr: float,
+) -> dict[str, float]:
+    for group in opt.param_groups:
+        group["lr"] = lr
+    losses = model.distill_losses(batch[:, :-1], mtp2=tc.mtp2_weight > 0)
+    total = tc.mtp_weight * losses["mtp"]
+    if "mtp2" in losses:
+        total = total + tc.mtp2_weight * losses["mtp2"]
+    opt.zero_grad(set_to_none=True)
+    total.backward()
+    torch.nn.utils.clip_grad_norm_(head.values(), 1.0)
+    opt.step()
+    return {f"kl_{k}": v.item() for k, v in losses.items()}
+
+
+def _save(
+    path: Path,
+    head: dict[str, torch.Tensor],
+    opt: torch.optim.Optimizer,
+    step: int,
+    tc: TrainConfig,
+    log: list[dict],
+    seconds: float,
+) -> None:
+    tmp = path.with_suffix(".tmp")
+    state = {"params": {n: w.detach() for n, w in head.items()}, "optimizer": opt.state_dict()}
+    torch.save(
+        {**state, "step": step, "train_config": asdict(tc), "log": log, "seconds": seconds}, tmp
+    )
+    tmp.replace(path)
+
+
+def _load(
+    path: Path, head: dict[str, torch.Tensor], opt: torch.optim.Optimizer, tc: TrainConfig
+) -> tuple[int, list[dict], float]:
+    if not path.exists():
+        return 0, [], 0.0
+    saved = torch.load(path)
+    check_settings(path, saved["train_config"], tc, main_only=False)
+    with torch.no_grad():
+        for n, w in head.items():
+            w.copy_(saved["params"][n])
+    opt.load_state_dict(saved["optimizer"])
+    print(f"resuming distillation at step {saved['step']} from {path}", file=sys.stderr)
+    return saved["step"], saved["log"], saved["seconds"]
