@@ -161,19 +161,25 @@ def _cells(
     engine: Engine, seqs: list[SequenceHandle], widths: list[int], max_depth: int, repeats: int
 ) -> Generator[None, None, list[CostEntry]]:
     """Each (width, depth) the slots allow, timed as the median of `repeats`; a step before
-    each repeat."""
+    each timing. The repeats run in rounds over every cell, not cell after cell: the
+    machine's drift over the measurement (clock, cache, other processes) then falls on every
+    cell alike instead of on the depths measured last, and the cost model compares depths."""
     caps = engine.svc.slot_verify_drafts
+    cells = [
+        (w, depth)
+        for w in sorted(set(widths))
+        for depth in range(max_depth + 1)
+        if all(caps[s.slot] >= depth for s in seqs[:w])
+    ]
+    times: dict[tuple[int, int], list[tuple[float, float]]] = {c: [] for c in cells}
+    for _ in range(repeats):
+        for w, depth in cells:
+            yield
+            times[(w, depth)].append(_time_once(engine, seqs[:w], depth))
     entries = []
-    for w in sorted(set(widths)):
-        for depth in range(max_depth + 1):
-            if any(caps[s.slot] < depth for s in seqs[:w]):
-                continue
-            times = []
-            for _ in range(repeats):
-                yield
-                times.append(_time_once(engine, seqs[:w], depth))
-            verify, propose = (statistics.median(t) for t in zip(*times, strict=True))
-            entries.append(CostEntry(w, depth, verify, propose))
+    for (w, depth), runs in times.items():
+        verify, propose = (statistics.median(t) for t in zip(*runs, strict=True))
+        entries.append(CostEntry(w, depth, verify, propose))
     return entries
 
 

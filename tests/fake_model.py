@@ -279,12 +279,13 @@ class FakeModel:
         return None if s.continuation is None else list(s.continuation)
 
     def measure_costs(self, widths, max_depth, repeats=5, refresh=False, cached_only=False):
-        """A chosen table: verifies cost 1 ms + 0.1 per row, proposes 0.5 ms per draft; a
-        service with no table cached (`cached = False`) gives none to a `cached_only` call."""
+        """A chosen table: verifies cost 1 ms + 0.1 per row, proposes 0.5 ms per draft. Like a
+        fresh service, it has none cached until a test sets `cached`: a `cached_only` call
+        (the default `auto` cost model) gets none, and the K ladder sets the width."""
         from protos.model import CostEntry
 
         self.calls.append(("measure_costs", list(widths), max_depth))
-        if cached_only and not getattr(self, "cached", True):
+        if cached_only and not getattr(self, "cached", False):
             return [], False
         return [
             CostEntry(w, d, 1.0 + 0.1 * w * (d + 1), 0.5 * d)

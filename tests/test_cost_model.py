@@ -10,7 +10,7 @@ import pytest
 
 from control_plane.env import Env
 from control_plane.scheduler.context import StepContext
-from control_plane.scheduler.cost_model import Calibration, CostTable, propose_depth
+from control_plane.scheduler.cost_model import PRIOR, Calibration, CostTable, propose_depth
 from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.seq import GenRequest
@@ -37,7 +37,7 @@ def table(verify: float = 1.0, per_row: float = 0.1, propose: float = 0.5) -> Co
 
 def test_calibration_prior_then_observed() -> None:
     c = Calibration()
-    assert c.rate(0) == 0.5
+    assert c.rate(0) == PRIOR
     for _ in range(40):
         c.observe(3, 1)  # first stands, second falls, third not judged
     assert c.rate(0) == 1.0 and c.rate(1) == 0.0
@@ -48,7 +48,7 @@ def test_calibration_prior_then_observed() -> None:
     assert deep.rate(5) == 1.0, "drafts that all stood: try deeper"
     few = Calibration()
     few.observe(2, 2)
-    assert few.rate(0) == few.rate(1) == 0.5, "too few observations anywhere: the prior"
+    assert few.rate(0) == few.rate(1) == PRIOR, "too few observations anywhere: the prior"
 
 
 def test_table_widths() -> None:
@@ -86,6 +86,11 @@ def test_step_under_the_cost_model() -> None:
     model2 = FakeModel()
     report = step_mtp(model2, seqs(model2, 2), capped, 3)
     assert report.ladder_nd == 0 and "propose" not in model2.names(), "plain decode above cap"
+    fixed = StepContext.build(model.capabilities(), replace(NO_ENV, fixed_width=True), costs)
+    for _ in range(40):
+        fixed.calibration.observe(1, 0)
+    model3 = FakeModel()
+    assert step_mtp(model3, seqs(model3, 2), fixed, 3).ladder_nd == 3, "--fixed-width wins"
 
 
 def test_scheduler_measures_once_and_stays_lossless(tiny_dir: Path) -> None:

@@ -89,15 +89,15 @@ def test_dcut_cuts_and_orders_the_batch() -> None:
     active = seqs(model, 3, drafts=[3, 3, 3])
     active[0].pending_conf = [0.9, 0.2, 0.9]
     active[2].pending_conf = [0.9, 0.9, 0.2]
-    report = step_mtp(model, active, ctx(model), 3)
+    report = step_mtp(model, active, ctx(model, dcut=True), 3)
     assert report.dcut and report.batched_calls == [[4, 3, 2]], "deepest first"
     assert model.verify_calls()[0][2] == [1, 2, 0]
 
 
 @pytest.mark.parametrize(
     ("opts", "nd"),
-    [({"dcut": False}, 3), ({}, 1), ({"dcut_width_cap": 2}, 3)],
-    ids=["no-dcut", "ladder-below-2", "wider-than-cap"],
+    [({"dcut": False}, 3), ({}, 3), ({"dcut": True}, 1), ({"dcut": True, "dcut_width_cap": 2}, 3)],
+    ids=["no-dcut", "off-by-default", "ladder-below-2", "wider-than-cap"],
 )
 def test_dcut_stands_aside(opts: dict, nd: int) -> None:
     model = FakeModel()
@@ -172,7 +172,7 @@ def test_copy_joins_the_batch_at_its_own_depth_and_propose_keeps_ladder_nd() -> 
     active = [*_repeating(model, MTP, 1), *seqs(model, 2, drafts=[3, 3])]
     active[0].pending_drafts, active[0].pending_conf = [1], [0.9]  # an MTP chain to replace
     model.calls.clear()
-    report = step_mtp(model, active, ctx(model, prompt_lookup=True), 3)
+    report = step_mtp(model, active, ctx(model, prompt_lookup=True, dcut=True), 3)
     assert report.copied == [True, False, False]
     (call,) = report.batched_calls
     assert sorted(call) == [4, 4, 4] and report.dcut

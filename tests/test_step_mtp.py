@@ -185,13 +185,15 @@ def test_lone_sequence_with_drafts_goes_serial() -> None:
     assert report.serial_arms == ["K4"] and report.batched_calls == []
 
 
-def test_short_chain_joins_the_batch_at_its_depth() -> None:
+@pytest.mark.parametrize(("dcut", "order"), [(False, [4, 2, 4]), (True, [4, 4, 2])])
+def test_short_chain_joins_the_batch_at_its_depth(dcut: bool, order: list[int]) -> None:
     """A sequence holding fewer drafts than the width (made at a narrower width, or near its
-    budget) verifies them in the batch, in D-Cut's order, deepest first, and accepts them."""
+    budget) verifies them in the batch, and accepts them: in slot order, or with D-Cut on in
+    its order, deepest first."""
     model = FakeModel()
     active = seqs(model, 3, drafts=[3, 1, 3])
-    report = step_mtp(model, active, ctx(model), 3)
-    assert report.batched_calls == [[4, 4, 2]] and report.serial_arms == []
+    report = step_mtp(model, active, ctx(model, dcut=dcut), 3)
+    assert report.batched_calls == [order] and report.serial_arms == []
     assert [a.stats.accepted for a in active] == [3, 1, 3]
 
 

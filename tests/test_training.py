@@ -196,7 +196,7 @@ def test_distillation_moves_only_the_head_and_resumes_exactly(
     before = _weights_bytes(trained)
     moved = {n for n in before if before[n] != straight[n]}
     assert moved and all(n.startswith("mtp.") for n in moved), moved
-    assert len(log) == 4 and set(log[0]) == {"step", "kl_mtp", "kl_mtp2"}
+    assert len(log) == 4 and set(log[0]) == {"step", "distill_mtp", "distill_mtp2"}
     run(tmp_path / "b", stop_at=2)
     assert (tmp_path / "b" / DISTILL_FILE).exists()
     resumed, resumed_log = run(tmp_path / "b")
@@ -232,3 +232,9 @@ def test_distillation_pairs_each_head_row_with_the_targets_next_position() -> No
 
     assert float(losses["mtp"]) == pytest.approx(kl(first, range(10), 1), rel=1e-4)
     assert float(losses["mtp2"]) == pytest.approx(kl(second, range(9), 2), rel=1e-4)
+    # `hard` adds the cross-entropy on the target's argmax at the same pairing.
+    with torch.no_grad():
+        student = torch.log_softmax(first @ model.lm_head.T, -1)
+        nll = -sum(float(student[0, t, teacher[0, t + 1].argmax()]) for t in range(10)) / 10
+    hard = model.distill_losses(tokens, hard=0.5)
+    assert float(hard["mtp"]) == pytest.approx(float(losses["mtp"]) + 0.5 * nll, rel=1e-4)

@@ -79,7 +79,7 @@ def _optimize(
 ) -> dict[str, float]:
     for group in opt.param_groups:
         group["lr"] = lr
-    losses = model.distill_losses(batch[:, :-1], mtp2=tc.mtp2_weight > 0)
+    losses = model.distill_losses(batch[:, :-1], tc.mtp2_weight > 0, tc.distill_hard)
     total = tc.mtp_weight * losses["mtp"]
     if "mtp2" in losses:
         total = total + tc.mtp2_weight * losses["mtp2"]
@@ -87,7 +87,7 @@ def _optimize(
     total.backward()
     torch.nn.utils.clip_grad_norm_(head.values(), 1.0)
     opt.step()
-    return {f"kl_{k}": v.item() for k, v in losses.items()}
+    return {f"distill_{k}": v.item() for k, v in losses.items()}
 
 
 def _save(

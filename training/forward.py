@@ -172,26 +172,29 @@ class TrainForward:
                 out["mtp2"] = ce(second[:, :-1], tokens[:, 3:])
         return out
 
-    def distill_losses(self, tokens: torch.Tensor, mtp2: bool = True) -> dict[str, torch.Tensor]:
+    def distill_losses(
+        self, tokens: torch.Tensor, mtp2: bool = True, hard: float = 0.0
+    ) -> dict[str, torch.Tensor]:
         """The MTP head against the target's own distributions (KL, teacher first), the target
         untouched: the first pass's row t against the target at t + 1 (both predict t + 2),
-        the second's against the target at t + 2 (both predict t + 3)."""
+        the second's against the target at t + 2 (both predict t + 3). `hard` weighs a
+        cross-entropy on the target's argmax besides: a greedy draft stands when its argmax
+        is the target's, whatever the rest of the distribution."""
         with torch.no_grad():
             hidden = self.hidden(tokens)
             teacher = F.log_softmax(F.linear(hidden, self.lm_head).float(), dim=-1)
         vocab = self.cfg.vocab_size
 
-        def kl(h: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-            student = F.log_softmax(F.linear(h, self.lm_head), dim=-1)
-            return F.kl_div(
-                student.reshape(-1, vocab),
-                target.reshape(-1, vocab),
-                log_target=True,
-                reduction="batchmean",
-            )
+        def loss(h: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            student = F.log_softmax(F.linear(h, self.lm_head), dim=-1).reshape(-1, vocab)
+            target = target.reshape(-1, vocab)
+            kl = F.kl_div(student, target, log_target=True, reduction="batchmean")
+            if not hard:
+                return kl
+            return kl + hard * F.nll_loss(student, target.argmax(-1))
 
         first, second = self.mtp(tokens, hidden, mtp2)
-        out = {"mtp": kl(first[:, :-1], teacher[:, 1:-1])}
+        out = {"mtp": loss(first[:, :-1], teacher[:, 1:-1])}
         if second is not None:
-            out["mtp2"] = kl(second[:, :-1], teacher[:, 2:-1])
+            out["mtp2"] = loss(second[:, :-1], teacher[:, 2:-1])
         return out

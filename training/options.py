@@ -32,6 +32,7 @@ class TrainConfig:
     # resumes under other ones.
     distill_steps: int = 400
     distill_lr: float = 1e-3
+    distill_hard: float = 0.0  # weight of the cross-entropy on the target's argmax
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:

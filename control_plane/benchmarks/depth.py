@@ -18,6 +18,7 @@ from pathlib import Path
 from unittest import mock
 
 from control_plane.benchmarks.workload import FIXED_DRAFTS, Workload, median, serve
+from control_plane.scheduler.cost_model import cost_widths
 from control_plane.scheduler.seq import MTP, NONE
 
 DEEP = 7
@@ -50,7 +51,7 @@ def depth(
         tempfile.TemporaryDirectory() as scratch,
         mock.patch.dict(os.environ, {"XDG_CACHE_HOME": scratch}),
     ):
-        widths = [w for w in (1, 2, 4, 8, 16, 32) if w <= engine.svc.max_batch]
+        widths = cost_widths(engine.svc.num_slots)
         engine.measure_costs(widths, DEEP, repeats=3 if quick else 10)
         for n in concurrency:
             runs: dict[str, list[dict]] = {label: [] for label in labels}

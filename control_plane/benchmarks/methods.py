@@ -9,13 +9,14 @@ from collections.abc import Callable
 from control_plane.benchmarks.workload import Workload, median, serve
 from control_plane.scheduler.seq import MTP, NONE, PROMPT_LOOKUP, SpecStats
 
-# label -> (method, scheduler options): the methods, and mtp with the measured cost model
-# choosing each step's width (`--spec-cost-model measured`) in place of the static ladder.
-MTP_MEASURED = "mtp_measured"
+# label -> (method, scheduler options): the methods under the default options (`mtp`: the
+# `auto` cost model, over the table `met bench` measures first), and mtp with the static K
+# ladder setting each step's width (`--spec-cost-model static`) instead.
+MTP_STATIC = "mtp_static"
 VARIANTS = {
     NONE: (NONE, {}),
     MTP: (MTP, {}),
-    MTP_MEASURED: (MTP, {"spec_cost_model": "measured"}),
+    MTP_STATIC: (MTP, {"spec_cost_model": "static"}),
     PROMPT_LOOKUP: (PROMPT_LOOKUP, {}),
 }
 

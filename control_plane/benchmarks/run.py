@@ -1,9 +1,11 @@
 """`met bench`: what speculation buys, in one run so the machine's drift cancels out.
 
 On one checkpoint (default: the bundled one), each figure a median over repeats:
-- `none` vs `mtp` vs `prompt_lookup` (and `mtp` with the measured cost model choosing the
-  width) at several concurrencies: output tokens per second, mean accepted length, acceptance
-  per draft position; all must produce identical tokens (the run fails otherwise);
+- `none` vs `mtp` vs `prompt_lookup` under the default options (the `auto` cost model, over
+  the step-cost table the run measures first, as a service that has measured its costs), and
+  `mtp_static` (the K ladder alone) at several concurrencies: output tokens per second, mean
+  accepted length, acceptance per draft position; all must produce identical tokens (the run
+  fails otherwise);
 - batched vs serial verify (`METRALE_NO_MTP_BATCH_VERIFY`);
 - in process vs over gRPC (a GPU service child process), greedy steps pipelined and not:
   the split's cost, and the service's idle time between pipelined steps;
@@ -27,7 +29,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import tempfile
 from pathlib import Path
+from unittest import mock
 
 from control_plane.benchmarks.baseline import (
     against_transformers,
@@ -43,6 +48,7 @@ from control_plane.benchmarks.report import draw_chart, markdown, print_table
 from control_plane.benchmarks.split import speedups, split
 from control_plane.benchmarks.tracing import tracing
 from control_plane.benchmarks.workload import Workload
+from control_plane.scheduler.cost_model import cost_widths
 from protos.defaults import DEFAULT_MODEL_DIR
 
 # transformers' static batch, against ours at as many concurrent requests.
@@ -66,7 +72,18 @@ def memory(engine) -> dict:
 
 
 def measure(args: argparse.Namespace) -> dict:
-    """Every section on one engine in this process: the report dict."""
+    """Every section: the report dict. It runs in a cache directory of its own (the GPU
+    service children inherit it), so no cost table of the user's is read or changed."""
+    with (
+        tempfile.TemporaryDirectory() as cache,
+        mock.patch.dict(os.environ, {"XDG_CACHE_HOME": cache}),
+    ):
+        return _measure(args)
+
+
+def _measure(args: argparse.Namespace) -> dict:
+    """Every section on one engine in this process, after the step-cost table that the
+    default (`auto`) cost model reads: as a service that has measured its costs runs."""
     import torch
 
     from gpu_service.config import ServiceConfig
@@ -76,6 +93,8 @@ def measure(args: argparse.Namespace) -> dict:
     engine = Engine(args.model, ServiceConfig())
     work = Workload(args.model)
     quick = args.quick
+    widths = cost_widths(engine.svc.num_slots)
+    engine.measure_costs(widths, configured_depth(engine), repeats=2 if quick else 10)
     conc, tokens, repeats = ([1, 4], 12, 1) if quick else ([1, 4, 16], 64, 5)
     report: dict = {"model": engine.name, "quick": quick, "machine": machine()}
     local = lambda: engine  # noqa: E731

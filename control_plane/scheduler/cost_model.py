@@ -4,12 +4,13 @@ service's measured verify and propose costs and the observed acceptance.
 For `n` active sequences and depth `d`, a step costs `verify(n, d) + propose(n, d)` (measured;
 a width between two measured ones takes the next larger, past the largest it scales
 linearly) and gains `n * (1 + a_1 + a_1 a_2 + ... + a_1..a_d)` tokens, `a_j` the acceptance at
-draft position j (observed over a window of verifies; until a position has 32 observations,
-the deepest shallower position's rate, else 0.5). `propose_depth` picks the depth with the
-most tokens per millisecond, then the shallowest depth within `slack` of it (a cheaper step at
-nearly the same rate). Above
-`--mtp-max-seqs` it returns 0 and the step plain-decodes; within the cap the caller floors a 0
-to 1; `--num-drafts 0` turns drafting off.
+draft position j, observed over a window of verifies. Until a position has 32 observations it
+takes the deepest shallower position's rate, else 0.7 (about a trained MTP head's first-draft
+acceptance, so that a cold start drafts rather than waiting to learn that it should).
+`propose_depth` picks the depth with the most tokens per millisecond, then the shallowest
+depth within `slack` of it (a cheaper step at nearly the same rate). Above `--mtp-max-seqs` it
+returns 0 and the step plain-decodes; within the cap the caller floors a 0 to 1;
+`--num-drafts 0` turns drafting off.
 
 A deliberate departure from the Rust engine, which maximises tokens per joule: this one
 maximises tokens per millisecond. The service measures time (`measure_costs`), and no
@@ -24,7 +25,13 @@ from collections import deque
 from control_plane.scheduler.options import SchedulerOptions
 from protos.model import Capabilities, CostEntry, Model
 
-PRIOR, MIN_SEEN, WINDOW = 0.5, 32, 512
+PRIOR, MIN_SEEN, WINDOW = 0.7, 32, 512
+
+
+def cost_widths(limit: int) -> list[int]:
+    """The batch widths a cost table is measured at, up to `limit` sequences; a width
+    between two of them reads the next larger (`CostTable.step_ms`)."""
+    return [w for w in (1, 2, 4, 8, 16, 32) if w <= limit]
 
 
 class Calibration:
@@ -98,7 +105,7 @@ def measured_table(model: Model, caps: Capabilities, opts: SchedulerOptions) -> 
     asks no admin key and no engine time; None under `static`."""
     if opts.spec_cost_model == "static":
         return None
-    widths = [w for w in (1, 2, 4, 8, 16, 32) if w <= caps.num_slots]
+    widths = cost_widths(caps.num_slots)
     depth = min(opts.num_drafts, max(caps.slot_verify_drafts))
     auto = opts.spec_cost_model == "auto"
     entries, _ = model.measure_costs(widths, depth, cached_only=auto)

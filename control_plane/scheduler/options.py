@@ -36,7 +36,8 @@ class SchedulerOptions:
     )
     fixed_width: bool = _option(
         False,
-        "every step drafts --num-drafts: the K ladder and the adaptive rung stand aside",
+        "every step drafts --num-drafts: the K ladder, the adaptive rung and the cost model "
+        "stand aside",
     )
     adaptive_rung: bool = _option(
         True,
@@ -52,7 +53,10 @@ class SchedulerOptions:
         True,
         "greedy none and mtp steps run ahead: step N + 1 is sent before step N's result is back",
     )
-    dcut: bool = _option(True, "D-Cut: batched verify depths from draft confidences")
+    # Off by default: at the widths D-Cut may cut (`dcut_width_cap`) a verified row costs a
+    # few percent of a step, so a cut draft saves less than the tokens it would have added
+    # (docs/benchmarks.md, "D-Cut and the cost model").
+    dcut: bool = _option(False, "D-Cut: batched verify depths from draft confidences")
     dcut_threshold: float = _option(
         0.3, "D-Cut keeps drafts while their chain probability is at least this"
     )
@@ -69,7 +73,7 @@ class SchedulerOptions:
         metavar="LOGPROB",
     )
     spec_cost_model: str = _option(
-        "static",
+        "auto",
         "draft depth from the K ladder (static), from measured step costs (measured: the "
         "service measures them once if it has no table), or from the table the service has "
         "for its model, forward and tiers, else the ladder (auto)",

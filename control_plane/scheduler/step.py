@@ -62,7 +62,7 @@ def step_width(active: list[ActiveSeq], ctx: StepContext, num_drafts: int) -> in
     n = len(active)
     if n > ctx.opts.mtp_max_seqs or num_drafts <= 0:
         nd = 0
-    elif ctx.costs is not None:
+    elif ctx.costs is not None and not ctx.opts.fixed_width:
         nd = _measured_width(n, ctx, num_drafts)
     else:
         nd = ctx.rung.drafts_for(n, num_drafts)
