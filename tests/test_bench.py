@@ -26,6 +26,7 @@ from control_plane.benchmarks.predict import (
 )
 from control_plane.benchmarks.replicas import replicas
 from control_plane.benchmarks.report import figure_lines, replicas_lines
+from control_plane.benchmarks.split import pair
 from control_plane.benchmarks.workload import Workload
 from gpu_service import costs
 from gpu_service.engine import Engine
@@ -220,6 +221,16 @@ def test_transformers_static_batch(tiny_dir: Path) -> None:
     got = batch_against_transformers(rows, [{"method": "mtp", "concurrency": 1}], 200.0, 4)
     assert got["in_process"] == {"none": 2.0, "mtp": 3.0} and got["grpc"] == {}
     assert got["tok_s"] == 200.0 and got["batch"] == 4
+
+
+def test_the_pair_at_a_static_batchs_width(tiny_dir: Path) -> None:
+    """none and mtp through a GPU service child over gRPC, the same tokens, and the static
+    batch's comparison reads their gRPC figures."""
+    rows = pair(tiny_dir, Workload(tiny_dir), 2, 4, 1)
+    assert [(r["method"], r["concurrency"]) for r in rows] == [("none", 2), ("mtp", 2)]
+    assert all(r["identical"] and r["grpc_tok_s"] > 0 for r in rows)
+    got = batch_against_transformers([], rows, 10.0, 2)
+    assert set(got["grpc"]) == {"none", "mtp"} and got["grpc_tok_s"]["mtp"] == rows[1]["grpc_tok_s"]
 
 
 def test_figure_lines() -> None:

@@ -12,7 +12,8 @@ On one checkpoint (default: the bundled one), each figure a median over repeats:
 - the verify buffers' bytes with the slot tiers vs every slot at full capacity;
 - tracing off vs exporting to a local OTLP receiver (both processes);
 - transformers' own `generate` on the same checkpoint, the outside baseline: one request,
-  and a static batch of 16 against ours at 16 concurrent requests;
+  and a static batch of 16 against ours at 16 concurrent requests, in process and through
+  the pair (a GPU service child over gRPC);
 - drafting deeper: an engine with deeper verify slots, fixed depths and the measured cost
   model up to them (`control_plane.benchmarks.depth`);
 - at one request: a draft's measured cost against a plain decode step, and the mtp / none
@@ -45,7 +46,7 @@ from control_plane.benchmarks.methods import batch_vs_serial, batched_over_seria
 from control_plane.benchmarks.predict import configured_depth, draft_cost, prediction
 from control_plane.benchmarks.replicas import replicas
 from control_plane.benchmarks.report import draw_chart, markdown, print_table
-from control_plane.benchmarks.split import speedups, split
+from control_plane.benchmarks.split import pair, speedups, split
 from control_plane.benchmarks.tracing import tracing
 from control_plane.benchmarks.workload import Workload
 from control_plane.scheduler.cost_model import cost_widths
@@ -114,8 +115,14 @@ def _measure(args: argparse.Namespace) -> dict:
         one = report["transformers_generate"]
         report["transformers_generate"] = grpc_against_transformers(one, report["split"])
     if BATCH in outside:
+        report["pair"] = pair(args.model, work, BATCH, tokens, repeats)
+        failures += [
+            f"{r['method']} at {BATCH} over gRPC differs from none"
+            for r in report["pair"]
+            if not r["identical"]
+        ]
         report["transformers_generate_batch"] = batch_against_transformers(
-            report["methods"], report["split"], outside[BATCH], BATCH
+            report["methods"], report["split"] + report["pair"], outside[BATCH], BATCH
         )
     report["memory"] = memory(engine)
     report["depth"] = depth(args.model, work, [1] if quick else [1, 4], tokens, repeats, quick)

@@ -57,6 +57,33 @@ def split(
     return rows
 
 
+def pair(model_dir: Path, work: Workload, n: int, tokens: int, repeats: int) -> list[dict]:
+    """`none` and `mtp` at `n` concurrent requests through a GPU service child over gRPC,
+    pipelined (the default): the pair as a user runs it, for the static-batch comparison. One
+    row per method, with whether its tokens equal `none`'s in every repeat."""
+    proc, target = start_gpu_service(model_dir)
+    runs: dict[str, list[dict]] = {NONE: [], MTP: []}
+    try:
+        for _ in range(repeats):
+            for m in runs:
+                reqs = work.requests(m, n, tokens)
+                runs[m].append(serve(lambda: GrpcModel(target), reqs, work.tokenizer))
+    finally:
+        stop(proc)
+    tokens_of = lambda r, m: [r["tokens"][f"{m}-{i}"] for i in range(n)]  # noqa: E731
+    base = tokens_of(runs[NONE][0], NONE)
+    return [
+        {
+            "method": m,
+            "concurrency": n,
+            "grpc_tok_s": median(r)["tok_s"],
+            "accepted_length": median(r)["accepted_length"],
+            "identical": all(tokens_of(x, m) == base for x in r),
+        }
+        for m, r in runs.items()
+    ]
+
+
 def _split_row(runs: dict[tuple[str, str], list[dict]], method: str, n: int) -> dict:
     """One method at one concurrency: each arm's medians, gRPC over in process with the
     pipeline and without it, and the service's idle fraction between pipelined steps."""
