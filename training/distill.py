@@ -10,16 +10,23 @@ state file as the main run does."""
 
 from __future__ import annotations
 
-import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from training.forward import TrainForward
 from training.options import TrainConfig
-from training.run import Progress, batch_at, check_settings, lr_at, make_optimizer
+from training.run import (
+    Progress,
+    apply,
+    batch_at,
+    load_state,
+    lr_at,
+    make_optimizer,
+    save_state,
+)
 
 DISTILL_FILE = "distill.pt"
 
@@ -52,7 +59,7 @@ def distill(
     head = {n: params[n] for n in names}
     opt = make_optimizer(head, schedule(tc))
     path = work / DISTILL_FILE
-    step, log, seconds = _load(path, head, opt, tc)
+    step, log, seconds = load_state(path, head, opt, tc, "distillation")
     progress = Progress(tc.distill_steps)
     t0, start, elapsed = time.perf_counter(), step, 0.0
     while step < min(tc.distill_steps, stop_at or tc.distill_steps):
@@ -64,7 +71,7 @@ def distill(
         rate = (step - start) * tc.batch * tc.seq_len / elapsed
         progress.update(step, values, rate, elapsed / (step - start) * (tc.distill_steps - step))
         if step % tc.save_every == 0 or step in (tc.distill_steps, stop_at):
-            _save(path, head, opt, step, tc, log, seconds + elapsed)
+            save_state(path, head, opt, step, tc, log, seconds + elapsed)
     progress.close()
     return log, seconds + elapsed
 
@@ -77,46 +84,5 @@ def _optimize(
     tc: TrainConfig,
     lr: float,
 ) -> dict[str, float]:
-    for group in opt.param_groups:
-        group["lr"] = lr
     losses = model.distill_losses(batch[:, :-1], tc.mtp2_weight > 0, tc.distill_hard)
-    total = tc.mtp_weight * losses["mtp"]
-    if "mtp2" in losses:
-        total = total + tc.mtp2_weight * losses["mtp2"]
-    opt.zero_grad(set_to_none=True)
-    total.backward()
-    torch.nn.utils.clip_grad_norm_(head.values(), 1.0)
-    opt.step()
-    return {f"distill_{k}": v.item() for k, v in losses.items()}
-
-
-def _save(
-    path: Path,
-    head: dict[str, torch.Tensor],
-    opt: torch.optim.Optimizer,
-    step: int,
-    tc: TrainConfig,
-    log: list[dict],
-    seconds: float,
-) -> None:
-    tmp = path.with_suffix(".tmp")
-    state = {"params": {n: w.detach() for n, w in head.items()}, "optimizer": opt.state_dict()}
-    torch.save(
-        {**state, "step": step, "train_config": asdict(tc), "log": log, "seconds": seconds}, tmp
-    )
-    tmp.replace(path)
-
-
-def _load(
-    path: Path, head: dict[str, torch.Tensor], opt: torch.optim.Optimizer, tc: TrainConfig
-) -> tuple[int, list[dict], float]:
-    if not path.exists():
-        return 0, [], 0.0
-    saved = torch.load(path)
-    check_settings(path, saved["train_config"], tc, main_only=False)
-    with torch.no_grad():
-        for n, w in head.items():
-            w.copy_(saved["params"][n])
-    opt.load_state_dict(saved["optimizer"])
-    print(f"resuming distillation at step {saved['step']} from {path}", file=sys.stderr)
-    return saved["step"], saved["log"], saved["seconds"]
+    return {f"distill_{k}": v for k, v in apply(losses, head, opt, tc, lr).items()}

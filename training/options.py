@@ -30,9 +30,9 @@ class TrainConfig:
     # distributions (`training/distill.py`): acceptance is agreement with the target, not
     # with the corpus. Settings named `distill_*` leave the main run as it is, so a main run
     # resumes under other ones.
-    distill_steps: int = 400
-    distill_lr: float = 1e-3
-    distill_hard: float = 0.0  # weight of the cross-entropy on the target's argmax
+    distill_steps: int = 600
+    distill_lr: float = 3e-3
+    distill_hard: float = 1.0  # weight of the cross-entropy on the target's argmax
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:

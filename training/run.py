@@ -125,7 +125,7 @@ def prepare(corpus: Corpus, work: Path, tc: TrainConfig) -> tuple[torch.Tensor, 
     return train, held
 
 
-def _save_state(
+def save_state(
     path: Path,
     params: dict[str, torch.Tensor],
     opt: torch.optim.Optimizer,
@@ -149,19 +149,27 @@ def _save_state(
     tmp.replace(path)
 
 
-def _load_state(
-    path: Path, params: dict[str, torch.Tensor], opt: torch.optim.Optimizer, tc: TrainConfig
+def load_state(
+    path: Path,
+    params: dict[str, torch.Tensor],
+    opt: torch.optim.Optimizer,
+    tc: TrainConfig,
+    stage: str = "",
 ) -> tuple[int, list[dict], float]:
-    """Restore weights and optimizer from `path` when it exists; -> step, loss log, seconds."""
+    """Restore weights and optimizer from `path` when it exists; -> step, loss log, seconds.
+    `stage` names a stage after the main run (`distillation`), whose settings all count."""
     if not path.exists():
         return 0, [], 0.0
     saved = torch.load(path)
-    check_settings(path, saved["train_config"], tc, main_only=True)
+    check_settings(path, saved["train_config"], tc, main_only=not stage)
     with torch.no_grad():
         for n, w in params.items():
             w.copy_(saved["params"][n])
     opt.load_state_dict(saved["optimizer"])
-    print(f"resuming at step {saved['step']} from {path}", file=sys.stderr)
+    print(
+        f"resuming {stage + ' ' if stage else ''}at step {saved['step']} from {path}",
+        file=sys.stderr,
+    )
     return saved["step"], saved["log"], saved.get("seconds", 0.0)
 
 
@@ -204,14 +212,23 @@ def _optimize(
     lr: float,
 ) -> dict[str, float]:
     """One AdamW step on `batch` ([B, T + 1]) at learning rate `lr`; -> the losses."""
+    return apply(model.losses(batch[:, :-1], mtp2=tc.mtp2_weight > 0), params, opt, tc, lr)
+
+
+def apply(
+    losses: dict[str, torch.Tensor],
+    params: dict[str, torch.Tensor],
+    opt: torch.optim.Optimizer,
+    tc: TrainConfig,
+    lr: float,
+) -> dict[str, float]:
+    """One AdamW step at learning rate `lr` on the weighted sum of `losses` (`main`, `mtp`,
+    `mtp2`: those present), gradients clipped to norm 1 over `params`; -> the losses."""
     for group in opt.param_groups:
         group["lr"] = lr
-    losses = model.losses(batch[:, :-1], mtp2=tc.mtp2_weight > 0)
-    total = losses["main"]
-    if "mtp" in losses:
-        total = total + tc.mtp_weight * losses["mtp"]
-    if "mtp2" in losses:
-        total = total + tc.mtp2_weight * losses["mtp2"]
+    weights = {"main": 1.0, "mtp": tc.mtp_weight, "mtp2": tc.mtp2_weight}
+    total = sum(weights[k] * v for k, v in losses.items())
+    assert isinstance(total, torch.Tensor)
     opt.zero_grad(set_to_none=True)
     total.backward()
     torch.nn.utils.clip_grad_norm_(params.values(), 1.0)
@@ -235,7 +252,7 @@ def train(
     params = init_params(cfg, tc.seed)
     opt = make_optimizer(params, tc)
     state_path = work / STATE_FILE
-    step, log, seconds = _load_state(state_path, params, opt, tc)
+    step, log, seconds = load_state(state_path, params, opt, tc)
     model = TrainForward(cfg, params, tc.seq_len)
     progress = Progress(tc.steps)
     t0, start_step, elapsed = time.perf_counter(), step, 0.0
@@ -250,9 +267,9 @@ def train(
             left = elapsed / (step - start_step) * (tc.steps - step)
             progress.update(step, values, rate, left)
             if step % tc.save_every == 0 or step in (tc.steps, stop_at):
-                _save_state(state_path, params, opt, step, tc, log, seconds + elapsed)
+                save_state(state_path, params, opt, step, tc, log, seconds + elapsed)
     except KeyboardInterrupt:
-        _save_state(state_path, params, opt, step, tc, log, seconds + elapsed)
+        save_state(state_path, params, opt, step, tc, log, seconds + elapsed)
         progress.close()
         print(f"stopped at step {step}; run again to resume", file=sys.stderr)
         raise

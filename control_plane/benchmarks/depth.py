@@ -17,7 +17,13 @@ import tempfile
 from pathlib import Path
 from unittest import mock
 
-from control_plane.benchmarks.workload import FIXED_DRAFTS, Workload, median, serve
+from control_plane.benchmarks.workload import (
+    FIXED_DRAFTS,
+    Workload,
+    identical_to_none,
+    median,
+    serve,
+)
 from control_plane.scheduler.cost_model import cost_widths
 from control_plane.scheduler.seq import MTP, NONE
 
@@ -60,9 +66,9 @@ def depth(
                     reqs = work.requests(method, n, tokens, label)
                     runs[label].append(serve(lambda: engine, reqs, work.tokenizer, options))
             results = {label: median(r) for label, r in runs.items()}
-            base = [results[NONE]["tokens"][f"{NONE}-{i}"] for i in range(n)]
+            identical = identical_to_none(results, n)
             for label, r in results.items():
-                same = [r["tokens"][f"{label}-{i}"] for i in range(n)] == base
+                same = identical[label]
                 if not same:
                     failures.append(f"depth arm {label} at {n} concurrent differs from none")
                 spec = r["spec"]

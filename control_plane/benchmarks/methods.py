@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 
-from control_plane.benchmarks.workload import Workload, median, serve
+from control_plane.benchmarks.workload import Workload, identical_to_none, median, serve
 from control_plane.scheduler.seq import MTP, NONE, PROMPT_LOOKUP, SpecStats
 
 # label -> (method, scheduler options): the methods under the default options (`mtp`: the
@@ -46,9 +46,9 @@ def methods(
             if n in baselines:
                 outside.setdefault(n, []).append(baselines[n]())
         results = {m: median(r) for m, r in runs.items()}
-        base = [results[NONE]["tokens"][f"{NONE}-{i}"] for i in range(n)]
+        identical = identical_to_none(results, n)
         for m, r in results.items():
-            same = [r["tokens"][f"{m}-{i}"] for i in range(n)] == base
+            same = identical[m]
             if not same:
                 failures.append(f"{m} at {n} concurrent differs from none")
             rows.append(

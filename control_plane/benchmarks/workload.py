@@ -13,7 +13,7 @@ from pathlib import Path
 from control_plane.env import Env
 from control_plane.replicas import Drives
 from control_plane.scheduler.loop import Scheduler, SchedulerOptions
-from control_plane.scheduler.seq import Finish, GenRequest
+from control_plane.scheduler.seq import NONE, Finish, GenRequest
 from protos.model import Model
 
 PROMPTS = [
@@ -101,6 +101,13 @@ def median(runs: list[dict]) -> dict:
     for key in ("tok_s", "decode_tok_s", "step_ms"):
         out[key] = statistics.median(r[key] for r in runs)
     return out
+
+
+def identical_to_none(results: dict[str, dict], n: int) -> dict[str, bool]:
+    """Per label of `results` (`serve` results, requests named `label-i`), whether its `n`
+    requests made the tokens the `none` label's did."""
+    tokens = lambda label: [results[label]["tokens"][f"{label}-{i}"] for i in range(n)]  # noqa: E731
+    return {label: tokens(label) == tokens(NONE) for label in results}
 
 
 FIXED_DRAFTS = {"fixed_width": True, "dcut": False}  # num_drafts at every verify
