@@ -58,7 +58,7 @@ def test_bench_quick(tmp_path: Path) -> None:
     assert {r["method"] for r in report["methods"]} == {
         "none",
         "mtp",
-        "mtp_static",
+        "mtp_auto",
         "prompt_lookup",
     }
     assert all(r["identical"] for r in report["methods"])
@@ -216,7 +216,7 @@ def test_transformers_static_batch(tiny_dir: Path) -> None:
     assert sorted(runs) == [1, 4] and all(run() > 0 for run in runs.values())
     rows = [
         {"method": m, "concurrency": n, "tok_s": t}
-        for m, n, t in (("none", 4, 400.0), ("mtp", 4, 600.0), ("mtp_static", 4, 1.0))
+        for m, n, t in (("none", 4, 400.0), ("mtp", 4, 600.0), ("mtp_auto", 4, 1.0))
     ]
     got = batch_against_transformers(rows, [{"method": "mtp", "concurrency": 1}], 200.0, 4)
     assert got["in_process"] == {"none": 2.0, "mtp": 3.0} and got["grpc"] == {}

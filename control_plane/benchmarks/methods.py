@@ -9,14 +9,14 @@ from collections.abc import Callable
 from control_plane.benchmarks.workload import Workload, identical_to_none, median, serve
 from control_plane.scheduler.seq import MTP, NONE, PROMPT_LOOKUP, SpecStats
 
-# label -> (method, scheduler options): the methods under the default options (`mtp`: the
-# `auto` cost model, over the table `met bench` measures first), and mtp with the static K
-# ladder setting each step's width (`--spec-cost-model static`) instead.
-MTP_STATIC = "mtp_static"
+# label -> (method, scheduler options): the methods under the default options (the K ladder
+# sets each step's width), and mtp with the `auto` cost model over the table `met bench`
+# measures first (as a service that has measured its costs runs it).
+MTP_AUTO = "mtp_auto"
 VARIANTS = {
     NONE: (NONE, {}),
     MTP: (MTP, {}),
-    MTP_STATIC: (MTP, {"spec_cost_model": "static"}),
+    MTP_AUTO: (MTP, {"spec_cost_model": "auto"}),
     PROMPT_LOOKUP: (PROMPT_LOOKUP, {}),
 }
 

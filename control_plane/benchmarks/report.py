@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from control_plane.benchmarks.depth import depth_lines, depth_table
-from control_plane.benchmarks.methods import MTP_STATIC
+from control_plane.benchmarks.methods import MTP_AUTO
 from control_plane.scheduler.seq import MTP, NONE, PROMPT_LOOKUP
 
 
@@ -231,7 +231,7 @@ def draw_chart(report: dict, path: Path) -> None:
     rows = report["methods"]
     concs = sorted({r["concurrency"] for r in rows})
     names = [
-        m for m in (NONE, MTP, MTP_STATIC, PROMPT_LOOKUP) if any(r["method"] == m for r in rows)
+        m for m in (NONE, MTP, MTP_AUTO, PROMPT_LOOKUP) if any(r["method"] == m for r in rows)
     ]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     width = 0.8 / len(names)

@@ -1,9 +1,9 @@
 """`met bench`: what speculation buys, in one run so the machine's drift cancels out.
 
 On one checkpoint (default: the bundled one), each figure a median over repeats:
-- `none` vs `mtp` vs `prompt_lookup` under the default options (the `auto` cost model, over
-  the step-cost table the run measures first, as a service that has measured its costs), and
-  `mtp_static` (the K ladder alone) at several concurrencies: output tokens per second, mean
+- `none` vs `mtp` vs `prompt_lookup` under the default options, and `mtp_auto` (the `auto`
+  cost model over the step-cost table the run measures first, as a service that has
+  measured its costs runs it) at several concurrencies: output tokens per second, mean
   accepted length, acceptance per draft position; all must produce identical tokens (the run
   fails otherwise);
 - batched vs serial verify (`METRALE_NO_MTP_BATCH_VERIFY`);
@@ -84,7 +84,7 @@ def measure(args: argparse.Namespace) -> dict:
 
 def _measure(args: argparse.Namespace) -> dict:
     """Every section on one engine in this process, after the step-cost table that the
-    default (`auto`) cost model reads: as a service that has measured its costs runs."""
+    `auto` cost model reads: as a service that has measured its costs runs."""
     import torch
 
     from gpu_service.config import ServiceConfig

@@ -72,8 +72,10 @@ class SchedulerOptions:
         type=float,
         metavar="LOGPROB",
     )
+    # The ladder by default: on the bundled model the measured model was as fast or slower
+    # in every `met bench` run (docs/benchmarks.md, "D-Cut and the cost model").
     spec_cost_model: str = _option(
-        "auto",
+        "static",
         "draft depth from the K ladder (static), from measured step costs (measured: the "
         "service measures them once if it has no table), or from the table the service has "
         "for its model, forward and tiers, else the ladder (auto)",
