@@ -230,9 +230,7 @@ def draw_chart(report: dict, path: Path) -> None:
 
     rows = report["methods"]
     concs = sorted({r["concurrency"] for r in rows})
-    names = [
-        m for m in (NONE, MTP, MTP_AUTO, PROMPT_LOOKUP) if any(r["method"] == m for r in rows)
-    ]
+    names = [m for m in (NONE, MTP, MTP_AUTO, PROMPT_LOOKUP) if any(r["method"] == m for r in rows)]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     width = 0.8 / len(names)
     for j, m in enumerate(names):
