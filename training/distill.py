@@ -2,7 +2,8 @@
 distributions (self-distillation, as EAGLE and Medusa-2 train their drafters).
 
 A draft stands when it is the target's choice, not the corpus's next token, so after the main
-run the head's loss is the KL divergence from the target's distribution at the same position
+run the head's loss is the KL divergence from the target's distribution at the same position,
+plus `distill_hard` times a cross-entropy on the target's argmax
 (`TrainForward.distill_losses`); every other weight, the tied embedding included, stays as the
 main run left it. Its batches are drawn after the main run's (step `steps + s`), its schedule
 is the main run's shape over `distill_steps` at `distill_lr`, and it resumes from its own
