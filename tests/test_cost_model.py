@@ -9,8 +9,15 @@ from pathlib import Path
 import pytest
 
 from control_plane.env import Env
+from control_plane.scheduler import cost_model
 from control_plane.scheduler.context import StepContext
-from control_plane.scheduler.cost_model import PRIOR, Calibration, CostTable, propose_depth
+from control_plane.scheduler.cost_model import (
+    PRIOR,
+    Calibration,
+    CostTable,
+    drafted_line,
+    propose_depth,
+)
 from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.seq import GenRequest
@@ -56,6 +63,40 @@ def test_table_widths() -> None:
     assert t.step_ms(3, 1) == t.step_ms(4, 1), "the next larger measured width"
     assert t.step_ms(32, 0) == pytest.approx(t.step_ms(16, 0) * 2), "scaled past the largest"
     assert CostTable([CostEntry(1, 0, 1.0, 0.0)]).step_ms(1, 2) is None
+
+
+def test_drafted_depths_lie_on_their_line() -> None:
+    assert drafted_line({1: 6.0, 2: 7.0, 3: 8.0}) == pytest.approx({1: 6.0, 2: 7.0, 3: 8.0})
+    smoothed = drafted_line({1: 6.0, 2: 7.4, 3: 7.9})  # depth 2 measured high
+    assert smoothed == pytest.approx({1: 6.15, 2: 7.1, 3: 8.05})
+    assert drafted_line({1: 6.0, 2: 5.0, 3: 5.5}) == pytest.approx({1: 5.5, 2: 5.5, 3: 5.5}), (
+        "a step never costs less for drafting more: the slope floors at zero"
+    )
+    assert drafted_line({1: 6.0, 2: 9.0}) == {1: 6.0, 2: 9.0}, "two points: as measured"
+    t = CostTable(
+        [CostEntry(1, 0, 4.0, 1.0)]
+        + [CostEntry(1, d, ms, 0.0) for d, ms in ((1, 6.0), (2, 7.4), (3, 7.9))]
+    )
+    assert t.step_ms(1, 0) == 5.0, "depth 0 runs no drafter: as measured"
+    assert t.step_ms(1, 2) == pytest.approx(7.1)
+
+
+def test_a_noisy_cell_does_not_move_the_depth(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cell measured a fifth high: the line ranks the depths as the noiseless table does;
+    the raw cells would not."""
+    sure = Calibration()
+    for _ in range(40):
+        sure.observe(3, 3)
+    clean = {0: 5.0, 1: 6.0, 2: 7.0, 3: 8.0}
+    noisy = {**clean, 3: 9.5}
+
+    def pick(costs: dict[int, float]) -> int:
+        t = CostTable([CostEntry(1, d, ms, 0.0) for d, ms in costs.items()])
+        return propose_depth(t, sure, 1, 0.0, 32, 3)
+
+    assert (pick(clean), pick(noisy)) == (3, 3)
+    monkeypatch.setattr(cost_model, "drafted_line", dict)
+    assert pick(noisy) == 2, "unsmoothed, the noisy cell ranks depth 2 first"
 
 
 def test_propose_depth() -> None:

@@ -1,9 +1,10 @@
 """The measured cost model (`--spec-cost-model measured`): the step's draft depth from the
 service's measured verify and propose costs and the observed acceptance.
 
-For `n` active sequences and depth `d`, a step costs `verify(n, d) + propose(n, d)` (measured;
-a width between two measured ones takes the next larger, past the largest it scales
-linearly) and gains `n * (1 + a_1 + a_1 a_2 + ... + a_1..a_d)` tokens, `a_j` the acceptance at
+For `n` active sequences and depth `d`, a step costs `verify(n, d) + propose(n, d)`
+(measured, the drafted depths smoothed onto a line; a width between two measured ones takes
+the next larger, past the largest it scales linearly) and gains
+`n * (1 + a_1 + a_1 a_2 + ... + a_1..a_d)` tokens, `a_j` the acceptance at
 draft position j, observed over a window of verifies. Until a position has 32 observations it
 takes the deepest shallower position's rate, else 0.7 (about a trained MTP head's first-draft
 acceptance, so that a cold start drafts rather than waiting to learn that it should).
@@ -61,9 +62,16 @@ class Calibration:
 
 
 class CostTable:
+    """Step costs by (width, depth): depth 0 as measured, the drafted depths of each width on
+    their least-squares line (`drafted_line`)."""
+
     def __init__(self, entries: list[CostEntry]) -> None:
-        self.cost = {(e.width, e.depth): e.verify_ms + e.propose_ms for e in entries}
+        measured = {(e.width, e.depth): e.verify_ms + e.propose_ms for e in entries}
         self.widths = sorted({e.width for e in entries})
+        self.cost = dict(measured)
+        for w in self.widths:
+            drafted = {d: ms for (ww, d), ms in measured.items() if ww == w and d > 0}
+            self.cost.update({(w, d): ms for d, ms in drafted_line(drafted).items()})
 
     def step_ms(self, n: int, depth: int) -> float | None:
         larger = [w for w in self.widths if w >= n]
@@ -72,6 +80,22 @@ class CostTable:
         if ms is None:
             return None
         return ms if larger else ms * n / w
+
+
+def drafted_line(costs: dict[int, float]) -> dict[int, float]:
+    """Drafted depths' step costs (depth -> ms) on their least-squares line, its slope floored
+    at zero; fewer than three depths stay as measured. A drafted step is the drafter's fixed
+    work plus, per draft, one MTP pass and one more verified row: linear in the depth. Each
+    measured cell carries a few percent of noise, enough to rank depth 2 over depth 3 where
+    their rates lie that close; the line ranks them by what every cell measured. Depth 0
+    runs no drafter, so it is not on the line."""
+    if len(costs) < 3:
+        return dict(costs)
+    n = len(costs)
+    mean_d, mean_ms = sum(costs) / n, sum(costs.values()) / n
+    spread = sum((d - mean_d) ** 2 for d in costs)
+    slope = max(0.0, sum((d - mean_d) * (ms - mean_ms) for d, ms in costs.items()) / spread)
+    return {d: mean_ms + slope * (d - mean_d) for d in costs}
 
 
 def propose_depth(
