@@ -11,6 +11,7 @@ import torch
 
 from gpu_service.config import ModelConfig
 from gpu_service.model.batch import Batch
+from gpu_service.model.ops import ROW_TILE, linear
 from gpu_service.state import DeviceState
 from kernels.attention.naive import varlen_attention
 from kernels.causal_conv1d.naive import varlen_causal_conv1d
@@ -27,6 +28,10 @@ Cache = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 class EagerOps:
     name = "eager"
+
+    def linear(self, x: torch.Tensor, weight_t: torch.Tensor, tile: int = ROW_TILE) -> torch.Tensor:
+        """x: [P, K] (P a multiple of `tile`), weight_t: [K, N] -> [P, N]: `ops.linear`."""
+        return linear(x, weight_t, tile)
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, one_plus: torch.Tensor | None, eps: float

@@ -15,7 +15,7 @@ import torch
 from gpu_service.config import FULL, ModelConfig
 from gpu_service.model.backend import EAGER, Ops
 from gpu_service.model.batch import Batch, Layout, Segment, build
-from gpu_service.model.ops import ROW_TILE, apply_rope, linear, pad_rows, rope_table
+from gpu_service.model.ops import ROW_TILE, apply_rope, pad_rows, rope_table
 from gpu_service.state import DeviceState
 from kernels.attention.naive import KEY_BLOCK
 from kernels.common import sigmoid, silu, softplus
@@ -117,7 +117,7 @@ class HybridModel:
 
     def logits(self, hidden: torch.Tensor, tile: int = ROW_TILE) -> torch.Tensor:
         """hidden: [R, H] -> [R, vocab], in tiles of `tile` rows."""
-        return linear(pad_rows(hidden, tile), self.wt["lm_head"], tile)[: hidden.shape[0]]
+        return self.ops.linear(pad_rows(hidden, tile), self.wt["lm_head"], tile)[: hidden.shape[0]]
 
     # -- MTP head ----------------------------------------------------------------------
 
@@ -136,7 +136,7 @@ class HybridModel:
         batch = segs if isinstance(segs, Batch) else self.batch(segs, state, VERIFY)
         emb = pad_rows(self.mtp_embed.index_select(0, tokens), ROW_TILE)
         hid = self._norm(pad_rows(hidden, ROW_TILE), "mtp.pre_fc_norm_hidden")
-        x = linear(torch.cat([emb, hid], dim=-1), self.wt["mtp.fc"])
+        x = self.ops.linear(torch.cat([emb, hid], dim=-1), self.wt["mtp.fc"])
         p = "mtp.layers.0"
         cache = (state.mtp_k, state.mtp_v, state.mtp_valid)
         h = self._norm(x, f"{p}.input_layernorm")
@@ -153,10 +153,10 @@ class HybridModel:
     def _mlp(self, p: str, x: torch.Tensor) -> torch.Tensor:
         if f"{p}.gate.weight" in self.w:
             return self._moe(p, x)
-        gate_up = linear(x, self.wt[f"{p}.gate_up_proj"])  # [P, 2I]: gate, then up
+        gate_up = self.ops.linear(x, self.wt[f"{p}.gate_up_proj"])  # [P, 2I]: gate, then up
         inner = gate_up.shape[1] // 2
         act = silu(gate_up)[:, :inner] * gate_up[:, inner:]
-        return linear(act, self.wt[f"{p}.down_proj"])
+        return self.ops.linear(act, self.wt[f"{p}.down_proj"])
 
     def _moe(self, p: str, x: torch.Tensor) -> torch.Tensor:
         """Qwen3-Next's sparse block: softmax router, top-k experts (renormalised when
@@ -165,7 +165,7 @@ class HybridModel:
         Every expert runs over every row, weighted by zero where it was not chosen: no
         data-dependent shapes, so the step stays a fixed set of operations."""
         cfg = self.cfg
-        logits = linear(x, self.wt[f"{p}.gate"]).float()  # [P, E]
+        logits = self.ops.linear(x, self.wt[f"{p}.gate"]).float()  # [P, E]
         probs = torch.softmax(logits, -1)
         weights, chosen = probs.topk(cfg.num_experts_per_tok, dim=-1)  # [P, k]
         if cfg.norm_topk_prob:
@@ -175,7 +175,7 @@ class HybridModel:
         for e in range(cfg.num_experts):
             out = out + self._mlp(f"{p}.experts.{e}", x) * dense[:, e : e + 1]
         if f"{p}.shared_expert_gate.weight" in self.w:
-            gate = sigmoid(linear(x, self.wt[f"{p}.shared_expert_gate"]))
+            gate = sigmoid(self.ops.linear(x, self.wt[f"{p}.shared_expert_gate"]))
             out = out + gate * self._mlp(f"{p}.shared_expert", x)
         return out
 
@@ -185,7 +185,9 @@ class HybridModel:
         """-> q [P, Hq, d] (scaled by d ** -0.5), gate [P, Hq * d], k, v [P, Hkv, d]"""
         cfg, rows = self.cfg, x.shape[0]
         d, hq, hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-        out = linear(x, self.wt[f"{p}.qkvg"])  # [P, (Hq + Hkv) d | Hq d | Hkv d]: q, k, gate, v
+        out = self.ops.linear(
+            x, self.wt[f"{p}.qkvg"]
+        )  # [P, (Hq + Hkv) d | Hq d | Hkv d]: q, k, gate, v
         qk_w = (hq + hkv) * d
         qk = self.ops.head_norm(
             out[:, :qk_w].view(rows, hq + hkv, d), *self.head_norms[p], cfg.rms_norm_eps
@@ -219,7 +221,7 @@ class HybridModel:
         q, gate = self._project_kv(p, x, batch, rope, cache)
         out = self.ops.attend(q, cache, batch)
         out = out.reshape(x.shape[0], -1) * sigmoid(gate)
-        return linear(out, self.wt[f"{p}.o_proj"])
+        return self.ops.linear(out, self.wt[f"{p}.o_proj"])
 
     def _gdn(
         self,
@@ -232,8 +234,10 @@ class HybridModel:
     ) -> torch.Tensor:
         cfg, rows, p = self.cfg, x.shape[0], f"model.layers.{n}.linear_attn"
         hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
-        qkvz = linear(x, self.wt[f"{p}.in_proj_qkvz"])  # [P, conv_dim | value_dim]: q, k, v, z
-        ba = linear(x, self.wt[f"{p}.in_proj_ba"]).float()  # [P, 2 Hv]: b, a
+        qkvz = self.ops.linear(
+            x, self.wt[f"{p}.in_proj_qkvz"]
+        )  # [P, conv_dim | value_dim]: q, k, v, z
+        ba = self.ops.linear(x, self.wt[f"{p}.in_proj_ba"]).float()  # [P, 2 Hv]: b, a
         beta = sigmoid(ba)[:, :hv]
         g = softplus(ba + self.ba_bias[n])[:, hv:] * self.neg_a[n]
         mixed, z = qkvz[:, : cfg.conv_dim], qkvz[:, cfg.conv_dim :]
@@ -244,7 +248,7 @@ class HybridModel:
         normed = self.ops.gated_rms_norm(
             out.to(x.dtype), z.reshape(rows, hv, dv), self.w[f"{p}.norm.weight"], cfg.rms_norm_eps
         )
-        return linear(normed.reshape(rows, hv * dv), self.wt[f"{p}.out_proj"])
+        return self.ops.linear(normed.reshape(rows, hv * dv), self.wt[f"{p}.out_proj"])
 
 
 def _write_kv(

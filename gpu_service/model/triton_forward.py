@@ -8,6 +8,7 @@ import torch
 from gpu_service.config import ModelConfig
 from gpu_service.model.backend import Cache, EagerOps
 from gpu_service.model.batch import Batch
+from gpu_service.model.ops import ROW_TILE
 from gpu_service.state import DeviceState
 from kernels.argmax.triton import argmax_confidence
 from kernels.attention.triton import attention
@@ -15,6 +16,7 @@ from kernels.causal_conv1d.triton import causal_conv1d, causal_conv1d_update
 from kernels.fold.triton import fold
 from kernels.gated_delta_rule.chunk import chunk_gated_delta_rule
 from kernels.gated_delta_rule.recurrent import recurrent_gated_delta_rule
+from kernels.matmul.triton import matmul
 from kernels.rmsnorm.triton import gated_rms_norm, rms_norm
 
 
@@ -67,6 +69,14 @@ def mix_gdn(
 
 class TritonOps(EagerOps):
     name = "triton"
+
+    def linear(self, x: torch.Tensor, weight_t: torch.Tensor, tile: int = ROW_TILE) -> torch.Tensor:
+        """The batch-invariant GEMM on a GPU, where cuBLAS picks its kernel by the row count.
+        On the CPU the tiled torch product stays: it is batch invariant there already (see
+        `gpu_service/model/ops.py`), and the interpreted GEMM would cost the suite minutes."""
+        if x.device.type == "cuda":
+            return matmul(x, weight_t)
+        return super().linear(x, weight_t, tile)
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, one_plus: torch.Tensor | None, eps: float
