@@ -122,18 +122,50 @@ def test_the_control_plane_serves_http_on_its_published_port(services: dict) -> 
     assert "--host" in command and command[command.index("--host") + 1] == "0.0.0.0"
 
 
+def _flag(command: list[str], flag: str) -> str:
+    return command[command.index(flag) + 1]
+
+
+def _index_url(svc: dict) -> str:
+    """The TORCH_INDEX_URL a service's image is built with: its build argument, else the
+    Dockerfile's default."""
+    args = svc["build"].get("args") or {}
+    if "TORCH_INDEX_URL" in args:
+        return args["TORCH_INDEX_URL"]
+    (line,) = [
+        x for x in (ROOT / "Dockerfile").read_text().splitlines() if x.startswith("ARG TORCH_")
+    ]
+    return line.split("=", 1)[1]
+
+
+def test_the_gpu_stack_serves_on_cuda_from_cuda_wheels(services: dict) -> None:
+    for name in _replicas(services):
+        assert _flag(services[name]["command"], "--device") == "cuda"
+    for name in (*_replicas(services), "control-plane"):
+        assert "/whl/cu" in _index_url(services[name]), name
+
+
 def test_cpu_variant_reserves_no_gpu(services: dict, cpu_services: dict) -> None:
     assert _replicas(cpu_services) == _replicas(services)
     for name in cpu_services:
         assert "deploy" not in cpu_services[name], name
+    for name in _replicas(cpu_services):
+        assert _flag(cpu_services[name]["command"], "--device") == "cpu"
+        without = [a for a in cpu_services[name]["command"] if a not in ("--device", "cpu")]
+        assert without == [a for a in services[name]["command"] if a not in ("--device", "cuda")]
+    for name in (*_replicas(cpu_services), "control-plane"):
+        assert _index_url(cpu_services[name]).endswith("/whl/cpu"), name
     assert cpu_services["control-plane"]["command"] == services["control-plane"]["command"]
     assert HTTP_PORT in [p["published"] for p in cpu_services["control-plane"]["ports"]]
 
 
 def test_dockerfile_installs_as_the_readme() -> None:
     install = "python3 -m venv .venv && .venv/bin/pip install"
-    assert install in (ROOT / "Dockerfile").read_text()
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert install in dockerfile
     assert install in (ROOT / "README.md").read_text()
+    assert '--extra-index-url "$TORCH_INDEX_URL" -e .' in dockerfile, "torch's build: the arg"
+    assert "gcc" in dockerfile, "Triton builds its driver with a C compiler"
 
 
 def test_binary_rejects_a_broken_file(tmp_path: Path) -> None:
