@@ -212,6 +212,7 @@ class ServiceConfig:
     max_rows: int = 64  # row budget of one batched call
     max_batch: int = 32  # sequences in one batched verify or propose (stash width)
     max_prefill_tokens: int = 4096  # tokens in one prefill call, over all sequences
+    cuda_graphs: bool = True  # replay captured graphs on a CUDA device (gpu_service/graphs.py)
 
     @property
     def slot_verify_drafts(self) -> tuple[int, ...]:

@@ -123,6 +123,15 @@ class Drafter:
         at a time. -> drafts [n, nd] int64, confidences [n, nd] fp32 (the draft's softmax
         probability); the last draft's logits stay in the buffer."""
         n = tok.shape[0]
+        graphs = self.choice.graphs
+        if graphs is not None and not sampled and not self.choice.serial:
+            graphed = graphs.chain(tok, hidden, slots, pos, top, num_drafts)
+            if graphed is not None:
+                drafts, confs, self.state.logits = graphed
+                if states is not None:
+                    for s in states:
+                        s.draft_probs = None
+                return drafts, confs
         parts = [range(i, i + 1) for i in range(n)] if self.choice.serial else [range(n)]
         out, logits = [], []
         for part in parts:

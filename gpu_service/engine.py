@@ -6,6 +6,7 @@ operation per call under one lock, and never decides what runs next."""
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
@@ -15,10 +16,11 @@ import torch
 from opentelemetry import propagate
 from opentelemetry.trace import SpanKind
 
-from gpu_service import costs
+from gpu_service import costs, graphs
 from gpu_service.config import ModelConfig, ServiceConfig
 from gpu_service.device import describe_device, resolve_device
 from gpu_service.drafter import Drafter
+from gpu_service.graphs import Capture, Graphs
 from gpu_service.model.backend import EAGER, Choice, EagerOps
 from gpu_service.model.digest import checkpoint_digest
 from gpu_service.model.hybrid import HybridModel
@@ -92,6 +94,23 @@ class Engine:
         self.steps = Steps(self.svc, self.verifier, self.drafter)
         # Reentrant: measuring costs runs the single operations under the same hold.
         self._lock = threading.RLock()
+        self._capture: Capture | None = None
+        if graphs.wanted(self.svc.cuda_graphs, self.device, os.environ):
+            self.use_graphs(graphs.cuda_capture)
+
+    def use_graphs(self, capture: Capture | None) -> None:
+        """Replay the batched verify and the chain from graphs captured by `capture` (None:
+        eager). The CPU has no graphs; tests pass `graphs.replay_eagerly` to run the same
+        buffers, padding and fallbacks without a capture."""
+        with self._lock:
+            self._capture = capture
+            self.choice.graphs = (
+                None
+                if capture is None
+                else Graphs(
+                    self.model, self.state, self.svc.max_batch, self.svc.max_context, capture
+                )
+            )
 
     @contextmanager
     def _hold(self) -> Iterator[None]:
@@ -125,6 +144,7 @@ class Engine:
             max_batch=self.svc.max_batch,
             max_prefill_tokens=self.svc.max_prefill_tokens,
             model_digest=self.digest,
+            graphs=self.choice.graphs is not None,
         )
 
     def tokenizer_files(self) -> dict[str, bytes]:

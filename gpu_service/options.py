@@ -54,6 +54,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--threads", type=int, default=1, help="torch intra-op threads of the engine (CPU)"
     )
+    _add_graphs_flag(parser)
     parser.add_argument(
         "--otlp-endpoint",
         default=None,
@@ -79,6 +80,17 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_graphs_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=ServiceConfig.cuda_graphs,
+        help="on a CUDA device, replay the batched verify and the drafter's chain from captured "
+        "graphs, per batch bucket and rows per sequence (METRALE_NO_MTP_VERIFY_GRAPHS set also "
+        "turns them off; default: on)",
+    )
+
+
 def service_config(args: argparse.Namespace) -> ServiceConfig:
     if args.max_context % 64:
         raise SystemExit(f"--max-context {args.max_context} is not a multiple of 64")
@@ -88,6 +100,7 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
         max_rows=args.max_rows,
         max_batch=args.max_batch,
         max_prefill_tokens=args.max_prefill_tokens,
+        cuda_graphs=args.cuda_graphs,
     )
 
 

@@ -18,7 +18,11 @@ class DeviceState:
     ) -> None:
         slots, ctx = svc.num_slots, svc.max_context
         n_full, n_lin = len(cfg.full_layers), len(cfg.linear_layers)
-        kv = (slots, ctx, cfg.num_key_value_heads, cfg.head_dim)
+        # One more slot than sequences can own: the pad slot, where the rows a batched call
+        # carries for no sequence write (a draft without room, a captured graph's padding),
+        # so that no host decision picks which rows run.
+        self.pad_slot = slots
+        kv = (slots + 1, ctx, cfg.num_key_value_heads, cfg.head_dim)
         gdn = (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
         window = (cfg.linear_conv_kernel_dim - 1, cfg.conv_dim)
         # Attention KV per full-attention layer: [layer, slot, position, kv_head, head_dim]
@@ -26,25 +30,23 @@ class DeviceState:
         self.v_cache = torch.zeros(n_full, *kv, dtype=dtype, device=device)
         # Live GDN state per linear layer: [layer, slot, Hv, dk, dv] fp32; conv window
         # [layer, slot, W-1, conv_dim], oldest input first.
-        self.gdn = torch.zeros(n_lin, slots, *gdn, dtype=torch.float32, device=device)
-        self.conv = torch.zeros(n_lin, slots, *window, dtype=dtype, device=device)
+        self.gdn = torch.zeros(n_lin, slots + 1, *gdn, dtype=torch.float32, device=device)
+        self.conv = torch.zeros(n_lin, slots + 1, *window, dtype=dtype, device=device)
         # Verify buffers: slot s owns rows offset[s] .. offset[s] + capacity + 1 of the pool,
         # one per verified row; the tiers give low slots the deep rows.
         caps = svc.slot_verify_drafts
         self.verify_offset = [sum(c + 1 for c in caps[:s]) for s in range(slots)]
         self.verify_rows = [c + 1 for c in caps]
         self.verify_offset_t = torch.tensor(self.verify_offset, device=device)
-        # One more row than the slots own: where a batched call's padding entries write.
+        # Rows no slot owns, from `pad_vrow` on: where a batched call's padding entries write,
+        # and the pad slot's verify rows (as many as the deepest slot's).
         self.pad_vrow = sum(self.verify_rows)
-        pool = self.pad_vrow + 1
+        pool = self.pad_vrow + max(self.verify_rows)
         self.verify_gdn = torch.zeros(n_lin, pool, *gdn, dtype=torch.float32, device=device)
         self.verify_conv = torch.zeros(n_lin, pool, *window, dtype=dtype, device=device)
-        # Drafter KV: [slot, position, kv_head, head_dim]; a position is valid once an entry
-        # was written there and not trimmed. One more slot than sequences can own: where the
-        # drafts of a sequence that has no room for them write, so that a batched propose
-        # needs no host decision on which rows to run.
-        self.pad_slot = slots
-        mtp_kv = (slots + 1, *kv[1:])
+        # Drafter KV: [slot, position, kv_head, head_dim], the pad slot's included; a position
+        # is valid once an entry was written there and not trimmed.
+        mtp_kv = kv
         self.mtp_k = torch.zeros(mtp_kv, dtype=dtype, device=device)
         self.mtp_v = torch.zeros(mtp_kv, dtype=dtype, device=device)
         self.mtp_valid = torch.zeros(slots + 1, ctx, dtype=torch.bool, device=device)

@@ -73,10 +73,14 @@ class Verifier:
     ) -> torch.Tensor:
         """Every sequence's rows through the target -> their final hiddens [R, H]."""
 
+        graphs = self.choice.graphs if mode == VERIFY and not self.choice.serial else None
+
         def fn(idx: list[int]) -> torch.Tensor:
             group, toks = [states[i] for i in idx], [rows[i] for i in idx]
             segs = segments(group, [len(t) for t in toks], [s.seq_len for s in group])
             flat = [t for ts in toks for t in ts]
+            if graphs is not None and (out := graphs.verify(segs, flat, write_live)) is not None:
+                return out
             tokens = torch.tensor(flat, device=self.model.device)
             hidden = self.model.forward(tokens, segs, self.state, mode, write_live)
             if mode == PREFILL:

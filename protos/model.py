@@ -129,6 +129,9 @@ class Capabilities:
     # Names the checkpoint served (config.json and the weights, gpu_service/model/digest.py),
     # so a control plane over several replicas can refuse one that serves another model.
     model_digest: str
+    # Whether the batched verify and the drafter's chain replay captured graphs (CUDA graphs;
+    # `--no-cuda-graphs` or METRALE_NO_MTP_VERIFY_GRAPHS: eager).
+    graphs: bool = False
 
 
 @dataclass(frozen=True)

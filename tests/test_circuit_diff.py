@@ -31,6 +31,7 @@ from control_plane.launch import start_gpu_service, stop
 from control_plane.scheduler.verdict import offsets
 from gpu_service.config import ServiceConfig
 from gpu_service.engine import Engine
+from gpu_service.graphs import replay_eagerly
 from gpu_service.state import DeviceState
 from protos.defaults import DEFAULT_MODEL_DIR
 from protos.model import Logits
@@ -107,15 +108,24 @@ def test_thin_shapes_fail() -> None:
 # -- whole runs ----------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
 @pytest.mark.parametrize(
     "flags",
     [(), ("--fragment",), ("--mtp",), ("--fragment", "--mtp")],
     ids=["plain", "fragment", "mtp", "fragment-mtp"],
 )
-def test_passes_in_process(tiny_dir: Path, flags: tuple[str, ...]) -> None:
+def test_passes_in_process(tiny_dir: Path, flags: tuple[str, ...], graphed: bool) -> None:
+    """Graphed: the batched verify and chain replay graphs (run eagerly, the CPU has no
+    capture) over padded buckets; `-serial` never does, so the PASS holds them to eager."""
     engine = Engine(tiny_dir, ServiceConfig(verify_tiers="4:3,4:2,8:1", max_context=256))
+    if graphed:
+        engine.use_graphs(replay_eagerly)
     report = run_diff(engine, args("--widths", "2,3,5", "--ks", "2,3,4", "--steps", "6", *flags))
     assert report["verdict"] == "PASS", report["reasons"]
+    assert report["graphs"] == ("graphed" if graphed else "eager")
+    if graphed:
+        g = engine.choice.graphs
+        assert g is not None and g.replays > 0, "the batched forward replayed graphs"
     assert all(s["detection_control"]["mismatched_steps"] > 0 for s in report["shapes"])
     # Slots 4-7 verify two drafts: the spare slot moves one more sequence onto them.
     caps = [s["ks"] for s in report["shapes"]]

@@ -106,8 +106,9 @@ def build_report(model: Model, args: argparse.Namespace, shapes: list[ShapeRepor
     caps = model.capabilities()
     reasons = verify_batch_failures(shapes)
     return {
-        # This service has no captured graphs: every forward runs eagerly.
-        "graphs": "eager",
+        # Whether the service's batched verify replays captured graphs (the serial forwards
+        # never do, so a PASS against `-serial` holds the graphs to the eager bytes).
+        "graphs": "graphed" if caps.graphs else "eager",
         "fragment_slots": args.fragment,
         "drafter": args.mtp,
         "steps": args.steps,

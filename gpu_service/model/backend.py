@@ -6,6 +6,7 @@ parts are shared."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,6 +23,9 @@ from kernels.gated_delta_rule.naive import (
     varlen_recurrent_gated_delta_rule,
 )
 from kernels.rmsnorm.naive import gated_rms_norm
+
+if TYPE_CHECKING:
+    from gpu_service.graphs import Graphs
 
 Cache = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
@@ -143,6 +147,8 @@ class Choice:
         self.ops: EagerOps = EAGER
         self.serial = False
         self.after_fold: Callable[[DeviceState, list[int]], None] | None = None
+        # The captured graphs (gpu_service/graphs.py) the batched forwards replay; None: eager.
+        self.graphs: Graphs | None = None
 
 
 def upload(device: torch.device, *lists: Sequence[int]) -> list[torch.Tensor]:

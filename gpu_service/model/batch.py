@@ -81,8 +81,24 @@ def key_len(length: int, block: int) -> int:
     return _blocks(length, block) * block
 
 
-def build(segs: list[Segment], layout: Layout, row_tile: int, device: torch.device) -> Batch:
-    """Every index tensor of a call, in one host-to-device copy."""
+@dataclass(frozen=True)
+class HostBatch:
+    """A call's metadata on the host: the int64 index lists by `Batch` field, then the int32
+    lists of the Triton kernels (`cu_seqlens`, `seq_slot32`, `seq_start32`, `seq_vrow32`)."""
+
+    segs: tuple[Segment, ...]
+    rows: int
+    padded: int
+    steps: int
+    chunk: int
+    key_len: int
+    key_block: int
+    parts: dict[str, list[int]]
+    small: dict[str, list[int]]
+
+
+def host_batch(segs: list[Segment], layout: Layout, row_tile: int) -> HostBatch:
+    """Every index list of a call, on the host."""
     rows = segs[-1].row + segs[-1].count
     padded = padded_rows(rows, row_tile)
     chunk = layout.chunk
@@ -100,29 +116,53 @@ def build(segs: list[Segment], layout: Layout, row_tile: int, device: torch.devi
         "conv_src": _conv_src(segs, padded, layout.conv_width),
         **_grid(segs, padded, steps, layout),
     }
-    sizes = [len(v) for v in parts.values()]
-    flat = torch.tensor([x for v in parts.values() for x in v], dtype=torch.long, device=device)
-    views = dict(zip(parts, flat.split(sizes), strict=True))
-    cu = [s.row for s in segs] + [rows]
-    small = torch.tensor(
-        [*cu, *(s.slot for s in segs), *(s.start for s in segs), *_vrows(segs, layout)],
-        dtype=torch.int32,
-        device=device,
-    ).split([len(segs) + 1, len(segs), len(segs), len(segs)])
-    return Batch(
+    small = {
+        "cu_seqlens": [s.row for s in segs] + [rows],
+        "seq_slot32": [s.slot for s in segs],
+        "seq_start32": [s.start for s in segs],
+        "seq_vrow32": _vrows(segs, layout),
+    }
+    return HostBatch(
         segs=tuple(segs),
         rows=rows,
         padded=padded,
         steps=steps,
         chunk=chunk,
         key_len=key_len(max(s.start + s.count for s in segs), layout.key_block),
-        cu_seqlens=small[0],
-        seq_slot32=small[1],
-        seq_start32=small[2],
-        seq_vrow32=small[3],
         key_block=layout.key_block,
-        **views,
+        parts=parts,
+        small=small,
     )
+
+
+def on_device(host: HostBatch, flat: torch.Tensor, small: torch.Tensor) -> Batch:
+    """The `Batch` whose index tensors are views of `flat` (int64, the parts in order) and
+    `small` (int32, the Triton kernels' lists in order)."""
+    views = dict(zip(host.parts, flat.split([len(v) for v in host.parts.values()]), strict=True))
+    smalls = dict(zip(host.small, small.split([len(v) for v in host.small.values()]), strict=True))
+    return Batch(
+        segs=host.segs,
+        rows=host.rows,
+        padded=host.padded,
+        steps=host.steps,
+        chunk=host.chunk,
+        key_len=host.key_len,
+        key_block=host.key_block,
+        **views,
+        **smalls,
+    )
+
+
+def build(segs: list[Segment], layout: Layout, row_tile: int, device: torch.device) -> Batch:
+    """Every index tensor of a call, in one host-to-device copy per dtype."""
+    host = host_batch(segs, layout, row_tile)
+    flat = torch.tensor(
+        [x for v in host.parts.values() for x in v], dtype=torch.long, device=device
+    )
+    small = torch.tensor(
+        [x for v in host.small.values() for x in v], dtype=torch.int32, device=device
+    )
+    return on_device(host, flat, small)
 
 
 def _row_pos(segs: list[Segment], padded: int) -> list[int]:

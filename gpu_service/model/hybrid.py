@@ -73,16 +73,19 @@ class HybridModel:
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return self.ops_norm(x, name, self.ops)
 
-    def batch(self, segs: list[Segment], state: DeviceState, mode: str) -> Batch:
-        layout = Layout(
+    def layout(self, state: DeviceState, mode: str) -> Layout:
+        """A call's shape parameters; in a verify, the pad slot's rows start at `pad_vrow`."""
+        return Layout(
             query_tile=QUERY_TILE[mode],
             key_block=KEY_BLOCK,
             conv_width=self.cfg.linear_conv_kernel_dim,
             chunk=GDN_CHUNK if mode == PREFILL else 0,
-            verify_offset=tuple(state.verify_offset) if mode == VERIFY else (),
+            verify_offset=(*state.verify_offset, state.pad_vrow) if mode == VERIFY else (),
             pad_vrow=state.pad_vrow,
         )
-        return build(segs, layout, ROW_TILE, self.device)
+
+    def batch(self, segs: list[Segment], state: DeviceState, mode: str) -> Batch:
+        return build(segs, self.layout(state, mode), ROW_TILE, self.device)
 
     # -- target model ------------------------------------------------------------------
 

@@ -1,0 +1,269 @@
+"""Captured graphs of the verify forward and of the drafter's chain: CUDA graphs on a GPU, where
+small-batch decoding is otherwise bound by kernel launches.
+
+A graph is captured once per key, over persistent buffers, and replayed after its inputs are
+copied in:
+- the verify: (forward, batch bucket, rows per sequence, key length, whether the live state
+  advances).
+  One int64 buffer holds the call's tokens and every index list of its `Batch`, filled by one
+  host-to-device copy; the Triton kernels' int32 lists are converted from it inside the graph.
+- the chain: (forward, batch bucket, drafts, key length). Its inputs are on the device already (the
+  verify's argmax and hidden rows): one copy of the token, slot and position rows, one of the
+  hiddens.
+A call of n sequences runs in the smallest bucket that holds it; the bucket's other sequences
+are padding on the pad slot (`DeviceState.pad_slot`), which no sequence owns, at positions
+0 onwards, and their rows are never read. Key lengths go in powers of two of the key block up
+to the context: a row's bytes do not depend on the keys read past its own (see
+`kernels/attention/naive.py`), nor on the rows beside it, so a replay gives every real row the
+bytes the eager forward gives it.
+
+A call no graph fits runs eagerly (`Graphs.fallbacks` counts them): sequences with different
+row counts, more sequences than the largest bucket, a sampled chain. The serial forwards never
+ask. On the CPU nothing is captured: `replay_eagerly` runs the function at every replay over
+the same buffers, which is how the tests exercise all but the capture itself."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+
+import torch
+
+from gpu_service.model.batch import HostBatch, Segment, draft_batch, host_batch, on_device
+from gpu_service.model.hybrid import VERIFY, HybridModel
+from gpu_service.model.ops import ROW_TILE
+from gpu_service.state import DeviceState
+from kernels.attention.naive import KEY_BLOCK
+
+# Sequences per graph: multiples of ROW_TILE, so a chain's rows need no padding of their own.
+BUCKETS = (4, 8, 16, 32, 64, 128, 256)
+# What turns the graphs off, as the seed's engine names it; `--no-cuda-graphs` does the same.
+NO_GRAPHS_ENV = "METRALE_NO_MTP_VERIFY_GRAPHS"
+
+Run = Callable[[], None]
+# Captures `run` (which reads and writes only persistent buffers) -> its replay.
+Capture = Callable[[Run], Run]
+
+
+def wanted(cuda_graphs: bool, device: torch.device, environ: Mapping[str, str]) -> bool:
+    """Whether a service captures graphs: on a CUDA device, unless `--no-cuda-graphs` or the
+    seed's switch says no."""
+    return cuda_graphs and device.type == "cuda" and NO_GRAPHS_ENV not in environ
+
+
+def buckets(max_batch: int) -> tuple[int, ...]:
+    """The buckets a service of `max_batch` sequences per call captures: up to the first that
+    holds `max_batch`."""
+    out = []
+    for b in BUCKETS:
+        out.append(b)
+        if b >= max_batch:
+            break
+    return tuple(out)
+
+
+def bucket_for(n: int, sizes: tuple[int, ...]) -> int | None:
+    """The smallest bucket that holds `n` sequences; None past the largest."""
+    return next((b for b in sizes if b >= n), None)
+
+
+def key_bucket(length: int, max_context: int) -> int:
+    """Keys a graph's attention reads to see `length` positions: a power of two of key blocks,
+    at most the context."""
+    blocks = -(-length // KEY_BLOCK)
+    return min(KEY_BLOCK * (1 << max(blocks - 1, 0).bit_length()), max_context)
+
+
+def cuda_capture(run: Run) -> Run:
+    """A CUDA graph of `run`: run once on a side stream first (lazy allocations, Triton
+    compiles, cuBLAS handles happen outside the capture), then captured into the pool all
+    this process's graphs share. Sharing is safe: graphs replay one at a time, and what a
+    caller reads after a replay lies in buffers allocated before any capture."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=_pool()):
+        run()
+    return graph.replay
+
+
+_POOL: list = []
+
+
+def _pool():
+    if not _POOL:
+        _POOL.append(torch.cuda.graph_pool_handle())
+    return _POOL[0]
+
+
+def replay_eagerly(run: Run) -> Run:
+    """The CPU's stand-in for a capture: `run` once now, as the warm-up before a capture, and
+    again at every replay."""
+    run()
+    return run
+
+
+@dataclass
+class _Graph:
+    replay: Run
+    inputs: list[torch.Tensor]  # what each call copies its inputs into
+    outputs: list[torch.Tensor]
+    replays: int = 0
+
+
+class Graphs:
+    """The engine's captured graphs, by key, with the counts tests and reports read."""
+
+    def __init__(
+        self,
+        model: HybridModel,
+        state: DeviceState,
+        max_batch: int,
+        max_context: int,
+        capture: Capture,
+    ) -> None:
+        self.model, self.state, self.capture = model, state, capture
+        self.sizes, self.max_context = buckets(max_batch), max_context
+        self.graphs: dict[tuple, _Graph] = {}
+        self.fallbacks = 0
+
+    @property
+    def captures(self) -> int:
+        return len(self.graphs)
+
+    @property
+    def replays(self) -> int:
+        return sum(g.replays for g in self.graphs.values())
+
+    # -- verify --------------------------------------------------------------------------
+
+    def verify(
+        self, segs: list[Segment], tokens: list[int], write_live: bool
+    ) -> torch.Tensor | None:
+        """The verify forward of `segs` (rows in order, `tokens` theirs) by a graph -> final
+        hiddens [R, H] (a view of the graph's output, valid until its next replay), or None
+        where no graph fits and the caller runs it eagerly."""
+        counts = {s.count for s in segs}
+        b = bucket_for(len(segs), self.sizes)
+        if len(counts) != 1 or b is None:
+            self.fallbacks += 1
+            return None
+        (k,) = counts
+        keys = key_bucket(max(s.start + s.count for s in segs), self.max_context)
+        key = (self.model.ops.name, "verify", b, k, keys, write_live)
+        graph = self.graphs.get(key) or self._capture_verify(key, b, k, keys, write_live)
+        packed = self._verify_inputs(segs, tokens, b, k, keys)
+        graph.inputs[0].copy_(packed, non_blocking=True)
+        graph.replay()
+        graph.replays += 1
+        return graph.outputs[0][: len(segs) * k]
+
+    def _padded(self, segs: list[Segment], b: int, k: int) -> list[Segment]:
+        rows = len(segs) * k
+        pads = [Segment(self.state.pad_slot, 0, k, rows + i * k) for i in range(b - len(segs))]
+        return [*segs, *pads]
+
+    def _verify_host(self, segs: list[Segment], b: int, k: int, keys: int) -> HostBatch:
+        host = host_batch(self._padded(segs, b, k), self.model.layout(self.state, VERIFY), ROW_TILE)
+        return replace(host, key_len=keys)
+
+    def _verify_inputs(
+        self, segs: list[Segment], tokens: list[int], b: int, k: int, keys: int
+    ) -> torch.Tensor:
+        """[tokens, padding tokens, every int64 part, every int32 list] on the host."""
+        host = self._verify_host(segs, b, k, keys)
+        flat = [*tokens, *[0] * ((b - len(segs)) * k)]
+        flat += [x for v in host.parts.values() for x in v]
+        flat += [x for v in host.small.values() for x in v]
+        out = torch.tensor(flat, dtype=torch.long)
+        # Pinned for a GPU, so that the copy runs without the host waiting on it.
+        return out.pin_memory() if self.model.device.type == "cuda" else out
+
+    def _capture_verify(self, key: tuple, b: int, k: int, keys: int, write_live: bool) -> _Graph:
+        """Captured over a call of padding alone, so the warm-up writes only the pad slot."""
+        device, state, model = self.model.device, self.state, self.model
+        template = self._verify_host([], b, k, keys)
+        rows = b * k
+        n_parts = sum(len(v) for v in template.parts.values())
+        packed = self._verify_inputs([], [], b, k, keys).to(device)
+        tokens, parts, small = packed.split(
+            [rows, n_parts, sum(len(v) for v in template.small.values())]
+        )
+        small32 = small.to(torch.int32)
+        batch = on_device(template, parts, small32)
+        hidden = torch.empty(
+            template.padded, model.cfg.hidden_size, dtype=model.dtype, device=device
+        )
+
+        def run() -> None:
+            small32.copy_(small)
+            pad = state.pad_slot
+            state.gdn[:, pad].zero_()  # the padding's state stays bounded, replay after replay
+            state.conv[:, pad].zero_()
+            hidden.copy_(model.forward(tokens, batch, state, VERIFY, write_live))
+
+        graph = _Graph(self.capture(run), [packed], [hidden])
+        self.graphs[key] = graph
+        return graph
+
+    # -- the drafter's chain ---------------------------------------------------------------
+
+    def chain(
+        self,
+        tok: torch.Tensor,
+        hidden: torch.Tensor,
+        slots: torch.Tensor,
+        pos: torch.Tensor,
+        top: int,
+        num_drafts: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """`Drafter.chain`'s greedy drafts by a graph -> (drafts [n, nd], confidences [n, nd],
+        the last draft's logits [n, V]), views valid until the graph's next replay; None
+        where no graph fits."""
+        n = tok.shape[0]
+        b = bucket_for(n, self.sizes)
+        if b is None:
+            self.fallbacks += 1
+            return None
+        keys = key_bucket(top + num_drafts, self.max_context)
+        key = (self.model.ops.name, "chain", b, num_drafts, keys)
+        graph = self.graphs.get(key) or self._capture_chain(key, b, num_drafts, keys)
+        ints, hiddens = graph.inputs
+        pad = torch.tensor([0, self.state.pad_slot, 0], device=tok.device)[:, None]
+        ints.copy_(torch.cat([torch.stack([tok, slots, pos]), pad.expand(3, b - n)], 1))
+        hiddens[:n].copy_(hidden)
+        graph.replay()
+        graph.replays += 1
+        drafts, confs, logits = graph.outputs
+        return drafts[:n], confs[:n], logits[:n]
+
+    def _capture_chain(self, key: tuple, b: int, num_drafts: int, keys: int) -> _Graph:
+        device, state, model = self.model.device, self.state, self.model
+        ints = torch.zeros(3, b, dtype=torch.long, device=device)
+        ints[1] = state.pad_slot
+        hiddens = torch.zeros(b, model.cfg.hidden_size, dtype=model.dtype, device=device)
+        index = torch.arange(b, device=device)
+        drafts = torch.zeros(b, num_drafts, dtype=torch.long, device=device)
+        confs = torch.zeros(b, num_drafts, dtype=torch.float32, device=device)
+        logits = torch.zeros(b, model.cfg.vocab_size, dtype=model.dtype, device=device)
+
+        def run() -> None:
+            tok, hidden, slots, pos = ints[0], hiddens, ints[1], ints[2]
+            last = logits
+            for j in range(num_drafts):
+                batch = draft_batch(slots, pos + j, index, keys, KEY_BLOCK)
+                out = model.mtp_forward(tok, hidden, batch, state)
+                assert out is not None
+                hidden = out
+                last = model.logits(hidden, ROW_TILE)
+                tok, conf = model.ops.draft_argmax(last)
+                drafts[:, j].copy_(tok)
+                confs[:, j].copy_(conf)
+            logits.copy_(last)
+
+        graph = _Graph(self.capture(run), [ints, hiddens], [drafts, confs, logits])
+        self.graphs[key] = graph
+        return graph

@@ -1,0 +1,158 @@
+"""Captured graphs (gpu_service/graphs.py) as far as the CPU runs them: buckets and key lengths,
+the padding on the pad slot, persistent buffers reused replay after replay, the eager
+fallback, the switches, and bytes equal to the eager forward's. `replay_eagerly` stands in for
+the capture, which only a CUDA device has."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from control_plane.scheduler.seq import MTP, GenRequest
+from control_plane.tokenizer import ByteTokenizer
+from gpu_service import graphs
+from gpu_service.config import ServiceConfig
+from gpu_service.engine import Engine
+from gpu_service.graphs import NO_GRAPHS_ENV, bucket_for, buckets, key_bucket, replay_eagerly
+from gpu_service.options import add_serve_args, service_config
+from protos.model import Sampling, StepResult
+from tests.collect import run_all
+
+SVC = ServiceConfig(verify_tiers="8:3,4:2", max_context=256)
+
+
+def engines(tiny_dir: Path) -> tuple[Engine, Engine]:
+    eager, graphed = Engine(tiny_dir, SVC), Engine(tiny_dir, SVC)
+    graphed.use_graphs(replay_eagerly)
+    return eager, graphed
+
+
+def test_buckets_and_key_lengths() -> None:
+    assert buckets(32) == (4, 8, 16, 32) and buckets(33) == (4, 8, 16, 32, 64)
+    assert buckets(1) == (4,)
+    assert [bucket_for(n, (4, 8, 16)) for n in (1, 4, 5, 16, 17)] == [4, 4, 8, 16, None]
+    assert [key_bucket(n, 1024) for n in (1, 64, 65, 129, 300, 600)] == [
+        64,
+        64,
+        128,
+        256,
+        512,
+        1024,
+    ]
+    assert key_bucket(900, 256) == 256, "never past the context"
+
+
+def test_graphs_only_on_cuda_and_only_when_asked() -> None:
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert graphs.wanted(True, cuda, {})
+    assert not graphs.wanted(False, cuda, {}), "--no-cuda-graphs"
+    assert not graphs.wanted(True, cuda, {NO_GRAPHS_ENV: ""}), "the seed's switch, even empty"
+    assert not graphs.wanted(True, cpu, {}), "the CPU has no capture"
+    parser = __import__("argparse").ArgumentParser()
+    add_serve_args(parser)
+    assert service_config(parser.parse_args([])).cuda_graphs
+    assert not service_config(parser.parse_args(["--no-cuda-graphs"])).cuda_graphs
+
+
+def _steps(engine: Engine, n: int, k: int, rounds: int) -> list[StepResult]:
+    """Greedy steps of `n` sequences, each verifying its last token and k - 1 drafts."""
+    seqs = [engine.alloc_sequence() for _ in range(n)]
+    first = engine.prefill(
+        seqs, [[(5 * i + 3 * j) % 200 + 1 for i in range(9 + j)] for j in range(n)]
+    )
+    out = [engine.decode_step(first, [1] * n, seqs, [True] * n, k - 1)]
+    for _ in range(rounds):
+        last = out[-1]
+        rows, off = [], 0
+        for i in range(n):
+            stood = last.accepted[i]
+            bonus = last.argmax[off + stood]
+            off += 1 if len(out) == 1 else k
+            rows += [bonus, *last.proposal.drafts[i]]
+        out.append(engine.decode_step(rows, [k] * n, seqs, [True] * n, k - 1))
+    for s in seqs:
+        engine.free_sequence(s)
+    return out
+
+
+def test_replays_give_the_eager_bytes(tiny_dir: Path) -> None:
+    """Five sequences run in the bucket of eight, three of it padding; drafts, confidences,
+    argmaxes and the last logits equal the eager engine's."""
+    eager, graphed = engines(tiny_dir)
+    a, b = _steps(eager, 5, 3, 4), _steps(graphed, 5, 3, 4)
+    assert a == b
+    assert torch.equal(eager.state.logits, graphed.state.logits)
+    g = graphed.choice.graphs
+    assert g is not None
+    assert {key[:4] for key in g.graphs} == {
+        ("eager", "verify", 8, 1),
+        ("eager", "verify", 8, 3),
+        ("eager", "chain", 8, 2),
+    }
+    assert g.fallbacks == 0
+
+
+def test_buffers_are_reused_and_padding_stays_on_the_pad_slot(tiny_dir: Path) -> None:
+    _, engine = engines(tiny_dir)
+    g = engine.choice.graphs
+    assert g is not None
+    _steps(engine, 2, 3, 3)
+    inputs = {key: [t.data_ptr() for t in graph.inputs] for key, graph in g.graphs.items()}
+    captured, replayed = g.captures, g.replays
+    _steps(engine, 3, 3, 3)  # the same buckets: nothing captured again
+    assert g.captures == captured and g.replays > replayed
+    assert {key: [t.data_ptr() for t in graph.inputs] for key, graph in g.graphs.items()} == inputs
+    state, free = engine.state, list(range(3, engine.svc.num_slots))  # never allocated
+    for name in ("k_cache", "v_cache", "gdn", "conv"):
+        t = getattr(state, name)
+        assert not t[:, free].any(), f"{name}: padding wrote a slot it does not own"
+    assert not state.mtp_valid[free].any()
+    assert state.pad_slot == engine.svc.num_slots and state.k_cache.shape[1] == state.pad_slot + 1
+
+
+def test_calls_no_graph_fits_run_eagerly(tiny_dir: Path) -> None:
+    eager, graphed = engines(tiny_dir)
+    g = graphed.choice.graphs
+    assert g is not None
+    results = []
+    for engine in (eager, graphed):
+        seqs = [engine.alloc_sequence() for _ in range(2)]
+        engine.prefill(seqs, [[5, 6, 7], [8, 9]])
+        # Rows that differ between sequences: no graph has that shape.
+        results.append(engine.decode_verify_batched([1, 2, 3, 4, 5], [2, 3], seqs))
+        # A sampled chain draws on the host: eager.
+        sampled = [Sampling(0.8, 0, 1.0, (0.3, 0.6)), None]
+        results.append(engine.settle_verdict(seqs, [1, 1], [2, 3], [0, 1], [1, 2], 2, sampled))
+    assert results[:2] == results[2:]
+    assert g.fallbacks == 1 and g.replays == 0
+
+
+def test_scheduler_outputs_match_and_capabilities_say_so(tiny_dir: Path) -> None:
+    from control_plane.env import Env
+    from control_plane.scheduler.loop import Scheduler
+    from control_plane.scheduler.options import SchedulerOptions
+
+    eager, graphed = engines(tiny_dir)
+    reqs = [GenRequest(f"r{i}", (i + 3, 4, 5, 6), 12, method=MTP) for i in range(6)]
+    outs = []
+    for engine in (eager, graphed):
+        s = Scheduler(lambda e=engine: e, ByteTokenizer.default(), SchedulerOptions(), Env())
+        s.start()
+        try:
+            outs.append([o.tokens for o in run_all(s, reqs)])
+        finally:
+            s.stop()
+    assert outs[0] == outs[1]
+    assert (eager.capabilities().graphs, graphed.capabilities().graphs) == (False, True)
+    graphed.use_graphs(None)
+    assert not graphed.capabilities().graphs
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_a_bucket_of_one_sequence_pads_to_four(tiny_dir: Path, n: int) -> None:
+    eager, graphed = engines(tiny_dir)
+    assert _steps(eager, n, 2, 2) == _steps(graphed, n, 2, 2)
+    g = graphed.choice.graphs
+    assert g is not None and {key[2] for key in g.graphs} == {4}
