@@ -30,7 +30,7 @@ def _run(*args: str, timeout: float, **env: str) -> subprocess.CompletedProcess:
 
 def test_cpu_run_writes_a_passing_report(tmp_path: Path) -> None:
     out = tmp_path / "report.json"
-    done = _run("--no-wheels", "--cpu", "--out", str(out), timeout=180)
+    done = _run("--no-wheels", "--cpu", "--out", str(out), timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr[-4000:]
     report = json.loads(out.read_text())
     failed = {name: report[name].get("summary") for name in CHECKS if not report[name]["ok"]}
@@ -58,6 +58,16 @@ def test_cpu_run_writes_a_passing_report(tmp_path: Path) -> None:
     for b in batches.values():
         assert b["launches"] > 0 and b["ms_per_step"] > 0
     assert report["host_syncs"]["syncs"] is None
+
+    graphs = report["graphs"]
+    assert graphs["identical"] and graphs["replays"] > 0 and graphs["captured"] > 0
+    assert set(graphs["on"]) == set(graphs["off"]) == {str(b) for b in CPU.profile_batches}
+    gemm = report["gemm"]
+    assert gemm["variant_rows"] and not any(gemm["variant_rows"].values())
+    for shape in gemm["speed"].values():
+        assert set(shape) == {str(m) for m in CPU.gemm_speed_rows}
+    assert report["references"]["gdn"] is None, "timed on a GPU only"
+    assert "GPU only" in report["bench"]["summary"]
     assert "circuit_diff  ok" in done.stdout and str(out) in done.stdout
 
 

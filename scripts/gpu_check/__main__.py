@@ -47,11 +47,18 @@ def _step(settings: Settings, device: torch.device) -> dict[str, dict]:
     return step_checks(settings, device)
 
 
-# In order; the services are stopped before the in-process engine loads.
+def _speed(settings: Settings, device: torch.device) -> dict[str, dict]:
+    from scripts.gpu_check.speed import speed_checks
+
+    return speed_checks(settings, device)
+
+
+# In order; the services are stopped before the in-process engines load.
 STAGES = (
     (("service", "circuit_diff"), _served),
     (("kernel_tests",), _kernel_tests),
     (("profile", "host_syncs"), _step),
+    (("graphs", "gemm", "references", "bench"), _speed),
 )
 
 

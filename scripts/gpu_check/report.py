@@ -13,7 +13,17 @@ from importlib import metadata
 
 from scripts.gpu_check.settings import Settings
 
-CHECKS = ("service", "circuit_diff", "kernel_tests", "profile", "host_syncs")
+CHECKS = (
+    "service",
+    "circuit_diff",
+    "kernel_tests",
+    "profile",
+    "host_syncs",
+    "graphs",
+    "gemm",
+    "references",
+    "bench",
+)
 
 
 def guarded(check: Callable[[], dict]) -> dict:

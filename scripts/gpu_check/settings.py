@@ -46,6 +46,12 @@ class Settings:
         default=(1, 8, 32), metadata=_flag("sequences per profiled step, comma-separated")
     )
     repeats: int = field(default=5, metadata=_flag("timed steps per batch size"))
+    gemm_rows: int = field(
+        default=64, metadata=_flag("the GEMM's row bytes compared over M = 1 .. this")
+    )
+    gemm_speed_rows: tuple[int, ...] = field(
+        default=(1, 16, 64), metadata=_flag("M at which the GEMM is timed against cuBLAS")
+    )
 
     @property
     def diff_forwards(self) -> tuple[str, str]:
@@ -67,6 +73,8 @@ CPU = replace(
     kernel_tests="rmsnorm or argmax",
     profile_batches=(1, 4),
     repeats=2,
+    gemm_rows=8,
+    gemm_speed_rows=(1, 4),
 )
 
 

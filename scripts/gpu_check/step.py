@@ -42,9 +42,11 @@ def build_engine(settings: Settings, device: torch.device) -> Engine:
     return engine
 
 
-def one_step(engine: Engine, batch: int, around: AbstractContextManager) -> None:
+def one_step(
+    engine: Engine, batch: int, around: AbstractContextManager, results: list | None = None
+) -> None:
     """A prefill and a first step that makes every sequence's drafts, then the measured step
-    inside `around`."""
+    inside `around`; both steps' results onto `results` when given."""
     seqs = [engine.alloc_sequence() for _ in range(batch)]
     try:
         first = engine.prefill(seqs, [PROMPT] * batch)
@@ -54,7 +56,11 @@ def one_step(engine: Engine, batch: int, around: AbstractContextManager) -> None
         rows = [[res.argmax[i], *res.proposal.drafts[i]] for i in range(batch)]
         tokens = [t for r in rows for t in r]
         with around:
-            engine.decode_step(tokens, [len(r) for r in rows], seqs, [True] * batch, NUM_DRAFTS)
+            last = engine.decode_step(
+                tokens, [len(r) for r in rows], seqs, [True] * batch, NUM_DRAFTS
+            )
+        if results is not None:
+            results += [res, last]
     finally:
         for s in seqs:
             engine.free_sequence(s)
@@ -92,7 +98,7 @@ def _counts(prof: profile, device: torch.device) -> dict[str, int | None]:
     return {"launches": len(gpu) - copies, "copies": copies}
 
 
-def _profile_batch(engine: Engine, batch: int, settings: Settings, device: torch.device) -> dict:
+def profile_batch(engine: Engine, batch: int, settings: Settings, device: torch.device) -> dict:
     # Triton compiles on a kernel's first launch, and the allocator grows: one step unmeasured.
     one_step(engine, batch, nullcontext())
     times: list[float] = []
@@ -113,7 +119,7 @@ def _profile_batch(engine: Engine, batch: int, settings: Settings, device: torch
 def check_profile(get_engine: Callable[[], Engine], settings: Settings) -> dict:
     engine = get_engine()
     batches = {
-        str(b): _profile_batch(engine, b, settings, engine.device) for b in settings.profile_batches
+        str(b): profile_batch(engine, b, settings, engine.device) for b in settings.profile_batches
     }
     unit = "cuda kernels" if engine.device.type == "cuda" else "aten ops"
     return {
