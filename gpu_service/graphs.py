@@ -18,9 +18,11 @@ to the context: a row's bytes do not depend on the keys read past its own (see
 bytes the eager forward gives it.
 
 A call no graph fits runs eagerly (`Graphs.fallbacks` counts them): sequences with different
-row counts, more sequences than the largest bucket, a sampled chain. The serial forwards never
-ask. On the CPU nothing is captured: `replay_eagerly` runs the function at every replay over
-the same buffers, which is how the tests exercise all but the capture itself."""
+row counts, more sequences than the largest bucket, a key whose capture failed (`failed` keeps
+why), a sampled chain. The serial forwards never ask.
+
+On the CPU nothing is captured: `replay_eagerly` runs the function at every replay over the
+same buffers, which is how the tests exercise all but the capture itself."""
 
 from __future__ import annotations
 
@@ -128,11 +130,30 @@ class Graphs:
         self.model, self.state, self.capture = model, state, capture
         self.sizes, self.max_context = buckets(max_batch), max_context
         self.graphs: dict[tuple, _Graph] = {}
+        self.failed: dict[tuple, str] = {}  # keys whose capture raised, and what it raised
         self.fallbacks = 0
 
     @property
     def captures(self) -> int:
         return len(self.graphs)
+
+    def _get(self, key: tuple, capture: Callable[[], _Graph]) -> _Graph | None:
+        """The graph of `key`, captured on first use; None (the call runs eagerly) for a key
+        whose capture failed, which is kept in `failed` with its error and never tried again:
+        a forward a device cannot capture costs the launches it would have saved, never the
+        request."""
+        if key in self.failed:
+            self.fallbacks += 1
+            return None
+        graph = self.graphs.get(key)
+        if graph is None:
+            try:
+                graph = capture()
+            except Exception as e:
+                self.failed[key] = f"{type(e).__name__}: {e}"
+                self.fallbacks += 1
+                return None
+        return graph
 
     @property
     def replays(self) -> int:
@@ -154,7 +175,9 @@ class Graphs:
         (k,) = counts
         keys = key_bucket(max(s.start + s.count for s in segs), self.max_context)
         key = (self.model.ops.name, "verify", b, k, keys, write_live)
-        graph = self.graphs.get(key) or self._capture_verify(key, b, k, keys, write_live)
+        graph = self._get(key, lambda: self._capture_verify(key, b, k, keys, write_live))
+        if graph is None:
+            return None
         packed = self._verify_inputs(segs, tokens, b, k, keys)
         graph.inputs[0].copy_(packed, non_blocking=True)
         graph.replay()
@@ -230,7 +253,9 @@ class Graphs:
             return None
         keys = key_bucket(top + num_drafts, self.max_context)
         key = (self.model.ops.name, "chain", b, num_drafts, keys)
-        graph = self.graphs.get(key) or self._capture_chain(key, b, num_drafts, keys)
+        graph = self._get(key, lambda: self._capture_chain(key, b, num_drafts, keys))
+        if graph is None:
+            return None
         ints, hiddens = graph.inputs
         pad = torch.tensor([0, self.state.pad_slot, 0], device=tok.device)[:, None]
         ints.copy_(torch.cat([torch.stack([tok, slots, pos]), pad.expand(3, b - n)], 1))

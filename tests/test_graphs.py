@@ -156,3 +156,20 @@ def test_a_bucket_of_one_sequence_pads_to_four(tiny_dir: Path, n: int) -> None:
     assert _steps(eager, n, 2, 2) == _steps(graphed, n, 2, 2)
     g = graphed.choice.graphs
     assert g is not None and {key[2] for key in g.graphs} == {4}
+
+
+def test_a_capture_that_fails_falls_back_for_good(tiny_dir: Path) -> None:
+    eager, graphed = engines(tiny_dir)
+    tries = []
+
+    def refuses(run: graphs.Run) -> graphs.Run:
+        tries.append(run)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    graphed.use_graphs(refuses)
+    assert _steps(eager, 3, 3, 2) == _steps(graphed, 3, 3, 2)
+    g = graphed.choice.graphs
+    assert g is not None and g.captures == 0 and g.replays == 0
+    assert len(tries) == len(g.failed) == 3, "one try per key: verify k=1, k=3, the chain"
+    assert all("stream is capturing" in why for why in g.failed.values())
+    assert g.fallbacks > len(tries), "later calls of a failed key go eager without a try"

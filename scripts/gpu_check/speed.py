@@ -73,7 +73,7 @@ def check_graphs(settings: Settings, device: torch.device) -> dict:
         for b in runs["on"]
     )
     return {
-        "ok": same and graphs.replays > 0,
+        "ok": same and graphs.replays > 0 and not graphs.failed,
         "summary": f"{summary}; tokens {'identical' if same else 'DIFFER'}",
         "off": runs["off"],
         "on": runs["on"],
@@ -81,6 +81,7 @@ def check_graphs(settings: Settings, device: torch.device) -> dict:
         "captured": graphs.captures,
         "replays": graphs.replays,
         "fallbacks": graphs.fallbacks,
+        "failed_captures": {str(k): why for k, why in graphs.failed.items()},
     }
 
 
