@@ -43,11 +43,14 @@ CAPS = Capabilities(
     max_batch=8,
     max_prefill_tokens=512,
     model_digest="0123456789abcdef",
+    graphs=True,
 )
 
 SAME_NAMED = [
     CAPS,
-    dataclasses.replace(CAPS, slot_verify_drafts=(), forwards=(), eos_token_ids=(), has_mtp=False),
+    dataclasses.replace(
+        CAPS, slot_verify_drafts=(), forwards=(), eos_token_ids=(), has_mtp=False, graphs=False
+    ),
     SequenceHandle(seq_id=2**40, slot=3, seq_len=17),
     SequenceHandle(seq_id=0, slot=0),
     Sampling(0.5, top_k=40, top_p=0.75, uniforms=(0.1, 0.9, 1e-12)),
