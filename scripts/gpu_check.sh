@@ -6,9 +6,9 @@
 # says so and exits 0; `--cpu` runs the same checks, smaller, on the CPU.
 #
 # --wheels DIR (default: wheels/ at the checkout's root, when there) first installs the pinned
-# packages a bare GPU machine lacks (scripts/gpu_requirements.txt, fetched by
-# scripts/gpu_wheels.sh) with no index; --no-wheels skips that. Every other argument goes to
-# the check (`--help`).
+# packages a bare GPU machine lacks (scripts/gpu_requirements.txt, and the reference kernels of
+# scripts/gpu_reference_requirements.txt; fetched by scripts/gpu_wheels.sh) with no index;
+# --no-wheels skips that. Every other argument goes to the check (`--help`).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 python="${PYTHON:-python3}"
@@ -34,7 +34,8 @@ if [[ -n "$wheels" ]]; then
   # pinned list installs exactly those packages, never torch or triton.
   site="${GPU_CHECK_SITE:-${TMPDIR:-/tmp}/met-gpu-check-site}"
   "$python" -m pip install -q --no-index --no-deps --no-cache-dir --upgrade \
-    --find-links "$wheels" --target "$site" -r "$root/scripts/gpu_requirements.txt"
+    --find-links "$wheels" --target "$site" -r "$root/scripts/gpu_requirements.txt" \
+    -r "$root/scripts/gpu_reference_requirements.txt"
 fi
 export PYTHONPATH="$root${site:+:$site}${PYTHONPATH:+:$PYTHONPATH}"
 exec "$python" -m scripts.gpu_check ${args[@]+"${args[@]}"}

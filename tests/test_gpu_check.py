@@ -95,3 +95,16 @@ def test_gpu_wheels_carry_the_pins() -> None:
     for name, version in wanted.items():
         assert pinned.get(name, version) == version, name
         assert metadata.version(name) == version, name
+
+
+def test_reference_kernels_are_pinned_and_kept_out_of_this_environment() -> None:
+    """fla travels to the GPU machine as wheels; installed here it would take over
+    transformers' Qwen3-Next forward (the parity tests' reference) with kernels the CPU
+    cannot run."""
+    import importlib.util
+
+    lines = (ROOT / "scripts" / "gpu_reference_requirements.txt").read_text().splitlines()
+    pins = _pins(lines)
+    assert "fla-core" in pins and all(pins.values())
+    assert not any(x.strip() and not x.startswith("#") and "==" not in x for x in lines)
+    assert importlib.util.find_spec("fla") is None
