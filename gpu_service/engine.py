@@ -94,7 +94,6 @@ class Engine:
         self.steps = Steps(self.svc, self.verifier, self.drafter)
         # Reentrant: measuring costs runs the single operations under the same hold.
         self._lock = threading.RLock()
-        self._capture: Capture | None = None
         if graphs.wanted(self.svc.cuda_graphs, self.device, os.environ):
             self.use_graphs(graphs.cuda_capture)
 
@@ -103,7 +102,6 @@ class Engine:
         eager). The CPU has no graphs; tests pass `graphs.replay_eagerly` to run the same
         buffers, padding and fallbacks without a capture."""
         with self._lock:
-            self._capture = capture
             self.choice.graphs = (
                 None
                 if capture is None

@@ -46,9 +46,8 @@ class DeviceState:
         self.verify_conv = torch.zeros(n_lin, pool, *window, dtype=dtype, device=device)
         # Drafter KV: [slot, position, kv_head, head_dim], the pad slot's included; a position
         # is valid once an entry was written there and not trimmed.
-        mtp_kv = kv
-        self.mtp_k = torch.zeros(mtp_kv, dtype=dtype, device=device)
-        self.mtp_v = torch.zeros(mtp_kv, dtype=dtype, device=device)
+        self.mtp_k = torch.zeros(kv, dtype=dtype, device=device)
+        self.mtp_v = torch.zeros(kv, dtype=dtype, device=device)
         self.mtp_valid = torch.zeros(slots + 1, ctx, dtype=torch.bool, device=device)
         # The last prefill row's hidden per slot, which the drafter pairs with the next token.
         self.mtp_carry = torch.zeros(slots, cfg.hidden_size, dtype=dtype, device=device)
