@@ -34,8 +34,9 @@ from protos.model import CostEntry
 
 
 def test_bench_quick(tmp_path: Path) -> None:
-    """On the bundled checkpoint and its held-out prompts, as a user runs it."""
-    out = tmp_path / "bench.json"
+    """On the bundled checkpoint and its held-out prompts, as a user runs it; the output
+    files' directories need not exist yet."""
+    out = tmp_path / "runs" / "bench.json"
     result = subprocess.run(
         [
             sys.executable,
@@ -46,7 +47,7 @@ def test_bench_quick(tmp_path: Path) -> None:
             "--out",
             str(out),
             "--markdown",
-            str(tmp_path / "bench.md"),
+            str(tmp_path / "tables" / "bench.md"),
         ],
         capture_output=True,
         text=True,
@@ -80,7 +81,7 @@ def test_bench_quick(tmp_path: Path) -> None:
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "mtp / none at 1" in result.stdout
     assert "split mtp  at 1: pipelined" in result.stdout
-    table = (tmp_path / "bench.md").read_text()
+    table = (tmp_path / "tables" / "bench.md").read_text()
     assert "| mtp | 1 |" in table and "| prompt_lookup | 4 |" in table
     assert "service idle between steps (gRPC, pipelined)" in table
     _check_figures(report, result.stdout, table)

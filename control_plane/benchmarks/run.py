@@ -146,13 +146,16 @@ def _measure(args: argparse.Namespace) -> dict:
 def run(args: argparse.Namespace) -> int:
     """`met bench`: measure, print, write what was asked for; 1 when a method's tokens
     differ from plain decoding's."""
+    chart = args.chart or (args.out.with_suffix(".png") if args.out else None)
+    for path in (args.out, args.markdown, chart):
+        if path:  # before the minutes of measuring, so that none of them is lost to a path
+            path.parent.mkdir(parents=True, exist_ok=True)
     report = measure(args)
     print_table(report)
     if args.out:
         args.out.write_text(json.dumps(report, indent=2) + "\n")
     if args.markdown:
         args.markdown.write_text(markdown(report))
-    chart = args.chart or (args.out.with_suffix(".png") if args.out else None)
     if chart:
         draw_chart(report, chart)
         print(f"chart: {chart}")
