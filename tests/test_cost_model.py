@@ -15,6 +15,7 @@ from control_plane.scheduler.cost_model import (
     PRIOR,
     Calibration,
     CostTable,
+    StepOverhead,
     drafted_line,
     propose_depth,
 )
@@ -114,6 +115,57 @@ def test_propose_depth() -> None:
     slack_free = propose_depth(table(), half, 4, 0.0, 32, 3)
     assert propose_depth(table(), half, 4, 0.9, 32, 3) <= slack_free
     assert propose_depth(table(), half, 4, 0.9, 32, 3) == 0, "a wide slack takes the cheapest"
+
+
+def test_overhead_is_the_median_excess_over_the_table() -> None:
+    t = table()  # width 1, depth 0: 1.1 ms
+    o = StepOverhead()
+    assert o.ms == 0.0, "no step seen: the table alone"
+    o.observe(None, 1, 0, 50.0)
+    o.observe(t, 40, 9, 50.0)  # a depth the table lacks
+    assert o.ms == 0.0, "a step the table cannot price teaches nothing"
+    for served in (3.1, 3.1, 40.0):  # one step held up by something else
+        o.observe(t, 1, 0, served)
+    assert o.ms == pytest.approx(2.0), "the median: one slow step does not move it"
+    faster = StepOverhead()
+    faster.observe(t, 1, 0, 0.5)
+    assert faster.ms == 0.0, "a step served faster than the table adds nothing"
+
+
+def test_overhead_deepens_the_step() -> None:
+    """The same table and acceptance: a fixed cost on every served step makes the deeper
+    step's extra rows and drafts weigh less, and the depth rises."""
+    steep = table(verify=1.0, per_row=1.0, propose=1.0)
+    half = Calibration()
+    for _ in range(40):
+        half.observe(3, 1)
+        half.observe(3, 3)
+    alone = propose_depth(steep, half, 1, 0.0, 32, 3)
+    loaded = propose_depth(steep, half, 1, 0.0, 32, 3, overhead_ms=50.0)
+    assert (alone, loaded) == (0, 3), "alone, a draft costs what it gains; with it, all three pay"
+
+
+def test_served_steps_teach_the_overhead() -> None:
+    """Each step's time as the scheduler saw it, less the table's cost, in step and
+    pipelined: a table of near-zero costs leaves the whole step as overhead."""
+    model = FakeModel()
+    free = CostTable([CostEntry(w, d, 1e-6, 0.0) for w in (1, 2, 4) for d in range(4)])
+    ctx = StepContext.build(model.capabilities(), NO_ENV, free)
+    step_mtp(model, seqs(model, 2), ctx, 3)
+    assert len(ctx.overhead.seen) == 1 and ctx.overhead.ms > 0
+    model2 = FakeModel()
+    model2.cached = True  # `auto` takes the service's table
+    opts = SchedulerOptions(spec_cost_model="auto")
+    s = Scheduler(lambda: model2, ByteTokenizer.default(), opts, Env())
+    s.start()
+    try:
+        run_all(s, [GenRequest(f"p{i}", (5, 6, 7), 8, method="mtp") for i in range(2)])
+    finally:
+        s.stop()
+    assert s.ctx is not None and s.ctx.costs is not None
+    plans = s.snapshot()["counters"].plans
+    assert plans > 0, "the steps ran ahead"
+    assert len(s.ctx.overhead.seen) >= plans, "every plan read back was timed"
 
 
 def test_step_under_the_cost_model() -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from control_plane.scheduler.adaptive import AdaptiveRung
-from control_plane.scheduler.cost_model import Calibration, CostTable
+from control_plane.scheduler.cost_model import Calibration, CostTable, StepOverhead
 from control_plane.scheduler.dflash import DFlashRung
 from control_plane.scheduler.options import SchedulerOptions
 from protos.model import Capabilities
@@ -17,9 +17,11 @@ class StepContext:
     opts: SchedulerOptions  # environment switches already applied
     caps: Capabilities
     rung: AdaptiveRung  # the static ladder, raised by acceptance
-    # --spec-cost-model measured: the table and the acceptance it is weighed with.
+    # --spec-cost-model measured: the table, the acceptance it is weighed with, and what
+    # served steps cost beyond it.
     costs: CostTable | None = None
     calibration: Calibration = field(default_factory=Calibration)
+    overhead: StepOverhead = field(default_factory=StepOverhead)
     dflash_rung: DFlashRung = field(default_factory=DFlashRung)
     replica: str = "local"  # the GPU service it steps, as its spans name it
 

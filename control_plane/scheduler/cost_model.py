@@ -8,6 +8,7 @@ the next larger, past the largest it scales linearly) and gains
 draft position j, observed over a window of verifies. Until a position has 32 observations it
 takes the deepest shallower position's rate, else 0.7 (about a trained MTP head's first-draft
 acceptance, so that a cold start drafts rather than waiting to learn that it should).
+Each depth's cost also carries what a served step costs beyond the table (`StepOverhead`).
 `propose_depth` picks the depth with the most tokens per millisecond, then the shallowest
 depth within `slack` of it (a cheaper step at nearly the same rate). Above `--mtp-max-seqs` it
 returns 0 and the step plain-decodes; within the cap the caller floors a 0 to 1;
@@ -21,12 +22,14 @@ two orders agree, and latency is what a client of this server waits on.
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 
 from control_plane.scheduler.options import SchedulerOptions
 from protos.model import Capabilities, CostEntry, Model
 
 PRIOR, MIN_SEEN, WINDOW = 0.7, 32, 512
+OVERHEAD_WINDOW = 64
 
 
 def cost_widths(limit: int) -> list[int]:
@@ -59,6 +62,27 @@ class Calibration:
             if len(seen) >= MIN_SEEN:
                 return sum(seen) / len(seen)
         return PRIOR
+
+
+class StepOverhead:
+    """What a served step costs beyond the table: the median, over the last OVERHEAD_WINDOW
+    steps, of each step's time as the scheduler saw it less the table's cost at its width and
+    depth, floored at 0; 0 until a step is seen. The table times the engine alone on short
+    scratch sequences. A served step also pays the scheduler, the transport and its
+    sequences' longer context, about alike at every depth: left out, it makes every step look
+    cheaper than it is, and a deeper step's extra cost weigh more than it does."""
+
+    def __init__(self) -> None:
+        self.seen: deque[float] = deque(maxlen=OVERHEAD_WINDOW)
+
+    def observe(self, table: CostTable | None, n: int, depth: int, served_ms: float) -> None:
+        ms = table.step_ms(n, depth) if table is not None else None
+        if ms is not None:
+            self.seen.append(served_ms - ms)
+
+    @property
+    def ms(self) -> float:
+        return max(0.0, statistics.median(self.seen)) if self.seen else 0.0
 
 
 class CostTable:
@@ -105,6 +129,7 @@ def propose_depth(
     slack: float,
     mtp_max_seqs: int,
     max_depth: int,
+    overhead_ms: float = 0.0,
 ) -> int:
     if n > mtp_max_seqs or max_depth < 1:
         return 0
@@ -116,7 +141,7 @@ def propose_depth(
             tokens += chain
         ms = table.step_ms(n, d)
         if ms is not None and ms > 0:
-            rates[d] = n * tokens / ms
+            rates[d] = n * tokens / (ms + overhead_ms)
     if not rates:
         return 0
     best = max(rates.values())

@@ -21,6 +21,7 @@ continues with are not back yet)."""
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -71,6 +72,7 @@ class Flight:
     step_nd: int
     span: Span
     before: list[tuple[int, int]]  # each sequence's (drafted, accepted) before the step
+    sent: float  # `time.perf_counter()` when the plan went out
 
     def holds(self, a: ActiveSeq) -> bool:
         return any(s is a for s in self.seqs)
@@ -85,6 +87,7 @@ class Pipeline:
     stream: StepStream | None = None
     flights: deque[Flight] = field(default_factory=deque)
     deferred: list[tuple[ActiveSeq, SequenceHandle]] = field(default_factory=list)
+    last_read: float = 0.0  # when the last result came back
 
     def holds(self, a: ActiveSeq) -> bool:
         """A plan in flight names the sequence: freeing it must wait for that result."""
@@ -177,15 +180,22 @@ class Pipeline:
         for a in seqs:
             a.stats.steps += 1
         before = [(a.stats.drafted, a.stats.accepted) for a in seqs]
-        self.flights.append(Flight(list(seqs), step_nd, sp, before))
+        self.flights.append(Flight(list(seqs), step_nd, sp, before, time.perf_counter()))
         return step_nd
 
     def _read(self, ctx: StepContext | None) -> None:
         assert self.stream is not None
         result = self.stream.recv()  # a lost stream raises: `close` ends what is in flight
         flight = self.flights.popleft()
+        # What the step cost as served: back to back, the time between two results; a plan
+        # sent after the last result came back, its round trip.
+        now = time.perf_counter()
+        served_ms = (now - max(self.last_read, flight.sent)) * 1e3
+        self.last_read = now
         self.read_back(result.waited_s)
         _apply(flight, result, ctx)
+        if ctx is not None:
+            ctx.overhead.observe(ctx.costs, len(flight.seqs), flight.step_nd, served_ms)
         self._free_deferred()
 
     def _free_deferred(self) -> None:

@@ -12,6 +12,7 @@ Invariants:
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from opentelemetry.trace import Link
@@ -73,7 +74,8 @@ def _measured_width(n: int, ctx: StepContext, num_drafts: int) -> int:
     """The cost model's depth within the cap, floored to 1 as the ladder's is: a model
     that prefers no draft does not suspend drafting (`--num-drafts 0` does)."""
     assert ctx.costs is not None
-    with span(TRACER, "cost_model", **{"met.active": n}) as sp:
+    overhead = ctx.overhead.ms
+    with span(TRACER, "cost_model", **{"met.active": n, "met.overhead_ms": overhead}) as sp:
         depth = propose_depth(
             ctx.costs,
             ctx.calibration,
@@ -81,6 +83,7 @@ def _measured_width(n: int, ctx: StepContext, num_drafts: int) -> int:
             ctx.opts.spec_cost_slack,
             ctx.opts.mtp_max_seqs,
             num_drafts,
+            overhead,
         )
         sp.set_attribute("met.depth", depth)
     return min(max(depth, 1), num_drafts)
@@ -95,7 +98,11 @@ def step_mtp(
     before = [(a.stats.drafted, a.stats.accepted) for a in active]
     attrs = {REPLICA_ATTRIBUTE: ctx.replica}
     with TRACER.start_as_current_span("step_mtp", links=links, attributes=attrs) as sp:
+        started = time.perf_counter()
         report = _step(model, active, ctx, num_drafts)
+        if not ctx.opts.dflash:
+            served_ms = (time.perf_counter() - started) * 1e3
+            ctx.overhead.observe(ctx.costs, len(active), report.ladder_nd, served_ms)
         for a, (d, n), copied in zip(active, before, report.copied, strict=True):
             if not copied:
                 ctx.rung.observe(a.stats.drafted - d, a.stats.accepted - n)
