@@ -284,6 +284,8 @@ class GrpcSteps:
     def __init__(self, method: Callable[..., Any], metadata: tuple[tuple[str, str], ...]) -> None:
         self._plans: queue.SimpleQueue[pb.StepPlan | None] = queue.SimpleQueue()
         self._sent: deque[StepPlan] = deque()  # sent, their results not read yet
+        # The later steps of the plan read last (one message carries a plan's every step).
+        self._steps: deque[pb.PlanResult] = deque()
         # No deadline: the stream lives as long as its caller keeps it.
         self._call = method(iter(self._plans.get, None), metadata=metadata)
 
@@ -292,15 +294,20 @@ class GrpcSteps:
         self._plans.put(cv.plan_to_pb(plan))
 
     def recv(self) -> PlanResult:
-        try:
-            reply = next(self._call, None)
-        except grpc.RpcError as e:
-            raise _refused(e) from None
-        if reply is None:
-            raise RuntimeError("the step stream ended: it was closed")
-        plan = self._sent.popleft()
-        result = cv.plan_result_from_pb(reply)
-        cv.mirror_seq_lens([plan.seqs[i] for i in result.ran], reply.step.seq_lens)
+        if not self._steps:
+            try:
+                reply = next(self._call, None)
+            except grpc.RpcError as e:
+                raise _refused(e) from None
+            if reply is None:
+                raise RuntimeError("the step stream ended: it was closed")
+            self._steps.extend(cv.plan_results_from_pb(reply))
+        step = self._steps.popleft()
+        plan = self._sent[0]
+        if not self._steps:
+            self._sent.popleft()  # its last step
+        result = cv.plan_result_from_pb(step)
+        cv.mirror_seq_lens([plan.seqs[i] for i in result.ran], step.step.seq_lens)
         return result
 
     def close(self) -> None:

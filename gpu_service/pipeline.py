@@ -6,15 +6,15 @@ back to back, as the GPU service's stream does; both time their waits with `Plan
 
 from __future__ import annotations
 
-import functools
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 
 from protos import checks
 from protos.model import (
+    MAX_PLAN_REPEAT,
     FailedPrecondition,
     InvalidArgument,
     ModelError,
@@ -30,7 +30,8 @@ Refusal = tuple[int, str, str]
 
 def check_plan(plan: StepPlan) -> None:
     """What refuses a plan whole: parallel lists of different lengths, a sequence named twice,
-    tokens that do not fill the rows of the sequences that give theirs."""
+    tokens that do not fill the rows of the sequences that give theirs, more steps than
+    MAX_PLAN_REPEAT."""
     checks.same_length(
         "a step plan",
         seqs=plan.seqs,
@@ -42,6 +43,10 @@ def check_plan(plan: StepPlan) -> None:
     given = sum(k for k, c in zip(plan.ks, plan.continues, strict=True) if not c)
     if given != len(plan.tokens):
         raise InvalidArgument(f"a step plan gives {len(plan.tokens)} tokens for {given} rows")
+    if not 1 <= plan.repeat <= MAX_PLAN_REPEAT:
+        raise InvalidArgument(
+            f"a step plan repeats {plan.repeat} times; it runs 1 to {MAX_PLAN_REPEAT} steps"
+        )
 
 
 def refuse_all(plan: StepPlan, error: ModelError) -> PlanResult:
@@ -180,6 +185,32 @@ def run_without(
     return replace(r, ran=[keep[j] for j in r.ran], refused=sorted([*refused, *lifted]))
 
 
+def plan_steps(
+    plan: StepPlan,
+    refused: Sequence[Refusal],
+    run: Callable[[StepPlan], PlanResult],
+    clock: PlanClock,
+    arrived: float,
+) -> Iterator[PlanResult]:
+    """Each step's result of `plan` as the step ends: the plan as sent, then its `repeat - 1`
+    more steps, in which every sequence continues from its own verdict. A plan refused whole
+    is refused at each step it names (once when it names too many), and changes nothing."""
+    error: ModelError | None = None
+    try:
+        check_plan(plan)
+    except ModelError as e:
+        error = e
+    if error is not None:
+        whole = refuse_all(plan, error)
+        for _ in range(plan.repeat if 1 <= plan.repeat <= MAX_PLAN_REPEAT else 1):
+            yield clock.run(arrived, lambda: whole)
+        return
+    yield clock.run(arrived, lambda: run_without(plan, refused, run))
+    again = replace(plan, continues=[True] * len(plan.seqs), tokens=[], repeat=1)
+    for _ in range(plan.repeat - 1):
+        yield clock.run(0.0, lambda: run_without(again, refused, run))  # already there
+
+
 class PlanClock:
     """How long a stream kept its runner waiting for each plan: from the end of the previous
     plan to this plan's arrival; 0 for the first, and for a plan that was there already, so
@@ -228,6 +259,7 @@ class EngineSteps:
         while (item := self._plans.get()) is not None:
             plan, arrived = item
             try:
-                self._results.put(clock.run(arrived, functools.partial(self._run, plan)))
+                for result in plan_steps(plan, [], self._run, clock, arrived):
+                    self._results.put(result)
             except Exception as e:  # handed to the reader, who decides what it ends
                 self._results.put(e)

@@ -10,7 +10,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from concurrent.futures import Executor
 
-from gpu_service.pipeline import PlanClock, Refusal, run_without
+from gpu_service.pipeline import PlanClock, Refusal, plan_steps
 from protos import convert as cv
 from protos.met.v1 import model_pb2 as pb
 from protos.model import ModelError, PlanResult, StepPlan
@@ -81,14 +81,18 @@ def _run(
     arrived: float,
     job: asyncio.Future[pb.PlanResult],
 ) -> None:
-    """One plan, on the engine thread, unless its caller went away meanwhile (`job`
-    cancelled); the handles of the sequences that ran hold their new lengths. The result
-    goes to `job` on its loop in one call: no executor future to chain on the way."""
+    """One plan, each of its steps, on the engine thread, unless its caller went away
+    meanwhile (`job` cancelled); after each step the handles of the sequences that ran hold
+    their new lengths. The results go to `job` on its loop in one call and one message: no
+    executor future to chain on the way, one wake-up of the loop per plan."""
     if job.cancelled():
         return
     try:
-        r = clock.run(arrived, lambda: run_without(plan, refused, run))
-        reply = cv.plan_result_to_pb(r, [plan.seqs[i].seq_len for i in r.ran])
+        steps = [
+            cv.plan_result_to_pb(r, [plan.seqs[i].seq_len for i in r.ran])
+            for r in plan_steps(plan, refused, run, clock, arrived)
+        ]
+        reply = cv.plan_results_to_pb(steps)
     except BaseException as e:  # as an executor future would hold it
         _settle_soon(job, None, e)
     else:

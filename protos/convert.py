@@ -234,6 +234,7 @@ def plan_to_pb(plan: StepPlan) -> pb.StepPlan:
         want_drafts=plan.want_drafts,
         num_drafts=plan.num_drafts,
         trace=plan.trace,
+        repeat=plan.repeat,
     )
 
 
@@ -247,6 +248,7 @@ def plan_from_pb(msg: pb.StepPlan) -> StepPlan:
         list(msg.want_drafts),
         msg.num_drafts,
         dict(msg.trace),
+        max(1, msg.repeat),
     )
 
 
@@ -260,6 +262,18 @@ def plan_result_to_pb(r: PlanResult, lens: Sequence[int]) -> pb.PlanResult:
         refused=[pb.PlanRefusal(index=i, code=c, message=m) for i, c, m in r.refused],
         waited_s=r.waited_s,
     )
+
+
+def plan_results_to_pb(steps: Sequence[pb.PlanResult]) -> pb.PlanResult:
+    """The results of one plan's steps as one message: the first, the later ones in `then`."""
+    first = steps[0]
+    first.then.extend(steps[1:])
+    return first
+
+
+def plan_results_from_pb(msg: pb.PlanResult) -> list[pb.PlanResult]:
+    """`plan_results_to_pb` backwards: each step's message, in order."""
+    return [msg, *msg.then]
 
 
 def plan_result_from_pb(msg: pb.PlanResult) -> PlanResult:

@@ -34,6 +34,10 @@ result (the bonus token and the drafts it proposed), which the control plane has
 so the control plane sends step N + 1 while the service runs step N, and the service's state is
 never guessed: a sequence touched by any other call since has nothing to continue from, and is
 refused alone. Tokens a sequence gains after it finished are the control plane's to discard.
+A plan may also run several such steps back to back (`StepPlan.repeat`), each continuing from
+the one before: one message each way then carries several steps, which is what a service
+whose host is busy with every message (an eager forward on CPU, under one interpreter lock)
+needs; the control plane makes such plans only for sequences it would continue anyway.
 """
 
 from __future__ import annotations
@@ -170,6 +174,11 @@ class StepResult:
     proposal: Proposal  # their drafts, in `proposers` order
 
 
+# The most steps one plan may run (`StepPlan.repeat`): a plan runs to its end before the
+# next one starts, so this bounds how long one message can keep the engine from the rest.
+MAX_PLAN_REPEAT = 16
+
+
 @dataclass(frozen=True)
 class StepPlan:
     """One step of a step stream (`Model.open_steps`): a greedy `decode_step` whose rows the
@@ -179,7 +188,15 @@ class StepPlan:
     of them each. A continuing sequence whose last operation was anything else (another call,
     a refusal, a free) is refused alone: its state is never guessed. A malformed plan (lists
     of other lengths, a sequence named twice, tokens that do not fill the rows) refuses every
-    sequence with INVALID_ARGUMENT and changes nothing."""
+    sequence with INVALID_ARGUMENT and changes nothing.
+
+    A plan may `repeat`: after its first step the service runs `repeat - 1` more, in each of
+    which every sequence of the plan continues from its own verdict, `ks[i]` rows at most, as
+    if the caller had sent that plan (one that did not run is refused again, alone). Each
+    step still gives its own `PlanResult`, in order; over gRPC one message each way carries
+    them all. The caller plans `repeat` steps on statistics up to `repeat` steps old, and
+    discards what a sequence finished before the last of them produced, as for any plan
+    sent ahead."""
 
     seqs: list[SequenceHandle]
     continues: list[bool]
@@ -188,6 +205,7 @@ class StepPlan:
     want_drafts: list[bool]
     num_drafts: int
     trace: dict[str, str] = field(default_factory=dict)  # W3C trace context of the plan's span
+    repeat: int = 1  # steps the plan runs
 
 
 @dataclass(frozen=True)
@@ -206,8 +224,9 @@ class PlanResult:
 
 
 class StepStream(Protocol):
-    """Plans one way, results the other, in order; the service runs plans back to back, so
-    the caller sends plan N + 1 before it reads result N and the service never waits."""
+    """Plans one way, results the other, in order, one result per step (a plan that repeats
+    gives one per step it ran); the service runs plans back to back, so the caller sends plan
+    N + 1 before it reads result N and the service never waits."""
 
     def send(self, plan: StepPlan) -> None: ...
 

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from control_plane.tokenizer import TOKENIZER_FILE, ByteTokenizer
-from gpu_service.pipeline import run_plan
+from gpu_service.pipeline import PlanClock, plan_steps, run_plan
 from protos.model import (
     Capabilities,
     FailedPrecondition,
@@ -320,7 +320,7 @@ class _InlineSteps:
 
     def send(self, plan: StepPlan) -> None:
         try:
-            self._results.append(self._run(plan))
+            self._results.extend(plan_steps(plan, [], self._run, PlanClock(), 0.0))
         except Exception as e:  # handed to the reader, as the engine's stream hands it
             self._results.append(e)
 

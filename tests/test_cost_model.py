@@ -145,9 +145,11 @@ def test_overhead_deepens_the_step() -> None:
     assert (alone, loaded) == (0, 3), "alone, a draft costs what it gains; with it, all three pay"
 
 
-def test_served_steps_teach_the_overhead() -> None:
+@pytest.mark.parametrize("plan_steps", [1, 2])
+def test_served_steps_teach_the_overhead(plan_steps: int) -> None:
     """Each step's time as the scheduler saw it, less the table's cost, in step and
-    pipelined: a table of near-zero costs leaves the whole step as overhead."""
+    pipelined (timed once per plan, per step of it): a table of near-zero costs leaves the
+    whole step as overhead."""
     model = FakeModel()
     free = CostTable([CostEntry(w, d, 1e-6, 0.0) for w in (1, 2, 4) for d in range(4)])
     ctx = StepContext.build(model.capabilities(), NO_ENV, free)
@@ -155,7 +157,7 @@ def test_served_steps_teach_the_overhead() -> None:
     assert len(ctx.overhead.seen) == 1 and ctx.overhead.ms > 0
     model2 = FakeModel()
     model2.cached = True  # `auto` takes the service's table
-    opts = SchedulerOptions(spec_cost_model="auto")
+    opts = SchedulerOptions(spec_cost_model="auto", plan_steps=plan_steps)
     s = Scheduler(lambda: model2, ByteTokenizer.default(), opts, Env())
     s.start()
     try:
@@ -165,7 +167,7 @@ def test_served_steps_teach_the_overhead() -> None:
     assert s.ctx is not None and s.ctx.costs is not None
     plans = s.snapshot()["counters"].plans
     assert plans > 0, "the steps ran ahead"
-    assert len(s.ctx.overhead.seen) >= plans, "every plan read back was timed"
+    assert len(s.ctx.overhead.seen) * plan_steps >= plans, "every plan read back was timed"
 
 
 def test_step_under_the_cost_model() -> None:

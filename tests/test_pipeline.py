@@ -6,9 +6,11 @@ found one step late."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,9 +31,9 @@ SERVICE = ServiceConfig(verify_tiers="16:3,16:2", max_context=256)
 METHODS = (NONE, MTP, PROMPT_LOOKUP)
 
 
-def requests(n: int, seed: int = 0) -> list[GenRequest]:
-    """Prompts with repeats (prompt lookup finds copies); every third request has stop
-    strings, every fifth a stop id, chosen so that some fire mid-step."""
+def requests(n: int, seed: int = 0, methods: tuple[str, ...] = METHODS) -> list[GenRequest]:
+    """Prompts with repeats (prompt lookup finds copies), `methods` in turn; every third
+    request has stop strings, every fifth a stop id, chosen so that some fire mid-step."""
     rng = random.Random(seed)
     out = []
     for i in range(n):
@@ -44,7 +46,7 @@ def requests(n: int, seed: int = 0) -> list[GenRequest]:
                 f"r{i}",
                 prompt,
                 rng.randint(8, 40),
-                method=METHODS[i % 3],
+                method=methods[i % len(methods)],
                 stop=stop,
                 stop_token_ids=stop_ids,
             )
@@ -73,19 +75,11 @@ def engine(tiny_dir: Path) -> Engine:
     return Engine(tiny_dir, SERVICE)
 
 
-def test_greedy_outputs_are_identical_with_and_without_the_pipeline(engine: Engine) -> None:
-    reqs = requests(32)
-    plain = serve(engine, reqs, pipeline=False)
-    piped = serve(engine, reqs, pipeline=True)
-    for r, a, b in zip(reqs, plain, piped, strict=True):
-        assert (a.tokens, a.text, a.finish.reason) == (b.tokens, b.text, b.finish.reason), r
-    assert {o.finish.reason for o in piped} == {"stop", "length"}, "stops fired"
-    assert engine.capabilities().free_slots == engine.capabilities().num_slots
-
-
-def test_the_pipeline_ran_ahead(engine: Engine) -> None:
-    """The plans went back to back: the engine's stream ran every greedy step."""
-    plans = []
+@contextlib.contextmanager
+def counting_plans(engine: Engine) -> Iterator[list[StepPlan]]:
+    """Every step the engine's stream runs, as the plan it ran (a repeated plan's later
+    steps as plans of one step continuing every sequence)."""
+    plans: list[StepPlan] = []
     run = engine.run_plan
 
     def counted(plan: StepPlan):
@@ -94,10 +88,41 @@ def test_the_pipeline_ran_ahead(engine: Engine) -> None:
 
     engine.run_plan = counted  # type: ignore[method-assign]
     try:
-        serve(engine, [GenRequest(f"p{i}", (65 + i, 66), 24, method=MTP) for i in range(4)], True)
+        yield plans
     finally:
         del engine.run_plan
+
+
+@pytest.mark.parametrize(
+    ("plan_steps", "methods"),
+    [(1, METHODS), (2, METHODS), (4, (NONE, MTP))],
+    ids=["a-step-per-plan", "two-steps-per-plan", "four-steps-without-prompt-lookup"],
+)
+def test_greedy_outputs_are_identical_with_and_without_the_pipeline(
+    engine: Engine, plan_steps: int, methods: tuple[str, ...]
+) -> None:
+    """Nothing runs ahead beside prompt lookup's synchronous steps: plans repeat once the
+    sequences left all continue."""
+    reqs = requests(32, methods=methods)
+    plain = serve(engine, reqs, pipeline=False)
+    with counting_plans(engine) as plans:
+        piped = serve(engine, reqs, pipeline=True, plan_steps=plan_steps)
+    for r, a, b in zip(reqs, plain, piped, strict=True):
+        assert (a.tokens, a.text, a.finish.reason) == (b.tokens, b.text, b.finish.reason), r
+    assert {o.finish.reason for o in piped} == {"stop", "length"}, "stops fired"
+    assert max(p.repeat for p in plans) == plan_steps
+    assert engine.capabilities().free_slots == engine.capabilities().num_slots
+
+
+def test_the_pipeline_ran_ahead(engine: Engine) -> None:
+    """The plans went back to back: the engine's stream ran every greedy step, three to a
+    plan once every sequence continued, fewer only where a sequence's room was short."""
+    reqs = [GenRequest(f"p{i}", (65 + i, 66), 40, method=MTP) for i in range(4)]
+    with counting_plans(engine) as plans:
+        serve(engine, reqs, True, plan_steps=3)
     assert len(plans) >= 6 and any(all(p.continues) for p in plans)
+    repeated = [p for p in plans if p.repeat > 1]
+    assert repeated and all(p.repeat == 3 and all(p.continues) for p in repeated)
 
 
 def test_grammars_mixed_in_keep_every_output(engine: Engine, tiny_dir: Path) -> None:
@@ -167,11 +192,15 @@ def test_cancellations_at_random_points_change_no_one_else(engine: Engine) -> No
     assert engine.capabilities().free_slots == engine.capabilities().num_slots
 
 
-def test_a_stop_string_found_one_step_late_streams_nothing_after_it(engine: Engine) -> None:
-    """The step after the one that meets the stop string was already planned; its tokens
-    never reach the client."""
+@pytest.mark.parametrize("plan_steps", [1, 4])
+def test_a_stop_string_found_one_step_late_streams_nothing_after_it(
+    engine: Engine, plan_steps: int
+) -> None:
+    """The steps after the one that meets the stop string were already planned (one, or
+    the rest of a plan of four and the plan after it); their tokens never reach the client."""
     reqs = [GenRequest(f"q{i}", (80 + i, 81, 82), 40, method=MTP, stop=("a",)) for i in range(4)]
-    for a, b in zip(serve(engine, reqs, False), serve(engine, reqs, True), strict=True):
+    piped = serve(engine, reqs, True, plan_steps=plan_steps)
+    for a, b in zip(serve(engine, reqs, False), piped, strict=True):
         assert (a.tokens, a.text) == (b.tokens, b.text)
         assert "a" not in b.text
 
@@ -184,16 +213,18 @@ def test_plans_continuing_a_freed_or_moved_sequence_refuse_it_alone(engine: Engi
     try:
         engine.free_sequence(a)  # freed while its next plan is on its way
         engine.prefill([c], [[71]])  # moved on by another call: nothing to continue from
-        steps.send(StepPlan([a, b, c], [True] * 3, [], [0, 0, 0], [True] * 3, 2))
-        result = steps.recv()
+        steps.send(StepPlan([a, b, c], [True] * 3, [], [0, 0, 0], [True] * 3, 2, repeat=2))
+        results = [steps.recv(), steps.recv()]
     finally:
         steps.close()
-    assert result.ran == [1]
-    assert [(i, code) for i, code, _ in result.refused] == [
-        (0, "NOT_FOUND"),
-        (2, "FAILED_PRECONDITION"),
-    ]
-    assert "continue" in result.refused[1][2]
+    for result in results:  # refused at each step of the plan, the other one ran on
+        assert result.ran == [1]
+        assert [(i, code) for i, code, _ in result.refused] == [
+            (0, "NOT_FOUND"),
+            (2, "FAILED_PRECONDITION"),
+        ]
+        assert "continue" in result.refused[1][2]
+    assert results[1].rows[0] == results[0].step.argmax[results[0].step.accepted[0]]
     for h in (b, c):
         engine.free_sequence(h)
 

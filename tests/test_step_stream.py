@@ -15,7 +15,15 @@ from control_plane.client import GrpcModel
 from control_plane.launch import start_gpu_service
 from gpu_service.pipeline import PlanClock
 from protos import convert as cv
-from protos.model import PlanResult, Proposal, SequenceHandle, StepPlan, StepResult
+from protos.met.v1 import model_pb2 as pb
+from protos.model import (
+    MAX_PLAN_REPEAT,
+    PlanResult,
+    Proposal,
+    SequenceHandle,
+    StepPlan,
+    StepResult,
+)
 from tests.conftest import SERVE_ARGS
 
 PROMPTS = [[1, 2, 3, 4, 5], [9] * 7, [200, 100, 50]]
@@ -37,8 +45,10 @@ def test_plan_round_trip() -> None:
         [True, False, True],
         3,
         {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"},
+        repeat=3,
     )
     assert cv.plan_from_pb(wire(cv.plan_to_pb(plan))) == plan
+    assert cv.plan_from_pb(pb.StepPlan()).repeat == 1, "unset: one step"
 
 
 @pytest.mark.parametrize(
@@ -69,6 +79,13 @@ def test_plan_result_round_trip(result: PlanResult) -> None:
     reply = wire(cv.plan_result_to_pb(result, lens))
     assert cv.plan_result_from_pb(reply) == result
     assert list(reply.step.seq_lens) == lens
+
+
+def test_a_plans_steps_travel_in_one_message() -> None:
+    empty = StepResult([], [], [], [], Proposal([], []))
+    steps = [PlanResult(empty, [], [], [], [(0, "NOT_FOUND", str(n))], 0.5 - n) for n in range(3)]
+    msg = wire(cv.plan_results_to_pb([cv.plan_result_to_pb(r, []) for r in steps]))
+    assert [cv.plan_result_from_pb(m) for m in cv.plan_results_from_pb(msg)] == steps
 
 
 def test_plan_clock() -> None:
@@ -133,6 +150,35 @@ def test_plans_sent_ahead_equal_unary_steps(client: GrpcModel) -> None:
     assert results[0].waited_s == 0.0
     assert all(r.waited_s < 0.05 for r in results)
     assert late.waited_s > 0
+    for s in seqs:
+        client.free_sequence(s)
+
+
+def test_a_repeated_plan_runs_as_its_steps_sent_one_by_one(client: GrpcModel) -> None:
+    steps, rows, lens = unary_steps(client, 5)
+    seqs = [client.alloc_sequence() for _ in PROMPTS]
+    first = client.prefill(seqs, PROMPTS)
+    every = ([True] * 3, [], [0] * 3, [True] * 3, NUM_DRAFTS)
+    stream = client.open_steps()
+    try:
+        stream.send(StepPlan(seqs, [False] * 3, first, [1] * 3, [True] * 3, NUM_DRAFTS))
+        stream.send(StepPlan(seqs, *every, repeat=4))
+        results = [stream.recv() for _ in range(5)]
+        assert [s.seq_len for s in seqs] == lens
+        stream.send(StepPlan(seqs, *every, repeat=MAX_PLAN_REPEAT + 1))
+        too_long = stream.recv()  # refused whole, once: it changed nothing
+        stream.send(StepPlan(seqs, *every, repeat=2))
+        after = [stream.recv(), stream.recv()]
+    finally:
+        stream.close()
+    assert [r.step for r in results] == steps
+    assert [r.rows for r in results] == rows
+    assert all(r.ran == [0, 1, 2] and not r.refused for r in results)
+    assert all(r.waited_s < 0.05 for r in results[1:])
+    assert too_long.ran == [] and [c for _, c, _ in too_long.refused] == ["INVALID_ARGUMENT"] * 3
+    assert f"1 to {MAX_PLAN_REPEAT} steps" in too_long.refused[0][2]
+    assert all(r.ran == [0, 1, 2] for r in after)
+    assert after[0].rows[:1] == [results[-1].step.argmax[results[-1].step.accepted[0]]]
     for s in seqs:
         client.free_sequence(s)
 

@@ -297,8 +297,17 @@ class Scheduler:
             # two calls, and a plan run between them would no longer leave its verify last.
             pipe.drain(ctx)
         if ahead:
-            step_nd = pipe.advance(self.model, ahead, ctx, nd, ahead_by=0 if rest else 1)
-            self.tally.stepped(len(ahead), 0, False, step_nd)
+            # Several steps per plan only while no one waits to join: a plan runs whole.
+            alone = not (rest or self.waiting or self.prefilling)
+            n, step_nd = pipe.advance(
+                self.model,
+                ahead,
+                ctx,
+                nd,
+                ahead_by=0 if rest else 1,
+                plan_steps=self.opts.plan_steps if alone else 1,
+            )
+            self.tally.stepped(n, 0, False, step_nd)
         if rest:
             report = step_mtp(self.model, rest, ctx, nd)
             self.tally.stepped(len(rest), sum(report.copied), report.dcut, report.ladder_nd)

@@ -10,6 +10,7 @@ from typing import Any
 
 from control_plane.env import Env
 from control_plane.scheduler.ladder import Ladder
+from protos.model import MAX_PLAN_REPEAT
 
 
 def _option(default: object, help: str, **cli: Any) -> Any:
@@ -52,6 +53,13 @@ class SchedulerOptions:
     pipeline: bool = _option(
         True,
         "greedy none and mtp steps run ahead: step N + 1 is sent before step N's result is back",
+    )
+    plan_steps: int = _option(
+        2,
+        "pipelined greedy steps per plan, one message each way for all of them (1: a plan "
+        "per step); more steps make fewer messages, and later admissions and statistics",
+        choices=range(1, MAX_PLAN_REPEAT + 1),
+        metavar=f"1..{MAX_PLAN_REPEAT}",
     )
     # Off by default: at the widths D-Cut may cut (`dcut_width_cap`) a verified row costs a
     # few percent of a step, so a cut draft saves less than the tokens it would have added
@@ -98,6 +106,8 @@ class SchedulerOptions:
 
     def __post_init__(self) -> None:
         Ladder.parse(self.k_ladder)  # a bad ladder is refused when the options are made
+        if not 1 <= self.plan_steps <= MAX_PLAN_REPEAT:
+            raise ValueError(f"plan_steps must be 1 to {MAX_PLAN_REPEAT}, not {self.plan_steps}")
 
     @property
     def ladder(self) -> Ladder:

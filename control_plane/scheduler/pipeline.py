@@ -66,16 +66,22 @@ def runs_ahead(a: ActiveSeq, ctx: StepContext) -> bool:
 
 @dataclass
 class Flight:
-    """One plan sent and not yet read back."""
+    """One step sent and not yet read back (a plan that repeats sends several)."""
 
     seqs: list[ActiveSeq]
     step_nd: int
     span: Span
-    before: list[tuple[int, int]]  # each sequence's (drafted, accepted) before the step
-    sent: float  # `time.perf_counter()` when the plan went out
+    sent: float  # `time.perf_counter()` when its plan went out
+    plan_steps: int = 1  # steps of its plan
+    ends_plan: bool = True  # the last step of its plan
 
     def holds(self, a: ActiveSeq) -> bool:
         return any(s is a for s in self.seqs)
+
+
+def room(a: ActiveSeq) -> int:
+    """Tokens a sequence's context may still take."""
+    return a.max_context - a.prefilled - len(a.generated)
 
 
 @dataclass
@@ -115,17 +121,16 @@ class Pipeline:
         ctx: StepContext,
         num_drafts: int,
         ahead_by: int = 1,
-    ) -> int:
-        """Send the next plan for `seqs` (and more until `ahead_by` plans stay in flight once
-        the oldest result is read back), then read that result. -> the last plan's width."""
+        plan_steps: int = 1,
+    ) -> tuple[int, int]:
+        """Send plans for `seqs` until more than `ahead_by` steps are in flight (none when
+        there are already), each of up to `plan_steps` steps, then read the oldest step's
+        result back. -> (its sequences, its width)."""
         if self.stream is None:
             self.stream = model.open_steps()
-        while True:
-            step_nd = self._send(seqs, ctx, num_drafts)
-            if len(self.flights) > ahead_by:
-                break
-        self._read(ctx)
-        return step_nd
+        while len(self.flights) <= ahead_by:
+            self._send(seqs, ctx, num_drafts, plan_steps)
+        return self._read(ctx)
 
     def drain(self, ctx: StepContext | None) -> None:
         """Read every flight back: nothing runs ahead any more."""
@@ -143,11 +148,23 @@ class Pipeline:
             stream, self.stream = self.stream, None
             stream.close()
 
-    def _send(self, seqs: list[ActiveSeq], ctx: StepContext, num_drafts: int) -> int:
+    def _send(
+        self, seqs: list[ActiveSeq], ctx: StepContext, num_drafts: int, plan_steps: int
+    ) -> None:
         assert self.stream is not None
         last = self.flights[-1] if self.flights else None
         step_nd = step_width(seqs, ctx, num_drafts)
         continues = [last is not None and last.holds(a) for a in seqs]
+        # Several steps in one plan only where each is a plain continuation, and none can
+        # outrun a sequence's context even if every draft of every step in flight stands. (A
+        # sequence that meets its length or a stop before the last step wastes the rest of
+        # its rows, as a sequence finishing in a plan sent ahead does.)
+        steps = plan_steps
+        if steps > 1 and not all(continues):
+            steps = 1
+        if steps > 1:
+            need = (len(self.flights) + steps) * (step_nd + 1)
+            steps = steps if all(room(a) >= need for a in seqs) else 1
         tokens, ks = [], []
         o = ctx.opts
         cut = o.dcut and step_nd >= 2 and len(seqs) <= o.dcut_width_cap
@@ -162,41 +179,44 @@ class Pipeline:
                 tokens += rows
                 ks.append(len(rows))
         links = [Link(a.req.span_context) for a in seqs if a.req.span_context is not None]
-        sp = TRACER.start_span("step_mtp", links=links)
-        sp.set_attributes(
-            {
-                "met.active": len(seqs),
-                "met.ladder_nd": step_nd,
-                "met.pipelined": True,
-                REPLICA_ATTRIBUTE: ctx.replica,
-            }
-        )
+        spans = [TRACER.start_span("step_mtp", links=links) for _ in range(steps)]
+        for sp in spans:
+            sp.set_attributes(
+                {
+                    "met.active": len(seqs),
+                    "met.ladder_nd": step_nd,
+                    "met.pipelined": True,
+                    "met.plan_steps": steps,
+                    REPLICA_ATTRIBUTE: ctx.replica,
+                }
+            )
         trace: dict[str, str] = {}
-        propagate.inject(trace, context=set_span_in_context(sp))
+        propagate.inject(trace, context=set_span_in_context(spans[0]))
         want = [step_nd >= 1 and a.wants_drafts for a in seqs]
-        self.stream.send(
-            StepPlan([a.live_handle for a in seqs], continues, tokens, ks, want, step_nd, trace)
-        )
+        handles = [a.live_handle for a in seqs]
+        self.stream.send(StepPlan(handles, continues, tokens, ks, want, step_nd, trace, steps))
         for a in seqs:
-            a.stats.steps += 1
-        before = [(a.stats.drafted, a.stats.accepted) for a in seqs]
-        self.flights.append(Flight(list(seqs), step_nd, sp, before, time.perf_counter()))
-        return step_nd
+            a.stats.steps += steps
+        sent = time.perf_counter()
+        for j, sp in enumerate(spans):
+            self.flights.append(Flight(list(seqs), step_nd, sp, sent, steps, j == steps - 1))
 
-    def _read(self, ctx: StepContext | None) -> None:
+    def _read(self, ctx: StepContext | None) -> tuple[int, int]:
         assert self.stream is not None
         result = self.stream.recv()  # a lost stream raises: `close` ends what is in flight
         flight = self.flights.popleft()
-        # What the step cost as served: back to back, the time between two results; a plan
-        # sent after the last result came back, its round trip.
-        now = time.perf_counter()
-        served_ms = (now - max(self.last_read, flight.sent)) * 1e3
-        self.last_read = now
         self.read_back(result.waited_s)
         _apply(flight, result, ctx)
-        if ctx is not None:
-            ctx.overhead.observe(ctx.costs, len(flight.seqs), flight.step_nd, served_ms)
+        if flight.ends_plan:
+            # What a step cost as served: back to back, the time between the ends of two
+            # plans; a plan sent after the last one ended, its round trip; per step.
+            now = time.perf_counter()
+            served_ms = (now - max(self.last_read, flight.sent)) * 1e3 / flight.plan_steps
+            self.last_read = now
+            if ctx is not None:
+                ctx.overhead.observe(ctx.costs, len(flight.seqs), flight.step_nd, served_ms)
         self._free_deferred()
+        return len(flight.seqs), flight.step_nd
 
     def _free_deferred(self) -> None:
         waiting = []
@@ -239,6 +259,8 @@ def _apply(flight: Flight, result: PlanResult, ctx: StepContext | None) -> None:
         rows.append(result.rows[off : off + k])
         off += k
     seqs = [flight.seqs[result.ran[j]] for j in keep]
+    # Counted here, not when the plan went out: the steps before it were read since.
+    before = [(a.stats.drafted, a.stats.accepted) for a in seqs]
     if seqs:
         apply_step(seqs, [rows[j] for j in keep], _select(result, keep), flight.step_nd)
     flight.span.set_attributes(
@@ -247,8 +269,6 @@ def _apply(flight: Flight, result: PlanResult, ctx: StepContext | None) -> None:
     flight.span.end()
     if ctx is None:
         return
-    for j in keep:
-        a = flight.seqs[result.ran[j]]
-        d, n = flight.before[result.ran[j]]
+    for a, (d, n) in zip(seqs, before, strict=True):
         ctx.rung.observe(a.stats.drafted - d, a.stats.accepted - n)
         ctx.calibration.observe(a.stats.drafted - d, a.stats.accepted - n)

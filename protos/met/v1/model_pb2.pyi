@@ -393,7 +393,7 @@ class StepReply(_message.Message):
     def __init__(self, argmax: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., accepted: _Optional[_Iterable[int]] = ..., seq_lens: _Optional[_Iterable[int]] = ..., proposers: _Optional[_Iterable[int]] = ..., drafts: _Optional[_Iterable[int]] = ..., confidences: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("seq_ids", "continues", "tokens", "ks", "want_drafts", "num_drafts", "trace")
+    __slots__ = ("seq_ids", "continues", "tokens", "ks", "want_drafts", "num_drafts", "trace", "repeat")
     class TraceEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -408,6 +408,7 @@ class StepPlan(_message.Message):
     WANT_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     TRACE_FIELD_NUMBER: _ClassVar[int]
+    REPEAT_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     continues: _containers.RepeatedScalarFieldContainer[bool]
     tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -415,7 +416,8 @@ class StepPlan(_message.Message):
     want_drafts: _containers.RepeatedScalarFieldContainer[bool]
     num_drafts: int
     trace: _containers.ScalarMap[str, str]
-    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., continues: _Optional[_Iterable[bool]] = ..., tokens: _Optional[_Iterable[int]] = ..., ks: _Optional[_Iterable[int]] = ..., want_drafts: _Optional[_Iterable[bool]] = ..., num_drafts: _Optional[int] = ..., trace: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    repeat: int
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., continues: _Optional[_Iterable[bool]] = ..., tokens: _Optional[_Iterable[int]] = ..., ks: _Optional[_Iterable[int]] = ..., want_drafts: _Optional[_Iterable[bool]] = ..., num_drafts: _Optional[int] = ..., trace: _Optional[_Mapping[str, str]] = ..., repeat: _Optional[int] = ...) -> None: ...
 
 class PlanRefusal(_message.Message):
     __slots__ = ("index", "code", "message")
@@ -428,17 +430,19 @@ class PlanRefusal(_message.Message):
     def __init__(self, index: _Optional[int] = ..., code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class PlanResult(_message.Message):
-    __slots__ = ("step", "ran", "rows", "ks", "refused", "waited_s")
+    __slots__ = ("step", "ran", "rows", "ks", "refused", "waited_s", "then")
     STEP_FIELD_NUMBER: _ClassVar[int]
     RAN_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     KS_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
     WAITED_S_FIELD_NUMBER: _ClassVar[int]
+    THEN_FIELD_NUMBER: _ClassVar[int]
     step: StepReply
     ran: _containers.RepeatedScalarFieldContainer[int]
     rows: _containers.RepeatedScalarFieldContainer[int]
     ks: _containers.RepeatedScalarFieldContainer[int]
     refused: _containers.RepeatedCompositeFieldContainer[PlanRefusal]
     waited_s: float
-    def __init__(self, step: _Optional[_Union[StepReply, _Mapping]] = ..., ran: _Optional[_Iterable[int]] = ..., rows: _Optional[_Iterable[int]] = ..., ks: _Optional[_Iterable[int]] = ..., refused: _Optional[_Iterable[_Union[PlanRefusal, _Mapping]]] = ..., waited_s: _Optional[float] = ...) -> None: ...
+    then: _containers.RepeatedCompositeFieldContainer[PlanResult]
+    def __init__(self, step: _Optional[_Union[StepReply, _Mapping]] = ..., ran: _Optional[_Iterable[int]] = ..., rows: _Optional[_Iterable[int]] = ..., ks: _Optional[_Iterable[int]] = ..., refused: _Optional[_Iterable[_Union[PlanRefusal, _Mapping]]] = ..., waited_s: _Optional[float] = ..., then: _Optional[_Iterable[_Union[PlanResult, _Mapping]]] = ...) -> None: ...
