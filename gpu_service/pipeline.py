@@ -6,6 +6,7 @@ back to back, as the GPU service's stream does; both time their waits with `Plan
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
@@ -31,7 +32,7 @@ Refusal = tuple[int, str, str]
 def check_plan(plan: StepPlan) -> None:
     """What refuses a plan whole: parallel lists of different lengths, a sequence named twice,
     tokens that do not fill the rows of the sequences that give theirs, more steps than
-    MAX_PLAN_REPEAT."""
+    MAX_PLAN_REPEAT, more later steps' trace contexts than later steps."""
     checks.same_length(
         "a step plan",
         seqs=plan.seqs,
@@ -46,6 +47,11 @@ def check_plan(plan: StepPlan) -> None:
     if not 1 <= plan.repeat <= MAX_PLAN_REPEAT:
         raise InvalidArgument(
             f"a step plan repeats {plan.repeat} times; it runs 1 to {MAX_PLAN_REPEAT} steps"
+        )
+    if len(plan.then_trace) > plan.repeat - 1:
+        raise InvalidArgument(
+            f"a step plan gives {len(plan.then_trace)} trace contexts for its "
+            f"{plan.repeat - 1} later steps"
         )
 
 
@@ -206,9 +212,11 @@ def plan_steps(
             yield clock.run(arrived, lambda: whole)
         return
     yield clock.run(arrived, lambda: run_without(plan, refused, run))
-    again = replace(plan, continues=[True] * len(plan.seqs), tokens=[], repeat=1)
-    for _ in range(plan.repeat - 1):
-        yield clock.run(0.0, lambda: run_without(again, refused, run))  # already there
+    again = replace(plan, continues=[True] * len(plan.seqs), tokens=[], repeat=1, then_trace=[])
+    for j in range(plan.repeat - 1):
+        trace = plan.then_trace[j] if j < len(plan.then_trace) else plan.trace
+        step = replace(again, trace=trace)
+        yield clock.run(0.0, functools.partial(run_without, step, refused, run))  # already there
 
 
 class PlanClock:

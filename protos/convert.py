@@ -235,6 +235,7 @@ def plan_to_pb(plan: StepPlan) -> pb.StepPlan:
         num_drafts=plan.num_drafts,
         trace=plan.trace,
         repeat=plan.repeat,
+        then_trace=[pb.TraceContext(fields=t) for t in plan.then_trace],
     )
 
 
@@ -249,6 +250,7 @@ def plan_from_pb(msg: pb.StepPlan) -> StepPlan:
         msg.num_drafts,
         dict(msg.trace),
         max(1, msg.repeat),
+        [dict(t.fields) for t in msg.then_trace],
     )
 
 

@@ -206,6 +206,9 @@ class StepPlan:
     num_drafts: int
     trace: dict[str, str] = field(default_factory=dict)  # W3C trace context of the plan's span
     repeat: int = 1  # steps the plan runs
+    # W3C trace contexts of the later steps' spans, in order; a step without one runs under
+    # `trace`
+    then_trace: list[dict[str, str]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

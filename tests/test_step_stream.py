@@ -46,6 +46,10 @@ def test_plan_round_trip() -> None:
         3,
         {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"},
         repeat=3,
+        then_trace=[
+            {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-c7ad6b7169203331-01"},
+            {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-d7ad6b7169203331-01"},
+        ],
     )
     assert cv.plan_from_pb(wire(cv.plan_to_pb(plan))) == plan
     assert cv.plan_from_pb(pb.StepPlan()).repeat == 1, "unset: one step"
@@ -167,6 +171,8 @@ def test_a_repeated_plan_runs_as_its_steps_sent_one_by_one(client: GrpcModel) ->
         assert [s.seq_len for s in seqs] == lens
         stream.send(StepPlan(seqs, *every, repeat=MAX_PLAN_REPEAT + 1))
         too_long = stream.recv()  # refused whole, once: it changed nothing
+        stream.send(StepPlan(seqs, *every, repeat=2, then_trace=[{}, {}]))
+        traced = [stream.recv(), stream.recv()]  # refused whole at each of its steps
         stream.send(StepPlan(seqs, *every, repeat=2))
         after = [stream.recv(), stream.recv()]
     finally:
@@ -177,6 +183,9 @@ def test_a_repeated_plan_runs_as_its_steps_sent_one_by_one(client: GrpcModel) ->
     assert all(r.waited_s < 0.05 for r in results[1:])
     assert too_long.ran == [] and [c for _, c, _ in too_long.refused] == ["INVALID_ARGUMENT"] * 3
     assert f"1 to {MAX_PLAN_REPEAT} steps" in too_long.refused[0][2]
+    for r in traced:
+        assert r.ran == [] and [c for _, c, _ in r.refused] == ["INVALID_ARGUMENT"] * 3
+        assert "2 trace contexts for its 1 later steps" in r.refused[0][2]
     assert all(r.ran == [0, 1, 2] for r in after)
     assert after[0].rows[:1] == [results[-1].step.argmax[results[-1].step.accepted[0]]]
     for s in seqs:

@@ -152,8 +152,9 @@ def _free_port() -> int:
 def test_pipelined_steps_overlap_and_carry_their_plans(
     memory_spans: InMemorySpanExporter, tiny_dir: Path
 ) -> None:
-    """In process: each plan's engine span sits under its step's span, and a step's span opens
-    before the previous one closes (step N + 1 is sent before step N is read)."""
+    """In process: each step's engine span sits under its own step's span, those of a plan
+    of several steps too, and a step's span opens before the previous one closes (step N + 1
+    is sent before step N is read)."""
     engine = Engine(tiny_dir, ServiceConfig(verify_tiers="4:3", max_context=256))
     scheduler = Scheduler(lambda: engine, ByteTokenizer.default(), SchedulerOptions(), Env())
     memory_spans.clear()
@@ -170,6 +171,8 @@ def test_pipelined_steps_overlap_and_carry_their_plans(
     plans = [s for s in spans if s.name == "engine.plan"]
     assert len(plans) >= 3 and all(s.attributes["met.pipelined"] for s in steps)
     assert {ids[p.parent.span_id].name for p in plans} == {"step_mtp"}
+    assert len({p.parent.span_id for p in plans}) == len(plans), "a span of its own each"
+    assert max(s.attributes["met.plan_steps"] for s in steps) == 2, "plans of two steps"
     assert any(b.start_time < a.end_time for a, b in zip(steps, steps[1:], strict=False))
 
 
@@ -221,6 +224,7 @@ def test_both_processes_export_one_trace(tiny_dir: Path) -> None:
         step = ids[p.parent_id]
         assert step.name == "step_mtp" and step.service == "control-plane"
         assert step.trace_id == p.trace_id
+    assert len({p.parent_id for p in plans}) == len(plans), "each step under its own span"
     # Two steps overlap across the processes: the control plane opened step N + 1 while the
     # service ran step N.
     assert any(

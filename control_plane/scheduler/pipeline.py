@@ -123,14 +123,21 @@ class Pipeline:
         ahead_by: int = 1,
         plan_steps: int = 1,
     ) -> tuple[int, int]:
-        """Send plans for `seqs` until more than `ahead_by` steps are in flight (none when
+        """Send plans for `seqs` until more than `ahead_by` plans are in flight (none when
         there are already), each of up to `plan_steps` steps, then read the oldest step's
-        result back. -> (its sequences, its width)."""
+        result back. -> (its sequences, its width).
+
+        Counted in plans, not steps: over gRPC a plan's results come back in one message
+        once its last step ends, so the service keeps busy only while the plan after it is
+        already there."""
         if self.stream is None:
             self.stream = model.open_steps()
-        while len(self.flights) <= ahead_by:
+        while self.plans_in_flight() <= ahead_by:
             self._send(seqs, ctx, num_drafts, plan_steps)
         return self._read(ctx)
+
+    def plans_in_flight(self) -> int:
+        return sum(f.ends_plan for f in self.flights)
 
     def drain(self, ctx: StepContext | None) -> None:
         """Read every flight back: nothing runs ahead any more."""
@@ -190,11 +197,14 @@ class Pipeline:
                     REPLICA_ATTRIBUTE: ctx.replica,
                 }
             )
-        trace: dict[str, str] = {}
-        propagate.inject(trace, context=set_span_in_context(spans[0]))
+        traces: list[dict[str, str]] = [{} for _ in spans]
+        for trace, sp in zip(traces, spans, strict=True):
+            propagate.inject(trace, context=set_span_in_context(sp))
         want = [step_nd >= 1 and a.wants_drafts for a in seqs]
         handles = [a.live_handle for a in seqs]
-        self.stream.send(StepPlan(handles, continues, tokens, ks, want, step_nd, trace, steps))
+        self.stream.send(
+            StepPlan(handles, continues, tokens, ks, want, step_nd, traces[0], steps, traces[1:])
+        )
         for a in seqs:
             a.stats.steps += steps
         sent = time.perf_counter()

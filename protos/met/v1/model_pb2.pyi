@@ -393,7 +393,7 @@ class StepReply(_message.Message):
     def __init__(self, argmax: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., accepted: _Optional[_Iterable[int]] = ..., seq_lens: _Optional[_Iterable[int]] = ..., proposers: _Optional[_Iterable[int]] = ..., drafts: _Optional[_Iterable[int]] = ..., confidences: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("seq_ids", "continues", "tokens", "ks", "want_drafts", "num_drafts", "trace", "repeat")
+    __slots__ = ("seq_ids", "continues", "tokens", "ks", "want_drafts", "num_drafts", "trace", "repeat", "then_trace")
     class TraceEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -409,6 +409,7 @@ class StepPlan(_message.Message):
     NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     TRACE_FIELD_NUMBER: _ClassVar[int]
     REPEAT_FIELD_NUMBER: _ClassVar[int]
+    THEN_TRACE_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     continues: _containers.RepeatedScalarFieldContainer[bool]
     tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -417,7 +418,21 @@ class StepPlan(_message.Message):
     num_drafts: int
     trace: _containers.ScalarMap[str, str]
     repeat: int
-    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., continues: _Optional[_Iterable[bool]] = ..., tokens: _Optional[_Iterable[int]] = ..., ks: _Optional[_Iterable[int]] = ..., want_drafts: _Optional[_Iterable[bool]] = ..., num_drafts: _Optional[int] = ..., trace: _Optional[_Mapping[str, str]] = ..., repeat: _Optional[int] = ...) -> None: ...
+    then_trace: _containers.RepeatedCompositeFieldContainer[TraceContext]
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., continues: _Optional[_Iterable[bool]] = ..., tokens: _Optional[_Iterable[int]] = ..., ks: _Optional[_Iterable[int]] = ..., want_drafts: _Optional[_Iterable[bool]] = ..., num_drafts: _Optional[int] = ..., trace: _Optional[_Mapping[str, str]] = ..., repeat: _Optional[int] = ..., then_trace: _Optional[_Iterable[_Union[TraceContext, _Mapping]]] = ...) -> None: ...
+
+class TraceContext(_message.Message):
+    __slots__ = ("fields",)
+    class FieldsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    FIELDS_FIELD_NUMBER: _ClassVar[int]
+    fields: _containers.ScalarMap[str, str]
+    def __init__(self, fields: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class PlanRefusal(_message.Message):
     __slots__ = ("index", "code", "message")
