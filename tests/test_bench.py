@@ -255,3 +255,70 @@ def test_figure_lines() -> None:
     assert batch.endswith("(over gRPC not measured at 4)")
     del report["transformers_generate_batch"]
     assert len(figure_lines(report)) == 2
+
+
+def _span(name: str, span_id: int, parent: int, start: int, end: int):
+    from opentelemetry.proto.trace.v1 import trace_pb2
+
+    return trace_pb2.Span(
+        name=name,
+        span_id=span_id.to_bytes(8, "big"),
+        parent_span_id=parent.to_bytes(8, "big") if parent else b"",
+        start_time_unix_nano=start,
+        end_time_unix_nano=end,
+    )
+
+
+def test_overlapping_steps_as_they_cross_the_wire() -> None:
+    """A plan overlaps when a step other than its own opened while it ran: its own step's
+    span does not count, nor one opened before it began or after it ended."""
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+    from opentelemetry.proto.common.v1 import common_pb2
+    from opentelemetry.proto.resource.v1 import resource_pb2
+    from opentelemetry.proto.trace.v1 import trace_pb2
+
+    from control_plane.benchmarks.report import overlap_line
+    from control_plane.benchmarks.tracing import Sink, overlaps
+
+    def resource_spans(service: str, spans: list) -> trace_pb2.ResourceSpans:
+        name = common_pb2.KeyValue(
+            key="service.name", value=common_pb2.AnyValue(string_value=service)
+        )
+        return trace_pb2.ResourceSpans(
+            resource=resource_pb2.Resource(attributes=[name]),
+            scope_spans=[trace_pb2.ScopeSpans(spans=spans)],
+        )
+
+    ms = 1_000_000
+    control = [  # steps 1 and 2 sent together, step 3 sent while step 2 runs
+        _span("step_mtp", 1, 0, 0, 12 * ms),
+        _span("step_mtp", 2, 0, 0, 22 * ms),
+        _span("step_mtp", 3, 0, 15 * ms, 32 * ms),
+        _span("scheduler_iteration", 9, 0, 0, 40 * ms),
+    ]
+    service = [
+        _span("engine.plan", 11, 1, 1 * ms, 10 * ms),  # nothing opened while it ran
+        _span("engine.plan", 12, 2, 11 * ms, 20 * ms),  # step 3 opened 4 ms in
+        _span("engine.plan", 13, 3, 21 * ms, 30 * ms),  # only its own step, before it
+        _span("verify", 14, 13, 22 * ms, 29 * ms),
+    ]
+    sink = Sink()
+    request = trace_service_pb2.ExportTraceServiceRequest(
+        resource_spans=[resource_spans("control-plane", control)]
+    )
+    sink.Export(request, None)
+    sink.Export(
+        trace_service_pb2.ExportTraceServiceRequest(
+            resource_spans=[resource_spans("gpu-service", service)]
+        ),
+        None,
+    )
+    assert sink.spans == 8 and len(sink.steps) == 6
+    o = overlaps(sink.steps)
+    assert o == {
+        "plans": 3,
+        "overlapping": 1,
+        "first": {"plan_ms": 9.0, "next_step_opened_at_ms": 4.0},
+    }
+    assert "1 of the service's 3 plans" in overlap_line(o)
+    assert overlaps(sink.steps[:3])["first"] is None

@@ -50,7 +50,7 @@ def markdown(report: dict) -> str:
         out.append(
             f"Tracing, both processes, {t['concurrency']} concurrent: "
             f"{t['disabled_tok_s']:.1f} tok/s disabled, {t['exported_tok_s']:.1f} exporting "
-            f"to a local OTLP receiver ({t['spans']} spans)."
+            f"to a local OTLP receiver ({t['spans']} spans); {overlap_line(t['overlap'])}."
         )
     out += _against(report)
     out += ["", *(f"- {line}" for line in figure_lines(report))]
@@ -128,6 +128,21 @@ def _split_tables(report: dict) -> list[str]:
     for r in report["speedup"]:
         out.append(f"| {r['concurrency']} | {r['in_process']:.2f}x | {r['grpc']:.2f}x |")
     return out
+
+
+def overlap_line(o: dict) -> str:
+    """`overlaps`' figures in a sentence."""
+    line = (
+        f"steps overlapping across the processes: {o['overlapping']} of the service's "
+        f"{o['plans']} plans ran while the control plane had opened a later step"
+    )
+    if o["first"] is not None:
+        f = o["first"]
+        line += (
+            f" (the first: a {f['plan_ms']:.1f} ms plan, the next step opened "
+            f"{f['next_step_opened_at_ms']:.1f} ms into it)"
+        )
+    return line
 
 
 def split_lines(rows: list[dict]) -> list[str]:
@@ -303,6 +318,7 @@ def print_table(report: dict) -> None:
             f"tracing at {t['concurrency']}: {t['disabled_tok_s']:.1f} tok/s off, "
             f"{t['exported_tok_s']:.1f} exported ({t['spans']} spans)"
         )
+        print(overlap_line(t["overlap"]))
     if report.get("transformers_generate"):
         t = report["transformers_generate"]
         print(

@@ -46,6 +46,7 @@ from control_plane.benchmarks.methods import batch_vs_serial, batched_over_seria
 from control_plane.benchmarks.predict import configured_depth, draft_cost, prediction
 from control_plane.benchmarks.replicas import replicas
 from control_plane.benchmarks.report import draw_chart, markdown, print_table
+from control_plane.benchmarks.split import REPEATS as SPLIT_REPEATS
 from control_plane.benchmarks.split import pair, speedups, split
 from control_plane.benchmarks.tracing import tracing
 from control_plane.benchmarks.workload import Workload
@@ -108,7 +109,8 @@ def _measure(args: argparse.Namespace) -> dict:
         local, work, [4] if quick else [8, 16], tokens, repeats
     )
     report["batched_over_serial"] = batched_over_serial(report["batch_vs_serial"])
-    report["split"] = split(args.model, local, work, [1] if quick else [1, 4], tokens, repeats)
+    split_at, split_repeats = ([1], repeats) if quick else ([1, 4], SPLIT_REPEATS)
+    report["split"] = split(args.model, local, work, split_at, tokens, split_repeats)
     report["speedup"] = speedups(report["split"])
     report["prediction"] = prediction(report["methods"], report["draft_cost"], report["speedup"])
     if "transformers_generate" in report:

@@ -2,18 +2,23 @@
 `python -m control_plane.benchmarks.tracing`.
 
 Both processes started twice on the default model, once with no exporter (the default: no
-SDK installed) and once exporting every span over OTLP/gRPC to a local sink that drops them;
-the same concurrent greedy requests through the API, alternating, in one run."""
+SDK installed) and once exporting every span over OTLP/gRPC to a local sink that keeps only
+the steps' spans; the same concurrent greedy requests through the API, alternating, in one run.
+From the steps' spans it tells how many of the service's plans ran while the control plane had
+already opened a later step: the pipeline's overlap, as Jaeger shows it."""
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import os
 import statistics
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent import futures
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
@@ -24,15 +29,81 @@ from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
 
 
+@dataclass(frozen=True)
+class StepSpan:
+    """A step's span as it crossed the wire: the control plane's `step_mtp`, or the
+    service's `engine.plan` under it."""
+
+    service: str
+    name: str
+    span_id: bytes
+    parent_id: bytes
+    start_ns: int
+    end_ns: int
+
+
+STEP_SPANS = ("step_mtp", "engine.plan")
+
+
 class Sink(trace_service_pb2_grpc.TraceServiceServicer):
-    """An OTLP trace receiver that counts the spans it is sent and drops them."""
+    """An OTLP trace receiver that counts the spans it is sent, keeps the steps' and drops
+    the rest."""
 
     def __init__(self) -> None:
         self.spans = 0
+        self.steps: list[StepSpan] = []
+        self._lock = threading.Lock()  # the server's workers export at once
 
     def Export(self, request, context):
-        self.spans += sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+        for rs in request.resource_spans:
+            attrs = {a.key: a.value.string_value for a in rs.resource.attributes}
+            service = attrs.get("service.name", "")
+            for ss in rs.scope_spans:
+                kept = [
+                    StepSpan(
+                        service,
+                        s.name,
+                        s.span_id,
+                        s.parent_span_id,
+                        s.start_time_unix_nano,
+                        s.end_time_unix_nano,
+                    )
+                    for s in ss.spans
+                    if s.name in STEP_SPANS
+                ]
+                with self._lock:
+                    self.spans += len(ss.spans)
+                    self.steps += kept
         return trace_service_pb2.ExportTraceServiceResponse()
+
+
+def overlaps(steps: Sequence[StepSpan]) -> dict:
+    """The service's plans (`engine.plan`) during which the control plane opened the span of
+    a step other than the plan's own: how many, out of how many, and the first such, in ms
+    from the plan's start (None when none overlapped)."""
+    plans = sorted(
+        (s for s in steps if s.name == "engine.plan" and s.service == "gpu-service"),
+        key=lambda s: s.start_ns,
+    )
+    opened = sorted(
+        (s.start_ns, s.span_id)
+        for s in steps
+        if s.name == "step_mtp" and s.service == "control-plane"
+    )
+    starts = [t for t, _ in opened]
+    hits, first = 0, None
+    for p in plans:
+        i = bisect.bisect_right(starts, p.start_ns)
+        later = [sid for t, sid in opened[i:] if t < p.end_ns and sid != p.parent_id]
+        if later:
+            hits += 1
+            if first is None:
+                t = next(t for t, sid in opened[i:] if sid == later[0])
+                first = {
+                    "plan_ms": (p.end_ns - p.start_ns) / 1e6,
+                    "next_step_opened_at_ms": (t - p.start_ns) / 1e6,
+                }
+    return {"plans": len(plans), "overlapping": hits, "first": first}
 
 
 @contextmanager
@@ -96,10 +167,13 @@ def tracing(concurrency: int, tokens: int) -> dict:
         "disabled_tok_s": off,
         "exported_tok_s": on,
         "spans": sink.spans,
+        "overlap": overlaps(sink.steps),
     }
 
 
 def main() -> None:
+    from control_plane.benchmarks.report import overlap_line
+
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=64)
@@ -117,6 +191,7 @@ def main() -> None:
     print(f"tracing disabled: {off:8.1f} tok/s   {rates['disabled']}")
     print(f"tracing exported: {on:8.1f} tok/s   {rates['exported']}   ({sink.spans} spans)")
     print(f"cost: {(1 - on / off) * 100:.1f}%")
+    print(overlap_line(overlaps(sink.steps)))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from control_plane.env import Env
-from control_plane.replicas import Drives
+from control_plane.replicas import Drives, Router
 from control_plane.scheduler.loop import Scheduler, SchedulerOptions
 from control_plane.scheduler.seq import NONE, Finish, GenRequest
 from protos.model import Model
@@ -48,6 +48,10 @@ def drive(sched: Drives, reqs: list[GenRequest]) -> dict:
     this starts and stops: tokens per request and the figures, and the requests each replica
     took when it is a router."""
     sched.start()
+    # Connected before the clock starts, as a served control plane is before its first
+    # request: a fresh channel's first calls are not a step's cost.
+    for s in [r.scheduler for r in sched.replicas] if isinstance(sched, Router) else [sched]:
+        s.capabilities()
     tokens: dict[str, list[int]] = {r.request_id: [] for r in reqs}
     first: dict[str, float] = {}  # when each request's first token arrived
     left, done = [len(reqs)], threading.Event()
