@@ -11,7 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from control_plane.benchmarks.baseline import batch_against_transformers, transformers_baselines
+from control_plane.benchmarks.baseline import (
+    batch_against_transformers,
+    grpc_against_transformers,
+    same_rounds,
+    transformers_baselines,
+)
 from control_plane.benchmarks.depth import DEEP, DEEP_TIERS, depth, depth_lines, depth_table
 from control_plane.benchmarks.predict import (
     cost_figures,
@@ -225,13 +230,33 @@ def test_transformers_static_batch(tiny_dir: Path) -> None:
 
 
 def test_the_pair_at_a_static_batchs_width(tiny_dir: Path) -> None:
-    """none and mtp through a GPU service child over gRPC, the same tokens, and the static
-    batch's comparison reads their gRPC figures."""
-    rows = pair(tiny_dir, Workload(tiny_dir), 2, 4, 1)
+    """none and mtp through a GPU service child over gRPC, the same tokens, with the outside
+    baseline in the same rounds; the static batch's comparison reads their gRPC figures and
+    takes their ratios from those rounds."""
+    outside = iter([10.0, 20.0])
+    rows = pair(tiny_dir, Workload(tiny_dir), 2, 4, 2, lambda: next(outside))
     assert [(r["method"], r["concurrency"]) for r in rows] == [("none", 2), ("mtp", 2)]
     assert all(r["identical"] and r["grpc_tok_s"] > 0 for r in rows)
-    got = batch_against_transformers([], rows, 10.0, 2)
+    assert all(r["transformers_tok_s"] == 15.0 for r in rows)
+    got = batch_against_transformers([], rows, 1e9, 2)
     assert set(got["grpc"]) == {"none", "mtp"} and got["grpc_tok_s"]["mtp"] == rows[1]["grpc_tok_s"]
+    assert got["grpc"]["mtp"] == rows[1]["grpc_over_transformers"] > 1e-6, "not against 1e9"
+    assert got["grpc_transformers_tok_s"] == 15.0
+
+
+def test_a_baseline_in_the_same_rounds_is_compared_repeat_by_repeat() -> None:
+    """Each repeat's ratio, then their median: a machine twice as fast in the second repeat
+    leaves the ratio at 2, where the ratio of the medians would not be."""
+    got = same_rounds([20.0, 40.0, 60.0], [10.0, 20.0, 20.0])
+    assert got == {"transformers_tok_s": 20.0, "grpc_over_transformers": 2.0}
+    rows = [
+        {"method": "none", "concurrency": 1, "grpc_tok_s": 30.0, **got},
+        {"method": "mtp", "concurrency": 1, "grpc_tok_s": 50.0},  # no rounds of its own
+        {"method": "none", "concurrency": 4, "grpc_tok_s": 99.0},
+    ]
+    one = grpc_against_transformers({"tok_s": 25.0}, rows)
+    assert one["grpc"] == {"none": 2.0, "mtp": 2.0} and one["grpc_tok_s"]["none"] == 30.0
+    assert one["grpc_transformers_tok_s"] == 20.0
 
 
 def test_figure_lines() -> None:

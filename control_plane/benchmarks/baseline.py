@@ -3,6 +3,7 @@ request and a static batch."""
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -71,14 +72,36 @@ def against_transformers(rows: list[dict], outside: float) -> dict:
     }
 
 
+def same_rounds(grpc_tok_s: list[float], outside_tok_s: list[float]) -> dict:
+    """Our runs over gRPC against transformers' generate run in the same rounds, repeat by
+    repeat: its median tok/s, and the median of each repeat's ratio (the machine's speed
+    drifts between sections, so a ratio against a baseline measured elsewhere in the run
+    carries that drift)."""
+    return {
+        "transformers_tok_s": statistics.median(outside_tok_s),
+        "grpc_over_transformers": statistics.median(
+            a / b for a, b in zip(grpc_tok_s, outside_tok_s, strict=True)
+        ),
+    }
+
+
+def _grpc_ratios(rows: list[dict], outside: float) -> dict[str, float]:
+    """Each row's gRPC tok/s over transformers': from its own rounds where it ran them."""
+    return {r["method"]: r.get("grpc_over_transformers", r["grpc_tok_s"] / outside) for r in rows}
+
+
 def grpc_against_transformers(against: dict, split_rows: list[dict]) -> dict:
     """`against` with our pipelined tok/s over gRPC at one request (the split's), each with
-    its ratio to transformers' generate."""
-    ours = {r["method"]: r["grpc_tok_s"] for r in split_rows if r["concurrency"] == 1}
+    its ratio to transformers' generate (measured again in the split's rounds where it was,
+    `grpc_transformers_tok_s`)."""
+    rows = [r for r in split_rows if r["concurrency"] == 1]
     return {
         **against,
-        "grpc_tok_s": ours,
-        "grpc": {m: v / against["tok_s"] for m, v in ours.items()},
+        "grpc_tok_s": {r["method"]: r["grpc_tok_s"] for r in rows},
+        "grpc": _grpc_ratios(rows, against["tok_s"]),
+        "grpc_transformers_tok_s": next(
+            (r["transformers_tok_s"] for r in rows if "transformers_tok_s" in r), None
+        ),
     }
 
 
@@ -90,13 +113,16 @@ def batch_against_transformers(
     measured `n`; each with its tok/s and its ratio to transformers'."""
     at_n = lambda r: r["concurrency"] == n and r["method"] in (NONE, MTP)  # noqa: E731
     ours = {r["method"]: r["tok_s"] for r in rows if at_n(r)}
-    grpc = {r["method"]: r["grpc_tok_s"] for r in split_rows if at_n(r)}
+    remote = [r for r in split_rows if at_n(r)]
     return {
         "batch": n,
         "tok_s": outside,
         "threads": 1,
         "in_process_tok_s": ours,
         "in_process": {m: v / outside for m, v in ours.items()},
-        "grpc_tok_s": grpc,
-        "grpc": {m: v / outside for m, v in grpc.items()},
+        "grpc_tok_s": {r["method"]: r["grpc_tok_s"] for r in remote},
+        "grpc": _grpc_ratios(remote, outside),
+        "grpc_transformers_tok_s": next(
+            (r["transformers_tok_s"] for r in remote if "transformers_tok_s" in r), None
+        ),
     }

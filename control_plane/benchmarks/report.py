@@ -201,8 +201,18 @@ def _batch_line(b: dict) -> str:
     return (
         f"transformers generate, static batch of {n} (greedy, {b['threads']} thread): "
         f"{b['tok_s']:.1f} tok/s; ours at {n} concurrent in process: {ours}"
-        + (f"; over gRPC: {grpc}" if grpc else f" (over gRPC not measured at {n})")
+        + (
+            f"; over gRPC (pipelined{_rounds(b)}): {grpc}"
+            if grpc
+            else f" (over gRPC not measured at {n})"
+        )
     )
+
+
+def _rounds(b: dict) -> str:
+    """Where the gRPC ratios' baseline was measured again in the gRPC arms' own rounds."""
+    t = b.get("grpc_transformers_tok_s")
+    return "" if t is None else f", against transformers in the same rounds: {t:.1f} tok/s"
 
 
 def _against(report: dict) -> list[str]:
@@ -215,7 +225,7 @@ def _against(report: dict) -> list[str]:
             f"{hf['threads']} thread, measured in the same rounds as the methods): "
             f"{hf['tok_s']:.1f} tok/s; ours in process at 1 request: "
             + ", ".join(f"{k} {x:.2f}x" for k, x in hf["in_process"].items())
-            + "; over gRPC (pipelined): "
+            + f"; over gRPC (pipelined{_rounds(hf)}): "
             + ", ".join(
                 f"{k} {v:.1f} tok/s ({hf['grpc'][k]:.2f}x)" for k, v in hf["grpc_tok_s"].items()
             )
@@ -325,7 +335,7 @@ def print_table(report: dict) -> None:
             f"transformers generate (1 request, greedy): {t['tok_s']:.1f} tok/s; ours in "
             "process: "
             + ", ".join(f"{m} {x:.2f}x" for m, x in t["in_process"].items())
-            + "; over gRPC (pipelined): "
+            + f"; over gRPC (pipelined{_rounds(t)}): "
             + ", ".join(f"{m} {v:.1f} ({t['grpc'][m]:.2f}x)" for m, v in t["grpc_tok_s"].items())
         )
     more = [*depth_lines(report.get("depth")), *replicas_lines(report.get("replicas", []))]

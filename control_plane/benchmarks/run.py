@@ -110,14 +110,14 @@ def _measure(args: argparse.Namespace) -> dict:
     )
     report["batched_over_serial"] = batched_over_serial(report["batch_vs_serial"])
     split_at, split_repeats = ([1], repeats) if quick else ([1, 4], SPLIT_REPEATS)
-    report["split"] = split(args.model, local, work, split_at, tokens, split_repeats)
+    report["split"] = split(args.model, local, work, split_at, tokens, split_repeats, hf)
     report["speedup"] = speedups(report["split"])
     report["prediction"] = prediction(report["methods"], report["draft_cost"], report["speedup"])
     if "transformers_generate" in report:
         one = report["transformers_generate"]
         report["transformers_generate"] = grpc_against_transformers(one, report["split"])
     if BATCH in outside:
-        report["pair"] = pair(args.model, work, BATCH, tokens, repeats)
+        report["pair"] = pair(args.model, work, BATCH, tokens, repeats, hf[BATCH])
         failures += [
             f"{r['method']} at {BATCH} over gRPC differs from none"
             for r in report["pair"]

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 
+from control_plane.benchmarks.baseline import same_rounds
 from control_plane.benchmarks.workload import Workload, median, serve
 from control_plane.client import GrpcModel
 from control_plane.launch import start_gpu_service, stop
@@ -40,15 +42,19 @@ def split(
     concurrency: list[int],
     tokens: int,
     repeats: int,
+    outside: dict[int, Callable[[], float]] | None = None,
 ) -> list[dict]:
     """Each method in process and through a GPU service child process over gRPC, with the
-    pipelined step stream and without it (`--no-pipeline`)."""
+    pipelined step stream and without it (`--no-pipeline`); `outside` (by concurrency: one
+    run of transformers' generate, its tok/s) runs in the same rounds."""
     proc, target = start_gpu_service(model_dir)
     rows = []
+    outside = outside or {}
     try:
         remote = lambda: GrpcModel(target)  # noqa: E731
         for n in concurrency:
             runs: dict[tuple[str, str], list[dict]] = {}
+            hf: list[float] = []
             for _ in range(repeats):  # methods and arms interleaved: drift falls on all alike
                 for m in (NONE, MTP):
                     for arm, over_grpc, options in ARMS:
@@ -57,23 +63,36 @@ def split(
                         got = serve(connect, reqs, work.tokenizer, options)
                         got["idle"] = got["engine_waited_s"] / got["seconds"]
                         runs.setdefault((m, arm), []).append(got)
-            rows += [_split_row(runs, m, n) for m in (NONE, MTP)]
+                if n in outside:
+                    hf.append(outside[n]())
+            rows += [_split_row(runs, m, n, hf) for m in (NONE, MTP)]
     finally:
         stop(proc)
     return rows
 
 
-def pair(model_dir: Path, work: Workload, n: int, tokens: int, repeats: int) -> list[dict]:
+def pair(
+    model_dir: Path,
+    work: Workload,
+    n: int,
+    tokens: int,
+    repeats: int,
+    outside: Callable[[], float] | None = None,
+) -> list[dict]:
     """`none` and `mtp` at `n` concurrent requests through a GPU service child over gRPC,
-    pipelined (the default): the pair as a user runs it, for the static-batch comparison. One
+    pipelined (the default): the pair as a user runs it, for the static-batch comparison, with
+    `outside` (one run of transformers' generate over a batch of `n`) in the same rounds. One
     row per method, with whether its tokens equal `none`'s in every repeat."""
     proc, target = start_gpu_service(model_dir)
     runs: dict[str, list[dict]] = {NONE: [], MTP: []}
+    hf: list[float] = []
     try:
         for _ in range(repeats):
             for m in runs:
                 reqs = work.requests(m, n, tokens)
                 runs[m].append(serve(lambda: GrpcModel(target), reqs, work.tokenizer))
+            if outside is not None:
+                hf.append(outside())
     finally:
         stop(proc)
     tokens_of = lambda r, m: [r["tokens"][f"{m}-{i}"] for i in range(n)]  # noqa: E731
@@ -85,14 +104,18 @@ def pair(model_dir: Path, work: Workload, n: int, tokens: int, repeats: int) -> 
             "grpc_tok_s": median(r)["tok_s"],
             "accepted_length": median(r)["accepted_length"],
             "identical": all(tokens_of(x, m) == base for x in r),
+            **(same_rounds([x["tok_s"] for x in r], hf) if hf else {}),
         }
         for m, r in runs.items()
     ]
 
 
-def _split_row(runs: dict[tuple[str, str], list[dict]], method: str, n: int) -> dict:
+def _split_row(
+    runs: dict[tuple[str, str], list[dict]], method: str, n: int, hf: list[float]
+) -> dict:
     """One method at one concurrency: each arm's medians, gRPC over in process with the
-    pipeline and without it, and the service's idle fraction between pipelined steps."""
+    pipeline and without it, the service's idle fraction between pipelined steps, and the
+    pipelined gRPC arm against transformers' generate in the same rounds (`hf`, when run)."""
     arm = {name: median(runs[(method, name)]) for name, _, _ in ARMS}
     row: dict = {"method": method, "concurrency": n}
     for name in arm:
@@ -110,6 +133,8 @@ def _split_row(runs: dict[tuple[str, str], list[dict]], method: str, n: int) -> 
     row["grpc_over_in_process"] = ratio("grpc", "in_process")
     row["grpc_over_in_process_unpipelined"] = ratio("grpc_unpipelined", "in_process_unpipelined")
     row["accepted_length"] = arm["grpc"]["accepted_length"]
+    if hf:
+        row.update(same_rounds([r["tok_s"] for r in runs[(method, "grpc")]], hf))
     return row
 
 
