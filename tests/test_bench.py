@@ -345,5 +345,5 @@ def test_overlapping_steps_as_they_cross_the_wire() -> None:
         "overlapping": 1,
         "first": {"plan_ms": 9.0, "next_step_opened_at_ms": 4.0},
     }
-    assert "1 of the service's 3 plans" in overlap_line(o)
+    assert "1 of the service's 3 steps" in overlap_line(o)
     assert overlaps(sink.steps[:3])["first"] is None
