@@ -41,8 +41,12 @@ CONFIGS = {
         layer_types=["full_attention", "linear_attention"] * 2,
     ),
 }
-# fp32 through four layers: sums reassociated (row tiles, chunked GDN with another chunk size).
-ATOL, RTOL = 2e-4, 1e-4
+# fp32 through four layers: sums reassociated (row tiles, chunked GDN with another chunk size),
+# and ATen's vector kernels round unlike its scalar ones. On an AVX-512 CPU (AMD EPYC) our
+# logits of a seeded tiny checkpoint sat 2.7e-4 from transformers' in float64 (theirs in fp32:
+# 5.9e-5), on a logit scale of 3.4; with `ATEN_CPU_CAPABILITY=default` (scalar kernels), ours
+# and theirs in fp32 agreed to 3.5e-5, so the gap is rounding, not the math.
+ATOL, RTOL = 4e-4, 1e-4
 
 
 def _checkpoint(tmp: Path, overrides: dict) -> tuple[Path, Qwen3NextForCausalLM]:
