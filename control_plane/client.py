@@ -24,15 +24,13 @@ from protos.model import (
     Capabilities,
     CostEntry,
     Logits,
-    PlanResult,
     Proposal,
     RowDraws,
     Sampling,
     SequenceHandle,
-    StepPlan,
     StepResult,
-    StepStream,
 )
+from protos.steps import PlanResult, StepPlan, StepStream
 from protos.telemetry import ClientTracing
 
 

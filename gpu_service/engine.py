@@ -36,16 +36,14 @@ from protos.model import (
     InvalidArgument,
     Logits,
     NotFound,
-    PlanResult,
     Proposal,
     RowDraws,
     Sampling,
     SequenceHandle,
-    StepPlan,
     StepResult,
-    StepStream,
     read_tokenizer_files,
 )
+from protos.steps import PlanResult, StepPlan, StepStream
 from protos.telemetry import tracer
 
 _TRACER = tracer("met.engine")

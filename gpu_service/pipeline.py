@@ -15,16 +15,14 @@ from dataclasses import replace
 
 from protos import checks
 from protos.model import (
-    MAX_PLAN_REPEAT,
     FailedPrecondition,
     InvalidArgument,
     ModelError,
-    PlanResult,
     Proposal,
     SequenceHandle,
-    StepPlan,
     StepResult,
 )
+from protos.steps import MAX_PLAN_REPEAT, PlanResult, StepPlan
 
 Refusal = tuple[int, str, str]
 

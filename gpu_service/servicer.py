@@ -32,11 +32,10 @@ from protos.model import (
     ModelError,
     NotFound,
     PermissionDenied,
-    PlanResult,
     RowDraws,
     SequenceHandle,
-    StepPlan,
 )
+from protos.steps import PlanResult, StepPlan
 
 _LOADING = "the model is still loading"
 # Bytes of a file per TokenizerFileChunk: a real tokenizer.json (~11 MB) passes in chunks well

@@ -13,7 +13,8 @@ from concurrent.futures import Executor
 from gpu_service.pipeline import PlanClock, Refusal, plan_steps
 from protos import convert as cv
 from protos.met.v1 import model_pb2 as pb
-from protos.model import ModelError, PlanResult, StepPlan
+from protos.model import ModelError
+from protos.steps import PlanResult, StepPlan
 
 Run = Callable[[StepPlan], PlanResult]
 # A request as a plan, with its sequences the caller refuses before the engine (another

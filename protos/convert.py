@@ -21,14 +21,13 @@ from protos.model import (
     CostEntry,
     InvalidArgument,
     Logits,
-    PlanResult,
     Proposal,
     RowDraws,
     Sampling,
     SequenceHandle,
-    StepPlan,
     StepResult,
 )
+from protos.steps import PlanResult, StepPlan
 
 T = TypeVar("T")
 

@@ -16,16 +16,14 @@ from protos.model import (
     InvalidArgument,
     Logits,
     NotFound,
-    PlanResult,
     Proposal,
     ResourceExhausted,
     SequenceHandle,
-    StepPlan,
     StepResult,
-    StepStream,
     greedy_accepted,
     room_to_propose,
 )
+from protos.steps import PlanResult, StepPlan, StepStream
 
 BYTE_FILES = {TOKENIZER_FILE: ByteTokenizer.default().to_json().encode()}
 Oracle = Callable[[tuple[int, ...]], int]

@@ -23,7 +23,7 @@ from control_plane.scheduler.seq import MTP, NONE, PROMPT_LOOKUP, Delta, GenRequ
 from control_plane.tokenizer import ByteTokenizer
 from gpu_service.config import ServiceConfig
 from gpu_service.engine import Engine
-from protos.model import StepPlan
+from protos.steps import StepPlan
 from tests.collect import Outcome
 
 TOK = ByteTokenizer.default()

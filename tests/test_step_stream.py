@@ -16,14 +16,8 @@ from control_plane.launch import start_gpu_service
 from gpu_service.pipeline import PlanClock
 from protos import convert as cv
 from protos.met.v1 import model_pb2 as pb
-from protos.model import (
-    MAX_PLAN_REPEAT,
-    PlanResult,
-    Proposal,
-    SequenceHandle,
-    StepPlan,
-    StepResult,
-)
+from protos.model import Proposal, SequenceHandle, StepResult
+from protos.steps import MAX_PLAN_REPEAT, PlanResult, StepPlan
 from tests.conftest import SERVE_ARGS
 
 PROMPTS = [[1, 2, 3, 4, 5], [9] * 7, [200, 100, 50]]

@@ -10,7 +10,7 @@ from typing import Any
 
 from control_plane.env import Env
 from control_plane.scheduler.ladder import Ladder
-from protos.model import MAX_PLAN_REPEAT
+from protos.steps import MAX_PLAN_REPEAT
 
 
 def _option(default: object, help: str, **cli: Any) -> Any:

@@ -35,15 +35,8 @@ from control_plane.scheduler.context import StepContext
 from control_plane.scheduler.seq import MTP, NONE, ActiveSeq
 from control_plane.scheduler.step import step_width
 from control_plane.scheduler.verdict import apply_step, offsets
-from protos.model import (
-    Model,
-    PlanResult,
-    Proposal,
-    SequenceHandle,
-    StepPlan,
-    StepResult,
-    StepStream,
-)
+from protos.model import Model, Proposal, SequenceHandle, StepResult
+from protos.steps import PlanResult, StepPlan, StepStream
 from protos.telemetry import tracer
 
 TRACER = tracer("met.control_plane")
