@@ -341,9 +341,9 @@ def test_overlapping_steps_as_they_cross_the_wire() -> None:
     assert sink.spans == 8 and len(sink.steps) == 6
     o = overlaps(sink.steps)
     assert o == {
-        "plans": 3,
+        "steps": 3,
         "overlapping": 1,
-        "first": {"plan_ms": 9.0, "next_step_opened_at_ms": 4.0},
+        "first": {"step_ms": 9.0, "next_step_opened_at_ms": 4.0},
     }
     assert "1 of the service's 3 steps" in overlap_line(o)
     assert overlaps(sink.steps[:3])["first"] is None

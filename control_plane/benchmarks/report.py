@@ -134,13 +134,13 @@ def overlap_line(o: dict) -> str:
     """`overlaps`' figures in a sentence."""
     line = (
         f"steps overlapping across the processes: {o['overlapping']} of the service's "
-        f"{o['plans']} steps (`engine.plan` spans) ran while the control plane had opened a "
+        f"{o['steps']} steps (`engine.plan` spans) ran while the control plane had opened a "
         "later step's `step_mtp`"
     )
     if o["first"] is not None:
         f = o["first"]
         line += (
-            f" (the first: a {f['plan_ms']:.1f} ms step, the later one opened "
+            f" (the first: a {f['step_ms']:.1f} ms step, the later one opened "
             f"{f['next_step_opened_at_ms']:.1f} ms into it)"
         )
     return line

@@ -4,8 +4,8 @@
 Both processes started twice on the default model, once with no exporter (the default: no
 SDK installed) and once exporting every span over OTLP/gRPC to a local sink that keeps only
 the steps' spans; the same concurrent greedy requests through the API, alternating, in one run.
-From the steps' spans it tells how many of the service's plans ran while the control plane had
-already opened a later step: the pipeline's overlap, as Jaeger shows it."""
+From the steps' spans it tells how many of the service's steps ran while the control plane had
+already opened a later one: the pipeline's overlap, as Jaeger shows it."""
 
 from __future__ import annotations
 
@@ -78,9 +78,9 @@ class Sink(trace_service_pb2_grpc.TraceServiceServicer):
 
 
 def overlaps(steps: Sequence[StepSpan]) -> dict:
-    """The service's plans (`engine.plan`) during which the control plane opened the span of
-    a step other than the plan's own: how many, out of how many, and the first such, in ms
-    from the plan's start (None when none overlapped)."""
+    """The service's steps (`engine.plan` spans, one a step) during which the control plane
+    opened the span of a step other than the step's own: how many, out of how many, and the
+    first such, in ms from the step's start (None when none overlapped)."""
     plans = sorted(
         (s for s in steps if s.name == "engine.plan" and s.service == "gpu-service"),
         key=lambda s: s.start_ns,
@@ -100,10 +100,10 @@ def overlaps(steps: Sequence[StepSpan]) -> dict:
             if first is None:
                 t = next(t for t, sid in opened[i:] if sid == later[0])
                 first = {
-                    "plan_ms": (p.end_ns - p.start_ns) / 1e6,
+                    "step_ms": (p.end_ns - p.start_ns) / 1e6,
                     "next_step_opened_at_ms": (t - p.start_ns) / 1e6,
                 }
-    return {"plans": len(plans), "overlapping": hits, "first": first}
+    return {"steps": len(plans), "overlapping": hits, "first": first}
 
 
 @contextmanager
