@@ -30,12 +30,11 @@ from control_plane.metrics import REPLICA_ATTRIBUTE, Metrics, ReplicaMetrics
 from control_plane.scheduler.context import StepContext
 from control_plane.scheduler.cost_model import measured_table
 from control_plane.scheduler.options import SchedulerOptions
-from control_plane.scheduler.pipeline import Pipeline, runs_ahead
+from control_plane.scheduler.pipeline import Pipeline
 from control_plane.scheduler.prefill import prefill
 from control_plane.scheduler.seq import ActiveSeq, GenRequest, QueueSink, Sink
 from control_plane.scheduler.served import refuse_stale, replaces, served_by
 from control_plane.scheduler.status import step_status
-from control_plane.scheduler.step import step_mtp
 from control_plane.scheduler.tally import Tally
 from control_plane.tokenizer import Tokenization
 from protos.model import Capabilities, Model, ModelError, ResourceExhausted, SequenceHandle
@@ -281,36 +280,11 @@ class Scheduler:
             self._prefill()
             self._retire()
             if self.active:
-                self._step()
+                assert self.model is not None and self.ctx is not None
+                joining = bool(self.waiting or self.prefilling)
+                self.pipeline.step(self.model, self.active, self.ctx, joining, self.tally.stepped)
                 self._retire()
         self._gauges()
-
-    def _step(self) -> None:
-        """One step of every active sequence: those that run ahead through the pipeline, the
-        others the synchronous way (`step_mtp`)."""
-        assert self.model is not None and self.ctx is not None
-        ctx, nd, pipe = self.ctx, self.opts.num_drafts, self.pipeline
-        ahead = pipe.fits([a for a in self.active if runs_ahead(a, ctx)], ctx, nd)
-        rest = [a for a in self.active if not any(a is b for b in ahead)]
-        if rest or (pipe.flights and not ahead):
-            # Nothing runs ahead beside a synchronous step: its verify and its verdict may be
-            # two calls, and a plan run between them would no longer leave its verify last.
-            pipe.drain(ctx)
-        if ahead:
-            # Several steps per plan only while no one waits to join: a plan runs whole.
-            alone = not (rest or self.waiting or self.prefilling)
-            n, step_nd = pipe.advance(
-                self.model,
-                ahead,
-                ctx,
-                nd,
-                ahead_by=0 if rest else 1,
-                plan_steps=self.opts.plan_steps if alone else 1,
-            )
-            self.tally.stepped(n, 0, False, step_nd)
-        if rest:
-            report = step_mtp(self.model, rest, ctx, nd)
-            self.tally.stepped(len(rest), sum(report.copied), report.dcut, report.ladder_nd)
 
     def _gauges(self) -> None:
         if self.series is None or self.ctx is None:

@@ -33,7 +33,7 @@ from control_plane.metrics import REPLICA_ATTRIBUTE
 from control_plane.scheduler import dcut
 from control_plane.scheduler.context import StepContext
 from control_plane.scheduler.seq import MTP, NONE, ActiveSeq
-from control_plane.scheduler.step import step_width
+from control_plane.scheduler.step import step_mtp, step_width
 from control_plane.scheduler.verdict import apply_step, offsets
 from protos.model import Model, Proposal, SequenceHandle, StepResult
 from protos.steps import PlanResult, StepPlan, StepStream
@@ -106,6 +106,40 @@ class Pipeline:
                 break
             out = out[: min(len(out) - 1, ctx.caps.max_rows // rows)]
         return out
+
+    def step(
+        self,
+        model: Model,
+        active: list[ActiveSeq],
+        ctx: StepContext,
+        joining: bool,
+        stepped: Callable[[int, int, bool, int], None],
+    ) -> None:
+        """One step of every sequence of `active`: those that run ahead through the pipeline,
+        the others the synchronous way (`step_mtp`), each step told to `stepped` (its
+        sequences, prompt-lookup copies, whether D-Cut cut, its width). While requests wait
+        to join (`joining`), a plan carries one step: a plan runs whole."""
+        num_drafts, plan_steps = ctx.opts.num_drafts, ctx.opts.plan_steps
+        ahead = self.fits([a for a in active if runs_ahead(a, ctx)], ctx, num_drafts)
+        rest = [a for a in active if not any(a is b for b in ahead)]
+        if rest or (self.flights and not ahead):
+            # Nothing runs ahead beside a synchronous step: its verify and its verdict may be
+            # two calls, and a plan run between them would no longer leave its verify last.
+            self.drain(ctx)
+        if ahead:
+            alone = not (rest or joining)
+            n, step_nd = self.advance(
+                model,
+                ahead,
+                ctx,
+                num_drafts,
+                ahead_by=0 if rest else 1,
+                plan_steps=plan_steps if alone else 1,
+            )
+            stepped(n, 0, False, step_nd)
+        if rest:
+            report = step_mtp(model, rest, ctx, num_drafts)
+            stepped(len(rest), sum(report.copied), report.dcut, report.ladder_nd)
 
     def advance(
         self,
