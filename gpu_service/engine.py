@@ -24,7 +24,7 @@ from gpu_service.graphs import Capture, Graphs
 from gpu_service.model.backend import EAGER, Choice, EagerOps
 from gpu_service.model.digest import checkpoint_digest
 from gpu_service.model.hybrid import HybridModel
-from gpu_service.model.weights import load_weights
+from gpu_service.model.weights import stream_weights
 from gpu_service.pipeline import EngineSteps, run_plan
 from gpu_service.slots import SlotTable
 from gpu_service.state import DeviceState
@@ -75,7 +75,7 @@ class Engine:
         self._tokenizer_files = read_tokenizer_files(model_dir)
         torch_dtype = getattr(torch, DTYPE_NAMES.get(dtype or "", dtype or self.cfg.torch_dtype))
         self.device = resolve_device(device or "auto")
-        weights, self.cfg = load_weights(self.cfg, model_dir, torch_dtype, self.device)
+        weights, self.cfg = stream_weights(self.cfg, model_dir, torch_dtype, self.device)
         # Once, of the files just loaded: the engine never loads other weights.
         self.digest = checkpoint_digest(model_dir)
         self.model = HybridModel(self.cfg, weights, self.svc.max_context)

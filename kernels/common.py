@@ -13,6 +13,23 @@ from collections.abc import Callable
 
 import torch
 
+# Rows of every per-row tensor are carried padded to a multiple of this: the CPU GEMM with an
+# `[in, out]` weight then gives a row the same bytes at any row count (gpu_service/model/ops.py).
+ROW_TILE = 4
+
+
+def padded_rows(rows: int, tile: int = ROW_TILE) -> int:
+    return -(-rows // tile) * tile
+
+
+def pad_rows(x: torch.Tensor, tile: int = ROW_TILE) -> torch.Tensor:
+    """x: [R, ...] -> [P, ...] with zero rows appended, P a multiple of `tile`."""
+    extra = padded_rows(x.shape[0], tile) - x.shape[0]
+    if extra == 0:
+        return x
+    return torch.cat([x, x.new_zeros(extra, *x.shape[1:])])
+
+
 # Two AVX-512 float vectors, the widest step of the vector body.
 _VECTOR_STEP = 32
 

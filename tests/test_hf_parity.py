@@ -138,8 +138,10 @@ def test_mtp_head_matches_its_formula(tiny_dir: Path) -> None:
     through the output gate), the MLP, the final norm, the shared lm_head."""
     import torch.nn.functional as F
 
+    from gpu_service.model.weights import load_weights
+
     engine = Engine(tiny_dir, ServiceConfig(verify_tiers="4:3", max_context=256))
-    w, eps = engine.model.w, engine.cfg.rms_norm_eps
+    w, eps = load_weights(engine.cfg, tiny_dir, torch.float32)[0], engine.cfg.rms_norm_eps
 
     def norm(x, name):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1 + w[name])
@@ -168,7 +170,8 @@ def test_mtp_head_matches_its_formula(tiny_dir: Path) -> None:
         m, w[f"{p}.mlp.up_proj.weight"]
     )
     x = x + F.linear(up, w[f"{p}.mlp.down_proj.weight"])
-    expected = F.linear(norm(x, "mtp.norm.weight"), engine.model.lm_head)
+    lm_head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
+    expected = F.linear(norm(x, "mtp.norm.weight"), lm_head)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 

@@ -22,6 +22,7 @@ from kernels.gated_delta_rule.naive import (
     varlen_chunk_gated_delta_rule,
     varlen_recurrent_gated_delta_rule,
 )
+from kernels.moe.naive import routed_moe
 from kernels.rmsnorm.naive import gated_rms_norm
 
 if TYPE_CHECKING:
@@ -56,6 +57,19 @@ class EagerOps:
         self, x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> torch.Tensor:
         return gated_rms_norm(x, z, weight, eps)
+
+    def moe(
+        self,
+        x: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        experts: torch.Tensor,
+        weights: torch.Tensor,
+    ) -> torch.Tensor:
+        """The routed experts of every row, summed in expert-index order. x: [P, H],
+        w13: [E, H, 2I], w2: [E, I, H], experts: [P, k] (sorted per row), weights: [P, k] in
+        x's dtype -> [P, H]"""
+        return routed_moe(x, w13, w2, experts, weights)
 
     def attend(self, q: torch.Tensor, cache: Cache, batch: Batch) -> torch.Tensor:
         """q: [P, Hq, d], already scaled, over the cached keys and values (the rows' own

@@ -9,6 +9,7 @@ the GDN mix, argmax, fold) sit behind an ops object (`gpu_service.model.backend`
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -16,9 +17,11 @@ from gpu_service.config import FULL, ModelConfig
 from gpu_service.model.backend import EAGER, Ops
 from gpu_service.model.batch import Batch, Layout, Segment, build
 from gpu_service.model.ops import ROW_TILE, apply_rope, pad_rows, rope_table
+from gpu_service.model.packing import fold_norms, pack
 from gpu_service.state import DeviceState
 from kernels.attention.naive import KEY_BLOCK
 from kernels.common import sigmoid, silu, softplus
+from kernels.moe.naive import route
 
 __all__ = ["PREFILL", "VERIFY", "HybridModel", "Segment"]
 
@@ -27,13 +30,25 @@ PREFILL, VERIFY = "prefill", "verify"
 # larger tiles, so that a long prompt reads its keys fewer times.
 QUERY_TILE = {PREFILL: 64, VERIFY: 4}
 GDN_CHUNK = 64
+_MTP_EMBED_NORM = "mtp.pre_fc_norm_embedding"
 
 
 class HybridModel:
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], max_context: int):
-        self.cfg, self.w = cfg, weights
-        embed = weights["model.embed_tokens.weight"]
-        self.dtype, self.device = embed.dtype, embed.device
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        max_context: int,
+    ):
+        """`weights`: the checkpoint's tensors by HF name, best as a stream (`stream_weights`),
+        so that each is dropped once packed (`gpu_service/model/packing.py`)."""
+        packed = pack(cfg, weights.items() if isinstance(weights, Mapping) else weights)
+        self.cfg, self.wt, self.vectors = cfg, packed.linears, packed.vectors
+        self.largest_piece = packed.largest_piece
+        lm_head = self.wt["lm_head"]  # [H, V]
+        self.dtype, self.device = lm_head.dtype, lm_head.device
+        # Untied: the embedding as loaded, [V, H]; tied: None, looked up in lm_head's columns.
+        self.embed = self.vectors.pop("model.embed_tokens.weight", None)
         cos, sin = rope_table(cfg.rotary_dim, cfg.rope_theta, max_context)
         half = cfg.rotary_dim // 2
         # [ctx, 2, rot]: cos, and sin signed for rotate-half (x2, x1) order.
@@ -41,30 +56,51 @@ class HybridModel:
         self.rope = torch.stack([cos, sin * sign], 1).to(self.device)
         self.linear_index = {n: i for i, n in enumerate(cfg.linear_layers)}
         self.full_index = {n: i for i, n in enumerate(cfg.full_layers)}
-        self.lm_head = weights.get("lm_head.weight", embed)
-        norms = _norm_weights(weights)
-        self.wt = _transposed_linears(cfg, weights)
-        folded = _fold_norms(self.wt, norms, self.dtype)
+        norms = _norm_weights(self.vectors)
+        folded = fold_norms(self.wt, norms)
         # A folded norm keeps zeros as its weight (1 + 0 for a kernel that applies 1 + w) and
         # no multiplier.
         self.norms: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {
             n: (torch.zeros_like(w), None) if n in folded else (w, one_plus)
             for n, (w, one_plus) in norms.items()
         }
-        self.head_norms = _head_norms(cfg, weights)
+        self.head_norms = _head_norms(cfg, self.vectors)
         self.neg_a = {  # -exp(A_log) per GDN layer, fp32
-            n: -weights[f"model.layers.{n}.linear_attn.A_log"].float().exp()
+            n: -self.vectors.pop(f"model.layers.{n}.linear_attn.A_log").float().exp()
             for n in cfg.linear_layers
         }
         self.ba_bias = {  # [b, a] columns: 0 for b, dt_bias for a
             n: torch.cat([torch.zeros_like(b), b]).float()
             for n in cfg.linear_layers
-            for b in [weights[f"model.layers.{n}.linear_attn.dt_bias"]]
+            for b in [self.vectors.pop(f"model.layers.{n}.linear_attn.dt_bias")]
         }
-        if cfg.has_mtp:
-            # norm_e(embed(t)) depends on t alone: one table, looked up per draft.
-            self.mtp_embed = self.ops_norm(embed, "mtp.pre_fc_norm_embedding", EAGER)
         self.ops: Ops = EAGER
+
+    def embed_rows(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens: [R] -> their embeddings [R, H]"""
+        if self.embed is not None:
+            return self.embed.index_select(0, tokens)
+        return self.wt["lm_head"].index_select(1, tokens).t()
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """Every tensor the model holds for its weights (norms, tables and biases included),
+        each storage once: what a memory plan and the load test count."""
+        found: dict[int, torch.Tensor] = {}
+
+        def visit(v: object) -> None:
+            if isinstance(v, torch.Tensor):
+                found.setdefault(_storage_key(v), v)
+            elif isinstance(v, dict):
+                for x in v.values():
+                    visit(x)
+            elif isinstance(v, (tuple, list)):
+                for x in v:
+                    visit(x)
+
+        for name, value in vars(self).items():
+            if name != "rope":
+                visit(value)
+        return list(found.values())
 
     def ops_norm(self, x: torch.Tensor, name: str, ops: Ops) -> torch.Tensor:
         raw, one_plus = self.norms[name]
@@ -103,7 +139,7 @@ class HybridModel:
         by row, keeping every row's state in the slot's verify buffer, and advances the live
         state only when `write_live`."""
         batch = segs if isinstance(segs, Batch) else self.batch(segs, state, mode)
-        x = pad_rows(self.w["model.embed_tokens.weight"].index_select(0, tokens), ROW_TILE)
+        x = pad_rows(self.embed_rows(tokens), ROW_TILE)
         rope = self.rope.index_select(0, batch.row_pos)
         for n, kind in enumerate(self.cfg.layer_types):
             p = f"model.layers.{n}"
@@ -137,7 +173,8 @@ class HybridModel:
         tokens: [R], hidden: [R, H] -> the drafter's hidden after its norm: [P, H]; with
         `kv_only` (priming from a prompt) it stops once the KV is written."""
         batch = segs if isinstance(segs, Batch) else self.batch(segs, state, VERIFY)
-        emb = pad_rows(self.mtp_embed.index_select(0, tokens), ROW_TILE)
+        # norm_e(embed(t)) of each row's token: a row-wise norm, so the same bytes as a table.
+        emb = self.ops_norm(pad_rows(self.embed_rows(tokens), ROW_TILE), _MTP_EMBED_NORM, EAGER)
         hid = self._norm(pad_rows(hidden, ROW_TILE), "mtp.pre_fc_norm_hidden")
         x = self.ops.linear(torch.cat([emb, hid], dim=-1), self.wt["mtp.fc"])
         p = "mtp.layers.0"
@@ -154,7 +191,7 @@ class HybridModel:
     # -- layers ------------------------------------------------------------------------
 
     def _mlp(self, p: str, x: torch.Tensor) -> torch.Tensor:
-        if f"{p}.gate.weight" in self.w:
+        if f"{p}.gate" in self.wt:
             return self._moe(p, x)
         gate_up = self.ops.linear(x, self.wt[f"{p}.gate_up_proj"])  # [P, 2I]: gate, then up
         inner = gate_up.shape[1] // 2
@@ -163,21 +200,14 @@ class HybridModel:
 
     def _moe(self, p: str, x: torch.Tensor) -> torch.Tensor:
         """Qwen3-Next's sparse block: softmax router, top-k experts (renormalised when
-        `norm_topk_prob`), each expert over the rows routed to it, plus the shared expert
-        gated by sigmoid. A row's sum runs over experts in index order: batch invariant.
-        Every expert runs over every row, weighted by zero where it was not chosen: no
-        data-dependent shapes, so the step stays a fixed set of operations."""
+        `norm_topk_prob`), each expert over only the rows routed to it, a row's outputs added
+        in expert-index order (batch invariant), plus the shared expert gated by sigmoid."""
         cfg = self.cfg
         logits = self.ops.linear(x, self.wt[f"{p}.gate"]).float()  # [P, E]
-        probs = torch.softmax(logits, -1)
-        weights, chosen = probs.topk(cfg.num_experts_per_tok, dim=-1)  # [P, k]
-        if cfg.norm_topk_prob:
-            weights = weights / weights.sum(-1, keepdim=True)
-        dense = torch.zeros_like(probs).scatter_(1, chosen, weights).to(x.dtype)  # [P, E]
-        out = torch.zeros_like(x)
-        for e in range(cfg.num_experts):
-            out = out + self._mlp(f"{p}.experts.{e}", x) * dense[:, e : e + 1]
-        if f"{p}.shared_expert_gate.weight" in self.w:
+        weights, experts = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        w13, w2 = self.wt[f"{p}.experts.w13"], self.wt[f"{p}.experts.w2"]
+        out = self.ops.moe(x, w13, w2, experts, weights.to(x.dtype))
+        if f"{p}.shared_expert_gate" in self.wt:
             gate = sigmoid(self.ops.linear(x, self.wt[f"{p}.shared_expert_gate"]))
             out = out + gate * self._mlp(f"{p}.shared_expert", x)
         return out
@@ -244,14 +274,29 @@ class HybridModel:
         beta = sigmoid(ba)[:, :hv]
         g = softplus(ba + self.ba_bias[n])[:, hv:] * self.neg_a[n]
         mixed, z = qkvz[:, : cfg.conv_dim], qkvz[:, cfg.conv_dim :]
-        weight = self.w[f"{p}.conv1d.weight"][:, 0]
+        weight = self.vectors[f"{p}.conv1d.weight"][:, 0]
         out = self.ops.mix_gdn(
             cfg, mixed, g, beta, batch, state, self.linear_index[n], weight, mode, write_live
         )
         normed = self.ops.gated_rms_norm(
-            out.to(x.dtype), z.reshape(rows, hv, dv), self.w[f"{p}.norm.weight"], cfg.rms_norm_eps
+            out.to(x.dtype),
+            z.reshape(rows, hv, dv),
+            self.vectors[f"{p}.norm.weight"],
+            cfg.rms_norm_eps,
         )
         return self.ops.linear(normed.reshape(rows, hv * dv), self.wt[f"{p}.out_proj"])
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    """One key per storage; meta tensors have no address, so each counts alone."""
+    return id(t) if t.is_meta else t.untyped_storage().data_ptr()
+
+
+def held_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the storages behind `tensors` (a meta tensor: its own size)."""
+    return sum(
+        t.numel() * t.element_size() if t.is_meta else t.untyped_storage().nbytes() for t in tensors
+    )
 
 
 def _write_kv(
@@ -273,106 +318,6 @@ def _write_kv(
 @functools.cache
 def _true(device: torch.device) -> torch.Tensor:
     return torch.ones((), dtype=torch.bool, device=device)
-
-
-def _transposed_linears(cfg: ModelConfig, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Every linear's weight as [in, out], contiguous, with projections that feed one consumer
-    fused and laid out by part: a CPU GEMM with such a weight gives a row the same bytes
-    for any multiple-of-ROW_TILE row count."""
-    out: dict[str, torch.Tensor] = {}
-    for name, t in w.items():
-        if name.endswith(".weight") and t.dim() == 2 and "embed_tokens" not in name:
-            base = name.removesuffix(".weight")
-            if base.endswith(("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")):
-                continue
-            if base.endswith("in_proj_qkvz"):
-                t = _gdn_qkvz(cfg, t)
-            elif base.endswith("in_proj_ba"):
-                t = _by_group(
-                    t,
-                    cfg.linear_num_key_heads,
-                    [cfg.linear_num_value_heads // cfg.linear_num_key_heads] * 2,
-                )
-            out[base] = t.t().contiguous()
-    for name in w:
-        if name.endswith("q_proj.weight"):
-            base = name.removesuffix(".q_proj.weight")
-            out[f"{base}.qkvg"] = _attention_qkvg(cfg, w, base).t().contiguous()
-        if name.endswith("gate_proj.weight"):
-            base = name.removesuffix(".gate_proj.weight")
-            fused = torch.cat([w[f"{base}.gate_proj.weight"], w[f"{base}.up_proj.weight"]])
-            out[f"{base}.gate_up_proj"] = fused.t().contiguous()
-    out["lm_head"] = w.get("lm_head.weight", w["model.embed_tokens.weight"]).t().contiguous()
-    return out
-
-
-def _by_group(t: torch.Tensor, groups: int, parts: list[int]) -> torch.Tensor:
-    """Rows laid out per group [part 0, part 1, ...] -> all groups' part 0, then part 1, ..."""
-    split = t.view(groups, sum(parts), -1).split(parts, dim=1)
-    return torch.cat([s.reshape(-1, t.shape[-1]) for s in split])
-
-
-def _gdn_qkvz(cfg: ModelConfig, t: torch.Tensor) -> torch.Tensor:
-    """in_proj_qkvz per key-head group [q, k, v-group, z-group] -> [q, k, v, z] by part."""
-    dk, ratio = cfg.linear_key_head_dim, cfg.linear_num_value_heads // cfg.linear_num_key_heads
-    vg = ratio * cfg.linear_value_head_dim
-    return _by_group(t, cfg.linear_num_key_heads, [dk, dk, vg, vg])
-
-
-def _attention_qkvg(cfg: ModelConfig, w: dict[str, torch.Tensor], p: str) -> torch.Tensor:
-    """q_proj per head [q, gate] plus k_proj, v_proj -> rows [q, k, gate, v]."""
-    q, gate = _by_group(w[f"{p}.q_proj.weight"], cfg.num_attention_heads, [cfg.head_dim] * 2).chunk(
-        2
-    )
-    return torch.cat([q, w[f"{p}.k_proj.weight"], gate, w[f"{p}.v_proj.weight"]])
-
-
-# Norms whose output only feeds linears: their (1 + w) is folded into those linears' weights
-# (row j of an [in, out] weight scaled by 1 + w_j), one multiplication fewer per norm.
-_FOLDED = {
-    "input_layernorm": ("self_attn.qkvg", "linear_attn.in_proj_qkvz", "linear_attn.in_proj_ba"),
-    "post_attention_layernorm": (
-        "mlp.gate_up_proj",
-        "mlp.gate",
-        "mlp.shared_expert.gate_up_proj",
-        "mlp.shared_expert_gate",
-        "mlp.experts.",
-    ),
-}
-
-
-def _fold_norms(
-    wt: dict[str, torch.Tensor],
-    norms: dict[str, tuple[torch.Tensor, torch.Tensor]],
-    dtype: torch.dtype,
-) -> set[str]:
-    """Scale each foldable norm's consumers in `wt` by its 1 + w; -> the norms folded."""
-    folded = set()
-    for name, (_, one_plus) in norms.items():
-        prefix, _, kind = name.rpartition(".")
-        consumers = _FOLDED.get(kind, ())
-        targets = [
-            n
-            for n in wt
-            if any(n.startswith(f"{prefix}.{c}") for c in consumers)
-            and (not n.startswith(f"{prefix}.mlp.experts.") or n.endswith("gate_up_proj"))
-        ]
-        if name == "mtp.pre_fc_norm_hidden":
-            hidden = wt["mtp.fc"].shape[0] // 2  # fc's input is [embedding; hidden]
-            one_plus = torch.cat([torch.ones(hidden, device=one_plus.device), one_plus])
-            wt["mtp.fc"] = _scaled(wt["mtp.fc"], one_plus, dtype)
-        elif targets:
-            for n in targets:
-                wt[n] = _scaled(wt[n], one_plus, dtype)
-        else:
-            continue
-        folded.add(name)
-    return folded
-
-
-def _scaled(weight_t: torch.Tensor, one_plus: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    rows = one_plus.to(weight_t.device)[:, None]
-    return (weight_t.float() * rows).to(dtype).contiguous()
 
 
 def _norm_weights(w: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

@@ -12,19 +12,9 @@ from __future__ import annotations
 
 import torch
 
-ROW_TILE = 4
+from kernels.common import ROW_TILE, pad_rows, padded_rows
 
-
-def padded_rows(rows: int, tile: int = ROW_TILE) -> int:
-    return -(-rows // tile) * tile
-
-
-def pad_rows(x: torch.Tensor, tile: int = ROW_TILE) -> torch.Tensor:
-    """x: [R, ...] -> [P, ...] with zero rows appended, P a multiple of `tile`."""
-    extra = padded_rows(x.shape[0], tile) - x.shape[0]
-    if extra == 0:
-        return x
-    return torch.cat([x, x.new_zeros(extra, *x.shape[1:])])
+__all__ = ["ROW_TILE", "apply_rope", "linear", "pad_rows", "padded_rows", "rope_table"]
 
 
 def linear(x: torch.Tensor, weight_t: torch.Tensor, tile: int = ROW_TILE) -> torch.Tensor:

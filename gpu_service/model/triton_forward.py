@@ -17,6 +17,7 @@ from kernels.fold.triton import fold
 from kernels.gated_delta_rule.chunk import chunk_gated_delta_rule
 from kernels.gated_delta_rule.recurrent import recurrent_gated_delta_rule
 from kernels.matmul.triton import matmul
+from kernels.moe.triton import fused_moe
 from kernels.rmsnorm.triton import gated_rms_norm, rms_norm
 
 
@@ -77,6 +78,20 @@ class TritonOps(EagerOps):
         if x.device.type == "cuda":
             return matmul(x, weight_t)
         return super().linear(x, weight_t, tile)
+
+    def moe(
+        self,
+        x: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        experts: torch.Tensor,
+        weights: torch.Tensor,
+    ) -> torch.Tensor:
+        """The fused grouped GEMM on a GPU (fixed shapes: it captures in a graph); on the CPU
+        the routed torch path, batch invariant there already, for the reason `linear` gives."""
+        if x.device.type == "cuda":
+            return fused_moe(x, w13, w2, experts, weights)
+        return super().moe(x, w13, w2, experts, weights)
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, one_plus: torch.Tensor | None, eps: float

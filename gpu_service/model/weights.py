@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import struct
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -140,38 +142,99 @@ def shard_paths(directory: Path) -> list[Path]:
     return [single]
 
 
+# safetensors' dtype names; a tensor of another dtype is refused by name.
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def read_header(path: Path) -> tuple[dict[str, dict], int]:
+    """A safetensors file's tensors (name -> dtype, shape, data_offsets) and where its data
+    starts. Layout: u64 little-endian header length n, n bytes of JSON, then the data."""
+    with path.open("rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+def checkpoint_index(directory: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
+    """Every tensor of the checkpoint in `directory` -> its shard and shape, from the headers
+    alone."""
+    return {
+        n: (shard, tuple(e["shape"]))
+        for shard in shard_paths(directory)
+        for n, e in read_header(shard)[0].items()
+    }
+
+
+def _read_tensors(shard: Path, wanted: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of `shard` named in `wanted`, in file order, each read into memory of its
+    own (no mapping of the file stays resident behind it)."""
+    header, start = read_header(shard)
+    entries = sorted(
+        ((n, e) for n, e in header.items() if n in wanted), key=lambda x: x[1]["data_offsets"][0]
+    )
+    with shard.open("rb") as f:
+        for name, entry in entries:
+            dtype = _DTYPES.get(entry["dtype"])
+            if dtype is None:
+                raise ValueError(f"{name} is stored as {entry['dtype']}, which is not supported")
+            begin, end = entry["data_offsets"]
+            shape = tuple(entry["shape"])
+            if begin == end:
+                yield name, torch.empty(shape, dtype=dtype)
+                continue
+            f.seek(start + begin)
+            data = bytearray(end - begin)
+            f.readinto(data)
+            yield name, torch.frombuffer(data, dtype=dtype).view(shape)
+
+
+def stream_weights(
+    cfg: ModelConfig,
+    directory: Path,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+) -> tuple[Iterator[tuple[str, torch.Tensor]], ModelConfig]:
+    """The checkpoint's tensors one at a time, each on `device` in `dtype`, checked name by
+    name (before the first is read) and shape by shape against `cfg`. A checkpoint without
+    `mtp.*` tensors loads with the drafter off (the returned config has no MTP layer)."""
+    index = checkpoint_index(directory)
+    if cfg.has_mtp and not any(n.startswith("mtp.") for n in index):
+        cfg = replace(cfg, num_nextn_predict_layers=0)
+    expected = weight_shapes(cfg)
+    missing = sorted(set(expected) - set(index))
+    if missing:
+        raise ValueError(f"{directory} lacks {len(missing)} tensors, first {missing[0]!r}")
+    for name, shape in expected.items():
+        if index[name][1] != shape:
+            raise ValueError(f"{name} has shape {index[name][1]}; the config says {shape}")
+
+    def stream() -> Iterator[tuple[str, torch.Tensor]]:
+        for shard in dict.fromkeys(index[n][0] for n in expected):
+            for name, t in _read_tensors(shard, set(expected)):
+                yield name, t.to(device=device, dtype=dtype)
+
+    return stream(), cfg
+
+
 def load_weights(
     cfg: ModelConfig,
     directory: Path,
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
 ) -> tuple[dict[str, torch.Tensor], ModelConfig]:
-    """The checkpoint's tensors, read straight onto `device` one at a time and cast there to
-    `dtype`, checked name by name and shape by shape against `cfg`. A checkpoint without
-    `mtp.*` tensors loads with the drafter off (the returned config has no MTP layer)."""
-    from safetensors import safe_open
-
-    shards = shard_paths(directory)
-    names: dict[str, Path] = {}
-    for shard in shards:
-        with safe_open(str(shard), "pt") as f:
-            names.update((n, shard) for n in f.keys())
-    if cfg.has_mtp and not any(n.startswith("mtp.") for n in names):
-        cfg = replace(cfg, num_nextn_predict_layers=0)
-    expected = weight_shapes(cfg)
-    missing = sorted(set(expected) - set(names))
-    if missing:
-        raise ValueError(f"{directory} lacks {len(missing)} tensors, first {missing[0]!r}")
-    out: dict[str, torch.Tensor] = {}
-    for shard in shards:
-        with safe_open(str(shard), "pt", device=str(device)) as f:
-            for name in f.keys():
-                if name not in expected:
-                    continue
-                t = f.get_tensor(name)
-                if tuple(t.shape) != expected[name]:
-                    raise ValueError(
-                        f"{name} has shape {tuple(t.shape)}; the config says {expected[name]}"
-                    )
-                out[name] = t.to(dtype)
-    return out, cfg
+    """Every tensor of `stream_weights` at once, by HF name (training and tests; the engine
+    streams them into its own layout)."""
+    stream, cfg = stream_weights(cfg, directory, dtype, device)
+    return dict(stream), cfg

@@ -1,0 +1,310 @@
+"""Qwen3-Next's routed experts as two grouped GEMMs over the (row, expert) pairs sorted by expert,
+the design of vLLM's and SGLang's `fused_moe`, made batch invariant.
+
+`align` sorts the P * k pairs by expert (stably, so rows ascend within an expert) and pads each
+expert's run to a multiple of `BLOCK_M`, so that every block of `BLOCK_M` sorted entries belongs
+to one expert. It uses fixed-shape torch ops only, sized by an upper bound on the padded length:
+no host synchronisation, so a CUDA graph can capture it. `gate_up` multiplies each entry's row of
+x by its expert's `w13` with `silu(gate) * up` fused; `down` multiplies that by the expert's `w2`,
+scales it by the pair's routing weight and writes the pair's own row of a `[P * k, H]` buffer;
+each row's k contributions are then added in increasing expert order, as the reference does.
+
+A row's bytes do not depend on the other rows of the call: every tile has one shape whatever P
+is, no split-K, and the K loop runs in one order. The kernels round where the reference rounds
+(gate and up, silu(gate), their product, the expert's output and its weighted contribution, each
+to x's dtype), so bf16 differs from it by the GEMMs' summation order alone. fp32 multiplies in
+IEEE fp32, not TF32."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.moe.naive import sum_in_expert_order
+
+# Rows of a block: the decode-sized batches of the flagship (k=10 of E=512) give most experts
+# one or two pairs, and 16 is the least M `tl.dot` takes.
+BLOCK_M = 16
+# (BN, BK) of each GEMM. At the flagship's H=2048, I=512 in bf16, compiled for sm_90 with 4 warps
+# and 3 stages: gate_up 91 registers and 72 KiB of shared memory, down 84 and 36 KiB, no spills;
+# a decode step's programs (40 experts hit) then fit in one wave of an H100/H200.
+GATE_UP_TILE = (64, 128)
+DOWN_TILE = (128, 64)
+NUM_WARPS = 4
+NUM_STAGES = 3
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+class Aligned(NamedTuple):
+    """The pairs sorted by expert, each expert's run padded to a multiple of the block rows."""
+
+    pairs: torch.Tensor  # [bound] int64: pair index row * k + j; P * k marks padding
+    block_experts: torch.Tensor  # [bound / BM] int64: each block's expert; E past `num_used`
+    num_used: torch.Tensor  # [1] int64: entries used, a multiple of BM
+
+
+def padded_bound(num_pairs: int, num_experts: int, block_m: int = BLOCK_M) -> int:
+    """The most entries `align` can use, a multiple of `block_m`: each expert hit pads at most
+    `block_m - 1` entries, and at most min(E, P * k) experts are hit."""
+    bound = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    return triton.cdiv(bound, block_m) * block_m
+
+
+def align(experts: torch.Tensor, num_experts: int, block_m: int = BLOCK_M) -> Aligned:
+    """experts: [P, k] int64 -> the pairs sorted by expert, padded per expert to `block_m`."""
+    flat = experts.reshape(-1)
+    num_pairs = flat.numel()
+    bound = padded_bound(num_pairs, num_experts, block_m)
+    sorted_experts, order = torch.sort(flat, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    # [P k]: an entry's place is its expert's padded start plus its rank among the expert's pairs
+    rank = torch.arange(num_pairs, device=flat.device) - (counts.cumsum(0) - counts)[sorted_experts]
+    dest = (ends - padded)[sorted_experts] + rank
+    pairs = torch.full((bound,), num_pairs, dtype=torch.int64, device=flat.device)
+    pairs.scatter_(0, dest, order)
+    block_starts = torch.arange(0, bound, block_m, device=flat.device)
+    block_experts = torch.searchsorted(ends, block_starts, right=True)
+    return Aligned(pairs, block_experts, ends[-1:].clone())
+
+
+@triton.jit
+def _rounded(x, DTYPE: tl.constexpr):
+    """x: fp32 -> fp32 rounded to DTYPE's precision, to nearest with ties to even as torch rounds.
+    A bf16 value is rounded on its bits: the interpreter's own fp32 -> bf16 cast truncates."""
+    if DTYPE == tl.bfloat16:
+        b_bits = x.to(tl.uint32, bitcast=True)
+        b_bits = (b_bits + 0x7FFF + ((b_bits >> 16) & 1)) & 0xFFFF0000
+        return b_bits.to(tl.float32, bitcast=True)
+    else:
+        return x
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr,
+    w_ptr,
+    pairs_ptr,
+    block_experts_ptr,
+    used_ptr,
+    o_ptr,
+    num_pairs,
+    hidden,
+    inner,
+    TOP_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+):
+    # x: [P, H], w: [E, H, 2I], o: [bound, I]
+    pid_m = tl.program_id(0)
+    if pid_m * BM >= tl.load(used_ptr):
+        return
+    o_m = pid_m * BM + tl.arange(0, BM)
+    o_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    b_pair = tl.load(pairs_ptr + o_m)
+    m_m, m_n = b_pair < num_pairs, o_n < inner
+    p_x = x_ptr + (b_pair // TOP_K)[:, None] * hidden
+    p_w = w_ptr + tl.load(block_experts_ptr + pid_m) * hidden * 2 * inner + o_n[None, :]
+    b_gate = tl.zeros([BM, BN], dtype=tl.float32)
+    b_up = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, hidden, BK):
+        o_k = k0 + tl.arange(0, BK)
+        m_k = o_k < hidden
+        m_w = m_k[:, None] & m_n[None, :]
+        b_x = tl.load(p_x + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0)
+        b_wg = tl.load(p_w + o_k[:, None] * 2 * inner, mask=m_w, other=0.0)
+        b_wu = tl.load(p_w + o_k[:, None] * 2 * inner + inner, mask=m_w, other=0.0)
+        if UPCAST:
+            b_x, b_wg, b_wu = b_x.to(tl.float32), b_wg.to(tl.float32), b_wu.to(tl.float32)
+        b_gate += tl.dot(b_x, b_wg, input_precision="ieee")
+        b_up += tl.dot(b_x, b_wu, input_precision="ieee")
+    dtype = o_ptr.dtype.element_ty
+    b_gate = _rounded(b_gate, dtype)
+    b_act = _rounded(b_gate / (1.0 + tl.exp(-b_gate)), dtype)
+    tl.store(
+        o_ptr + o_m[:, None] * inner + o_n[None, :],
+        _rounded(b_act * _rounded(b_up, dtype), dtype).to(dtype),
+        mask=m_m[:, None] & m_n[None, :],
+    )
+
+
+@triton.jit
+def _down_kernel(
+    a_ptr,
+    w_ptr,
+    weights_ptr,
+    pairs_ptr,
+    block_experts_ptr,
+    used_ptr,
+    o_ptr,
+    num_pairs,
+    hidden,
+    inner,
+    UPCAST: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+):
+    # a: [bound, I], w: [E, I, H], weights: [P k], o: [P k, H]
+    pid_m = tl.program_id(0)
+    if pid_m * BM >= tl.load(used_ptr):
+        return
+    o_m = pid_m * BM + tl.arange(0, BM)
+    o_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    b_pair = tl.load(pairs_ptr + o_m)
+    m_m, m_n = b_pair < num_pairs, o_n < hidden
+    p_w = w_ptr + tl.load(block_experts_ptr + pid_m) * inner * hidden + o_n[None, :]
+    b_acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, inner, BK):
+        o_k = k0 + tl.arange(0, BK)
+        m_k = o_k < inner
+        b_a = tl.load(
+            a_ptr + o_m[:, None] * inner + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0
+        )
+        b_w = tl.load(p_w + o_k[:, None] * hidden, mask=m_k[:, None] & m_n[None, :], other=0.0)
+        if UPCAST:
+            b_a, b_w = b_a.to(tl.float32), b_w.to(tl.float32)
+        b_acc += tl.dot(b_a, b_w, input_precision="ieee")
+    dtype = o_ptr.dtype.element_ty
+    b_weight = tl.load(weights_ptr + b_pair, mask=m_m, other=0.0).to(tl.float32)
+    b_out = _rounded(_rounded(b_acc, dtype) * b_weight[:, None], dtype).to(dtype)
+    tl.store(
+        o_ptr + b_pair[:, None] * hidden + o_n[None, :], b_out, mask=m_m[:, None] & m_n[None, :]
+    )
+
+
+def _contributions(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    experts: torch.Tensor,
+    weights: torch.Tensor,
+) -> torch.Tensor:
+    """Each pair's weighted expert output. Same arguments as `fused_moe` -> [P k, H]"""
+    rows, hidden = x.shape
+    top_k = experts.shape[1]
+    inner = w2.shape[1]
+    num_pairs = rows * top_k
+    aligned = align(experts, w13.shape[0])
+    bound = aligned.pairs.numel()
+    upcast = x.device.type != "cuda" and x.dtype != torch.float32  # the interpreter's tl.dot
+    act = torch.empty(bound, inner, dtype=x.dtype, device=x.device)
+    out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    bn, bk = GATE_UP_TILE
+    grid = (bound // BLOCK_M, triton.cdiv(inner, bn))
+    _gate_up_kernel[grid](
+        x,
+        w13,
+        *aligned,
+        act,
+        num_pairs,
+        hidden,
+        inner,
+        TOP_K=top_k,
+        UPCAST=upcast,
+        BM=BLOCK_M,
+        BN=bn,
+        BK=bk,
+        num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES,
+    )
+    bn, bk = DOWN_TILE
+    grid = (bound // BLOCK_M, triton.cdiv(hidden, bn))
+    _down_kernel[grid](
+        act,
+        w2,
+        weights.reshape(-1),
+        *aligned,
+        out,
+        num_pairs,
+        hidden,
+        inner,
+        UPCAST=upcast,
+        BM=BLOCK_M,
+        BN=bn,
+        BK=bk,
+        num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES,
+    )
+    return out
+
+
+def _check_shapes(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    experts: torch.Tensor,
+    weights: torch.Tensor,
+) -> None:
+    if x.dim() != 2 or x.shape[0] % 4 != 0:
+        raise ValueError(f"fused_moe: x must be [P, H] with P a multiple of 4, not {_dims(x)}.")
+    if w13.dim() != 3 or w2.dim() != 3 or w13.shape[1] != x.shape[1]:
+        raise ValueError(
+            f"fused_moe: w13 {_dims(w13)} must be [E, H, 2I] and w2 {_dims(w2)} [E, I, H] "
+            f"for x {_dims(x)}."
+        )
+    e, h, i2 = w13.shape
+    if w2.shape != (e, i2 // 2, h) or i2 % 2 != 0:
+        raise ValueError(
+            f"fused_moe: w13 {_dims(w13)} and w2 {_dims(w2)} are not one [E, H, 2I] and "
+            "[E, I, H] pair."
+        )
+    if experts.dim() != 2 or experts.shape[0] != x.shape[0] or weights.shape != experts.shape:
+        raise ValueError(
+            f"fused_moe: experts {_dims(experts)} and weights {_dims(weights)} must both be "
+            f"[P, k] for x {_dims(x)}."
+        )
+
+
+def _check_types(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    experts: torch.Tensor,
+    weights: torch.Tensor,
+) -> None:
+    if x.dtype not in DTYPES or any(t.dtype != x.dtype for t in (w13, w2, weights)):
+        raise ValueError(
+            f"fused_moe: x, w13, w2 and weights must share one dtype of "
+            f"{', '.join(map(str, DTYPES))}; they are {x.dtype}, {w13.dtype}, {w2.dtype} and "
+            f"{weights.dtype}."
+        )
+    if experts.dtype != torch.int64:
+        raise ValueError(f"fused_moe: experts must be int64, not {experts.dtype}.")
+    tensors = {"x": x, "w13": w13, "w2": w2, "experts": experts, "weights": weights}
+    devices = {name: str(t.device) for name, t in tensors.items()}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"fused_moe: the tensors are on different devices: {devices}.")
+    if not (w13.is_contiguous() and w2.is_contiguous()):
+        raise ValueError("fused_moe: w13 and w2 must be contiguous; the kernels index them flat.")
+
+
+def _dims(t: torch.Tensor) -> str:
+    return f"[{', '.join(map(str, t.shape))}]"
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    experts: torch.Tensor,
+    weights: torch.Tensor,
+) -> torch.Tensor:
+    """x: [P, H] (P a multiple of 4), w13: [E, H, 2I] (gate columns, then up), w2: [E, I, H],
+    experts: [P, k] int64 (each row's sorted, in [0, E): not checked, which would read the
+    device), weights: [P, k] in x's dtype -> [P, H]: sum over j of
+    weights[:, j] * MLP_experts[:, j](x), added in column order."""
+    _check_shapes(x, w13, w2, experts, weights)
+    _check_types(x, w13, w2, experts, weights)
+    rows, top_k = experts.shape
+    if rows == 0 or top_k == 0:
+        return torch.zeros_like(x)
+    out = _contributions(x.contiguous(), w13, w2, experts.contiguous(), weights.contiguous())
+    return sum_in_expert_order(out.view(rows, top_k, -1))
