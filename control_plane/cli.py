@@ -15,6 +15,12 @@ def _gpu_service(args: argparse.Namespace) -> None:
     run(args)
 
 
+def _gpu_service_plan(args: argparse.Namespace) -> None:
+    from gpu_service.plan_report import run
+
+    sys.exit(run(args))
+
+
 def _control_plane(args: argparse.Namespace) -> None:
     from control_plane.server import run
 
@@ -89,21 +95,41 @@ def _add_up_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from control_plane import generate_cli, server
-    from control_plane.benchmarks import run as bench
-    from control_plane.circuit import report
-    from gpu_service.options import add_serve_args
-    from training import options as train_options
-
-    parser = argparse.ArgumentParser(prog="met", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+def _add_gpu_service(sub: argparse._SubParsersAction) -> None:
+    """`met gpu-service serve` and `met gpu-service plan`."""
+    from gpu_service.options import add_plan_args, add_serve_args
 
     gpu = sub.add_parser("gpu-service", help="the GPU service process")
     gpu_sub = gpu.add_subparsers(dest="action", required=True)
     gpu_serve = gpu_sub.add_parser("serve", help="serve met.v1.ModelService over gRPC")
     add_serve_args(gpu_serve)
     gpu_serve.set_defaults(fn=_gpu_service)
+    gpu_plan = gpu_sub.add_parser(
+        "plan",
+        help="the memory plan of serving MODEL: each part's bytes against the device's memory",
+        description="The bytes serve would allocate for MODEL with these flags, from shapes "
+        "alone, as a CUDA service allocates them (captured graphs counted unless "
+        "--no-cuda-graphs or --device cpu). Exit status 0 when the plan fits or no memory is "
+        "known, 1 when it does not fit, 2 on a bad flag or config.",
+    )
+    gpu_plan.add_argument(
+        "model", type=Path, metavar="MODEL", help="a checkpoint directory, or a bare config.json"
+    )
+    add_plan_args(gpu_plan)
+    gpu_plan.add_argument("--json", action="store_true", help="print one JSON object")
+    gpu_plan.set_defaults(fn=_gpu_service_plan)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from control_plane import generate_cli, server
+    from control_plane.benchmarks import run as bench
+    from control_plane.circuit import report
+    from training import options as train_options
+
+    parser = argparse.ArgumentParser(prog="met", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    _add_gpu_service(sub)
 
     cp = sub.add_parser("control-plane", help="the control plane process")
     cp_sub = cp.add_subparsers(dest="action", required=True)

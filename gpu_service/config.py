@@ -213,10 +213,20 @@ class ServiceConfig:
     max_batch: int = 32  # sequences in one batched verify or propose (stash width)
     max_prefill_tokens: int = 4096  # tokens in one prefill call, over all sequences
     cuda_graphs: bool = True  # replay captured graphs on a CUDA device (gpu_service/graphs.py)
+    # --num-slots: None gives one slot per tier entry; N gives the tiers' capacities to the
+    # first N slots and the last tier's to any beyond them.
+    num_slots_override: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_slots_override is not None and self.num_slots_override < 1:
+            raise ValueError(f"num_slots_override is {self.num_slots_override}; it must be >= 1")
 
     @property
     def slot_verify_drafts(self) -> tuple[int, ...]:
-        return parse_tiers(self.verify_tiers)
+        tiers, n = parse_tiers(self.verify_tiers), self.num_slots_override
+        if n is None:
+            return tiers
+        return tiers[:n] + tiers[-1:] * (n - len(tiers))
 
     @property
     def num_slots(self) -> int:

@@ -1,17 +1,22 @@
-"""`met gpu-service serve`'s flags; torch-free, so `met` parses fast for every command."""
+"""The flags of `met gpu-service serve` and `plan`; torch-free, so `met` parses fast."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from dataclasses import dataclass
+from decimal import Decimal
 from pathlib import Path
 
-from gpu_service.config import ServiceConfig
+from gpu_service.config import ServiceConfig, parse_tiers
 from protos import tls
 from protos.defaults import DEFAULT_MODEL_DIR
 from protos.model import ADMIN_KEY_ENV
+
+# `--num-slots auto` looks no further: more sequences than this at once is no decode batch.
+MAX_AUTO_SLOTS = 1024
 
 
 @dataclass(frozen=True)
@@ -31,30 +36,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
     parser.add_argument("--port", type=int, default=50051, help="port (0 picks a free one)")
-    parser.add_argument(
-        "--device",
-        default="auto",
-        help="auto (CUDA when torch sees it, else the CPU), cpu, cuda or cuda:N (default auto)",
-    )
-    parser.add_argument(
-        "--dtype",
-        choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"],
-        default=None,
-        help="serving dtype (default: the checkpoint's)",
-    )
-    parser.add_argument(
-        "--verify-tiers",
-        default=ServiceConfig.verify_tiers,
-        help="verify buffers by slot, SLOTS:DRAFTS,... (default %(default)s)",
-    )
-    parser.add_argument("--max-context", type=int, default=ServiceConfig.max_context)
-    parser.add_argument("--max-rows", type=int, default=ServiceConfig.max_rows)
-    parser.add_argument("--max-batch", type=int, default=ServiceConfig.max_batch)
-    parser.add_argument("--max-prefill-tokens", type=int, default=ServiceConfig.max_prefill_tokens)
+    add_plan_args(parser)
     parser.add_argument(
         "--threads", type=int, default=1, help="torch intra-op threads of the engine (CPU)"
     )
-    _add_graphs_flag(parser)
     parser.add_argument(
         "--otlp-endpoint",
         default=None,
@@ -80,6 +65,49 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_plan_args(parser: argparse.ArgumentParser) -> None:
+    """The flags that size the service: `serve`'s, and `plan`'s, which plans what they ask."""
+    parser.add_argument(
+        "--device",
+        default="auto",
+        help="auto (CUDA when torch sees it, else the CPU), cpu, cuda or cuda:N (default auto)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"],
+        default=None,
+        help="serving dtype (default: the checkpoint's)",
+    )
+    parser.add_argument(
+        "--verify-tiers",
+        default=ServiceConfig.verify_tiers,
+        help="verify buffers by slot, SLOTS:DRAFTS,... (default %(default)s)",
+    )
+    parser.add_argument(
+        "--num-slots",
+        type=parse_num_slots,
+        default=None,
+        metavar="N|auto",
+        help="sequences served at once: N slots take the tiers' capacities in order, the last "
+        f"tier's repeated past them (or the first N); auto: the most, up to {MAX_AUTO_SLOTS}, "
+        "whose memory plan fits the device memory (on the CPU with no --device-memory, the "
+        "tiers' count); default: one slot per tier entry",
+    )
+    parser.add_argument("--max-context", type=int, default=ServiceConfig.max_context)
+    parser.add_argument("--max-rows", type=int, default=ServiceConfig.max_rows)
+    parser.add_argument("--max-batch", type=int, default=ServiceConfig.max_batch)
+    parser.add_argument("--max-prefill-tokens", type=int, default=ServiceConfig.max_prefill_tokens)
+    _add_graphs_flag(parser)
+    parser.add_argument(
+        "--device-memory",
+        type=parse_bytes,
+        default=None,
+        metavar="BYTES",
+        help="memory the plan must fit: bytes, or with a unit (141GB, 80GiB); default: the CUDA "
+        "device's free memory, none on the CPU (the plan then gives no verdict)",
+    )
+
+
 def _add_graphs_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cuda-graphs",
@@ -92,8 +120,11 @@ def _add_graphs_flag(parser: argparse.ArgumentParser) -> None:
 
 
 def service_config(args: argparse.Namespace) -> ServiceConfig:
+    """The service's settings from its flags (`--num-slots auto` is the plan's to settle);
+    ValueError with a sentence on a bad one."""
     if args.max_context % 64:
-        raise SystemExit(f"--max-context {args.max_context} is not a multiple of 64")
+        raise ValueError(f"--max-context {args.max_context} is not a multiple of 64")
+    parse_tiers(args.verify_tiers)
     return ServiceConfig(
         verify_tiers=args.verify_tiers,
         max_context=args.max_context,
@@ -101,7 +132,37 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
         max_batch=args.max_batch,
         max_prefill_tokens=args.max_prefill_tokens,
         cuda_graphs=args.cuda_graphs,
+        num_slots_override=args.num_slots if isinstance(args.num_slots, int) else None,
     )
+
+
+def parse_num_slots(text: str) -> int | str:
+    """`--num-slots`: a whole number of at least 1, or `auto`."""
+    if text == "auto":
+        return text
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected a whole number of at least 1, or auto; got {text!r}"
+        )
+    return int(text)
+
+
+# Decimal units as memory is sold (141GB), binary ones as allocators count (80GiB).
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_AMOUNT = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*")
+
+
+def parse_bytes(text: str) -> int:
+    """`--device-memory`: `150000000000`, `141GB`, `139.8GB`, `80GiB`, `512MiB` -> bytes."""
+    amount = _AMOUNT.fullmatch(text)
+    unit = _UNITS.get(amount[2].lower()) if amount else None
+    if amount is None or unit is None or (unit == 1 and "." in amount[1]):
+        raise argparse.ArgumentTypeError(
+            f"expected bytes, or a number with a unit (KB, MB, GB, TB, KiB, MiB, GiB, TiB) such "
+            f"as 141GB or 80GiB; got {text!r}"
+        )
+    return int(Decimal(amount[1]) * unit)
 
 
 def access(args: argparse.Namespace) -> Access:

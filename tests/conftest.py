@@ -67,6 +67,18 @@ SLOW_TESTS = {
     "tests/test_verify_semantics.py::test_recurrent_and_chunked_prefill_agree": "both prefills",
     "tests/test_sampling.py::test_seeded_sampling_with_and_without_speculation": "two full "
     "sampled generations",
+    "tests/test_flagship_mini.py::test_mtp_equals_none_through_both_processes": "starts both "
+    "processes on the miniature flagship",
+    "tests/test_flagship_mini.py::test_circuit_diff_passes": "verify batches through a forward "
+    "and its serial form (the triton one interpreted)",
+    "tests/test_flagship_mini.py::test_triton_forward_matches_eager_closely": "interpreted "
+    "kernels",
+    "tests/test_held_weights.py::test_peak_while_loading": "loads each checkpoint four times in "
+    "processes of their own",
+    "tests/test_plan.py::test_flagship_weights_are_its_checkpoints_bytes": "builds "
+    "Qwen3-Next-80B's 76k weight tensors on the meta device",
+    "tests/test_plan.py::test_serve_refuses_a_plan_that_does_not_fit": "starts a GPU service "
+    "process",
 }
 # Any test that uses one of these fixtures is slow: it waits on a process starting.
 SLOW_FIXTURES = {
@@ -116,6 +128,16 @@ SERVE_ARGS = (
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("tiny")
     init_model(directory, TINY, seed=7)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def mini_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The flagship in miniature (tests/flagship.py), seeded weights."""
+    from tests.flagship import MINI_FLAGSHIP
+
+    directory = tmp_path_factory.mktemp("mini-flagship")
+    init_model(directory, MINI_FLAGSHIP, seed=5)
     return directory
 
 

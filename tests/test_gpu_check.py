@@ -68,6 +68,12 @@ def test_cpu_run_writes_a_passing_report(tmp_path: Path) -> None:
         assert set(shape) == {str(m) for m in CPU.gemm_speed_rows}
     assert report["references"]["gdn"] is None, "timed on a GPU only"
     assert "GPU only" in report["bench"]["summary"]
+    moe = report["moe"]
+    assert list(moe["shape"].values()) == list(CPU.moe_shape)
+    assert set(moe["rows"]) == {str(p) for p in CPU.moe_rows}
+    for r in moe["rows"].values():
+        assert r["within_tolerance"] and r["max_abs_diff"] <= moe["tolerance"], r
+        assert r["fused_ms"] > 0 and r["routed_ms"] > 0 and r["experts_hit"] > 0
     assert "circuit_diff  ok" in done.stdout and str(out) in done.stdout
 
 

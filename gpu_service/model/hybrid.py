@@ -77,10 +77,11 @@ class HybridModel:
         self.ops: Ops = EAGER
 
     def embed_rows(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens: [R] -> their embeddings [R, H]"""
+        """tokens: [R] -> their embeddings [R, H], contiguous: a transposed view would reach
+        the GEMMs in a layout whose kernel depends on the row count."""
         if self.embed is not None:
             return self.embed.index_select(0, tokens)
-        return self.wt["lm_head"].index_select(1, tokens).t()
+        return self.wt["lm_head"].index_select(1, tokens).t().contiguous()
 
     def held_tensors(self) -> list[torch.Tensor]:
         """Every tensor the model holds for its weights (norms, tables and biases included),

@@ -155,13 +155,15 @@ def fold_norms(
         targets = [f"{prefix}.{c}" for c in _FOLDED.get(kind, ())]
         for key in (k for k in targets if k in linears):
             weight = linears[key]
-            for part in weight if weight.dim() == 3 else [weight]:  # an expert at a time
+            # Stacked experts in eighths: the fp32 copy stays a fraction of the tensor.
+            for part in weight.chunk(8) if weight.dim() == 3 else [weight]:
                 _scale_rows_(part, one_plus)
             folded.add(name)
     return folded
 
 
 def _scale_rows_(weight_t: torch.Tensor, one_plus: torch.Tensor) -> None:
-    """Row j of weight_t [in, out] times one_plus[j], in fp32, rounded back in place."""
+    """Row j of weight_t [in, out] (or [E, in, out]) times one_plus[j], in fp32, rounded back
+    in place."""
     rows = one_plus.to(weight_t.device)[:, None]
     weight_t.copy_((weight_t.float() * rows).to(weight_t.dtype))

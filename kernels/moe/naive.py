@@ -2,18 +2,58 @@
 over only the rows routed to it, the eager forward's path and the reference of the fused Triton
 kernel beside it.
 
-Pairs (row, expert) are stably sorted by expert; each expert that was hit runs one GEMM over its
-rows, padded to `ROW_TILE` (the CPU GEMM then gives a row the same bytes whatever rows share the
-call); a row's contributions are then added in increasing expert-index order, so a row's bytes
-depend on neither its batch nor the other rows' experts. Adding the experts a row did not choose
-would add exact zeros: this is the dense sum over every expert, byte for byte.
+Pairs (row, expert) are stably sorted by expert and each expert's run padded to `ROW_TILE` rows
+(the CPU GEMM then gives a row the same bytes whatever rows share the call); one grouped GEMM
+runs a GEMM per expert hit over its run; a row's contributions are then added in increasing
+expert-index order, so a row's bytes depend on neither its batch nor the other rows' experts.
+Adding the experts a row did not choose would add exact zeros: this is the dense sum over every
+expert, byte for byte (`dense_moe`, kept to prove it).
 """
 
 from __future__ import annotations
 
-import torch
+from typing import NamedTuple
 
-from kernels.common import ROW_TILE, pad_rows, silu
+import torch
+import torch.nn.functional as F
+
+from kernels.common import ROW_TILE, silu
+
+
+class Aligned(NamedTuple):
+    """The pairs sorted by expert, each expert's run padded to a multiple of the block rows."""
+
+    pairs: torch.Tensor  # [bound] int64: pair index row * k + j; P * k marks padding
+    block_experts: torch.Tensor  # [bound / BM] int64: each block's expert; E past `num_used`
+    num_used: torch.Tensor  # [1] int64: entries used, a multiple of BM
+    ends: torch.Tensor  # [E] int32: where each expert's padded run ends (its start: the last's)
+
+
+def padded_bound(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """The most entries `align` can use, a multiple of `block_m`: each expert hit pads at most
+    `block_m - 1` entries, and at most min(E, P * k) experts are hit."""
+    bound = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    return -(-bound // block_m) * block_m
+
+
+def align(experts: torch.Tensor, num_experts: int, block_m: int) -> Aligned:
+    """experts: [P, k] int64 -> the pairs sorted by expert, padded per expert to `block_m`."""
+    flat = experts.reshape(-1)
+    num_pairs = flat.numel()
+    bound = padded_bound(num_pairs, num_experts, block_m)
+    sorted_experts, order = torch.sort(flat, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    # [P k]: an entry's place is its expert's padded start plus its rank among the expert's pairs
+    rank = torch.arange(num_pairs, device=flat.device) - (counts.cumsum(0) - counts)[sorted_experts]
+    dest = (ends - padded)[sorted_experts] + rank
+    pairs = torch.full((bound,), num_pairs, dtype=torch.int64, device=flat.device)
+    pairs.scatter_(0, dest, order)
+    block_starts = torch.arange(0, bound, block_m, device=flat.device)
+    block_experts = torch.searchsorted(ends, block_starts, right=True)
+    return Aligned(pairs, block_experts, ends[-1:].clone(), ends.to(torch.int32))
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,22 +93,27 @@ def routed_moe(
     weights: torch.Tensor,
 ) -> torch.Tensor:
     """x: [P, H], w13: [E, H, 2I], w2: [E, I, H], experts: [P, k] int64 (sorted per row),
-    weights: [P, k] in x's dtype -> [P, H]: sum over j of weights[:, j] * MLP_experts[:, j](x)."""
+    weights: [P, k] in x's dtype -> [P, H]: sum over j of weights[:, j] * MLP_experts[:, j](x).
+
+    The pairs, aligned by expert in runs of ROW_TILE rows (padding reads a zero row), go
+    through one grouped GEMM per projection: a GEMM per expert hit, looped in ATen, each over
+    its own contiguous rows (the bytes of `torch.mm` on them), the experts not hit skipped."""
     rows, top_k = experts.shape
-    flat = experts.reshape(-1)
-    order = torch.sort(flat, stable=True).indices  # [P k]: pairs by expert, rows ascending
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
-    contributions = x.new_zeros(rows * top_k, x.shape[1])
-    scale = weights.reshape(-1, 1)
-    start = 0
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        pairs = order[start : start + n]
-        start += n
-        y = expert_mlp(pad_rows(x.index_select(0, pairs // top_k), ROW_TILE), w13[e], w2[e])
-        contributions.index_copy_(0, pairs, y[:n] * scale.index_select(0, pairs))
-    return sum_in_expert_order(contributions.view(rows, top_k, -1))
+    aligned = align(experts, w13.shape[0], ROW_TILE)
+    source = torch.cat([x, x.new_zeros(1, x.shape[1])])  # row P: the padding's zero row
+    sorted_x = source.index_select(0, aligned.pairs // top_k)  # [bound, H]
+    gate_up = F.grouped_mm(sorted_x, w13, offs=aligned.ends)
+    inner = w2.shape[1]
+    act = silu(gate_up)[:, :inner] * gate_up[:, inner:]
+    scale = torch.cat([weights.reshape(-1), weights.new_zeros(1)])  # [P k + 1]
+    y = F.grouped_mm(act, w2, offs=aligned.ends) * scale.index_select(0, aligned.pairs)[:, None]
+    # Entries past the last expert's run hold no rows of grouped_mm's: they land with the
+    # padding in the spare row P k, which is dropped.
+    used = torch.arange(y.shape[0], device=y.device) < aligned.num_used
+    y = torch.where(used[:, None], y, 0)
+    contributions = x.new_zeros(rows * top_k + 1, x.shape[1])
+    contributions.index_copy_(0, aligned.pairs, y)
+    return sum_in_expert_order(contributions[:-1].view(rows, top_k, -1))
 
 
 def dense_moe(

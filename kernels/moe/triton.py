@@ -17,13 +17,11 @@ IEEE fp32, not TF32."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
 
-from kernels.moe.naive import sum_in_expert_order
+from kernels.moe.naive import align, sum_in_expert_order
 
 # Rows of a block: the decode-sized batches of the flagship (k=10 of E=512) give most experts
 # one or two pairs, and 16 is the least M `tl.dot` takes.
@@ -36,41 +34,6 @@ DOWN_TILE = (128, 64)
 NUM_WARPS = 4
 NUM_STAGES = 3
 DTYPES = (torch.float32, torch.bfloat16)
-
-
-class Aligned(NamedTuple):
-    """The pairs sorted by expert, each expert's run padded to a multiple of the block rows."""
-
-    pairs: torch.Tensor  # [bound] int64: pair index row * k + j; P * k marks padding
-    block_experts: torch.Tensor  # [bound / BM] int64: each block's expert; E past `num_used`
-    num_used: torch.Tensor  # [1] int64: entries used, a multiple of BM
-
-
-def padded_bound(num_pairs: int, num_experts: int, block_m: int = BLOCK_M) -> int:
-    """The most entries `align` can use, a multiple of `block_m`: each expert hit pads at most
-    `block_m - 1` entries, and at most min(E, P * k) experts are hit."""
-    bound = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
-    return triton.cdiv(bound, block_m) * block_m
-
-
-def align(experts: torch.Tensor, num_experts: int, block_m: int = BLOCK_M) -> Aligned:
-    """experts: [P, k] int64 -> the pairs sorted by expert, padded per expert to `block_m`."""
-    flat = experts.reshape(-1)
-    num_pairs = flat.numel()
-    bound = padded_bound(num_pairs, num_experts, block_m)
-    sorted_experts, order = torch.sort(flat, stable=True)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    ends = padded.cumsum(0)
-    # [P k]: an entry's place is its expert's padded start plus its rank among the expert's pairs
-    rank = torch.arange(num_pairs, device=flat.device) - (counts.cumsum(0) - counts)[sorted_experts]
-    dest = (ends - padded)[sorted_experts] + rank
-    pairs = torch.full((bound,), num_pairs, dtype=torch.int64, device=flat.device)
-    pairs.scatter_(0, dest, order)
-    block_starts = torch.arange(0, bound, block_m, device=flat.device)
-    block_experts = torch.searchsorted(ends, block_starts, right=True)
-    return Aligned(pairs, block_experts, ends[-1:].clone())
 
 
 @triton.jit
@@ -192,7 +155,7 @@ def _contributions(
     top_k = experts.shape[1]
     inner = w2.shape[1]
     num_pairs = rows * top_k
-    aligned = align(experts, w13.shape[0])
+    aligned = align(experts, w13.shape[0], BLOCK_M)
     bound = aligned.pairs.numel()
     upcast = x.device.type != "cuda" and x.dtype != torch.float32  # the interpreter's tl.dot
     act = torch.empty(bound, inner, dtype=x.dtype, device=x.device)
@@ -202,7 +165,9 @@ def _contributions(
     _gate_up_kernel[grid](
         x,
         w13,
-        *aligned,
+        aligned.pairs,
+        aligned.block_experts,
+        aligned.num_used,
         act,
         num_pairs,
         hidden,
@@ -221,7 +186,9 @@ def _contributions(
         act,
         w2,
         weights.reshape(-1),
-        *aligned,
+        aligned.pairs,
+        aligned.block_experts,
+        aligned.num_used,
         out,
         num_pairs,
         hidden,

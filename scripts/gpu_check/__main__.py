@@ -53,12 +53,19 @@ def _speed(settings: Settings, device: torch.device) -> dict[str, dict]:
     return speed_checks(settings, device)
 
 
+def _moe(settings: Settings, device: torch.device) -> dict[str, dict]:
+    from scripts.gpu_check.moe import check_moe
+
+    return {"moe": guarded(lambda: check_moe(settings, device))}
+
+
 # In order; the services are stopped before the in-process engines load.
 STAGES = (
     (("service", "circuit_diff"), _served),
     (("kernel_tests",), _kernel_tests),
     (("profile", "host_syncs"), _step),
     (("graphs", "gemm", "references", "bench"), _speed),
+    (("moe",), _moe),
 )
 
 

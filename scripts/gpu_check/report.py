@@ -23,6 +23,7 @@ CHECKS = (
     "gemm",
     "references",
     "bench",
+    "moe",
 )
 
 

@@ -52,6 +52,13 @@ class Settings:
     gemm_speed_rows: tuple[int, ...] = field(
         default=(1, 16, 64), metadata=_flag("M at which the GEMM is timed against cuBLAS")
     )
+    moe_shape: tuple[int, ...] = field(
+        default=(2048, 512, 512, 10), metadata=_flag("H,I,E,k of the fused MoE kernel's check")
+    )
+    moe_rows: tuple[int, ...] = field(
+        default=(4, 32, 256),
+        metadata=_flag("rows at which the fused MoE kernel is timed against the routed path"),
+    )
 
     @property
     def diff_forwards(self) -> tuple[str, str]:
@@ -75,6 +82,8 @@ CPU = replace(
     repeats=2,
     gemm_rows=8,
     gemm_speed_rows=(1, 4),
+    moe_shape=(64, 32, 8, 2),
+    moe_rows=(4, 8),
 )
 
 

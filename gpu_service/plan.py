@@ -1,0 +1,359 @@
+"""The service's memory plan: the bytes of every part it allocates, from shapes alone.
+
+The model and the `DeviceState` are built on the `meta` device as the engine builds them, and
+their tensors counted: the plan counts what the engine allocates. What only a call sizes (the
+logits, the verify hiddens, the captured graphs' buffers, activations) is sized here from the
+same settings. `met gpu-service plan` prints a plan; `serve` makes one before loading a weight
+and refuses to start when it does not fit the device (`plan_report.py` words them)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from gpu_service.config import ModelConfig, ServiceConfig
+from gpu_service.engine import DTYPE_NAMES
+from gpu_service.graphs import Graphs, buckets, key_bucket
+from gpu_service.model.batch import Segment
+from gpu_service.model.hybrid import HybridModel, held_bytes
+from gpu_service.model.ops import padded_rows
+from gpu_service.model.weights import shard_paths, weight_shapes
+from gpu_service.options import MAX_AUTO_SLOTS, service_config
+from gpu_service.state import DeviceState
+from kernels.attention.naive import KEY_BLOCK
+
+META = torch.device("meta")
+# Each part's key (in `--json`) and its line in the report; `total_bytes` is their sum.
+PARTS = {
+    "weights_bytes": "weights",
+    "kv_cache_bytes": "attention KV cache",
+    "gdn_state_bytes": "GDN live state",
+    "conv_state_bytes": "GDN conv windows",
+    "verify_bytes": "verify tiers (GDN + conv)",
+    "drafter_kv_bytes": "drafter KV",
+    "logits_bytes": "logits",
+    "stash_bytes": "stash, verify hiddens, carry",
+    "rope_bytes": "RoPE table",
+    "graphs_bytes": "captured graphs",
+    "workspace_bytes": "activation workspace",
+    "other_state_bytes": "other device state",
+}
+# DeviceState's tensors by part; one this table does not name counts as other device state.
+STATE_PARTS = {
+    "k_cache": "kv_cache_bytes",
+    "v_cache": "kv_cache_bytes",
+    "gdn": "gdn_state_bytes",
+    "conv": "conv_state_bytes",
+    "verify_gdn": "verify_bytes",
+    "verify_conv": "verify_bytes",
+    "verify_offset_t": "verify_bytes",
+    "mtp_k": "drafter_kv_bytes",
+    "mtp_v": "drafter_kv_bytes",
+    "mtp_valid": "drafter_kv_bytes",
+    "logits": "logits_bytes",
+    "stash": "stash_bytes",
+    "mtp_carry": "stash_bytes",
+    "verify_hidden": "stash_bytes",
+}
+
+
+@dataclass(frozen=True)
+class Memory:
+    """What the plan must fit: `--device-memory`, or the CUDA device's free memory."""
+
+    bytes: int | None  # None: not known (the CPU), no verdict
+    source: str = ""  # `--device-memory`, or the device: `cuda:0`
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    dtype: torch.dtype
+    svc: ServiceConfig
+    graphs: bool  # whether captured graphs are counted
+    parts: dict[str, int]  # bytes by PARTS key
+    weights_by_dtype: dict[str, int]
+    num_graphs: int  # graphs a service can capture over its life (they are captured on use)
+    memory: Memory
+    seconds: float = 0.0
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.memory.bytes is None else self.total <= self.memory.bytes
+
+
+# -- the model ---------------------------------------------------------------------------
+
+
+def load_config(path: Path) -> ModelConfig:
+    """A checkpoint directory's config as the engine serves it (the drafter off when its
+    weights lack `mtp.*`, as `load_weights` decides), or a bare config.json's as written."""
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist")
+    if not path.is_dir():
+        return ModelConfig.from_dict(json.loads(path.read_text()))
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path} has no config.json")
+    cfg = ModelConfig.load(path)
+    names = checkpoint_names(path)
+    if cfg.has_mtp and names is not None and not any(n.startswith("mtp.") for n in names):
+        cfg = replace(cfg, num_nextn_predict_layers=0)
+    return cfg
+
+
+def checkpoint_names(directory: Path) -> list[str] | None:
+    """The tensor names of a checkpoint's safetensors, from their headers alone; None where
+    the directory has no weights."""
+    from safetensors import safe_open
+
+    try:
+        shards = shard_paths(directory)
+    except FileNotFoundError:
+        return None
+    names: list[str] = []
+    for shard in shards:
+        with safe_open(str(shard), "pt") as f:
+            names += f.keys()
+    return names
+
+
+def serving_dtype(cfg: ModelConfig, dtype: str | None) -> torch.dtype:
+    """`--dtype`, or the checkpoint's, as the engine resolves it."""
+    name = dtype or cfg.torch_dtype
+    return getattr(torch, DTYPE_NAMES.get(name, name))
+
+
+def meta_model(cfg: ModelConfig, dtype: torch.dtype, max_context: int) -> HybridModel:
+    weights = {n: torch.empty(s, dtype=dtype, device=META) for n, s in weight_shapes(cfg).items()}
+    return HybridModel(cfg, weights, max_context)
+
+
+def by_dtype(tensors: list[torch.Tensor]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for t in tensors:
+        name = str(t.dtype).removeprefix("torch.")
+        out[name] = out.get(name, 0) + held_bytes([t])
+    return out
+
+
+# -- what the slots own ------------------------------------------------------------------
+
+
+def state_bytes(state: DeviceState) -> dict[str, int]:
+    """Bytes of every tensor `state` holds, by part."""
+    out = dict.fromkeys([*STATE_PARTS.values(), "other_state_bytes"], 0)
+    for name, value in vars(state).items():
+        if isinstance(value, torch.Tensor):
+            out[STATE_PARTS.get(name, "other_state_bytes")] += value.numel() * value.element_size()
+    return out
+
+
+def slot_parts(model: HybridModel, svc: ServiceConfig, graphs: bool) -> tuple[dict[str, int], int]:
+    """The parts that grow with the slots -> (bytes by part, graphs): the device state's, the
+    captured graphs' (when counted), and the buffers a call sizes beside them: the logits of
+    the largest call [rows, vocab] (a verify's row budget, or a prefill's one row per
+    sequence), twice, since the last call's are kept while the next call's are made; the
+    verify's final hiddens [max_rows, hidden], kept for the stash."""
+    cfg, size = model.cfg, model.dtype.itemsize
+    state = DeviceState(cfg, svc, model.dtype, META)
+    out = state_bytes(state)
+    logits_rows = padded_rows(max(svc.max_rows, min(svc.num_slots, svc.max_prefill_tokens)))
+    out["logits_bytes"] += 2 * logits_rows * cfg.vocab_size * size
+    out["stash_bytes"] += padded_rows(svc.max_rows) * cfg.hidden_size * size
+    num_graphs, out["graphs_bytes"] = graph_parts(model, state, svc) if graphs else (0, 0)
+    return out, num_graphs
+
+
+# -- activations ---------------------------------------------------------------------------
+
+
+def widest_linear(cfg: ModelConfig) -> int:
+    """The widest output of a layer's linears (the LM head aside: a prefill runs it on one row
+    per sequence, and a verify's logits are counted as such)."""
+    attention = 2 * (cfg.num_attention_heads + cfg.num_key_value_heads) * cfg.head_dim
+    gdn = 2 * (cfg.key_dim + cfg.value_dim)
+    inner = max(cfg.intermediate_size, cfg.moe_intermediate_size)
+    return max(attention, gdn, 2 * inner, 2 * cfg.shared_expert_intermediate_size, cfg.num_experts)
+
+
+def activation_bytes(cfg: ModelConfig, rows: int, itemsize: int) -> int:
+    """An estimate of one forward's live activations at its widest layer, for `rows` rows:
+    rows * ((2 H + 2 W) * itemsize + 4 F), where H is the hidden size (the residual and its
+    norm), W the widest linear's output (it, and as much again made from it: the conv output,
+    the gated norm's) and F the widest fp32 intermediates (the GDN mix's output, allocated
+    and then filled by the kernel's, so 2 x value_dim; or the router's logits, probabilities
+    and weights, 3 x experts). The Triton kernels allocate only their outputs, so nothing per
+    key or per chunk is counted; the eager forward's per-row verify states are not either."""
+    f = max(2 * cfg.value_dim, 3 * cfg.num_experts)
+    return rows * ((2 * cfg.hidden_size + 2 * widest_linear(cfg)) * itemsize + 4 * f)
+
+
+# -- captured graphs -----------------------------------------------------------------------
+
+
+class _Recorder:
+    """A capture that keeps each function it is given and replays nothing: the graphs build
+    their persistent buffers as on a GPU, and no forward runs."""
+
+    def __init__(self) -> None:
+        self.runs: list[Callable[[], None]] = []
+
+    def __call__(self, run: Callable[[], None]) -> Callable[[], None]:
+        self.runs.append(run)
+        return lambda: None
+
+
+def key_lengths(max_context: int) -> list[int]:
+    """Every key length graphs are captured at."""
+    doublings = range(max_context.bit_length())
+    return sorted({key_bucket(KEY_BLOCK << i, max_context) for i in doublings})
+
+
+def _buckets(svc: ServiceConfig) -> tuple[int, ...]:
+    """The buckets a call can run in: it has at most max_batch sequences, one a slot."""
+    return buckets(min(svc.max_batch, svc.num_slots))
+
+
+def verify_shapes(svc: ServiceConfig) -> list[tuple[int, int]]:
+    """(bucket, rows per sequence) of every verify graph a service can capture: the fewest
+    sequences that run in a bucket must fit the row budget at that many rows each, and be
+    that many slots deep enough."""
+    sizes, caps = _buckets(svc), svc.slot_verify_drafts
+    fewest = [1, *(b + 1 for b in sizes[:-1])]
+    deep = {k: sum(c + 1 >= k for c in caps) for k in range(1, max(caps) + 2)}
+    return [
+        (b, k)
+        for b, n in zip(sizes, fewest, strict=True)
+        for k, slots in deep.items()
+        if n * k <= svc.max_rows and n <= slots
+    ]
+
+
+def chain_shapes(cfg: ModelConfig, svc: ServiceConfig) -> list[tuple[int, int]]:
+    """(bucket, drafts) of every chain graph; none without a drafter."""
+    deepest = max(svc.slot_verify_drafts) + 1
+    sizes = _buckets(svc) if cfg.has_mtp else ()
+    return [(b, nd) for b in sizes for nd in range(1, deepest + 1)]
+
+
+def _kept_bytes(graphs: Graphs, run: Callable[[], None]) -> int:
+    """Bytes of what the newest graph keeps: its inputs, outputs and every tensor its function
+    holds (a view counted as its base, each base once)."""
+    graph = next(reversed(graphs.graphs.values()))
+    cells = [c.cell_contents for c in getattr(run, "__closure__", None) or ()]
+    tensors = [t for t in [*graph.inputs, *graph.outputs, *cells] if isinstance(t, torch.Tensor)]
+    bases = {id(b): b for b in (t if t._base is None else t._base for t in tensors)}
+    return held_bytes(list(bases.values()))
+
+
+def graph_parts(model: HybridModel, state: DeviceState, svc: ServiceConfig) -> tuple[int, int]:
+    """-> (graphs, bytes). Each verify and chain shape is captured once, on the meta device,
+    by the graphs' own code; a shape's buffers do not depend on its key length (nor, for a
+    verify, on whether the live state advances), so they count once per such key. Captures
+    share one memory pool and replay one at a time: on top, the pool holds about one
+    capture's intermediates, estimated as the widest capture's rows through the widest layer
+    (`activation_bytes`) plus, for the chain, its logits and their fp32 softmax."""
+    recorder, cfg, size = _Recorder(), model.cfg, model.dtype.itemsize
+    graphs = Graphs(model, state, svc.max_batch, svc.max_context, recorder)
+    keys = len(key_lengths(svc.max_context))
+    verify, chain = verify_shapes(svc), chain_shapes(cfg, svc)
+    buffers = 0
+    for b, k in verify:
+        graphs.verify([Segment(0, 0, k, i * k) for i in range(b)], [0] * (b * k), True)
+        buffers += 2 * keys * _kept_bytes(graphs, recorder.runs[-1])
+    for b, nd in chain:
+        zeros = torch.zeros(b, dtype=torch.long, device=META)
+        hidden = torch.zeros(b, cfg.hidden_size, dtype=model.dtype, device=META)
+        graphs.chain(zeros, hidden, zeros, zeros, 0, nd)
+        buffers += keys * _kept_bytes(graphs, recorder.runs[-1])
+    rows = max((padded_rows(b * k) for b, k in verify), default=0)
+    widest_chain = max((b for b, _ in chain), default=0)
+    pool = activation_bytes(cfg, max(rows, widest_chain), size)
+    pool += widest_chain * cfg.vocab_size * (size + 4)
+    return (2 * len(verify) + len(chain)) * keys, buffers + pool
+
+
+# -- the plan --------------------------------------------------------------------------------
+
+
+def most_slots(fits: Callable[[int], bool]) -> int:
+    """The largest slot count, up to MAX_AUTO_SLOTS, for which `fits` (false from some count
+    on); 1 where none fits."""
+    lo, hi = 0, MAX_AUTO_SLOTS + 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return max(lo, 1)
+
+
+def make_plan(
+    name: str,
+    cfg: ModelConfig,
+    svc: ServiceConfig,
+    dtype: torch.dtype,
+    graphs: bool,
+    memory: Memory,
+    auto: bool = False,
+) -> Plan:
+    """The plan of serving `cfg` with `svc` in `dtype`; with `auto` and a known memory, at the
+    most slots whose plan fits it. The model is built once, however many counts that tries."""
+    start = time.perf_counter()
+    model = meta_model(cfg, dtype, svc.max_context)
+    weights = by_dtype(model.held_tensors())
+    fixed = {
+        "weights_bytes": sum(weights.values()),
+        "rope_bytes": held_bytes([model.rope]),
+        "workspace_bytes": activation_bytes(
+            cfg, padded_rows(svc.max_prefill_tokens), dtype.itemsize
+        ),
+    }
+    if auto and memory.bytes is not None:
+        room = memory.bytes - sum(fixed.values())
+
+        def fits(n: int) -> bool:
+            parts, _ = slot_parts(model, replace(svc, num_slots_override=n), graphs)
+            return sum(parts.values()) <= room
+
+        svc = replace(svc, num_slots_override=most_slots(fits))
+    parts, num_graphs = slot_parts(model, svc, graphs)
+    parts |= fixed
+    return Plan(
+        name,
+        dtype,
+        svc,
+        graphs,
+        {key: parts[key] for key in PARTS},
+        weights,
+        num_graphs,
+        memory,
+        time.perf_counter() - start,
+    )
+
+
+def from_args(args: argparse.Namespace, device: torch.device, graphs: bool) -> Plan:
+    """The plan of what `serve`'s flags (or `plan`'s, the same) ask for on `device`. Raises
+    ValueError or OSError with a sentence: a bad flag, an unreadable config."""
+    cfg = load_config(args.model)
+    name = args.model.resolve().name if args.model.is_dir() else str(args.model)
+    svc = service_config(args)
+    dtype = serving_dtype(cfg, args.dtype)
+    memory = device_memory(args.device_memory, device)
+    return make_plan(name, cfg, svc, dtype, graphs, memory, auto=args.num_slots == "auto")
+
+
+def device_memory(given: int | None, device: torch.device) -> Memory:
+    if given is not None:
+        return Memory(given, "--device-memory")
+    if device.type == "cuda":
+        return Memory(torch.cuda.mem_get_info(device)[0], str(device))
+    return Memory(None)

@@ -1,0 +1,136 @@
+"""How a memory plan (`gpu_service/plan.py`) reads: `met gpu-service plan`'s report and JSON,
+and the summary and the refusal `serve` prints before it loads a weight."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from gpu_service.device import DeviceError, resolve_device
+from gpu_service.graphs import NO_GRAPHS_ENV
+from gpu_service.plan import PARTS, Memory, Plan, from_args
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def _slots(n: int) -> str:
+    return f"{n} slot" if n == 1 else f"{n} slots"
+
+
+def _settings(plan: Plan) -> str:
+    svc = plan.svc
+    dtype = str(plan.dtype).removeprefix("torch.")
+    return (
+        f"{plan.model} in {dtype}: {_slots(svc.num_slots)} (verify tiers {svc.verify_tiers}), "
+        f"max context {svc.max_context}, max prefill {svc.max_prefill_tokens} tokens, "
+        f"graphs {'counted' if plan.graphs else 'off'}"
+    )
+
+
+def _notes(plan: Plan) -> dict[str, str]:
+    svc = plan.svc
+    weights = ", ".join(f"{k} {human(v)}" for k, v in plan.weights_by_dtype.items())
+    return {
+        "weights_bytes": weights,
+        "graphs_bytes": f"{plan.num_graphs} graphs at most, with their capture pool",
+        "workspace_bytes": f"{svc.max_prefill_tokens} prefill rows through the widest layer",
+    }
+
+
+def verdict(plan: Plan, why: bool = True) -> str:
+    """Whether the plan fits, and by how much; with `why`, what to lower when it does not."""
+    if plan.fits is None:
+        return "no device memory to check against (no CUDA device; --device-memory gives one)"
+    if plan.fits:
+        spare = (plan.memory.bytes or 0) - plan.total
+        return f"fits: {_memory(plan.memory)}, {human(spare)} to spare"
+    return f"does not fit: {refusal(plan)}" if why else f"does not fit: {_memory(plan.memory)}"
+
+
+def report(plan: Plan) -> str:
+    """The plan as `met gpu-service plan` prints it: a line a part, the total, the verdict."""
+    notes = _notes(plan)
+    lines = [_settings(plan)]
+    for key, label in PARTS.items():
+        note = f"  {notes[key]}" if key in notes else ""
+        lines.append(f"  {label:<30} {human(plan.parts[key]):>10}{note}")
+    lines.append(f"  {'total':<30} {human(plan.total):>10}")
+    lines.append(verdict(plan))
+    return "\n".join(lines)
+
+
+def summary(plan: Plan) -> str:
+    """The few lines `serve` prints before it loads a weight."""
+    p = plan.parts
+    gdn = p["gdn_state_bytes"] + p["conv_state_bytes"]
+    named = p["weights_bytes"] + p["kv_cache_bytes"] + gdn + p["verify_bytes"]
+    return (
+        f"gpu-service plan: weights {human(p['weights_bytes'])}, KV {human(p['kv_cache_bytes'])}, "
+        f"GDN {human(gdn)}, verify {human(p['verify_bytes'])}, other "
+        f"{human(plan.total - named)}; total {human(plan.total)} for {_slots(plan.svc.num_slots)}\n"
+        f"gpu-service plan: {verdict(plan, why=False)}"
+    )
+
+
+def refusal(plan: Plan) -> str:
+    """Why the plan does not fit, and what to lower, in one sentence."""
+    svc, weights = plan.svc, plan.parts["weights_bytes"]
+    head = f"the plan needs {human(plan.total)} but {_memory(plan.memory)}"
+    bf16 = "serve --dtype bf16" if plan.dtype.itemsize > 2 else None
+    if weights > (plan.memory.bytes or 0):
+        advice = bf16 or "serve it on a device with more memory"
+        return f"{head}: the weights alone take {human(weights)}; {advice}"
+    slots = f"--num-slots ({svc.num_slots}), " if svc.num_slots > 1 else ""
+    lower = f"lower {slots}--max-context ({svc.max_context}) or --verify-tiers"
+    return f"{head}: the weights take {human(weights)}; {lower}{f', or {bf16}' if bf16 else ''}"
+
+
+def to_json(plan: Plan) -> dict:
+    svc = plan.svc
+    return {
+        "model": plan.model,
+        "dtype": str(plan.dtype).removeprefix("torch."),
+        "num_slots": svc.num_slots,
+        "verify_tiers": svc.verify_tiers,
+        "max_context": svc.max_context,
+        "max_rows": svc.max_rows,
+        "max_batch": svc.max_batch,
+        "max_prefill_tokens": svc.max_prefill_tokens,
+        "graphs": plan.graphs,
+        "num_graphs": plan.num_graphs,
+        **plan.parts,
+        "weights_by_dtype": plan.weights_by_dtype,
+        "total_bytes": plan.total,
+        "device_memory_bytes": plan.memory.bytes,
+        "device_memory_source": plan.memory.source or None,
+        "fits": plan.fits,
+        "plan_seconds": round(plan.seconds, 3),
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    """`met gpu-service plan`: 0 when the plan fits or there is no memory to check, 1 when it
+    does not fit, 2 on a bad flag or config (one sentence on stderr)."""
+    graphs = args.cuda_graphs and args.device != "cpu" and NO_GRAPHS_ENV not in os.environ
+    try:
+        plan = from_args(args, resolve_device(args.device), graphs)
+    except (DeviceError, OSError, ValueError) as e:
+        print(f"met gpu-service plan: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(to_json(plan), indent=2) if args.json else report(plan))
+    return 1 if plan.fits is False else 0
+
+
+def _memory(memory: Memory) -> str:
+    amount = human(memory.bytes or 0)
+    if memory.source == "--device-memory":
+        return f"--device-memory is {amount}"
+    return f"{memory.source} has {amount} free"

@@ -1,0 +1,239 @@
+"""The memory plan (gpu_service/plan.py): its parts against what the engine allocates, the
+flagship's weights against its checkpoint, `--num-slots`, and `met gpu-service plan`/`serve`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from control_plane.cli import build_parser, main
+from gpu_service import plan, plan_report, server
+from gpu_service.config import ModelConfig, ServiceConfig
+from gpu_service.engine import Engine
+from gpu_service.model.hybrid import held_bytes
+from gpu_service.model.weights import weight_shapes
+from gpu_service.options import parse_bytes
+from tests.conftest import TINY_SERVICE
+from tests.flagship import QWEN3_NEXT_80B
+
+ROOT = Path(__file__).resolve().parent.parent
+CPU = torch.device("cpu")
+# The parts DeviceState allocates, and its tensors in each.
+STATE = {
+    "kv_cache_bytes": ("k_cache", "v_cache"),
+    "gdn_state_bytes": ("gdn",),
+    "conv_state_bytes": ("conv",),
+    "verify_bytes": ("verify_gdn", "verify_conv", "verify_offset_t"),
+    "drafter_kv_bytes": ("mtp_k", "mtp_v", "mtp_valid"),
+}
+NO_MEMORY = plan.Memory(None)
+
+
+def _plan(model: Path, *flags: str, device: torch.device = CPU, graphs: bool = False) -> plan.Plan:
+    args = build_parser().parse_args(["gpu-service", "plan", str(model), *flags])
+    return plan.from_args(args, device, graphs)
+
+
+def _tiny_flags(*more: str) -> tuple[str, ...]:
+    svc = TINY_SERVICE
+    return (
+        *("--verify-tiers", svc.verify_tiers, "--max-context", str(svc.max_context)),
+        *("--max-rows", str(svc.max_rows), "--max-batch", str(svc.max_batch)),
+        *("--max-prefill-tokens", str(svc.max_prefill_tokens)),
+        *more,
+    )
+
+
+def test_flagship_weights_are_its_checkpoints_bytes() -> None:
+    cfg = ModelConfig.from_dict(QWEN3_NEXT_80B)
+    made = plan.make_plan("flagship", cfg, ServiceConfig(), torch.bfloat16, True, NO_MEMORY)
+    checkpoint = sum(2 * math.prod(s) for s in weight_shapes(cfg).values())
+    # The held layout may add fp32 norm multipliers; nothing more.
+    assert checkpoint <= made.parts["weights_bytes"] <= 1.02 * checkpoint
+    print(plan_report.report(made))
+    assert all(v > 0 for k, v in made.parts.items() if k != "other_state_bytes"), made.parts
+    assert made.parts["other_state_bytes"] == 0
+
+
+@pytest.mark.parametrize("model", ["tiny_dir", "mini_dir"])
+def test_parts_are_the_engines_allocations(request: pytest.FixtureRequest, model: str) -> None:
+    directory = request.getfixturevalue(model)
+    engine = Engine(directory, TINY_SERVICE)
+    made = _plan(directory, *_tiny_flags())
+    held = vars(engine.state)
+    for part, names in STATE.items():
+        allocated = sum(held[n].numel() * held[n].element_size() for n in names)
+        assert made.parts[part] == pytest.approx(allocated, rel=0.01), part
+    weights = held_bytes(engine.model.held_tensors())
+    assert made.parts["weights_bytes"] == pytest.approx(weights, rel=0.01)
+    assert made.parts["rope_bytes"] == engine.model.rope.numel() * 4
+
+
+def test_every_state_tensor_has_a_part(tiny_dir: Path) -> None:
+    state = Engine(tiny_dir, TINY_SERVICE).state
+    tensors = {n for n, v in vars(state).items() if isinstance(v, torch.Tensor)}
+    assert tensors <= set(plan.STATE_PARTS), tensors - set(plan.STATE_PARTS)
+
+
+def test_num_slots_extends_or_cuts_the_tiers() -> None:
+    tiers = "2:3,1:1"
+    assert ServiceConfig(verify_tiers=tiers).slot_verify_drafts == (3, 3, 1)
+    assert ServiceConfig(verify_tiers=tiers, num_slots_override=2).slot_verify_drafts == (3, 3)
+    five = ServiceConfig(verify_tiers=tiers, num_slots_override=5)
+    assert five.slot_verify_drafts == (3, 3, 1, 1, 1) and five.num_slots == 5
+    with pytest.raises(ValueError, match="must be >= 1"):
+        ServiceConfig(num_slots_override=0)
+
+
+def test_num_slots_sizes_the_plan(tiny_dir: Path) -> None:
+    eight, forty = (_plan(tiny_dir, *_tiny_flags("--num-slots", n)) for n in ("8", "40"))
+    assert (eight.svc.num_slots, forty.svc.num_slots) == (8, 40)
+    # One KV row per slot and one for the pad slot.
+    assert forty.parts["kv_cache_bytes"] * 9 == eight.parts["kv_cache_bytes"] * 41
+
+
+def test_auto_takes_the_most_slots_that_fit(tiny_dir: Path) -> None:
+    twelve = _plan(tiny_dir, *_tiny_flags("--num-slots", "12"))
+    room = str(twelve.total + 100)
+    auto = _plan(tiny_dir, *_tiny_flags("--num-slots", "auto", "--device-memory", room))
+    assert auto.svc.num_slots == 12 and auto.fits
+    # No memory to fit on the CPU: the tiers' count.
+    assert _plan(tiny_dir, *_tiny_flags("--num-slots", "auto")).svc.num_slots == 8
+    none_fit = _plan(tiny_dir, *_tiny_flags("--num-slots", "auto", "--device-memory", "1MB"))
+    assert none_fit.svc.num_slots == 1 and none_fit.fits is False
+
+
+def test_graphs_count_every_key_a_service_can_capture(tiny_dir: Path) -> None:
+    off, on = (_plan(tiny_dir, *_tiny_flags(), graphs=g) for g in (False, True))
+    assert off.parts["graphs_bytes"] == 0 and on.parts["graphs_bytes"] > 0
+    svc = on.svc
+    # Verify (tiers 2:3,2:2,4:1, 24 rows): bucket 4 at 1..4 rows a sequence; bucket 8 (5
+    # sequences or more) at 1 or 2 only, since 3 rows a sequence need slots of 2 drafts or more,
+    # and there are 4. Each at two write modes. Chain: 2 buckets x 4 depths.
+    assert plan.verify_shapes(svc) == [(4, 1), (4, 2), (4, 3), (4, 4), (8, 1), (8, 2)]
+    assert plan.key_lengths(svc.max_context) == [64, 128, 256]
+    assert on.num_graphs == (2 * 6 + 8) * 3
+    one = _plan(tiny_dir, *_tiny_flags("--num-slots", "1"), graphs=True)
+    assert plan.verify_shapes(one.svc) == [(4, 1), (4, 2), (4, 3), (4, 4)]
+    assert one.num_graphs == (2 * 4 + 4) * 3
+
+
+def test_bare_config_trusts_its_drafter(tiny_dir: Path, tmp_path: Path) -> None:
+    bare = _plan(tiny_dir / "config.json", *_tiny_flags())
+    assert bare.parts == _plan(tiny_dir, *_tiny_flags()).parts
+    # A checkpoint without mtp.* tensors serves with the drafter off, as the engine loads it.
+    weights = load_file(str(tiny_dir / "model.safetensors"))
+    kept = {k: v for k, v in weights.items() if not k.startswith("mtp.")}
+    save_file(kept, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text((tiny_dir / "config.json").read_text())
+    no_mtp = _plan(tmp_path, *_tiny_flags())
+    engine = Engine(tmp_path, TINY_SERVICE)
+    assert not engine.cfg.has_mtp
+    assert no_mtp.parts["weights_bytes"] == held_bytes(engine.model.held_tensors())
+    assert no_mtp.parts["weights_bytes"] < bare.parts["weights_bytes"]
+
+
+def test_json_has_every_part(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(["gpu-service", "plan", str(tiny_dir), "--json", "--device-memory", "1GiB"])
+    assert done.value.code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(plan.PARTS) | {"weights_by_dtype", "total_bytes", "fits"} <= set(out)
+    assert out["total_bytes"] == sum(out[k] for k in plan.PARTS)
+    assert out["weights_bytes"] == sum(out["weights_by_dtype"].values())
+    assert (out["device_memory_bytes"], out["fits"]) == (2**30, True)
+
+
+def test_report_without_memory_has_no_verdict(
+    tiny_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(["gpu-service", "plan", str(tiny_dir), "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert done.value.code == 0
+    assert "total" in out and "no device memory" in out and "fits" not in out
+
+
+@pytest.mark.parametrize(
+    "flags, code, says",
+    [
+        (["--device-memory", "1MB"], 1, "does not fit: the plan needs"),
+        (["--num-slots", "0"], 2, "argument --num-slots: expected a whole number"),
+        (["--device-memory", "12XB"], 2, "argument --device-memory: expected bytes"),
+        (["--verify-tiers", "8:x"], 2, "met gpu-service plan: error: bad verify tier"),
+        (["--max-context", "100"], 2, "not a multiple of 64"),
+    ],
+    ids=["too-small", "zero-slots", "bad-unit", "bad-tiers", "bad-context"],
+)
+def test_plan_exit_status(
+    tiny_dir: Path, capsys: pytest.CaptureFixture[str], flags: list[str], code: int, says: str
+) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(["gpu-service", "plan", str(tiny_dir), *flags])
+    assert done.value.code == code
+    captured = capsys.readouterr()
+    assert says in captured.out + captured.err
+
+
+def test_a_missing_model_is_one_sentence(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(["gpu-service", "plan", "/nonexistent/model"])
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert err == "met gpu-service plan: error: /nonexistent/model does not exist\n"
+
+
+@pytest.mark.parametrize(
+    "text, value",
+    [("123", 123), ("141GB", 141 * 10**9), ("80GiB", 80 * 2**30), ("1.5 gb", 1_500_000_000)],
+)
+def test_parse_bytes(text: str, value: int) -> None:
+    assert parse_bytes(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "-1", "12XB", "GB", "1.5.2GB", "0.5"])
+def test_parse_bytes_refuses(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match="expected bytes"):
+        parse_bytes(text)
+
+
+def _serve_args(tiny_dir: Path, *flags: str) -> argparse.Namespace:
+    args = ["gpu-service", "serve", "--model", str(tiny_dir), *_tiny_flags(*flags)]
+    return build_parser().parse_args(args)
+
+
+def test_serve_plans_before_it_loads(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    svc = server._planned(_serve_args(tiny_dir, "--num-slots", "auto"), CPU)
+    assert svc.num_slots == TINY_SERVICE.num_slots
+    out = capsys.readouterr().out
+    assert out.startswith("gpu-service plan: weights ") and "no device memory" in out
+    with pytest.raises(SystemExit) as done:
+        server._planned(_serve_args(tiny_dir, "--device-memory", "1.5MB"), CPU)
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("met gpu-service serve: error: the plan needs ")
+    assert "lower --num-slots (8), --max-context (256) or --verify-tiers" in err
+
+
+def test_serve_refuses_a_plan_that_does_not_fit(tiny_dir: Path) -> None:
+    cmd = [sys.executable, "-m", "control_plane.cli", "gpu-service", "serve", "--port", "0"]
+    args = ["--model", str(tiny_dir), "--device", "cpu", "--device-memory", "2MB"]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run(
+        cmd + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert lines[0].startswith("met gpu-service serve: error: the plan needs ")
+    assert "but --device-memory is 2.0 MB" in lines[0] and "lower --num-slots (32)" in lines[0]
+    assert "gpu-service plan:" in done.stdout and "listening" not in done.stdout
