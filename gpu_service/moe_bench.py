@@ -2,7 +2,8 @@
 
 Prefill and verify time against the expert count at a fixed routed count. Each count gets a
 seeded checkpoint of the tiny model's layer pattern (hidden 128; every layer and the MTP head an
-MoE of experts of inner size 128 with a shared expert), written to a temporary directory and
+MoE of experts of inner size 32, a quarter of the hidden size as in the flagship, with a
+shared expert), written to a temporary directory and
 removed once timed. A prefill is 64 rows of one sequence; a verify is 4 sequences of 4 rows (its
 fold and commit run after it, untimed, so that it repeats). Each figure is the median of
 `--repeats` calls after one warm-up, on one thread, and is also given over the first count's.

@@ -10,15 +10,17 @@ import triton
 import triton.language as tl
 
 CHANNELS = 128
+# Rows a program convolves at once: the interpreter pays per op, not per element.
+ROWS = 16
 
 
 @triton.jit
-def _tap(x_ptr, win_ptr, lo, slot, s, o_c, m_c, C, W: tl.constexpr):
-    # Element s of [window (W - 1 rows), x rows]: from the window or from x.
-    o_s = s + tl.zeros_like(o_c)
-    b_w = tl.load(win_ptr + (slot * (W - 1) + o_s) * C + o_c, mask=m_c & (o_s < W - 1), other=0.0)
-    b_x = tl.load(x_ptr + (lo + o_s - (W - 1)) * C + o_c, mask=m_c & (o_s >= W - 1), other=0.0)
-    return b_w.to(tl.float32) + b_x.to(tl.float32)
+def _seq(x_ptr, win_ptr, lo, slot, o_s, o_c, m, C, W: tl.constexpr):
+    # Rows o_s of [window (W - 1 rows); x rows]; o_s, o_c and m broadcast to the tile's shape.
+    m_old = o_s < W - 1
+    b_old = tl.load(win_ptr + (slot * (W - 1) + o_s) * C + o_c, mask=m & m_old, other=0.0)
+    b_new = tl.load(x_ptr + (lo + o_s - (W - 1)) * C + o_c, mask=m & (o_s >= W - 1), other=0.0)
+    return tl.where(m_old, b_old.to(b_new.dtype), b_new)
 
 
 @triton.jit
@@ -33,38 +35,47 @@ def _conv_kernel(
     vrow_ptr,
     C,
     W: tl.constexpr,
+    WP: tl.constexpr,
     STORE_ROWS: tl.constexpr,
+    BT: tl.constexpr,
     BC: tl.constexpr,
 ):
     i = tl.program_id(0)
+    o_t = tl.arange(0, BT)
+    o_j = tl.arange(0, WP)
     o_c = tl.program_id(1) * BC + tl.arange(0, BC)
     m_c = o_c < C
     lo = tl.load(cu_ptr + i)
     n = tl.load(cu_ptr + i + 1) - lo
     slot = tl.load(slot_ptr + i)
-    for t in range(0, n):
-        b_acc = tl.zeros([BC], tl.float32)
+    vrow = tl.load(vrow_ptr + i)
+    for t0 in range(0, BT, BT):
+        o_r = t0 + o_t
+        m_r = o_r < n
+        m = m_r[:, None] & m_c[None, :]
+        # b_acc: [BT, BC], the taps summed in order as naive.py does
+        b_acc = tl.zeros([BT, BC], tl.float32)
         for j in tl.static_range(W):
+            # Tap j of rows o_r: rows o_r + j of [window; x].
+            b_s = _seq(x_ptr, win_ptr, lo, slot, (o_r + j)[:, None], o_c[None, :], m, C, W)
             b_w = tl.load(w_ptr + o_c * W + j, mask=m_c, other=0.0).to(tl.float32)
-            b_acc += _tap(x_ptr, win_ptr, lo, slot, t + j, o_c, m_c, C, W) * b_w
+            b_acc += b_s.to(tl.float32) * b_w[None, :]
+            if STORE_ROWS and j > 0:
+                # The window after row t holds its taps 1 .. W - 1.
+                o_v = (vrow + o_r) * (W - 1) + j - 1
+                p_v = rows_ptr + o_v[:, None] * C + o_c[None, :]
+                tl.store(p_v, b_s.to(rows_ptr.dtype.element_ty), mask=m)
         b_y = b_acc * tl.sigmoid(b_acc)
-        tl.store(out_ptr + (lo + t) * C + o_c, b_y.to(out_ptr.dtype.element_ty), mask=m_c)
-        if STORE_ROWS:
-            vrow = tl.load(vrow_ptr + i) + t
-            for j in tl.static_range(W - 1):
-                b_v = _tap(x_ptr, win_ptr, lo, slot, t + 1 + j, o_c, m_c, C, W)
-                tl.store(
-                    rows_ptr + (vrow * (W - 1) + j) * C + o_c,
-                    b_v.to(rows_ptr.dtype.element_ty),
-                    mask=m_c,
-                )
+        p_out = out_ptr + (lo + o_r)[:, None] * C + o_c[None, :]
+        tl.store(p_out, b_y.to(out_ptr.dtype.element_ty), mask=m)
     if not STORE_ROWS:
-        # Reads reach indices n + j >= j, so each write lands behind every later read.
-        for j in tl.static_range(W - 1):
-            b_v = _tap(x_ptr, win_ptr, lo, slot, n + j, o_c, m_c, C, W)
-            tl.store(
-                win_ptr + (slot * (W - 1) + j) * C + o_c, b_v.to(win_ptr.dtype.element_ty), mask=m_c
-            )
+        m_last = (o_j < W - 1)[:, None] & m_c[None, :]
+        b_last = _seq(x_ptr, win_ptr, lo, slot, n + o_j[:, None], o_c[None, :], m_last, C, W)
+        # A window row may be read by another thread than the one writing it: every read,
+        # in the loop and here, lands before the write-back.
+        tl.debug_barrier()
+        p_last = win_ptr + (slot * (W - 1) + o_j[:, None]) * C + o_c[None, :]
+        tl.store(p_last, b_last.to(win_ptr.dtype.element_ty), mask=m_last)
 
 
 def _check(x: torch.Tensor, windows: torch.Tensor, weight: torch.Tensor, cu: torch.Tensor) -> None:
@@ -103,7 +114,9 @@ def causal_conv1d(
         slots,
         channels,
         W=width,
+        WP=triton.next_power_of_2(width),
         STORE_ROWS=False,
+        BT=ROWS,
         BC=CHANNELS,
     )
     return out
@@ -134,7 +147,9 @@ def causal_conv1d_update(
         vrows,
         channels,
         W=width,
+        WP=triton.next_power_of_2(width),
         STORE_ROWS=True,
+        BT=ROWS,
         BC=CHANNELS,
     )
     return out

@@ -31,21 +31,21 @@ def test_naive_matches_conv1d(t: int, c: int, w: int) -> None:
 
 
 @pytest.mark.parametrize(
-    ("lens", "c"),
-    [([1], 16), ([3, 1, 6], 40), ([2, 5], 200)],
-    ids=["N1-C16", "ragged-C40", "N2-C200"],
+    ("lens", "c", "w"),
+    [([1], 16, 4), ([3, 1, 6], 40, 4), ([2, 5], 200, 4), ([17, 1, 40], 24, 3)],
+    ids=["N1-C16-W4", "ragged-C40-W4", "N2-C200-W4", "blocks-C24-W3"],
 )
-def test_triton_matches_naive(lens: list[int], c: int) -> None:
+def test_triton_matches_naive(lens: list[int], c: int, w: int) -> None:
     gen = torch.Generator().manual_seed(c)
-    w = 4
     windows = torch.randn(6, w - 1, c, generator=gen)
     weight = torch.randn(c, w, generator=gen)
     x = torch.randn(sum(lens), c, generator=gen)
     slots = [5, 0, 3][: len(lens)]
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
     slot_t = torch.tensor(slots, dtype=torch.int32)
-    vrows = torch.tensor([10 * i for i in range(len(lens))], dtype=torch.int32)
-    rows = torch.zeros(40, w - 1, c)
+    # Each sequence's verify rows start 2 past its first row: the pool is not the batch's rows.
+    vrows = cu[:-1] + 2
+    rows = torch.zeros(sum(lens) + 2, w - 1, c)
     before = windows.clone()
     dev = on(x, windows, weight, cu, slot_t, rows, vrows)
     out = kt.causal_conv1d_update(*dev).cpu()
@@ -57,5 +57,5 @@ def test_triton_matches_naive(lens: list[int], c: int) -> None:
         # fp32: silu as x * sigmoid(x) against torch's silu.
         torch.testing.assert_close(out[lo:hi], ref, atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(prefill_out[lo:hi], ref, atol=1e-6, rtol=1e-5)
-        assert torch.equal(rows[10 * i : 10 * i + hi - lo], ref_rows)
+        assert torch.equal(rows[lo + 2 : hi + 2], ref_rows)
         assert torch.equal(windows[slots[i]], ref_rows[-1])
