@@ -24,7 +24,7 @@ from gpu_service.graphs import Capture, Graphs
 from gpu_service.model.backend import EAGER, Choice, EagerOps
 from gpu_service.model.digest import checkpoint_digest
 from gpu_service.model.hybrid import HybridModel
-from gpu_service.model.weights import stream_weights
+from gpu_service.model.weights import serving_dtype, stream_weights
 from gpu_service.pipeline import EngineSteps, run_plan
 from gpu_service.slots import SlotTable
 from gpu_service.state import DeviceState
@@ -47,8 +47,6 @@ from protos.steps import PlanResult, StepPlan, StepStream
 from protos.telemetry import tracer
 
 _TRACER = tracer("met.engine")
-
-DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def _triton_ops() -> EagerOps:
@@ -73,7 +71,7 @@ class Engine:
         self.model_dir = model_dir
         # Read once, as the weights are: the files served stay those of the weights loaded.
         self._tokenizer_files = read_tokenizer_files(model_dir)
-        torch_dtype = getattr(torch, DTYPE_NAMES.get(dtype or "", dtype or self.cfg.torch_dtype))
+        torch_dtype = serving_dtype(self.cfg, dtype)
         self.device = resolve_device(device or "auto")
         weights, self.cfg = stream_weights(self.cfg, model_dir, torch_dtype, self.device)
         # Once, of the files just loaded: the engine never loads other weights.

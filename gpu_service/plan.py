@@ -18,12 +18,16 @@ from pathlib import Path
 import torch
 
 from gpu_service.config import ModelConfig, ServiceConfig
-from gpu_service.engine import DTYPE_NAMES
 from gpu_service.graphs import Graphs, buckets, key_bucket
 from gpu_service.model.batch import Segment
 from gpu_service.model.hybrid import HybridModel, held_bytes
 from gpu_service.model.ops import padded_rows
-from gpu_service.model.weights import shard_paths, weight_shapes
+from gpu_service.model.weights import (
+    checkpoint_index,
+    served_config,
+    serving_dtype,
+    weight_shapes,
+)
 from gpu_service.options import MAX_AUTO_SLOTS, service_config
 from gpu_service.state import DeviceState
 from kernels.attention.naive import KEY_BLOCK
@@ -105,32 +109,10 @@ def load_config(path: Path) -> ModelConfig:
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path} has no config.json")
     cfg = ModelConfig.load(path)
-    names = checkpoint_names(path)
-    if cfg.has_mtp and names is not None and not any(n.startswith("mtp.") for n in names):
-        cfg = replace(cfg, num_nextn_predict_layers=0)
-    return cfg
-
-
-def checkpoint_names(directory: Path) -> list[str] | None:
-    """The tensor names of a checkpoint's safetensors, from their headers alone; None where
-    the directory has no weights."""
-    from safetensors import safe_open
-
     try:
-        shards = shard_paths(directory)
-    except FileNotFoundError:
-        return None
-    names: list[str] = []
-    for shard in shards:
-        with safe_open(str(shard), "pt") as f:
-            names += f.keys()
-    return names
-
-
-def serving_dtype(cfg: ModelConfig, dtype: str | None) -> torch.dtype:
-    """`--dtype`, or the checkpoint's, as the engine resolves it."""
-    name = dtype or cfg.torch_dtype
-    return getattr(torch, DTYPE_NAMES.get(name, name))
+        return served_config(cfg, checkpoint_index(path))
+    except FileNotFoundError:  # a directory with no weights yet: the config as written
+        return cfg
 
 
 def meta_model(cfg: ModelConfig, dtype: torch.dtype, max_context: int) -> HybridModel:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -200,6 +200,23 @@ def _read_tensors(shard: Path, wanted: set[str]) -> Iterator[tuple[str, torch.Te
             yield name, torch.frombuffer(data, dtype=dtype).view(shape)
 
 
+DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def serving_dtype(cfg: ModelConfig, dtype: str | None) -> torch.dtype:
+    """`--dtype` (`fp32`, `bfloat16`, ...), or else the checkpoint's."""
+    name = dtype or cfg.torch_dtype
+    return getattr(torch, DTYPE_NAMES.get(name, name))
+
+
+def served_config(cfg: ModelConfig, names: Iterable[str]) -> ModelConfig:
+    """The config as served from a checkpoint holding tensors `names`: without `mtp.*` tensors
+    the drafter is off (no MTP layer)."""
+    if cfg.has_mtp and not any(n.startswith("mtp.") for n in names):
+        return replace(cfg, num_nextn_predict_layers=0)
+    return cfg
+
+
 def stream_weights(
     cfg: ModelConfig,
     directory: Path,
@@ -210,8 +227,7 @@ def stream_weights(
     name (before the first is read) and shape by shape against `cfg`. A checkpoint without
     `mtp.*` tensors loads with the drafter off (the returned config has no MTP layer)."""
     index = checkpoint_index(directory)
-    if cfg.has_mtp and not any(n.startswith("mtp.") for n in index):
-        cfg = replace(cfg, num_nextn_predict_layers=0)
+    cfg = served_config(cfg, index)
     expected = weight_shapes(cfg)
     missing = sorted(set(expected) - set(index))
     if missing:

@@ -1,7 +1,7 @@
 """Causal depthwise conv1d + SiLU over a varlen batch: sequence i owns rows
 `cu[i] .. cu[i + 1] - 1` and reads its window from its slot. The update form also writes the
 window after every row into the slot's verify rows; the prefill form writes the final window
-back to the slot. One program per (sequence, channel block)."""
+back to the slot. One program per (sequence, channel block), walking its rows `ROWS` at a time."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import triton
 import triton.language as tl
 
 CHANNELS = 128
-# Rows a program convolves at once: the interpreter pays per op, not per element.
+# Rows a program convolves at once: the interpreter pays per op, not per element, and on sm_90
+# a [16, 128] tile takes about 130 registers without spilling.
 ROWS = 16
 
 
@@ -49,7 +50,7 @@ def _conv_kernel(
     n = tl.load(cu_ptr + i + 1) - lo
     slot = tl.load(slot_ptr + i)
     vrow = tl.load(vrow_ptr + i)
-    for t0 in range(0, BT, BT):
+    for t0 in range(0, n, BT):
         o_r = t0 + o_t
         m_r = o_r < n
         m = m_r[:, None] & m_c[None, :]
@@ -69,6 +70,7 @@ def _conv_kernel(
         p_out = out_ptr + (lo + o_r)[:, None] * C + o_c[None, :]
         tl.store(p_out, b_y.to(out_ptr.dtype.element_ty), mask=m)
     if not STORE_ROWS:
+        # b_last: [WP, BC], the final window is rows n .. n + W - 2 of [window; x]
         m_last = (o_j < W - 1)[:, None] & m_c[None, :]
         b_last = _seq(x_ptr, win_ptr, lo, slot, n + o_j[:, None], o_c[None, :], m_last, C, W)
         # A window row may be read by another thread than the one writing it: every read,
