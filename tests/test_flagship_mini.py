@@ -15,8 +15,7 @@ import torch
 from control_plane.launch import start_control_plane, start_gpu_service, stop
 from gpu_service.config import ServiceConfig
 from gpu_service.engine import Engine
-from gpu_service.model.backend import EagerOps
-from kernels.moe.naive import dense_moe
+from gpu_service.moe_bench import DenseOps
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
 from tests.flagship import MINI_FLAGSHIP
@@ -25,13 +24,6 @@ from tests.test_circuit_diff import args
 from training.checkpoint import init_model
 
 SERVICE = ServiceConfig(verify_tiers="4:3,4:1", max_context=256, max_rows=24, max_batch=8)
-
-
-class DenseOps(EagerOps):
-    """The eager forward with the MoE of before: every expert over every row."""
-
-    def moe(self, x, w13, w2, experts, weights):  # type: ignore[no-untyped-def]
-        return dense_moe(x, w13, w2, experts, weights)
 
 
 def _logit_bytes(engine: Engine, prompts: list[list[int]]) -> list[bytes]:

@@ -85,6 +85,21 @@ def sum_in_expert_order(contributions: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """x: [M, K], w: [E, K, N], ends: [E] int32 -> [M, N]: rows ends[e-1] .. ends[e] times
+    w[e] (rows past ends[-1] are left undefined). torch's grouped GEMM where this torch has
+    one; otherwise a GEMM per expert hit, looped here (one read of `ends` to the host)."""
+    if hasattr(F, "grouped_mm"):
+        return F.grouped_mm(x, w, offs=ends)
+    out = x.new_empty(x.shape[0], w.shape[2])
+    start = 0
+    for e, end in enumerate(ends.tolist()):
+        if end > start:
+            torch.mm(x[start:end], w[e], out=out[start:end])
+        start = end
+    return out
+
+
 def routed_moe(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -102,11 +117,11 @@ def routed_moe(
     aligned = align(experts, w13.shape[0], ROW_TILE)
     source = torch.cat([x, x.new_zeros(1, x.shape[1])])  # row P: the padding's zero row
     sorted_x = source.index_select(0, aligned.pairs // top_k)  # [bound, H]
-    gate_up = F.grouped_mm(sorted_x, w13, offs=aligned.ends)
+    gate_up = grouped_mm(sorted_x, w13, aligned.ends)
     inner = w2.shape[1]
     act = silu(gate_up)[:, :inner] * gate_up[:, inner:]
     scale = torch.cat([weights.reshape(-1), weights.new_zeros(1)])  # [P k + 1]
-    y = F.grouped_mm(act, w2, offs=aligned.ends) * scale.index_select(0, aligned.pairs)[:, None]
+    y = grouped_mm(act, w2, aligned.ends) * scale.index_select(0, aligned.pairs)[:, None]
     # Entries past the last expert's run hold no rows of grouped_mm's: they land with the
     # padding in the spare row P k, which is dropped.
     used = torch.arange(y.shape[0], device=y.device) < aligned.num_used

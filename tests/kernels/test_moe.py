@@ -132,3 +132,15 @@ def test_bad_input_is_refused() -> None:
         kt.fused_moe(x, w13, w2.transpose(1, 2).contiguous().transpose(1, 2), experts, weights)
     with pytest.raises(ValueError, match="different devices"):
         kt.fused_moe(x, w13, w2, experts.to("meta"), weights)
+
+
+def test_grouped_mm_without_torchs_grouped_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A torch without `grouped_mm` (an older one on a GPU machine) loops a GEMM per expert hit:
+    the same bytes, empty runs skipped."""
+    gen = torch.Generator().manual_seed(3)
+    x, w = torch.randn(24, 32, generator=gen), torch.randn(5, 32, 16, generator=gen)
+    ends = torch.tensor([4, 4, 12, 20, 24], dtype=torch.int32)
+    expected = naive.grouped_mm(x, w, ends)
+    monkeypatch.delattr(torch.nn.functional, "grouped_mm")
+    assert torch.equal(naive.grouped_mm(x, w, ends), expected)
+    assert torch.equal(expected[4:12], torch.mm(x[4:12], w[2]))
