@@ -10,7 +10,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-import torch
 
 from control_plane.launch import start_control_plane, start_gpu_service, stop
 from gpu_service.config import ServiceConfig
@@ -117,7 +116,7 @@ def test_mtp_equals_none_through_both_processes(mini_dir: Path) -> None:
 # tiny model's triton shapes (tests/test_triton_forward.py), with the drafter.
 DIFF_FLAGS = {
     "eager": ["--widths", "2,3", "--ks", "2,3,4", "--steps", "3"],
-    "triton": ["--widths", "2", "--ks", "3,2", "--steps", "2", "--mtp"],
+    "triton": ["--widths", "2", "--ks", "3,2", "--steps", "2"],
 }
 
 
@@ -127,19 +126,7 @@ def test_circuit_diff_passes(mini_dir: Path, forward: str, mtp: bool) -> None:
 
     engine = Engine(mini_dir, SERVICE, "bf16")
     flags = [*DIFF_FLAGS[forward], "--reference", forward, "--forwards", f"{forward}-serial"]
-    report = run_diff(engine, args(*flags, *(["--mtp"] if mtp and forward == "eager" else [])))
+    report = run_diff(engine, args(*flags, "--mtp"))
     assert report["verdict"] == "PASS", report["reasons"]
     assert all(s["detection_control"]["mismatched_steps"] > 0 for s in report["shapes"])
     assert engine.capabilities().free_slots == SERVICE.num_slots
-
-
-def test_triton_forward_matches_eager_closely(mini_dir: Path) -> None:
-    """The triton forward (interpreted kernels; linears and experts in torch on the CPU) against
-    the eager one on the same prompts: close, not equal (other kernels)."""
-    prompts = [list(range(40, 53)), list(range(90, 97))]
-    eager = Engine(mini_dir, SERVICE, "fp32")
-    triton = Engine(mini_dir, SERVICE, "fp32")
-    triton.set_forward("triton")
-    a = [torch.frombuffer(bytearray(r), dtype=torch.float32) for r in _logit_bytes(eager, prompts)]
-    b = [torch.frombuffer(bytearray(r), dtype=torch.float32) for r in _logit_bytes(triton, prompts)]
-    torch.testing.assert_close(torch.stack(b), torch.stack(a), atol=1e-4, rtol=1e-4)
