@@ -71,7 +71,6 @@ SLOW_TESTS = {
     "processes on the miniature flagship",
     "tests/test_flagship_mini.py::test_circuit_diff_passes": "verify batches through a forward "
     "and its serial form (the triton one interpreted)",
-    "tests/test_flagship_mini.py::test_triton_forward_matches_eager_closely": "interpreted kernels",
     "tests/test_held_weights.py::test_peak_while_loading": "loads each checkpoint four times in "
     "processes of their own",
     "tests/test_plan.py::test_flagship_weights_are_its_checkpoints_bytes": "builds "

@@ -112,16 +112,18 @@ def test_mtp_equals_none_through_both_processes(mini_dir: Path) -> None:
     assert sum(d for _, d in mtp) > 0 and sum(d for _, d in none) == 0
 
 
-# Interpreted, the triton forward's conv and GDN kernels take seconds a call: its diff runs the
-# tiny model's triton shapes (tests/test_triton_forward.py), with the drafter.
+# Interpreted, the triton forward's GDN kernels take a second a call: its diff runs one shape,
+# two sequences of three rows (with the detection control's corrupted steps), in 45 s.
 DIFF_FLAGS = {
     "eager": ["--widths", "2,3", "--ks", "2,3,4", "--steps", "3"],
-    "triton": ["--widths", "2", "--ks", "3,2", "--steps", "2"],
+    "triton": ["--widths", "2", "--ks", "3", "--steps", "2"],
 }
 
 
-@pytest.mark.parametrize(("forward", "mtp"), [("eager", False), ("eager", True), ("triton", True)])
-def test_circuit_diff_passes(mini_dir: Path, forward: str, mtp: bool) -> None:
+@pytest.mark.parametrize("forward", ["eager", "triton"])
+def test_circuit_diff_passes(mini_dir: Path, forward: str) -> None:
+    """With the drafter: every step's verify logits, and the propose's logits, drafts and
+    confidences."""
     from control_plane.circuit.report import run_diff
 
     engine = Engine(mini_dir, SERVICE, "bf16")
