@@ -44,7 +44,6 @@ class HybridModel:
         so that each is dropped once packed (`gpu_service/model/packing.py`)."""
         packed = pack(cfg, weights.items() if isinstance(weights, Mapping) else weights)
         self.cfg, self.wt, self.vectors = cfg, packed.linears, packed.vectors
-        self.largest_piece = packed.largest_piece
         lm_head = self.wt["lm_head"]  # [H, V]
         self.dtype, self.device = lm_head.dtype, lm_head.device
         # Untied: the embedding as loaded, [V, H]; tied: None, looked up in lm_head's columns.

@@ -31,14 +31,12 @@ Piece = tuple[str, tuple[int, ...], Index, torch.Tensor]
 class Packed:
     linears: dict[str, torch.Tensor] = field(default_factory=dict)  # [in, out] (experts: [E, ..])
     vectors: dict[str, torch.Tensor] = field(default_factory=dict)  # as loaded, by HF name
-    largest_piece: int = 0  # bytes of the largest source tensor placed
 
 
 def pack(cfg: ModelConfig, stream: Iterable[tuple[str, torch.Tensor]]) -> Packed:
     """Source tensors by HF name -> the kept layout (norms not folded yet)."""
     out = Packed()
     for name, t in stream:
-        out.largest_piece = max(out.largest_piece, t.numel() * t.element_size())
         pieces = _pieces(cfg, name, t)
         if pieces is None:
             out.vectors[name] = t
