@@ -6,7 +6,8 @@ MoE of experts of inner size 32, a quarter of the hidden size as in the flagship
 shared expert), written to a temporary directory and
 removed once timed. A prefill is 64 rows of one sequence; a verify is 4 sequences of 4 rows (its
 fold and commit run after it, untimed, so that it repeats). Each figure is the median of
-`--repeats` calls after one warm-up, on one thread, and is also given over the first count's.
+`--repeats` calls after one warm-up, on one thread, and is also given over the first count's;
+the counts take turns call by call, so that a noisy machine's slow spells fall on all of them.
 Routing's target: 256 experts cost at most 1.5x what 8 cost, prefill and verify.
 
 Paths: `routed` (the eager forward, `routed_moe`), `dense` with `--dense` (the eager forward with
@@ -22,7 +23,8 @@ import json
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
@@ -138,13 +140,8 @@ def _now(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def _median_ms(once: Callable[[], float], repeats: int) -> float:
-    """`once` times itself, in seconds; one warm-up call first."""
-    once()
-    return statistics.median([once() for _ in range(repeats)]) * 1e3
-
-
-def prefill_ms(engine: Engine, repeats: int) -> float:
+def prefill_timer(engine: Engine) -> Callable[[], float]:
+    """One prefill of a fresh sequence, timed, in seconds."""
     prompt = _tokens(PREFILL_ROWS)
 
     def once() -> float:
@@ -155,43 +152,71 @@ def prefill_ms(engine: Engine, repeats: int) -> float:
         engine.free_sequence(seq)
         return elapsed
 
-    return _median_ms(once, repeats)
+    return once
 
 
-def verify_ms(engine: Engine, repeats: int) -> float:
-    """Each call keeps one row of each sequence: the contexts grow by one a call."""
+@contextmanager
+def verify_timer(engine: Engine) -> Iterator[Callable[[], float]]:
+    """One verify of the same sequences, timed, in seconds. Each call keeps one row of each
+    sequence: the contexts grow by one a call. The sequences are freed on leaving."""
     seqs = [engine.alloc_sequence() for _ in range(VERIFY_SEQS)]
-    engine.prefill(seqs, [_tokens(VERIFY_PROMPT, i) for i in range(VERIFY_SEQS)])
-    tokens = _tokens(VERIFY_SEQS * VERIFY_ROWS, seed=1)
-    ks, kept = [VERIFY_ROWS] * VERIFY_SEQS, [1] * VERIFY_SEQS
-
-    def once() -> float:
-        t0 = _now(engine.device)
-        engine.decode_verify_batched(tokens, ks, seqs)
-        elapsed = _now(engine.device) - t0
-        engine.gdn_fold_accepted(seqs, kept)
-        engine.commit_accepted_prefix(seqs, kept, ks)
-        return elapsed
-
     try:
-        return _median_ms(once, repeats)
+        engine.prefill(seqs, [_tokens(VERIFY_PROMPT, i) for i in range(VERIFY_SEQS)])
+        tokens = _tokens(VERIFY_SEQS * VERIFY_ROWS, seed=1)
+        ks, kept = [VERIFY_ROWS] * VERIFY_SEQS, [1] * VERIFY_SEQS
+
+        def once() -> float:
+            t0 = _now(engine.device)
+            engine.decode_verify_batched(tokens, ks, seqs)
+            elapsed = _now(engine.device) - t0
+            engine.gdn_fold_accepted(seqs, kept)
+            engine.commit_accepted_prefix(seqs, kept, ks)
+            return elapsed
+
+        yield once
     finally:
         for seq in seqs:
             engine.free_sequence(seq)
 
 
-def measure(num_experts: int, options: Options) -> dict[str, dict[str, float]]:
-    """path -> {prefill_ms, verify_ms} on a fresh checkpoint of `num_experts` experts."""
-    figures = {}
-    with tempfile.TemporaryDirectory(prefix=f"moe{num_experts}-") as tmp:
-        directory = write_checkpoint(Path(tmp), moe_config(num_experts, options.routed))
-        engine = Engine(directory, SERVICE, options.dtype_name, options.device)
+def interleaved_ms(timers: dict[int, Callable[[], float]], repeats: int) -> dict[int, float]:
+    """Each timer's median in ms, over `repeats` rounds that call every timer once in turn
+    (after one warm-up round), so that a slow spell of a noisy machine falls on every count
+    rather than on whichever was being timed."""
+    samples: dict[int, list[float]] = {n: [] for n in timers}
+    for round_ in range(repeats + 1):
+        for n, once in timers.items():
+            elapsed = once()
+            if round_:
+                samples[n].append(elapsed)
+    return {n: statistics.median(s) * 1e3 for n, s in samples.items()}
+
+
+def measure(options: Options) -> dict[int, dict[str, dict[str, float]]]:
+    """count -> path -> {prefill_ms, verify_ms}, every count's engine on a fresh checkpoint of
+    its own, all loaded at once so that their calls interleave."""
+    figures: dict[int, dict[str, dict[str, float]]] = {n: {} for n in options.experts}
+    with tempfile.TemporaryDirectory(prefix="moe-") as tmp:
+        engines = {
+            n: Engine(
+                write_checkpoint(Path(tmp) / str(n), moe_config(n, options.routed)),
+                SERVICE,
+                options.dtype_name,
+                options.device,
+            )
+            for n in options.experts
+        }
         for path in options.paths:
-            use_path(engine, path)
-            figures[path] = {
-                "prefill_ms": prefill_ms(engine, options.repeats),
-                "verify_ms": verify_ms(engine, options.repeats),
-            }
+            for engine in engines.values():
+                use_path(engine, path)
+            prefill = interleaved_ms(
+                {n: prefill_timer(e) for n, e in engines.items()}, options.repeats
+            )
+            with ExitStack() as stack:
+                timers = {n: stack.enter_context(verify_timer(e)) for n, e in engines.items()}
+                verify = interleaved_ms(timers, options.repeats)
+            for n in options.experts:
+                figures[n][path] = {"prefill_ms": prefill[n], "verify_ms": verify[n]}
     return figures
 
 
@@ -217,7 +242,7 @@ def run(options: Options) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        by_count = {n: measure(n, options) for n in options.experts}
+        by_count = measure(options)
     finally:
         torch.set_num_threads(threads)
     counts = sorted(options.experts)

@@ -4,8 +4,10 @@ kernel beside it.
 
 Pairs (row, expert) are stably sorted by expert and each expert's run padded to `ROW_TILE` rows
 (the CPU GEMM then gives a row the same bytes whatever rows share the call); one grouped GEMM
-runs a GEMM per expert hit over its run; a row's contributions are then added in increasing
-expert-index order, so a row's bytes depend on neither its batch nor the other rows' experts.
+runs a GEMM per expert hit over its run (on the CPU, where each call costs microseconds of
+dispatch, small experts' runs go instead through one batched GEMM over copies of their
+weights: the same bytes); a row's contributions are then added in increasing expert-index
+order, so a row's bytes depend on neither its batch nor the other rows' experts.
 Adding the experts a row did not choose would add exact zeros: this is the dense sum over every
 expert, byte for byte (`dense_moe`, kept to prove it).
 """
@@ -18,6 +20,11 @@ import torch
 import torch.nn.functional as F
 
 from kernels.common import ROW_TILE, silu
+
+# A CPU GEMM call costs some microseconds of dispatch whatever its size, about what copying this
+# many bytes of weights costs: below it per block, copying each block's expert weights out for
+# one batched GEMM beats a GEMM per expert hit.
+CALL_BYTES = 64 * 1024
 
 
 class Aligned(NamedTuple):
@@ -100,6 +107,34 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Te
     return out
 
 
+def blocked_mm(x: torch.Tensor, w: torch.Tensor, block_experts: torch.Tensor) -> torch.Tensor:
+    """x: [B * BM, K], w: [E, K, N], block_experts: [B] int64 (each < E) -> [B * BM, N]: each
+    block of BM rows times its expert's weight, one batched GEMM over a copy of the blocks'
+    weights. A block's rows get the bytes `torch.mm` gives them."""
+    blocks = block_experts.numel()
+    weights = w.index_select(0, block_experts)
+    return torch.bmm(x.view(blocks, -1, x.shape[1]), weights).view(x.shape[0], w.shape[2])
+
+
+def _trimmed(aligned: Aligned, block_m: int) -> Aligned:
+    """The alignment cut to the entries it uses: reading that length costs nothing on the CPU,
+    and what lies past it is padding."""
+    used = int(aligned.num_used)
+    return aligned._replace(
+        pairs=aligned.pairs[:used], block_experts=aligned.block_experts[: used // block_m]
+    )
+
+
+def _cpu_expert_mm(x: torch.Tensor, w: torch.Tensor, aligned: Aligned) -> torch.Tensor:
+    """grouped_mm over a trimmed alignment, as one batched GEMM where copying the blocks'
+    weights costs less than a GEMM call per expert hit."""
+    hits = int(torch.count_nonzero(torch.diff(aligned.ends, prepend=aligned.ends[:1] * 0)))
+    block_bytes = w.shape[1] * w.shape[2] * w.element_size()
+    if aligned.block_experts.numel() * block_bytes <= hits * CALL_BYTES:
+        return blocked_mm(x, w, aligned.block_experts)
+    return grouped_mm(x, w, aligned.ends)
+
+
 def routed_moe(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -112,20 +147,27 @@ def routed_moe(
 
     The pairs, aligned by expert in runs of ROW_TILE rows (padding reads a zero row), go
     through one grouped GEMM per projection: a GEMM per expert hit, looped in ATen, each over
-    its own contiguous rows (the bytes of `torch.mm` on them), the experts not hit skipped."""
+    its own contiguous rows (the bytes of `torch.mm` on them), the experts not hit skipped. On a
+    GPU every shape is the upper bound's, so the call captures in a graph; on the CPU the
+    entries are cut to those used, and small experts go through `blocked_mm`."""
     rows, top_k = experts.shape
     aligned = align(experts, w13.shape[0], ROW_TILE)
+    on_cpu = x.device.type == "cpu"
+    if on_cpu:
+        aligned = _trimmed(aligned, ROW_TILE)
+    expert_mm = _cpu_expert_mm if on_cpu else lambda a, w, al: grouped_mm(a, w, al.ends)
     source = torch.cat([x, x.new_zeros(1, x.shape[1])])  # row P: the padding's zero row
-    sorted_x = source.index_select(0, aligned.pairs // top_k)  # [bound, H]
-    gate_up = grouped_mm(sorted_x, w13, aligned.ends)
+    sorted_x = source.index_select(0, aligned.pairs // top_k)  # [entries, H]
+    gate_up = expert_mm(sorted_x, w13, aligned)
     inner = w2.shape[1]
     act = silu(gate_up)[:, :inner] * gate_up[:, inner:]
     scale = torch.cat([weights.reshape(-1), weights.new_zeros(1)])  # [P k + 1]
-    y = grouped_mm(act, w2, aligned.ends) * scale.index_select(0, aligned.pairs)[:, None]
-    # Entries past the last expert's run hold no rows of grouped_mm's: they land with the
-    # padding in the spare row P k, which is dropped.
-    used = torch.arange(y.shape[0], device=y.device) < aligned.num_used
-    y = torch.where(used[:, None], y, 0)
+    y = expert_mm(act, w2, aligned) * scale.index_select(0, aligned.pairs)[:, None]
+    if not on_cpu:
+        # Entries past the last expert's run hold no rows of grouped_mm's: they land with the
+        # padding in the spare row P k, which is dropped.
+        used = torch.arange(y.shape[0], device=y.device) < aligned.num_used
+        y = torch.where(used[:, None], y, 0)
     contributions = x.new_zeros(rows * top_k + 1, x.shape[1])
     contributions.index_copy_(0, aligned.pairs, y)
     return sum_in_expert_order(contributions[:-1].view(rows, top_k, -1))

@@ -144,3 +144,21 @@ def test_grouped_mm_without_torchs_grouped_gemm(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.delattr(torch.nn.functional, "grouped_mm")
     assert torch.equal(naive.grouped_mm(x, w, ends), expected)
     assert torch.equal(expected[4:12], torch.mm(x[4:12], w[2]))
+
+
+@pytest.mark.parametrize("call_bytes", [0, 1 << 30], ids=["per-expert", "blocked"])
+def test_cpu_paths_give_the_same_bytes(call_bytes: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU's two ways to run the experts' GEMMs (a GEMM per expert hit, or one batched GEMM
+    over copies of each block's weights), chosen by what a call costs: the dense sum's bytes
+    either way, and each block's rows the bytes of `torch.mm` on them."""
+    x, w13, w2, experts, weights = make_moe((12, 64, 40, 16, 4, True), torch.float32)
+    monkeypatch.setattr(naive, "CALL_BYTES", call_bytes)
+    assert torch.equal(
+        naive.routed_moe(x, w13, w2, experts, weights),
+        naive.dense_moe(x, w13, w2, experts, weights),
+    )
+    blocks = torch.tensor([3, 3, 0, 15])
+    rows = torch.randn(16, 64, generator=torch.Generator().manual_seed(5))
+    got = naive.blocked_mm(rows, w13, blocks)
+    for b, e in enumerate(blocks.tolist()):
+        assert torch.equal(got[4 * b : 4 * b + 4], torch.mm(rows[4 * b : 4 * b + 4], w13[e]))
