@@ -18,6 +18,13 @@ import torch
 ROW_TILE = 4
 
 
+def interpreted(x: torch.Tensor) -> bool:
+    """Whether a kernel given `x` runs in Triton's interpreter: on CPU tensors. A GPU's tensors
+    (and `meta` ones, which kernels.report compiles for a GPU) take the compiled path, where a
+    low-precision `tl.dot` is exact; the interpreter's is not, so kernels upcast there first."""
+    return x.device.type == "cpu"
+
+
 def padded_rows(rows: int, tile: int = ROW_TILE) -> int:
     return -(-rows // tile) * tile
 

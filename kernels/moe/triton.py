@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.common import interpreted
 from kernels.moe.naive import align, sum_in_expert_order
 
 # Rows of a block: the decode-sized batches of the flagship (k=10 of E=512) give most experts
@@ -157,7 +158,7 @@ def _contributions(
     num_pairs = rows * top_k
     aligned = align(experts, w13.shape[0], BLOCK_M)
     bound = aligned.pairs.numel()
-    upcast = x.device.type != "cuda" and x.dtype != torch.float32  # the interpreter's tl.dot
+    upcast = interpreted(x) and x.dtype != torch.float32
     act = torch.empty(bound, inner, dtype=x.dtype, device=x.device)
     out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     bn, bk = GATE_UP_TILE

@@ -1,5 +1,8 @@
 """RMSNorm (zero-centred, `(1 + w) * rmsnorm(x)`) and the gated form of the GDN output
-(`w * rmsnorm(x) * silu(z)`), one program per block of rows, fp32 inside."""
+(`w * rmsnorm(x) * silu(z)`), one program per block of rows, fp32 inside.
+
+A program holds its rows whole. The block's rows and the program's warps follow from the
+width alone, so a row is reduced the same way whatever the row count."""
 
 from __future__ import annotations
 
@@ -7,10 +10,24 @@ import torch
 import triton
 import triton.language as tl
 
-ROWS = 16
+# fp32 values of one [BM, BD] array in a program of 4 warps: 32 a thread. The gated form holds
+# three such arrays (x, z, the output) and the weights, which fit a thread's registers.
+TILE_ELEMENTS = 4096
+# Warps for a row wider than TILE_ELEMENTS grow with it, to this many (rows up to 16384 wide
+# keep 32 values a thread).
+MAX_WARPS = 16
 
 
-@triton.jit
+def block(dim: int) -> tuple[int, int, int]:
+    """(rows, padded width, warps) of one program for rows of width `dim`: a narrow row shares
+    a program with others, a wide one has it alone and more warps."""
+    bd = triton.next_power_of_2(dim)
+    rows = max(1, TILE_ELEMENTS // bd)
+    return rows, bd, min(MAX_WARPS, 4 * max(1, bd // TILE_ELEMENTS))
+
+
+# The row count must not compile a kernel of its own (1 would).
+@triton.jit(do_not_specialize=["n_rows"])
 def _rms_norm_kernel(
     x_ptr,
     z_ptr,
@@ -45,19 +62,21 @@ def _launch(x: torch.Tensor, z: torch.Tensor | None, w: torch.Tensor, eps: float
     x2 = x.reshape(-1, dim).contiguous()
     z2 = x2 if z is None else z.reshape(-1, dim).contiguous()
     out = torch.empty_like(x2)
-    rows = x2.shape[0]
-    grid = (triton.cdiv(rows, ROWS),)
-    _rms_norm_kernel[grid](
+    if x2.shape[0] == 0:
+        return out.view(x.shape)
+    bm, bd, warps = block(dim)
+    _rms_norm_kernel[(triton.cdiv(x2.shape[0], bm),)](
         x2,
         z2,
         w.contiguous(),
         out,
-        rows,
+        x2.shape[0],
         dim,
         eps,
         GATED=z is not None,
-        BM=ROWS,
-        BD=triton.next_power_of_2(dim),
+        BM=bm,
+        BD=bd,
+        num_warps=warps,
     )
     return out.view(x.shape)
 
