@@ -5,45 +5,17 @@ layer), small enough for the whole pair on a CPU."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from gpu_service.config import LAYER_PATTERN, ModelConfig
 
-# Qwen/Qwen3-Next-80B-A3B-Instruct's config.json, the fields a plan or a loader reads.
-QWEN3_NEXT_80B = {
-    "architectures": ["Qwen3NextForCausalLM"],
-    "model_type": "qwen3_next",
-    "vocab_size": 151936,
-    "hidden_size": 2048,
-    "intermediate_size": 5120,
-    "num_hidden_layers": 48,
-    "full_attention_interval": 4,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 2,
-    "head_dim": 256,
-    "partial_rotary_factor": 0.25,
-    "rope_theta": 10000000,
-    "linear_num_key_heads": 16,
-    "linear_num_value_heads": 32,
-    "linear_key_head_dim": 128,
-    "linear_value_head_dim": 128,
-    "linear_conv_kernel_dim": 4,
-    "num_experts": 512,
-    "num_experts_per_tok": 10,
-    "moe_intermediate_size": 512,
-    "shared_expert_intermediate_size": 512,
-    "norm_topk_prob": True,
-    "decoder_sparse_step": 1,
-    "mlp_only_layers": [],
-    "num_nextn_predict_layers": 1,
-    "max_position_embeddings": 262144,
-    "rms_norm_eps": 1e-06,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-    "hidden_act": "silu",
-    "attention_bias": False,
-    "bos_token_id": 151643,
-    "eos_token_id": 151645,
-    "layer_types": list(LAYER_PATTERN) * 12,
-}
+# Qwen/Qwen3-Next-80B-A3B-Instruct's config.json, the fields a plan or a loader reads; the
+# committed copy is what `met gpu-service plan` and `python -m kernels.report` read too.
+FLAGSHIP_CONFIG = (
+    Path(__file__).resolve().parents[1] / "gpu_service/models/qwen3-next-80b-a3b/config.json"
+)
+QWEN3_NEXT_80B = json.loads(FLAGSHIP_CONFIG.read_text())
 
 MINI_FLAGSHIP = ModelConfig(
     vocab_size=320,

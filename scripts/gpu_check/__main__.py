@@ -59,7 +59,14 @@ def _moe(settings: Settings, device: torch.device) -> dict[str, dict]:
     return {"moe": guarded(lambda: check_moe(settings, device))}
 
 
-# In order; the services are stopped before the in-process engines load.
+def _compiled(settings: Settings, device: torch.device, report: dict) -> dict[str, dict]:
+    from scripts.gpu_check.compiled import check_compiled
+
+    return {"compiled": guarded(lambda: check_compiled(settings, device, report))}
+
+
+# In order; the services are stopped before the in-process engines load. The last stage reads
+# what the others measured.
 STAGES = (
     (("service", "circuit_diff"), _served),
     (("kernel_tests",), _kernel_tests),
@@ -67,6 +74,7 @@ STAGES = (
     (("graphs", "gemm", "references", "bench"), _speed),
     (("moe",), _moe),
 )
+FINAL = (("compiled",), _compiled)
 
 
 def _stage(names: tuple[str, ...], run: Callable[[], dict[str, dict]]) -> dict[str, dict]:
@@ -99,6 +107,12 @@ def run_checks(settings: Settings, device: torch.device, save: Callable[[dict], 
         report |= sections
         report["seconds"] = round(time.perf_counter() - t0, 1)
         save(report)
+    names, final = FINAL
+    sections = _stage(names, lambda: final(settings, device, report))
+    for name, section in sections.items():
+        print(line(name, section), flush=True)
+    report |= sections
+    report["seconds"] = round(time.perf_counter() - t0, 1)
     report["ok"] = overall(report)
     save(report)
     return report

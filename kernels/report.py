@@ -1,0 +1,474 @@
+"""What every Triton kernel of the `triton` forward compiles to on a GPU, built on a CPU:
+`python -m kernels.report --target sm_80,sm_90,sm_100 --shapes default,qwen3-next-80b`.
+
+At each shape set (a model's config.json) the forward runs on the `meta` device with the triton
+ops: a prefill, a verify, a decode and the drafter's pass, with logits, argmax and fold, at
+batches of 1, 8 and 32 sequences. Each kernel launch the real wrappers make is caught before it
+reaches a driver: its arguments bound and specialised as Triton's launcher binds them, its grid
+kept. Every distinct compile is built with `triton.compile` for each target, and the wheel's
+`cuobjdump` reads the cubin's registers, stack (spilled registers) and shared memory. Nothing
+runs on a GPU and nothing is downloaded; the compiles run in parallel processes."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import multiprocessing
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+# The compiler, not the interpreter: Triton reads this as each kernel module is decorated.
+os.environ.pop("TRITON_INTERPRET", None)
+# Triton 3.9 warns when it is unset; the launcher's default (fusion on) is what a GPU compiles.
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = ROOT / "gpu_service" / "models"
+SHAPE_SETS = {
+    "default": MODELS / "default" / "config.json",
+    "qwen3-next-80b": MODELS / "qwen3-next-80b-a3b" / "config.json",
+}
+# Compute capability and streaming multiprocessors of the GPU each target stands for: an A100,
+# an H100 or H200, a B200.
+TARGETS = {"sm_80": (80, 108), "sm_90": (90, 132), "sm_100": (100, 148)}
+BATCHES = (1, 8, 32)
+# The per-thread register file and the shared memory a block may take on these GPUs.
+MAX_SHARED = 227 * 1024
+PREFILL_ROWS = 64  # per sequence
+VERIFY_ROWS = 4  # per sequence: three drafts and the last accepted token
+CONTEXT = 32768  # keys before a verify or decode row
+CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+_USAGE = re.compile(r"Function (\S+):\s*\n\s*REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
+
+
+@dataclass
+class Variant:
+    """One compile: a kernel with its argument types, specialisations and constexprs."""
+
+    kernel: str
+    fn: JITFunction = field(repr=False)
+    signature: dict[str, str]
+    constexprs: dict[tuple[int, ...], Any]
+    attrs: dict[tuple[int, ...], Any]
+    options: dict[str, Any] = field(repr=False)  # the launch's own: a target adds its arch
+    warps: int = 4
+    stages: int = 3
+
+    @property
+    def label(self) -> str:
+        """The kernel and its constexprs: what a table row names."""
+        consts = {self.fn.arg_names[p[0]]: v for p, v in self.constexprs.items()}
+        return f"{self.kernel}({', '.join(f'{k}={v}' for k, v in consts.items())})"
+
+    @property
+    def key(self) -> str:
+        consts = {self.fn.arg_names[p[0]]: v for p, v in self.constexprs.items()}
+        special = sorted(self.fn.arg_names[p[0]] for p, a in self.attrs.items() if a)
+        return (
+            f"{self.kernel}({', '.join(f'{k}={v}' for k, v in consts.items())}; "
+            f"{','.join(t for t in self.signature.values() if t != 'constexpr')}; "
+            f"aligned {','.join(special) or '-'}; warps {self.warps}, stages {self.stages})"
+        )
+
+
+@dataclass(frozen=True)
+class Launch:
+    phase: str
+    batch: int
+    kernel: str
+    variant: str
+    programs: int
+    sizes: dict[str, int]  # the launch's integer arguments, by name
+
+
+class Catcher:
+    """Stands in for `JITFunction.run`: binds a launch's arguments as the launcher does, for
+    a stand-in target (the binding is the same for every CUDA target), and keeps it."""
+
+    def __init__(self) -> None:
+        self.variants: dict[str, Variant] = {}
+        self.launches: list[Launch] = []
+        self.phase, self.batch = "", 0
+        self._backend = make_backend(GPUTarget("cuda", 90, 32))
+        self._binders: dict[int, Callable[..., Any]] = {}
+
+    def run(self, fn: JITFunction, args: tuple, grid: Any, kwargs: dict[str, Any]) -> None:
+        kwargs = {"debug": False, **kwargs}
+        binder = self._binders.get(id(fn))
+        if binder is None:
+            binder = create_function_from_signature(fn.signature, fn.params, self._backend)
+            self._binders[id(fn)] = binder
+        bound, specialization, options = binder(*args, **kwargs)
+        options, signature, constexprs, attrs = fn._pack_args(
+            self._backend, kwargs, bound, specialization, options
+        )
+        launch_options = {k: v for k, v in kwargs.items() if k not in fn.arg_names}
+        variant = Variant(
+            fn.__name__,
+            fn,
+            signature,
+            constexprs,
+            attrs,
+            launch_options,
+            options.num_warps,
+            options.num_stages,
+        )
+        self.variants.setdefault(variant.key, variant)
+        if callable(grid):
+            grid = grid(bound)
+        programs = 1
+        for g in grid:
+            programs *= int(g)
+        sizes = {
+            p.name: bound[p.name]
+            for p in fn.params
+            if not p.is_constexpr and type(bound[p.name]) is int
+        }
+        self.launches.append(
+            Launch(self.phase, self.batch, fn.__name__, variant.key, programs, sizes)
+        )
+
+
+@contextmanager
+def catching() -> Iterator[Catcher]:
+    catcher = Catcher()
+    original = JITFunction.run
+
+    def run(self: JITFunction, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
+        catcher.run(self, args, grid, kwargs)
+
+    JITFunction.run = run
+    try:
+        yield catcher
+    finally:
+        JITFunction.run = original
+
+
+# -- the forward, on the meta device ---------------------------------------------------------
+
+
+def drive(config: Path, batches: tuple[int, ...], catcher: Catcher) -> None:
+    """Every call of the serving path at each batch, on `meta` with the triton ops."""
+    from gpu_service.config import ModelConfig, ServiceConfig
+    from gpu_service.model.batch import Segment
+    from gpu_service.model.hybrid import PREFILL, VERIFY
+    from gpu_service.model.triton_forward import TRITON
+    from gpu_service.plan import META, meta_model
+    from gpu_service.state import DeviceState
+
+    cfg = ModelConfig.from_dict(json.loads(config.read_text()))
+    most = max(batches)
+    context = -(-(CONTEXT + PREFILL_ROWS) // 64) * 64  # a multiple of the key block
+    svc = ServiceConfig(
+        verify_tiers=f"{most}:{VERIFY_ROWS - 1}",
+        max_context=context,
+        max_rows=most * VERIFY_ROWS,
+        max_batch=most,
+        max_prefill_tokens=most * PREFILL_ROWS,
+        num_slots_override=most,
+    )
+    model = meta_model(cfg, torch.bfloat16, context)
+    model.ops = TRITON
+    state = DeviceState(cfg, svc, torch.bfloat16, META)
+
+    def rows(n: int, start: int, count: int) -> tuple[torch.Tensor, list[Segment]]:
+        segs = [Segment(i, start, count, i * count) for i in range(n)]
+        return torch.zeros(n * count, dtype=torch.long, device=META), segs
+
+    for n in batches:
+        catcher.batch = n
+        catcher.phase = "prefill"
+        tokens, segs = rows(n, 0, PREFILL_ROWS)
+        hidden = model.forward(tokens, segs, state, PREFILL)
+        TRITON.argmax_logprob(model.logits(hidden[:n]))
+        for phase, count in (("verify", VERIFY_ROWS), ("decode", 1)):
+            catcher.phase = phase
+            tokens, segs = rows(n, CONTEXT, count)
+            hidden = model.forward(tokens, segs, state, VERIFY, write_live=False)
+            TRITON.argmax_logprob(model.logits(hidden[: n * count]))
+            if cfg.has_mtp:
+                catcher.phase = f"drafter after {phase}"
+                drafted = model.mtp_forward(tokens, hidden[: n * count], segs, state)
+                assert drafted is not None
+                TRITON.draft_argmax(model.logits(drafted[: n * count]))
+        catcher.phase = "fold"
+        picks = torch.zeros(n, dtype=torch.long, device=META)
+        slots = torch.arange(n, device=META)
+        TRITON.fold(state.gdn, state.verify_gdn, slots, picks)
+        TRITON.fold(state.conv, state.verify_conv, slots, picks)
+
+
+# -- compiling -------------------------------------------------------------------------------
+
+
+def compile_variant(variant: Variant, arch: int) -> dict[str, Any]:
+    """-> registers, spill (stack) bytes, local bytes, shared bytes, warps, stages, seconds"""
+    src = ASTSource(variant.fn, variant.signature, variant.constexprs, variant.attrs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=variant.options)
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "kernel.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        dump = subprocess.run(
+            [str(CUOBJDUMP), "--dump-resource-usage", str(cubin)],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    usage = _USAGE.search(dump)
+    if usage is None:
+        raise RuntimeError(f"cuobjdump printed no resource usage for {variant.kernel}:\n{dump}")
+    return {
+        "registers": int(usage[2]),
+        "spill_bytes": int(usage[3]),
+        "local_bytes": int(usage[5]),
+        # cuobjdump counts static shared memory; Triton's is dynamic, in the metadata.
+        "shared_bytes": max(int(usage[4]), int(kernel.metadata.shared)),
+        "warps": int(kernel.metadata.num_warps),
+        "stages": int(kernel.metadata.num_stages),
+    }
+
+
+Job = tuple[str, str, dict, dict, dict, dict, int]
+
+
+def _compile_job(job: Job) -> dict[str, Any]:
+    """A variant named by its kernel's module and name, compiled."""
+    module, name, signature, constexprs, attrs, options, arch = job
+    fn = getattr(importlib.import_module(module), name)
+    return compile_variant(Variant(name, fn, signature, constexprs, attrs, options), arch)
+
+
+def _compile_alone(job: Job, out: str) -> None:
+    """`_compile_job` in a process of its own: its figures written to `out` as JSON, and the
+    compiler's stderr to `out`.err (an LLVM failure aborts the process, and says why there)."""
+    err = os.open(out + ".err", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(err, 2)
+    Path(out).write_text(json.dumps(_compile_job(job)))
+
+
+def _alone(context: Any, job: Job) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "figures.json"
+        proc = context.Process(target=_compile_alone, args=(job, str(out)))
+        proc.start()
+        proc.join()
+        if out.exists():
+            return dict(json.loads(out.read_text()))
+        err = Path(str(out) + ".err")
+        lines = err.read_text().strip().splitlines() if err.exists() else []
+        last = lines[-1] if lines else "no message"
+        return {"error": f"{last} (the compiler's process exited with {proc.exitcode})"}
+
+
+def compile_all(jobs: list[tuple[Variant, int]], processes: int) -> list[dict[str, Any]]:
+    """Each (variant, arch) compiled by a pool of `processes` workers, forked from a server
+    that imported the kernels and ran no torch (a fork of a process that has can deadlock in
+    its thread pools). A compile that aborts its worker (LLVM does, on what it cannot
+    select) breaks the pool: the compiles it left undone then run each in a process of its
+    own, so that the one that aborts fails alone, with its last line."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["kernels.report"])
+    specs: list[Job] = [
+        (v.fn.module, v.kernel, v.signature, v.constexprs, v.attrs, v.options, arch)
+        for v, arch in jobs
+    ]
+    results: list[dict[str, Any] | None] = [None] * len(specs)
+    workers = max(1, min(processes, len(specs)))
+    with ProcessPoolExecutor(workers, mp_context=context) as pool:
+        futures = [pool.submit(_compile_job, spec) for spec in specs]
+        for i, future in enumerate(futures):
+            try:
+                results[i] = future.result()
+            except BrokenProcessPool:
+                pass
+    return [r if r is not None else _alone(context, specs[i]) for i, r in enumerate(results)]
+
+
+# -- the report ------------------------------------------------------------------------------
+
+
+def shape_path(name: str) -> Path:
+    path = SHAPE_SETS.get(name, Path(name))
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise SystemExit(
+            f"kernels.report: --shapes {name!r} is neither a known set "
+            f"({', '.join(SHAPE_SETS)}) nor a config.json or a directory holding one"
+        )
+    return path
+
+
+def build(
+    targets: list[str], shapes: list[str], batches: tuple[int, ...], processes: int
+) -> dict[str, Any]:
+    """The report as one JSON-able object: per shape set, each variant's figures per target
+    and each launch's program count."""
+    report: dict[str, Any] = {
+        "triton": triton.__version__,
+        "targets": {t: {"arch": TARGETS[t][0], "sms": TARGETS[t][1]} for t in targets},
+        "batches": list(batches),
+        "max_shared_bytes": MAX_SHARED,
+        "shapes": {},
+    }
+    for name in shapes:
+        path = shape_path(name)
+        with catching() as catcher:
+            drive(path, batches, catcher)
+        variants = list(catcher.variants.values())
+        jobs = [(v, TARGETS[t][0]) for v in variants for t in targets]
+        figures = iter(compile_all(jobs, processes))
+        report["shapes"][name] = {
+            "config": str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path),
+            "variants": [
+                {
+                    "kernel": v.kernel,
+                    "label": v.label,
+                    "variant": v.key,
+                    "targets": {t: next(figures) for t in targets},
+                }
+                for v in variants
+            ],
+            "launch_summary": launch_table(catcher.launches),
+            "launches": [asdict(launch) for launch in catcher.launches],
+        }
+    return report
+
+
+def launch_table(launches: list[Launch]) -> list[dict[str, Any]]:
+    """Each (phase, batch, kernel)'s fewest and most programs over its launches."""
+    table: dict[tuple[str, int, str], list[int]] = {}
+    for launch in launches:
+        table.setdefault((launch.phase, launch.batch, launch.kernel), []).append(launch.programs)
+    return [
+        {
+            "phase": p,
+            "batch": b,
+            "kernel": k,
+            "launches": len(v),
+            "min_programs": min(v),
+            "max_programs": max(v),
+        }
+        for (p, b, k), v in table.items()
+    ]
+
+
+def problems(report: dict[str, Any]) -> list[str]:
+    """A sentence for each variant that spills or takes more shared memory than a block may."""
+    out = []
+    for name, shape in report["shapes"].items():
+        for v in shape["variants"]:
+            for target, f in v["targets"].items():
+                if "error" in f:
+                    out.append(f"{name} {target}: {v['variant']} does not compile: {f['error']}")
+                    continue
+                if f["spill_bytes"] or f["local_bytes"]:
+                    out.append(
+                        f"{name} {target}: {v['variant']} spills {f['spill_bytes']} bytes "
+                        f"({f['local_bytes']} local)"
+                    )
+                if f["shared_bytes"] > MAX_SHARED:
+                    out.append(
+                        f"{name} {target}: {v['variant']} takes {f['shared_bytes']} bytes of "
+                        f"shared memory, over {MAX_SHARED}"
+                    )
+    return out
+
+
+def tables(report: dict[str, Any]) -> str:
+    lines = [f"Triton {report['triton']} kernels compiled on a CPU; spill = stack bytes a thread"]
+    targets = list(report["targets"])
+    for name, shape in report["shapes"].items():
+        lines += ["", f"== {name} ({shape['config']})"]
+        head = "  ".join(f"{t:>27}" for t in targets)
+        lines.append(f"  {'variant':<60}  {head}")
+        lines.append(
+            f"  {'':<60}  " + "  ".join(f"{'regs spill  shared w/s':>27}" for _ in targets)
+        )
+        seen: dict[str, int] = {}
+        for v in shape["variants"]:
+            seen[v["label"]] = seen.get(v["label"], 0) + 1
+            label = v["label"] + (f" #{seen[v['label']]}" if seen[v["label"]] > 1 else "")
+            cells = [
+                "compile failed"
+                if "error" in f
+                else f"{f['registers']:4d} {f['spill_bytes']:5d} {f['shared_bytes']:7d} "
+                f"{f['warps']:3d}/{f['stages']}"
+                for f in v["targets"].values()
+            ]
+            lines.append(f"  {label[:60]:<60}  " + "  ".join(f"{c:>27}" for c in cells))
+        sms = ", ".join(f"{t} {report['targets'][t]['sms']}" for t in targets)
+        lines += ["", f"  programs per launch (SMs: {sms})"]
+        for row in shape["launch_summary"]:
+            span = (
+                str(row["min_programs"])
+                if row["min_programs"] == row["max_programs"]
+                else f"{row['min_programs']}..{row['max_programs']}"
+            )
+            lines.append(
+                f"  {row['phase']:<22} batch {row['batch']:>3}  {row['kernel']:<22} "
+                f"x{row['launches']:<4} {span:>12}"
+            )
+    found = problems(report)
+    lines += ["", "no spills, shared memory within bounds" if not found else "PROBLEMS:", *found]
+    return "\n".join(lines)
+
+
+def _names(known: dict[str, Any] | None) -> Callable[[str], list[str]]:
+    def parse(text: str) -> list[str]:
+        names = [x.strip() for x in text.split(",") if x.strip()]
+        unknown = [n for n in names if known is not None and n not in known]
+        if not names or unknown:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: expected a comma-separated list of {', '.join(known or ['names'])}"
+            )
+        return names
+
+    return parse
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kernels.report", description=__doc__)
+    parser.add_argument("--target", type=_names(TARGETS), default=list(TARGETS))
+    parser.add_argument(
+        "--shapes",
+        type=_names(None),
+        default=list(SHAPE_SETS),
+        help=f"shape sets ({', '.join(SHAPE_SETS)}) or paths of config.json files",
+    )
+    parser.add_argument(
+        "--batches", type=lambda s: tuple(int(x) for x in s.split(",")), default=BATCHES
+    )
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile processes")
+    parser.add_argument("--json", type=Path, help="also write the report as JSON here")
+    parser.add_argument(
+        "--check", action="store_true", help="exit 1 when a kernel spills or overflows shared"
+    )
+    args = parser.parse_args(argv)
+    report = build(args.target, args.shapes, args.batches, args.jobs)
+    print(tables(report))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+    return 1 if args.check and problems(report) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
