@@ -1,7 +1,19 @@
-"""Gated delta rule, chunked (WY) form, for prefill: per (sequence, value head) program, chunks
-of `CHUNK` rows; within a chunk the UT transform `(I + A)^-1` by forward substitution, across
-chunks the state recurrence; the initial state read from the slot and the final state written
-back to it."""
+"""Gated delta rule, chunked (WY) form, for prefill: chunks of `CHUNK` rows; within a chunk the
+UT transform `(I + A)^-1` by forward substitution, across chunks the state recurrence; the
+initial state read from the slot and the final state written back to it.
+
+One program per (sequence, value head, block of `BV` value columns), as in the recurrent form:
+the [dk, BV] state slice stays in registers for the whole sequence, and one sequence at
+Qwen3-Next-80B's widths launches 256 programs. Each program recomputes the chunk's
+V-independent matrices (k k^T, q k^T, the inverse) from q, k, g and beta.
+
+The products over dk (k k^T, q k^T, k S, q S) are reductions, one row of k and q at a time,
+not `tl.dot`: Triton's fp32 dot holds each thread's whole dk-long operand rows in registers,
+and four such dots at dk = 128 spill. Chunks stay at 16 rows: the products are fp32 on CUDA
+cores, so a longer chunk buys no tensor-core efficiency, only more work per row, and its
+[CHUNK, dk] q and k tiles outgrow the registers (at dk = 128, 32 rows spill at 4 warps and 64
+at 8); the state stays in registers between chunks, so a longer chunk saves no memory traffic
+either."""
 
 from __future__ import annotations
 
@@ -12,6 +24,9 @@ import triton.language as tl
 from kernels.gated_delta_rule.checks import check_inputs
 
 CHUNK = 16
+# Value columns per program, from nothing but the kernel (so never from the batch): one
+# sequence at dv 128 and 32 value heads launches 256 programs. tl.dot wants at least 16.
+BV = 16
 
 
 @triton.jit
@@ -22,39 +37,39 @@ def _load_rows(ptr, rows, m_t, HEADS, head, o_d, m_d, D):
 
 
 @triton.jit
-def _unit_lower_inverse(b_a, o_t, BT: tl.constexpr):
-    """(I + A)^-1 for a strictly lower A, given -A: forward substitution, row by row."""
-    for r in range(1, BT):
-        b_row = tl.sum(tl.where(o_t[:, None] == r, b_a, 0.0), axis=0)
-        b_upd = tl.sum(b_row[:, None] * b_a, axis=0)
-        b_row = b_row + tl.where(o_t < r, b_upd, 0.0)
-        b_a = tl.where(o_t[:, None] == r, b_row[None, :], b_a)
-    return b_a + tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0)
+def _dk_products(
+    b_s, b_k, b_q, p_k, p_q, stride, n, o_t, o_k, m_k, BT: tl.constexpr, BV: tl.constexpr
+):
+    """The chunk's products over dk, from raw (not yet normalised) q and k. b_s: [BK, BV];
+    b_k, b_q: [BT, BK], rows from `n` on zero; p_k, p_q: the chunk's first row of k and q,
+    rows `stride` apart. -> (k k^T, q k^T: [BT, BT]; k S, q S: [BT, BV])"""
+    b_kk = tl.zeros([BT, BT], tl.float32)
+    b_qk = tl.zeros([BT, BT], tl.float32)
+    b_ks = tl.zeros([BT, BV], tl.float32)
+    b_qs = tl.zeros([BT, BV], tl.float32)
+    p_k, p_q = p_k + o_k, p_q + o_k
+    for r in range(tl.minimum(n, BT)):
+        b_kr = tl.load(p_k, mask=m_k, other=0.0).to(tl.float32)
+        b_qr = tl.load(p_q, mask=m_k, other=0.0).to(tl.float32)
+        b_ksr, b_qsr = tl.split(tl.sum(tl.join(b_s * b_kr[:, None], b_s * b_qr[:, None]), 0))
+        b_kkr, b_qkr = tl.split(tl.sum(tl.join(b_k * b_kr[None, :], b_q * b_kr[None, :]), 1))
+        b_ks = tl.where(o_t[:, None] == r, b_ksr[None, :], b_ks)
+        b_qs = tl.where(o_t[:, None] == r, b_qsr[None, :], b_qs)
+        b_kk = tl.where(o_t[None, :] == r, b_kkr[:, None], b_kk)
+        b_qk = tl.where(o_t[None, :] == r, b_qkr[:, None], b_qk)
+        p_k, p_q = p_k + stride, p_q + stride
+    return b_kk, b_qk, b_ks, b_qs
 
 
 @triton.jit
-def _chunk(b_q, b_k, b_v, b_g, b_beta, b_s, o_t, BT: tl.constexpr):
-    """One chunk from state `b_s`. b_q, b_k: [BT, BK] l2-normed; b_v: [BT, BV]; b_g (log-decays,
-    summed over the chunk so far), b_beta: [BT]; b_s: [BK, BV] -> (o [BT, BV], state after)"""
-    lower = o_t[:, None] >= o_t[None, :]
-    # Exponentiate only the lower triangle: above it the difference can overflow.
-    b_decay = tl.where(lower, tl.exp(tl.where(lower, b_g[:, None] - b_g[None, :], 0.0)), 0.0)
-    b_kb = b_k * b_beta[:, None]
-    b_a = tl.dot(b_kb, tl.trans(b_k), input_precision="ieee")
-    b_a = _unit_lower_inverse(tl.where(o_t[:, None] > o_t[None, :], -b_a * b_decay, 0.0), o_t, BT)
-    b_u = tl.dot(b_a, b_v * b_beta[:, None], input_precision="ieee")
-    b_w = tl.dot(b_a, b_kb * tl.exp(b_g)[:, None], input_precision="ieee")
-    b_vnew = b_u - tl.dot(b_w, b_s, input_precision="ieee")
-    b_qk = tl.where(lower, tl.dot(b_q, tl.trans(b_k), input_precision="ieee") * b_decay, 0.0)
-    b_o = tl.dot(b_q * tl.exp(b_g)[:, None], b_s, input_precision="ieee") + tl.dot(
-        b_qk, b_vnew, input_precision="ieee"
-    )
-    b_last = tl.sum(tl.where(o_t == BT - 1, b_g, 0.0))
-    b_tail = tl.exp(b_last - b_g)
-    b_s = b_s * tl.exp(b_last) + tl.dot(
-        tl.trans(b_k * b_tail[:, None]), b_vnew, input_precision="ieee"
-    )
-    return b_o, b_s
+def _unit_lower_inverse(b_a, o_t, BT: tl.constexpr):
+    """(I + A)^-1 for a strictly lower A, given -A: forward substitution, a row at a time.
+    Row r of the product is row r of -A times the rows above it, already final; the product's
+    other rows, and its columns from r on, are exact zeros."""
+    o_r = o_t[:, None]
+    for r in range(1, BT):
+        b_a += tl.dot(tl.where(o_r == r, b_a, 0.0), b_a, input_precision="ieee")
+    return b_a + tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0)
 
 
 @triton.jit
@@ -77,26 +92,43 @@ def _chunk_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
 ):
-    i, h = tl.program_id(0), tl.program_id(1)
+    i, h, j = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     hk = h // (HV // HK)
     lo, hi = tl.load(cu_ptr + i), tl.load(cu_ptr + i + 1)
     slot = tl.load(slot_ptr + i).to(tl.int64)
-    o_t, o_k, o_v = tl.arange(0, BT), tl.arange(0, BK), tl.arange(0, BV)
+    o_t, o_k, o_v = tl.arange(0, BT), tl.arange(0, BK), j * BV + tl.arange(0, BV)
     m_k, m_v = o_k < DK, o_v < DV
     o_s = (h * DK + o_k[:, None]) * DV + o_v[None, :]
     m_s = m_k[:, None] & m_v[None, :]
     b_s = tl.load(state_ptr + slot * HV * DK * DV + o_s, mask=m_s, other=0.0).to(tl.float32)
+    lower = o_t[:, None] >= o_t[None, :]
     for c0 in range(lo, hi, BT):
         rows = c0 + o_t
         m_t = rows < hi
         b_q = _load_rows(q_ptr, rows, m_t, HK, hk, o_k, m_k, DK)
         b_k = _load_rows(k_ptr, rows, m_t, HK, hk, o_k, m_k, DK)
         b_v = _load_rows(v_ptr, rows, m_t, HV, h, o_v, m_v, DV)
-        b_g = tl.load(g_ptr + rows * HV + h, mask=m_t, other=0.0).to(tl.float32)
+        b_g = tl.cumsum(tl.load(g_ptr + rows * HV + h, mask=m_t, other=0.0).to(tl.float32), 0)
         b_beta = tl.load(beta_ptr + rows * HV + h, mask=m_t, other=0.0).to(tl.float32)
-        b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, axis=1) + 1e-6)[:, None] * scale
-        b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, axis=1) + 1e-6)[:, None]
-        b_o, b_s = _chunk(b_q, b_k, b_v, tl.cumsum(b_g, axis=0), b_beta, b_s, o_t, BT)
+        # The l2 norms as row scales of the products: [BT].
+        rq = scale / tl.sqrt(tl.sum(b_q * b_q, axis=1) + 1e-6)
+        rk = 1.0 / tl.sqrt(tl.sum(b_k * b_k, axis=1) + 1e-6)
+        p_r = (c0 * HK + hk) * DK
+        b_kk, b_qk, b_ks, b_qs = _dk_products(
+            b_s, b_k, b_q, k_ptr + p_r, q_ptr + p_r, HK * DK, hi - c0, o_t, o_k, m_k, BT, BV
+        )
+        # Exponentiate only the lower triangle: above it the difference can overflow.
+        b_decay = tl.where(lower, tl.exp(tl.where(lower, b_g[:, None] - b_g[None, :], 0.0)), 0.0)
+        b_a = b_kk * b_decay * (b_beta * rk)[:, None] * rk[None, :]
+        b_a = _unit_lower_inverse(tl.where(o_t[:, None] > o_t[None, :], -b_a, 0.0), o_t, BT)
+        # (I + A)^-1 (v beta - (k beta exp(g)) S): the WY form's u - w S.
+        b_x = (b_v - b_ks * (rk * tl.exp(b_g))[:, None]) * b_beta[:, None]
+        b_vnew = tl.dot(b_a, b_x, input_precision="ieee")
+        b_qk = b_qk * b_decay * rq[:, None] * rk[None, :]
+        b_o = tl.dot(b_qk, b_vnew, b_qs * (rq * tl.exp(b_g))[:, None], input_precision="ieee")
+        b_last = tl.sum(tl.where(o_t == BT - 1, b_g, 0.0))
+        b_u = b_vnew * (rk * tl.exp(b_last - b_g))[:, None]
+        b_s = tl.dot(tl.trans(b_k), b_u, b_s * tl.exp(b_last), input_precision="ieee")
         p_o = out_ptr + (rows[:, None] * HV + h) * DV + o_v[None, :]
         tl.store(p_o, b_o, mask=m_t[:, None] & m_v[None, :])
     tl.store(state_ptr + slot * HV * DK * DV + o_s, b_s, mask=m_s)
@@ -118,9 +150,8 @@ def chunk_gated_delta_rule(
         "chunk_gated_delta_rule", q, k, v, g, beta, {"states": states}
     )
     out = torch.empty(t_rows, hv, dv, dtype=torch.float32, device=q.device)
-    # tl.dot wants every block dim of at least 16.
-    bk, bv = max(16, triton.next_power_of_2(dk)), max(16, triton.next_power_of_2(dv))
-    _chunk_kernel[(len(slots), hv)](
+    bk = max(16, triton.next_power_of_2(dk))
+    _chunk_kernel[(len(slots), hv, triton.cdiv(dv, BV))](
         q.contiguous(),
         k.contiguous(),
         v.contiguous(),
@@ -137,6 +168,6 @@ def chunk_gated_delta_rule(
         dk**-0.5,
         BT=CHUNK,
         BK=bk,
-        BV=bv,
+        BV=BV,
     )
     return out

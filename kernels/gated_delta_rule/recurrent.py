@@ -1,8 +1,12 @@
 """Gated delta rule, recurrent form, for verify and decode: a varlen batch where sequence i
 owns rows `cu[i] .. cu[i + 1] - 1`, starts from the state of its slot, and writes the state
 after every row into its verify rows (so the fold can pick any). q/k l2-norm, the scale,
-`exp(g)`, `beta` and grouped value heads happen inside. One program per (sequence, value head);
-fp32 state."""
+`exp(g)`, `beta` and grouped value heads happen inside. fp32 state.
+
+One program per (sequence, value head, block of `BV` value columns): a column's recurrence
+reduces over the key dimension only, so the blocks are independent, the [dk, BV] state slice
+stays in registers, and one sequence at Qwen3-Next-80B's widths (32 value heads, dv 128)
+launches 256 programs."""
 
 from __future__ import annotations
 
@@ -11,6 +15,17 @@ import triton
 import triton.language as tl
 
 from kernels.gated_delta_rule.checks import check_inputs
+
+# Value columns per program. From dv alone (never the batch), so a column's bytes do not depend
+# on which sequences share the launch; 16 gives one sequence at dv 128 and 32 value heads 256
+# programs, enough for the 132 SMs of an H100 / H200.
+MAX_BV = 16
+
+
+def _num_warps(slice_size: int) -> int:
+    """About 16 state elements a thread, at most 4 warps: one warp for a 16 x 16 slice, 4 for
+    128 x 16 (72 registers at sm_90, where 2 warps take 114 and one 200)."""
+    return max(1, min(4, slice_size // 512))
 
 
 @triton.jit
@@ -35,11 +50,11 @@ def _recurrent_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
 ):
-    i, h = tl.program_id(0), tl.program_id(1)
+    i, h, j = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     hk = h // (HV // HK)
     lo, hi = tl.load(cu_ptr + i), tl.load(cu_ptr + i + 1)
     slot, vrow = tl.load(slot_ptr + i).to(tl.int64), tl.load(vrow_ptr + i).to(tl.int64)
-    o_k, o_v = tl.arange(0, BK), tl.arange(0, BV)
+    o_k, o_v = tl.arange(0, BK), j * BV + tl.arange(0, BV)
     m_k, m_v = o_k < DK, o_v < DV
     m_s = m_k[:, None] & m_v[None, :]
     o_s = (h * DK + o_k[:, None]) * DV + o_v[None, :]
@@ -84,7 +99,8 @@ def recurrent_gated_delta_rule(
         "recurrent_gated_delta_rule", q, k, v, g, beta, {"states": states, "rows": rows}
     )
     out = torch.empty(t_rows, hv, dv, dtype=torch.float32, device=q.device)
-    _recurrent_kernel[(len(slots), hv)](
+    bk, bv = triton.next_power_of_2(dk), min(triton.next_power_of_2(dv), MAX_BV)
+    _recurrent_kernel[(len(slots), hv, triton.cdiv(dv, bv))](
         q.contiguous(),
         k.contiguous(),
         v.contiguous(),
@@ -102,7 +118,8 @@ def recurrent_gated_delta_rule(
         dv,
         dk**-0.5,
         WRITE_LIVE=write_live,
-        BK=triton.next_power_of_2(dk),
-        BV=triton.next_power_of_2(dv),
+        BK=bk,
+        BV=bv,
+        num_warps=_num_warps(bk * bv),
     )
     return out

@@ -1,6 +1,7 @@
 """The gated delta rule: chunked against recurrent (naive), the naive recurrence against the
 rule written out per head, and the Triton kernels against the naive forms (ragged, grouped
-heads, slots out of order)."""
+heads, slots out of order, value columns split over programs) and against themselves run on
+one sequence at a time."""
 
 from __future__ import annotations
 
@@ -70,13 +71,15 @@ def _batch(lens: list[int], hk: int, hv: int, dk: int, dv: int):
     return q, k, v, g, beta, states, cu, slots
 
 
+# Both kernels give a program 16 value columns: dv 32 takes two blocks, dv 20 a whole one and a
+# partial one.
 BATCHES = [
-    ([1], 1, 1, 16, 16),
+    ([1], 1, 1, 16, 32),
     ([3, 1, 4], 2, 4, 16, 16),
     ([2, 5], 1, 2, 12, 20),
-    ([17, 33], 2, 4, 16, 8),
+    ([17, 33], 1, 2, 16, 8),
 ]
-IDS = ["N1-k1", "ragged-Hv4", "odd-dk12-dv20", "long-T33"]
+IDS = ["N1-k1-dv32", "ragged-Hv4", "odd-dk12-dv20", "long-T33-Hv2"]
 
 
 @pytest.mark.parametrize("batch", BATCHES, ids=IDS)
@@ -159,6 +162,43 @@ def _call_recurrent(q, k, v, g, beta, states, cu, slots) -> torch.Tensor:
 
 
 HOSTS = [_call_recurrent, chunk.chunk_gated_delta_rule]
+
+
+def _recurrent_states(q, k, v, g, beta, states, cu, slots) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recurrent kernel's outputs and the state after every row.
+    -> (o [T, Hv, dv], states [T, Hv, dk, dv])"""
+    rows = torch.zeros(int(cu[-1]), *states.shape[1:], device=q.device)
+    vrows = cu[:-1].clone()
+    out = recurrent.recurrent_gated_delta_rule(
+        q, k, v, g, beta, states, cu, slots, rows, vrows, write_live=True
+    )
+    return out, rows
+
+
+def _chunk_states(q, k, v, g, beta, states, cu, slots) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunked kernel's outputs and each sequence's final state.
+    -> (o [T, Hv, dv], states [N, Hv, dk, dv])"""
+    return chunk.chunk_gated_delta_rule(q, k, v, g, beta, states, cu, slots), states[slots]
+
+
+@pytest.mark.parametrize(
+    ("run", "lens"),
+    [(_recurrent_states, [3, 2]), (_chunk_states, [2, 17])],
+    ids=["recurrent", "chunk-2-chunks"],
+)
+def test_a_sequence_alone_is_byte_identical_in_a_batch(run, lens: list[int]) -> None:
+    """Block sizes and split counts come from the head widths, never from the batch: each
+    sequence's outputs and states are the same bytes launched alone as beside others. dv 32
+    takes two value blocks."""
+    q, k, v, g, beta, states, cu, slots = _batch(lens, 1, 2, 16, 32)
+    batched = [x.cpu() for x in run(*on(q, k, v, g, beta, states.clone(), cu, slots))]
+    for i, (lo, hi) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)):
+        inputs = (q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], states.clone())
+        one = (torch.tensor([0, hi - lo], dtype=torch.int32), slots[i : i + 1])
+        out, after = (x.cpu() for x in run(*on(*inputs, *one)))
+        assert torch.equal(out, batched[0][lo:hi])
+        rows = slice(lo, hi) if run is _recurrent_states else slice(i, i + 1)
+        assert torch.equal(after, batched[1][rows])
 
 
 @pytest.mark.parametrize("host", HOSTS, ids=["recurrent", "chunk"])
