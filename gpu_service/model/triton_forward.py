@@ -74,8 +74,9 @@ class TritonOps(EagerOps):
     def linear(self, x: torch.Tensor, weight_t: torch.Tensor, tile: int = ROW_TILE) -> torch.Tensor:
         """The batch-invariant GEMM on a GPU, where cuBLAS picks its kernel by the row count.
         On the CPU the tiled torch product stays: it is batch invariant there already (see
-        `gpu_service/model/ops.py`), and the interpreted GEMM would cost the suite minutes."""
-        if x.device.type == "cuda":
+        `gpu_service/model/ops.py`), and the interpreted GEMM would cost the suite minutes.
+        `meta` takes the GPU's path: `kernels.report` catches the launches there."""
+        if x.device.type != "cpu":
             return matmul(x, weight_t)
         return super().linear(x, weight_t, tile)
 
@@ -88,8 +89,9 @@ class TritonOps(EagerOps):
         weights: torch.Tensor,
     ) -> torch.Tensor:
         """The fused grouped GEMM on a GPU (fixed shapes: it captures in a graph); on the CPU
-        the routed torch path, batch invariant there already, for the reason `linear` gives."""
-        if x.device.type == "cuda":
+        the routed torch path, batch invariant there already, for the reason `linear` gives
+        (`meta` takes the GPU's path, as there)."""
+        if x.device.type != "cpu":
             return fused_moe(x, w13, w2, experts, weights)
         return super().moe(x, w13, w2, experts, weights)
 
@@ -110,7 +112,12 @@ class TritonOps(EagerOps):
             i32 = torch.int32
             cu = torch.arange(batch.rows + 1, dtype=i32, device=q.device)
             slots, starts = batch.tile_slot.to(i32), batch.tile_pos.to(i32)
-        out = attention(q[: batch.rows], k_cache, v_cache, cu, slots, starts, valid, scale=1.0)
+        # A prefill's rows are too many for the split partials' workspace; its query blocks
+        # fill the GPU instead (the same bytes either way).
+        split = batch.chunk == 0
+        out = attention(
+            q[: batch.rows], k_cache, v_cache, cu, slots, starts, valid, 1.0, split_keys=split
+        )
         padded = q.new_zeros(q.shape)
         padded[: batch.rows] = out
         return padded

@@ -1,7 +1,24 @@
 """Attention of each sequence's new rows over its own KV cache (verify, decode, prefill and
 the drafter): a varlen batch of query rows, grouped KV heads, causal by position, an optional
-per-position validity mask (the drafter's). One program per (sequence, query head); queries in
-blocks of `BM`, keys in blocks of `BN`, online softmax, fp32 accumulation."""
+per-position validity mask (the drafter's). Queries in blocks of `BM`, keys in blocks of `BN`,
+online softmax, fp32 accumulation. On a GPU with 16-bit caches both products take 16-bit
+operands (tensor cores), the probabilities rounded to the caches' dtype before the product
+with the values, as FlashAttention does and `naive.py` does; in fp32 and on the CPU (the
+interpreter) every product is fp32.
+
+A row's keys are cut into splits (flash-decoding) by the row's own key count n (its position
++ 1) alone: splits of `split_size(n)` keys, a multiple of BN at least MIN_KEYS_PER_SPLIT, so
+that at most MAX_SPLITS cover n. Each split gives a partial (running max, sum, unnormalised
+accumulator); the partials are folded in split order. A key block outside a row's split is an
+exact no-op for that row, so a row's bytes depend on nothing but its own keys: not on the batch,
+nor on the other rows of its sequence (a verify row equals the same row decoded alone), nor on
+the path, `split_keys`:
+- True (verify, decode, the drafter: few rows a sequence): a program per (sequence, query
+  head, split) writes its partials to an fp32 workspace (`workspace_bytes`) and a second kernel
+  folds them; a long context then fills the GPU.
+- False (prefill): a program per (sequence, query head, query block) walks its splits in turn
+  and folds each as it is made, with the same functions; no workspace, which at a prefill's
+  row count would take gigabytes, and the query blocks fill the GPU already."""
 
 from __future__ import annotations
 
@@ -9,21 +26,96 @@ import torch
 import triton
 import triton.language as tl
 
-BM, BN = 16, 16
+BM, BN = 16, 32
+MAX_SPLITS = 16
+MIN_KEYS_PER_SPLIT = 256  # a multiple of BN
 
 
 @triton.jit
-def _online_softmax(b_sc, b_v, b_acc, b_max, b_sum):
-    """One key block into the running softmax. b_sc: [BM, BN] scores (-inf where unseen);
-    b_v: [BN, BD]; b_acc: [BM, BD]; b_max, b_sum: [BM] -> (b_acc, b_max, b_sum) updated. A
-    row that has seen no key yet keeps a max of -inf; its exps are taken from 0 instead."""
-    b_new = tl.maximum(b_max, tl.max(b_sc, axis=1))
+def _fold(b_max, b_sum, b_acc, p_max, p_sum, p_acc):
+    """A split's partial (p_max, p_sum: [BM]; p_acc: [BM, BD]) into the running fold of the
+    splits before it. A partial that saw no key (-inf, 0, 0) leaves the fold's bytes as they
+    are; a row that has seen no key in any split stays (-inf, 0, 0)."""
+    b_new = tl.maximum(b_max, p_max)
     b_safe = tl.where(b_new == float("-inf"), 0.0, b_new)
-    b_p = tl.exp(b_sc - b_safe[:, None])
-    b_alpha = tl.exp(b_max - b_safe)
-    b_sum = b_sum * b_alpha + tl.sum(b_p, axis=1)
-    b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p, b_v, input_precision="ieee")
-    return b_acc, b_new, b_sum
+    b_old, b_part = tl.exp(b_max - b_safe), tl.exp(p_max - b_safe)
+    b_sum = b_sum * b_old + p_sum * b_part
+    b_acc = b_acc * b_old[:, None] + p_acc * b_part[:, None]
+    return b_new, b_sum, b_acc
+
+
+@triton.jit
+def _splits(q_pos, MIN_KEYS: tl.constexpr, MAX_SPLITS: tl.constexpr, BN: tl.constexpr):
+    """q_pos: [BM] positions (-1: a padding row) -> (keys a row sees n, its split size, its
+    split count), each [BM]: see `split_size`."""
+    n = q_pos + 1
+    need = (n + MAX_SPLITS - 1) // MAX_SPLITS
+    size = tl.maximum((need + BN - 1) // BN * BN, MIN_KEYS)
+    return n, size, (n + size - 1) // size
+
+
+@triton.jit
+def _split_partial(
+    b_q,
+    k_ptr,
+    v_ptr,
+    valid_ptr,
+    slot,
+    hkv,
+    HKV,
+    D,
+    CTX,
+    scale,
+    k_lo,
+    k_hi,
+    HAS_VALID: tl.constexpr,
+    LOW: tl.constexpr,
+    BN: tl.constexpr,
+    BD: tl.constexpr,
+):
+    """Row r's softmax partial over its keys k_lo[r] <= j < k_hi[r] (none where k_lo >= k_hi).
+    b_q: [BM, BD], fp32 unless LOW; k_lo, k_hi: [BM], multiples of BN where not empty ->
+    (b_max, b_sum: [BM], b_acc: [BM, BD]). The key blocks walked are the union of the rows'
+    ranges; a block out of a row's range is an exact no-op for it."""
+    BM: tl.constexpr = b_q.shape[0]
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    live = k_lo < k_hi
+    first = tl.min(tl.where(live, k_lo, 1 << 30))
+    last = tl.max(tl.where(live, k_hi, 0))
+    b_acc = tl.zeros([BM, BD], tl.float32)
+    b_max = tl.full([BM], float("-inf"), tl.float32)
+    b_sum = tl.zeros([BM], tl.float32)
+    for n0 in range(first, last, BN):
+        o_n = n0 + tl.arange(0, BN)
+        m_n = o_n < last
+        p_kv = ((slot * CTX + o_n[:, None]) * HKV + hkv) * D + o_d[None, :]
+        b_k = tl.load(k_ptr + p_kv, mask=m_n[:, None] & m_d[None, :], other=0.0)
+        b_v = tl.load(v_ptr + p_kv, mask=m_n[:, None] & m_d[None, :], other=0.0)
+        if LOW:
+            b_sc = tl.dot(b_q, tl.trans(b_k)) * scale
+        else:
+            b_k, b_v = b_k.to(tl.float32), b_v.to(tl.float32)
+            b_sc = tl.dot(b_q, tl.trans(b_k), input_precision="ieee") * scale
+        seen = (o_n[None, :] >= k_lo[:, None]) & (o_n[None, :] < k_hi[:, None])
+        if HAS_VALID:
+            ok = tl.load(valid_ptr + slot * CTX + o_n, mask=m_n, other=0)
+            seen = seen & (ok[None, :] != 0)
+        b_sc = tl.where(seen, b_sc, float("-inf"))
+        # Online softmax; a row that has seen no key yet keeps a max of -inf, and its exps are
+        # taken from 0 instead.
+        b_new = tl.maximum(b_max, tl.max(b_sc, axis=1))
+        b_safe = tl.where(b_new == float("-inf"), 0.0, b_new)
+        b_p = tl.exp(b_sc - b_safe[:, None])
+        b_alpha = tl.exp(b_max - b_safe)
+        b_sum = b_sum * b_alpha + tl.sum(b_p, axis=1)
+        if LOW:
+            b_pv = tl.dot(b_p.to(b_v.dtype), b_v)
+        else:
+            b_pv = tl.dot(b_p, b_v, input_precision="ieee")
+        b_acc = b_acc * b_alpha[:, None] + b_pv
+        b_max = b_new
+    return b_max, b_sum, b_acc
 
 
 @triton.jit
@@ -42,49 +134,257 @@ def _attention_kernel(
     CTX,
     scale,
     HAS_VALID: tl.constexpr,
+    LOW: tl.constexpr,
+    MIN_KEYS: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BD: tl.constexpr,
 ):
-    i, h = tl.program_id(0), tl.program_id(1)
+    """Program (sequence i, query head h, query block b): the block's rows, every split in
+    turn, folded as made."""
+    i, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    hkv = h // (HQ // HKV)
+    lo, hi = tl.load(cu_ptr + i), tl.load(cu_ptr + i + 1)
+    slot, start = tl.load(slot_ptr + i).to(tl.int64), tl.load(start_ptr + i)
+    o_m = b * BM + tl.arange(0, BM)
+    m_m = o_m < hi - lo
+    if b * BM < hi - lo:
+        o_d = tl.arange(0, BD)
+        m_d = o_d < D
+        p_q = ((lo + o_m[:, None]) * HQ + h) * D + o_d[None, :]
+        b_q = tl.load(q_ptr + p_q, mask=m_m[:, None] & m_d[None, :], other=0.0)
+        if not LOW:
+            b_q = b_q.to(tl.float32)
+        n, size, count = _splits(tl.where(m_m, start + o_m, -1), MIN_KEYS, MAX_SPLITS, BN)
+        b_acc = tl.zeros([BM, BD], tl.float32)
+        b_max = tl.full([BM], float("-inf"), tl.float32)
+        b_sum = tl.zeros([BM], tl.float32)
+        for j in range(0, tl.max(count)):
+            k_lo = j * size
+            p_max, p_sum, p_acc = _split_partial(
+                b_q,
+                k_ptr,
+                v_ptr,
+                valid_ptr,
+                slot,
+                hkv,
+                HKV,
+                D,
+                CTX,
+                scale,
+                k_lo,
+                tl.minimum(k_lo + size, n),
+                HAS_VALID,
+                LOW,
+                BN,
+                BD,
+            )
+            b_max, b_sum, b_acc = _fold(b_max, b_sum, b_acc, p_max, p_sum, p_acc)
+        b_o = b_acc / tl.maximum(b_sum, 1e-30)[:, None]
+        tl.store(out_ptr + p_q, b_o.to(out_ptr.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])
+
+
+@triton.jit
+def _split_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    valid_ptr,
+    acc_ptr,
+    stat_ptr,
+    cu_ptr,
+    slot_ptr,
+    start_ptr,
+    HQ,
+    HKV,
+    D,
+    CTX,
+    scale,
+    HAS_VALID: tl.constexpr,
+    LOW: tl.constexpr,
+    MIN_KEYS: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BD: tl.constexpr,
+):
+    """Program (sequence i, query head h, split j): split j of each of the sequence's rows
+    into the workspace: acc [T, HQ, MAX_SPLITS, D], stat [T, HQ, MAX_SPLITS, 2] (max, sum).
+    A row with fewer splits has nothing written there; a program past every row's split count
+    loads no key."""
+    i, h, j = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     hkv = h // (HQ // HKV)
     lo, hi = tl.load(cu_ptr + i), tl.load(cu_ptr + i + 1)
     slot, start = tl.load(slot_ptr + i).to(tl.int64), tl.load(start_ptr + i)
     o_d = tl.arange(0, BD)
     m_d = o_d < D
-    length = start + hi - lo
     for m0 in range(0, hi - lo, BM):
         o_m = m0 + tl.arange(0, BM)
         m_m = o_m < hi - lo
-        q_pos = start + o_m
-        b_q = tl.load(
-            q_ptr + ((lo + o_m[:, None]) * HQ + h) * D + o_d[None, :],
-            mask=m_m[:, None] & m_d[None, :],
-            other=0.0,
-        ).to(tl.float32)
+        n, size, count = _splits(tl.where(m_m, start + o_m, -1), MIN_KEYS, MAX_SPLITS, BN)
+        if j < tl.max(count):
+            p_q = ((lo + o_m[:, None]) * HQ + h) * D + o_d[None, :]
+            b_q = tl.load(q_ptr + p_q, mask=m_m[:, None] & m_d[None, :], other=0.0)
+            if not LOW:
+                b_q = b_q.to(tl.float32)
+            k_lo = j * size
+            b_max, b_sum, b_acc = _split_partial(
+                b_q,
+                k_ptr,
+                v_ptr,
+                valid_ptr,
+                slot,
+                hkv,
+                HKV,
+                D,
+                CTX,
+                scale,
+                k_lo,
+                tl.minimum(k_lo + size, n),
+                HAS_VALID,
+                LOW,
+                BN,
+                BD,
+            )
+            m_w = j < count
+            o_w = ((lo + o_m).to(tl.int64) * HQ + h) * MAX_SPLITS + j  # [BM] partial index
+            tl.store(
+                acc_ptr + o_w[:, None] * D + o_d[None, :],
+                b_acc,
+                mask=m_w[:, None] & m_d[None, :],
+            )
+            tl.store(stat_ptr + o_w * 2, b_max, mask=m_w)
+            tl.store(stat_ptr + o_w * 2 + 1, b_sum, mask=m_w)
+
+
+@triton.jit
+def _combine_kernel(
+    acc_ptr,
+    stat_ptr,
+    out_ptr,
+    cu_ptr,
+    start_ptr,
+    HQ,
+    D,
+    MIN_KEYS: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BD: tl.constexpr,
+):
+    """Program (sequence i, query head h): each row's partials folded in split order."""
+    i, h = tl.program_id(0), tl.program_id(1)
+    lo, hi = tl.load(cu_ptr + i), tl.load(cu_ptr + i + 1)
+    start = tl.load(start_ptr + i)
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    for m0 in range(0, hi - lo, BM):
+        o_m = m0 + tl.arange(0, BM)
+        m_m = o_m < hi - lo
+        _, _, count = _splits(tl.where(m_m, start + o_m, -1), MIN_KEYS, MAX_SPLITS, BN)
         b_acc = tl.zeros([BM, BD], tl.float32)
         b_max = tl.full([BM], float("-inf"), tl.float32)
         b_sum = tl.zeros([BM], tl.float32)
-        for n0 in range(0, length, BN):
-            o_n = n0 + tl.arange(0, BN)
-            m_n = o_n < length
-            p_kv = ((slot * CTX + o_n[:, None]) * HKV + hkv) * D + o_d[None, :]
-            b_k = tl.load(k_ptr + p_kv, mask=m_n[:, None] & m_d[None, :], other=0.0)
-            b_v = tl.load(v_ptr + p_kv, mask=m_n[:, None] & m_d[None, :], other=0.0)
-            b_k, b_v = b_k.to(tl.float32), b_v.to(tl.float32)
-            b_sc = tl.dot(b_q, tl.trans(b_k), input_precision="ieee") * scale
-            seen = (o_n[None, :] <= q_pos[:, None]) & m_n[None, :]
-            if HAS_VALID:
-                ok = tl.load(valid_ptr + slot * CTX + o_n, mask=m_n, other=0)
-                seen = seen & (ok[None, :] != 0)
-            b_sc = tl.where(seen, b_sc, float("-inf"))
-            b_acc, b_max, b_sum = _online_softmax(b_sc, b_v, b_acc, b_max, b_sum)
+        for j in range(0, tl.max(count)):
+            m_w = j < count
+            o_w = ((lo + o_m).to(tl.int64) * HQ + h) * MAX_SPLITS + j
+            p_max = tl.load(stat_ptr + o_w * 2, mask=m_w, other=float("-inf"))
+            p_sum = tl.load(stat_ptr + o_w * 2 + 1, mask=m_w, other=0.0)
+            p_acc = tl.load(
+                acc_ptr + o_w[:, None] * D + o_d[None, :],
+                mask=m_w[:, None] & m_d[None, :],
+                other=0.0,
+            )
+            b_max, b_sum, b_acc = _fold(b_max, b_sum, b_acc, p_max, p_sum, p_acc)
         b_o = b_acc / tl.maximum(b_sum, 1e-30)[:, None]
-        tl.store(
-            out_ptr + ((lo + o_m[:, None]) * HQ + h) * D + o_d[None, :],
-            b_o.to(out_ptr.dtype.element_ty),
-            mask=m_m[:, None] & m_d[None, :],
-        )
+        p_o = ((lo + o_m[:, None]) * HQ + h) * D + o_d[None, :]
+        tl.store(out_ptr + p_o, b_o.to(out_ptr.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])
+
+
+def split_size(keys: int) -> int:
+    """Keys in each split of a row that sees `keys` keys (the kernels' `_splits`): the least
+    multiple of BN with which MAX_SPLITS splits cover them, and MIN_KEYS_PER_SPLIT at least.
+    Rows a few positions apart share a size, and so their splits' bounds, except where it
+    grows (every MAX_SPLITS * BN keys past MAX_SPLITS * MIN_KEYS_PER_SPLIT)."""
+    need = -(-keys // MAX_SPLITS)
+    return max(-(-need // BN) * BN, MIN_KEYS_PER_SPLIT)
+
+
+def num_splits(keys: int) -> int:
+    """Splits of a row that sees `keys` keys: its working programs per query head."""
+    return -(-keys // split_size(keys))
+
+
+def workspace_bytes(rows: int, heads: int, head_dim: int) -> int:
+    """Bytes of the fp32 partials a `split_keys` call of `rows` query rows at `heads` query
+    heads of `head_dim` allocates: accumulators, maxima and sums of MAX_SPLITS splits."""
+    return rows * heads * MAX_SPLITS * (head_dim + 2) * 4
+
+
+def _constants(dim: int) -> dict[str, int]:
+    """The kernels' compile-time sizes at head dim `dim`, the split rule read at each call so
+    that a test can change it. Warps and stages as measured spill-free (`cuobjdump`: no stack)
+    at 16-bit and fp32 for sm_80/90/100 at head dims 16 to 128 and for sm_90 at 256 (Qwen3-
+    Next); 8 warps below 256, or 3 stages, spilled the prefill kernel at some of them."""
+    bd = max(16, triton.next_power_of_2(dim))
+    return {
+        "MIN_KEYS": MIN_KEYS_PER_SPLIT,
+        "MAX_SPLITS": MAX_SPLITS,
+        "BM": BM,
+        "BN": BN,
+        "BD": bd,
+        "num_warps": 8 if bd >= 256 else 4,
+        "num_stages": 2,
+    }
+
+
+def _low(q: torch.Tensor) -> bool:
+    """Whether the products take 16-bit operands (tensor cores, fp32 accumulation): on a GPU
+    (and `meta`, which stands for one) with 16-bit activations. The interpreter's 16-bit
+    `tl.dot` is wrong, so on the CPU the operands go up to fp32."""
+    return q.dtype != torch.float32 and q.device.type != "cpu"
+
+
+def split_partials(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu: torch.Tensor,
+    slots: torch.Tensor,
+    starts: torch.Tensor,
+    valid: torch.Tensor | None,
+    scale: float,
+    workspace: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first kernel of the `split_keys` path, into `workspace`: fp32, at least
+    `workspace_bytes(T, Hq, d) / 4` elements. -> (acc [T, Hq, MAX_SPLITS, d], stat [T, Hq,
+    MAX_SPLITS, 2]: max, sum), views of it; entries past a row's split count are not written."""
+    rows, hq, dim = q.shape
+    acc = workspace[: rows * hq * MAX_SPLITS * dim].view(rows, hq, MAX_SPLITS, dim)
+    stat = workspace[acc.numel() : acc.numel() + rows * hq * MAX_SPLITS * 2]
+    stat = stat.view(rows, hq, MAX_SPLITS, 2)
+    mask = valid.to(torch.int8).contiguous() if valid is not None else q
+    _split_kernel[(len(slots), hq, MAX_SPLITS)](
+        q,
+        k_cache,
+        v_cache,
+        mask,
+        acc,
+        stat,
+        cu,
+        slots,
+        starts,
+        hq,
+        k_cache.shape[2],
+        dim,
+        k_cache.shape[1],
+        scale,
+        HAS_VALID=valid is not None,
+        LOW=_low(q),
+        **_constants(dim),
+    )
+    return acc, stat
 
 
 def attention(
@@ -96,10 +396,14 @@ def attention(
     starts: torch.Tensor,
     valid: torch.Tensor | None = None,
     scale: float | None = None,
+    split_keys: bool = True,
 ) -> torch.Tensor:
     """q: [T, Hq, d], rows of sequence i at positions `starts[i] ..`; caches: [slots, ctx,
     Hkv, d] holding those rows already; valid: [slots, ctx] bool or None; scale: of the
-    scores, `d ** -0.5` unless given (1 when q comes scaled). -> [T, Hq, d]"""
+    scores, `d ** -0.5` unless given (1 when q comes scaled); split_keys: a program per split
+    and a workspace of `workspace_bytes(T, Hq, d)` (calls of few rows a sequence), else a
+    program per query block (prefill). Both run the same arithmetic, in the same order (the
+    interpreted tests pin equal bytes). T * Hq * d < 2**31. -> [T, Hq, d]"""
     rows, hq, dim = q.shape
     if k_cache.shape != v_cache.shape or k_cache.shape[-1] != dim or hq % k_cache.shape[2]:
         raise ValueError(
@@ -107,10 +411,18 @@ def attention(
         )
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("attention: the KV caches must be contiguous")
-    out = torch.empty_like(q)
+    q, out = q.contiguous(), torch.empty_like(q)
+    scale = dim**-0.5 if scale is None else scale
+    if split_keys:
+        workspace = torch.empty(
+            workspace_bytes(rows, hq, dim) // 4, device=q.device, dtype=torch.float32
+        )
+        acc, stat = split_partials(q, k_cache, v_cache, cu, slots, starts, valid, scale, workspace)
+        _combine_kernel[(len(slots), hq)](acc, stat, out, cu, starts, hq, dim, **_constants(dim))
+        return out
     mask = valid.to(torch.int8).contiguous() if valid is not None else q
-    _attention_kernel[(len(slots), hq)](
-        q.contiguous(),
+    _attention_kernel[(len(slots), hq, triton.cdiv(rows, BM))](
+        q,
         k_cache,
         v_cache,
         mask,
@@ -122,10 +434,9 @@ def attention(
         k_cache.shape[2],
         dim,
         k_cache.shape[1],
-        dim**-0.5 if scale is None else scale,
+        scale,
         HAS_VALID=valid is not None,
-        BM=BM,
-        BN=BN,
-        BD=max(16, triton.next_power_of_2(dim)),
+        LOW=_low(q),
+        **_constants(dim),
     )
     return out
