@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import json
 import multiprocessing
 import os
@@ -26,18 +27,14 @@ from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-# The compiler, not the interpreter: Triton reads this as each kernel module is decorated.
-os.environ.pop("TRITON_INTERPRET", None)
-# Triton 3.9 warns when it is unset; the launcher's default (fusion on) is what a GPU compiles.
-os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+import torch
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource, make_backend  # noqa: E402
-from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
+if TYPE_CHECKING:
+    from triton.runtime.jit import JITFunction
+# Triton itself is imported only once `compiler_mode` has run: importing it under
+# TRITON_INTERPRET=1 decorates its own library for the interpreter.
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "gpu_service" / "models"
@@ -45,16 +42,30 @@ SHAPE_SETS = {
     "default": MODELS / "default" / "config.json",
     "qwen3-next-80b": MODELS / "qwen3-next-80b-a3b" / "config.json",
 }
-# Compute capability and streaming multiprocessors of the GPU each target stands for: an A100,
-# an H100 or H200, a B200.
-TARGETS = {"sm_80": (80, 108), "sm_90": (90, 132), "sm_100": (100, 148)}
+# The GPU each target stands for (an A100, an H100 or H200, a B200): its compute capability,
+# its streaming multiprocessors, and the shared memory one block may take (163 KB on Ampere,
+# 227 KB on Hopper and Blackwell).
+TARGETS = {
+    "sm_80": (80, 108, 163 * 1024),
+    "sm_90": (90, 132, 227 * 1024),
+    "sm_100": (100, 148, 227 * 1024),
+}
+# The modules holding the triton forward's kernels.
+KERNEL_MODULES = (
+    "kernels.argmax.triton",
+    "kernels.attention.triton",
+    "kernels.causal_conv1d.triton",
+    "kernels.fold.triton",
+    "kernels.gated_delta_rule.chunk",
+    "kernels.gated_delta_rule.recurrent",
+    "kernels.matmul.triton",
+    "kernels.moe.triton",
+    "kernels.rmsnorm.triton",
+)
 BATCHES = (1, 8, 32)
-# The per-thread register file and the shared memory a block may take on these GPUs.
-MAX_SHARED = 227 * 1024
 PREFILL_ROWS = 64  # per sequence
 VERIFY_ROWS = 4  # per sequence: three drafts and the last accepted token
 CONTEXT = 32768  # keys before a verify or decode row
-CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 _USAGE = re.compile(r"Function (\S+):\s*\n\s*REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 
 
@@ -106,10 +117,15 @@ class Catcher:
         self.variants: dict[str, Variant] = {}
         self.launches: list[Launch] = []
         self.phase, self.batch = "", 0
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import make_backend
+
         self._backend = make_backend(GPUTarget("cuda", 90, 32))
         self._binders: dict[int, Callable[..., Any]] = {}
 
     def run(self, fn: JITFunction, args: tuple, grid: Any, kwargs: dict[str, Any]) -> None:
+        from triton.runtime.jit import create_function_from_signature
+
         kwargs = {"debug": False, **kwargs}
         binder = self._binders.get(id(fn))
         if binder is None:
@@ -149,6 +165,8 @@ class Catcher:
 @contextmanager
 def catching() -> Iterator[Catcher]:
     catcher = Catcher()
+    from triton.runtime.jit import JITFunction
+
     original = JITFunction.run
 
     def run(self: JITFunction, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
@@ -220,13 +238,18 @@ def drive(config: Path, batches: tuple[int, ...], catcher: Catcher) -> None:
 
 def compile_variant(variant: Variant, arch: int) -> dict[str, Any]:
     """-> registers, spill (stack) bytes, local bytes, shared bytes, warps, stages, seconds"""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     src = ASTSource(variant.fn, variant.signature, variant.constexprs, variant.attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=variant.options)
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "kernel.cubin"
         cubin.write_bytes(kernel.asm["cubin"])
         dump = subprocess.run(
-            [str(CUOBJDUMP), "--dump-resource-usage", str(cubin)],
+            [str(cuobjdump), "--dump-resource-usage", str(cubin)],
             capture_output=True,
             text=True,
             check=True,
@@ -322,10 +345,12 @@ def build(
     """The report as one JSON-able object: per shape set, each variant's figures per target
     and each launch's program count."""
     report: dict[str, Any] = {
-        "triton": triton.__version__,
-        "targets": {t: {"arch": TARGETS[t][0], "sms": TARGETS[t][1]} for t in targets},
+        "triton": importlib.metadata.version("triton"),
+        "targets": {
+            t: {"arch": TARGETS[t][0], "sms": TARGETS[t][1], "max_shared_bytes": TARGETS[t][2]}
+            for t in targets
+        },
         "batches": list(batches),
-        "max_shared_bytes": MAX_SHARED,
         "shapes": {},
     }
     for name in shapes:
@@ -384,10 +409,11 @@ def problems(report: dict[str, Any]) -> list[str]:
                         f"{name} {target}: {v['variant']} spills {f['spill_bytes']} bytes "
                         f"({f['local_bytes']} local)"
                     )
-                if f["shared_bytes"] > MAX_SHARED:
+                limit = report["targets"][target]["max_shared_bytes"]
+                if f["shared_bytes"] > limit:
                     out.append(
                         f"{name} {target}: {v['variant']} takes {f['shared_bytes']} bytes of "
-                        f"shared memory, over {MAX_SHARED}"
+                        f"shared memory, over a block's {limit}"
                     )
     return out
 
@@ -444,6 +470,20 @@ def _names(known: dict[str, Any] | None) -> Callable[[str], list[str]]:
     return parse
 
 
+def compiler_mode() -> None:
+    """The compiler, not the interpreter, for the kernels this process and its compile
+    workers import: Triton reads TRITON_INTERPRET as each kernel module is decorated, so this
+    runs before any is imported (a process that imported them interpreted cannot report)."""
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET"):
+        raise RuntimeError(
+            "kernels.report compiles in a process of its own (python -m kernels.report): this "
+            "one imported triton for its interpreter"
+        )
+    os.environ.pop("TRITON_INTERPRET", None)
+    # Triton 3.9 warns when it is unset; its default (fusion on) is what a GPU's launch compiles.
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kernels.report", description=__doc__)
     parser.add_argument("--target", type=_names(TARGETS), default=list(TARGETS))
@@ -462,6 +502,7 @@ def main(argv: list[str] | None = None) -> int:
         "--check", action="store_true", help="exit 1 when a kernel spills or overflows shared"
     )
     args = parser.parse_args(argv)
+    compiler_mode()
     report = build(args.target, args.shapes, args.batches, args.jobs)
     print(tables(report))
     if args.json:

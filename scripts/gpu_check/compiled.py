@@ -15,20 +15,9 @@ from pathlib import Path
 
 import torch
 
+from kernels.report import KERNEL_MODULES
 from scripts.gpu_check.settings import ROOT, Settings
 
-# The modules holding the triton forward's kernels.
-KERNEL_MODULES = (
-    "kernels.argmax.triton",
-    "kernels.attention.triton",
-    "kernels.causal_conv1d.triton",
-    "kernels.fold.triton",
-    "kernels.gated_delta_rule.chunk",
-    "kernels.gated_delta_rule.recurrent",
-    "kernels.matmul.triton",
-    "kernels.moe.triton",
-    "kernels.rmsnorm.triton",
-)
 # The figures of the report's other sections that time each kernel (section, key).
 MEASURED = {
     "_matmul_kernel": ("gemm", "speed"),
