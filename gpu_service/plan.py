@@ -180,6 +180,21 @@ def activation_bytes(cfg: ModelConfig, rows: int, itemsize: int) -> int:
     return rows * ((2 * cfg.hidden_size + 2 * widest_linear(cfg)) * itemsize + 4 * f)
 
 
+def split_workspace_bytes(model: HybridModel, rows: int) -> int:
+    """The fp32 partials the split kernels of a verify, decode or drafter call of `rows` rows
+    allocate on a GPU, each live only during its own kernel pair, so the larger counts:
+    attention's split of the keys, or the GEMM's split of K at the linear that needs most
+    (`kernels/attention/triton.py`, `kernels/matmul/triton.py`). A prefill splits neither."""
+    from kernels.attention.triton import workspace_bytes
+    from kernels.matmul.triton import plan as gemm_plan
+
+    cfg = model.cfg
+    attention = workspace_bytes(rows, cfg.num_attention_heads, cfg.head_dim)
+    linears = [w.shape for w in model.wt.values() if w.dim() == 2]
+    gemm = max((gemm_plan(rows, n, k).workspace_bytes for k, n in linears), default=0)
+    return max(attention, gemm)
+
+
 # -- captured graphs -----------------------------------------------------------------------
 
 
@@ -261,6 +276,7 @@ def graph_parts(model: HybridModel, state: DeviceState, svc: ServiceConfig) -> t
     rows = max((padded_rows(b * k) for b, k in verify), default=0)
     widest_chain = max((b for b, _ in chain), default=0)
     pool = activation_bytes(cfg, max(rows, widest_chain), size)
+    pool += split_workspace_bytes(model, max(rows, widest_chain))
     pool += widest_chain * cfg.vocab_size * (size + 4)
     return (2 * len(verify) + len(chain)) * keys, buffers + pool
 
@@ -295,8 +311,11 @@ def make_plan(
     fixed = {
         "weights_bytes": sum(weights.values()),
         "rope_bytes": held_bytes([model.rope]),
-        "workspace_bytes": activation_bytes(
-            cfg, padded_rows(svc.max_prefill_tokens), dtype.itemsize
+        # A prefill's activations, or a verify's with its split kernels' partials: never both.
+        "workspace_bytes": max(
+            activation_bytes(cfg, padded_rows(svc.max_prefill_tokens), dtype.itemsize),
+            activation_bytes(cfg, padded_rows(svc.max_rows), dtype.itemsize)
+            + split_workspace_bytes(model, padded_rows(svc.max_rows)),
         ),
     }
     if auto and memory.bytes is not None:

@@ -64,6 +64,22 @@ def test_flagship_weights_are_its_checkpoints_bytes() -> None:
     assert made.parts["other_state_bytes"] == 0
 
 
+def test_flagship_workspace_holds_the_split_kernels_partials() -> None:
+    """A verify's attention splits its keys, 16 partial rows a query row and head; the plan's
+    workspace counts them on top of the verify's activations."""
+    from kernels.attention.triton import MAX_SPLITS
+
+    cfg = ModelConfig.from_dict(QWEN3_NEXT_80B)
+    svc = ServiceConfig()
+    model = plan.meta_model(cfg, torch.bfloat16, svc.max_context)
+    rows = svc.max_rows
+    partials = rows * cfg.num_attention_heads * MAX_SPLITS * (cfg.head_dim + 2) * 4
+    assert plan.split_workspace_bytes(model, rows) >= partials
+    made = plan.make_plan("flagship", cfg, svc, torch.bfloat16, False, NO_MEMORY)
+    verify = plan.activation_bytes(cfg, rows, 2) + plan.split_workspace_bytes(model, rows)
+    assert made.parts["workspace_bytes"] >= verify
+
+
 @pytest.mark.parametrize("model", ["tiny_dir", "mini_dir"])
 def test_parts_are_the_engines_allocations(request: pytest.FixtureRequest, model: str) -> None:
     directory = request.getfixturevalue(model)
