@@ -27,6 +27,9 @@ CHUNK = 16
 # Value columns per program, from nothing but the kernel (so never from the batch): one
 # sequence at dv 128 and 32 value heads launches 256 programs. tl.dot wants at least 16.
 BV = 16
+# At dk 128, 4 warps: ptxas for sm_100 would take 8 bytes of stack past its own register choice
+# (sm_80 and sm_90 fit in 168); a cap it allocates under keeps every target spill-free.
+MAX_REGISTERS = 192
 
 
 @triton.jit
@@ -169,5 +172,6 @@ def chunk_gated_delta_rule(
         BT=CHUNK,
         BK=bk,
         BV=BV,
+        maxnreg=MAX_REGISTERS,
     )
     return out
