@@ -372,9 +372,20 @@ def build(
                 for v in variants
             ],
             "launch_summary": launch_table(catcher.launches),
-            "launches": [asdict(launch) for launch in catcher.launches],
+            "launches": distinct_launches(catcher.launches),
         }
     return report
+
+
+def distinct_launches(launches: list[Launch]) -> list[dict[str, Any]]:
+    """Each distinct launch once, with how many times the forward made it (a layer's
+    launches repeat in every layer of its kind)."""
+    out: dict[str, dict[str, Any]] = {}
+    for launch in launches:
+        row = asdict(launch)
+        key = json.dumps(row, sort_keys=True)
+        out.setdefault(key, {**row, "count": 0})["count"] += 1
+    return list(out.values())
 
 
 def launch_table(launches: list[Launch]) -> list[dict[str, Any]]:
