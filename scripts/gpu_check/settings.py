@@ -48,7 +48,8 @@ class Settings:
     repeats: int = field(default=5, metadata=_flag("timed steps per batch size"))
     gemm_rows: int = field(
         # Past 64 rows the GEMM walks its splits in one program: the comparison crosses there.
-        default=128, metadata=_flag("the GEMM's row bytes compared over M = 1 .. this")
+        default=128,
+        metadata=_flag("the GEMM's row bytes compared over M = 1 .. this"),
     )
     gemm_speed_rows: tuple[int, ...] = field(
         default=(1, 16, 64), metadata=_flag("M at which the GEMM is timed against cuBLAS")
