@@ -5,7 +5,7 @@ kernel beside it.
 Pairs (row, expert) are stably sorted by expert and each expert's run padded to `ROW_TILE` rows
 (the CPU GEMM then gives a row the same bytes whatever rows share the call); one grouped GEMM
 runs a GEMM per expert hit over its run (on the CPU, where each call costs microseconds of
-dispatch, small experts' runs go instead through one batched GEMM over copies of their
+dispatch, small experts' runs go instead through batched GEMMs over copies of their
 weights: the same bytes); a row's contributions are then added in increasing expert-index
 order, so a row's bytes depend on neither its batch nor the other rows' experts.
 Adding the experts a row did not choose would add exact zeros: this is the dense sum over every
@@ -25,6 +25,9 @@ from kernels.common import ROW_TILE, silu
 # many bytes of weights costs: below it per block, copying each block's expert weights out for
 # one batched GEMM beats a GEMM per expert hit.
 CALL_BYTES = 64 * 1024
+# The expert weights copied for one batched GEMM: half a core's L2 here, so that the GEMM reads
+# the copies from cache rather than from memory, where they would have been written back.
+COPY_BYTES = 1 << 20
 
 
 class Aligned(NamedTuple):
@@ -109,11 +112,20 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Te
 
 def blocked_mm(x: torch.Tensor, w: torch.Tensor, block_experts: torch.Tensor) -> torch.Tensor:
     """x: [B * BM, K], w: [E, K, N], block_experts: [B] int64 (each < E) -> [B * BM, N]: each
-    block of BM rows times its expert's weight, one batched GEMM over a copy of the blocks'
-    weights. A block's rows get the bytes `torch.mm` gives them."""
+    block of BM rows times its expert's weight, by batched GEMMs over copies of the blocks'
+    weights, `COPY_BYTES` of them at a time into one buffer. A block's rows get the bytes
+    `torch.mm` gives them."""
     blocks = block_experts.numel()
-    weights = w.index_select(0, block_experts)
-    return torch.bmm(x.view(blocks, -1, x.shape[1]), weights).view(x.shape[0], w.shape[2])
+    xs = x.view(blocks, -1, x.shape[1])
+    out = x.new_empty(blocks, xs.shape[1], w.shape[2])
+    per_call = max(1, COPY_BYTES // (w.shape[1] * w.shape[2] * w.element_size()))
+    copies = w.new_empty(min(per_call, blocks), w.shape[1], w.shape[2])
+    for start in range(0, blocks, per_call):
+        chosen = block_experts[start : start + per_call]
+        n = chosen.numel()
+        torch.index_select(w, 0, chosen, out=copies[:n])
+        torch.bmm(xs[start : start + n], copies[:n], out=out[start : start + n])
+    return out.view(x.shape[0], w.shape[2])
 
 
 def _trimmed(aligned: Aligned, block_m: int) -> Aligned:

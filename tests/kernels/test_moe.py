@@ -155,13 +155,21 @@ def test_grouped_mm_without_torchs_grouped_gemm(monkeypatch: pytest.MonkeyPatch)
     assert torch.equal(expected[4:12], torch.mm(x[4:12], w[2]))
 
 
-@pytest.mark.parametrize("call_bytes", [0, 1 << 30], ids=["per-expert", "blocked"])
-def test_cpu_paths_give_the_same_bytes(call_bytes: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The CPU's two ways to run the experts' GEMMs (a GEMM per expert hit, or one batched GEMM
-    over copies of each block's weights), chosen by what a call costs: the dense sum's bytes
-    either way, and each block's rows the bytes of `torch.mm` on them."""
+@pytest.mark.parametrize(
+    ("call_bytes", "copy_bytes"),
+    [(0, naive.COPY_BYTES), (1 << 30, naive.COPY_BYTES), (1 << 30, 1)],
+    ids=["per-expert", "blocked", "blocked-one-copy-a-call"],
+)
+def test_cpu_paths_give_the_same_bytes(
+    call_bytes: int, copy_bytes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CPU's two ways to run the experts' GEMMs (a GEMM per expert hit, or batched GEMMs
+    over copies of each block's weights, as many a call as `COPY_BYTES` holds), chosen by what a
+    call costs: the dense sum's bytes either way, and each block's rows the bytes of `torch.mm`
+    on them."""
     x, w13, w2, experts, weights = make_moe((12, 64, 40, 16, 4, True), torch.float32)
     monkeypatch.setattr(naive, "CALL_BYTES", call_bytes)
+    monkeypatch.setattr(naive, "COPY_BYTES", copy_bytes)
     assert torch.equal(
         naive.routed_moe(x, w13, w2, experts, weights),
         naive.dense_moe(x, w13, w2, experts, weights),
