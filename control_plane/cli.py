@@ -33,6 +33,19 @@ def _init_model(args: argparse.Namespace) -> None:
     print(f"wrote {init_model(args.directory, seed=args.seed)}")
 
 
+def _quantize(args: argparse.Namespace) -> None:
+    from gpu_service.quantize import quantize_checkpoint
+
+    try:
+        names = quantize_checkpoint(args.src, args.dst, args.fp8_block)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"met quantize: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(
+        f"{args.dst}: {len(names)} linear weights in FP8 ({args.fp8_block} x {args.fp8_block} blocks)"
+    )
+
+
 def _up(args: argparse.Namespace) -> None:
     from control_plane.up import run
 
@@ -163,6 +176,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train_options.add_args(train_cmd)
     train_cmd.set_defaults(fn=_train)
+
+    quantize = sub.add_parser(
+        "quantize", help="rewrite a checkpoint in the block-FP8 layout Qwen publishes"
+    )
+    quantize.add_argument(
+        "--fp8-block", type=int, required=True, metavar="N", help="the scale block (only 128)"
+    )
+    quantize.add_argument("src", type=Path, help="a bf16 or fp32 checkpoint directory")
+    quantize.add_argument("dst", type=Path, help="a new directory for the FP8 checkpoint")
+    quantize.set_defaults(fn=_quantize)
 
     init = sub.add_parser("init-model", help="write seeded random weights into a checkpoint")
     init.add_argument("directory", type=Path, help="a new checkpoint directory")

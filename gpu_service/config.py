@@ -6,6 +6,8 @@ import json
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
+from gpu_service.quantization import Fp8Blocks
+from gpu_service.quantization import parse as parse_quantization
 from protos import checks
 
 LINEAR = "linear_attention"
@@ -60,6 +62,8 @@ class ModelConfig:
     mlp_only_layers: tuple[int, ...] = ()
     attention_bias: bool = False  # not supported: no checkpoint of this family uses it
     rope_type: str = "default"  # scaled RoPE variants are not supported
+    # config.json's `quantization_config`: block FP8 (gpu_service/quantization.py) or none.
+    quantization: Fp8Blocks | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
@@ -161,6 +165,9 @@ class ModelConfig:
         d["layer_types"] = list(self.layer_types)
         d["mlp_only_layers"] = list(self.mlp_only_layers)
         d["architectures"] = ["Qwen3NextForCausalLM"]
+        d.pop("quantization")
+        if self.quantization is not None:
+            d["quantization_config"] = self.quantization.to_dict()
         return json.dumps(d, indent=2) + "\n"
 
     @classmethod
@@ -184,6 +191,7 @@ class ModelConfig:
                 d.pop(key, None)
         if d.get("torch_dtype") is None:
             d.pop("torch_dtype", None)
+        d["quantization"] = parse_quantization(d.pop("quantization_config", None))
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
 

@@ -139,6 +139,7 @@ class Engine:
             max_prefill_tokens=self.svc.max_prefill_tokens,
             model_digest=self.digest,
             graphs=self.choice.graphs is not None,
+            quantization=self.cfg.quantization.name if self.cfg.quantization else "",
         )
 
     def tokenizer_files(self) -> dict[str, bytes]:

@@ -24,13 +24,16 @@ from gpu_service.model.hybrid import HybridModel, held_bytes
 from gpu_service.model.ops import padded_rows
 from gpu_service.model.weights import (
     checkpoint_index,
+    expected_tensors,
     served_config,
     serving_dtype,
     weight_shapes,
 )
 from gpu_service.options import MAX_AUTO_SLOTS, service_config
+from gpu_service.quantization import fp8_names, scale_name, scale_shape
 from gpu_service.state import DeviceState
 from kernels.attention.naive import KEY_BLOCK
+from kernels.fp8.naive import FP8
 
 META = torch.device("meta")
 # Each part's key (in `--json`) and its line in the report; `total_bytes` is their sum.
@@ -110,13 +113,27 @@ def load_config(path: Path) -> ModelConfig:
         raise FileNotFoundError(f"{path} has no config.json")
     cfg = ModelConfig.load(path)
     try:
-        return served_config(cfg, checkpoint_index(path))
+        index = checkpoint_index(path)
     except FileNotFoundError:  # a directory with no weights yet: the config as written
         return cfg
+    cfg = served_config(cfg, index)
+    expected_tensors(cfg, index)  # what the engine would refuse is refused before it loads
+    return cfg
 
 
 def meta_model(cfg: ModelConfig, dtype: torch.dtype, max_context: int) -> HybridModel:
-    weights = {n: torch.empty(s, dtype=dtype, device=META) for n, s in weight_shapes(cfg).items()}
+    """The model on `meta`, its weights as a checkpoint of `cfg` holds them: in `dtype`, or
+    in FP8 with their scales where the config quantizes them."""
+    shapes = weight_shapes(cfg)
+    fp8 = fp8_names(cfg.quantization, shapes)
+    weights = {}
+    for name, shape in shapes.items():
+        if name in fp8:
+            weights[name] = torch.empty(shape, dtype=FP8, device=META)
+            scales = torch.empty(scale_shape(shape), dtype=torch.float32, device=META)
+            weights[scale_name(name)] = scales
+        else:
+            weights[name] = torch.empty(shape, dtype=dtype, device=META)
     return HybridModel(cfg, weights, max_context)
 
 
@@ -190,7 +207,7 @@ def split_workspace_bytes(model: HybridModel, rows: int) -> int:
 
     cfg = model.cfg
     attention = workspace_bytes(rows, cfg.num_attention_heads, cfg.head_dim)
-    linears = [w.shape for w in model.wt.values() if w.dim() == 2]
+    linears = [w.shape for w in model.wt.values() if isinstance(w, torch.Tensor) and w.dim() == 2]
     gemm = max((gemm_plan(rows, n, k).workspace_bytes for k, n in linears), default=0)
     return max(attention, gemm)
 

@@ -132,6 +132,9 @@ class Capabilities:
     # Whether the batched verify and the drafter's chain replay captured graphs (CUDA graphs;
     # `--no-cuda-graphs` or METRALE_NO_MTP_VERIFY_GRAPHS: eager).
     graphs: bool = False
+    # The checkpoint's quantization as served (gpu_service/quantization.py names it, e.g.
+    # "fp8-e4m3-block128"); "" when its weights are served as stored.
+    quantization: str = ""
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from gpu_service.state import DeviceState
 from kernels.attention.naive import varlen_attention
 from kernels.causal_conv1d.naive import varlen_causal_conv1d
 from kernels.common import rms_scaled
+from kernels.fp8.naive import BlockFp8
 from kernels.gated_delta_rule.naive import (
     prepare_qk_pair,
     varlen_chunk_gated_delta_rule,
@@ -34,7 +35,9 @@ Cache = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 class EagerOps:
     name = "eager"
 
-    def linear(self, x: torch.Tensor, weight_t: torch.Tensor, tile: int = ROW_TILE) -> torch.Tensor:
+    def linear(
+        self, x: torch.Tensor, weight_t: torch.Tensor | BlockFp8, tile: int = ROW_TILE
+    ) -> torch.Tensor:
         """x: [P, K] (P a multiple of `tile`), weight_t: [K, N] -> [P, N]: `ops.linear`."""
         return linear(x, weight_t, tile)
 
@@ -61,8 +64,8 @@ class EagerOps:
     def moe(
         self,
         x: torch.Tensor,
-        w13: torch.Tensor,
-        w2: torch.Tensor,
+        w13: torch.Tensor | BlockFp8,
+        w2: torch.Tensor | BlockFp8,
         experts: torch.Tensor,
         weights: torch.Tensor,
     ) -> torch.Tensor:

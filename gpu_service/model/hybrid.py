@@ -44,10 +44,13 @@ class HybridModel:
         so that each is dropped once packed (`gpu_service/model/packing.py`)."""
         packed = pack(cfg, weights.items() if isinstance(weights, Mapping) else weights)
         self.cfg, self.wt, self.vectors = cfg, packed.linears, packed.vectors
-        lm_head = self.wt["lm_head"]  # [H, V]
-        self.dtype, self.device = lm_head.dtype, lm_head.device
         # Untied: the embedding as loaded, [V, H]; tied: None, looked up in lm_head's columns.
         self.embed = self.vectors.pop("model.embed_tokens.weight", None)
+        table = self.embed if self.embed is not None else self.wt["lm_head"]  # [V, H] / [H, V]
+        if not isinstance(table, torch.Tensor):
+            raise ValueError("lm_head is FP8 and tied to the embedding, which is looked up in it")
+        # The activations' dtype: the embedding's, whatever the linears are held in.
+        self.dtype, self.device = table.dtype, table.device
         cos, sin = rope_table(cfg.rotary_dim, cfg.rope_theta, max_context)
         half = cfg.rotary_dim // 2
         # [ctx, 2, rot]: cos, and sin signed for rotate-half (x2, x1) order.
@@ -80,7 +83,9 @@ class HybridModel:
         the GEMMs in a layout whose kernel depends on the row count."""
         if self.embed is not None:
             return self.embed.index_select(0, tokens)
-        return self.wt["lm_head"].index_select(1, tokens).t().contiguous()
+        lm_head = self.wt["lm_head"]
+        assert isinstance(lm_head, torch.Tensor)  # HybridModel refuses a tied FP8 lm_head
+        return lm_head.index_select(1, tokens).t().contiguous()
 
     def held_tensors(self) -> list[torch.Tensor]:
         """Every tensor the model holds for its weights (norms, tables and biases included),

@@ -13,14 +13,20 @@ from __future__ import annotations
 import torch
 
 from kernels.common import ROW_TILE, pad_rows, padded_rows
+from kernels.fp8.naive import BlockFp8, fp8_linear
 
 __all__ = ["ROW_TILE", "apply_rope", "linear", "pad_rows", "padded_rows", "rope_table"]
 
 
-def linear(x: torch.Tensor, weight_t: torch.Tensor, tile: int = ROW_TILE) -> torch.Tensor:
-    """x: [P, K] (P a multiple of `tile`), weight_t: [K, N] contiguous -> [P, N]"""
+def linear(
+    x: torch.Tensor, weight_t: torch.Tensor | BlockFp8, tile: int = ROW_TILE
+) -> torch.Tensor:
+    """x: [P, K] (P a multiple of `tile`), weight_t: [K, N] contiguous, or held in FP8 ->
+    [P, N] in x's dtype"""
     if x.shape[0] % tile:
         raise ValueError(f"linear takes rows padded to {tile}; got {x.shape[0]}")
+    if isinstance(weight_t, BlockFp8):
+        return fp8_linear(x, weight_t)
     return torch.mm(x, weight_t)
 
 

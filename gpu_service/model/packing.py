@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 import torch
 
 from gpu_service.config import ModelConfig
+from gpu_service.quantization import SCALE_SUFFIX
+from kernels.fp8.naive import BLOCK, FP8, BlockFp8
 
 Index = tuple[int | slice, ...]
 # (kept tensor's key, its whole shape, where this piece goes in it, the piece as [in, out])
@@ -29,14 +31,21 @@ Piece = tuple[str, tuple[int, ...], Index, torch.Tensor]
 
 @dataclass
 class Packed:
-    linears: dict[str, torch.Tensor] = field(default_factory=dict)  # [in, out] (experts: [E, ..])
+    # [in, out] (experts: [E, ..]); a linear stored in FP8 as a BlockFp8 of that layout
+    linears: dict[str, torch.Tensor | BlockFp8] = field(default_factory=dict)
     vectors: dict[str, torch.Tensor] = field(default_factory=dict)  # as loaded, by HF name
 
 
 def pack(cfg: ModelConfig, stream: Iterable[tuple[str, torch.Tensor]]) -> Packed:
-    """Source tensors by HF name -> the kept layout (norms not folded yet)."""
+    """Source tensors by HF name -> the kept layout (norms not folded yet). FP8 weights keep
+    their bytes; their scales wait beside them (a 128th of a 128th of the weight) until every
+    source of a kept tensor has come, and then become its scale grid (`_Fp8Grids`)."""
     out = Packed()
+    grids = _Fp8Grids()
     for name, t in stream:
+        if name.endswith(SCALE_SUFFIX):
+            grids.scales[name.removesuffix(SCALE_SUFFIX) + "weight"] = t
+            continue
         pieces = _pieces(cfg, name, t)
         if pieces is None:
             out.vectors[name] = t
@@ -44,9 +53,91 @@ def pack(cfg: ModelConfig, stream: Iterable[tuple[str, torch.Tensor]]) -> Packed
         for key, shape, index, piece in pieces:
             if key not in out.linears:
                 out.linears[key] = torch.empty(shape, dtype=t.dtype, device=t.device)
-            out.linears[key][index].copy_(piece)
+            kept = out.linears[key]
+            assert isinstance(kept, torch.Tensor)  # FP8 ones become BlockFp8 once all is read
+            if kept.dtype != t.dtype:
+                raise ValueError(f"{name} is {t.dtype}, but {key} fuses it with {kept.dtype}")
+            kept[index].copy_(piece)
+        if t.dtype == FP8:
+            grids.place(cfg, name, t.shape)
         del t, pieces
+    grids.finish(out.linears)
     return out
+
+
+class _Fp8Grids:
+    """The scale grids of the kept FP8 linears. A kept column's scale comes from the block of
+    its source row in its source weight; the packing's regrouping (q and gate per head, GDN's
+    groups) can cut a block's rows apart, so each kept column names its grid column, and the
+    grid has a column per run of kept columns from one source block (`BlockFp8`)."""
+
+    def __init__(self) -> None:
+        self.scales: dict[str, torch.Tensor] = {}  # weight name -> weight_scale_inv
+        # kept key -> per kept column: (source weight name, with an expert's index as {e}), row
+        self.columns: dict[str, list[tuple[str, int] | None]] = {}
+        self.experts: dict[str, int] = {}  # stacked kept key -> experts
+
+    def place(self, cfg: ModelConfig, name: str, shape: torch.Size) -> None:
+        """Record where each row of source weight `name` [out, in] went: the same packing run
+        on its row numbers."""
+        rows = torch.arange(shape[0]).view(-1, 1)
+        for key, kept_shape, index, piece in _pieces(cfg, name, rows) or []:
+            source, expert = _expert_template(name)
+            if expert is not None:
+                if expert:
+                    continue  # every expert's columns land where expert 0's do
+                self.experts[key] = kept_shape[0]
+            columns = self.columns.setdefault(key, [None] * kept_shape[-1])
+            cols = index[-1] if index and isinstance(index[-1], slice) else slice(None)
+            for c, r in zip(
+                range(*cols.indices(len(columns))), piece.reshape(-1).tolist(), strict=True
+            ):
+                columns[c] = (source, r)
+
+    def finish(self, linears: dict[str, torch.Tensor | BlockFp8]) -> None:
+        """Each FP8 kept tensor with its grid [KB, G] ([E, KB, G]) and column groups [N]."""
+        for key, columns in self.columns.items():
+            if any(c is None for c in columns):
+                raise ValueError(f"{key} fuses FP8 weights with weights of another dtype")
+            runs: list[tuple[str, int]] = []
+            groups = []
+            for source, row in columns:  # type: ignore[misc]
+                run = (source, row // BLOCK)
+                if not runs or runs[-1] != run:
+                    runs.append(run)
+                groups.append(len(runs) - 1)
+            weight = linears[key]
+            assert isinstance(weight, torch.Tensor)
+            experts = self.experts.get(key)
+            if experts is None:
+                grid = self._grid(runs, None)
+            else:
+                grid = torch.stack([self._grid(runs, e) for e in range(experts)])
+            group_t = torch.tensor(groups, dtype=torch.int32, device=weight.device)
+            linears[key] = BlockFp8(weight, grid.to(weight.device), group_t)
+        if self.scales:
+            left = next(iter(self.scales)).removesuffix("weight") + SCALE_SUFFIX
+            raise ValueError(f"{left} scales no FP8 weight")
+
+    def _grid(self, runs: list[tuple[str, int]], expert: int | None) -> torch.Tensor:
+        """[KB, G]: column g is its run's source block row of weight_scale_inv."""
+        cols = []
+        for source, block in runs:
+            name = source.format(e=expert) if expert is not None else source
+            cols.append(self.scales[name][block])
+        for source in {s for s, _ in runs}:
+            self.scales.pop(source.format(e=expert) if expert is not None else source, None)
+        return torch.stack(cols, 1).float().contiguous()
+
+
+def _expert_template(name: str) -> tuple[str, int | None]:
+    """`...experts.7.up_proj.weight` -> (`...experts.{e}.up_proj.weight`, 7); others (name,
+    None)."""
+    layer, sep, rest = name.partition(".experts.")
+    expert, dot, tail = rest.partition(".")
+    if not sep or not expert.isdigit():
+        return name, None
+    return f"{layer}.experts.{{e}}.{tail}", int(expert)
 
 
 def _pieces(cfg: ModelConfig, name: str, t: torch.Tensor) -> list[Piece] | None:
@@ -138,7 +229,8 @@ _FOLDED = {
 
 
 def fold_norms(
-    linears: dict[str, torch.Tensor], norms: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    linears: dict[str, torch.Tensor | BlockFp8],
+    norms: dict[str, tuple[torch.Tensor, torch.Tensor]],
 ) -> set[str]:
     """Scale, in place, each foldable norm's consumers in `linears` by its 1 + w; -> the norms
     folded."""
@@ -147,12 +239,17 @@ def fold_norms(
         prefix, _, kind = name.rpartition(".")
         if name == "mtp.pre_fc_norm_hidden":
             fc = linears["mtp.fc"]  # its input is [embedding; hidden]
+            if not isinstance(fc, torch.Tensor):
+                continue  # FP8: see below
             _scale_rows_(fc[fc.shape[0] // 2 :], one_plus)
             folded.add(name)
             continue
-        targets = [f"{prefix}.{c}" for c in _FOLDED.get(kind, ())]
-        for key in (k for k in targets if k in linears):
+        targets = [k for c in _FOLDED.get(kind, ()) if (k := f"{prefix}.{c}") in linears]
+        if any(isinstance(linears[k], BlockFp8) for k in targets):
+            continue  # scaling FP8 rows would round them again: the norm keeps its 1 + w
+        for key in targets:
             weight = linears[key]
+            assert isinstance(weight, torch.Tensor)
             # Stacked experts in eighths: the fp32 copy stays a fraction of the tensor.
             for part in weight.chunk(8) if weight.dim() == 3 else [weight]:
                 _scale_rows_(part, one_plus)

@@ -14,6 +14,7 @@ from kernels.argmax.triton import argmax_confidence
 from kernels.attention.triton import attention
 from kernels.causal_conv1d.triton import causal_conv1d, causal_conv1d_update
 from kernels.fold.triton import fold
+from kernels.fp8.naive import BlockFp8
 from kernels.gated_delta_rule.chunk import chunk_gated_delta_rule
 from kernels.gated_delta_rule.recurrent import recurrent_gated_delta_rule
 from kernels.matmul.triton import matmul
@@ -71,7 +72,9 @@ def mix_gdn(
 class TritonOps(EagerOps):
     name = "triton"
 
-    def linear(self, x: torch.Tensor, weight_t: torch.Tensor, tile: int = ROW_TILE) -> torch.Tensor:
+    def linear(
+        self, x: torch.Tensor, weight_t: torch.Tensor | BlockFp8, tile: int = ROW_TILE
+    ) -> torch.Tensor:
         """The batch-invariant GEMM on a GPU, where cuBLAS picks its kernel by the row count.
         On the CPU the tiled torch product stays: it is batch invariant there already (see
         `gpu_service/model/ops.py`), and the interpreted GEMM would cost the suite minutes.
@@ -83,8 +86,8 @@ class TritonOps(EagerOps):
     def moe(
         self,
         x: torch.Tensor,
-        w13: torch.Tensor,
-        w2: torch.Tensor,
+        w13: torch.Tensor | BlockFp8,
+        w2: torch.Tensor | BlockFp8,
         experts: torch.Tensor,
         weights: torch.Tensor,
     ) -> torch.Tensor:

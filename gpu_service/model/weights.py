@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from gpu_service.config import FULL, ModelConfig
+from gpu_service.quantization import SCALE_SUFFIX, quantizable, scale_name, scale_shape
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -154,7 +155,9 @@ _DTYPES = {
     "I8": torch.int8,
     "U8": torch.uint8,
     "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
 }
+FP8_NAME = "F8_E4M3"
 
 
 def read_header(path: Path) -> tuple[dict[str, dict], int]:
@@ -167,14 +170,69 @@ def read_header(path: Path) -> tuple[dict[str, dict], int]:
     return header, 8 + n
 
 
-def checkpoint_index(directory: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
-    """Every tensor of the checkpoint in `directory` -> its shard and shape, from the headers
-    alone."""
+def checkpoint_index(directory: Path) -> dict[str, tuple[Path, tuple[int, ...], str]]:
+    """Every tensor of the checkpoint in `directory` -> its shard, shape and safetensors dtype
+    name, from the headers alone."""
     return {
-        n: (shard, tuple(e["shape"]))
+        n: (shard, tuple(e["shape"]), e["dtype"])
         for shard in shard_paths(directory)
         for n, e in read_header(shard)[0].items()
     }
+
+
+def expected_tensors(
+    cfg: ModelConfig, index: dict[str, tuple[Path, tuple[int, ...], str]]
+) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+    """What the engine reads from a checkpoint of `cfg` whose headers are `index`: (every
+    tensor's name -> shape, the weights held in FP8). A tensor missing, of another shape, in
+    FP8 where it cannot be, or one the engine would not read is refused with a sentence naming
+    it (the first by name), before any tensor is read."""
+    expected = weight_shapes(cfg)
+    fp8 = {n for n in expected if n in index and index[n][2] == FP8_NAME}
+    for name in sorted(fp8):
+        if cfg.quantization is None:
+            raise ValueError(
+                f"{name} is stored as float8_e4m3fn, but config.json has no quantization_config"
+            )
+        if not quantizable(name, expected[name]):
+            raise ValueError(f"{name} is stored as float8_e4m3fn; only linear weights load as FP8")
+        if cfg.quantization.keeps(name):
+            raise ValueError(
+                f"{name} is stored as float8_e4m3fn, but modules_to_not_convert keeps it "
+                "unquantized"
+            )
+        expected[scale_name(name)] = scale_shape(expected[name])
+    missing = sorted(set(expected) - set(index))
+    if missing:
+        raise ValueError(f"the checkpoint lacks {len(missing)} tensors, first {missing[0]!r}")
+    for name, shape in expected.items():
+        if index[name][1] != shape:
+            raise ValueError(f"{name} has shape {index[name][1]}; the config says {shape}")
+    unknown = sorted(n for n in set(index) - set(expected) if not _moot(cfg, n, index[n][1]))
+    if unknown:
+        raise ValueError(
+            f"the checkpoint holds {unknown[0]!r}, which this engine would not read"
+            f"{_unknown_hint(unknown[0], cfg)}; it refuses to drop a tensor without a word"
+        )
+    return expected, fp8
+
+
+def _moot(cfg: ModelConfig, name: str, shape: tuple[int, ...]) -> bool:
+    """Whether a tensor the engine does not read cannot change what the model computes:
+    transformers writes a shared expert of size 0 as empty tensors beside its gate, which
+    scales that expert's zero output."""
+    gate = name.endswith(".mlp.shared_expert_gate.weight")
+    return not math.prod(shape) or (gate and not cfg.shared_expert_intermediate_size)
+
+
+def _unknown_hint(name: str, cfg: ModelConfig) -> str:
+    if name.endswith(SCALE_SUFFIX):
+        return " (a scale beside a weight that is not stored as float8_e4m3fn)"
+    if "scale" in name.rsplit(".", 1)[-1]:
+        return " (a quantization scale of a kind this engine does not serve)"
+    if name.startswith("mtp.") and not cfg.has_mtp:
+        return " (an MTP head the config does not declare)"
+    return ""
 
 
 def _read_tensors(shard: Path, wanted: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -223,23 +281,26 @@ def stream_weights(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
 ) -> tuple[Iterator[tuple[str, torch.Tensor]], ModelConfig]:
-    """The checkpoint's tensors one at a time, each on `device` in `dtype`, checked name by
-    name (before the first is read) and shape by shape against `cfg`. A checkpoint without
-    `mtp.*` tensors loads with the drafter off (the returned config has no MTP layer)."""
+    """The checkpoint's tensors one at a time, each on `device` in `dtype` (FP8 weights stay
+    FP8 and their scales fp32), checked name by name, shape by shape and dtype by dtype against
+    `cfg` before the first is read (`expected_tensors`). A checkpoint without `mtp.*` tensors
+    loads with the drafter off (the returned config has no MTP layer)."""
     index = checkpoint_index(directory)
     cfg = served_config(cfg, index)
-    expected = weight_shapes(cfg)
-    missing = sorted(set(expected) - set(index))
-    if missing:
-        raise ValueError(f"{directory} lacks {len(missing)} tensors, first {missing[0]!r}")
-    for name, shape in expected.items():
-        if index[name][1] != shape:
-            raise ValueError(f"{name} has shape {index[name][1]}; the config says {shape}")
+    try:
+        expected, fp8 = expected_tensors(cfg, index)
+    except ValueError as e:
+        raise ValueError(f"{directory}: {e}") from None
+
+    def kept_dtype(name: str) -> torch.dtype | None:
+        if name in fp8:
+            return None  # as stored
+        return torch.float32 if name.endswith(SCALE_SUFFIX) else dtype
 
     def stream() -> Iterator[tuple[str, torch.Tensor]]:
         for shard in dict.fromkeys(index[n][0] for n in expected):
             for name, t in _read_tensors(shard, set(expected)):
-                yield name, t.to(device=device, dtype=dtype)
+                yield name, t.to(device=device, dtype=kept_dtype(name))
 
     return stream(), cfg
 
