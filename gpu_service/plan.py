@@ -89,6 +89,7 @@ class Plan:
     num_graphs: int  # graphs a service can capture over its life (they are captured on use)
     memory: Memory
     seconds: float = 0.0
+    quantization: str = ""  # the checkpoint's, as Capabilities names it; "" when none
 
     @property
     def total(self) -> int:
@@ -355,6 +356,7 @@ def make_plan(
         num_graphs,
         memory,
         time.perf_counter() - start,
+        cfg.quantization.name if cfg.quantization else "",
     )
 
 

@@ -28,6 +28,8 @@ def _slots(n: int) -> str:
 def _settings(plan: Plan) -> str:
     svc = plan.svc
     dtype = str(plan.dtype).removeprefix("torch.")
+    if plan.quantization:
+        dtype += f", linears in {plan.quantization}"
     return (
         f"{plan.model} in {dtype}: {_slots(svc.num_slots)} (verify tiers {svc.verify_tiers}), "
         f"max context {svc.max_context}, max prefill {svc.max_prefill_tokens} tokens, "
@@ -98,6 +100,7 @@ def to_json(plan: Plan) -> dict:
     return {
         "model": plan.model,
         "dtype": str(plan.dtype).removeprefix("torch."),
+        "quantization": plan.quantization,
         "num_slots": svc.num_slots,
         "verify_tiers": svc.verify_tiers,
         "max_context": svc.max_context,

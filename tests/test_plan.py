@@ -22,6 +22,7 @@ from gpu_service.engine import Engine
 from gpu_service.model.hybrid import held_bytes
 from gpu_service.model.weights import weight_shapes
 from gpu_service.options import parse_bytes
+from gpu_service.quantization import fp8_names
 from tests.conftest import TINY_SERVICE
 from tests.flagship import QWEN3_NEXT_80B
 
@@ -64,6 +65,27 @@ def test_flagship_weights_are_its_checkpoints_bytes() -> None:
     assert made.parts["other_state_bytes"] == 0
 
 
+def test_flagship_fp8_counts_a_byte_a_weight_and_fits_one_h200() -> None:
+    """The FP8 checkpoint Qwen publishes: its quantized linears at one byte a weight, their
+    scales and column groups, the rest in bf16; on one H200 (141 GB) it leaves slots at the
+    model's full context."""
+    config = ROOT / "gpu_service/models/qwen3-next-80b-a3b-fp8/config.json"
+    made = _plan(
+        config, "--device-memory", "141GB", "--num-slots", "6", "--max-context", "262144"
+    )
+    cfg = plan.load_config(config)
+    assert cfg.quantization is not None and made.quantization == "fp8-e4m3-block128"
+    shapes = weight_shapes(cfg)
+    fp8 = fp8_names(cfg.quantization, shapes)
+    assert made.weights_by_dtype["float8_e4m3fn"] == sum(math.prod(shapes[n]) for n in fp8)
+    kept = sum(2 * math.prod(s) for n, s in shapes.items() if n not in fp8)
+    assert kept <= made.weights_by_dtype["bfloat16"] <= 1.02 * kept
+    scales = made.weights_by_dtype["float32"] + made.weights_by_dtype["int32"]
+    assert scales <= 0.001 * made.weights_by_dtype["float8_e4m3fn"]
+    assert made.fits, plan_report.report(made)
+    print(plan_report.report(made))
+
+
 def test_flagship_workspace_holds_the_split_kernels_partials() -> None:
     """A verify's attention splits its keys, 16 partial rows a query row and head; the plan's
     workspace counts them on top of the verify's activations."""
@@ -80,7 +102,15 @@ def test_flagship_workspace_holds_the_split_kernels_partials() -> None:
     assert made.parts["workspace_bytes"] >= verify
 
 
-@pytest.mark.parametrize("model", ["tiny_dir", "mini_dir"])
+@pytest.fixture(scope="module")
+def mini_fp8_dir(mini_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The miniature flagship rewritten in block FP8 by `met quantize`."""
+    directory = tmp_path_factory.mktemp("mini-fp8") / "fp8"
+    main(["quantize", "--fp8-block", "128", str(mini_dir), str(directory)])
+    return directory
+
+
+@pytest.mark.parametrize("model", ["tiny_dir", "mini_dir", "mini_fp8_dir"])
 def test_parts_are_the_engines_allocations(request: pytest.FixtureRequest, model: str) -> None:
     directory = request.getfixturevalue(model)
     engine = Engine(directory, TINY_SERVICE)

@@ -80,12 +80,12 @@ class _Fp8Grids:
     def place(self, cfg: ModelConfig, name: str, shape: torch.Size) -> None:
         """Record where each row of source weight `name` [out, in] went: the same packing run
         on its row numbers."""
+        source, expert = _expert_template(name)
+        if expert:
+            return  # every expert's columns land where expert 0's do
         rows = torch.arange(shape[0]).view(-1, 1)
         for key, kept_shape, index, piece in _pieces(cfg, name, rows) or []:
-            source, expert = _expert_template(name)
             if expert is not None:
-                if expert:
-                    continue  # every expert's columns land where expert 0's do
                 self.experts[key] = kept_shape[0]
             columns = self.columns.setdefault(key, [None] * kept_shape[-1])
             cols = index[-1] if index and isinstance(index[-1], slice) else slice(None)
@@ -108,26 +108,28 @@ class _Fp8Grids:
                 groups.append(len(runs) - 1)
             weight = linears[key]
             assert isinstance(weight, torch.Tensor)
-            experts = self.experts.get(key)
-            if experts is None:
-                grid = self._grid(runs, None)
-            else:
-                grid = torch.stack([self._grid(runs, e) for e in range(experts)])
+            grid = self._grid(runs, self.experts.get(key))
             group_t = torch.tensor(groups, dtype=torch.int32, device=weight.device)
             linears[key] = BlockFp8(weight, grid.to(weight.device), group_t)
         if self.scales:
             left = next(iter(self.scales)).removesuffix("weight") + SCALE_SUFFIX
             raise ValueError(f"{left} scales no FP8 weight")
 
-    def _grid(self, runs: list[tuple[str, int]], expert: int | None) -> torch.Tensor:
-        """[KB, G]: column g is its run's source block row of weight_scale_inv."""
-        cols = []
-        for source, block in runs:
-            name = source.format(e=expert) if expert is not None else source
-            cols.append(self.scales[name][block])
-        for source in {s for s, _ in runs}:
-            self.scales.pop(source.format(e=expert) if expert is not None else source, None)
-        return torch.stack(cols, 1).float().contiguous()
+    def _grid(self, runs: list[tuple[str, int]], experts: int | None) -> torch.Tensor:
+        """[KB, G] ([E, KB, G]): column g is its run's source block row of weight_scale_inv.
+        The sources' scales are dropped once read."""
+        sources = list(dict.fromkeys(source for source, _ in runs))
+        tables, start = [], {}
+        for source in sources:
+            start[source] = sum(t.shape[-2] for t in tables)
+            if experts is None:
+                tables.append(self.scales.pop(source))  # [NB, KB]
+            else:
+                names = [source.format(e=e) for e in range(experts)]
+                tables.append(torch.stack([self.scales.pop(n) for n in names]))  # [E, NB, KB]
+        rows = torch.tensor([start[source] + block for source, block in runs])
+        table = torch.cat(tables, -2)
+        return table.index_select(-2, rows.to(table.device)).transpose(-1, -2).float().contiguous()
 
 
 def _expert_template(name: str) -> tuple[str, int | None]:

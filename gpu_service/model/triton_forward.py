@@ -15,6 +15,7 @@ from kernels.attention.triton import attention
 from kernels.causal_conv1d.triton import causal_conv1d, causal_conv1d_update
 from kernels.fold.triton import fold
 from kernels.fp8.naive import BlockFp8
+from kernels.fp8.triton import fp8_matmul
 from kernels.gated_delta_rule.chunk import chunk_gated_delta_rule
 from kernels.gated_delta_rule.recurrent import recurrent_gated_delta_rule
 from kernels.matmul.triton import matmul
@@ -78,10 +79,13 @@ class TritonOps(EagerOps):
         """The batch-invariant GEMM on a GPU, where cuBLAS picks its kernel by the row count.
         On the CPU the tiled torch product stays: it is batch invariant there already (see
         `gpu_service/model/ops.py`), and the interpreted GEMM would cost the suite minutes.
-        `meta` takes the GPU's path: `kernels.report` catches the launches there."""
-        if x.device.type != "cpu":
-            return matmul(x, weight_t)
-        return super().linear(x, weight_t, tile)
+        `meta` takes the GPU's path: `kernels.report` catches the launches there. FP8 weights
+        go to the block-scaled FP8 GEMM (`kernels/fp8/triton.py`)."""
+        if x.device.type == "cpu":
+            return super().linear(x, weight_t, tile)
+        if isinstance(weight_t, BlockFp8):
+            return fp8_matmul(x, weight_t)
+        return matmul(x, weight_t)
 
     def moe(
         self,

@@ -26,7 +26,6 @@ import torch
 
 from kernels.fp8.format import BLOCK, FP8_MAX
 
-__all__ = ["BLOCK", "FP8", "FP8_MAX", "BlockFp8", "fp8_linear", "quantize_blocks", "quantize_rows"]
 
 FP8 = torch.float8_e4m3fn
 # A group or block of zeros gets this amax, not 0: its scale stays finite and its values 0.
