@@ -41,9 +41,8 @@ def _quantize(args: argparse.Namespace) -> None:
     except (ValueError, FileNotFoundError) as e:
         print(f"met quantize: error: {e}", file=sys.stderr)
         sys.exit(2)
-    print(
-        f"{args.dst}: {len(names)} linear weights in FP8 ({args.fp8_block} x {args.fp8_block} blocks)"
-    )
+    block = f"{args.fp8_block} x {args.fp8_block}"
+    print(f"{args.dst}: {len(names)} linear weights in FP8 ({block} blocks)")
 
 
 def _up(args: argparse.Namespace) -> None:

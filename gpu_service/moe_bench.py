@@ -35,6 +35,7 @@ from gpu_service.device import choose_device
 from gpu_service.engine import Engine
 from gpu_service.model.backend import EagerOps
 from gpu_service.model.weights import init_weights, save_weights
+from kernels.fp8.naive import BlockFp8
 from kernels.moe.naive import dense_moe
 
 HIDDEN = 128
@@ -96,8 +97,8 @@ class DenseOps(EagerOps):
     def moe(
         self,
         x: torch.Tensor,
-        w13: torch.Tensor,
-        w2: torch.Tensor,
+        w13: torch.Tensor | BlockFp8,
+        w2: torch.Tensor | BlockFp8,
         experts: torch.Tensor,
         weights: torch.Tensor,
     ) -> torch.Tensor:

@@ -157,6 +157,19 @@ def catching() -> Iterator[Catcher]:
 # -- compiling -------------------------------------------------------------------------------
 
 
+def for_arch(variant: Variant, arch: int) -> dict[tuple[int, ...], Any]:
+    """The variant's constexprs as a launch on a GPU of `arch` (80 for sm_80) would bind them.
+    A kernel whose code path depends on the GPU (FP8 tensor cores from sm_89) says so in its
+    module's `ARCH_CONSTEXPRS`, name -> value for an arch: a launch caught on `meta` binds
+    sm_90's."""
+    chosen = getattr(importlib.import_module(variant.fn.module), "ARCH_CONSTEXPRS", {})
+    names = variant.fn.arg_names
+    return {
+        path: chosen[names[path[0]]](arch) if names[path[0]] in chosen else value
+        for path, value in variant.constexprs.items()
+    }
+
+
 def compile_variant(variant: Variant, arch: int) -> dict[str, Any]:
     """-> registers, spill (stack) bytes, local bytes, shared bytes, warps, stages, seconds"""
     import triton
@@ -164,7 +177,7 @@ def compile_variant(variant: Variant, arch: int) -> dict[str, Any]:
     from triton.compiler import ASTSource
 
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    src = ASTSource(variant.fn, variant.signature, variant.constexprs, variant.attrs)
+    src = ASTSource(variant.fn, variant.signature, for_arch(variant, arch), variant.attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=variant.options)
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "kernel.cubin"

@@ -31,6 +31,7 @@ MODELS = ROOT / "gpu_service" / "models"
 SHAPE_SETS = {
     "default": MODELS / "default" / "config.json",
     "qwen3-next-80b": MODELS / "qwen3-next-80b-a3b" / "config.json",
+    "qwen3-next-80b-fp8": MODELS / "qwen3-next-80b-a3b-fp8" / "config.json",
 }
 # The GPU each target stands for (an A100, an H100 or H200, a B200): its compute capability,
 # its streaming multiprocessors, and the shared memory one block may take (163 KB on Ampere,
@@ -46,6 +47,7 @@ KERNEL_MODULES = (
     "kernels.attention.triton",
     "kernels.causal_conv1d.triton",
     "kernels.fold.triton",
+    "kernels.fp8.triton",
     "kernels.gated_delta_rule.chunk",
     "kernels.gated_delta_rule.recurrent",
     "kernels.matmul.triton",
@@ -126,10 +128,15 @@ def shape_path(name: str) -> Path:
 
 
 def build(
-    targets: list[str], shapes: list[str], batches: tuple[int, ...], processes: int
+    targets: list[str],
+    shapes: list[str],
+    batches: tuple[int, ...],
+    processes: int,
+    kernels: list[str] | None = None,
 ) -> dict[str, Any]:
     """The report as one JSON-able object: per shape set, each variant's figures per target
-    and each launch's program count."""
+    and each launch's program count; with `kernels`, only those kernels' variants compile
+    (every launch is still listed)."""
     report: dict[str, Any] = {
         "triton": importlib.metadata.version("triton"),
         "targets": {
@@ -143,7 +150,10 @@ def build(
         path = shape_path(name)
         with catching() as catcher:
             drive(path, batches, catcher)
-        variants = list(catcher.variants.values())
+        variants = [v for v in catcher.variants.values() if not kernels or v.kernel in kernels]
+        missing = sorted(set(kernels or ()) - {v.kernel for v in catcher.variants.values()})
+        if missing:
+            raise SystemExit(f"the forward at {name} launches no {', '.join(missing)}")
         jobs = [(v, TARGETS[t][0]) for v in variants for t in targets]
         figures = iter(compile_all(jobs, processes))
         report["shapes"][name] = {
@@ -280,13 +290,18 @@ def main(argv: list[str] | None = None) -> int:
         "--batches", type=lambda s: tuple(int(x) for x in s.split(",")), default=BATCHES
     )
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile processes")
+    parser.add_argument(
+        "--kernels",
+        type=lambda s: [k for k in s.split(",") if k],
+        help="compile only these kernels' variants, by name (default: every kernel)",
+    )
     parser.add_argument("--json", type=Path, help="also write the report as JSON here")
     parser.add_argument(
         "--check", action="store_true", help="exit 1 when a kernel spills or overflows shared"
     )
     args = parser.parse_args(argv)
     compiler_mode()
-    report = build(args.target, args.shapes, args.batches, args.jobs)
+    report = build(args.target, args.shapes, args.batches, args.jobs, args.kernels)
     print(tables(report))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -70,9 +70,7 @@ def test_flagship_fp8_counts_a_byte_a_weight_and_fits_one_h200() -> None:
     scales and column groups, the rest in bf16; on one H200 (141 GB) it leaves slots at the
     model's full context."""
     config = ROOT / "gpu_service/models/qwen3-next-80b-a3b-fp8/config.json"
-    made = _plan(
-        config, "--device-memory", "141GB", "--num-slots", "6", "--max-context", "262144"
-    )
+    made = _plan(config, "--device-memory", "141GB", "--num-slots", "6", "--max-context", "262144")
     cfg = plan.load_config(config)
     assert cfg.quantization is not None and made.quantization == "fp8-e4m3-block128"
     shapes = weight_shapes(cfg)

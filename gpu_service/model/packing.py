@@ -119,7 +119,8 @@ class _Fp8Grids:
         """[KB, G] ([E, KB, G]): column g is its run's source block row of weight_scale_inv.
         The sources' scales are dropped once read."""
         sources = list(dict.fromkeys(source for source, _ in runs))
-        tables, start = [], {}
+        tables: list[torch.Tensor] = []
+        start: dict[str, int] = {}
         for source in sources:
             start[source] = sum(t.shape[-2] for t in tables)
             if experts is None:

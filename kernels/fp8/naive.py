@@ -26,7 +26,6 @@ import torch
 
 from kernels.fp8.format import BLOCK, FP8_MAX
 
-
 FP8 = torch.float8_e4m3fn
 # A group or block of zeros gets this amax, not 0: its scale stays finite and its values 0.
 MIN_AMAX = 1e-10

@@ -9,6 +9,14 @@ x by its expert's `w13` with `silu(gate) * up` fused; `down` multiplies that by 
 scales it by the pair's routing weight and writes the pair's own row of a `[P * k, H]` buffer;
 each row's k contributions are then added in increasing expert order, as the reference does.
 
+Either expert stack may be block FP8 (`BlockFp8`): its GEMM then runs K block by K block of 128,
+the scale block, as `kernels.fp8.naive.fp8_linear` does. Each block of the sorted rows is
+quantized in the kernel per row, to `quantize_rows`'s bytes, its dot with the block's FP8
+weights summed in fp32, scaled by the row's and the column's scales and added to the fp32 sum;
+the rounding after the K loop is the bf16 path's. The quantizing and the operands are the FP8
+GEMM's (`kernels/fp8/triton.py`): e4m3 on sm_89 and later, their exact fp16 values on sm_80,
+fp32 under the interpreter.
+
 A row's bytes do not depend on the other rows of the call: every tile has one shape whatever P
 is, no split-K, and the K loop runs in one order. The kernels round where the reference rounds
 (gate and up, silu(gate), their product, the expert's output and its weighted contribution, each
@@ -22,7 +30,10 @@ import triton
 import triton.language as tl
 
 from kernels.common import interpreted
-from kernels.moe.naive import align, sum_in_expert_order
+from kernels.fp8 import triton as fp8_gemm
+from kernels.fp8.naive import BLOCK, BlockFp8
+from kernels.fp8.triton import _activation, _operand, _quantized
+from kernels.moe.naive import Aligned, Experts, align, check_fp8_experts, sum_in_expert_order
 
 # Rows of a block: the decode-sized batches of the flagship (k=10 of E=512) give most experts
 # one or two pairs, and 16 is the least M `tl.dot` takes.
@@ -35,6 +46,17 @@ DOWN_TILE = (128, 64)
 NUM_WARPS = 4
 NUM_STAGES = 3
 DTYPES = (torch.float32, torch.bfloat16)
+# (BN, BK) of each GEMM with block-FP8 weights: BK is the scale block, so that a row's block is
+# quantized and scaled whole in one step of the K loop. At the flagship's shapes with 8 warps and
+# 3 stages: 128 registers on sm_80, 136 to 138 on sm_90 and sm_100, 44 KiB of shared memory, no
+# spills; 4 warps take 178 to 255. At BM 16 Triton runs an e4m3 dot as mma.sync on the
+# operands' fp16 values, which hold e4m3's exactly.
+FP8_GATE_UP_TILE = (64, BLOCK)
+FP8_DOWN_TILE = (128, BLOCK)
+FP8_NUM_WARPS = 8
+# What a launch binds by the GPU it runs on (`kernels.compiling` compiles a launch caught on
+# `meta` for each target with it): the FP8 GEMM's, whose quantizing and operands these share.
+ARCH_CONSTEXPRS = fp8_gemm.ARCH_CONSTEXPRS
 
 
 @triton.jit
@@ -47,6 +69,20 @@ def _rounded(x, DTYPE: tl.constexpr):
         return b_bits.to(tl.float32, bitcast=True)
     else:
         return x
+
+
+@triton.jit
+def _swiglu(b_gate, b_up, DTYPE: tl.constexpr):
+    """The fp32 sums of gate and up -> silu(gate) * up, rounded where the reference rounds."""
+    b_gate = _rounded(b_gate, DTYPE)
+    b_act = _rounded(b_gate / (1.0 + tl.exp(-b_gate)), DTYPE)
+    return _rounded(b_act * _rounded(b_up, DTYPE), DTYPE).to(DTYPE)
+
+
+@triton.jit
+def _weighted(b_acc, b_weight, DTYPE: tl.constexpr):
+    """An expert's fp32 sum, rounded, times the pair's routing weight, rounded."""
+    return _rounded(_rounded(b_acc, DTYPE) * b_weight[:, None], DTYPE).to(DTYPE)
 
 
 @triton.jit
@@ -89,12 +125,9 @@ def _gate_up_kernel(
             b_x, b_wg, b_wu = b_x.to(tl.float32), b_wg.to(tl.float32), b_wu.to(tl.float32)
         b_gate += tl.dot(b_x, b_wg, input_precision="ieee")
         b_up += tl.dot(b_x, b_wu, input_precision="ieee")
-    dtype = o_ptr.dtype.element_ty
-    b_gate = _rounded(b_gate, dtype)
-    b_act = _rounded(b_gate / (1.0 + tl.exp(-b_gate)), dtype)
     tl.store(
         o_ptr + o_m[:, None] * inner + o_n[None, :],
-        _rounded(b_act * _rounded(b_up, dtype), dtype).to(dtype),
+        _swiglu(b_gate, b_up, o_ptr.dtype.element_ty),
         mask=m_m[:, None] & m_n[None, :],
     )
 
@@ -136,84 +169,239 @@ def _down_kernel(
         if UPCAST:
             b_a, b_w = b_a.to(tl.float32), b_w.to(tl.float32)
         b_acc += tl.dot(b_a, b_w, input_precision="ieee")
-    dtype = o_ptr.dtype.element_ty
     b_weight = tl.load(weights_ptr + b_pair, mask=m_m, other=0.0).to(tl.float32)
-    b_out = _rounded(_rounded(b_acc, dtype) * b_weight[:, None], dtype).to(dtype)
+    b_out = _weighted(b_acc, b_weight, o_ptr.dtype.element_ty)
     tl.store(
         o_ptr + b_pair[:, None] * hidden + o_n[None, :], b_out, mask=m_m[:, None] & m_n[None, :]
     )
 
 
+@triton.jit
+def _gate_up_fp8_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    g_ptr,
+    pairs_ptr,
+    block_experts_ptr,
+    used_ptr,
+    o_ptr,
+    num_pairs,
+    hidden,
+    inner,
+    num_groups,
+    TOP_K: tl.constexpr,
+    DOT: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+):
+    # x: [P, H], w: [E, H, 2I] e4m3 bytes, s: [E, ceil(H / BK), G], g: [2I], o: [bound, I]
+    pid_m = tl.program_id(0)
+    if pid_m * BM >= tl.load(used_ptr):
+        return
+    o_m = pid_m * BM + tl.arange(0, BM)
+    o_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    b_pair = tl.load(pairs_ptr + o_m)
+    m_m, m_n = b_pair < num_pairs, o_n < inner
+    expert = tl.load(block_experts_ptr + pid_m)
+    k_blocks = tl.cdiv(hidden, BK)
+    p_x = x_ptr + (b_pair // TOP_K)[:, None] * hidden
+    p_w = w_ptr + expert * hidden * 2 * inner + o_n[None, :]
+    p_s = s_ptr + expert * k_blocks * num_groups
+    b_g_gate = tl.load(g_ptr + o_n, mask=m_n, other=0)
+    b_g_up = tl.load(g_ptr + inner + o_n, mask=m_n, other=0)
+    b_gate = tl.zeros([BM, BN], dtype=tl.float32)
+    b_up = tl.zeros([BM, BN], dtype=tl.float32)
+    for kb in range(0, k_blocks):
+        o_k = kb * BK + tl.arange(0, BK)
+        m_k = o_k < hidden
+        m_w = m_k[:, None] & m_n[None, :]
+        b_x = tl.load(p_x + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0)
+        b_v, b_sx = _quantized(b_x.to(tl.float32))
+        b_a = _activation(b_v, DOT)
+        b_wg = _operand(tl.load(p_w + o_k[:, None] * 2 * inner, mask=m_w, other=0), DOT)
+        b_wu = _operand(tl.load(p_w + o_k[:, None] * 2 * inner + inner, mask=m_w, other=0), DOT)
+        b_swg = tl.load(p_s + kb * num_groups + b_g_gate)
+        b_swu = tl.load(p_s + kb * num_groups + b_g_up)
+        b_part = tl.dot(b_a, b_wg, input_precision="ieee")
+        b_gate += b_part * b_sx[:, None] * b_swg[None, :]
+        b_part = tl.dot(b_a, b_wu, input_precision="ieee")
+        b_up += b_part * b_sx[:, None] * b_swu[None, :]
+    tl.store(
+        o_ptr + o_m[:, None] * inner + o_n[None, :],
+        _swiglu(b_gate, b_up, o_ptr.dtype.element_ty),
+        mask=m_m[:, None] & m_n[None, :],
+    )
+
+
+@triton.jit
+def _down_fp8_kernel(
+    a_ptr,
+    w_ptr,
+    s_ptr,
+    g_ptr,
+    weights_ptr,
+    pairs_ptr,
+    block_experts_ptr,
+    used_ptr,
+    o_ptr,
+    num_pairs,
+    hidden,
+    inner,
+    num_groups,
+    DOT: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+):
+    # a: [bound, I], w: [E, I, H] e4m3 bytes, s: [E, ceil(I / BK), G], g: [H], weights: [P k],
+    # o: [P k, H]
+    pid_m = tl.program_id(0)
+    if pid_m * BM >= tl.load(used_ptr):
+        return
+    o_m = pid_m * BM + tl.arange(0, BM)
+    o_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    b_pair = tl.load(pairs_ptr + o_m)
+    m_m, m_n = b_pair < num_pairs, o_n < hidden
+    expert = tl.load(block_experts_ptr + pid_m)
+    k_blocks = tl.cdiv(inner, BK)
+    p_w = w_ptr + expert * inner * hidden + o_n[None, :]
+    p_s = s_ptr + expert * k_blocks * num_groups + tl.load(g_ptr + o_n, mask=m_n, other=0)
+    b_acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for kb in range(0, k_blocks):
+        o_k = kb * BK + tl.arange(0, BK)
+        m_k = o_k < inner
+        b_a = tl.load(
+            a_ptr + o_m[:, None] * inner + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0
+        )
+        b_v, b_sx = _quantized(b_a.to(tl.float32))
+        b_w = tl.load(p_w + o_k[:, None] * hidden, mask=m_k[:, None] & m_n[None, :], other=0)
+        b_sw = tl.load(p_s + kb * num_groups)
+        b_part = tl.dot(_activation(b_v, DOT), _operand(b_w, DOT), input_precision="ieee")
+        b_acc += b_part * b_sx[:, None] * b_sw[None, :]
+    b_weight = tl.load(weights_ptr + b_pair, mask=m_m, other=0.0).to(tl.float32)
+    b_out = _weighted(b_acc, b_weight, o_ptr.dtype.element_ty)
+    tl.store(
+        o_ptr + b_pair[:, None] * hidden + o_n[None, :], b_out, mask=m_m[:, None] & m_n[None, :]
+    )
+
+
+def _gate_up(
+    x: torch.Tensor, w13: Experts, aligned: Aligned, act: torch.Tensor, top_k: int
+) -> None:
+    """act[entry] = silu(gate) * up of each sorted entry's row of x under its block's expert."""
+    rows, hidden = x.shape
+    inner = act.shape[1]
+    common = dict(TOP_K=top_k, BM=BLOCK_M, num_stages=NUM_STAGES)
+    index = (aligned.pairs, aligned.block_experts, aligned.num_used, act, rows * top_k)
+    if isinstance(w13, BlockFp8):
+        bn, bk = FP8_GATE_UP_TILE
+        grid = (aligned.pairs.numel() // BLOCK_M, triton.cdiv(inner, bn))
+        _gate_up_fp8_kernel[grid](
+            x,
+            w13.weight.view(torch.uint8),
+            w13.scales,
+            w13.groups,
+            *index,
+            hidden,
+            inner,
+            w13.scales.shape[2],
+            DOT=fp8_gemm.dot_of(x),
+            BN=bn,
+            BK=bk,
+            num_warps=FP8_NUM_WARPS,
+            **common,
+        )
+        return
+    bn, bk = GATE_UP_TILE
+    grid = (aligned.pairs.numel() // BLOCK_M, triton.cdiv(inner, bn))
+    _gate_up_kernel[grid](
+        x,
+        w13,
+        *index,
+        hidden,
+        inner,
+        UPCAST=interpreted(x) and x.dtype != torch.float32,
+        BN=bn,
+        BK=bk,
+        num_warps=NUM_WARPS,
+        **common,
+    )
+
+
+def _down(
+    act: torch.Tensor, w2: Experts, weights: torch.Tensor, aligned: Aligned, out: torch.Tensor
+) -> None:
+    """out[pair] = weight * act[entry] @ w2 of each sorted entry's expert."""
+    inner, hidden = act.shape[1], out.shape[1]
+    common = dict(BM=BLOCK_M, num_stages=NUM_STAGES)
+    index = (aligned.pairs, aligned.block_experts, aligned.num_used, out, out.shape[0])
+    if isinstance(w2, BlockFp8):
+        bn, bk = FP8_DOWN_TILE
+        grid = (aligned.pairs.numel() // BLOCK_M, triton.cdiv(hidden, bn))
+        _down_fp8_kernel[grid](
+            act,
+            w2.weight.view(torch.uint8),
+            w2.scales,
+            w2.groups,
+            weights,
+            *index,
+            hidden,
+            inner,
+            w2.scales.shape[2],
+            DOT=fp8_gemm.dot_of(act),
+            BN=bn,
+            BK=bk,
+            num_warps=FP8_NUM_WARPS,
+            **common,
+        )
+        return
+    bn, bk = DOWN_TILE
+    grid = (aligned.pairs.numel() // BLOCK_M, triton.cdiv(hidden, bn))
+    _down_kernel[grid](
+        act,
+        w2,
+        weights,
+        *index,
+        hidden,
+        inner,
+        UPCAST=interpreted(act) and act.dtype != torch.float32,
+        BN=bn,
+        BK=bk,
+        num_warps=NUM_WARPS,
+        **common,
+    )
+
+
 def _contributions(
     x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13: Experts,
+    w2: Experts,
     experts: torch.Tensor,
     weights: torch.Tensor,
 ) -> torch.Tensor:
     """Each pair's weighted expert output. Same arguments as `fused_moe` -> [P k, H]"""
     rows, hidden = x.shape
     top_k = experts.shape[1]
-    inner = w2.shape[1]
-    num_pairs = rows * top_k
     aligned = align(experts, w13.shape[0], BLOCK_M)
-    bound = aligned.pairs.numel()
-    upcast = interpreted(x) and x.dtype != torch.float32
-    act = torch.empty(bound, inner, dtype=x.dtype, device=x.device)
-    out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    bn, bk = GATE_UP_TILE
-    grid = (bound // BLOCK_M, triton.cdiv(inner, bn))
-    _gate_up_kernel[grid](
-        x,
-        w13,
-        aligned.pairs,
-        aligned.block_experts,
-        aligned.num_used,
-        act,
-        num_pairs,
-        hidden,
-        inner,
-        TOP_K=top_k,
-        UPCAST=upcast,
-        BM=BLOCK_M,
-        BN=bn,
-        BK=bk,
-        num_warps=NUM_WARPS,
-        num_stages=NUM_STAGES,
-    )
-    bn, bk = DOWN_TILE
-    grid = (bound // BLOCK_M, triton.cdiv(hidden, bn))
-    _down_kernel[grid](
-        act,
-        w2,
-        weights.reshape(-1),
-        aligned.pairs,
-        aligned.block_experts,
-        aligned.num_used,
-        out,
-        num_pairs,
-        hidden,
-        inner,
-        UPCAST=upcast,
-        BM=BLOCK_M,
-        BN=bn,
-        BK=bk,
-        num_warps=NUM_WARPS,
-        num_stages=NUM_STAGES,
-    )
+    act = torch.empty(aligned.pairs.numel(), w2.shape[1], dtype=x.dtype, device=x.device)
+    out = torch.empty(rows * top_k, hidden, dtype=x.dtype, device=x.device)
+    _gate_up(x, w13, aligned, act, top_k)
+    _down(act, w2, weights.reshape(-1), aligned, out)
     return out
 
 
 def _check_shapes(
     x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13: Experts,
+    w2: Experts,
     experts: torch.Tensor,
     weights: torch.Tensor,
 ) -> None:
     if x.dim() != 2 or x.shape[0] % 4 != 0:
         raise ValueError(f"fused_moe: x must be [P, H] with P a multiple of 4, not {_dims(x)}.")
-    if w13.dim() != 3 or w2.dim() != 3 or w13.shape[1] != x.shape[1]:
+    if len(w13.shape) != 3 or len(w2.shape) != 3 or w13.shape[1] != x.shape[1]:
         raise ValueError(
             f"fused_moe: w13 {_dims(w13)} must be [E, H, 2I] and w2 {_dims(w2)} [E, I, H] "
             f"for x {_dims(x)}."
@@ -229,20 +417,26 @@ def _check_shapes(
             f"fused_moe: experts {_dims(experts)} and weights {_dims(weights)} must both be "
             f"[P, k] for x {_dims(x)}."
         )
+    check_fp8_experts("fused_moe", "w13", w13)
+    check_fp8_experts("fused_moe", "w2", w2)
 
 
 def _check_types(
     x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13: Experts,
+    w2: Experts,
     experts: torch.Tensor,
     weights: torch.Tensor,
 ) -> None:
-    if x.dtype not in DTYPES or any(t.dtype != x.dtype for t in (w13, w2, weights)):
+    plain = [w for w in (w13, w2) if not isinstance(w, BlockFp8)]
+    if x.dtype not in DTYPES or any(t.dtype != x.dtype for t in (*plain, weights)):
+        kinds = ", ".join(
+            "block FP8" if isinstance(w, BlockFp8) else str(w.dtype) for w in (w13, w2)
+        )
         raise ValueError(
-            f"fused_moe: x, w13, w2 and weights must share one dtype of "
-            f"{', '.join(map(str, DTYPES))}; they are {x.dtype}, {w13.dtype}, {w2.dtype} and "
-            f"{weights.dtype}."
+            f"fused_moe: x, weights and any w13 or w2 not block FP8 must share one dtype of "
+            f"{', '.join(map(str, DTYPES))}; x is {x.dtype}, weights {weights.dtype}, and "
+            f"w13, w2 {kinds}."
         )
     if experts.dtype != torch.int64:
         raise ValueError(f"fused_moe: experts must be int64, not {experts.dtype}.")
@@ -250,25 +444,31 @@ def _check_types(
     devices = {name: str(t.device) for name, t in tensors.items()}
     if len(set(devices.values())) > 1:
         raise ValueError(f"fused_moe: the tensors are on different devices: {devices}.")
-    if not (w13.is_contiguous() and w2.is_contiguous()):
-        raise ValueError("fused_moe: w13 and w2 must be contiguous; the kernels index them flat.")
+    parts = [t for w in (w13, w2) for t in (w if isinstance(w, BlockFp8) else (w,))]
+    if not all(t.is_contiguous() for t in parts):
+        raise ValueError(
+            "fused_moe: w13 and w2 (and their scales and groups) must be contiguous; the "
+            "kernels index them flat."
+        )
 
 
-def _dims(t: torch.Tensor) -> str:
+def _dims(t: torch.Tensor | BlockFp8) -> str:
     return f"[{', '.join(map(str, t.shape))}]"
 
 
 def fused_moe(
     x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13: Experts,
+    w2: Experts,
     experts: torch.Tensor,
     weights: torch.Tensor,
 ) -> torch.Tensor:
     """x: [P, H] (P a multiple of 4), w13: [E, H, 2I] (gate columns, then up), w2: [E, I, H],
     experts: [P, k] int64 (each row's sorted, in [0, E): not checked, which would read the
     device), weights: [P, k] in x's dtype -> [P, H]: sum over j of
-    weights[:, j] * MLP_experts[:, j](x), added in column order."""
+    weights[:, j] * MLP_experts[:, j](x), added in column order. Either stack may be block FP8
+    (`BlockFp8`, `[E, K, N]` e4m3 with `[E, ceil(K / 128), G]` scales): its GEMM is then
+    `fp8_linear`'s."""
     _check_shapes(x, w13, w2, experts, weights)
     _check_types(x, w13, w2, experts, weights)
     rows, top_k = experts.shape

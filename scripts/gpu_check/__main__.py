@@ -59,6 +59,12 @@ def _moe(settings: Settings, device: torch.device) -> dict[str, dict]:
     return {"moe": guarded(lambda: check_moe(settings, device))}
 
 
+def _fp8(settings: Settings, device: torch.device) -> dict[str, dict]:
+    from scripts.gpu_check.fp8 import check_fp8
+
+    return {"fp8": guarded(lambda: check_fp8(settings, device))}
+
+
 def _compiled(settings: Settings, device: torch.device, report: dict) -> dict[str, dict]:
     from scripts.gpu_check.compiled import check_compiled
 
@@ -73,6 +79,7 @@ STAGES = (
     (("profile", "host_syncs"), _step),
     (("graphs", "gemm", "references", "bench"), _speed),
     (("moe",), _moe),
+    (("fp8",), _fp8),
 )
 FINAL = (("compiled",), _compiled)
 

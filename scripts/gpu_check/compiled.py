@@ -25,6 +25,7 @@ MEASURED = {
     "_attention_kernel": ("references", "attention"),
     "_gate_up_kernel": ("moe", "rows"),
     "_down_kernel": ("moe", "rows"),
+    "_fp8_matmul_kernel": ("fp8", "speed"),
 }
 
 

@@ -24,6 +24,7 @@ CHECKS = (
     "references",
     "bench",
     "moe",
+    "fp8",
     "compiled",
 )
 

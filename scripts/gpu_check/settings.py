@@ -61,6 +61,11 @@ class Settings:
         default=(4, 32, 256),
         metadata=_flag("rows at which the fused MoE kernel is timed against the routed path"),
     )
+    fp8_rows: tuple[int, ...] = field(
+        # Up to 64 rows the FP8 GEMM quantizes x itself; past them a kernel does first.
+        default=(1, 8, 64, 1024),
+        metadata=_flag("M at which the FP8 GEMM is checked and timed against the bf16 one"),
+    )
 
     @property
     def diff_forwards(self) -> tuple[str, str]:
@@ -86,6 +91,7 @@ CPU = replace(
     gemm_speed_rows=(1, 4),
     moe_shape=(64, 32, 8, 2),
     moe_rows=(4, 8),
+    fp8_rows=(1, 70),
 )
 
 
