@@ -33,7 +33,7 @@ from gpu_service.options import MAX_AUTO_SLOTS, service_config
 from gpu_service.quantization import fp8_names, scale_name, scale_shape
 from gpu_service.state import DeviceState
 from kernels.attention.naive import KEY_BLOCK
-from kernels.fp8.naive import FP8
+from kernels.fp8.naive import FP8, BlockFp8
 
 META = torch.device("meta")
 # Each part's key (in `--json`) and its line in the report; `total_bytes` is their sum.
@@ -202,14 +202,20 @@ def split_workspace_bytes(model: HybridModel, rows: int) -> int:
     """The fp32 partials the split kernels of a verify, decode or drafter call of `rows` rows
     allocate on a GPU, each live only during its own kernel pair, so the larger counts:
     attention's split of the keys, or the GEMM's split of K at the linear that needs most
-    (`kernels/attention/triton.py`, `kernels/matmul/triton.py`). A prefill splits neither."""
+    (`kernels/attention/triton.py`, `kernels/matmul/triton.py`, `kernels/fp8/triton.py`). A
+    prefill splits neither."""
     from kernels.attention.triton import workspace_bytes
+    from kernels.fp8.triton import plan as fp8_plan
     from kernels.matmul.triton import plan as gemm_plan
 
     cfg = model.cfg
     attention = workspace_bytes(rows, cfg.num_attention_heads, cfg.head_dim)
-    linears = [w.shape for w in model.wt.values() if isinstance(w, torch.Tensor) and w.dim() == 2]
-    gemm = max((gemm_plan(rows, n, k).workspace_bytes for k, n in linears), default=0)
+    gemm = 0
+    for w in model.wt.values():
+        if isinstance(w, BlockFp8) and w.weight.dim() == 2:
+            gemm = max(gemm, fp8_plan(rows, w.shape[1], w.shape[0]).workspace_bytes)
+        elif isinstance(w, torch.Tensor) and w.dim() == 2:
+            gemm = max(gemm, gemm_plan(rows, w.shape[1], w.shape[0]).workspace_bytes)
     return max(attention, gemm)
 
 

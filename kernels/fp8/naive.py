@@ -33,6 +33,11 @@ MIN_AMAX = 1e-10
 TILE_BYTES = 8 << 20
 
 
+# The bits of an e4m3 byte, sign-extended to 16 and shifted left by 7, that make the fp16 of
+# the same sign, exponent field and mantissa: bit 15 and bits 7 to 13 (as a signed int16).
+FP16_OF_E4M3 = 0xBF80 - 0x10000
+
+
 class BlockFp8(NamedTuple):
     """A linear's weight as the engine holds it in FP8: `[K, N]`, or `[E, K, N]` for stacked
     experts, with its block scales."""
@@ -88,6 +93,18 @@ def dequantize_blocks(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     return q.float() * rows.repeat_interleave(BLOCK, 1)[:, : q.shape[1]]
 
 
+def upcast(q: torch.Tensor) -> torch.Tensor:
+    """FP8 (finite) -> fp32, exactly, several times faster than torch's own conversion on the
+    CPU: each byte's sign, exponent and mantissa moved into an fp16's bits, whose exponent
+    bias (15 against e4m3's 7) a multiply by 2^8 then corrects. An e4m3 subnormal lands on an
+    fp16 subnormal, which the conversion to fp32 makes normal: nothing here depends on how
+    the CPU treats fp32 subnormals."""
+    bits = q.view(torch.int8).to(torch.int16)  # sign-extended: the sign fills bits 7 to 15
+    bits <<= 7
+    bits &= FP16_OF_E4M3
+    return bits.view(torch.float16).float().mul_(256.0)
+
+
 def column_scales(w: BlockFp8, kb: int) -> torch.Tensor:
     """K block `kb`'s scale of every output column: [N] (stacked experts: [E, N])."""
     return w.scales[..., kb, :].index_select(-1, w.groups)
@@ -97,7 +114,7 @@ def dequantize(w: BlockFp8) -> torch.Tensor:
     """The whole weight in fp32, in the engine's layout (tests and tools, never the forward)."""
     k = w.weight.shape[-2]
     per_row = torch.stack([column_scales(w, kb) for kb in range(blocks(k))], -2)
-    return w.weight.float() * per_row.repeat_interleave(BLOCK, -2)[..., :k, :]
+    return upcast(w.weight) * per_row.repeat_interleave(BLOCK, -2)[..., :k, :]
 
 
 def column_runs(n: int, k: int) -> int:
@@ -120,10 +137,10 @@ def fp8_linear(x: torch.Tensor, w: BlockFp8, out_dtype: torch.dtype | None = Non
     step = column_runs(n, k)
     for kb in range(blocks(k)):
         ks = slice(kb * BLOCK, min(k, kb * BLOCK + BLOCK))
-        a = xq[:, ks].float()
+        a = upcast(xq[:, ks])
         sw = column_scales(w, kb)
         for c in range(0, n, step):
             cols = slice(c, min(n, c + step))
-            part = torch.mm(a, w.weight[ks, cols].float())
+            part = torch.mm(a, upcast(w.weight[ks, cols]))
             acc[:, cols] += part * sx[:, kb : kb + 1] * sw[None, cols]
     return acc.to(out_dtype or x.dtype)

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.common import ROW_TILE, silu
-from kernels.fp8.naive import BLOCK, FP8, BlockFp8, blocks, fp8_linear, quantize_rows
+from kernels.fp8.naive import BLOCK, FP8, BlockFp8, blocks, fp8_linear, quantize_rows, upcast
 
 # An expert stack: plain `[E, K, N]` in the activations' dtype, or block FP8.
 Experts = torch.Tensor | BlockFp8
@@ -45,9 +45,6 @@ UPCAST_BYTES = 8
 # padded to that shape: a GPU library may pick its kernel by the batch, so a block's bytes would
 # otherwise depend on how many blocks share its call.
 DEVICE_TILE_BYTES = 64 << 20
-# The bits of an e4m3 byte, sign-extended to 16 and shifted left by 7, that make the fp16 of
-# the same sign, exponent field and mantissa: bit 15 and bits 7 to 13 (as a signed int16).
-_FP16_OF_E4M3 = 0xBF80 - 0x10000
 
 
 class Aligned(NamedTuple):
@@ -216,23 +213,11 @@ def _tile_bytes(w: BlockFp8) -> int:
     return 4 * min(w.shape[1], BLOCK) * w.shape[2]
 
 
-def _upcast(q: torch.Tensor) -> torch.Tensor:
-    """FP8 (finite) -> fp32, exactly, several times faster than torch's own conversion on the
-    CPU: each byte's sign, exponent and mantissa moved into an fp16's bits, whose exponent
-    bias (15 against e4m3's 7) a multiply by 2^8 then corrects. An e4m3 subnormal lands on an
-    fp16 subnormal, which the conversion to fp32 makes normal: nothing here depends on how
-    the CPU treats fp32 subnormals."""
-    bits = q.view(torch.int8).to(torch.int16)  # sign-extended: the sign fills bits 7 to 15
-    bits <<= 7
-    bits &= _FP16_OF_E4M3
-    return bits.view(torch.float16).float().mul_(256.0)
-
-
 def _quantized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [M, K] -> (its rows quantized by `quantize_rows`, upcast to fp32 for the GEMMs:
     [M, K]; their scales [M, ceil(K / 128)])"""
     q, scales = quantize_rows(x)
-    return _upcast(q), scales
+    return upcast(q), scales
 
 
 def _fp8_grouped_mm(x: torch.Tensor, w: BlockFp8, ends: torch.Tensor) -> torch.Tensor:
@@ -257,7 +242,7 @@ def _fp8_grouped_mm(x: torch.Tensor, w: BlockFp8, ends: torch.Tensor) -> torch.T
         copies = w.weight.index_select(0, chosen)
         sw = w.scales.index_select(0, chosen).index_select(-1, w.groups)  # [experts, KB, N]
         for kb, ks in enumerate(_k_blocks(k)):
-            part = grouped_mm(q[rows, ks], _upcast(copies[:, ks]), offs)
+            part = grouped_mm(q[rows, ks], upcast(copies[:, ks]), offs)
             row_sw = sw[:, kb].repeat_interleave(sizes, 0, output_size=rows.stop - rows.start)
             acc[rows] += part * sx[rows, kb : kb + 1] * row_sw
     return acc.to(x.dtype)
@@ -284,7 +269,7 @@ def _fp8_blocked_mm(
         span = slice(start, start + chosen.numel())
         sw = w.scales.index_select(0, chosen).index_select(-1, w.groups)  # [blocks, KB, N]
         for kb, ks in enumerate(_k_blocks(k)):
-            tiles = _upcast(w.weight[:, ks].index_select(0, chosen))
+            tiles = upcast(w.weight[:, ks].index_select(0, chosen))
             part = torch.bmm(qs[span, :, ks], tiles)
             acc[span] += part * sxs[span, :, kb : kb + 1] * sw[:, None, kb]
     return acc.view(-1, n)[:m].to(x.dtype)

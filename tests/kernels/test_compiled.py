@@ -1,7 +1,8 @@
 """Every kernel of the triton forward compiled for a GPU on this CPU (`python -m kernels.report`):
 no spills and shared memory within a block's (227 KB on sm_90 and sm_100, 163 KB on sm_80) at
-the flagship's shapes for sm_90 and at the default model's for sm_80, sm_90 and sm_100, and
-enough programs at one sequence to fill an H200's 132 SMs where the issue asks for them."""
+the flagship's shapes for sm_90 (its FP8 checkpoint's own kernels for sm_90 and sm_100) and at
+the default model's for sm_80, sm_90 and sm_100, and enough programs at one sequence to fill an
+H200's 132 SMs where the issue asks for them."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ from kernels.report import ROOT, problems
 from tests.flagship import QWEN3_NEXT_80B
 
 SMS = 132  # an H100's or H200's streaming multiprocessors
+# The FP8 checkpoint's own kernels: the block-scaled GEMM, its activation quantizer (past one
+# row tile), and the fused MoE's FP8 pair; the rest are the bf16 flagship's, checked there.
+FP8_KERNELS = ("_fp8_matmul_kernel", "_quantize_kernel", "_gate_up_fp8_kernel", "_down_fp8_kernel")
 
 
 def _report(tmp: Path, name: str, *args: str) -> subprocess.Popen[str]:
@@ -51,6 +55,18 @@ def reports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
             "--batches",
             "8",
         ),
+        "fp8": _report(
+            tmp,
+            "fp8.json",
+            "--target",
+            "sm_90,sm_100",
+            "--shapes",
+            "qwen3-next-80b-fp8",
+            "--batches",
+            "8",
+            "--kernels",
+            ",".join(FP8_KERNELS),
+        ),
     }
     out = {}
     for name, run in runs.items():
@@ -60,11 +76,16 @@ def reports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     return out
 
 
-@pytest.mark.parametrize("which", ["flagship", "default"])
+@pytest.mark.parametrize("which", ["flagship", "default", "fp8"])
 def test_no_spills_and_shared_within_a_block(reports: dict[str, dict], which: str) -> None:
     report = reports[which]
     (shape,) = report["shapes"].values()
     kernels = {v["kernel"] for v in shape["variants"]}
+    if which == "fp8":  # at sm_90 and sm_100, the GPUs with FP8 tensor cores
+        assert kernels == set(FP8_KERNELS), kernels
+        failures = problems(report)
+        assert not failures, "\n".join(failures)
+        return
     # Every kernel the triton forward launches at these shapes (the drafter's and the fold's
     # included): a kernel the forward stopped reaching would drop out of the check unseen.
     assert {

@@ -292,3 +292,14 @@ def test_what_the_dot_multiplies() -> None:
     ]
     assert kt.dot_of(torch.empty(0, device="meta")) == "fp8"
     assert kt.dot_of(torch.empty(0)) == "fp32"
+
+
+def test_fp8_upcast_is_exact() -> None:
+    """The CPU's upcast of FP8 weights by their bits: every finite e4m3 value, signed zeros
+    and subnormals included, as torch converts it."""
+    every = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(naive.FP8)
+    want = every.float()
+    finite = want.isfinite()
+    got = naive.upcast(every)
+    assert torch.equal(got[finite], want[finite])
+    assert torch.equal(got[finite].signbit(), want[finite].signbit())
