@@ -92,8 +92,14 @@ def _generate(stub: pb_grpc.GenerationServiceStub, prompt: list[int], method: in
 
 
 def test_mtp_equals_none_through_both_processes(mini_dir: Path) -> None:
+    assert_mtp_equals_none(mini_dir)
+
+
+def assert_mtp_equals_none(directory: Path) -> None:
+    """Greedy `mtp` and `none` stream the same tokens from `directory` through a GPU service
+    and a control plane, the drafter drafting."""
     gpu, target = start_gpu_service(
-        mini_dir, "--verify-tiers", "4:3,4:1", "--max-context", "256", "--dtype", "bf16"
+        directory, "--verify-tiers", "4:3,4:1", "--max-context", "256", "--dtype", "bf16"
     )
     try:
         cp, cp_target = start_control_plane(target)

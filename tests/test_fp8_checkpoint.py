@@ -11,24 +11,20 @@ import math
 import shutil
 from pathlib import Path
 
-import grpc
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from control_plane.cli import main as met
-from control_plane.launch import start_control_plane, start_gpu_service, stop
 from gpu_service.config import ServiceConfig
 from gpu_service.engine import Engine
 from gpu_service.model.hybrid import held_bytes
 from gpu_service.model.weights import WEIGHTS_FILE, checkpoint_index
 from kernels.fp8.naive import FP8, BlockFp8, dequantize_blocks
 from protos.defaults import DEFAULT_MODEL_DIR
-from protos.met.v1 import generate_pb2 as pb
-from protos.met.v1 import generate_pb2_grpc as pb_grpc
 from tests.flagship import MINI_FLAGSHIP
 from tests.test_circuit_diff import args
-from tests.test_flagship_mini import DIFF_FLAGS, _generate
+from tests.test_flagship_mini import DIFF_FLAGS, assert_mtp_equals_none
 from tests.test_hf_parity import ATOL, RTOL
 from training.checkpoint import init_model
 
@@ -165,23 +161,7 @@ def test_moe_logits_match_the_dequantized_weights(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name", ["default", "moe"])
 def test_mtp_equals_none_through_both_processes(checkpoints: dict[str, Path], name: str) -> None:
-    gpu, target = start_gpu_service(
-        checkpoints[name], "--verify-tiers", "4:3,4:1", "--max-context", "256", "--dtype", "bf16"
-    )
-    try:
-        cp, cp_target = start_control_plane(target)
-        try:
-            with grpc.insecure_channel(cp_target) as channel:
-                stub = pb_grpc.GenerationServiceStub(channel)
-                prompts = [list(range(30, 30 + n)) for n in (5, 17, 40)]
-                mtp = [_generate(stub, p, pb.SPECULATIVE_METHOD_MTP) for p in prompts]
-                none = [_generate(stub, p, pb.SPECULATIVE_METHOD_NONE) for p in prompts]
-        finally:
-            assert stop(cp) == 0
-    finally:
-        assert stop(gpu) == 0
-    assert [t for t, _ in mtp] == [t for t, _ in none]
-    assert sum(d for _, d in mtp) > 0
+    assert_mtp_equals_none(checkpoints[name])
 
 
 def _published(tmp: Path) -> tuple[Path, torch.nn.Module]:
