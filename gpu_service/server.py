@@ -89,9 +89,11 @@ async def serve(
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     engine = servicer.engine
+    caps = engine.capabilities()
+    quantized = f", linears in {caps.quantization}" if caps.quantization else ""
     print(
-        f"gpu-service serving {engine.name} ({svc.num_slots} slots) on "
-        f"{engine.capabilities().device}, forward {engine.forward_name}",
+        f"gpu-service serving {engine.name} ({svc.num_slots} slots{quantized}) on "
+        f"{caps.device}, forward {engine.forward_name}",
         flush=True,
     )
 
