@@ -371,3 +371,22 @@ def test_circuit_diff_passes(checkpoints: dict[str, Path]) -> None:
     report = run_diff(engine, args(*flags, "--mtp"))
     assert report["verdict"] == "PASS", report["reasons"]
     assert all(s["detection_control"]["mismatched_steps"] > 0 for s in report["shapes"])
+
+
+def test_quantize_keeps_a_sharded_checkpoint_sharded(tmp_path: Path) -> None:
+    """transformers' shards in, the same shards out with each scale beside its weight, and
+    an index naming every tensor; the result loads."""
+    from tests.test_hf_parity import _checkpoint
+
+    src, _ = _checkpoint(tmp_path / "src", {})
+    met(["quantize", "--fp8-block", "128", str(src), str(tmp_path / "fp8")])
+    dst = tmp_path / "fp8"
+    shards = sorted(p.name for p in src.glob("*.safetensors"))
+    assert len(shards) > 1 and sorted(p.name for p in dst.glob("*.safetensors")) == shards
+    weight_map = json.loads((dst / "model.safetensors.index.json").read_text())["weight_map"]
+    index = checkpoint_index(dst)
+    assert set(weight_map) == set(index)
+    assert all(weight_map[n] == shard.name for n, (shard, _, _) in index.items())
+    scales = [n for n in index if n.endswith(SCALE)]
+    assert scales and all(weight_map[n] == weight_map[n.replace(SCALE, ".weight")] for n in scales)
+    assert Engine(dst, SERVICE, "fp32").capabilities().quantization == "fp8-e4m3-block128"
