@@ -77,6 +77,17 @@ SLOW_TESTS = {
     "Qwen3-Next-80B's 76k weight tensors on the meta device",
     "tests/test_plan.py::test_serve_refuses_a_plan_that_does_not_fit": "starts a GPU service "
     "process",
+    "tests/test_plan.py::test_flagship_fp8_counts_a_byte_a_weight_and_fits_one_h200": "builds "
+    "the FP8 flagship on the meta device",
+    "tests/test_fp8_checkpoint.py::test_mtp_equals_none_through_both_processes": "starts both "
+    "processes on each FP8 checkpoint",
+    "tests/test_fp8_checkpoint.py::test_serve_refuses_at_start_up_with_status_2": "starts a GPU "
+    "service process",
+    "tests/test_fp8_checkpoint.py::test_the_published_layout_loads_and_matches_transformers": (
+        "loads the checkpoint in transformers"
+    ),
+    "tests/test_fp8_checkpoint.py::test_circuit_diff_passes": "verify batches through a forward "
+    "and its serial form",
 }
 # Any test that uses one of these fixtures is slow: it waits on a process starting.
 SLOW_FIXTURES = {
