@@ -51,6 +51,7 @@ KERNEL_MODULES = (
     "kernels.gated_delta_rule.chunk",
     "kernels.gated_delta_rule.recurrent",
     "kernels.matmul.triton",
+    "kernels.moe.fp8",
     "kernels.moe.triton",
     "kernels.rmsnorm.triton",
 )

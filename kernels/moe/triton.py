@@ -9,13 +9,8 @@ x by its expert's `w13` with `silu(gate) * up` fused; `down` multiplies that by 
 scales it by the pair's routing weight and writes the pair's own row of a `[P * k, H]` buffer;
 each row's k contributions are then added in increasing expert order, as the reference does.
 
-Either expert stack may be block FP8 (`BlockFp8`): its GEMM then runs K block by K block of 128,
-the scale block, as `kernels.fp8.naive.fp8_linear` does. Each block of the sorted rows is
-quantized in the kernel per row, to `quantize_rows`'s bytes, its dot with the block's FP8
-weights summed in fp32, scaled by the row's and the column's scales and added to the fp32 sum;
-the rounding after the K loop is the bf16 path's. The quantizing and the operands are the FP8
-GEMM's (`kernels/fp8/triton.py`): e4m3 on sm_89 and later, their exact fp16 values on sm_80,
-fp32 under the interpreter.
+Either expert stack may be block FP8 (`BlockFp8`): its GEMM then runs in
+`kernels/moe/fp8.py`'s kernels, K block by K block of 128, the scale block.
 
 A row's bytes do not depend on the other rows of the call: every tile has one shape whatever P
 is, no split-K, and the K loop runs in one order. The kernels round where the reference rounds
@@ -30,59 +25,18 @@ import triton
 import triton.language as tl
 
 from kernels.common import interpreted
-from kernels.fp8 import triton as fp8_gemm
-from kernels.fp8.naive import BLOCK, BlockFp8
-from kernels.fp8.triton import _activation, _operand, _quantized
+from kernels.fp8.naive import BlockFp8
+from kernels.moe import fp8
+from kernels.moe.epilogue import BLOCK_M, NUM_STAGES, _swiglu, _weighted
 from kernels.moe.naive import Aligned, Experts, align, check_fp8_experts, sum_in_expert_order
 
-# Rows of a block: the decode-sized batches of the flagship (k=10 of E=512) give most experts
-# one or two pairs, and 16 is the least M `tl.dot` takes.
-BLOCK_M = 16
 # (BN, BK) of each GEMM. At the flagship's H=2048, I=512 in bf16, compiled for sm_90 with 4 warps
 # and 3 stages: gate_up 91 registers and 72 KiB of shared memory, down 84 and 36 KiB, no spills;
 # a decode step's programs (40 experts hit) then fit in one wave of an H100/H200.
 GATE_UP_TILE = (64, 128)
 DOWN_TILE = (128, 64)
 NUM_WARPS = 4
-NUM_STAGES = 3
 DTYPES = (torch.float32, torch.bfloat16)
-# (BN, BK) of each GEMM with block-FP8 weights: BK is the scale block, so that a row's block is
-# quantized and scaled whole in one step of the K loop. At the flagship's shapes with 8 warps and
-# 3 stages: 128 registers on sm_80, 136 to 138 on sm_90 and sm_100, 44 KiB of shared memory, no
-# spills; 4 warps take 178 to 255. At BM 16 Triton runs an e4m3 dot as mma.sync on the
-# operands' fp16 values, which hold e4m3's exactly.
-FP8_GATE_UP_TILE = (64, BLOCK)
-FP8_DOWN_TILE = (128, BLOCK)
-FP8_NUM_WARPS = 8
-# What a launch binds by the GPU it runs on (`kernels.compiling` compiles a launch caught on
-# `meta` for each target with it): the FP8 GEMM's, whose quantizing and operands these share.
-ARCH_CONSTEXPRS = fp8_gemm.ARCH_CONSTEXPRS
-
-
-@triton.jit
-def _rounded(x, DTYPE: tl.constexpr):
-    """x: fp32 -> fp32 rounded to DTYPE's precision, to nearest with ties to even as torch rounds.
-    A bf16 value is rounded on its bits: the interpreter's own fp32 -> bf16 cast truncates."""
-    if DTYPE == tl.bfloat16:
-        b_bits = x.to(tl.uint32, bitcast=True)
-        b_bits = (b_bits + 0x7FFF + ((b_bits >> 16) & 1)) & 0xFFFF0000
-        return b_bits.to(tl.float32, bitcast=True)
-    else:
-        return x
-
-
-@triton.jit
-def _swiglu(b_gate, b_up, DTYPE: tl.constexpr):
-    """The fp32 sums of gate and up -> silu(gate) * up, rounded where the reference rounds."""
-    b_gate = _rounded(b_gate, DTYPE)
-    b_act = _rounded(b_gate / (1.0 + tl.exp(-b_gate)), DTYPE)
-    return _rounded(b_act * _rounded(b_up, DTYPE), DTYPE).to(DTYPE)
-
-
-@triton.jit
-def _weighted(b_acc, b_weight, DTYPE: tl.constexpr):
-    """An expert's fp32 sum, rounded, times the pair's routing weight, rounded."""
-    return _rounded(_rounded(b_acc, DTYPE) * b_weight[:, None], DTYPE).to(DTYPE)
 
 
 @triton.jit
@@ -176,117 +130,6 @@ def _down_kernel(
     )
 
 
-@triton.jit
-def _gate_up_fp8_kernel(
-    x_ptr,
-    w_ptr,
-    s_ptr,
-    g_ptr,
-    pairs_ptr,
-    block_experts_ptr,
-    used_ptr,
-    o_ptr,
-    num_pairs,
-    hidden,
-    inner,
-    num_groups,
-    TOP_K: tl.constexpr,
-    DOT: tl.constexpr,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-    BK: tl.constexpr,
-):
-    # x: [P, H], w: [E, H, 2I] e4m3 bytes, s: [E, ceil(H / BK), G], g: [2I], o: [bound, I]
-    pid_m = tl.program_id(0)
-    if pid_m * BM >= tl.load(used_ptr):
-        return
-    o_m = pid_m * BM + tl.arange(0, BM)
-    o_n = tl.program_id(1) * BN + tl.arange(0, BN)
-    b_pair = tl.load(pairs_ptr + o_m)
-    m_m, m_n = b_pair < num_pairs, o_n < inner
-    expert = tl.load(block_experts_ptr + pid_m)
-    k_blocks = tl.cdiv(hidden, BK)
-    p_x = x_ptr + (b_pair // TOP_K)[:, None] * hidden
-    p_w = w_ptr + expert * hidden * 2 * inner + o_n[None, :]
-    p_s = s_ptr + expert * k_blocks * num_groups
-    b_g_gate = tl.load(g_ptr + o_n, mask=m_n, other=0)
-    b_g_up = tl.load(g_ptr + inner + o_n, mask=m_n, other=0)
-    b_gate = tl.zeros([BM, BN], dtype=tl.float32)
-    b_up = tl.zeros([BM, BN], dtype=tl.float32)
-    for kb in range(0, k_blocks):
-        o_k = kb * BK + tl.arange(0, BK)
-        m_k = o_k < hidden
-        m_w = m_k[:, None] & m_n[None, :]
-        b_x = tl.load(p_x + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0)
-        b_v, b_sx = _quantized(b_x.to(tl.float32))
-        b_a = _activation(b_v, DOT)
-        b_wg = _operand(tl.load(p_w + o_k[:, None] * 2 * inner, mask=m_w, other=0), DOT)
-        b_wu = _operand(tl.load(p_w + o_k[:, None] * 2 * inner + inner, mask=m_w, other=0), DOT)
-        b_swg = tl.load(p_s + kb * num_groups + b_g_gate)
-        b_swu = tl.load(p_s + kb * num_groups + b_g_up)
-        b_part = tl.dot(b_a, b_wg, input_precision="ieee")
-        b_gate += b_part * b_sx[:, None] * b_swg[None, :]
-        b_part = tl.dot(b_a, b_wu, input_precision="ieee")
-        b_up += b_part * b_sx[:, None] * b_swu[None, :]
-    tl.store(
-        o_ptr + o_m[:, None] * inner + o_n[None, :],
-        _swiglu(b_gate, b_up, o_ptr.dtype.element_ty),
-        mask=m_m[:, None] & m_n[None, :],
-    )
-
-
-@triton.jit
-def _down_fp8_kernel(
-    a_ptr,
-    w_ptr,
-    s_ptr,
-    g_ptr,
-    weights_ptr,
-    pairs_ptr,
-    block_experts_ptr,
-    used_ptr,
-    o_ptr,
-    num_pairs,
-    hidden,
-    inner,
-    num_groups,
-    DOT: tl.constexpr,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-    BK: tl.constexpr,
-):
-    # a: [bound, I], w: [E, I, H] e4m3 bytes, s: [E, ceil(I / BK), G], g: [H], weights: [P k],
-    # o: [P k, H]
-    pid_m = tl.program_id(0)
-    if pid_m * BM >= tl.load(used_ptr):
-        return
-    o_m = pid_m * BM + tl.arange(0, BM)
-    o_n = tl.program_id(1) * BN + tl.arange(0, BN)
-    b_pair = tl.load(pairs_ptr + o_m)
-    m_m, m_n = b_pair < num_pairs, o_n < hidden
-    expert = tl.load(block_experts_ptr + pid_m)
-    k_blocks = tl.cdiv(inner, BK)
-    p_w = w_ptr + expert * inner * hidden + o_n[None, :]
-    p_s = s_ptr + expert * k_blocks * num_groups + tl.load(g_ptr + o_n, mask=m_n, other=0)
-    b_acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for kb in range(0, k_blocks):
-        o_k = kb * BK + tl.arange(0, BK)
-        m_k = o_k < inner
-        b_a = tl.load(
-            a_ptr + o_m[:, None] * inner + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0
-        )
-        b_v, b_sx = _quantized(b_a.to(tl.float32))
-        b_w = tl.load(p_w + o_k[:, None] * hidden, mask=m_k[:, None] & m_n[None, :], other=0)
-        b_sw = tl.load(p_s + kb * num_groups)
-        b_part = tl.dot(_activation(b_v, DOT), _operand(b_w, DOT), input_precision="ieee")
-        b_acc += b_part * b_sx[:, None] * b_sw[None, :]
-    b_weight = tl.load(weights_ptr + b_pair, mask=m_m, other=0.0).to(tl.float32)
-    b_out = _weighted(b_acc, b_weight, o_ptr.dtype.element_ty)
-    tl.store(
-        o_ptr + b_pair[:, None] * hidden + o_n[None, :], b_out, mask=m_m[:, None] & m_n[None, :]
-    )
-
-
 def _gate_up(
     x: torch.Tensor, w13: Experts, aligned: Aligned, act: torch.Tensor, top_k: int
 ) -> None:
@@ -296,23 +139,7 @@ def _gate_up(
     common = dict(TOP_K=top_k, BM=BLOCK_M, num_stages=NUM_STAGES)
     index = (aligned.pairs, aligned.block_experts, aligned.num_used, act, rows * top_k)
     if isinstance(w13, BlockFp8):
-        bn, bk = FP8_GATE_UP_TILE
-        grid = (aligned.pairs.numel() // BLOCK_M, triton.cdiv(inner, bn))
-        _gate_up_fp8_kernel[grid](
-            x,
-            w13.weight.view(torch.uint8),
-            w13.scales,
-            w13.groups,
-            *index,
-            hidden,
-            inner,
-            w13.scales.shape[2],
-            DOT=fp8_gemm.dot_of(x),
-            BN=bn,
-            BK=bk,
-            num_warps=FP8_NUM_WARPS,
-            **common,
-        )
+        fp8.gate_up(x, w13, aligned, act, top_k)
         return
     bn, bk = GATE_UP_TILE
     grid = (aligned.pairs.numel() // BLOCK_M, triton.cdiv(inner, bn))
@@ -338,24 +165,7 @@ def _down(
     common = dict(BM=BLOCK_M, num_stages=NUM_STAGES)
     index = (aligned.pairs, aligned.block_experts, aligned.num_used, out, out.shape[0])
     if isinstance(w2, BlockFp8):
-        bn, bk = FP8_DOWN_TILE
-        grid = (aligned.pairs.numel() // BLOCK_M, triton.cdiv(hidden, bn))
-        _down_fp8_kernel[grid](
-            act,
-            w2.weight.view(torch.uint8),
-            w2.scales,
-            w2.groups,
-            weights,
-            *index,
-            hidden,
-            inner,
-            w2.scales.shape[2],
-            DOT=fp8_gemm.dot_of(act),
-            BN=bn,
-            BK=bk,
-            num_warps=FP8_NUM_WARPS,
-            **common,
-        )
+        fp8.down(act, w2, weights, aligned, out)
         return
     bn, bk = DOWN_TILE
     grid = (aligned.pairs.numel() // BLOCK_M, triton.cdiv(hidden, bn))
