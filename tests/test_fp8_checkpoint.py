@@ -324,6 +324,11 @@ BA = "model.layers.0.linear_attn.in_proj_ba"
             {},
             f"lacks 1 tensors, first '{QKVZ}.weight_scale_inv'",
         ),
+        (
+            {f"{QKVZ}.weight": torch.zeros(384, 128, dtype=torch.float8_e5m2)},
+            {},
+            f"{QKVZ}.weight is stored as F8_E5M2, which is not supported",
+        ),
     ],
     ids=[
         "unknown-scale",
@@ -331,6 +336,7 @@ BA = "model.layers.0.linear_attn.in_proj_ba"
         "no-quantization-config",
         "kept-module-in-fp8",
         "missing-scale",
+        "e5m2",
     ],
 )
 def test_what_the_engine_would_not_read_is_refused(

@@ -208,6 +208,8 @@ def expected_tensors(
     for name, shape in expected.items():
         if index[name][1] != shape:
             raise ValueError(f"{name} has shape {index[name][1]}; the config says {shape}")
+        if index[name][2] not in _DTYPES:
+            raise ValueError(f"{name} is stored as {index[name][2]}, which is not supported")
     unknown = sorted(n for n in set(index) - set(expected) if not _moot(cfg, n, index[n][1]))
     if unknown:
         raise ValueError(
