@@ -1,5 +1,6 @@
 """What the routed experts' bf16 and FP8 kernels share: the rows of a block, the pipeline
-stages, and the epilogues that round where the torch reference rounds."""
+stages, a program's block of sorted entries, and the epilogues that round where the torch
+reference rounds."""
 
 from __future__ import annotations
 
@@ -36,3 +37,12 @@ def _swiglu(b_gate, b_up, DTYPE: tl.constexpr):
 def _weighted(b_acc, b_weight, DTYPE: tl.constexpr):
     """An expert's fp32 sum, rounded, times the pair's routing weight, rounded."""
     return _rounded(_rounded(b_acc, DTYPE) * b_weight[:, None], DTYPE).to(DTYPE)
+
+
+@triton.jit
+def _block_tile(pairs_ptr, block_experts_ptr, BM: tl.constexpr, BN: tl.constexpr):
+    """A program's block of sorted entries and its columns: (entries, columns, each entry's
+    pair, the block's expert)."""
+    o_m = tl.program_id(0) * BM + tl.arange(0, BM)
+    o_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    return o_m, o_n, tl.load(pairs_ptr + o_m), tl.load(block_experts_ptr + tl.program_id(0))

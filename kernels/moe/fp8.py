@@ -15,7 +15,7 @@ import triton.language as tl
 from kernels.fp8 import triton as fp8_gemm
 from kernels.fp8.naive import BLOCK, BlockFp8
 from kernels.fp8.triton import _activation, _operand, _quantized
-from kernels.moe.epilogue import BLOCK_M, NUM_STAGES, _swiglu, _weighted
+from kernels.moe.epilogue import BLOCK_M, NUM_STAGES, _block_tile, _swiglu, _weighted
 from kernels.moe.naive import Aligned
 
 # (BN, BK) of each GEMM with block-FP8 weights: BK is the scale block, so that a row's block is
@@ -55,11 +55,8 @@ def _gate_up_fp8_kernel(
     pid_m = tl.program_id(0)
     if pid_m * BM >= tl.load(used_ptr):
         return
-    o_m = pid_m * BM + tl.arange(0, BM)
-    o_n = tl.program_id(1) * BN + tl.arange(0, BN)
-    b_pair = tl.load(pairs_ptr + o_m)
+    o_m, o_n, b_pair, expert = _block_tile(pairs_ptr, block_experts_ptr, BM, BN)
     m_m, m_n = b_pair < num_pairs, o_n < inner
-    expert = tl.load(block_experts_ptr + pid_m)
     k_blocks = tl.cdiv(hidden, BK)
     p_x = x_ptr + (b_pair // TOP_K)[:, None] * hidden
     p_w = w_ptr + expert * hidden * 2 * inner + o_n[None, :]
@@ -115,11 +112,8 @@ def _down_fp8_kernel(
     pid_m = tl.program_id(0)
     if pid_m * BM >= tl.load(used_ptr):
         return
-    o_m = pid_m * BM + tl.arange(0, BM)
-    o_n = tl.program_id(1) * BN + tl.arange(0, BN)
-    b_pair = tl.load(pairs_ptr + o_m)
+    o_m, o_n, b_pair, expert = _block_tile(pairs_ptr, block_experts_ptr, BM, BN)
     m_m, m_n = b_pair < num_pairs, o_n < hidden
-    expert = tl.load(block_experts_ptr + pid_m)
     k_blocks = tl.cdiv(inner, BK)
     p_w = w_ptr + expert * inner * hidden + o_n[None, :]
     p_s = s_ptr + expert * k_blocks * num_groups + tl.load(g_ptr + o_n, mask=m_n, other=0)

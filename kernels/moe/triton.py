@@ -27,7 +27,7 @@ import triton.language as tl
 from kernels.common import interpreted
 from kernels.fp8.naive import BlockFp8
 from kernels.moe import fp8
-from kernels.moe.epilogue import BLOCK_M, NUM_STAGES, _swiglu, _weighted
+from kernels.moe.epilogue import BLOCK_M, NUM_STAGES, _block_tile, _swiglu, _weighted
 from kernels.moe.naive import Aligned, Experts, align, check_fp8_experts, sum_in_expert_order
 
 # (BN, BK) of each GEMM. At the flagship's H=2048, I=512 in bf16, compiled for sm_90 with 4 warps
@@ -60,12 +60,10 @@ def _gate_up_kernel(
     pid_m = tl.program_id(0)
     if pid_m * BM >= tl.load(used_ptr):
         return
-    o_m = pid_m * BM + tl.arange(0, BM)
-    o_n = tl.program_id(1) * BN + tl.arange(0, BN)
-    b_pair = tl.load(pairs_ptr + o_m)
+    o_m, o_n, b_pair, expert = _block_tile(pairs_ptr, block_experts_ptr, BM, BN)
     m_m, m_n = b_pair < num_pairs, o_n < inner
     p_x = x_ptr + (b_pair // TOP_K)[:, None] * hidden
-    p_w = w_ptr + tl.load(block_experts_ptr + pid_m) * hidden * 2 * inner + o_n[None, :]
+    p_w = w_ptr + expert * hidden * 2 * inner + o_n[None, :]
     b_gate = tl.zeros([BM, BN], dtype=tl.float32)
     b_up = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, hidden, BK):
@@ -107,11 +105,9 @@ def _down_kernel(
     pid_m = tl.program_id(0)
     if pid_m * BM >= tl.load(used_ptr):
         return
-    o_m = pid_m * BM + tl.arange(0, BM)
-    o_n = tl.program_id(1) * BN + tl.arange(0, BN)
-    b_pair = tl.load(pairs_ptr + o_m)
+    o_m, o_n, b_pair, expert = _block_tile(pairs_ptr, block_experts_ptr, BM, BN)
     m_m, m_n = b_pair < num_pairs, o_n < hidden
-    p_w = w_ptr + tl.load(block_experts_ptr + pid_m) * inner * hidden + o_n[None, :]
+    p_w = w_ptr + expert * inner * hidden + o_n[None, :]
     b_acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, inner, BK):
         o_k = k0 + tl.arange(0, BK)
