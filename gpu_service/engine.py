@@ -23,12 +23,14 @@ from gpu_service.drafter import Drafter
 from gpu_service.graphs import Capture, Graphs
 from gpu_service.model.backend import EAGER, Choice, EagerOps
 from gpu_service.model.digest import checkpoint_digest
-from gpu_service.model.hybrid import HybridModel
+from gpu_service.model.hybrid import HybridModel, held_bytes
 from gpu_service.model.weights import serving_dtype, stream_weights
 from gpu_service.pipeline import EngineSteps, run_plan
 from gpu_service.slots import SlotTable
 from gpu_service.state import DeviceState
 from gpu_service.step import Steps
+from gpu_service.tp.group import TpGroup
+from gpu_service.tp.shard import Shard, rank_config
 from gpu_service.verifier import Verifier
 from protos.model import (
     FORWARDS,
@@ -64,8 +66,13 @@ class Engine:
         svc: ServiceConfig | None = None,
         dtype: str | None = None,
         device: str | torch.device | None = None,
+        tp: TpGroup | None = None,
     ) -> None:
+        """With `tp`, this process is one rank of a tensor-parallel group: it loads and holds
+        only its part of the weights and state (`gpu_service/tp/`), and every operation must be
+        run by every rank in the same order (`gpu_service/tp/ranks.py` sees to it)."""
         self.cfg = ModelConfig.load(model_dir)
+        self.tp = tp
         self.svc = svc or ServiceConfig()
         self.name = model_dir.resolve().name
         self.model_dir = model_dir
@@ -73,11 +80,14 @@ class Engine:
         self._tokenizer_files = read_tokenizer_files(model_dir)
         torch_dtype = serving_dtype(self.cfg, dtype)
         self.device = resolve_device(device or "auto")
-        weights, self.cfg = stream_weights(self.cfg, model_dir, torch_dtype, self.device)
+        shard = None if tp is None else Shard(tp.rank, tp.size)
+        weights, self.cfg = stream_weights(self.cfg, model_dir, torch_dtype, self.device, shard)
         # Once, of the files just loaded: the engine never loads other weights.
         self.digest = checkpoint_digest(model_dir)
-        self.model = HybridModel(self.cfg, weights, self.svc.max_context)
-        self.state = DeviceState(self.cfg, self.svc, torch_dtype, self.device)
+        # What this rank holds: heads and intermediates divided, ids and widths as served.
+        held = rank_config(self.cfg, 1 if tp is None else tp.size)
+        self.model = HybridModel(held, weights, self.svc.max_context, tp)
+        self.state = DeviceState(held, self.svc, torch_dtype, self.device)
         self.choice = Choice()
         # name -> hook run after every fold (None for the plain forwards); tests add more.
         self.forwards: dict[str, Callable[[DeviceState, list[int]], None] | None] = {
@@ -140,6 +150,7 @@ class Engine:
             model_digest=self.digest,
             graphs=self.choice.graphs is not None,
             quantization=self.cfg.quantization.name if self.cfg.quantization else "",
+            tensor_parallel_size=1 if self.tp is None else self.tp.size,
         )
 
     def tokenizer_files(self) -> dict[str, bytes]:
@@ -309,6 +320,20 @@ class Engine:
         with self._hold():
             job = costs.measurement(self, list(widths), max_depth, repeats, refresh, cached_only)
             return costs.run(job)
+
+    def held_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds for weights and for state (`weights`, `state`)."""
+        with self._hold():
+            state = [v for v in vars(self.state).values() if isinstance(v, torch.Tensor)]
+            return {
+                "weights": held_bytes(self.model.held_tensors()),
+                "state": held_bytes(state),
+            }
+
+    def held_bytes_by_rank(self) -> list[dict[str, int]]:
+        """`held_bytes` of every rank, in rank order (one entry on one device)."""
+        mine = self.held_bytes()
+        return [mine] if self.tp is None else self.tp.gather_objects(mine)  # type: ignore[misc]
 
     def read_logits(self) -> Logits:
         with self._hold():

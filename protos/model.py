@@ -135,6 +135,8 @@ class Capabilities:
     # The checkpoint's quantization as served (gpu_service/quantization.py names it, e.g.
     # "fp8-e4m3-block128"); "" when its weights are served as stored.
     quantization: str = ""
+    # Ranks the model is split over (`--tensor-parallel-size`); 1: one device.
+    tensor_parallel_size: int = 1
 
 
 @dataclass(frozen=True)

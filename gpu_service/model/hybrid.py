@@ -19,6 +19,8 @@ from gpu_service.model.batch import Batch, Layout, Segment, build
 from gpu_service.model.ops import ROW_TILE, apply_rope, pad_rows, rope_table
 from gpu_service.model.packing import fold_norms, pack
 from gpu_service.state import DeviceState
+from gpu_service.tp.group import TpGroup
+from gpu_service.tp.shard import Shard, vocab_range
 from kernels.attention.naive import KEY_BLOCK
 from kernels.common import sigmoid, silu, softplus
 from kernels.moe.naive import route
@@ -39,10 +41,20 @@ class HybridModel:
         cfg: ModelConfig,
         weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
         max_context: int,
+        tp: TpGroup | None = None,
     ):
         """`weights`: the checkpoint's tensors by HF name, best as a stream (`stream_weights`),
-        so that each is dropped once packed (`gpu_service/model/packing.py`)."""
+        so that each is dropped once packed (`gpu_service/model/packing.py`). Under tensor
+        parallelism (`tp`), `cfg` and `weights` are this rank's (`gpu_service/tp/shard.py`):
+        each row-parallel output is summed over the ranks, and the embedding and LM head hold
+        this rank's token ids."""
         packed = pack(cfg, weights.items() if isinstance(weights, Mapping) else weights)
+        self.tp = tp
+        self.vocab = (
+            (0, cfg.vocab_size)
+            if tp is None
+            else vocab_range(cfg.vocab_size, Shard(tp.rank, tp.size))
+        )
         self.cfg, self.wt, self.vectors = cfg, packed.linears, packed.vectors
         # Untied: the embedding as loaded, [V, H]; tied: None, looked up in lm_head's columns.
         self.embed = self.vectors.pop("model.embed_tokens.weight", None)
@@ -80,12 +92,25 @@ class HybridModel:
 
     def embed_rows(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens: [R] -> their embeddings [R, H], contiguous: a transposed view would reach
-        the GEMMs in a layout whose kernel depends on the row count."""
+        the GEMMs in a layout whose kernel depends on the row count. Vocab-parallel: each rank
+        looks up the ids it holds, zeros elsewhere, and the sum over ranks adds exact zeros."""
+        start, stop = self.vocab
+        local = tokens - start
+        held = (local >= 0) & (local < stop - start)
+        local = torch.where(held, local, 0) if self.tp is not None else local
         if self.embed is not None:
-            return self.embed.index_select(0, tokens)
-        lm_head = self.wt["lm_head"]
-        assert isinstance(lm_head, torch.Tensor)  # HybridModel refuses a tied FP8 lm_head
-        return lm_head.index_select(1, tokens).t().contiguous()
+            rows = self.embed.index_select(0, local)
+        else:
+            lm_head = self.wt["lm_head"]
+            assert isinstance(lm_head, torch.Tensor)  # HybridModel refuses a tied FP8 lm_head
+            rows = lm_head.index_select(1, local).t().contiguous()
+        if self.tp is None:
+            return rows
+        return self.tp.reduce(torch.where(held[:, None], rows, 0))
+
+    def _reduced(self, x: torch.Tensor) -> torch.Tensor:
+        """A row-parallel output summed over the ranks (`TpGroup.reduce`)."""
+        return x if self.tp is None else self.tp.reduce(x)
 
     def held_tensors(self) -> list[torch.Tensor]:
         """Every tensor the model holds for its weights (norms, tables and biases included),
@@ -160,8 +185,19 @@ class HybridModel:
         return self._norm(x, "model.norm")
 
     def logits(self, hidden: torch.Tensor, tile: int = ROW_TILE) -> torch.Tensor:
-        """hidden: [R, H] -> [R, vocab], in tiles of `tile` rows."""
-        return self.ops.linear(pad_rows(hidden, tile), self.wt["lm_head"], tile)[: hidden.shape[0]]
+        """hidden: [R, H] -> [R, vocab], in tiles of `tile` rows; vocab-parallel, each rank's
+        columns gathered in rank order."""
+        out = self.ops.linear(pad_rows(hidden, tile), self.wt["lm_head"], tile)[: hidden.shape[0]]
+        if self.tp is None:
+            return out
+        shard = Shard(self.tp.rank, self.tp.size)
+        widths = [
+            b - a
+            for a, b in (
+                vocab_range(self.cfg.vocab_size, Shard(r, shard.size)) for r in range(shard.size)
+            )
+        ]
+        return self.tp.gather_columns(out, widths)
 
     # -- MTP head ----------------------------------------------------------------------
 
@@ -197,7 +233,11 @@ class HybridModel:
 
     def _mlp(self, p: str, x: torch.Tensor) -> torch.Tensor:
         if f"{p}.gate" in self.wt:
-            return self._moe(p, x)
+            return self._reduced(self._moe(p, x))
+        return self._reduced(self._swiglu(p, x))
+
+    def _swiglu(self, p: str, x: torch.Tensor) -> torch.Tensor:
+        """A SwiGLU MLP; under tensor parallelism, this rank's part of the sum."""
         gate_up = self.ops.linear(x, self.wt[f"{p}.gate_up_proj"])  # [P, 2I]: gate, then up
         inner = gate_up.shape[1] // 2
         act = silu(gate_up)[:, :inner] * gate_up[:, inner:]
@@ -206,7 +246,8 @@ class HybridModel:
     def _moe(self, p: str, x: torch.Tensor) -> torch.Tensor:
         """Qwen3-Next's sparse block: softmax router, top-k experts (renormalised when
         `norm_topk_prob`), each expert over only the rows routed to it, a row's outputs added
-        in expert-index order (batch invariant), plus the shared expert gated by sigmoid."""
+        in expert-index order (batch invariant), plus the shared expert gated by sigmoid. Under
+        tensor parallelism every expert's intermediate is split: this rank's part of the sum."""
         cfg = self.cfg
         logits = self.ops.linear(x, self.wt[f"{p}.gate"]).float()  # [P, E]
         weights, experts = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
@@ -214,7 +255,7 @@ class HybridModel:
         out = self.ops.moe(x, w13, w2, experts, weights.to(x.dtype))
         if f"{p}.shared_expert_gate" in self.wt:
             gate = sigmoid(self.ops.linear(x, self.wt[f"{p}.shared_expert_gate"]))
-            out = out + gate * self._mlp(f"{p}.shared_expert", x)
+            out = out + gate * self._swiglu(f"{p}.shared_expert", x)
         return out
 
     def _qkv(
@@ -259,7 +300,7 @@ class HybridModel:
         q, gate = self._project_kv(p, x, batch, rope, cache)
         out = self.ops.attend(q, cache, batch)
         out = out.reshape(x.shape[0], -1) * sigmoid(gate)
-        return self.ops.linear(out, self.wt[f"{p}.o_proj"])
+        return self._reduced(self.ops.linear(out, self.wt[f"{p}.o_proj"]))
 
     def _gdn(
         self,
@@ -289,7 +330,9 @@ class HybridModel:
             self.vectors[f"{p}.norm.weight"],
             cfg.rms_norm_eps,
         )
-        return self.ops.linear(normed.reshape(rows, hv * dv), self.wt[f"{p}.out_proj"])
+        return self._reduced(
+            self.ops.linear(normed.reshape(rows, hv * dv), self.wt[f"{p}.out_proj"])
+        )
 
 
 def _storage_key(t: torch.Tensor) -> int:

@@ -10,8 +10,11 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from gpu_service.config import FULL, ModelConfig
+from gpu_service.tp import shard as tp_shard
+from gpu_service.tp.shard import Shard
 from gpu_service.quantization import SCALE_SUFFIX, quantizable, scale_name, scale_shape
 
 WEIGHTS_FILE = "model.safetensors"
@@ -260,6 +263,25 @@ def _read_tensors(shard: Path, wanted: set[str]) -> Iterator[tuple[str, torch.Te
             yield name, torch.frombuffer(data, dtype=dtype).view(shape)
 
 
+def _read_parts(
+    path: Path, wanted: set[str], cfg: ModelConfig, shard: Shard
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`_read_tensors` for one tensor-parallel rank: of each tensor, the runs of rows or columns
+    the rank holds, each read through a safetensors slice (only its bytes leave the file)."""
+    with safe_open(str(path), framework="pt") as f:
+        for name in [n for n in f.keys() if n in wanted]:  # noqa: SIM118 (safe_open has no iter)
+            piece = f.get_slice(name)
+            shape = tuple(piece.get_shape())
+            spec = tp_shard.part(cfg, shard, name, shape)
+            if spec is None:
+                yield name, piece[:].clone()
+                continue
+            dim, indices = spec
+            lead = (slice(None),) * dim
+            parts = [piece[(*lead, slice(a, b))] for a, b in tp_shard.runs(indices) or [(0, 0)]]
+            yield name, torch.cat(parts, dim) if len(parts) > 1 else parts[0].clone()
+
+
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
@@ -282,15 +304,20 @@ def stream_weights(
     directory: Path,
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
+    shard: Shard | None = None,
 ) -> tuple[Iterator[tuple[str, torch.Tensor]], ModelConfig]:
     """The checkpoint's tensors one at a time, each on `device` in `dtype` (FP8 weights stay
     FP8 and their scales fp32), checked name by name, shape by shape and dtype by dtype against
     `cfg` before the first is read (`expected_tensors`). A checkpoint without `mtp.*` tensors
-    loads with the drafter off (the returned config has no MTP layer)."""
+    loads with the drafter off (the returned config has no MTP layer). With a tensor-parallel
+    `shard`, each tensor is only what that rank holds (`gpu_service/tp/shard.py`), and only
+    those bytes are read."""
     index = checkpoint_index(directory)
     cfg = served_config(cfg, index)
     try:
         expected, fp8 = expected_tensors(cfg, index)
+        if shard is not None:
+            tp_shard.check(cfg, shard.size)
     except ValueError as e:
         raise ValueError(f"{directory}: {e}") from None
 
@@ -300,8 +327,12 @@ def stream_weights(
         return torch.float32 if name.endswith(SCALE_SUFFIX) else dtype
 
     def stream() -> Iterator[tuple[str, torch.Tensor]]:
-        for shard in dict.fromkeys(index[n][0] for n in expected):
-            for name, t in _read_tensors(shard, set(expected)):
+        for path in dict.fromkeys(index[n][0] for n in expected):
+            if shard is None or shard.size == 1:
+                tensors = _read_tensors(path, set(expected))
+            else:
+                tensors = _read_parts(path, set(expected), cfg, shard)
+            for name, t in tensors:
                 yield name, t.to(device=device, dtype=kept_dtype(name))
 
     return stream(), cfg

@@ -1,0 +1,1 @@
+"""Tensor parallelism: one model over several ranks (`met gpu-service serve --tp N`)."""

@@ -1,0 +1,133 @@
+"""The collectives of one tensor-parallel group: process groups built directly on a TCP store
+(no process-global default group, so a test process can hold several), a compute group (NCCL on
+CUDA, gloo on the CPU) and a gloo group for the operations rank 0 sends.
+
+A row-parallel output is summed in rank order (`ordered`, the default): every rank's partial is
+gathered and added p0 + p1 + ... on every rank, so a row's bytes depend on neither the batch nor
+the message size. `nccl` hands the sum to the backend's all-reduce (NCCL's ring, or gloo's on the
+CPU), which may pick its algorithm and chunking by size; the circuit diff would catch a row
+changing with its batch."""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+REDUCES = ("ordered", "nccl")
+# How long a collective waits for a rank before the service ends (`--tp-timeout`).
+DEFAULT_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where the ranks meet: rank 0's TCP store."""
+
+    host: str
+    port: int
+    size: int
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+
+def _compute_group(
+    store: dist.Store, rank: int, size: int, device: torch.device, timeout: datetime.timedelta
+) -> dist.ProcessGroup:
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, size, options)
+    return dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, timeout)
+
+
+class TpGroup:
+    def __init__(
+        self,
+        rank: int,
+        meet: Rendezvous,
+        device: torch.device,
+        reduce: str = "ordered",
+        store: dist.Store | None = None,
+    ) -> None:
+        if reduce not in REDUCES:
+            raise ValueError(f"--tp-reduce {reduce!r}: expected one of {', '.join(REDUCES)}")
+        timeout = datetime.timedelta(seconds=meet.timeout_s)
+        if store is None:
+            store = dist.TCPStore(meet.host, meet.port, meet.size, False, timeout=timeout)
+        self.rank, self.size, self.reduce_mode, self.device = rank, meet.size, reduce, device
+        self.store = store
+        self.compute = _compute_group(store, rank, meet.size, device, timeout)
+        self.control = dist.ProcessGroupGloo(
+            dist.PrefixStore("control", store), rank, meet.size, timeout
+        )
+
+    @staticmethod
+    def host_store(size: int, timeout_s: float) -> dist.TCPStore:
+        """Rank 0's store on a free loopback port (its `.port`)."""
+        return dist.TCPStore(
+            "127.0.0.1",
+            0,
+            size,
+            True,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
+
+    # -- the forward's collectives ----------------------------------------------------------
+
+    def gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `x` (same shape on each), in rank order."""
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        self.compute.allgather([parts], [x]).wait()
+        return parts
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks of `x`, the same bytes on every rank."""
+        if self.reduce_mode == "nccl":
+            out = x.contiguous().clone()
+            self.compute.allreduce([out]).wait()
+            return out
+        parts = self.gather(x)
+        total = parts[0]
+        for p in parts[1:]:
+            total = total + p
+        return total
+
+    def gather_columns(self, x: torch.Tensor, widths: list[int]) -> torch.Tensor:
+        """x: [R, widths[rank]] -> [R, sum(widths)], rank 0's columns first (vocab-parallel
+        logits: shards of unequal width are padded to the widest for the gather)."""
+        widest = max(widths)
+        padded = torch.nn.functional.pad(x, (0, widest - x.shape[1]))
+        parts = self.gather(padded)
+        return torch.cat([p[:, :w] for p, w in zip(parts, widths, strict=True)], dim=1)
+
+    # -- rank 0's operations -------------------------------------------------------------
+
+    def send(self, message: object) -> None:
+        """Rank 0: one operation to every other rank (pickled; a length, then the bytes)."""
+        data = torch.frombuffer(bytearray(pickle.dumps(message)), dtype=torch.uint8)
+        self.control.broadcast(torch.tensor([data.numel()]), 0).wait()
+        self.control.broadcast(data, 0).wait()
+
+    def receive(self) -> object:
+        """Another rank: the next operation rank 0 sent."""
+        length = torch.zeros(1, dtype=torch.int64)
+        self.control.broadcast(length, 0).wait()
+        data = torch.empty(int(length), dtype=torch.uint8)
+        self.control.broadcast(data, 0).wait()
+        return pickle.loads(data.numpy().tobytes())
+
+    def gather_objects(self, value: object) -> list[object]:
+        """Every rank's `value`, in rank order, on every rank (over the control group)."""
+        data = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
+        lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+        self.control.allgather([lengths], [torch.tensor([data.numel()])]).wait()
+        widest = int(max(lengths))
+        parts = [torch.empty(widest, dtype=torch.uint8) for _ in range(self.size)]
+        self.control.allgather([parts], [torch.nn.functional.pad(data, (0, widest - data.numel()))]).wait()
+        return [
+            pickle.loads(p[: int(n)].numpy().tobytes()) for p, n in zip(parts, lengths, strict=True)
+        ]

@@ -1,0 +1,265 @@
+"""A tensor-parallel engine: rank 0 in the service's process, the other ranks in processes it
+spawns, one per device. Rank 0 owns the gRPC server, the sessions and the slot table; before
+each operation that reads or writes device state it sends the operation and its arguments to the
+other ranks, which run the same call on their shards, so every collective inside the forward
+meets its peers in the same order. Reads of results (capabilities, logits, draws) stay on rank 0:
+its logits are gathered whole and its slot table is every rank's.
+
+Faults end the service, never hang it: rank 0 watches every other rank's process and exits
+non-zero the moment one ends; each other rank exits when rank 0's process ends; a collective
+that waits past `--tp-timeout` for a rank that hangs raises, which ends the service the same way.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+import os
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gpu_service.config import ServiceConfig
+from gpu_service.engine import Engine
+from gpu_service.tp.group import DEFAULT_TIMEOUT_S, Rendezvous, TpGroup
+from protos.model import ModelError
+
+# Engine calls every rank runs, in rank 0's order; the rest read rank 0's results.
+MIRRORED = (
+    "alloc_sequence",
+    "free_sequence",
+    "free_sequences",
+    "prefill",
+    "decode_verify_batched",
+    "gdn_fold_accepted",
+    "commit_accepted_prefix",
+    "stash_verify_hidden_rows",
+    "run_mtp_propose_batched",
+    "check_positions",
+    "trim_proposer_state",
+    "settle_verdict",
+    "decode_step",
+    "run_plan",
+    "set_forward",
+    "measure_costs",
+    "use_graphs",
+    "held_bytes_by_rank",
+)
+_STOP = "stop"
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What every rank is started with."""
+
+    model_dir: Path
+    svc: ServiceConfig
+    dtype: str | None
+    device: str  # "cpu", or "cuda" (rank r takes cuda:r)
+    size: int
+    reduce: str = "ordered"
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    threads: int = 1
+
+    def device_of(self, rank: int) -> torch.device:
+        return torch.device(f"cuda:{rank}" if self.device.startswith("cuda") else self.device)
+
+
+def _failed_collective(e: BaseException) -> bool:
+    """Whether `e` came from a collective whose peer died or hung (not from the operation)."""
+    text = str(e)
+    return isinstance(e, dist.DistError) or (
+        type(e) is RuntimeError
+        and any(mark in text for mark in ("gloo", "Gloo", "NCCL", "Timed out", "Connection closed"))
+    )
+
+
+def _exit_service(message: str) -> None:
+    print(f"gpu-service: {message}; the service ends", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
+class Followers:
+    """Ranks 1 .. N-1's processes, watched from the moment they start: one that ends while not
+    told to stop calls `on_fault`."""
+
+    def __init__(
+        self, processes: list[Any], pipes: list[Any], on_fault: Callable[[str], None]
+    ) -> None:
+        self.processes, self._pipes, self._on_fault = processes, pipes, on_fault
+        self.stopping = False
+        threading.Thread(target=self._watch, daemon=True, name="tp-watch").start()
+
+    def _watch(self) -> None:
+        sentinels = {p.sentinel: r + 1 for r, p in enumerate(self.processes)}
+        ready = multiprocessing.connection.wait(list(sentinels))
+        if self.stopping:
+            return
+        rank = sentinels[ready[0]]  # type: ignore[index]
+        code = self.processes[rank - 1].exitcode
+        self._on_fault(f"tensor-parallel rank {rank} exited (status {code})")
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.processes)
+
+    def join(self) -> None:
+        for p in self.processes:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+
+
+class TpEngine(Engine):
+    """Rank 0's engine. `close()` stops the other ranks; `on_fault` is what a failed collective
+    does (the service: exit with status 1)."""
+
+    def __init__(
+        self,
+        launch: Launch,
+        group: TpGroup,
+        followers: Followers,
+        on_fault: Callable[[str], None] = _exit_service,
+    ) -> None:
+        self.followers, self._on_fault = followers, on_fault
+        self._depth = threading.local()
+        # Calls the engine makes on itself while loading are each rank's own.
+        self._depth.n = 1
+        try:
+            super().__init__(launch.model_dir, launch.svc, launch.dtype, launch.device_of(0), group)
+            error = None
+        except (OSError, ValueError) as e:
+            error = str(e)
+        self._depth.n = 0
+        errors = [m for m in group.gather_objects(error) if m]
+        if errors:
+            self.close()
+            raise ValueError(errors[0])
+
+    @property
+    def _closing(self) -> bool:
+        return self.followers.stopping
+
+    def close(self) -> None:
+        """Stop the other ranks (each ends its loop) and wait for them."""
+        if self.followers.stopping:
+            return
+        self.followers.stopping = True
+        if self.followers.alive() and self.tp is not None:
+            try:
+                with self._lock:
+                    self.tp.send(_STOP)
+            except RuntimeError:
+                pass
+        self.followers.join()
+
+    def add_forward(self, name: str, after_fold: Callable[..., None]) -> None:
+        raise ValueError("add_forward: a hook runs in one process; not under tensor parallelism")
+
+    def _mirror(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        method = getattr(Engine, name)
+        with self._lock:
+            outer = not getattr(self._depth, "n", 0)
+            self._depth.n = getattr(self._depth, "n", 0) + 1
+            try:
+                if outer:
+                    assert self.tp is not None
+                    self.tp.send((name, args, kwargs))
+                return method(self, *args, **kwargs)
+            except ModelError:
+                raise
+            except Exception as e:
+                if outer and not self._closing and _failed_collective(e):
+                    self._on_fault(f"a tensor-parallel collective failed in {name}: {e}")
+                raise
+            finally:
+                self._depth.n -= 1
+
+
+def _mirrored(name: str) -> Callable[..., Any]:
+    def call(self: TpEngine, *args: Any, **kwargs: Any) -> Any:
+        return self._mirror(name, *args, **kwargs)
+
+    call.__name__ = name
+    call.__doc__ = getattr(Engine, name).__doc__
+    return call
+
+
+for _name in MIRRORED:
+    setattr(TpEngine, _name, _mirrored(_name))
+
+
+def _watch_parent(conn: multiprocessing.connection.Connection) -> None:
+    """Block until rank 0's process ends (its end of the pipe closes), then end this one."""
+    try:
+        conn.recv()
+    except (EOFError, OSError):
+        pass
+    os._exit(1)
+
+
+def follow(
+    rank: int, launch: Launch, meet: Rendezvous, conn: multiprocessing.connection.Connection
+) -> None:
+    """Rank `rank`'s process: load this rank's shard, then run rank 0's operations until told
+    to stop."""
+    threading.Thread(target=_watch_parent, args=(conn,), daemon=True).start()
+    torch.set_num_threads(launch.threads)
+    device = launch.device_of(rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    group = TpGroup(rank, meet, device, launch.reduce)
+    try:
+        engine = Engine(launch.model_dir, launch.svc, launch.dtype, device, group)
+        error = None
+    except (OSError, ValueError) as e:
+        error = f"rank {rank}: {e}"
+    if any(group.gather_objects(error)):
+        return
+    while True:
+        message = group.receive()
+        if message == _STOP:
+            return
+        name, args, kwargs = message  # type: ignore[misc]
+        try:
+            getattr(engine, name)(*args, **kwargs)
+        except ModelError:
+            pass  # rank 0 met the same and answered its caller
+        except Exception as e:
+            if _failed_collective(e):
+                raise
+            traceback.print_exc()
+
+
+def launch(spec: Launch, on_fault: Callable[[str], None] = _exit_service) -> TpEngine:
+    """Start ranks 1 .. N-1 and build rank 0 here; every rank loads only its shard."""
+    store = TpGroup.host_store(spec.size, spec.timeout_s)
+    meet = Rendezvous("127.0.0.1", store.port, spec.size, spec.timeout_s)
+    context = multiprocessing.get_context("spawn")
+    followers, pipes = [], []
+    for rank in range(1, spec.size):
+        ours, theirs = context.Pipe()
+        p = context.Process(
+            target=follow, args=(rank, spec, meet, theirs), name=f"tp-rank-{rank}", daemon=True
+        )
+        p.start()
+        theirs.close()
+        followers.append(p)
+        pipes.append(ours)
+    watched = Followers(followers, pipes, on_fault)
+    device = spec.device_of(0)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    try:
+        group = TpGroup(0, meet, device, spec.reduce, store=store)
+    except Exception:
+        watched.stopping = True
+        watched.join()
+        raise
+    return TpEngine(spec, group, watched, on_fault)

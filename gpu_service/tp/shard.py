@@ -1,0 +1,222 @@
+"""Which part of every tensor a tensor-parallel rank holds (the Megatron layout), from shapes
+alone: what the loader reads, what the plan counts and what the tests check.
+
+- Gated attention: q heads (with their output gate) split; KV heads split while the rank count
+  divides them, and otherwise each rank holds the one KV head its q heads read (the flagship's 2
+  KV heads at 4 ranks: 2 copies of each). `o_proj` is row-parallel: each rank reads its heads'
+  columns.
+- Gated DeltaNet: value heads split, each with its conv channels, `z` gate, `b`, `a`, `A_log`
+  and `dt_bias`; a key head goes with its value heads (split while the rank count divides the
+  key heads, one replicated key head a rank otherwise). Recurrent state and conv windows hold
+  the rank's heads only. `out_proj` is row-parallel.
+- SwiGLU MLPs (dense, shared expert, and every routed expert): the intermediate split,
+  `gate`/`up` column-parallel, `down` row-parallel. The experts are split rather than placed by
+  rank: every rank runs the same routing over the same rows, so no rows cross between ranks and
+  a row's sum is the same whatever else is in the batch; expert placement (EP) would exchange
+  routed rows, whose counts follow the batch.
+- Embedding and LM head vocab-parallel: rank r holds ids [r * ceil(V / N), (r + 1) * ...).
+- Everything else (norms, the router, the shared expert's gate, the MTP head's `fc`) replicated.
+
+A rank's tensors keep the checkpoint's layout for its own, smaller config (`rank_config`), so the
+packing that follows does not know it is sharded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from gpu_service.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Shard:
+    rank: int
+    size: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"rank {self.rank} is outside 0 ..< {self.size}")
+
+
+def _split(total: int, size: int, what: str) -> None:
+    if total % size:
+        raise ValueError(
+            f"--tensor-parallel-size {size} does not divide {what} ({total}); "
+            "use a size that divides it"
+        )
+
+
+def _shared(total: int, size: int, what: str) -> int:
+    """Heads a rank holds of `total` that may be replicated: total / size, or 1 when size is a
+    multiple of total."""
+    if size <= total:
+        _split(total, size, what)
+        return total // size
+    if size % total:
+        raise ValueError(
+            f"--tensor-parallel-size {size} neither divides {what} ({total}) nor is a multiple "
+            "of it; use a size that does either"
+        )
+    return 1
+
+
+def check(cfg: ModelConfig, size: int) -> None:
+    """Raises ValueError naming what `size` ranks cannot split."""
+    if size < 1:
+        raise ValueError(f"--tensor-parallel-size is {size}; it must be at least 1")
+    if size == 1:
+        return
+    if cfg.quantization is not None:
+        raise ValueError(
+            f"the checkpoint is {cfg.quantization.name}; tensor parallelism serves unquantized "
+            "checkpoints (a 128-wide scale block would be cut between ranks)"
+        )
+    _split(cfg.num_attention_heads, size, "num_attention_heads")
+    _split(cfg.linear_num_value_heads, size, "linear_num_value_heads")
+    _split(cfg.intermediate_size, size, "intermediate_size")
+    _split(cfg.moe_intermediate_size, size, "moe_intermediate_size")
+    _split(cfg.shared_expert_intermediate_size, size, "shared_expert_intermediate_size")
+    kv = _shared(cfg.num_key_value_heads, size, "num_key_value_heads")
+    keys = _shared(cfg.linear_num_key_heads, size, "linear_num_key_heads")
+    if (cfg.num_attention_heads // size) % kv:
+        raise ValueError("a rank's q heads would read more KV heads than it holds")
+    if (cfg.linear_num_value_heads // size) % keys:
+        raise ValueError("a rank's GDN value heads would read more key heads than it holds")
+
+
+def rank_config(cfg: ModelConfig, size: int) -> ModelConfig:
+    """The config of what one of `size` ranks holds: heads and intermediates divided (a
+    replicated head counted once), the vocabulary as it is (ids stay global)."""
+    check(cfg, size)
+    if size == 1:
+        return cfg
+    return replace(
+        cfg,
+        num_attention_heads=cfg.num_attention_heads // size,
+        num_key_value_heads=_shared(cfg.num_key_value_heads, size, "num_key_value_heads"),
+        linear_num_key_heads=_shared(cfg.linear_num_key_heads, size, "linear_num_key_heads"),
+        linear_num_value_heads=cfg.linear_num_value_heads // size,
+        intermediate_size=cfg.intermediate_size // size,
+        moe_intermediate_size=cfg.moe_intermediate_size // size,
+        shared_expert_intermediate_size=cfg.shared_expert_intermediate_size // size,
+    )
+
+
+def vocab_range(vocab: int, shard: Shard) -> tuple[int, int]:
+    """The token ids rank `shard.rank` holds of the embedding and the LM head."""
+    per = -(-vocab // shard.size)
+    return min(vocab, shard.rank * per), min(vocab, (shard.rank + 1) * per)
+
+
+def _heads(total: int, shard: Shard) -> list[int]:
+    per = total // shard.size
+    return list(range(shard.rank * per, (shard.rank + 1) * per))
+
+
+def _kv_heads(cfg: ModelConfig, shard: Shard) -> list[int]:
+    """The KV heads the rank's q heads read."""
+    group = cfg.num_attention_heads // cfg.num_key_value_heads
+    return list(dict.fromkeys(h // group for h in _heads(cfg.num_attention_heads, shard)))
+
+
+def _value_heads(cfg: ModelConfig, shard: Shard) -> list[int]:
+    return _heads(cfg.linear_num_value_heads, shard)
+
+
+def _key_heads(cfg: ModelConfig, shard: Shard) -> dict[int, list[int]]:
+    """Each key head the rank holds -> its value heads the rank holds, in order."""
+    ratio = cfg.linear_num_value_heads // cfg.linear_num_key_heads
+    out: dict[int, list[int]] = {}
+    for v in _value_heads(cfg, shard):
+        out.setdefault(v // ratio, []).append(v)
+    return out
+
+
+def _spans(width: int, heads: list[int], base: int = 0) -> list[int]:
+    return [base + h * width + i for h in heads for i in range(width)]
+
+
+def _qkvz_rows(cfg: ModelConfig, shard: Shard) -> list[int]:
+    """in_proj_qkvz is laid out per key head [q, k, v of its value heads, z of them]."""
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    ratio = cfg.linear_num_value_heads // cfg.linear_num_key_heads
+    group = 2 * dk + 2 * ratio * dv
+    rows: list[int] = []
+    for g, values in _key_heads(cfg, shard).items():
+        start, local = g * group, [v - g * ratio for v in values]
+        rows += range(start, start + 2 * dk)
+        rows += _spans(dv, local, start + 2 * dk)
+        rows += _spans(dv, local, start + 2 * dk + ratio * dv)
+    return rows
+
+
+def _ba_rows(cfg: ModelConfig, shard: Shard) -> list[int]:
+    """in_proj_ba is laid out per key head [b of its value heads, a of them]."""
+    ratio = cfg.linear_num_value_heads // cfg.linear_num_key_heads
+    rows: list[int] = []
+    for g, values in _key_heads(cfg, shard).items():
+        local = [v - g * ratio for v in values]
+        rows += [g * 2 * ratio + j for j in local] + [g * 2 * ratio + ratio + j for j in local]
+    return rows
+
+
+def _conv_rows(cfg: ModelConfig, shard: Shard) -> list[int]:
+    """conv1d's channels are [q of every key head, k of them, v of every value head]."""
+    keys = list(_key_heads(cfg, shard))
+    dk, kd = cfg.linear_key_head_dim, cfg.key_dim
+    return (
+        _spans(dk, keys)
+        + _spans(dk, keys, kd)
+        + _spans(cfg.linear_value_head_dim, _value_heads(cfg, shard), 2 * kd)
+    )
+
+
+def _inner(total: int, shard: Shard) -> list[int]:
+    per = total // shard.size
+    return list(range(shard.rank * per, (shard.rank + 1) * per))
+
+
+def part(
+    cfg: ModelConfig, shard: Shard, name: str, shape: tuple[int, ...]
+) -> tuple[int, list[int]] | None:
+    """What rank `shard.rank` holds of checkpoint tensor `name` of `shape`: (dim, the indices
+    along it, in order), or None where it holds the whole tensor."""
+    if shard.size == 1:
+        return None
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return 0, list(range(*vocab_range(shape[0], shard)))
+    d, tail = cfg.head_dim, name.rpartition(".")[0]
+    kind = tail.rpartition(".")[2] if name.endswith(".weight") else name.rpartition(".")[2]
+    hq = _heads(cfg.num_attention_heads, shard)
+    if kind == "q_proj":
+        return 0, _spans(2 * d, hq)
+    if kind in ("k_proj", "v_proj"):
+        return 0, _spans(d, _kv_heads(cfg, shard))
+    if kind == "o_proj":
+        return 1, _spans(d, hq)
+    if kind == "in_proj_qkvz":
+        return 0, _qkvz_rows(cfg, shard)
+    if kind == "in_proj_ba":
+        return 0, _ba_rows(cfg, shard)
+    if kind == "conv1d":
+        return 0, _conv_rows(cfg, shard)
+    if kind in ("A_log", "dt_bias"):
+        return 0, _value_heads(cfg, shard)
+    if kind == "out_proj":
+        return 1, _spans(cfg.linear_value_head_dim, _value_heads(cfg, shard))
+    if kind in ("gate_proj", "up_proj"):
+        return 0, _inner(shape[0], shard)
+    if kind == "down_proj":
+        return 1, _inner(shape[1], shard)
+    return None
+
+
+def runs(indices: list[int]) -> list[tuple[int, int]]:
+    """Sorted-or-not indices -> [start, stop) runs of consecutive ones, in order."""
+    out: list[tuple[int, int]] = []
+    for i in indices:
+        if out and out[-1][1] == i:
+            out[-1] = (out[-1][0], i + 1)
+        else:
+            out.append((i, i + 1))
+    return out
