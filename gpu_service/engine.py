@@ -11,6 +11,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
+from typing import cast
 
 import torch
 from opentelemetry import propagate
@@ -333,7 +334,9 @@ class Engine:
     def held_bytes_by_rank(self) -> list[dict[str, int]]:
         """`held_bytes` of every rank, in rank order (one entry on one device)."""
         mine = self.held_bytes()
-        return [mine] if self.tp is None else self.tp.gather_objects(mine)  # type: ignore[misc]
+        if self.tp is None:
+            return [mine]
+        return [cast(dict[str, int], d) for d in self.tp.gather_objects(mine)]
 
     def read_logits(self) -> Logits:
         with self._hold():

@@ -11,6 +11,7 @@ from decimal import Decimal
 from pathlib import Path
 
 from gpu_service.config import ServiceConfig, parse_tiers
+from gpu_service.tp import DEFAULT_REDUCE, DEFAULT_TIMEOUT_S, REDUCES
 from protos import tls
 from protos.defaults import DEFAULT_MODEL_DIR
 from protos.model import ADMIN_KEY_ENV
@@ -44,6 +45,21 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "--otlp-endpoint",
         default=None,
         help="export spans over OTLP here (shortcut for OTEL_EXPORTER_OTLP_ENDPOINT)",
+    )
+    parser.add_argument(
+        "--tp-reduce",
+        choices=REDUCES,
+        default=DEFAULT_REDUCE,
+        help="how a row-parallel output is summed over ranks: ordered (gathered and added in "
+        "rank order: a row's bytes never depend on its batch) or nccl (the backend's "
+        "all-reduce; gloo's on the CPU) (default %(default)s)",
+    )
+    parser.add_argument(
+        "--tp-timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        metavar="SECONDS",
+        help="a collective waiting this long for a rank ends the service (default %(default)s)",
     )
     parser.add_argument(
         "--grace", type=float, default=5.0, help="seconds in-flight calls get on SIGTERM"
@@ -99,6 +115,16 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-prefill-tokens", type=int, default=ServiceConfig.max_prefill_tokens)
     _add_graphs_flag(parser)
     parser.add_argument(
+        "--tensor-parallel-size",
+        "--tp",
+        dest="tensor_parallel_size",
+        type=parse_tp_size,
+        default=1,
+        metavar="N",
+        help="ranks the model is split over, one process per device (cuda:0 .. N-1, or N CPU "
+        "processes); the plan is one rank's (default %(default)s)",
+    )
+    parser.add_argument(
         "--device-memory",
         type=parse_bytes,
         default=None,
@@ -134,6 +160,17 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
         cuda_graphs=args.cuda_graphs,
         num_slots_override=args.num_slots if isinstance(args.num_slots, int) else None,
     )
+
+
+def parse_tp_size(text: str) -> int:
+    """`--tensor-parallel-size`: a whole number of at least 1."""
+    try:
+        size = int(text)
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return size
 
 
 def parse_num_slots(text: str) -> int | str:

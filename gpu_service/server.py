@@ -21,6 +21,7 @@ from gpu_service.device import DeviceError, choose_device, default_forward
 from gpu_service.engine import Engine
 from gpu_service.options import access
 from gpu_service.servicer import ErrorInterceptor, ModelServicer
+from gpu_service.tp import ranks
 from protos import tls
 from protos.bodies import RejectUndecodable
 from protos.met.v1 import model_pb2, model_pb2_grpc
@@ -81,7 +82,21 @@ async def serve(
     print(f"gpu-service listening on {args.host}:{port}", flush=True)
 
     def load() -> Engine:
-        engine = Engine(args.model, svc, args.dtype, device)
+        if args.tensor_parallel_size > 1:
+            engine: Engine = ranks.launch(
+                ranks.Launch(
+                    args.model,
+                    svc,
+                    args.dtype,
+                    device.type,
+                    args.tensor_parallel_size,
+                    args.tp_reduce,
+                    args.tp_timeout,
+                    args.threads,
+                )
+            )
+        else:
+            engine = Engine(args.model, svc, args.dtype, device)
         engine.set_forward(default_forward(device))
         return engine
 
@@ -91,9 +106,14 @@ async def serve(
     engine = servicer.engine
     caps = engine.capabilities()
     quantized = f", linears in {caps.quantization}" if caps.quantization else ""
+    split = (
+        f" x {caps.tensor_parallel_size} ranks ({args.tp_reduce} reduction)"
+        if caps.tensor_parallel_size > 1
+        else ""
+    )
     print(
         f"gpu-service serving {engine.name} ({svc.num_slots} slots{quantized}) on "
-        f"{caps.device}, forward {engine.forward_name}",
+        f"{caps.device}{split}, forward {engine.forward_name}",
         flush=True,
     )
 
@@ -102,6 +122,8 @@ async def serve(
     await health_servicer.enter_graceful_shutdown()
     servicer.end_sessions()
     await server.stop(args.grace)
+    if isinstance(engine, ranks.TpEngine):
+        engine.close()
     flush_spans()
 
 
@@ -117,6 +139,20 @@ def _device_or_exit(flag: str) -> torch.device:
         return choose_device(flag)
     except DeviceError as e:
         _refuse(e)
+
+
+def _ranks_or_exit(size: int, device: torch.device) -> None:
+    """`--tensor-parallel-size` checked against the devices before anything loads: rank r
+    takes cuda:r."""
+    if size == 1 or device.type == "cpu":
+        return
+    if device.index not in (None, 0):
+        _refuse(f"--tensor-parallel-size {size} puts rank r on cuda:r; drop the index of --device")
+    count = torch.cuda.device_count()
+    if count < size:
+        _refuse(
+            f"--tensor-parallel-size {size} needs {size} CUDA devices; this machine has {count}"
+        )
 
 
 def _planned(args: argparse.Namespace, device: torch.device) -> ServiceConfig:
@@ -136,6 +172,7 @@ def _planned(args: argparse.Namespace, device: torch.device) -> ServiceConfig:
 def run(args: argparse.Namespace) -> None:
     credentials = tls.or_exit("met gpu-service serve", tls.server_credentials, args)
     device = _device_or_exit(args.device)
+    _ranks_or_exit(args.tensor_parallel_size, device)
     svc = _planned(args, device)
     logging.basicConfig(level=logging.INFO)
     asyncio.run(serve(args, svc, device, credentials))

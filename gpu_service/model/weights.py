@@ -13,9 +13,9 @@ import torch
 from safetensors import safe_open
 
 from gpu_service.config import FULL, ModelConfig
+from gpu_service.quantization import SCALE_SUFFIX, quantizable, scale_name, scale_shape
 from gpu_service.tp import shard as tp_shard
 from gpu_service.tp.shard import Shard
-from gpu_service.quantization import SCALE_SUFFIX, quantizable, scale_name, scale_shape
 
 WEIGHTS_FILE = "model.safetensors"
 

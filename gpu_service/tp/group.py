@@ -13,13 +13,12 @@ from __future__ import annotations
 import datetime
 import pickle
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-REDUCES = ("ordered", "nccl")
-# How long a collective waits for a rank before the service ends (`--tp-timeout`).
-DEFAULT_TIMEOUT_S = 60.0
+from gpu_service.tp import DEFAULT_REDUCE, DEFAULT_TIMEOUT_S, REDUCES
 
 
 @dataclass(frozen=True)
@@ -34,7 +33,9 @@ class Rendezvous:
 
 def _compute_group(
     store: dist.Store, rank: int, size: int, device: torch.device, timeout: datetime.timedelta
-) -> dist.ProcessGroup:
+) -> Any:
+    """A backend object used through its own calls (`allgather`, `allreduce`, `broadcast`),
+    which torch's stubs do not type."""
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
@@ -48,7 +49,7 @@ class TpGroup:
         rank: int,
         meet: Rendezvous,
         device: torch.device,
-        reduce: str = "ordered",
+        reduce: str = DEFAULT_REDUCE,
         store: dist.Store | None = None,
     ) -> None:
         if reduce not in REDUCES:
@@ -59,7 +60,7 @@ class TpGroup:
         self.rank, self.size, self.reduce_mode, self.device = rank, meet.size, reduce, device
         self.store = store
         self.compute = _compute_group(store, rank, meet.size, device, timeout)
-        self.control = dist.ProcessGroupGloo(
+        self.control: Any = dist.ProcessGroupGloo(
             dist.PrefixStore("control", store), rank, meet.size, timeout
         )
 
@@ -127,7 +128,9 @@ class TpGroup:
         self.control.allgather([lengths], [torch.tensor([data.numel()])]).wait()
         widest = int(max(lengths))
         parts = [torch.empty(widest, dtype=torch.uint8) for _ in range(self.size)]
-        self.control.allgather([parts], [torch.nn.functional.pad(data, (0, widest - data.numel()))]).wait()
+        self.control.allgather(
+            [parts], [torch.nn.functional.pad(data, (0, widest - data.numel()))]
+        ).wait()
         return [
             pickle.loads(p[: int(n)].numpy().tobytes()) for p, n in zip(parts, lengths, strict=True)
         ]

@@ -21,14 +21,15 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
 from gpu_service.config import ServiceConfig
 from gpu_service.engine import Engine
-from gpu_service.tp.group import DEFAULT_TIMEOUT_S, Rendezvous, TpGroup
+from gpu_service.tp import DEFAULT_REDUCE, DEFAULT_TIMEOUT_S
+from gpu_service.tp.group import Rendezvous, TpGroup
 from protos.model import ModelError
 
 # Engine calls every rank runs, in rank 0's order; the rest read rank 0's results.
@@ -64,7 +65,7 @@ class Launch:
     dtype: str | None
     device: str  # "cpu", or "cuda" (rank r takes cuda:r)
     size: int
-    reduce: str = "ordered"
+    reduce: str = DEFAULT_REDUCE
     timeout_s: float = DEFAULT_TIMEOUT_S
     threads: int = 1
 
@@ -102,7 +103,7 @@ class Followers:
         ready = multiprocessing.connection.wait(list(sentinels))
         if self.stopping:
             return
-        rank = sentinels[ready[0]]  # type: ignore[index]
+        rank = sentinels[ready[0]]
         code = self.processes[rank - 1].exitcode
         self._on_fault(f"tensor-parallel rank {rank} exited (status {code})")
 
@@ -226,7 +227,7 @@ def follow(
         message = group.receive()
         if message == _STOP:
             return
-        name, args, kwargs = message  # type: ignore[misc]
+        name, args, kwargs = cast(tuple[str, tuple, dict], message)
         try:
             getattr(engine, name)(*args, **kwargs)
         except ModelError:
