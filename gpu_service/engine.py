@@ -322,21 +322,22 @@ class Engine:
             job = costs.measurement(self, list(widths), max_depth, repeats, refresh, cached_only)
             return costs.run(job)
 
-    def held_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds for weights and for state (`weights`, `state`)."""
+    def held_bytes(self) -> dict[str, dict[str, int]]:
+        """The bytes of each tensor this rank holds, for its weights (`weights`, by where the
+        model keeps each) and its device state (`state`, by `DeviceState` attribute)."""
         with self._hold():
-            state = [v for v in vars(self.state).values() if isinstance(v, torch.Tensor)]
+            state = {n: v for n, v in vars(self.state).items() if isinstance(v, torch.Tensor)}
             return {
-                "weights": held_bytes(self.model.held_tensors()),
-                "state": held_bytes(state),
+                "weights": {n: held_bytes([t]) for n, t in self.model.named_held().items()},
+                "state": {n: held_bytes([t]) for n, t in state.items()},
             }
 
-    def held_bytes_by_rank(self) -> list[dict[str, int]]:
+    def held_bytes_by_rank(self) -> list[dict[str, dict[str, int]]]:
         """`held_bytes` of every rank, in rank order (one entry on one device)."""
         mine = self.held_bytes()
         if self.tp is None:
             return [mine]
-        return [cast(dict[str, int], d) for d in self.tp.gather_objects(mine)]
+        return [cast(dict[str, dict[str, int]], d) for d in self.tp.gather_objects(mine)]
 
     def read_logits(self) -> Logits:
         with self._hold():

@@ -4,7 +4,11 @@ The model and the `DeviceState` are built on the `meta` device as the engine bui
 their tensors counted: the plan counts what the engine allocates. What only a call sizes (the
 logits, the verify hiddens, the captured graphs' buffers, activations) is sized here from the
 same settings. `met gpu-service plan` prints a plan; `serve` makes one before loading a weight
-and refuses to start when it does not fit the device (`plan_report.py` words them)."""
+and refuses to start when it does not fit the device (`plan_report.py` words them).
+
+Under tensor parallelism (`--tensor-parallel-size N`) the plan is one rank's, the largest (rank
+0: the vocabulary's remainder falls short on the last), against one device: each rank has its
+own."""
 
 from __future__ import annotations
 
@@ -32,6 +36,8 @@ from gpu_service.model.weights import (
 from gpu_service.options import MAX_AUTO_SLOTS, service_config
 from gpu_service.quantization import fp8_names, scale_name, scale_shape
 from gpu_service.state import DeviceState
+from gpu_service.tp.group import TpGroup
+from gpu_service.tp.shard import Shard, part, rank_config
 from kernels.attention.naive import KEY_BLOCK
 from kernels.fp8.naive import FP8, BlockFp8
 
@@ -90,6 +96,7 @@ class Plan:
     memory: Memory
     seconds: float = 0.0
     quantization: str = ""  # the checkpoint's, as Capabilities names it; "" when none
+    tensor_parallel_size: int = 1  # ranks; every part is one rank's
 
     @property
     def total(self) -> int:
@@ -122,10 +129,37 @@ def load_config(path: Path) -> ModelConfig:
     return cfg
 
 
-def meta_model(cfg: ModelConfig, dtype: torch.dtype, max_context: int) -> HybridModel:
-    """The model on `meta`, its weights as a checkpoint of `cfg` holds them: in `dtype`, or
-    in FP8 with their scales where the config quantizes them."""
-    shapes = weight_shapes(cfg)
+class MetaGroup(TpGroup):
+    """Rank 0 of `size` on the meta device, with no peers: its collectives return what they
+    would, in shape, so a meta forward (the graphs' capture) keeps what the rank's keeps."""
+
+    def __init__(self, size: int) -> None:
+        self.rank, self.size, self.reduce_mode, self.device = 0, size, "ordered", META
+
+    def gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return [torch.empty_like(x) for _ in range(self.size)]
+
+
+def rank_shapes(cfg: ModelConfig, size: int) -> dict[str, tuple[int, ...]]:
+    """Every checkpoint tensor of `cfg` as rank 0 of `size` reads it (`tp.shard.part`)."""
+    shard, out = Shard(0, size), {}
+    for name, shape in weight_shapes(cfg).items():
+        spec = part(cfg, shard, name, shape)
+        if spec is not None:
+            dim, indices = spec
+            shape = (*shape[:dim], len(indices), *shape[dim + 1 :])
+        out[name] = shape
+    return out
+
+
+def meta_model(
+    cfg: ModelConfig, dtype: torch.dtype, max_context: int, size: int = 1
+) -> HybridModel:
+    """Rank 0 of `size`'s model on `meta`, its weights as it reads them from a checkpoint of
+    `cfg`: in `dtype`, or in FP8 with their scales where the config quantizes them.
+    ValueError where `size` does not split `cfg` (`tp.shard.check`)."""
+    held = rank_config(cfg, size)
+    shapes = rank_shapes(cfg, size)
     fp8 = fp8_names(cfg.quantization, shapes)
     weights = {}
     for name, shape in shapes.items():
@@ -135,7 +169,8 @@ def meta_model(cfg: ModelConfig, dtype: torch.dtype, max_context: int) -> Hybrid
             weights[scale_name(name)] = scales
         else:
             weights[name] = torch.empty(shape, dtype=dtype, device=META)
-    return HybridModel(cfg, weights, max_context)
+    group = None if size == 1 else MetaGroup(size)
+    return HybridModel(held, weights, max_context, group)
 
 
 def by_dtype(tensors: list[torch.Tensor]) -> dict[str, int]:
@@ -326,11 +361,14 @@ def make_plan(
     graphs: bool,
     memory: Memory,
     auto: bool = False,
+    size: int = 1,
 ) -> Plan:
-    """The plan of serving `cfg` with `svc` in `dtype`; with `auto` and a known memory, at the
-    most slots whose plan fits it. The model is built once, however many counts that tries."""
+    """The plan of serving `cfg` with `svc` in `dtype` over `size` ranks (one rank's); with
+    `auto` and a known memory, at the most slots whose plan fits it. The model is built once,
+    however many counts that tries. ValueError where `size` does not split `cfg`."""
     start = time.perf_counter()
-    model = meta_model(cfg, dtype, svc.max_context)
+    model = meta_model(cfg, dtype, svc.max_context, size)
+    cfg = model.cfg
     weights = by_dtype(model.held_tensors())
     fixed = {
         "weights_bytes": sum(weights.values()),
@@ -363,18 +401,21 @@ def make_plan(
         memory,
         time.perf_counter() - start,
         cfg.quantization.name if cfg.quantization else "",
+        size,
     )
 
 
 def from_args(args: argparse.Namespace, device: torch.device, graphs: bool) -> Plan:
     """The plan of what `serve`'s flags (or `plan`'s, the same) ask for on `device`. Raises
-    ValueError or OSError with a sentence: a bad flag, an unreadable config."""
+    ValueError or OSError with a sentence: a bad flag, an unreadable config, a
+    `--tensor-parallel-size` that does not split the model."""
     cfg = load_config(args.model)
     name = args.model.resolve().name if args.model.is_dir() else str(args.model)
     svc = service_config(args)
     dtype = serving_dtype(cfg, args.dtype)
     memory = device_memory(args.device_memory, device)
-    return make_plan(name, cfg, svc, dtype, graphs, memory, auto=args.num_slots == "auto")
+    auto, size = args.num_slots == "auto", args.tensor_parallel_size
+    return make_plan(name, cfg, svc, dtype, graphs, memory, auto, size)
 
 
 def device_memory(given: int | None, device: torch.device) -> Memory:

@@ -25,11 +25,19 @@ def _slots(n: int) -> str:
     return f"{n} slot" if n == 1 else f"{n} slots"
 
 
+def _per_rank(plan: Plan) -> str:
+    """What follows a byte count under tensor parallelism: every byte of the plan is one
+    rank's."""
+    return "" if plan.tensor_parallel_size == 1 else " per rank"
+
+
 def _settings(plan: Plan) -> str:
-    svc = plan.svc
+    svc, n = plan.svc, plan.tensor_parallel_size
     dtype = str(plan.dtype).removeprefix("torch.")
     if plan.quantization:
         dtype += f", linears in {plan.quantization}"
+    if n > 1:
+        dtype += f", per rank x {n} ranks (a device each)"
     return (
         f"{plan.model} in {dtype}: {_slots(svc.num_slots)} (verify tiers {svc.verify_tiers}), "
         f"max context {svc.max_context}, max prefill {svc.max_prefill_tokens} tokens, "
@@ -53,7 +61,7 @@ def verdict(plan: Plan, why: bool = True) -> str:
         return "no device memory to check against (no CUDA device; --device-memory gives one)"
     if plan.fits:
         spare = (plan.memory.bytes or 0) - plan.total
-        return f"fits: {_memory(plan.memory)}, {human(spare)} to spare"
+        return f"fits{_per_rank(plan)}: {_memory(plan.memory)}, {human(spare)} to spare"
     return f"does not fit: {refusal(plan)}" if why else f"does not fit: {_memory(plan.memory)}"
 
 
@@ -64,7 +72,7 @@ def report(plan: Plan) -> str:
     for key, label in PARTS.items():
         note = f"  {notes[key]}" if key in notes else ""
         lines.append(f"  {label:<30} {human(plan.parts[key]):>10}{note}")
-    lines.append(f"  {'total':<30} {human(plan.total):>10}")
+    lines.append(f"  {'total' + _per_rank(plan):<30} {human(plan.total):>10}")
     lines.append(verdict(plan))
     return "\n".join(lines)
 
@@ -77,7 +85,8 @@ def summary(plan: Plan) -> str:
     return (
         f"gpu-service plan: weights {human(p['weights_bytes'])}, KV {human(p['kv_cache_bytes'])}, "
         f"GDN {human(gdn)}, verify {human(p['verify_bytes'])}, other "
-        f"{human(plan.total - named)}; total {human(plan.total)} for {_slots(plan.svc.num_slots)}\n"
+        f"{human(plan.total - named)}; total {human(plan.total)}{_per_rank(plan)} for "
+        f"{_slots(plan.svc.num_slots)}\n"
         f"gpu-service plan: {verdict(plan, why=False)}"
     )
 
@@ -85,10 +94,11 @@ def summary(plan: Plan) -> str:
 def refusal(plan: Plan) -> str:
     """Why the plan does not fit, and what to lower, in one sentence."""
     svc, weights = plan.svc, plan.parts["weights_bytes"]
-    head = f"the plan needs {human(plan.total)} but {_memory(plan.memory)}"
+    head = f"the plan needs {human(plan.total)}{_per_rank(plan)} but {_memory(plan.memory)}"
     bf16 = "serve --dtype bf16" if plan.dtype.itemsize > 2 else None
     if weights > (plan.memory.bytes or 0):
-        advice = bf16 or "serve it on a device with more memory"
+        more = "serve it on devices with more memory, or over more (--tensor-parallel-size)"
+        advice = bf16 or more
         return f"{head}: the weights alone take {human(weights)}; {advice}"
     slots = f"--num-slots ({svc.num_slots}), " if svc.num_slots > 1 else ""
     lower = f"lower {slots}--max-context ({svc.max_context}) or --verify-tiers"
@@ -101,6 +111,7 @@ def to_json(plan: Plan) -> dict:
         "model": plan.model,
         "dtype": str(plan.dtype).removeprefix("torch."),
         "quantization": plan.quantization,
+        "tensor_parallel_size": plan.tensor_parallel_size,
         "num_slots": svc.num_slots,
         "verify_tiers": svc.verify_tiers,
         "max_context": svc.max_context,

@@ -1,5 +1,5 @@
 """`met bench --quick` as a smoke test: it runs end to end and the three methods agree; the
-replicas section, the draft's cost and transformers' static batch on the tiny checkpoint; the
+replicas and tensor-parallel sections, the draft's cost and transformers' static batch on the tiny checkpoint; the
 draft-cost fit and the speedup prediction on chosen numbers."""
 
 from __future__ import annotations
@@ -30,8 +30,14 @@ from control_plane.benchmarks.predict import (
     verify_at,
 )
 from control_plane.benchmarks.replicas import replicas
-from control_plane.benchmarks.report import figure_lines, replicas_lines
+from control_plane.benchmarks.report import (
+    figure_lines,
+    markdown,
+    replicas_lines,
+    tensor_parallel_lines,
+)
 from control_plane.benchmarks.split import pair
+from control_plane.benchmarks.tensor_parallel import ARMS, tensor_parallel
 from control_plane.benchmarks.workload import Workload
 from gpu_service import costs
 from gpu_service.engine import Engine
@@ -147,6 +153,59 @@ def test_replicas_bench_rows(tiny_dir: Path) -> None:
     lines = replicas_lines([row])
     assert "us through the router" in lines[0]
     assert lines[0].startswith("replicas mtp at 2: single") and "routing, not scaling" in lines[1]
+
+
+def test_tensor_parallel_bench_rows(tiny_dir: Path) -> None:
+    """TP 1, TP 2 ordered and TP 2 nccl-style serve the same requests to the same tokens, and
+    every figure of the section is measured and printed."""
+    work = Workload(tiny_dir)
+    (row,) = tensor_parallel(tiny_dir, work, concurrency=[1], tokens=4, repeats=1, size=2)
+    assert row["method"] == "mtp" and row["concurrency"] == 1 and row["size"] == 2
+    assert all(row[f"{arm}_tok_s"] > 0 for arm in ARMS)
+    assert row["ordered_over_tp_1"] > 0 and row["nccl_over_tp_1"] > 0
+    assert row["ordered_cost"] == 1 - row["ordered_tok_s"] / row["nccl_tok_s"]
+    assert row["reduce_us"]["ordered"] > 0 and row["reduce_us"]["nccl"] > 0
+    assert row["identical"] and row["differs"] == []
+    lines = tensor_parallel_lines([row])
+    assert lines[0].startswith("tensor parallel mtp at 1: TP 1")
+    assert "% against nccl-style" in lines[0] and "identical yes" in lines[0]
+    assert "share this machine's" in lines[1]
+
+
+def test_tensor_parallel_table_says_which_arms_differ() -> None:
+    row = {
+        "method": "mtp",
+        "concurrency": 1,
+        "size": 2,
+        "cores": 2,
+        "tp_1_tok_s": 100.0,
+        "ordered_tok_s": 60.0,
+        "nccl_tok_s": 75.0,
+        "ordered_over_tp_1": 0.6,
+        "nccl_over_tp_1": 0.75,
+        "ordered_cost": 0.2,
+        "reduce_us": {"ordered": 900.0, "nccl": 800.0},
+        "reduce_rows": 1,
+        "hidden": 128,
+        "identical": False,
+        "differs": ["nccl"],
+    }
+    report = {
+        "model": "m",
+        "machine": {"cpu": "c", "cores": 2, "python": "3", "torch": "2", "engine_threads": 1},
+        "methods": [],
+        "split": [],
+        "speedup": [],
+        "batch_vs_serial": [],
+        "memory": {"tiers": "t", "tiered_bytes": 0, "full_capacity_bytes": 0},
+        "draft_cost": {},
+        "prediction": {},
+        "tensor_parallel": [row],
+    }
+    assert "| mtp | 1 | 100.0 | 60.0 | 0.60x | 75.0 | 0.75x | +20.0% | 900 / 800 | NO (nccl " in (
+        "\n".join(_tensor_parallel_table_of(report))
+    )
+    assert "ordered costs +20.0% against nccl-style" in tensor_parallel_lines([row])[0]
 
 
 def _entries(propose: list[float], verify: list[float]) -> list[CostEntry]:

@@ -56,6 +56,7 @@ def markdown(report: dict) -> str:
     out += ["", *(f"- {line}" for line in figure_lines(report))]
     out += depth_table(report.get("depth"))
     out += _replicas_table(report.get("replicas", []))
+    out += _tensor_parallel_table(report.get("tensor_parallel", []))
     return "\n".join(out) + "\n"
 
 
@@ -101,6 +102,59 @@ def _replicas_note(row: dict) -> str:
     return (
         f"note: the {n} GPU services share this machine's {row['cores']} cores and its device, "
         f"so router_{n} / router_1 measures routing, not scaling"
+    )
+
+
+def _tensor_parallel_table(rows: list[dict]) -> list[str]:
+    """One service at TP 1, at TP N summing in rank order, and at TP N through the backend's
+    all-reduce."""
+    if not rows:
+        return []
+    n = rows[0]["size"]
+    out = [
+        "",
+        f"| method | concurrent | tok/s TP 1 | TP {n} ordered | ordered / TP 1 | "
+        f"TP {n} nccl-style | nccl / TP 1 | ordered costs | one reduction, ordered / nccl (us) | "
+        "identical |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        us = r["reduce_us"]
+        out.append(
+            f"| {r['method']} | {r['concurrency']} | {r['tp_1_tok_s']:.1f} | "
+            f"{r['ordered_tok_s']:.1f} | {r['ordered_over_tp_1']:.2f}x | {r['nccl_tok_s']:.1f} | "
+            f"{r['nccl_over_tp_1']:.2f}x | {r['ordered_cost'] * 100:+.1f}% | "
+            f"{us['ordered']:.0f} / {us['nccl']:.0f} | {_identical(r)} |"
+        )
+    return [*out, "", _tensor_parallel_note(rows[0])]
+
+
+def tensor_parallel_lines(rows: list[dict]) -> list[str]:
+    """The tensor-parallel section's rows as printed lines, and what TP N over TP 1 means."""
+    lines = []
+    for r in rows:
+        n, us = r["size"], r["reduce_us"]
+        lines.append(
+            f"tensor parallel {r['method']} at {r['concurrency']}: TP 1 {r['tp_1_tok_s']:6.1f} "
+            f"tok/s, TP {n} ordered {r['ordered_tok_s']:6.1f} ({r['ordered_over_tp_1']:.2f}x "
+            f"TP 1), TP {n} nccl-style {r['nccl_tok_s']:6.1f} ({r['nccl_over_tp_1']:.2f}x TP 1); "
+            f"ordered costs {r['ordered_cost'] * 100:+.1f}% against nccl-style; one reduction "
+            f"of [{r['reduce_rows']}, {r['hidden']}] fp32: {us['ordered']:.0f} us ordered, "
+            f"{us['nccl']:.0f} us nccl-style; identical {_identical(r)}"
+        )
+    return [*lines, _tensor_parallel_note(rows[0])] if rows else lines
+
+
+def _identical(row: dict) -> str:
+    return "yes" if row["identical"] else f"NO ({', '.join(row['differs'])} differ from TP 1)"
+
+
+def _tensor_parallel_note(row: dict) -> str:
+    n = row["size"]
+    return (
+        f"note: the {n} ranks share this machine's {row['cores']} cores, one thread each, and "
+        f"reduce over gloo; nccl-style is gloo's all-reduce, ordered gathers and sums in rank "
+        "order (a row's bytes independent of its batch)"
     )
 
 
@@ -339,7 +393,11 @@ def print_table(report: dict) -> None:
             + f"; over gRPC (pipelined{_rounds(t)}): "
             + ", ".join(f"{m} {v:.1f} ({t['grpc'][m]:.2f}x)" for m, v in t["grpc_tok_s"].items())
         )
-    more = [*depth_lines(report.get("depth")), *replicas_lines(report.get("replicas", []))]
+    more = [
+        *depth_lines(report.get("depth")),
+        *replicas_lines(report.get("replicas", [])),
+        *tensor_parallel_lines(report.get("tensor_parallel", [])),
+    ]
     for line in [*figure_lines(report), *more]:
         print(line)
     for f in report["failures"]:

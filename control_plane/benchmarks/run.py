@@ -21,7 +21,11 @@ On one checkpoint (default: the bundled one), each figure a median over repeats:
   (`control_plane.benchmarks.predict`);
 - with `--replicas N`: greedy `mtp` through one GPU service child under a plain scheduler,
   the same child through a router, and N children through a router: what routing costs,
-  and the requests each replica took; all must produce identical tokens.
+  and the requests each replica took; all must produce identical tokens;
+- with `--tensor-parallel N`: greedy `mtp` through one GPU service child at TP 1, at TP N
+  summing in rank order (`--tp-reduce ordered`) and at TP N through the backend's all-reduce
+  (`nccl`), one at a time: tokens per second, what the ordered reduction costs, one reduction
+  timed alone; all must produce identical tokens.
 Prompts are the checkpoint's held-out ones when it ships them. Prints a table, writes JSON
 (`--out`) and a PNG chart (`--chart`). `--quick` is the CI-sized smoke run.
 """
@@ -32,6 +36,7 @@ import argparse
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from unittest import mock
 
@@ -48,6 +53,7 @@ from control_plane.benchmarks.replicas import replicas
 from control_plane.benchmarks.report import draw_chart, markdown, print_table
 from control_plane.benchmarks.split import REPEATS as SPLIT_REPEATS
 from control_plane.benchmarks.split import pair, speedups, split
+from control_plane.benchmarks.tensor_parallel import tensor_parallel
 from control_plane.benchmarks.tracing import tracing
 from control_plane.benchmarks.workload import Workload
 from control_plane.scheduler.cost_model import cost_widths
@@ -141,6 +147,16 @@ def _measure(args: argparse.Namespace) -> dict:
             for r in rows
             if not r["identical"]
         ]
+    if args.tensor_parallel:
+        rows = tensor_parallel(
+            args.model, work, [1] if quick else [1, 16], tokens, repeats, args.tensor_parallel
+        )
+        report["tensor_parallel"] = rows
+        failures += [
+            f"tensor parallel at {r['concurrency']}: {', '.join(r['differs'])} differ from TP 1"
+            for r in rows
+            if not r["identical"]
+        ]
     report["failures"] = failures
     return report
 
@@ -198,17 +214,28 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--markdown", type=Path, default=None, help="the report's tables")
     parser.add_argument(
         "--replicas",
-        type=_replica_count,
+        type=_at_least_2("the GPU services to route among"),
         default=None,
         metavar="N",
         help="also measure routing: one GPU service with and without a router, and N services "
         "under one (default: not measured)",
     )
+    parser.add_argument(
+        "--tensor-parallel",
+        type=_at_least_2("the ranks of the tensor-parallel arms"),
+        default=None,
+        metavar="N",
+        help="also measure tensor parallelism: one GPU service at TP 1, and at TP N with each "
+        "--tp-reduce, one at a time (default: not measured)",
+    )
 
 
-def _replica_count(text: str) -> int:
-    if not text.strip().isdigit() or int(text) < 2:
-        raise argparse.ArgumentTypeError(
-            f"the GPU services to route among must number at least 2, not {text!r}"
-        )
-    return int(text)
+def _at_least_2(what: str) -> Callable[[str], int]:
+    """An argparse type: a whole number of `what` of at least 2."""
+
+    def parse(text: str) -> int:
+        if not text.strip().isdigit() or int(text) < 2:
+            raise argparse.ArgumentTypeError(f"{what} must number at least 2, not {text!r}")
+        return int(text)
+
+    return parse

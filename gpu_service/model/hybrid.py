@@ -115,22 +115,27 @@ class HybridModel:
     def held_tensors(self) -> list[torch.Tensor]:
         """Every tensor the model holds for its weights (norms, tables and biases included),
         each storage once: what a memory plan and the load test count."""
-        found: dict[int, torch.Tensor] = {}
+        return list(self.named_held().values())
 
-        def visit(v: object) -> None:
+    def named_held(self) -> dict[str, torch.Tensor]:
+        """`held_tensors` by where the model keeps each (`wt.<name>`, `norms.<name>.1`, ...):
+        the first place a storage is reached names it."""
+        found: dict[int, tuple[str, torch.Tensor]] = {}
+
+        def visit(path: str, v: object) -> None:
             if isinstance(v, torch.Tensor):
-                found.setdefault(_storage_key(v), v)
+                found.setdefault(_storage_key(v), (path, v))
             elif isinstance(v, dict):
-                for x in v.values():
-                    visit(x)
+                for k, x in v.items():
+                    visit(f"{path}.{k}", x)
             elif isinstance(v, (tuple, list)):
-                for x in v:
-                    visit(x)
+                for i, x in enumerate(v):
+                    visit(f"{path}.{i}", x)
 
         for name, value in vars(self).items():
-            if name != "rope":
-                visit(value)
-        return list(found.values())
+            if name not in ("rope", "tp"):
+                visit(name, value)
+        return dict(found.values())
 
     def ops_norm(self, x: torch.Tensor, name: str, ops: Ops) -> torch.Tensor:
         raw, one_plus = self.norms[name]

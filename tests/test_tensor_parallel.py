@@ -1,0 +1,237 @@
+"""Tensor parallelism over real processes (gloo on the CPU): what each rank holds, its logits
+against one device's, transformers' against TP 2's, and what the shard rules promise."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpu_service.config import ModelConfig, ServiceConfig
+from gpu_service.engine import Engine
+from gpu_service.model.weights import weight_shapes
+from gpu_service.tp import shard
+from gpu_service.tp.ranks import Launch, TpEngine, launch
+from protos.defaults import DEFAULT_MODEL_DIR
+from tests.flagship import MINI_FLAGSHIP
+from tests.steps import logit_rows
+
+SERVICE = ServiceConfig(verify_tiers="4:3,4:2", max_context=256)
+# fp32, as the HF-parity tests: a row-parallel sum is reassociated (each rank's partial, then
+# their sum), so logits move by rounding, never by more.
+ATOL, RTOL = 4e-4, 1e-4
+PROMPTS = [[(7 * i + 3 + 13 * s) % 250 for i in range(n)] for s, n in enumerate((29, 12))]
+
+
+# -- the shard rules, from shapes alone -------------------------------------------------------
+
+
+@pytest.mark.parametrize("cfg", [ModelConfig(), MINI_FLAGSHIP], ids=["default", "mini-flagship"])
+@pytest.mark.parametrize("size", [2, 4])
+def test_each_index_is_held_as_often_as_its_head_is_shared(cfg: ModelConfig, size: int) -> None:
+    """Every split tensor's indices over the ranks: each once, except the heads replicated
+    where the ranks outnumber them (KV heads, GDN key heads: size / heads copies each). A
+    rank's part has the shape the rank's own config gives the tensor, so the packing that
+    follows sees an ordinary, smaller checkpoint."""
+    held = shard.rank_config(cfg, size)
+    local_shapes = weight_shapes(held)
+    copies_kv = max(1, size // cfg.num_key_value_heads)
+    copies_keys = max(1, size // cfg.linear_num_key_heads)
+    for name, shape in weight_shapes(cfg).items():
+        parts = [shard.part(cfg, shard.Shard(r, size), name, shape) for r in range(size)]
+        if parts[0] is None:
+            assert all(p is None for p in parts)
+            assert local_shapes[name] == shape, name
+            continue
+        dim = parts[0][0]
+        counts = Counter(i for p in parts if p is not None for i in p[1])
+        assert set(counts) == set(range(shape[dim])), name
+        kind = name.removesuffix(".weight").rpartition(".")[2]
+        if kind in ("k_proj", "v_proj"):
+            assert set(counts.values()) == {copies_kv}, name
+        elif kind in ("in_proj_qkvz", "conv1d"):
+            assert set(counts.values()) <= {1, copies_keys}, name
+        else:
+            assert set(counts.values()) == {1}, name
+        if name not in ("model.embed_tokens.weight", "lm_head.weight"):
+            assert all(len(p[1]) == local_shapes[name][dim] for p in parts if p), name
+
+
+def test_what_does_not_divide_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match=r"num_attention_heads \(4\)"):
+        shard.rank_config(ModelConfig(), 3)
+    with pytest.raises(ValueError, match="at least 1"):
+        shard.check(ModelConfig(), 0)
+    from dataclasses import replace
+
+    from gpu_service.quantization import parse
+
+    fp8 = replace(
+        ModelConfig(),
+        quantization=parse(
+            {
+                "quant_method": "fp8",
+                "fmt": "e4m3",
+                "activation_scheme": "dynamic",
+                "weight_block_size": [128, 128],
+            }
+        ),
+    )
+    with pytest.raises(ValueError, match="fp8-e4m3-block128.*unquantized"):
+        shard.check(fp8, 2)
+
+
+# -- real ranks ---------------------------------------------------------------------------------
+
+
+def _launch(directory: Path, size: int, dtype: str = "fp32") -> TpEngine:
+    faults: list[str] = []
+    engine = launch(Launch(directory, SERVICE, dtype, "cpu", size), on_fault=faults.append)
+    engine.set_forward("eager")
+    return engine
+
+
+@pytest.fixture(scope="module")
+def engines(mini_dir: Path) -> Iterator[dict[str, Engine]]:
+    """One device and TP 2 on the bundled model, one device and TP 4 on the flagship in
+    miniature (1 KV head, 2 GDN key heads: TP 4 replicates both)."""
+    made: dict[str, Engine] = {}
+    try:
+        made["default-1"] = Engine(DEFAULT_MODEL_DIR, SERVICE, "fp32")
+        made["default-2"] = _launch(DEFAULT_MODEL_DIR, 2)
+        made["mini-1"] = Engine(mini_dir, SERVICE, "fp32")
+        made["mini-4"] = _launch(mini_dir, 4)
+        for e in made.values():
+            e.set_forward("eager")
+        yield made
+    finally:
+        for e in made.values():
+            if isinstance(e, TpEngine):
+                e.close()
+
+
+def _rows(engine: Engine) -> torch.Tensor:
+    return torch.stack(
+        [torch.frombuffer(bytearray(r), dtype=torch.float32) for r in logit_rows(engine)]
+    )
+
+
+def _calls(engine: Engine) -> list[torch.Tensor]:
+    """A prefill of two prompts, a batched verify, a fold and commit, a propose: the logits
+    of each."""
+    seqs = [engine.alloc_sequence() for _ in PROMPTS]
+    try:
+        first = engine.prefill(seqs, PROMPTS)
+        out = [_rows(engine)]
+        engine.decode_verify_batched([first[0], 5, 9, 11, first[1], 3], [4, 2], seqs)
+        out.append(_rows(engine))
+        engine.stash_verify_hidden_rows([1, 4])  # each sequence's last kept row
+        engine.gdn_fold_accepted(seqs, [2, 1])
+        engine.commit_accepted_prefix(seqs, [2, 1], [4, 2])
+        if engine.capabilities().has_mtp:
+            engine.run_mtp_propose_batched([7, 8], [0, 1], 2, seqs)
+            out.append(_rows(engine))
+        return out
+    finally:
+        for s in seqs:
+            engine.free_sequence(s)
+
+
+@pytest.mark.parametrize(("model", "size"), [("default", 2), ("mini", 4)])
+def test_logits_match_one_device(engines: dict[str, Engine], model: str, size: int) -> None:
+    """Prefill, verify and propose logits at TP N against one device's, within the fp32
+    tolerance of the HF-parity tests; the argmax the same."""
+    one, split = _calls(engines[f"{model}-1"]), _calls(engines[f"{model}-{size}"])
+    assert len(one) == len(split) == 3
+    for a, b in zip(one, split, strict=True):
+        torch.testing.assert_close(b, a, atol=ATOL, rtol=RTOL)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def _fused_share(cfg: ModelConfig, held: ModelConfig, name: str) -> float | None:
+    """The share of a fused projection (or the per-head q and k norm table) a rank holds, by
+    the heads it holds of each part: the KV heads and GDN key heads may be replicated, so these
+    shares exceed 1/N there."""
+    d, dk, dv = cfg.head_dim, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    if name.endswith(".qkvg") or name.startswith("head_norms.") and name.endswith(".1"):
+        return (held.num_attention_heads + held.num_key_value_heads) / (
+            cfg.num_attention_heads + cfg.num_key_value_heads
+        )
+    if name.endswith(".in_proj_qkvz"):
+        return (2 * held.linear_num_key_heads * dk + 2 * held.linear_num_value_heads * dv) / (
+            2 * cfg.linear_num_key_heads * dk + 2 * cfg.linear_num_value_heads * dv
+        )
+    if name.endswith(".conv1d.weight"):
+        return held.conv_dim / cfg.conv_dim
+    return None
+
+
+@pytest.mark.parametrize(("model", "size"), [("default", 2), ("mini", 4)])
+def test_each_rank_holds_a_share_plus_what_is_replicated(
+    engines: dict[str, Engine], model: str, size: int
+) -> None:
+    """Counted tensor by tensor against one device's: each rank holds 1/N of every split
+    tensor, the whole of each replicated one (norms, the router, the shared expert's gate, the
+    MTP head's fc, the per-row and per-slot state), and of the fused projections and state
+    whose heads may be replicated (KV heads, GDN key heads) the share of the heads it holds.
+    Its total is then 1/N of one device's plus what is replicated."""
+    one = engines[f"{model}-1"].held_bytes_by_rank()[0]
+    ranks = engines[f"{model}-{size}"].held_bytes_by_rank()
+    cfg = engines[f"{model}-1"].cfg
+    held = shard.rank_config(cfg, size)
+    assert len(ranks) == size and all(r == ranks[0] for r in ranks)
+    rank = ranks[0]
+    for part in ("weights", "state"):
+        assert set(rank[part]) == set(one[part])
+    whole = replicated = extra = 0
+    for name, full in one["weights"].items():
+        got, share = rank["weights"][name], _fused_share(cfg, held, name)
+        whole += full
+        if share is not None:
+            assert got == full * share, name
+            extra += got - full // size
+        elif got == full:
+            assert "norm" in name or name.endswith((".mlp.gate", "shared_expert_gate", "mtp.fc")), (
+                name
+            )
+            replicated += full
+        else:
+            assert got * size == full, name
+    assert sum(rank["weights"].values()) == (whole - replicated) // size + replicated + extra
+    kv = held.num_key_value_heads / cfg.num_key_value_heads
+    for name, full in one["state"].items():
+        got = rank["state"][name]
+        if name in ("k_cache", "v_cache", "mtp_k", "mtp_v"):
+            assert got == full * kv, name
+        elif name in ("gdn", "verify_gdn"):
+            assert got * size == full, name
+        elif name in ("conv", "verify_conv"):
+            assert got * cfg.conv_dim == full * held.conv_dim, name
+        else:
+            assert got == full, name  # per-row and per-slot tables
+
+
+def test_transformers_parity_at_tp_2(tmp_path: Path) -> None:
+    """transformers' logits of a sharded HF checkpoint (MoE with a shared expert) against our
+    TP 2's, prefill and verify."""
+    from tests.test_hf_parity import CONFIGS, _checkpoint
+
+    directory, reference = _checkpoint(tmp_path, CONFIGS["moe-shared"])
+    tokens = torch.randint(0, 300, (24,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = reference(tokens[None]).logits[0].float()
+    engine = _launch(directory, 2)
+    try:
+        seq = engine.alloc_sequence()
+        engine.prefill([seq], [tokens[:20].tolist()])
+        got = _rows(engine)
+        torch.testing.assert_close(got, expected[19:20], atol=ATOL, rtol=RTOL)
+        engine.decode_verify_batched(tokens[20:24].tolist(), [4], [seq])
+        got = _rows(engine)
+        torch.testing.assert_close(got, expected[20:24], atol=ATOL, rtol=RTOL)
+        assert torch.equal(got.argmax(-1), expected[20:24].argmax(-1))
+    finally:
+        engine.close()
