@@ -1,6 +1,6 @@
 """`met bench --quick` as a smoke test: it runs end to end and the three methods agree; the
-replicas and tensor-parallel sections, the draft's cost and transformers' static batch on the tiny checkpoint; the
-draft-cost fit and the speedup prediction on chosen numbers."""
+replicas and tensor-parallel sections, the draft's cost and transformers' static batch on the
+tiny checkpoint; the draft-cost fit and the speedup prediction on chosen numbers."""
 
 from __future__ import annotations
 
@@ -32,9 +32,9 @@ from control_plane.benchmarks.predict import (
 from control_plane.benchmarks.replicas import replicas
 from control_plane.benchmarks.report import (
     figure_lines,
-    markdown,
     replicas_lines,
     tensor_parallel_lines,
+    tensor_parallel_table,
 )
 from control_plane.benchmarks.split import pair
 from control_plane.benchmarks.tensor_parallel import ARMS, tensor_parallel
@@ -96,8 +96,8 @@ def test_bench_quick(tmp_path: Path) -> None:
     assert "| mtp | 1 |" in table and "| prompt_lookup | 4 |" in table
     assert "service idle between steps (gRPC, pipelined)" in table
     _check_figures(report, result.stdout, table)
-    arms = {r["arm"] for r in report["depth"]["rows"]}
-    assert arms == {"none", "fixed_3", "fixed_7", "measured_3", "measured_deep"}
+    depth_arms = {r["arm"] for r in report["depth"]["rows"]}
+    assert depth_arms == {"none", "fixed_3", "fixed_7", "measured_3", "measured_deep"}
     assert "draft depth (tiers 4:7," in result.stdout and "| measured_deep | 1 |" in table
 
 
@@ -173,6 +173,7 @@ def test_tensor_parallel_bench_rows(tiny_dir: Path) -> None:
 
 
 def test_tensor_parallel_table_says_which_arms_differ() -> None:
+    """A row whose nccl-style arm made other tokens says so in the table and the lines."""
     row = {
         "method": "mtp",
         "concurrency": 1,
@@ -190,22 +191,11 @@ def test_tensor_parallel_table_says_which_arms_differ() -> None:
         "identical": False,
         "differs": ["nccl"],
     }
-    report = {
-        "model": "m",
-        "machine": {"cpu": "c", "cores": 2, "python": "3", "torch": "2", "engine_threads": 1},
-        "methods": [],
-        "split": [],
-        "speedup": [],
-        "batch_vs_serial": [],
-        "memory": {"tiers": "t", "tiered_bytes": 0, "full_capacity_bytes": 0},
-        "draft_cost": {},
-        "prediction": {},
-        "tensor_parallel": [row],
-    }
-    assert "| mtp | 1 | 100.0 | 60.0 | 0.60x | 75.0 | 0.75x | +20.0% | 900 / 800 | NO (nccl " in (
-        "\n".join(_tensor_parallel_table_of(report))
-    )
-    assert "ordered costs +20.0% against nccl-style" in tensor_parallel_lines([row])[0]
+    table = "\n".join(tensor_parallel_table([row]))
+    assert "| 100.0 | 60.0 | 0.60x | 75.0 | 0.75x | +20.0% | 900 / 800 | NO (nccl differ" in table
+    line = tensor_parallel_lines([row])[0]
+    assert "ordered costs +20.0% against nccl-style" in line
+    assert line.endswith("identical NO (nccl differ from TP 1)")
 
 
 def _entries(propose: list[float], verify: list[float]) -> list[CostEntry]:

@@ -23,6 +23,9 @@ from gpu_service.model.hybrid import held_bytes
 from gpu_service.model.weights import weight_shapes
 from gpu_service.options import parse_bytes
 from gpu_service.quantization import fp8_names
+from gpu_service.tp import shard
+from gpu_service.tp.ranks import Launch, launch
+from protos.defaults import DEFAULT_MODEL_DIR
 from tests.conftest import TINY_SERVICE
 from tests.flagship import QWEN3_NEXT_80B
 
@@ -281,3 +284,74 @@ def test_serve_refuses_a_plan_that_does_not_fit(tiny_dir: Path) -> None:
     assert lines[0].startswith("met gpu-service serve: error: the plan needs ")
     assert "but --device-memory is 2.0 MB" in lines[0] and "lower --num-slots (32)" in lines[0]
     assert "gpu-service plan:" in done.stdout and "listening" not in done.stdout
+
+
+# -- tensor parallelism: one rank's plan -----------------------------------------------------
+
+
+def _rank_bytes(cfg: ModelConfig, size: int, itemsize: int) -> int:
+    """Bytes of what rank 0 of `size` reads of a checkpoint of `cfg` (`tp.shard.part`)."""
+    total = 0
+    for name, shape in weight_shapes(cfg).items():
+        spec = shard.part(cfg, shard.Shard(0, size), name, shape)
+        numel = math.prod(shape)
+        total += itemsize * (numel if spec is None else numel // shape[spec[0]] * len(spec[1]))
+    return total
+
+
+def test_flagship_bf16_at_tp2_fits_h200s_with_room_for_slots() -> None:
+    """The flagship in bf16 (163 GB) fits no single H200; at TP 2 each rank holds half its
+    weights, plus the replicated norms and routers, and leaves a 141 GB H200 room for slots at
+    the model's full context."""
+    config = ROOT / "gpu_service/models/qwen3-next-80b-a3b/config.json"
+    flags = ("--device-memory", "141GB", "--num-slots", "auto", "--max-context", "262144")
+    made = _plan(config, *flags, "--tp", "2")
+    cfg = plan.load_config(config)
+    whole, rank = (_rank_bytes(cfg, n, 2) for n in (1, 2))
+    weights = made.parts["weights_bytes"]
+    # The held layout may add fp32 norm multipliers; nothing more.
+    assert rank <= weights <= 1.001 * rank
+    assert 0.5 * whole < weights < 0.51 * whole
+    assert made.tensor_parallel_size == 2 and made.fits, plan_report.report(made)
+    assert made.svc.num_slots >= 8, plan_report.report(made)
+    print(plan_report.report(made))
+
+
+def test_tp2_plan_is_each_ranks_allocations(mini_dir: Path) -> None:
+    """The flagship in miniature (MoE, one KV head: replicated at TP 2) over two CPU
+    processes: every rank holds what the plan counts for one rank."""
+    made = _plan(mini_dir, *_tiny_flags("--tp", "2"))
+    engine = launch(Launch(mini_dir, TINY_SERVICE, None, "cpu", 2))
+    try:
+        by_rank = engine.held_bytes_by_rank()
+    finally:
+        engine.close()
+    assert len(by_rank) == 2
+    for held in by_rank:
+        for part, names in STATE.items():
+            allocated = sum(held["state"][n] for n in names)
+            assert made.parts[part] == pytest.approx(allocated, rel=0.01), part
+        weights = sum(held["weights"].values())
+        assert made.parts["weights_bytes"] == pytest.approx(weights, rel=0.01)
+
+
+def test_a_size_that_does_not_split_the_model_is_refused(
+    tiny_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """By `plan` and `serve`, with status 2 and the sentence naming what does not divide; an
+    FP8 checkpoint is refused under any size above 1."""
+    fp8 = ROOT / "gpu_service/models/qwen3-next-80b-a3b-fp8/config.json"
+    for model, size, says in [
+        (DEFAULT_MODEL_DIR, "3", "--tensor-parallel-size 3 does not divide num_attention_heads"),
+        (fp8, "2", "tensor parallelism serves unquantized checkpoints"),
+    ]:
+        with pytest.raises(SystemExit) as done:
+            main(["gpu-service", "plan", str(model), "--tp", size])
+        assert done.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith("met gpu-service plan: error: ") and says in err, err
+    with pytest.raises(SystemExit) as done:
+        server._planned(_serve_args(tiny_dir, "--tp", "3"), CPU)
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("met gpu-service serve: error: --tensor-parallel-size 3 does not divide")

@@ -3,19 +3,28 @@ against one device's, transformers' against TP 2's, and what the shard rules pro
 
 from __future__ import annotations
 
+import json
+import signal
+import subprocess
+import sys
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
+import psutil
 import pytest
 import torch
 
+from control_plane.launch import start_control_plane, start_gpu_service, stop
 from gpu_service.config import ModelConfig, ServiceConfig
 from gpu_service.engine import Engine
 from gpu_service.model.weights import weight_shapes
 from gpu_service.tp import shard
 from gpu_service.tp.ranks import Launch, TpEngine, launch
 from protos.defaults import DEFAULT_MODEL_DIR
+from protos.met.v1 import generate_pb2 as pb
+from protos.met.v1 import generate_pb2_grpc as pb_grpc
 from tests.flagship import MINI_FLAGSHIP
 from tests.steps import logit_rows
 
@@ -155,7 +164,7 @@ def _fused_share(cfg: ModelConfig, held: ModelConfig, name: str) -> float | None
     """The share of a fused projection (or the per-head q and k norm table) a rank holds, by
     the heads it holds of each part: the KV heads and GDN key heads may be replicated, so these
     shares exceed 1/N there."""
-    d, dk, dv = cfg.head_dim, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     if name.endswith(".qkvg") or name.startswith("head_norms.") and name.endswith(".1"):
         return (held.num_attention_heads + held.num_key_value_heads) / (
             cfg.num_attention_heads + cfg.num_key_value_heads
@@ -235,3 +244,88 @@ def test_transformers_parity_at_tp_2(tmp_path: Path) -> None:
         assert torch.equal(got.argmax(-1), expected[20:24].argmax(-1))
     finally:
         engine.close()
+
+
+# -- through the pair -------------------------------------------------------------------------
+
+
+def _diff_passes(target: str, out: Path) -> None:
+    """`met circuit diff --verify-batch` against the service: batched against one sequence at
+    a time, a fragmented slot table, the drafter's propose."""
+    diff = subprocess.run(
+        [
+            *(sys.executable, "-m", "control_plane.cli", "circuit", "diff", "--verify-batch"),
+            *("--gpu-service", target, "--widths", "2,3", "--ks", "2,3", "--steps", "2"),
+            *("--fragment", "--mtp", "--out", str(out)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert diff.returncode == 0, diff.stderr
+    assert json.loads(out.read_text())["verdict"] == "PASS"
+
+
+def _generate(stub: pb_grpc.GenerationServiceStub, prompt: list[int], method: int) -> tuple:
+    tokens, drafted = [], 0
+    request = pb.GenerateRequest(
+        prompt_token_ids=prompt, max_new_tokens=12, ignore_eos=True, speculative_method=method
+    )
+    for msg in stub.Generate(request, timeout=120):
+        tokens += msg.token_ids
+        drafted = msg.speculative_stats.drafted
+    return tokens, drafted
+
+
+def _rank_processes(service: subprocess.Popen) -> list[psutil.Process]:
+    """The service's other ranks (not multiprocessing's resource tracker)."""
+    children = psutil.Process(service.pid).children()
+    return [c for c in children if "resource_tracker" not in " ".join(c.cmdline())]
+
+
+@pytest.mark.parametrize(("model", "size"), [("default", 2), ("mini", 4)])
+def test_through_the_pair(mini_dir: Path, tmp_path: Path, model: str, size: int) -> None:
+    """A TP service and a control plane: greedy `mtp` streams `none`'s tokens, on the bundled
+    model at TP 2 and on the flagship in miniature at TP 4 (its KV head and GDN key heads
+    replicated). At TP 2 the circuit diff PASSes against the service first; then a stream is
+    under way when rank 1 is killed with SIGKILL: the service exits non-zero within 10 s and
+    the stream ends UNAVAILABLE."""
+    directory = DEFAULT_MODEL_DIR if model == "default" else mini_dir
+    gpu, target = start_gpu_service(
+        directory, "--tp", str(size), "--verify-tiers", "4:3,4:1", "--max-context", "256"
+    )
+    try:
+        assert len(_rank_processes(gpu)) == size - 1
+        if size == 2:
+            _diff_passes(target, tmp_path / "diff.json")
+        cp, cp_target = start_control_plane(target)
+        try:
+            with grpc.insecure_channel(cp_target) as channel:
+                stub = pb_grpc.GenerationServiceStub(channel)
+                prompts = [list(range(30, 30 + n)) for n in (5, 23)]
+                mtp = [_generate(stub, p, pb.SPECULATIVE_METHOD_MTP) for p in prompts]
+                none = [_generate(stub, p, pb.SPECULATIVE_METHOD_NONE) for p in prompts]
+                assert [t for t, _ in mtp] == [t for t, _ in none]
+                assert sum(d for _, d in mtp) > 0 and sum(d for _, d in none) == 0
+                if size != 2:
+                    return
+                request = pb.GenerateRequest(
+                    prompt_token_ids=list(range(30, 50)),
+                    max_new_tokens=200,
+                    ignore_eos=True,
+                    speculative_method=pb.SPECULATIVE_METHOD_MTP,
+                )
+                stream = stub.Generate(request, timeout=60)
+                assert next(stream).token_ids  # under way
+                (rank1,) = _rank_processes(gpu)
+                rank1.send_signal(signal.SIGKILL)
+                with pytest.raises(grpc.RpcError) as ended:
+                    for _ in stream:
+                        pass
+                assert gpu.wait(timeout=10) != 0
+            assert ended.value.code() == grpc.StatusCode.UNAVAILABLE, ended.value.details()
+        finally:
+            stop(cp)
+    finally:
+        if gpu.poll() is None:
+            assert stop(gpu) == 0

@@ -56,7 +56,7 @@ def markdown(report: dict) -> str:
     out += ["", *(f"- {line}" for line in figure_lines(report))]
     out += depth_table(report.get("depth"))
     out += _replicas_table(report.get("replicas", []))
-    out += _tensor_parallel_table(report.get("tensor_parallel", []))
+    out += tensor_parallel_table(report.get("tensor_parallel", []))
     return "\n".join(out) + "\n"
 
 
@@ -105,7 +105,7 @@ def _replicas_note(row: dict) -> str:
     )
 
 
-def _tensor_parallel_table(rows: list[dict]) -> list[str]:
+def tensor_parallel_table(rows: list[dict]) -> list[str]:
     """One service at TP 1, at TP N summing in rank order, and at TP N through the backend's
     all-reduce."""
     if not rows:

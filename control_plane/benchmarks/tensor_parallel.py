@@ -5,8 +5,8 @@ The same greedy `mtp` requests (the default method) through one GPU service chil
 - `tp_1`: one rank, the single-device service;
 - `ordered`: N ranks, row-parallel outputs gathered and summed in rank order (the default);
 - `nccl`: N ranks, summed by the backend's all-reduce (gloo's on the CPU).
-Each arm's service is started, warmed, run `repeats` times and stopped before the next starts,
-so that no two compete for the machine's cores. Prints tokens per second of each, TP N over
+Each arm's service is started, warmed, run `repeats` times and stopped before the next is
+driven, so that no two compete for the machine's cores. Prints tokens per second of each, TP N over
 TP 1, what `ordered` costs against `nccl`, one reduction of a step's hidden rows timed alone
 (both ways, ranks as threads of this process), and whether every arm produced TP 1's tokens.
 On a CPU the N ranks share the machine's cores, so TP N over TP 1 measures the split's
@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # torch, which this module's callers need not import to parse
 
 ARMS = ("tp_1", *REDUCES)
 # Timed reductions per mode in the micro figure, after as many untimed.
-REDUCE_CALLS = 200
+REDUCE_CALLS = 100
 REDUCE_TIMEOUT_S = 30.0
 
 
@@ -54,39 +54,43 @@ def tensor_parallel(
     """A row per concurrency: each arm's median tokens per second, the ratios, the reduction
     timed alone, and which arms' tokens differ from TP 1's."""
     runs: dict[str, dict[int, list[dict]]] = {}
-    for arm in ARMS:
-        runs[arm] = _arm(model_dir, work, arm, size, concurrency, tokens, repeats)
+    stops: list[threading.Thread] = []
+    try:
+        for arm in ARMS:
+            tp = ("--tp", "1") if arm == "tp_1" else ("--tp", str(size), "--tp-reduce", arm)
+            proc, target = start_gpu_service(model_dir, *tp, "--threads", "1")
+            # The last arm's service stopped while this one started, and gone before it is
+            # driven: one service serving at a time.
+            for t in stops:
+                t.join()
+            try:
+                runs[arm] = _arm(target, work, concurrency, tokens, repeats)
+            finally:
+                stops.append(threading.Thread(target=stop, args=(proc,)))
+                stops[-1].start()
+    finally:
+        for t in stops:
+            t.join()
     hidden = ModelConfig.load(model_dir).hidden_size
     return [_row({a: runs[a][n] for a in ARMS}, n, size, hidden) for n in concurrency]
 
 
 def _arm(
-    model_dir: Path,
-    work: Workload,
-    arm: str,
-    size: int,
-    concurrency: list[int],
-    tokens: int,
-    repeats: int,
+    target: str, work: Workload, concurrency: list[int], tokens: int, repeats: int
 ) -> dict[int, list[dict]]:
-    """One arm's service, every concurrency `repeats` times through it, then stopped."""
-    tp = ("--tp", "1") if arm == "tp_1" else ("--tp", str(size), "--tp-reduce", arm)
-    proc, target = start_gpu_service(model_dir, *tp, "--threads", "1")
-    try:
-        # Untimed: the first batch pays for warming the allocator and caches.
-        warm = work.requests(MTP, max(concurrency), tokens)
-        drive(_scheduler(target, work, warm), warm)
-        out: dict[int, list[dict]] = {}
-        for n in concurrency:
-            out[n] = []
-            for _ in range(repeats):
-                reqs = work.requests(MTP, n, tokens)
-                got = drive(_scheduler(target, work, reqs), reqs)
-                got["outputs"] = [got["tokens"][r.request_id] for r in reqs]
-                out[n].append(got)
-        return out
-    finally:
-        stop(proc)
+    """One arm's service warmed, then every concurrency `repeats` times through it."""
+    # Untimed: the first batch pays for warming the allocator and caches.
+    warm = work.requests(MTP, max(concurrency), tokens)
+    drive(_scheduler(target, work, warm), warm)
+    out: dict[int, list[dict]] = {}
+    for n in concurrency:
+        out[n] = []
+        for _ in range(repeats):
+            reqs = work.requests(MTP, n, tokens)
+            got = drive(_scheduler(target, work, reqs), reqs)
+            got["outputs"] = [got["tokens"][r.request_id] for r in reqs]
+            out[n].append(got)
+    return out
 
 
 def _scheduler(target: str, work: Workload, reqs: list) -> Scheduler:
