@@ -175,7 +175,7 @@ class Drafter:
             logits = self.model.logits(hidden, ROW_TILE)
             # Only the real rows: the padding rows' drafts are never read, so they repeat
             # row 0's (a row's argmax and softmax do not depend on the other rows).
-            tok, conf = self.choice.ops.draft_argmax(logits[:n])
+            tok, conf = self.model.draft_argmax(logits[:n])
             tok = tok[index]
             if sampled:
                 tok, conf = self._sample(logits, tok, conf, sampled, qs, j)
@@ -199,7 +199,7 @@ class Drafter:
         uniform (on the host: sampling steps are not the device-only path)."""
         tok, conf = tok.clone(), conf.clone()
         for g, smp in sampled.items():
-            q = distribution(logits[g : g + 1], smp)[0]
+            q = distribution(self.model.full_logits(logits[g : g + 1]), smp)[0]
             t = draw(q, smp.uniforms[j])
             tok[g] = t
             # fp32, as the wire carries it, so both transports agree.

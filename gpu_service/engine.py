@@ -101,13 +101,18 @@ class Engine:
         self.steps = Steps(self.svc, self.verifier, self.drafter)
         # Reentrant: measuring costs runs the single operations under the same hold.
         self._lock = threading.RLock()
-        if graphs.wanted(self.svc.cuda_graphs, self.device, os.environ):
+        # Under tensor parallelism each replay would hold collectives; graphs stay off there.
+        if tp is None and graphs.wanted(self.svc.cuda_graphs, self.device, os.environ):
             self.use_graphs(graphs.cuda_capture)
 
     def use_graphs(self, capture: Capture | None) -> None:
         """Replay the batched verify and the chain from graphs captured by `capture` (None:
         eager). The CPU has no graphs; tests pass `graphs.replay_eagerly` to run the same
         buffers, padding and fallbacks without a capture."""
+        if capture is not None and self.tp is not None:
+            raise ValueError(
+                "use_graphs: captured graphs are not replayed under tensor parallelism"
+            )
         with self._lock:
             self.choice.graphs = (
                 None
@@ -341,6 +346,6 @@ class Engine:
 
     def read_logits(self) -> Logits:
         with self._hold():
-            t = self.state.logits.contiguous().cpu()
+            t = self.model.full_logits(self.state.logits).contiguous().cpu()
             data = t.view(torch.uint8).numpy().tobytes()
             return Logits(data, str(t.dtype).removeprefix("torch."), tuple(t.shape))

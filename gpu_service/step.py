@@ -123,7 +123,7 @@ class Steps:
         before = [s.seq_len for s in states]
         meta = _verdict_meta(tokens, ks, states, wanted, v.model.device)
         with span(_TRACER, "engine.verify"):
-            top, logprob = v.choice.ops.argmax_logprob(v.verify_logits(states, tokens, ks))
+            top, logprob = v.model.argmax_logprob(v.verify_logits(states, tokens, ks))
         with span(_TRACER, "engine.verdict"):
             accepted = _greedy_accepted(top, meta["drafts"], meta["pred"])
             with span(_TRACER, "fold"):

@@ -112,7 +112,8 @@ class Verifier:
             s.tokens.extend(p)
         out = self.keep_logits(self.model.logits(hidden[ends]), row_masks)
         for i, smp in sampled.items():
-            out[i] = draw(distribution(self.state.logits[i : i + 1], smp)[0], smp.uniforms[0])
+            row = self.model.full_logits(self.state.logits[i : i + 1])
+            out[i] = draw(distribution(row, smp)[0], smp.uniforms[0])
         mirror(seqs, states)
         return out
 
@@ -148,7 +149,7 @@ class Verifier:
         row_masks = self.masks(masks or {}, sum(ks))
         tokens, ks = list(tokens), list(ks)
         logits = self.verify_logits(states, tokens, ks, write_on_accept, row_masks)
-        top, logprob = self.choice.ops.argmax_logprob(logits)
+        top, logprob = self.model.argmax_logprob(logits)
         host_top, self.logprobs = download(top, logprob)
         self.draws = self._row_draws(states, tokens, ks, sampling or {})
         mirror(seqs, states)
@@ -170,7 +171,8 @@ class Verifier:
         self.state.verify_hidden = hidden
         logits = self.model.logits(hidden)
         for row, allowed in (row_masks or {}).items():
-            logits[row] = logits[row].masked_fill(~allowed.to(logits.device), float("-inf"))
+            held = self.model.held_columns(allowed).to(logits.device)
+            logits[row] = logits[row].masked_fill(~held, float("-inf"))
         self.state.logits = logits
         self.verify_calls += 1
         for s, k, lo in zip(states, ks, starts, strict=False):
@@ -303,9 +305,10 @@ class Verifier:
         """Keep a prefill's logits (masked rows with -inf outside their mask) and each row's
         argmax log-probability -> each row's argmax."""
         for row, allowed in masks.items():
-            logits[row] = logits[row].masked_fill(~allowed.to(logits.device), float("-inf"))
+            held = self.model.held_columns(allowed).to(logits.device)
+            logits[row] = logits[row].masked_fill(~held, float("-inf"))
         self.state.logits = logits
-        top, logprob = self.choice.ops.argmax_logprob(logits)
+        top, logprob = self.model.argmax_logprob(logits)
         host_top, self.logprobs = download(top, logprob)
         return ints(host_top)
 
@@ -323,7 +326,7 @@ class Verifier:
         for i, (s, k) in enumerate(zip(states, ks, strict=True)):
             smp = sampling.get(i)
             if smp is not None:
-                p = distribution(self.state.logits[off : off + k], smp)
+                p = distribution(self.model.full_logits(self.state.logits[off : off + k]), smp)
                 q = s.draft_probs
                 for j in range(k):
                     last = j == k - 1

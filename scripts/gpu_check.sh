@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The device check (scripts/gpu_check/): the GPU service and control plane started on the GPU,
-# greedy `none` and `mtp` generations compared, the circuit diff against the service, the
-# kernel tests, one greedy step profiled; one JSON report (--out, default $OUT/gpu_check.json
+# greedy `none` and `mtp` generations compared, the circuit diff against the service, the same
+# with the service over two GPUs (`--tensor-parallel-size 2`; skipped, saying so, with fewer),
+# the kernel tests, one greedy step profiled; one JSON report (--out, default $OUT/gpu_check.json
 # or ./gpu_check.json) and a summary. Runs from the checkout with no install. Without a GPU it
 # says so and exits 0; `--cpu` runs the same checks, smaller, on the CPU.
 #

@@ -4,6 +4,7 @@ the invariants a deployment relies on."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -14,20 +15,27 @@ ROOT = Path(__file__).resolve().parent.parent
 # The package's wrapper script always exits 0; the binary beside it reports errors.
 BINARY = Path(compose.__file__).parent / "docker-compose"
 HTTP_PORT = "8000"  # the control plane's OpenAI-compatible API
+TP_SIZE = "MET_TP_SIZE"  # the tensor-parallel service's GPUs, one rank each
 
 
-def _config(*files: Path) -> subprocess.CompletedProcess:
+def _config(
+    *files: Path, profile: str | None = None, tp_size: str | None = None
+) -> subprocess.CompletedProcess:
     args = [a for f in files for a in ("-f", str(f))]
+    args += ["--profile", profile] if profile else []
+    env = {k: v for k, v in os.environ.items() if k != TP_SIZE}
+    env |= {TP_SIZE: tp_size} if tp_size else {}
     return subprocess.run(
         [str(BINARY), *args, "config", "--format", "json"],
         capture_output=True,
         text=True,
         timeout=60,
+        env=env,
     )
 
 
-def _services(*files: Path) -> dict:
-    result = _config(*files)
+def _services(*files: Path, profile: str | None = None, tp_size: str | None = None) -> dict:
+    result = _config(*files, profile=profile, tp_size=tp_size)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)["services"]
 
@@ -166,6 +174,37 @@ def test_dockerfile_installs_as_the_readme() -> None:
     assert install in (ROOT / "README.md").read_text()
     assert '--extra-index-url "$TORCH_INDEX_URL" -e .' in dockerfile, "torch's build: the arg"
     assert "gcc" in dockerfile, "Triton builds its driver with a C compiler"
+
+
+@pytest.mark.parametrize("size", [None, "4"], ids=["default", "four"])
+def test_the_tensor_parallel_profile_reserves_n_gpus(services: dict, size: str | None) -> None:
+    """One service over N GPUs (`count: N`, `--tensor-parallel-size N`), and a control plane
+    that dials it alone; a plain `up` starts neither."""
+    tp = _services(ROOT / "compose.yaml", profile="tp", tp_size=size)
+    added = {"gpu-service-tp", "control-plane-tp"}
+    assert set(tp) == set(services) | added and not added & set(services)
+    n = size or "2"
+    gpu, control = tp["gpu-service-tp"], tp["control-plane-tp"]
+    assert gpu["profiles"] == control["profiles"] == ["tp"]
+    (device,) = _devices(gpu)
+    assert device["count"] == int(n) and "device_ids" not in device
+    assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+    assert _flag(gpu["command"], "--tensor-parallel-size") == n
+    assert int(gpu["shm_size"]) >= 2**30, "NCCL's shared memory between the ranks"
+    replica = services["gpu-service-0"]
+    without = [a for a in gpu["command"] if a not in ("--tensor-parallel-size", n)]
+    assert without == replica["command"]
+    assert gpu["healthcheck"] == replica["healthcheck"]
+    assert gpu["environment"] == {**replica["environment"], "OTEL_SERVICE_NAME": "gpu-service-tp"}
+    assert _flag(control["command"], "--gpu-service") == "gpu-service-tp:50051"
+    assert control["depends_on"]["gpu-service-tp"]["condition"] == "service_healthy"
+    assert set(control["depends_on"]) == {"gpu-service-tp", "jaeger"}
+    plain = services["control-plane"]
+    for key in ("ports", "environment", "healthcheck", "build"):
+        assert control[key] == plain[key], key
+    listed = _flag(plain["command"], "--gpu-service")
+    dials = [a if a != listed else "gpu-service-tp:50051" for a in plain["command"]]
+    assert control["command"] == dials
 
 
 def test_binary_rejects_a_broken_file(tmp_path: Path) -> None:

@@ -215,7 +215,7 @@ def test_each_rank_holds_a_share_plus_what_is_replicated(
         got = rank["state"][name]
         if name in ("k_cache", "v_cache", "mtp_k", "mtp_v"):
             assert got == full * kv, name
-        elif name in ("gdn", "verify_gdn"):
+        elif name in ("gdn", "verify_gdn", "logits"):  # value heads; the held token ids
             assert got * size == full, name
         elif name in ("conv", "verify_conv"):
             assert got * cfg.conv_dim == full * held.conv_dim, name
@@ -329,3 +329,34 @@ def test_through_the_pair(mini_dir: Path, tmp_path: Path, model: str, size: int)
     finally:
         if gpu.poll() is None:
             assert stop(gpu) == 0
+
+
+def test_masks_and_sampling_match_one_device(engines: dict[str, Engine]) -> None:
+    """What reads whole rows of logits at TP 2: a mask whose allowed ids all sit in rank 1's
+    columns (rank 0's row is all -inf, and adds nothing to the combined normaliser), a mask
+    across both ranks, and a sampled row drawing with a given uniform: the tokens of one
+    device, and the log-probabilities within the tolerance."""
+    import numpy as np
+
+    from protos.model import Sampling
+
+    vocab = engines["default-1"].cfg.vocab_size
+    allowed = [np.zeros(vocab, dtype=bool) for _ in range(2)]
+    allowed[0][[3000, 4000, 4095]] = True  # rank 1's ids only
+    allowed[1][[5, 2100, 2047, 2048]] = True  # both ranks'
+    masks = [np.packbits(a, bitorder="little").tobytes() for a in allowed]
+    prompts = [*PROMPTS, [9, 8, 7]]
+    sampling = [None, None, Sampling(temperature=0.8, top_k=50, uniforms=(0.37,))]
+    results = []
+    for name in ("default-1", "default-2"):
+        engine = engines[name]
+        seqs = [engine.alloc_sequence() for _ in prompts]
+        try:
+            out = engine.prefill(seqs, prompts, masks, sampling)
+            results.append((out, engine.last_logprobs()))
+        finally:
+            for s in seqs:
+                engine.free_sequence(s)
+    (one, one_lp), (split, split_lp) = results
+    assert one == split and one[0] in (3000, 4000, 4095) and one[1] in (5, 2100, 2047, 2048)
+    np.testing.assert_allclose(split_lp[:2], one_lp[:2], atol=ATOL, rtol=RTOL)

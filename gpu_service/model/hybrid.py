@@ -190,19 +190,64 @@ class HybridModel:
         return self._norm(x, "model.norm")
 
     def logits(self, hidden: torch.Tensor, tile: int = ROW_TILE) -> torch.Tensor:
-        """hidden: [R, H] -> [R, vocab], in tiles of `tile` rows; vocab-parallel, each rank's
-        columns gathered in rank order."""
-        out = self.ops.linear(pad_rows(hidden, tile), self.wt["lm_head"], tile)[: hidden.shape[0]]
+        """hidden: [R, H] -> [R, vocab], in tiles of `tile` rows. Vocab-parallel, only this
+        rank's token ids' columns (`self.vocab`): `argmax_logprob` and `draft_argmax` combine
+        the ranks' without any rank holding every column, and `full_logits` gathers them where
+        a caller needs them all (sampling, reading them back)."""
+        return self.ops.linear(pad_rows(hidden, tile), self.wt["lm_head"], tile)[: hidden.shape[0]]
+
+    def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` columns of every token id: the ranks' gathered in rank order."""
         if self.tp is None:
-            return out
-        shard = Shard(self.tp.rank, self.tp.size)
+            return logits
         widths = [
             b - a
             for a, b in (
-                vocab_range(self.cfg.vocab_size, Shard(r, shard.size)) for r in range(shard.size)
+                vocab_range(self.cfg.vocab_size, Shard(r, self.tp.size))
+                for r in range(self.tp.size)
             )
         ]
-        return self.tp.gather_columns(out, widths)
+        return self.tp.gather_columns(logits, widths)
+
+    def held_columns(self, allowed: torch.Tensor) -> torch.Tensor:
+        """A mask over every token id -> over the ids whose logits this rank holds."""
+        return allowed[self.vocab[0] : self.vocab[1]]
+
+    def argmax_logprob(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`Ops.argmax_logprob` of `logits` (this rank's columns under tensor parallelism)."""
+        if self.tp is None:
+            return self.ops.argmax_logprob(logits)
+        top, normaliser = self._combined(logits)
+        return top, -torch.log(normaliser)
+
+    def draft_argmax(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`Ops.draft_argmax` of `logits` (this rank's columns under tensor parallelism)."""
+        if self.tp is None:
+            return self.ops.draft_argmax(logits)
+        top, normaliser = self._combined(logits)
+        return top, normaliser.reciprocal()
+
+    def _combined(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's argmax over every rank's columns and its softmax normaliser
+        sum(exp(l - max)), fp32, from each rank's (max, first index, normaliser) gathered and
+        combined in rank order: the first rank holding the maximum wins a tie, as the lowest id
+        does on one device."""
+        assert self.tp is not None
+        x = logits.float()
+        high, index = x.max(-1)
+        # A row this rank masked out whole has max -inf: it adds nothing.
+        empty = torch.isneginf(high)
+        local = torch.where(empty, 0.0, torch.exp(x - high.masked_fill(empty, 0)[:, None]).sum(-1))
+        stats = torch.stack([high.double(), local.double(), (index + self.vocab[0]).double()], 1)
+        parts = self.tp.gather(stats)
+        best = torch.stack([p[:, 0] for p in parts]).amax(0)
+        top = torch.full_like(index, -1)
+        normaliser = torch.zeros_like(high)
+        for p in parts:
+            first = (top < 0) & (p[:, 0] == best)
+            top = torch.where(first, p[:, 2].long(), top)
+            normaliser = normaliser + p[:, 1].float() * torch.exp((p[:, 0] - best).float())
+        return top, normaliser
 
     # -- MTP head ----------------------------------------------------------------------
 

@@ -52,6 +52,7 @@ MIRRORED = (
     "measure_costs",
     "use_graphs",
     "held_bytes_by_rank",
+    "read_logits",  # gathers every rank's columns
 )
 _STOP = "stop"
 

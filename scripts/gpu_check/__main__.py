@@ -35,6 +35,12 @@ def _served(settings: Settings, device: torch.device) -> dict[str, dict]:
     return served_checks(settings)
 
 
+def _tp(settings: Settings, device: torch.device) -> dict[str, dict]:
+    from scripts.gpu_check.tp import check_tp
+
+    return {"tp": guarded(lambda: check_tp(settings))}
+
+
 def _kernel_tests(settings: Settings, device: torch.device) -> dict[str, dict]:
     from scripts.gpu_check.kernel_tests import check_kernel_tests
 
@@ -75,6 +81,7 @@ def _compiled(settings: Settings, device: torch.device, report: dict) -> dict[st
 # what the others measured.
 STAGES = (
     (("service", "circuit_diff"), _served),
+    (("tp",), _tp),
     (("kernel_tests",), _kernel_tests),
     (("profile", "host_syncs"), _step),
     (("graphs", "gemm", "references", "bench"), _speed),

@@ -16,6 +16,7 @@ from scripts.gpu_check.settings import Settings
 CHECKS = (
     "service",
     "circuit_diff",
+    "tp",
     "kernel_tests",
     "profile",
     "host_syncs",
@@ -76,7 +77,7 @@ def overall(report: dict) -> bool:
 
 
 def line(name: str, section: dict) -> str:
-    mark = "ok" if section["ok"] else "FAIL"
+    mark = "skip" if section.get("skipped") else "ok" if section["ok"] else "FAIL"
     return f"  {name:13} {mark:4} {section['seconds']:7.1f} s  {section['summary']}"
 
 

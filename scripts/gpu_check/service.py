@@ -17,6 +17,7 @@ import grpc
 
 from control_plane.client import GrpcModel
 from control_plane.launch import start_control_plane, start_gpu_service, stop
+from protos.model import Capabilities
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
 from scripts.gpu_check.report import guarded
@@ -31,11 +32,12 @@ START_TIMEOUT_S = 60.0
 
 
 class Served:
-    """The GPU service on `settings.device` and a control plane driving it, for the length of
-    a `with`. A start that fails is raised to each check that asks for the targets."""
+    """The GPU service on `settings.device` (with `flags` added to its command) and a control
+    plane driving it, for the length of a `with`. A start that fails is raised to each check
+    that asks for the targets."""
 
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
+    def __init__(self, settings: Settings, *flags: str) -> None:
+        self.settings, self.flags = settings, flags
         self.procs: dict[str, subprocess.Popen] = {}
         self.gpu_target = self.cp_target = ""
         self.error: Exception | None = None
@@ -47,7 +49,9 @@ class Served:
         t0 = time.perf_counter()
         try:
             gpu, self.gpu_target = start_gpu_service(
-                self.settings.model, "--device", self.settings.device, timeout=START_TIMEOUT_S
+                self.settings.model,
+                *("--device", self.settings.device, *self.flags),
+                timeout=START_TIMEOUT_S,
             )
             self.procs["gpu_service"] = gpu
             cp, self.cp_target = start_control_plane(
@@ -100,31 +104,37 @@ def _generate(target: str, prompt: str, method: str, max_new_tokens: int) -> dic
     return {"tokens": tokens, "drafted": stats.drafted, "accepted": stats.accepted}
 
 
-def _generate_all(target: str, settings: Settings, method: str) -> list[dict]:
-    """Every prompt at once, so the scheduler batches them."""
+def _generate_all(target: str, settings: Settings, method: str) -> tuple[list[dict], float]:
+    """Every prompt at once, so the scheduler batches them -> (each one's, tokens a second
+    over them all)."""
+    t0 = time.perf_counter()
     with ThreadPoolExecutor(len(settings.prompts)) as pool:
-        return list(
+        out = list(
             pool.map(
                 lambda p: _generate(target, p, method, settings.max_new_tokens), settings.prompts
             )
         )
+    tokens = sum(len(r["tokens"]) for r in out)
+    return out, round(tokens / (time.perf_counter() - t0), 1)
 
 
-def _capabilities(target: str, forward: str) -> tuple[str, str]:
-    """The service's device and current forward, after selecting `forward`."""
+def _capabilities(target: str, forward: str) -> Capabilities:
+    """The service's capabilities, after selecting `forward`."""
     model = GrpcModel(target)
     try:
         model.set_forward(forward)
-        caps = model.capabilities()
+        return model.capabilities()
     finally:
         model.close()
-    return caps.device, caps.current_forward
 
 
 def check_service(served: Served, settings: Settings) -> dict:
     gpu, cp = served.targets()
-    device, forward = _capabilities(gpu, settings.forward)
-    out = {m: _generate_all(cp, settings, m) for m in METHODS}
+    caps = _capabilities(gpu, settings.forward)
+    device = caps.device
+    runs = {m: _generate_all(cp, settings, m) for m in METHODS}
+    out = {m: r for m, (r, _) in runs.items()}
+    tok_s = {m: speed for m, (_, speed) in runs.items()}
     none = [r["tokens"] for r in out["none"]]
     mtp = [r["tokens"] for r in out["mtp"]]
     drafted = sum(r["drafted"] for r in out["mtp"])
@@ -136,10 +146,13 @@ def check_service(served: Served, settings: Settings) -> dict:
         "ok": on_device and identical and full and drafted > 0,
         "summary": (
             f"{device}, none {'==' if identical else '!='} mtp on {len(none)} prompts "
-            f"({settings.max_new_tokens} tokens), {accepted} of {drafted} drafts accepted"
+            f"({settings.max_new_tokens} tokens), {accepted} of {drafted} drafts accepted; "
+            f"tok/s none {tok_s['none']:.0f}, mtp {tok_s['mtp']:.0f}"
         ),
         "device": device,
-        "forward": forward,
+        "forward": caps.current_forward,
+        "tensor_parallel_size": caps.tensor_parallel_size,
+        "tok_s": tok_s,
         "prompts": list(settings.prompts),
         "none": none,
         "mtp": mtp,
@@ -195,10 +208,11 @@ def check_diff(served: Served, settings: Settings) -> dict:
     }
 
 
-def served_checks(settings: Settings) -> dict[str, dict]:
-    """The service and circuit diff sections; the service's also says how long the pair took
-    to start and how each exited (a process that does not stop cleanly fails it)."""
-    with Served(settings) as served:
+def served_checks(settings: Settings, *flags: str) -> dict[str, dict]:
+    """The service and circuit diff sections, the service started with `flags`; the service's
+    also says how long the pair took to start and how each exited (a process that does not
+    stop cleanly fails it)."""
+    with Served(settings, *flags) as served:
         sections = {
             "service": guarded(lambda: check_service(served, settings)),
             "circuit_diff": guarded(lambda: check_diff(served, settings)),
