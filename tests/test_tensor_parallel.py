@@ -360,3 +360,25 @@ def test_masks_and_sampling_match_one_device(engines: dict[str, Engine]) -> None
     (one, one_lp), (split, split_lp) = results
     assert one == split and one[0] in (3000, 4000, 4095) and one[1] in (5, 2100, 2047, 2048)
     np.testing.assert_allclose(split_lp[:2], one_lp[:2], atol=ATOL, rtol=RTOL)
+
+
+def test_a_rank_that_hangs_ends_the_service_within_the_timeout() -> None:
+    """Rank 1 stopped (SIGSTOP) while rank 0 runs a prefill: the first collective waits
+    `--tp-timeout` (here 2 s), then the fault handler is called (the service: exit 1) and the
+    call raises, rather than hanging."""
+    faults: list[str] = []
+    engine = launch(
+        Launch(DEFAULT_MODEL_DIR, SERVICE, "fp32", "cpu", 2, timeout_s=2.0),
+        on_fault=faults.append,
+    )
+    (rank1,) = engine.followers.processes
+    try:
+        seq = engine.alloc_sequence()
+        rank1_process = psutil.Process(rank1.pid)
+        rank1_process.suspend()
+        with pytest.raises(RuntimeError):
+            engine.prefill([seq], [PROMPTS[0]])
+        assert len(faults) == 1 and "collective failed in prefill" in faults[0], faults
+    finally:
+        rank1.kill()
+        engine.close()

@@ -17,8 +17,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._C import _distributed_c10d as c10d
 
 from gpu_service.tp import DEFAULT_REDUCE, DEFAULT_TIMEOUT_S, REDUCES
+
+# How long the ranks may take to meet, and to load their shards: a rank that dies meanwhile is
+# caught by its process ending (gpu_service/tp/ranks.py), so this only bounds a stuck start.
+START_TIMEOUT = datetime.timedelta(minutes=30)
+# What another rank waits for rank 0's next operation: the service may idle for days; rank 0's
+# process ending ends it sooner.
+IDLE_TIMEOUT = datetime.timedelta(days=365)
 
 
 @dataclass(frozen=True)
@@ -54,27 +62,31 @@ class TpGroup:
     ) -> None:
         if reduce not in REDUCES:
             raise ValueError(f"--tp-reduce {reduce!r}: expected one of {', '.join(REDUCES)}")
-        timeout = datetime.timedelta(seconds=meet.timeout_s)
+        # Every collective once started waits this long for the other ranks (`--tp-timeout`).
+        self.timeout = datetime.timedelta(seconds=meet.timeout_s)
         if store is None:
-            store = dist.TCPStore(meet.host, meet.port, meet.size, False, timeout=timeout)
+            store = dist.TCPStore(meet.host, meet.port, meet.size, False, timeout=START_TIMEOUT)
         self.rank, self.size, self.reduce_mode, self.device = rank, meet.size, reduce, device
         self.store = store
-        self.compute = _compute_group(store, rank, meet.size, device, timeout)
+        self.compute = _compute_group(store, rank, meet.size, device, START_TIMEOUT)
         self.control: Any = dist.ProcessGroupGloo(
-            dist.PrefixStore("control", store), rank, meet.size, timeout
+            dist.PrefixStore("control", store), rank, meet.size, START_TIMEOUT
         )
 
     @staticmethod
-    def host_store(size: int, timeout_s: float) -> dist.TCPStore:
+    def host_store(size: int) -> dist.TCPStore:
         """Rank 0's store on a free loopback port (its `.port`)."""
         return dist.TCPStore(
-            "127.0.0.1",
-            0,
-            size,
-            True,
-            timeout=datetime.timedelta(seconds=timeout_s),
-            wait_for_workers=False,
+            "127.0.0.1", 0, size, True, timeout=START_TIMEOUT, wait_for_workers=False
         )
+
+    def _gather_options(self, timeout: datetime.timedelta | None = None) -> Any:
+        options = c10d.AllgatherOptions()
+        options.timeout = timeout or self.timeout
+        return options
+
+    def _broadcast(self, t: torch.Tensor, timeout: datetime.timedelta | None = None) -> None:
+        self.control.broadcast(t, 0, timeout or self.timeout).wait()
 
     # -- the forward's collectives ----------------------------------------------------------
 
@@ -82,14 +94,16 @@ class TpGroup:
         """Every rank's `x` (same shape on each), in rank order."""
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        self.compute.allgather([parts], [x]).wait()
+        self.compute.allgather([parts], [x], self._gather_options()).wait()
         return parts
 
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over ranks of `x`, the same bytes on every rank."""
         if self.reduce_mode == "nccl":
             out = x.contiguous().clone()
-            self.compute.allreduce([out]).wait()
+            options = c10d.AllreduceOptions()
+            options.timeout = self.timeout
+            self.compute.allreduce([out], options).wait()
             return out
         parts = self.gather(x)
         total = parts[0]
@@ -110,27 +124,30 @@ class TpGroup:
     def send(self, message: object) -> None:
         """Rank 0: one operation to every other rank (pickled; a length, then the bytes)."""
         data = torch.frombuffer(bytearray(pickle.dumps(message)), dtype=torch.uint8)
-        self.control.broadcast(torch.tensor([data.numel()]), 0).wait()
-        self.control.broadcast(data, 0).wait()
+        self._broadcast(torch.tensor([data.numel()]))
+        self._broadcast(data)
 
     def receive(self) -> object:
-        """Another rank: the next operation rank 0 sent."""
+        """Another rank: the next operation rank 0 sent (waiting as long as rank 0 idles)."""
         length = torch.zeros(1, dtype=torch.int64)
-        self.control.broadcast(length, 0).wait()
+        self._broadcast(length, IDLE_TIMEOUT)
         data = torch.empty(int(length), dtype=torch.uint8)
-        self.control.broadcast(data, 0).wait()
+        self._broadcast(data)
         return pickle.loads(data.numpy().tobytes())
 
-    def gather_objects(self, value: object) -> list[object]:
-        """Every rank's `value`, in rank order, on every rank (over the control group)."""
+    def gather_objects(
+        self, value: object, timeout: datetime.timedelta | None = None
+    ) -> list[object]:
+        """Every rank's `value`, in rank order, on every rank (over the control group); the
+        ranks may arrive `timeout` apart (default `--tp-timeout`)."""
         data = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
         lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
-        self.control.allgather([lengths], [torch.tensor([data.numel()])]).wait()
+        options = self._gather_options(timeout)
+        self.control.allgather([lengths], [torch.tensor([data.numel()])], options).wait()
         widest = int(max(lengths))
         parts = [torch.empty(widest, dtype=torch.uint8) for _ in range(self.size)]
-        self.control.allgather(
-            [parts], [torch.nn.functional.pad(data, (0, widest - data.numel()))]
-        ).wait()
+        padded = torch.nn.functional.pad(data, (0, widest - data.numel()))
+        self.control.allgather([parts], [padded], self._gather_options()).wait()
         return [
             pickle.loads(p[: int(n)].numpy().tobytes()) for p, n in zip(parts, lengths, strict=True)
         ]

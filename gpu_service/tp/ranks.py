@@ -29,10 +29,12 @@ import torch.distributed as dist
 from gpu_service.config import ServiceConfig
 from gpu_service.engine import Engine
 from gpu_service.tp import DEFAULT_REDUCE, DEFAULT_TIMEOUT_S
-from gpu_service.tp.group import Rendezvous, TpGroup
+from gpu_service.tp.group import START_TIMEOUT, Rendezvous, TpGroup
 from protos.model import ModelError
 
-# Engine calls every rank runs, in rank 0's order; the rest read rank 0's results.
+# Engine calls every rank runs, in rank 0's order; the rest read rank 0's results or, as
+# `measure_costs` does, run these calls, each sent on its own (a measured time never steers
+# what another rank runs).
 MIRRORED = (
     "alloc_sequence",
     "free_sequence",
@@ -49,7 +51,6 @@ MIRRORED = (
     "decode_step",
     "run_plan",
     "set_forward",
-    "measure_costs",
     "use_graphs",
     "held_bytes_by_rank",
     "read_logits",  # gathers every rank's columns
@@ -139,7 +140,7 @@ class TpEngine(Engine):
         except (OSError, ValueError) as e:
             error = str(e)
         self._depth.n = 0
-        errors = [m for m in group.gather_objects(error) if m]
+        errors = [m for m in group.gather_objects(error, START_TIMEOUT) if m]
         if errors:
             self.close()
             raise ValueError(errors[0])
@@ -222,7 +223,7 @@ def follow(
         error = None
     except (OSError, ValueError) as e:
         error = f"rank {rank}: {e}"
-    if any(group.gather_objects(error)):
+    if any(group.gather_objects(error, START_TIMEOUT)):
         return
     while True:
         message = group.receive()
@@ -241,7 +242,7 @@ def follow(
 
 def launch(spec: Launch, on_fault: Callable[[str], None] = _exit_service) -> TpEngine:
     """Start ranks 1 .. N-1 and build rank 0 here; every rank loads only its shard."""
-    store = TpGroup.host_store(spec.size, spec.timeout_s)
+    store = TpGroup.host_store(spec.size)
     meet = Rendezvous("127.0.0.1", store.port, spec.size, spec.timeout_s)
     context = multiprocessing.get_context("spawn")
     followers, pipes = [], []
