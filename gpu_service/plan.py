@@ -130,14 +130,11 @@ def load_config(path: Path) -> ModelConfig:
 
 
 class MetaGroup(TpGroup):
-    """Rank 0 of `size` on the meta device, with no peers: its collectives return what they
-    would, in shape, so a meta forward (the graphs' capture) keeps what the rank's keeps."""
+    """Rank 0 of `size`, for a model on the meta device that the plan counts and never runs:
+    it tells the model which token ids it holds (`HybridModel.vocab`). It has no peers."""
 
     def __init__(self, size: int) -> None:
         self.rank, self.size, self.reduce_mode, self.device = 0, size, "ordered", META
-
-    def gather(self, x: torch.Tensor) -> list[torch.Tensor]:
-        return [torch.empty_like(x) for _ in range(self.size)]
 
 
 def rank_shapes(cfg: ModelConfig, size: int) -> dict[str, tuple[int, ...]]:
@@ -198,12 +195,17 @@ def slot_parts(model: HybridModel, svc: ServiceConfig, graphs: bool) -> tuple[di
     captured graphs' (when counted), and the buffers a call sizes beside them: the logits of
     the largest call [rows, vocab] (a verify's row budget, or a prefill's one row per
     sequence), twice, since the last call's are kept while the next call's are made; the
-    verify's final hiddens [max_rows, hidden], kept for the stash."""
+    verify's final hiddens [max_rows, hidden], kept for the stash. Under tensor parallelism a
+    rank's logits are its token ids' columns, and reading them back gathers every rank's
+    (padded to the widest) beside the kept ones."""
     cfg, size = model.cfg, model.dtype.itemsize
     state = DeviceState(cfg, svc, model.dtype, META)
     out = state_bytes(state)
     logits_rows = padded_rows(max(svc.max_rows, min(svc.num_slots, svc.max_prefill_tokens)))
-    out["logits_bytes"] += 2 * logits_rows * cfg.vocab_size * size
+    kept = logits_rows * (model.vocab[1] - model.vocab[0]) * size
+    ranks = 1 if model.tp is None else model.tp.size
+    gathered = 0 if ranks == 1 else ranks * kept + logits_rows * cfg.vocab_size * size
+    out["logits_bytes"] += kept + max(kept, gathered)
     out["stash_bytes"] += padded_rows(svc.max_rows) * cfg.hidden_size * size
     num_graphs, out["graphs_bytes"] = graph_parts(model, state, svc) if graphs else (0, 0)
     return out, num_graphs
@@ -367,6 +369,7 @@ def make_plan(
     `auto` and a known memory, at the most slots whose plan fits it. The model is built once,
     however many counts that tries. ValueError where `size` does not split `cfg`."""
     start = time.perf_counter()
+    graphs = graphs and size == 1  # the engine captures none under tensor parallelism
     model = meta_model(cfg, dtype, svc.max_context, size)
     cfg = model.cfg
     weights = by_dtype(model.held_tensors())

@@ -97,7 +97,7 @@ def refusal(plan: Plan) -> str:
     head = f"the plan needs {human(plan.total)}{_per_rank(plan)} but {_memory(plan.memory)}"
     bf16 = "serve --dtype bf16" if plan.dtype.itemsize > 2 else None
     if weights > (plan.memory.bytes or 0):
-        more = "serve it on devices with more memory, or over more (--tensor-parallel-size)"
+        more = "serve it on devices with more memory, or over more of them (--tensor-parallel-size)"
         advice = bf16 or more
         return f"{head}: the weights alone take {human(weights)}; {advice}"
     slots = f"--num-slots ({svc.num_slots}), " if svc.num_slots > 1 else ""

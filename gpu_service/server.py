@@ -56,6 +56,28 @@ def build_server(
     return server
 
 
+def _load(args: argparse.Namespace, svc: ServiceConfig, device: torch.device) -> Engine:
+    """The engine `serve`'s flags ask for: on one device, or rank 0 of a tensor-parallel group
+    whose other ranks it starts."""
+    if args.tensor_parallel_size > 1:
+        engine: Engine = ranks.launch(
+            ranks.Launch(
+                args.model,
+                svc,
+                args.dtype,
+                device.type,
+                args.tensor_parallel_size,
+                args.tp_reduce,
+                args.tp_timeout,
+                args.threads,
+            )
+        )
+    else:
+        engine = Engine(args.model, svc, args.dtype, device)
+    engine.set_forward(default_forward(device))
+    return engine
+
+
 async def serve(
     args: argparse.Namespace,
     svc: ServiceConfig,
@@ -81,26 +103,7 @@ async def serve(
     await server.start()
     print(f"gpu-service listening on {args.host}:{port}", flush=True)
 
-    def load() -> Engine:
-        if args.tensor_parallel_size > 1:
-            engine: Engine = ranks.launch(
-                ranks.Launch(
-                    args.model,
-                    svc,
-                    args.dtype,
-                    device.type,
-                    args.tensor_parallel_size,
-                    args.tp_reduce,
-                    args.tp_timeout,
-                    args.threads,
-                )
-            )
-        else:
-            engine = Engine(args.model, svc, args.dtype, device)
-        engine.set_forward(default_forward(device))
-        return engine
-
-    servicer.engine = await servicer.run_on_engine_thread(load)
+    servicer.engine = await servicer.run_on_engine_thread(lambda: _load(args, svc, device))
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     engine = servicer.engine

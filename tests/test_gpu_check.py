@@ -1,6 +1,7 @@
-"""scripts/gpu_check.sh: `--cpu` runs every check on the CPU and writes one report; without a
-GPU and without `--cpu` it says so and exits 0; the wheels it installs on a GPU machine carry
-the pins of pyproject.toml."""
+"""scripts/gpu_check.sh: `--cpu` runs every check on the CPU and writes one report (the
+tensor-parallel section over two CPU processes); without a GPU and without `--cpu` it says so
+and exits 0; with fewer than two GPUs the tensor-parallel section says it skipped; the wheels
+it installs on a GPU machine carry the pins of pyproject.toml."""
 
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ import tomllib
 from importlib import metadata
 from pathlib import Path
 
-from scripts.gpu_check.report import CHECKS
-from scripts.gpu_check.settings import CPU
+import pytest
+
+from scripts.gpu_check import tp as tp_check
+from scripts.gpu_check.report import CHECKS, line
+from scripts.gpu_check.settings import CPU, GPU
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
@@ -50,6 +54,14 @@ def test_cpu_run_writes_a_passing_report(tmp_path: Path) -> None:
         assert diff["args"][-6:] == ["--widths", "2", "--ks", "2,3", "--steps", "2"]
     assert "--mtp" in report["circuit_diff"]["mtp"]["args"]
 
+    tp = report["tp"]
+    assert not tp["skipped"] and tp["tensor_parallel_size"] == tp_check.TP_SIZE
+    assert tp["service"]["identical"] and tp["service"]["drafted"] > 0
+    assert tp["service"]["exit_status"] == {"control_plane": 0, "gpu_service": 0}
+    assert all(tp["tok_s"][m] > 0 for m in ("none", "mtp")), tp["tok_s"]
+    for run in ("verify", "mtp"):
+        assert tp["circuit_diff"][run]["verdict"] == "PASS", tp["circuit_diff"][run]
+
     kernels = report["kernel_tests"]
     assert kernels["passed"] == kernels["tests"] > 0
 
@@ -84,6 +96,14 @@ def test_without_a_gpu_it_says_so(tmp_path: Path) -> None:
     assert done.returncode == 0 and "no CUDA GPU" in done.stdout, done.stderr
     missing = _run("--wheels", str(tmp_path / "none"), "--cpu", timeout=30)
     assert missing.returncode == 2 and "not a directory" in missing.stderr
+
+
+def test_tp_is_skipped_with_fewer_than_two_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tp_check, "_cuda_devices", lambda: 1)
+    section = tp_check.check_tp(GPU)
+    assert section["ok"] and section["skipped"] and section["cuda_devices"] == 1
+    assert section["summary"] == "skipped: TP 2 needs 2 CUDA devices, this machine has 1"
+    assert " skip " in line("tp", {**section, "seconds": 0.0})
 
 
 def _pins(lines: list[str]) -> dict[str, str]:

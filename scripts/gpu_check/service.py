@@ -4,6 +4,7 @@ the GPU service (the diff takes no device; the service it drives is on the devic
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -17,9 +18,9 @@ import grpc
 
 from control_plane.client import GrpcModel
 from control_plane.launch import start_control_plane, start_gpu_service, stop
-from protos.model import Capabilities
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
+from protos.model import Capabilities
 from scripts.gpu_check.report import guarded
 from scripts.gpu_check.settings import ROOT, Settings
 
@@ -198,7 +199,7 @@ def _diff(gpu: str, settings: Settings, mtp: bool) -> dict:
 def check_diff(served: Served, settings: Settings) -> dict:
     gpu, _ = served.targets()
     runs = {
-        name: guarded(lambda m=mtp: _diff(gpu, settings, m))
+        name: guarded(functools.partial(_diff, gpu, settings, mtp))
         for name, mtp in (("verify", False), ("mtp", True))
     }
     return {

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
@@ -107,7 +108,7 @@ def _int_tuple(text: str) -> tuple[int, ...]:
     return values
 
 
-def _parser_type(default: object) -> type | object:
+def _parser_type(default: object) -> Callable[[str], object]:
     return _int_tuple if isinstance(default, tuple) else type(default)
 
 

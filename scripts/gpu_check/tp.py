@@ -31,7 +31,7 @@ def check_tp(settings: Settings) -> dict:
     size = service.get("tensor_parallel_size")
     return {
         "ok": service["ok"] and diff["ok"] and size == TP_SIZE,
-        "summary": f"TP {size}: {service['summary']}; diff {diff['summary']}",
+        "summary": f"TP {TP_SIZE}: {service['summary']}; diff {diff['summary']}",
         "skipped": False,
         "tensor_parallel_size": size,
         "tok_s": service.get("tok_s"),
