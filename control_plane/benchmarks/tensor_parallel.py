@@ -40,7 +40,6 @@ if TYPE_CHECKING:  # torch, which this module's callers need not import to parse
 ARMS = ("tp_1", *REDUCES)
 # Timed reductions per mode in the micro figure, after as many untimed.
 REDUCE_CALLS = 100
-REDUCE_TIMEOUT_S = 30.0
 
 
 def tensor_parallel(
@@ -53,6 +52,8 @@ def tensor_parallel(
 ) -> list[dict]:
     """A row per concurrency: each arm's median tokens per second, the ratios, the reduction
     timed alone, and which arms' tokens differ from TP 1's."""
+    hidden = ModelConfig.load(model_dir).hidden_size
+    reduce = {n: reduce_us(size, n, hidden) for n in concurrency}
     runs: dict[str, dict[int, list[dict]]] = {}
     stops: list[threading.Thread] = []
     try:
@@ -71,8 +72,7 @@ def tensor_parallel(
     finally:
         for t in stops:
             t.join()
-    hidden = ModelConfig.load(model_dir).hidden_size
-    return [_row({a: runs[a][n] for a in ARMS}, n, size, hidden) for n in concurrency]
+    return [_row({a: runs[a][n] for a in ARMS}, n, size, reduce[n]) for n in concurrency]
 
 
 def _arm(
@@ -97,7 +97,7 @@ def _scheduler(target: str, work: Workload, reqs: list) -> Scheduler:
     return Scheduler(lambda: GrpcModel(target), work.tokenizer, options_for(reqs), Env())
 
 
-def _row(runs: dict[str, list[dict]], n: int, size: int, hidden: int) -> dict:
+def _row(runs: dict[str, list[dict]], n: int, size: int, reduce: dict) -> dict:
     arm = {name: median(runs[name]) for name in ARMS}
     first = runs["tp_1"][0]["outputs"]
     row: dict = {"method": MTP, "concurrency": n, "size": size, "cores": os.cpu_count()}
@@ -107,23 +107,23 @@ def _row(runs: dict[str, list[dict]], n: int, size: int, hidden: int) -> dict:
     row["nccl_over_tp_1"] = row["nccl_tok_s"] / row["tp_1_tok_s"]
     # What the ordered reduction costs: the throughput it gives up against the backend's.
     row["ordered_cost"] = 1 - row["ordered_tok_s"] / row["nccl_tok_s"]
-    row["reduce_us"] = reduce_us(size, n, hidden)
-    row["reduce_rows"], row["hidden"] = n, hidden
+    row.update(reduce)
     row["accepted_length"] = arm["tp_1"]["accepted_length"]
     row["differs"] = [a for a in ARMS if any(r["outputs"] != first for r in runs[a])]
     row["identical"] = not row["differs"]
     return row
 
 
-def reduce_us(size: int, rows: int, hidden: int, calls: int = REDUCE_CALLS) -> dict[str, float]:
-    """Microseconds of one row-parallel reduction of an fp32 [rows, hidden] tensor per mode:
-    `size` ranks as threads of this process over gloo, the median over ranks of each's mean."""
+def reduce_us(size: int, rows: int, hidden: int, calls: int = REDUCE_CALLS) -> dict:
+    """Microseconds of one row-parallel reduction of an fp32 [rows, hidden] tensor per mode
+    (`reduce_us`, with the shape): `size` ranks as threads of this process over gloo, the
+    median over ranks of each's mean."""
     from gpu_service.tp.group import Rendezvous, TpGroup
 
-    out = {}
+    out: dict[str, float] = {}
     for mode in REDUCES:
-        store = TpGroup.host_store(size, REDUCE_TIMEOUT_S)
-        meet = Rendezvous("127.0.0.1", store.port, size, REDUCE_TIMEOUT_S)
+        store = TpGroup.host_store(size)
+        meet = Rendezvous("127.0.0.1", store.port, size)
         times = [0.0] * size
         threads = [
             threading.Thread(
@@ -137,7 +137,7 @@ def reduce_us(size: int, rows: int, hidden: int, calls: int = REDUCE_CALLS) -> d
         for t in threads:
             t.join()
         out[mode] = statistics.median(times)
-    return out
+    return {"reduce_us": out, "reduce_rows": rows, "hidden": hidden}
 
 
 def _time_rank(
