@@ -137,6 +137,17 @@ def _measure(args: argparse.Namespace) -> dict:
     failures += report["depth"]["failures"]
     if not quick:
         report["tracing"] = tracing(4, tokens)
+    failures += _many_services(args, work, tokens, repeats, report)
+    report["failures"] = failures
+    return report
+
+
+def _many_services(
+    args: argparse.Namespace, work: Workload, tokens: int, repeats: int, report: dict
+) -> list[str]:
+    """The sections over several GPU services (`--replicas`, `--tensor-parallel`), into
+    `report`. -> their failures"""
+    quick, failures = args.quick, []
     if args.replicas:
         rows = replicas(
             args.model, work, [4] if quick else [16, 32], tokens, repeats, args.replicas
@@ -157,8 +168,7 @@ def _measure(args: argparse.Namespace) -> dict:
             for r in rows
             if not r["identical"]
         ]
-    report["failures"] = failures
-    return report
+    return failures
 
 
 def run(args: argparse.Namespace) -> int:
