@@ -105,14 +105,15 @@ def _launch(directory: Path, size: int, dtype: str = "fp32") -> TpEngine:
 
 @pytest.fixture(scope="module")
 def engines(mini_dir: Path) -> Iterator[dict[str, Engine]]:
-    """One device and TP 2 on the bundled model, one device and TP 4 on the flagship in
-    miniature (1 KV head, 2 GDN key heads: TP 4 replicates both)."""
+    """One device, TP 2 and TP 4 on the bundled model (2 KV heads, 2 GDN key heads) and on the
+    flagship in miniature (1 KV head: TP 2 already replicates it); TP 4 replicates both."""
     made: dict[str, Engine] = {}
     try:
         made["default-1"] = Engine(DEFAULT_MODEL_DIR, SERVICE, "fp32")
-        made["default-2"] = _launch(DEFAULT_MODEL_DIR, 2)
         made["mini-1"] = Engine(mini_dir, SERVICE, "fp32")
-        made["mini-4"] = _launch(mini_dir, 4)
+        for size in (2, 4):
+            made[f"default-{size}"] = _launch(DEFAULT_MODEL_DIR, size)
+            made[f"mini-{size}"] = _launch(mini_dir, size)
         for e in made.values():
             e.set_forward("eager")
         yield made
@@ -149,7 +150,8 @@ def _calls(engine: Engine) -> list[torch.Tensor]:
             engine.free_sequence(s)
 
 
-@pytest.mark.parametrize(("model", "size"), [("default", 2), ("mini", 4)])
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("model", ["default", "mini"])
 def test_logits_match_one_device(engines: dict[str, Engine], model: str, size: int) -> None:
     """Prefill, verify and propose logits at TP N against one device's, within the fp32
     tolerance of the HF-parity tests; the argmax the same."""
@@ -178,7 +180,8 @@ def _fused_share(cfg: ModelConfig, held: ModelConfig, name: str) -> float | None
     return None
 
 
-@pytest.mark.parametrize(("model", "size"), [("default", 2), ("mini", 4)])
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("model", ["default", "mini"])
 def test_each_rank_holds_a_share_plus_what_is_replicated(
     engines: dict[str, Engine], model: str, size: int
 ) -> None:

@@ -94,19 +94,20 @@ class HybridModel:
         """tokens: [R] -> their embeddings [R, H], contiguous: a transposed view would reach
         the GEMMs in a layout whose kernel depends on the row count. Vocab-parallel: each rank
         looks up the ids it holds, zeros elsewhere, and the sum over ranks adds exact zeros."""
+        if self.tp is None:
+            return self._lookup(tokens)
         start, stop = self.vocab
         local = tokens - start
         held = (local >= 0) & (local < stop - start)
-        local = torch.where(held, local, 0) if self.tp is not None else local
-        if self.embed is not None:
-            rows = self.embed.index_select(0, local)
-        else:
-            lm_head = self.wt["lm_head"]
-            assert isinstance(lm_head, torch.Tensor)  # HybridModel refuses a tied FP8 lm_head
-            rows = lm_head.index_select(1, local).t().contiguous()
-        if self.tp is None:
-            return rows
+        rows = self._lookup(torch.where(held, local, 0))
         return self.tp.reduce(torch.where(held[:, None], rows, 0))
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            return self.embed.index_select(0, ids)
+        lm_head = self.wt["lm_head"]
+        assert isinstance(lm_head, torch.Tensor)  # HybridModel refuses a tied FP8 lm_head
+        return lm_head.index_select(1, ids).t().contiguous()
 
     def _reduced(self, x: torch.Tensor) -> torch.Tensor:
         """A row-parallel output summed over the ranks (`TpGroup.reduce`)."""
