@@ -34,12 +34,10 @@ def _cache_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 # Tests marked `slow`, which `pytest -m "not slow"` (the fast tier) leaves out: seconds each on
 # a 2-core CPU. A key is a module, a test function (all its parameters) or one node id.
 SLOW_TESTS = {
-    "tests/test_tensor_parallel.py::test_logits_match_one_device": "starts tensor-parallel rank processes",
-    "tests/test_tensor_parallel.py::test_each_rank_holds_a_share_plus_what_is_replicated": "starts tensor-parallel rank processes",
-    "tests/test_tensor_parallel.py::test_masks_and_sampling_match_one_device": "starts tensor-parallel rank processes",
-    "tests/test_tensor_parallel.py::test_transformers_parity_at_tp_2": "starts tensor-parallel rank processes",
-    "tests/test_tensor_parallel.py::test_through_the_pair": "starts tensor-parallel rank processes",
-    "tests/test_tensor_parallel.py::test_a_rank_that_hangs_ends_the_service_within_the_timeout": "starts tensor-parallel rank processes",
+    "tests/test_tensor_parallel.py::test_transformers_parity_at_tp_2_and_a_hung_rank_ends_it": (
+        "starts tensor-parallel rank processes"
+    ),
+    "tests/test_tensor_parallel.py::test_through_the_pair": "starts tensor-parallel services",
     "tests/test_plan.py::test_flagship_bf16_at_tp2_fits_h200s_with_room_for_slots": "builds "
     "Qwen3-Next-80B's rank-0 shard on the meta device",
     "tests/test_plan.py::test_tp2_plan_is_each_ranks_allocations": "starts a tensor-parallel "
@@ -104,6 +102,7 @@ SLOW_FIXTURES = {
     "served": "starts a GPU service process",
     "two_services": "starts two GPU service processes",
     "control_plane": "starts a control plane process",
+    "tp_engines": "starts tensor-parallel rank processes",
 }
 
 

@@ -54,13 +54,8 @@ def test_cpu_run_writes_a_passing_report(tmp_path: Path) -> None:
         assert diff["args"][-6:] == ["--widths", "2", "--ks", "2,3", "--steps", "2"]
     assert "--mtp" in report["circuit_diff"]["mtp"]["args"]
 
-    tp = report["tp"]
-    assert not tp["skipped"] and tp["tensor_parallel_size"] == tp_check.TP_SIZE
-    assert tp["service"]["identical"] and tp["service"]["drafted"] > 0
-    assert tp["service"]["exit_status"] == {"control_plane": 0, "gpu_service": 0}
-    assert all(tp["tok_s"][m] > 0 for m in ("none", "mtp")), tp["tok_s"]
-    for run in ("verify", "mtp"):
-        assert tp["circuit_diff"][run]["verdict"] == "PASS", tp["circuit_diff"][run]
+    tp = report["tp"]  # no CUDA devices under --cpu: skipped, and said so
+    assert tp["ok"] and tp["skipped"] and "(--cpu)" in tp["summary"], tp
 
     kernels = report["kernel_tests"]
     assert kernels["passed"] == kernels["tests"] > 0

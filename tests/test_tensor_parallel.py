@@ -104,16 +104,15 @@ def _launch(directory: Path, size: int, dtype: str = "fp32") -> TpEngine:
 
 
 @pytest.fixture(scope="module")
-def engines(mini_dir: Path) -> Iterator[dict[str, Engine]]:
-    """One device, TP 2 and TP 4 on the bundled model (2 KV heads, 2 GDN key heads) and on the
-    flagship in miniature (1 KV head: TP 2 already replicates it); TP 4 replicates both."""
+def tp_engines(mini_dir: Path) -> Iterator[dict[str, Engine]]:
+    """One device and TP 2 on the bundled model, one device and TP 4 on the flagship in
+    miniature (1 KV head, 2 GDN key heads: TP 4 replicates both)."""
     made: dict[str, Engine] = {}
     try:
         made["default-1"] = Engine(DEFAULT_MODEL_DIR, SERVICE, "fp32")
+        made["default-2"] = _launch(DEFAULT_MODEL_DIR, 2)
         made["mini-1"] = Engine(mini_dir, SERVICE, "fp32")
-        for size in (2, 4):
-            made[f"default-{size}"] = _launch(DEFAULT_MODEL_DIR, size)
-            made[f"mini-{size}"] = _launch(mini_dir, size)
+        made["mini-4"] = _launch(mini_dir, 4)
         for e in made.values():
             e.set_forward("eager")
         yield made
@@ -150,12 +149,11 @@ def _calls(engine: Engine) -> list[torch.Tensor]:
             engine.free_sequence(s)
 
 
-@pytest.mark.parametrize("size", [2, 4])
-@pytest.mark.parametrize("model", ["default", "mini"])
-def test_logits_match_one_device(engines: dict[str, Engine], model: str, size: int) -> None:
+@pytest.mark.parametrize(("model", "size"), [("default", 2), ("mini", 4)])
+def test_logits_match_one_device(tp_engines: dict[str, Engine], model: str, size: int) -> None:
     """Prefill, verify and propose logits at TP N against one device's, within the fp32
     tolerance of the HF-parity tests; the argmax the same."""
-    one, split = _calls(engines[f"{model}-1"]), _calls(engines[f"{model}-{size}"])
+    one, split = _calls(tp_engines[f"{model}-1"]), _calls(tp_engines[f"{model}-{size}"])
     assert len(one) == len(split) == 3
     for a, b in zip(one, split, strict=True):
         torch.testing.assert_close(b, a, atol=ATOL, rtol=RTOL)
@@ -180,19 +178,18 @@ def _fused_share(cfg: ModelConfig, held: ModelConfig, name: str) -> float | None
     return None
 
 
-@pytest.mark.parametrize("size", [2, 4])
-@pytest.mark.parametrize("model", ["default", "mini"])
+@pytest.mark.parametrize(("model", "size"), [("default", 2), ("mini", 4)])
 def test_each_rank_holds_a_share_plus_what_is_replicated(
-    engines: dict[str, Engine], model: str, size: int
+    tp_engines: dict[str, Engine], model: str, size: int
 ) -> None:
     """Counted tensor by tensor against one device's: each rank holds 1/N of every split
     tensor, the whole of each replicated one (norms, the router, the shared expert's gate, the
     MTP head's fc, the per-row and per-slot state), and of the fused projections and state
     whose heads may be replicated (KV heads, GDN key heads) the share of the heads it holds.
     Its total is then 1/N of one device's plus what is replicated."""
-    one = engines[f"{model}-1"].held_bytes_by_rank()[0]
-    ranks = engines[f"{model}-{size}"].held_bytes_by_rank()
-    cfg = engines[f"{model}-1"].cfg
+    one = tp_engines[f"{model}-1"].held_bytes_by_rank()[0]
+    ranks = tp_engines[f"{model}-{size}"].held_bytes_by_rank()
+    cfg = tp_engines[f"{model}-1"].cfg
     held = shard.rank_config(cfg, size)
     assert len(ranks) == size and all(r == ranks[0] for r in ranks)
     rank = ranks[0]
@@ -226,17 +223,24 @@ def test_each_rank_holds_a_share_plus_what_is_replicated(
             assert got == full, name  # per-row and per-slot tables
 
 
-def test_transformers_parity_at_tp_2(tmp_path: Path) -> None:
+def test_transformers_parity_at_tp_2_and_a_hung_rank_ends_it(tmp_path: Path) -> None:
     """transformers' logits of a sharded HF checkpoint (MoE with a shared expert) against our
-    TP 2's, prefill and verify."""
+    TP 2's, prefill and verify. Then rank 1 is stopped (SIGSTOP) while rank 0 runs a verify:
+    the first collective waits `--tp-timeout` (here 2 s), the fault handler is called (the
+    service: exit 1) and the call raises, rather than hanging."""
     from tests.test_hf_parity import CONFIGS, _checkpoint
 
     directory, reference = _checkpoint(tmp_path, CONFIGS["moe-shared"])
     tokens = torch.randint(0, 300, (24,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = reference(tokens[None]).logits[0].float()
-    engine = _launch(directory, 2)
+    faults: list[str] = []
+    engine = launch(
+        Launch(directory, SERVICE, "fp32", "cpu", 2, timeout_s=2.0), on_fault=faults.append
+    )
+    (rank1,) = engine.followers.processes
     try:
+        engine.set_forward("eager")
         seq = engine.alloc_sequence()
         engine.prefill([seq], [tokens[:20].tolist()])
         got = _rows(engine)
@@ -245,7 +249,15 @@ def test_transformers_parity_at_tp_2(tmp_path: Path) -> None:
         got = _rows(engine)
         torch.testing.assert_close(got, expected[20:24], atol=ATOL, rtol=RTOL)
         assert torch.equal(got.argmax(-1), expected[20:24].argmax(-1))
+        engine.gdn_fold_accepted([seq], [4])
+        engine.commit_accepted_prefix([seq], [4], [4])
+        assert not faults
+        psutil.Process(rank1.pid).suspend()
+        with pytest.raises(RuntimeError):
+            engine.decode_verify_batched([1, 2], [2], [seq])
+        assert len(faults) == 1 and "collective failed in decode_verify" in faults[0], faults
     finally:
+        rank1.kill()
         engine.close()
 
 
@@ -272,7 +284,7 @@ def _diff_passes(target: str, out: Path) -> None:
 def _generate(stub: pb_grpc.GenerationServiceStub, prompt: list[int], method: int) -> tuple:
     tokens, drafted = [], 0
     request = pb.GenerateRequest(
-        prompt_token_ids=prompt, max_new_tokens=12, ignore_eos=True, speculative_method=method
+        prompt_token_ids=prompt, max_new_tokens=10, ignore_eos=True, speculative_method=method
     )
     for msg in stub.Generate(request, timeout=120):
         tokens += msg.token_ids
@@ -295,7 +307,9 @@ def test_through_the_pair(mini_dir: Path, tmp_path: Path, model: str, size: int)
     the stream ends UNAVAILABLE."""
     directory = DEFAULT_MODEL_DIR if model == "default" else mini_dir
     gpu, target = start_gpu_service(
-        directory, "--tp", str(size), "--verify-tiers", "4:3,4:1", "--max-context", "256"
+        directory,
+        *("--tp", str(size), "--dtype", "fp32"),
+        *("--verify-tiers", "4:3,4:1", "--max-context", "256"),
     )
     try:
         assert len(_rank_processes(gpu)) == size - 1
@@ -334,7 +348,7 @@ def test_through_the_pair(mini_dir: Path, tmp_path: Path, model: str, size: int)
             assert stop(gpu) == 0
 
 
-def test_masks_and_sampling_match_one_device(engines: dict[str, Engine]) -> None:
+def test_masks_and_sampling_match_one_device(tp_engines: dict[str, Engine]) -> None:
     """What reads whole rows of logits at TP 2: a mask whose allowed ids all sit in rank 1's
     columns (rank 0's row is all -inf, and adds nothing to the combined normaliser), a mask
     across both ranks, and a sampled row drawing with a given uniform: the tokens of one
@@ -343,7 +357,7 @@ def test_masks_and_sampling_match_one_device(engines: dict[str, Engine]) -> None
 
     from protos.model import Sampling
 
-    vocab = engines["default-1"].cfg.vocab_size
+    vocab = tp_engines["default-1"].cfg.vocab_size
     allowed = [np.zeros(vocab, dtype=bool) for _ in range(2)]
     allowed[0][[3000, 4000, 4095]] = True  # rank 1's ids only
     allowed[1][[5, 2100, 2047, 2048]] = True  # both ranks'
@@ -352,7 +366,7 @@ def test_masks_and_sampling_match_one_device(engines: dict[str, Engine]) -> None
     sampling = [None, None, Sampling(temperature=0.8, top_k=50, uniforms=(0.37,))]
     results = []
     for name in ("default-1", "default-2"):
-        engine = engines[name]
+        engine = tp_engines[name]
         seqs = [engine.alloc_sequence() for _ in prompts]
         try:
             out = engine.prefill(seqs, prompts, masks, sampling)
@@ -363,25 +377,3 @@ def test_masks_and_sampling_match_one_device(engines: dict[str, Engine]) -> None
     (one, one_lp), (split, split_lp) = results
     assert one == split and one[0] in (3000, 4000, 4095) and one[1] in (5, 2100, 2047, 2048)
     np.testing.assert_allclose(split_lp[:2], one_lp[:2], atol=ATOL, rtol=RTOL)
-
-
-def test_a_rank_that_hangs_ends_the_service_within_the_timeout() -> None:
-    """Rank 1 stopped (SIGSTOP) while rank 0 runs a prefill: the first collective waits
-    `--tp-timeout` (here 2 s), then the fault handler is called (the service: exit 1) and the
-    call raises, rather than hanging."""
-    faults: list[str] = []
-    engine = launch(
-        Launch(DEFAULT_MODEL_DIR, SERVICE, "fp32", "cpu", 2, timeout_s=2.0),
-        on_fault=faults.append,
-    )
-    (rank1,) = engine.followers.processes
-    try:
-        seq = engine.alloc_sequence()
-        rank1_process = psutil.Process(rank1.pid)
-        rank1_process.suspend()
-        with pytest.raises(RuntimeError):
-            engine.prefill([seq], [PROMPTS[0]])
-        assert len(faults) == 1 and "collective failed in prefill" in faults[0], faults
-    finally:
-        rank1.kill()
-        engine.close()

@@ -1,7 +1,8 @@
 """The tensor-parallel section: the serving pair again, the GPU service over two ranks
-(`--tensor-parallel-size 2`: cuda:0 and cuda:1, or under `--cpu` two CPU processes joined by
-gloo); greedy `none` against `mtp` through it, the circuit diff against it, and the tokens a
-second each method streams. A machine with fewer than two CUDA devices skips it, and says so."""
+(`--tensor-parallel-size 2`: cuda:0 and cuda:1); greedy `none` against `mtp` through it, the
+circuit diff against it, and the tokens a second each method streams. A machine with fewer than
+two CUDA devices, or a `--cpu` run, skips it and says so: on CPU processes the same checks run in
+tests/test_tensor_parallel.py."""
 
 from __future__ import annotations
 
@@ -18,12 +19,13 @@ def _cuda_devices() -> int:
 
 
 def check_tp(settings: Settings) -> dict:
-    if settings.device == "cuda" and (count := _cuda_devices()) < TP_SIZE:
+    count = _cuda_devices() if settings.device == "cuda" else 0
+    if count < TP_SIZE:
         return {
             "ok": True,
             "skipped": True,
             "summary": f"skipped: TP {TP_SIZE} needs {TP_SIZE} CUDA devices, this machine has "
-            f"{count}",
+            f"{count}" + ("" if settings.device == "cuda" else " in use (--cpu)"),
             "cuda_devices": count,
         }
     sections = served_checks(settings, "--tensor-parallel-size", str(TP_SIZE))
