@@ -30,6 +30,7 @@ from gpu_service.config import ServiceConfig
 from gpu_service.engine import Engine
 from gpu_service.tp import DEFAULT_REDUCE, DEFAULT_TIMEOUT_S
 from gpu_service.tp.group import START_TIMEOUT, Rendezvous, TpGroup
+from kernels import configure_interpreter
 from protos.model import ModelError
 
 # Engine calls every rank runs, in rank 0's order; the rest read rank 0's results or, as
@@ -106,7 +107,9 @@ class Followers:
         if self.stopping:
             return
         rank = sentinels[ready[0]]
-        code = self.processes[rank - 1].exitcode
+        process = self.processes[rank - 1]
+        process.join(timeout=1)  # its sentinel fires before its status is read
+        code = process.exitcode
         self._on_fault(f"tensor-parallel rank {rank} exited (status {code})")
 
     def alive(self) -> bool:
@@ -215,6 +218,7 @@ def follow(
     threading.Thread(target=_watch_parent, args=(conn,), daemon=True).start()
     torch.set_num_threads(launch.threads)
     device = launch.device_of(rank)
+    configure_interpreter(device.type)  # as rank 0's process did before its kernels loaded
     if device.type == "cuda":
         torch.cuda.set_device(device)
     group = TpGroup(rank, meet, device, launch.reduce)
