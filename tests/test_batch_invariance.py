@@ -87,3 +87,37 @@ def test_row_logits_do_not_depend_on_k(engine: Engine, rng: torch.Generator) -> 
     _, logits = verify(engine, [c, a], [[first[2], 1], rows], [2, 4])
     alone = [decode(engine, b, t)[1] for t in rows]
     assert logits[2:] == alone
+
+
+@pytest.mark.parametrize("split", [[192, 8], [128, 72], [64, 64, 72]], ids=str)
+def test_a_prefill_in_block_aligned_parts_is_one_prefill(split: list[int]) -> None:
+    """A prompt prefilled in parts that end on key blocks (64 positions, the chunked GDN's
+    chunk too) leaves the bytes of one prefill: the last row's logits, every layer's GDN state
+    and conv window, the KV cache; and the next verify reads the same logits. What resuming a
+    sequence from a prefix's state needs (issue 35)."""
+    from gpu_service.config import ServiceConfig
+    from protos.defaults import DEFAULT_MODEL_DIR
+
+    svc = ServiceConfig(verify_tiers="4:3", max_context=256)
+    prompt = [(7 * i + 3) % 4000 for i in range(200)]
+
+    def run(parts: list[int]) -> list:
+        engine = Engine(DEFAULT_MODEL_DIR, svc, "fp32")
+        seq, start = engine.alloc_sequence(), 0
+        for n in parts:
+            first = engine.prefill([seq], [prompt[start : start + n]])
+            start += n
+        state = engine.state
+        out = [
+            logit_rows(engine)[-1],
+            state.gdn[:, seq.slot].clone(),
+            state.conv[:, seq.slot].clone(),
+            state.k_cache[:, seq.slot, :200].clone(),
+            state.v_cache[:, seq.slot, :200].clone(),
+        ]
+        engine.decode_verify_batched([first[0], 5, 6, 7], [4], [seq])
+        return [*out, logit_rows(engine)]
+
+    whole, parts = run([200]), run(split)
+    assert parts[0] == whole[0] and parts[-1] == whole[-1]
+    assert all(torch.equal(a, b) for a, b in zip(parts[1:-1], whole[1:-1], strict=True))

@@ -79,27 +79,38 @@ def varlen_attention(
     tiles = (tile_row [nt * QT], tile_pos [nt * QT] (-1: padding), tile_slot [nt],
     row_tile [P]); key_valid: [slots, ctx] bool or None. -> [P, Hq, d]
 
-    A tile entry sees key j when j <= its position and key_valid[j]. Keys past a tile's own
-    length are masked and add exact zeros to the softmax's sum and the product with the
-    values, so a row's bytes do not depend on `key_len` or on the other tiles (measured on
-    the CPU; the batch-invariance tests pin it)."""
+    A tile entry sees key j when j <= its position and key_valid[j]. Every reduction over the
+    keys has one shape whatever `key_len`: the exponentials are `kernels.common.exp` (no
+    length-dependent vector tail), each key block's sums run over its own KEY_BLOCK keys, and
+    the blocks are added in order by a sequential scan (`cumsum`), so the blocks past a tile's
+    own length, masked, add exact zeros after its last one. A row's bytes therefore depend on
+    neither `key_len` nor the other tiles (tests/kernels/test_attention.py pins it at lengths
+    where a single softmax and product over all the keys did not: from about 192 keys on)."""
     tile_row, tile_pos, tile_slot, row_tile = tiles
     heads, dim = q.shape[1], q.shape[2]
     kv_heads, nt = k_cache.shape[2], tile_slot.shape[0]
     group, qt = heads // kv_heads, tile_row.shape[0] // nt
+    nb = key_len // KEY_BLOCK
     # [nt, QT, Hkv, G, d] -> [nt, Hkv, G * QT, d]: a kv head's query heads as extra rows.
     qs = q.index_select(0, tile_row).view(nt, qt, kv_heads, group, dim).permute(0, 2, 3, 1, 4)
     qs = qs.reshape(nt, kv_heads, group * qt, dim)
     # Gathered head-major, so that the products below read them in place, with no copy.
     keys = k_cache.transpose(1, 2)[:, :, :key_len].index_select(0, tile_slot)  # [nt, Hkv, L, d]
     values = v_cache.transpose(1, 2)[:, :, :key_len].index_select(0, tile_slot)
-    scores = (qs @ keys.transpose(-1, -2)).view(nt, kv_heads, group, qt, key_len)
+    scores = (qs @ keys.transpose(-1, -2)).float().view(nt, kv_heads, group, qt, key_len)
     visible = torch.arange(key_len, device=q.device) <= tile_pos.view(nt, 1, 1, qt, 1)
     if key_valid is not None:
         valid = key_valid[:, :key_len].index_select(0, tile_slot)
         visible = visible & valid.view(nt, 1, 1, 1, key_len)
-    probs = torch.softmax(scores.masked_fill(~visible, -torch.inf), -1, dtype=torch.float32)
-    out = probs.to(q.dtype).view(nt, kv_heads, group * qt, key_len) @ values
+    scores = scores.masked_fill(~visible, -torch.inf)
+    peak = scores.amax(-1, keepdim=True).clamp_min(-1e30)  # a padding entry sees nothing
+    probs = exp(scores - peak).view(nt, kv_heads, group, qt, nb, KEY_BLOCK)
+    denom = probs.sum(-1).cumsum(-1)[..., -1:].clamp_min(1e-30)  # [nt, Hkv, G, QT, 1]
+    probs = (probs / denom[..., None]).to(q.dtype)
+    # Each key block's product with its values: [nt, Hkv, nb, G * QT, KB] @ [.., KB, d]
+    blocks = probs.view(nt, kv_heads, group * qt, nb, KEY_BLOCK).transpose(2, 3)
+    partial = blocks @ values.view(nt, kv_heads, nb, KEY_BLOCK, dim)
+    out = partial.cumsum(2)[:, :, -1]  # [nt, Hkv, G * QT, d]
     # [nt, Hkv, G, QT, d] -> [nt * QT, Hq, d]
     out = out.view(nt, kv_heads, group, qt, dim).permute(0, 3, 1, 2, 4).reshape(-1, heads, dim)
     return out[row_tile]

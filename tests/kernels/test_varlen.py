@@ -99,3 +99,26 @@ def test_varlen_gated_delta_rule_matches_one_sequence(chunked: bool) -> None:
             ref, ref_states = recurrent_gated_delta_rule(*args)
             torch.testing.assert_close(states[:n, b], ref_states, atol=ATOL, rtol=0)
         torch.testing.assert_close(out[:n, b], ref, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("start", [150, 190, 300])
+def test_varlen_attention_bytes_do_not_depend_on_the_key_length(start: int) -> None:
+    """A tile's rows over its own keys give the same bytes whatever key length the call reads
+    (the longest sequence's, in a batch): the blocks past its own are masked and add exact
+    zeros. One softmax and one product over every key did not, from about 192 keys on (a
+    sequence verified beside a longer one read other bytes than alone)."""
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, ctx, rows = 4, 2, 32, 512, 4
+    k_cache, v_cache = (torch.randn(2, ctx, kv_heads, dim, generator=gen) for _ in range(2))
+    q = torch.randn(rows, heads, dim, generator=gen)
+    tiles = (
+        torch.arange(rows),
+        torch.arange(start, start + rows),
+        torch.tensor([0]),
+        torch.arange(rows),
+    )
+    own = -(-(start + rows) // KEY_BLOCK) * KEY_BLOCK
+    expected = varlen_attention(q, k_cache, v_cache, tiles, own)
+    for key_len in range(own + KEY_BLOCK, ctx + 1, KEY_BLOCK):
+        got = varlen_attention(q, k_cache, v_cache, tiles, key_len)
+        assert torch.equal(got, expected), key_len
