@@ -136,6 +136,19 @@ def test_passes_in_process(tiny_dir: Path, flags: tuple[str, ...], graphed: bool
     assert engine.capabilities().current_forward == "eager"
 
 
+def test_passes_beside_a_long_sequence() -> None:
+    """The first sequence's prompt 400 tokens and the others' 200, so that these are verified
+    in batches whose keys reach 448 while alone theirs stop at 256: the eager attention once
+    summed over every key of the call, and these rows then read other bytes (this run FAILed
+    before it summed block by block). The default model."""
+    engine = Engine(DEFAULT_MODEL_DIR, ServiceConfig(verify_tiers="4:3", max_context=512), "fp32")
+    flags = ["--widths", "3", "--ks", "2,4", "--steps", "3", "--long-prompt", "400"]
+    report = run_diff(engine, args(*flags))
+    assert report["verdict"] == "PASS", report["reasons"]
+    assert report["long_prompt"] == 400
+    assert all(s["detection_control"]["mismatched_steps"] > 0 for s in report["shapes"])
+
+
 @pytest.fixture(scope="module")
 def served_default() -> Iterator[str]:
     proc, target = start_gpu_service(DEFAULT_MODEL_DIR)

@@ -77,6 +77,14 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--mtp", action="store_true", help="also diff the batched propose")
     parser.add_argument(
+        "--long-prompt",
+        default=0,
+        type=lambda t: _int_at_least(t, "--long-prompt", 0),
+        metavar="TOKENS",
+        help="the first sequence's prompt this long and the others' half that, so that they are "
+        "verified beside keys reaching blocks past theirs (default: prompts of about 12 tokens)",
+    )
+    parser.add_argument(
         "--num-drafts",
         default="3",
         type=lambda t: _int_at_least(t, "--num-drafts", 1),
@@ -112,6 +120,7 @@ def build_report(model: Model, args: argparse.Namespace, shapes: list[ShapeRepor
         "fragment_slots": args.fragment,
         "drafter": args.mtp,
         "steps": args.steps,
+        "long_prompt": args.long_prompt,
         "variants": [
             {"name": "reference", "forward": args.reference},
             *({"name": f, "forward": f} for f in args.forwards),
@@ -145,6 +154,12 @@ def validate_args(model: Model, args: argparse.Namespace) -> None:
         raise DiffError(
             f"a width of {max(args.widths)} needs more than the {caps.free_slots} free slots"
         )
+    longest = args.long_prompt + args.steps * (max(args.ks) + 1) + 1
+    if args.long_prompt and longest > caps.max_context:
+        raise DiffError(
+            f"--long-prompt {args.long_prompt} and {args.steps} steps reach {longest} positions; "
+            f"the service holds {caps.max_context}"
+        )
     if args.mtp and not caps.has_mtp:
         raise DiffError("--mtp: the model has no MTP head")
 
@@ -165,6 +180,7 @@ def run_diff(model: Model, args: argparse.Namespace) -> dict:
             args.reference,
             args.forwards,
             progress=lambda line: print(line, file=sys.stderr),
+            long_prompt=args.long_prompt,
         )
     finally:
         model.set_forward(found)

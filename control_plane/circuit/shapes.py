@@ -42,12 +42,17 @@ def dedup(shapes: list[list[int]]) -> list[list[int]]:
     return [s for i, s in enumerate(shapes) if i == 0 or s != shapes[i - 1]]
 
 
-def batch_prompts(n: int, vocab: int, length: int = 12) -> list[list[int]]:
+def batch_prompts(n: int, vocab: int, length: int = 12, long: int = 0) -> list[list[int]]:
     """`n` distinct prompts drawn deterministically from the vocabulary (no randomness: the
-    same on every run and machine)."""
+    same on every run and machine); with `long`, the first is `long` tokens and the others
+    half that, so that each shares its batches with a sequence whose keys reach blocks past
+    its own."""
+    if long:
+        length = long // 2
     return [
-        [(7919 * (i + 1) + 104729 * j * (j + i + 3)) % vocab for j in range(length + i)]
+        [(7919 * (i + 1) + 104729 * j * (j + i + 3)) % vocab for j in range(n_tokens)]
         for i in range(n)
+        for n_tokens in [long if i == 0 and long else length + i]
     ]
 
 

@@ -267,13 +267,15 @@ def diff_verify_batch(
     reference: str,
     forwards: list[str],
     progress: Callable[[str], None] = lambda line: None,
+    long_prompt: int = 0,
 ) -> list[ShapeReport]:
     """The reference and every forward for every width at every shape; each sequence's width
-    capped as the scheduler caps a step's drafts (`slot_caps`)."""
+    capped as the scheduler caps a step's drafts (`slot_caps`); with `long_prompt`, the first
+    sequence's prompt that long (`batch_prompts`)."""
     caps = model.capabilities()
     out = []
     for n in widths:
-        prompts = batch_prompts(n, caps.vocab_size)
+        prompts = batch_prompts(n, caps.vocab_size, long=long_prompt)
         model.set_forward(reference)
         greedy = [continuation(model, p, steps * max(ks) + 1) for p in prompts]
         cap = slot_caps(caps.slot_verify_drafts, n, fragment, num_drafts)
