@@ -144,8 +144,9 @@ class TpEngine(Engine):
             error = str(e)
         self._depth.n = 0
         errors = [m for m in group.gather_objects(error, START_TIMEOUT) if m]
-        if errors:
-            self.close()
+        if errors:  # every other rank has seen them too, and ends
+            self.followers.stopping = True
+            self.followers.join()
             raise ValueError(errors[0])
 
     @property
