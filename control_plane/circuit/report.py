@@ -91,6 +91,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="drafts per step: caps each verify at this many drafts, and the drafts per "
         "propose with --mtp (default %(default)s)",
     )
+    _add_target_args(parser)
+
+
+def _add_target_args(parser: argparse.ArgumentParser) -> None:
+    """Where the diff runs and where its report goes."""
     parser.add_argument("--out", type=Path, default=Path("circuit-diff-verify-batch.json"))
     parser.add_argument(
         "--gpu-service",
