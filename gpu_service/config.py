@@ -8,6 +8,7 @@ from pathlib import Path
 
 from gpu_service.quantization import Fp8Blocks
 from gpu_service.quantization import parse as parse_quantization
+from kernels.attention.format import KEY_BLOCK
 from protos import checks
 
 LINEAR = "linear_attention"
@@ -216,7 +217,13 @@ def parse_tiers(spec: str) -> tuple[int, ...]:
 @dataclass(frozen=True)
 class ServiceConfig:
     verify_tiers: str = "8:3,8:2,16:1"
-    max_context: int = 1024  # a multiple of the attention key block (64)
+    max_context: int = 1024  # a multiple of the attention key block (64); a per-sequence limit
+    # Blocks of the paged attention KV pool (target and drafter), each KEY_BLOCK positions of
+    # every attention layer; 0: enough for every slot's whole context.
+    kv_blocks: int = 0
+    # Prefix snapshots the service can hold: each a copy of every GDN layer's state and conv
+    # window, and the drafter's carry, at a block boundary of a sequence (0: no prefix cache).
+    prefix_snapshots: int = 0
     max_rows: int = 64  # row budget of one batched call
     max_batch: int = 32  # sequences in one batched verify or propose (stash width)
     max_prefill_tokens: int = 4096  # tokens in one prefill call, over all sequences
@@ -228,6 +235,10 @@ class ServiceConfig:
     def __post_init__(self) -> None:
         if self.num_slots_override is not None and self.num_slots_override < 1:
             raise ValueError(f"num_slots_override is {self.num_slots_override}; it must be >= 1")
+        if self.kv_blocks < 0:
+            raise ValueError(f"kv_blocks is {self.kv_blocks}; it must be >= 0 (0: every context)")
+        if self.prefix_snapshots < 0:
+            raise ValueError(f"prefix_snapshots is {self.prefix_snapshots}; it must be >= 0")
 
     @property
     def slot_verify_drafts(self) -> tuple[int, ...]:
@@ -239,3 +250,13 @@ class ServiceConfig:
     @property
     def num_slots(self) -> int:
         return len(self.slot_verify_drafts)
+
+    @property
+    def blocks_per_sequence(self) -> int:
+        """KV blocks that hold one sequence's whole context: a block table's width."""
+        return -(-self.max_context // KEY_BLOCK)
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """The KV pool's blocks: `kv_blocks`, or every slot's whole context."""
+        return self.kv_blocks or self.num_slots * self.blocks_per_sequence

@@ -92,6 +92,7 @@ class Drafter:
         sampled = {i: s for i, s in enumerate(sampling or ()) if s is not None}
         check_sampling(sampled, {i: num_drafts for i in sampled}, len(states))
         device = self.model.device
+        self.slots.cover(states, [s.seq_len - 1 + num_drafts for s in states])
         tok, slots, pos, rows = upload(
             device, last, [s.slot for s in states], [s.seq_len - 1 for s in states], stash
         )
@@ -264,8 +265,9 @@ class Drafter:
         for s in states:
             s.own_drafts = s.own_drafts[:keep_own]
         if positions:
-            where = upload(self.model.device, slots, positions)
-            self.state.mtp_valid.index_put_(tuple(where), _false(self.model.device))
+            where = self.state.kv_index(*upload(self.model.device, slots, positions))
+            self.state.mtp_valid.view(-1).index_put_((where,), _false(self.model.device))
+        self.slots.shrink(states)
 
 
 def _false(device: torch.device) -> torch.Tensor:

@@ -22,6 +22,7 @@ from gpu_service.config import ModelConfig, ServiceConfig
 from gpu_service.device import describe_device, resolve_device
 from gpu_service.drafter import Drafter
 from gpu_service.graphs import Capture, Graphs
+from gpu_service.kv_blocks import KvBlocks
 from gpu_service.model.backend import EAGER, Choice, EagerOps
 from gpu_service.model.digest import checkpoint_digest
 from gpu_service.model.hybrid import HybridModel, held_bytes
@@ -33,6 +34,7 @@ from gpu_service.step import Steps
 from gpu_service.tp.group import TpGroup
 from gpu_service.tp.shard import Shard, rank_config
 from gpu_service.verifier import Verifier
+from kernels.attention.format import KEY_BLOCK
 from protos.model import (
     FORWARDS,
     Capabilities,
@@ -94,7 +96,7 @@ class Engine:
         self.forwards: dict[str, Callable[[DeviceState, list[int]], None] | None] = {
             name: None for name in FORWARDS
         }
-        self.slots = SlotTable(self.svc.num_slots, self.state.reset_slot)
+        self.slots = SlotTable(self.svc.num_slots, self.state.reset_slot, KvBlocks(self.state))
         parts = (self.cfg, self.svc, self.model, self.state, self.slots, self.choice)
         self.drafter = Drafter(*parts)
         self.verifier = Verifier(*parts, prime=self.drafter.prime)
@@ -157,6 +159,9 @@ class Engine:
             graphs=self.choice.graphs is not None,
             quantization=self.cfg.quantization.name if self.cfg.quantization else "",
             tensor_parallel_size=1 if self.tp is None else self.tp.size,
+            kv_blocks=self.state.num_blocks,
+            kv_block_size=KEY_BLOCK,
+            kv_blocks_free=self.slots.blocks.num_free,
         )
 
     def tokenizer_files(self) -> dict[str, bytes]:

@@ -6,6 +6,7 @@ import argparse
 import os
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
@@ -99,17 +100,7 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
         default=ServiceConfig.verify_tiers,
         help="verify buffers by slot, SLOTS:DRAFTS,... (default %(default)s)",
     )
-    parser.add_argument(
-        "--num-slots",
-        type=parse_num_slots,
-        default=None,
-        metavar="N|auto",
-        help="sequences served at once: N slots take the tiers' capacities in order, the last "
-        f"tier's repeated past them (or the first N); auto: the most, up to {MAX_AUTO_SLOTS}, "
-        "whose memory plan fits the device memory (on the CPU with no --device-memory, the "
-        "tiers' count); default: one slot per tier entry",
-    )
-    parser.add_argument("--max-context", type=int, default=ServiceConfig.max_context)
+    _add_capacity_args(parser)
     parser.add_argument("--max-rows", type=int, default=ServiceConfig.max_rows)
     parser.add_argument("--max-batch", type=int, default=ServiceConfig.max_batch)
     parser.add_argument("--max-prefill-tokens", type=int, default=ServiceConfig.max_prefill_tokens)
@@ -118,7 +109,7 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
         "--tensor-parallel-size",
         "--tp",
         dest="tensor_parallel_size",
-        type=parse_tp_size,
+        type=whole_number(1),
         default=1,
         metavar="N",
         help="ranks the model is split over, one process per device (cuda:0 .. N-1, or N CPU "
@@ -131,6 +122,36 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
         metavar="BYTES",
         help="memory the plan must fit: bytes, or with a unit (141GB, 80GiB); default: the CUDA "
         "device's free memory, none on the CPU (the plan then gives no verdict)",
+    )
+
+
+def _add_capacity_args(parser: argparse.ArgumentParser) -> None:
+    """What the service holds: sequences, the context each may reach, the KV pool."""
+    parser.add_argument(
+        "--num-slots",
+        type=parse_num_slots,
+        default=None,
+        metavar="N|auto",
+        help="sequences served at once: N slots take the tiers' capacities in order, the last "
+        f"tier's repeated past them (or the first N); auto: the most, up to {MAX_AUTO_SLOTS}, "
+        "whose memory plan fits the device memory (on the CPU with no --device-memory, the "
+        "tiers' count); default: one slot per tier entry",
+    )
+    parser.add_argument(
+        "--max-context",
+        type=int,
+        default=ServiceConfig.max_context,
+        help="positions a sequence may reach, a multiple of 64: a limit, not an allocation "
+        "(the KV pool's blocks are, --kv-blocks) (default %(default)s)",
+    )
+    parser.add_argument(
+        "--kv-blocks",
+        type=whole_number(0),
+        default=ServiceConfig.kv_blocks,
+        metavar="N",
+        help="blocks of the paged attention KV pool (target and drafter), 64 positions of "
+        "every attention layer each, taken as sequences grow and given back as they shrink "
+        "or end; 0: enough for every slot's whole context (default %(default)s)",
     )
 
 
@@ -154,6 +175,7 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
     return ServiceConfig(
         verify_tiers=args.verify_tiers,
         max_context=args.max_context,
+        kv_blocks=args.kv_blocks,
         max_rows=args.max_rows,
         max_batch=args.max_batch,
         max_prefill_tokens=args.max_prefill_tokens,
@@ -162,15 +184,19 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
     )
 
 
-def parse_tp_size(text: str) -> int:
-    """`--tensor-parallel-size`: a whole number of at least 1."""
-    try:
-        size = int(text)
-    except ValueError:
-        size = 0
-    if size < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
-    return size
+def whole_number(least: int) -> Callable[[str], int]:
+    """A flag's parser: a whole number of at least `least`, else a sentence saying so."""
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            n = least - 1
+        if n < least:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least {least}")
+        return n
+
+    return parse
 
 
 def parse_num_slots(text: str) -> int | str:

@@ -50,6 +50,7 @@ PARTS = {
     "conv_state_bytes": "GDN conv windows",
     "verify_bytes": "verify tiers (GDN + conv)",
     "drafter_kv_bytes": "drafter KV",
+    "snapshot_bytes": "prefix snapshots (GDN + conv + carry)",
     "logits_bytes": "logits",
     "stash_bytes": "stash, verify hiddens, carry",
     "rope_bytes": "RoPE table",
@@ -61,6 +62,7 @@ PARTS = {
 STATE_PARTS = {
     "k_cache": "kv_cache_bytes",
     "v_cache": "kv_cache_bytes",
+    "block_table": "kv_cache_bytes",
     "gdn": "gdn_state_bytes",
     "conv": "conv_state_bytes",
     "verify_gdn": "verify_bytes",
@@ -72,6 +74,9 @@ STATE_PARTS = {
     "logits": "logits_bytes",
     "stash": "stash_bytes",
     "mtp_carry": "stash_bytes",
+    "snap_gdn": "snapshot_bytes",
+    "snap_conv": "snapshot_bytes",
+    "snap_carry": "snapshot_bytes",
     "verify_hidden": "stash_bytes",
 }
 

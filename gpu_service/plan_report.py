@@ -11,6 +11,7 @@ import sys
 from gpu_service.device import DeviceError, resolve_device
 from gpu_service.graphs import NO_GRAPHS_ENV
 from gpu_service.plan import PARTS, Memory, Plan, from_args
+from kernels.attention.format import KEY_BLOCK
 
 
 def human(n: float) -> str:
@@ -48,8 +49,11 @@ def _settings(plan: Plan) -> str:
 def _notes(plan: Plan) -> dict[str, str]:
     svc = plan.svc
     weights = ", ".join(f"{k} {human(v)}" for k, v in plan.weights_by_dtype.items())
+    positions = svc.num_kv_blocks * KEY_BLOCK
     return {
         "weights_bytes": weights,
+        "kv_cache_bytes": f"{svc.num_kv_blocks} blocks of {KEY_BLOCK} positions: {positions} "
+        f"positions, {positions / svc.max_context:.2f}x the max context",
         "graphs_bytes": f"{plan.num_graphs} graphs at most, with their capture pool",
         "workspace_bytes": f"{svc.max_prefill_tokens} prefill rows through the widest layer",
     }
@@ -101,7 +105,7 @@ def refusal(plan: Plan) -> str:
         advice = bf16 or more
         return f"{head}: the weights alone take {human(weights)}; {advice}"
     slots = f"--num-slots ({svc.num_slots}), " if svc.num_slots > 1 else ""
-    lower = f"lower {slots}--max-context ({svc.max_context}) or --verify-tiers"
+    lower = f"lower {slots}--kv-blocks ({svc.num_kv_blocks}) or --verify-tiers"
     return f"{head}: the weights take {human(weights)}; {lower}{f', or {bf16}' if bf16 else ''}"
 
 

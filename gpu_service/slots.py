@@ -6,15 +6,17 @@ from __future__ import annotations
 import secrets
 from collections.abc import Callable, Iterable, Sequence
 
+from gpu_service.kv_blocks import KvBlocks
 from gpu_service.sequence import SeqState
 from protos import checks
 from protos.model import NotFound, ResourceExhausted, SequenceHandle
 
 
 class SlotTable:
-    def __init__(self, num_slots: int, reset: Callable[[int], None]) -> None:
+    def __init__(self, num_slots: int, reset: Callable[[int], None], blocks: KvBlocks) -> None:
         self.num_slots = num_slots
         self._reset = reset  # zeroes a slot's device state for a fresh sequence
+        self.blocks = blocks  # the KV blocks each slot holds
         self._seqs: dict[int, SeqState] = {}
         self._free = set(range(num_slots))
         self._next_id = 1
@@ -38,7 +40,20 @@ class SlotTable:
     def free(self, seq_id: int) -> None:
         seq = self.get(seq_id)
         del self._seqs[seq_id]
+        self.blocks.release(seq.slot)
         self._free.add(seq.slot)
+
+    def cover(self, states: Sequence[SeqState], ends: Sequence[int]) -> None:
+        """KV blocks for each sequence's positions below its end, before a call writes them
+        (`ResourceExhausted`, with none taken, when the pool is short)."""
+        self.blocks.cover([(s.slot, end) for s, end in zip(states, ends, strict=True)])
+
+    def shrink(self, states: Sequence[SeqState]) -> None:
+        """Give back each sequence's blocks past what it keeps: its tokens, and the drafter's
+        own entries after them (until they are trimmed)."""
+        for s in states:
+            end = max(s.seq_len, s.own_drafts[-1] + 1 if s.own_drafts else 0)
+            self.blocks.keep(s.slot, end)
 
     def get(self, seq_id: int) -> SeqState:
         try:

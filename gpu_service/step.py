@@ -121,6 +121,9 @@ class Steps:
         states = v.check_verify(tokens, ks, seqs)
         tokens, ks = list(tokens), list(ks)
         before = [s.seq_len for s in states]
+        # The drafts start from the last accepted row, at most the last verified one.
+        extra = [num_drafts - 1 if i in wanted else 0 for i in range(len(states))]
+        v.slots.cover(states, [b + k + e for b, k, e in zip(before, ks, extra, strict=True)])
         meta = _verdict_meta(tokens, ks, states, wanted, v.model.device)
         with span(_TRACER, "engine.verify"):
             top, logprob = v.model.argmax_logprob(v.verify_logits(states, tokens, ks))
@@ -168,8 +171,10 @@ class Steps:
             )
         with span(_TRACER, "trim"):  # only entries from the target's hidden stay
             own = pos[:, None] + torch.arange(1, num_drafts, device=pos.device)
-            where = (slots[:, None].expand_as(own), own)
-            state.mtp_valid.index_put_(where, torch.zeros((), dtype=torch.bool, device=pos.device))
+            where = state.kv_index(slots[:, None], own)
+            state.mtp_valid.view(-1).index_put_(
+                (where,), torch.zeros((), dtype=torch.bool, device=pos.device)
+            )
         return [drafts, confs]
 
     def _settle(
@@ -199,6 +204,7 @@ class Steps:
             proposal = Proposal([full.drafts[j] for j in keep], [full.confidences[j] for j in keep])
             for s in states:
                 s.own_drafts = []
+            self.verifier.slots.shrink(states)
         row0 = 0
         for s, k, a in zip(states, ks, accepted, strict=True):
             s.continuation = [argmax[row0 + a]]

@@ -74,6 +74,7 @@ class Verifier:
         """Every sequence's rows through the target -> their final hiddens [R, H]."""
 
         graphs = self.choice.graphs if mode == VERIFY and not self.choice.serial else None
+        self.slots.cover(states, [s.seq_len + len(r) for s, r in zip(states, rows, strict=True)])
 
         def fn(idx: list[int]) -> torch.Tensor:
             group, toks = [states[i] for i in idx], [rows[i] for i in idx]
@@ -257,6 +258,7 @@ class Verifier:
         for s, kept in zip(states, kept_rows, strict=True):
             del s.tokens[len(s.tokens) - (s.pending_k - kept) :]
             s.phase, s.pending_k = IDLE, 0
+        self.slots.shrink(states)
 
     @traced("stash")
     def stash_verify_hidden_rows(self, rows: Sequence[int]) -> None:

@@ -137,6 +137,11 @@ class Capabilities:
     quantization: str = ""
     # Ranks the model is split over (`--tensor-parallel-size`); 1: one device.
     tensor_parallel_size: int = 1
+    # The paged attention KV pool: its blocks, the positions a block holds, and the blocks
+    # free when the capabilities were read (0, 0, 0 from a service without one).
+    kv_blocks: int = 0
+    kv_block_size: int = 0
+    kv_blocks_free: int = 0
 
 
 @dataclass(frozen=True)

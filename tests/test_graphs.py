@@ -105,11 +105,20 @@ def test_buffers_are_reused_and_padding_stays_on_the_pad_slot(tiny_dir: Path) ->
     assert g.captures == captured and g.replays > replayed
     assert {key: [t.data_ptr() for t in graph.inputs] for key, graph in g.graphs.items()} == inputs
     state, free = engine.state, list(range(3, engine.svc.num_slots))  # never allocated
-    for name in ("k_cache", "v_cache", "gdn", "conv"):
+    for name in ("gdn", "conv"):
         t = getattr(state, name)
         assert not t[:, free].any(), f"{name}: padding wrote a slot it does not own"
-    assert not state.mtp_valid[free].any()
-    assert state.pad_slot == engine.svc.num_slots and state.k_cache.shape[1] == state.pad_slot + 1
+    # Three sequences of under a block each took blocks 0 to 2 (the lowest first), and the
+    # padding wrote the pad block, the last: every block between was never written.
+    never = slice(3, state.pad_block)
+    for name in ("k_cache", "v_cache"):
+        assert not getattr(state, name)[:, never].any(), f"{name}: padding wrote a free block"
+    assert not state.mtp_k[never].any() and not state.mtp_valid[never].any()
+    assert engine.slots.blocks.num_used == 0, "every sequence was freed"
+    assert bool((state.block_table == state.pad_block).all())
+    assert (
+        state.pad_slot == engine.svc.num_slots and state.block_table.shape[0] == state.pad_slot + 1
+    )
 
 
 def test_calls_no_graph_fits_run_eagerly(tiny_dir: Path) -> None:

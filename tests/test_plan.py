@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CPU = torch.device("cpu")
 # The parts DeviceState allocates, and its tensors in each.
 STATE = {
-    "kv_cache_bytes": ("k_cache", "v_cache"),
+    "kv_cache_bytes": ("k_cache", "v_cache", "block_table"),
     "gdn_state_bytes": ("gdn",),
     "conv_state_bytes": ("conv",),
     "verify_bytes": ("verify_gdn", "verify_conv", "verify_offset_t"),
@@ -144,8 +144,28 @@ def test_num_slots_extends_or_cuts_the_tiers() -> None:
 def test_num_slots_sizes_the_plan(tiny_dir: Path) -> None:
     eight, forty = (_plan(tiny_dir, *_tiny_flags("--num-slots", n)) for n in ("8", "40"))
     assert (eight.svc.num_slots, forty.svc.num_slots) == (8, 40)
-    # One KV row per slot and one for the pad slot.
-    assert forty.parts["kv_cache_bytes"] * 9 == eight.parts["kv_cache_bytes"] * 41
+    # By default the pool backs every slot's whole context, plus the pad block; each slot and
+    # the pad slot has a block table of int32 entries, one a block of its context.
+    per_seq = TINY_SERVICE.max_context // 64
+    for p in (eight, forty):
+        n = p.svc.num_slots
+        assert p.parts["kv_cache_bytes"] == (n * per_seq + 1) * _block_bytes(tiny_dir) + (
+            (n + 1) * per_seq * 4
+        )
+
+
+def test_kv_blocks_sizes_the_pool(tiny_dir: Path) -> None:
+    ten = _plan(tiny_dir, *_tiny_flags("--num-slots", "40", "--kv-blocks", "10"))
+    per_seq = TINY_SERVICE.max_context // 64
+    assert ten.parts["kv_cache_bytes"] == 11 * _block_bytes(tiny_dir) + 41 * per_seq * 4
+    with pytest.raises(SystemExit):
+        _plan(tiny_dir, *_tiny_flags("--kv-blocks", "-1"))
+
+
+def _block_bytes(model: Path) -> int:
+    """One block's keys and values over every full-attention layer, fp32."""
+    cfg = ModelConfig.load(model)
+    return 2 * len(cfg.full_layers) * 64 * cfg.num_key_value_heads * cfg.head_dim * 4
 
 
 def test_auto_takes_the_most_slots_that_fit(tiny_dir: Path) -> None:
@@ -268,7 +288,7 @@ def test_serve_plans_before_it_loads(tiny_dir: Path, capsys: pytest.CaptureFixtu
     assert done.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("met gpu-service serve: error: the plan needs ")
-    assert "lower --num-slots (8), --max-context (256) or --verify-tiers" in err
+    assert "lower --num-slots (8), --kv-blocks (32) or --verify-tiers" in err
 
 
 def test_serve_refuses_a_plan_that_does_not_fit(tiny_dir: Path) -> None:

@@ -123,14 +123,16 @@ def _one_thread() -> Iterator[None]:
 def test_a_greedy_step_is_a_fixed_set_of_operations(default_engine: Engine) -> None:
     """The budget was set on the 4-layer model (the fixture), and raised by the eager
     attention's key-length-invariant reductions (per-block sums and ordered scans: about 16
-    operations a call, six calls a step); the 12-layer default has three times its layers, and
-    its count must not grow with the batch either."""
+    operations a call, six calls a step), then by the paged KV's block table lookups (where a
+    forward's rows write and its tiles read: about 9 operations a forward, once for all its
+    layers, five forwards a step, and the drafts' trim); the 12-layer default has three times
+    its layers, and its count must not grow with the batch either."""
     with _one_thread():
         counts = {b: _greedy_step_ops(default_engine, b) for b in (1, 8)}
         deep = Engine(DEFAULT_MODEL_DIR)
         deep_counts = {b: _greedy_step_ops(deep, b) for b in (1, 8)}
     print(f"non-view aten ops of one greedy step (eager): 4 layers {counts}, default {deep_counts}")
-    assert counts[1] <= 575
+    assert counts[1] <= 615
     assert counts[8] <= 1.15 * counts[1]
     assert deep_counts[8] <= 1.15 * deep_counts[1]
 

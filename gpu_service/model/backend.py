@@ -6,7 +6,7 @@ parts are shared."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -14,7 +14,7 @@ from gpu_service.config import ModelConfig
 from gpu_service.model.batch import Batch
 from gpu_service.model.ops import ROW_TILE, linear
 from gpu_service.state import DeviceState
-from kernels.attention.naive import varlen_attention
+from kernels.attention.naive import key_rows, varlen_attention
 from kernels.causal_conv1d.naive import varlen_causal_conv1d
 from kernels.common import rms_scaled
 from kernels.fp8.naive import BlockFp8
@@ -29,7 +29,18 @@ from kernels.rmsnorm.naive import gated_rms_norm
 if TYPE_CHECKING:
     from gpu_service.graphs import Graphs
 
-Cache = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+class Cache(NamedTuple):
+    """One attention layer's paged KV (target or drafter): pools [blocks, KEY_BLOCK, Hkv, d],
+    the drafter's validity marks [blocks, KEY_BLOCK] (None: every written key is valid), and
+    the block table [slots, blocks a sequence] int32 (`DeviceState`)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    valid: torch.Tensor | None
+    table: torch.Tensor
+    writes: torch.Tensor  # [R] where the call's rows go in the pool viewed as [blocks * KB, ..]
+    reads: torch.Tensor | None  # the ops' `key_rows` of the call: where its tiles' keys lie
 
 
 class EagerOps:
@@ -74,12 +85,18 @@ class EagerOps:
         x's dtype -> [P, H]"""
         return routed_moe(x, w13, w2, experts, weights)
 
+    def key_rows(self, batch: Batch, table: torch.Tensor) -> torch.Tensor | None:
+        """Where the call's attention tiles find their keys in the pool, once for every layer
+        (None where `attend` reads the table itself)."""
+        return key_rows(table, batch.tile_slot, batch.key_len)
+
     def attend(self, q: torch.Tensor, cache: Cache, batch: Batch) -> torch.Tensor:
         """q: [P, Hq, d], already scaled, over the cached keys and values (the rows' own
         already in) -> [P, Hq, d]"""
-        k_cache, v_cache, valid = cache
         tiles = (batch.tile_row, batch.tile_pos, batch.tile_slot, batch.row_tile)
-        return varlen_attention(q, k_cache, v_cache, tiles, batch.key_len, valid)
+        return varlen_attention(
+            q, cache.k, cache.v, tiles, batch.key_len, cache.valid, rows=cache.reads
+        )
 
     def mix_gdn(
         self,

@@ -14,14 +14,14 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from gpu_service.config import FULL, ModelConfig
-from gpu_service.model.backend import EAGER, Ops
+from gpu_service.model.backend import EAGER, Cache, Ops
 from gpu_service.model.batch import Batch, Layout, Segment, build
 from gpu_service.model.ops import ROW_TILE, apply_rope, pad_rows, rope_table
 from gpu_service.model.packing import fold_norms, pack
 from gpu_service.state import DeviceState
 from gpu_service.tp.group import TpGroup
 from gpu_service.tp.shard import Shard, vocab_range
-from kernels.attention.naive import KEY_BLOCK
+from kernels.attention.naive import KEY_BLOCK, pool_index
 from kernels.common import sigmoid, silu, softplus
 from kernels.moe.naive import route
 
@@ -177,18 +177,29 @@ class HybridModel:
         batch = segs if isinstance(segs, Batch) else self.batch(segs, state, mode)
         x = pad_rows(self.embed_rows(tokens), ROW_TILE)
         rope = self.rope.index_select(0, batch.row_pos)
+        writes, reads = self._kv_rows(batch, state)
         for n, kind in enumerate(self.cfg.layer_types):
             p = f"model.layers.{n}"
             h = self._norm(x, f"{p}.input_layernorm")
             if kind == FULL:
                 i = self.full_index[n]
-                cache = (state.k_cache[i], state.v_cache[i], None)
+                k, v = state.k_cache[i], state.v_cache[i]
+                cache = Cache(k, v, None, state.block_table, writes, reads)
                 h = self._attention(f"{p}.self_attn", h, batch, rope, cache)
             else:
                 h = self._gdn(n, h, batch, state, mode, write_live)
             x = x + h
             x = x + self._mlp(f"{p}.mlp", self._norm(x, f"{p}.post_attention_layernorm"))
         return self._norm(x, "model.norm")
+
+    def _kv_rows(
+        self, batch: Batch, state: DeviceState
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Where a call's rows write their keys and values in the pools, and where its tiles
+        read theirs (`Cache`): once a call, for every layer."""
+        table = state.block_table
+        writes = pool_index(table, batch.row_slot, batch.row_pos[: batch.rows])
+        return writes, self.ops.key_rows(batch, table)
 
     def logits(self, hidden: torch.Tensor, tile: int = ROW_TILE) -> torch.Tensor:
         """hidden: [R, H] -> [R, vocab], in tiles of `tile` rows. Vocab-parallel, only this
@@ -270,7 +281,8 @@ class HybridModel:
         hid = self._norm(pad_rows(hidden, ROW_TILE), "mtp.pre_fc_norm_hidden")
         x = self.ops.linear(torch.cat([emb, hid], dim=-1), self.wt["mtp.fc"])
         p = "mtp.layers.0"
-        cache = (state.mtp_k, state.mtp_v, state.mtp_valid)
+        kv = (state.mtp_k, state.mtp_v, state.mtp_valid, state.block_table)
+        cache = Cache(*kv, *self._kv_rows(batch, state))
         h = self._norm(x, f"{p}.input_layernorm")
         rope = self.rope.index_select(0, batch.row_pos)
         if kv_only:
@@ -334,7 +346,7 @@ class HybridModel:
         x: torch.Tensor,
         batch: Batch,
         rope: torch.Tensor,
-        cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+        cache: Cache,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         q, gate, k, v = self._qkv(p, x, rope)
         _write_kv(k, v, batch, cache)
@@ -346,7 +358,7 @@ class HybridModel:
         x: torch.Tensor,
         batch: Batch,
         rope: torch.Tensor,
-        cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+        cache: Cache,
     ) -> torch.Tensor:
         q, gate = self._project_kv(p, x, batch, rope, cache)
         out = self.ops.attend(q, cache, batch)
@@ -402,16 +414,15 @@ def _write_kv(
     k: torch.Tensor,
     v: torch.Tensor,
     batch: Batch,
-    cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+    cache: Cache,
 ) -> None:
     """The new rows' keys and values into their slots at their positions (marked valid in the
     drafter's cache), before any row attends: one indexed write each."""
-    k_cache, v_cache, valid = cache
-    where = (batch.row_slot, batch.row_pos[: batch.rows])
-    k_cache.index_put_(where, k[: batch.rows])
-    v_cache.index_put_(where, v[: batch.rows])
-    if valid is not None:
-        valid.index_put_(where, _true(valid.device))
+    where = (cache.writes,)
+    cache.k.view(-1, *cache.k.shape[2:]).index_put_(where, k[: batch.rows])
+    cache.v.view(-1, *cache.v.shape[2:]).index_put_(where, v[: batch.rows])
+    if cache.valid is not None:
+        cache.valid.view(-1).index_put_(where, _true(cache.valid.device))
 
 
 @functools.cache

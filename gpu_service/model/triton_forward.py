@@ -112,8 +112,10 @@ class TritonOps(EagerOps):
     ) -> torch.Tensor:
         return gated_rms_norm(x, z.contiguous(), weight, eps)
 
+    def key_rows(self, batch: Batch, table: torch.Tensor) -> torch.Tensor | None:
+        return None  # the kernel reads the block table
+
     def attend(self, q: torch.Tensor, cache: Cache, batch: Batch) -> torch.Tensor:
-        k_cache, v_cache, valid = cache
         cu, slots, starts = batch.cu_seqlens, batch.seq_slot32, batch.seq_start32
         if cu is None or slots is None or starts is None:  # a draft batch: a row a sequence
             i32 = torch.int32
@@ -123,7 +125,16 @@ class TritonOps(EagerOps):
         # fill the GPU instead (the same bytes either way).
         split = batch.chunk == 0
         out = attention(
-            q[: batch.rows], k_cache, v_cache, cu, slots, starts, valid, 1.0, split_keys=split
+            q[: batch.rows],
+            cache.k,
+            cache.v,
+            cu,
+            slots,
+            starts,
+            cache.valid,
+            1.0,
+            split_keys=split,
+            table=cache.table,
         )
         padded = q.new_zeros(q.shape)
         padded[: batch.rows] = out

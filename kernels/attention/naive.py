@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from kernels.attention.format import KEY_BLOCK
 from kernels.common import exp
 
 QUERY_TILE = 16
-KEY_BLOCK = 64
 
 
 def tiled_attention(
@@ -63,6 +63,30 @@ def tiled_attention(
     return out.reshape(heads, padded, dim).permute(1, 0, 2)[:rows]
 
 
+def pool_index(table: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Where positions of slots lie in a paged pool viewed as [blocks * KEY_BLOCK, ...]:
+    table: [slots, blocks a sequence], position p of slot s in block table[s, p // KEY_BLOCK]
+    -> int64, `positions`' shape broadcast against `slots`'."""
+    block = table[slots, positions // KEY_BLOCK].long()
+    return block * KEY_BLOCK + positions % KEY_BLOCK
+
+
+def key_rows(table: torch.Tensor, tile_slot: torch.Tensor, key_len: int) -> torch.Tensor:
+    """Where each tile's first `key_len` keys lie in a pool viewed as [blocks * KEY_BLOCK,
+    ...]: [nt * key_len] int64, tile by tile, position by position (whole blocks in order)."""
+    blocks = table.index_select(0, tile_slot)[:, : key_len // KEY_BLOCK].long()
+    offsets = torch.arange(KEY_BLOCK, device=table.device)
+    return (blocks[:, :, None] * KEY_BLOCK + offsets).view(-1)
+
+
+def flat_table(slots: int, context: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The block table of a flat cache [slots, context, ...] seen as a pool of KEY_BLOCK-row
+    blocks: slot s's blocks in order, after slot s - 1's."""
+    per_slot = context // KEY_BLOCK
+    table = torch.arange(slots * per_slot, dtype=torch.int32, device=device)
+    return table.view(slots, per_slot)
+
+
 def varlen_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -70,14 +94,19 @@ def varlen_attention(
     tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     key_len: int,
     key_valid: torch.Tensor | None = None,
+    table: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of every sequence of a batched call at once, grouped KV heads: rows go
     in query tiles of one sequence each, and every tile reads the first `key_len` keys of its
     slot (a multiple of KEY_BLOCK).
 
-    q: [P, Hq, d], already scaled by `d ** -0.5`; k_cache, v_cache: [slots, ctx, Hkv, d];
-    tiles = (tile_row [nt * QT], tile_pos [nt * QT] (-1: padding), tile_slot [nt],
-    row_tile [P]); key_valid: [slots, ctx] bool or None. -> [P, Hq, d]
+    q: [P, Hq, d], already scaled by `d ** -0.5`; k_cache, v_cache: paged pools [blocks,
+    KEY_BLOCK, Hkv, d] read through `table` [slots, blocks a sequence] (`pool_index`), or with
+    no table flat caches [slots, ctx, Hkv, d] (`rows`, where given, is `key_rows` of the table,
+    computed once for every layer of a call); tiles = (tile_row [nt * QT], tile_pos [nt * QT]
+    (-1: padding), tile_slot [nt], row_tile [P]); key_valid: the pools' [blocks, KEY_BLOCK]
+    (flat: [slots, ctx]) bool or None. -> [P, Hq, d]
 
     A tile entry sees key j when j <= its position and key_valid[j]. Every reduction over the
     keys has one shape whatever `key_len`: the exponentials are `kernels.common.exp` (no
@@ -94,13 +123,17 @@ def varlen_attention(
     # [nt, QT, Hkv, G, d] -> [nt, Hkv, G * QT, d]: a kv head's query heads as extra rows.
     qs = q.index_select(0, tile_row).view(nt, qt, kv_heads, group, dim).permute(0, 2, 3, 1, 4)
     qs = qs.reshape(nt, kv_heads, group * qt, dim)
+    if rows is None:  # [nt * L]: each tile's keys in the pool (`key_rows`)
+        if table is None:
+            table = flat_table(k_cache.shape[0], k_cache.shape[1], q.device)
+        rows = key_rows(table, tile_slot, key_len)
     # Gathered head-major, so that the products below read them in place, with no copy.
-    keys = k_cache.transpose(1, 2)[:, :, :key_len].index_select(0, tile_slot)  # [nt, Hkv, L, d]
-    values = v_cache.transpose(1, 2)[:, :, :key_len].index_select(0, tile_slot)
+    keys = _gathered(k_cache, rows, nt, key_len)  # [nt, Hkv, L, d]
+    values = _gathered(v_cache, rows, nt, key_len)
     scores = (qs @ keys.transpose(-1, -2)).float().view(nt, kv_heads, group, qt, key_len)
     visible = torch.arange(key_len, device=q.device) <= tile_pos.view(nt, 1, 1, qt, 1)
     if key_valid is not None:
-        valid = key_valid[:, :key_len].index_select(0, tile_slot)
+        valid = key_valid.reshape(-1).index_select(0, rows)
         visible = visible & valid.view(nt, 1, 1, 1, key_len)
     scores = scores.masked_fill(~visible, -torch.inf)
     peak = scores.amax(-1, keepdim=True).clamp_min(-1e30)  # a padding entry sees nothing
@@ -114,3 +147,9 @@ def varlen_attention(
     # [nt, Hkv, G, QT, d] -> [nt * QT, Hq, d]
     out = out.view(nt, kv_heads, group, qt, dim).permute(0, 3, 1, 2, 4).reshape(-1, heads, dim)
     return out[row_tile]
+
+
+def _gathered(pool: torch.Tensor, rows: torch.Tensor, tiles: int, key_len: int) -> torch.Tensor:
+    """A pool's rows [tiles * L] as [tiles, Hkv, L, d], contiguous head-major."""
+    flat = pool.reshape(-1, *pool.shape[-2:]).index_select(0, rows)
+    return flat.view(tiles, key_len, *pool.shape[-2:]).transpose(1, 2).contiguous()

@@ -64,7 +64,9 @@ def _split_partial(
     hkv,
     HKV,
     D,
-    CTX,
+    table_ptr,
+    MAXB,
+    PAGE,
     scale,
     k_lo,
     k_hi,
@@ -89,7 +91,10 @@ def _split_partial(
     for n0 in range(first, last, BN):
         o_n = n0 + tl.arange(0, BN)
         m_n = o_n < last
-        p_kv = ((slot * CTX + o_n[:, None]) * HKV + hkv) * D + o_d[None, :]
+        # Key j of the slot: row j % PAGE of its block, the table's entry j // PAGE.
+        blk = tl.load(table_ptr + slot * MAXB + o_n // PAGE, mask=m_n, other=0).to(tl.int64)
+        phys = blk * PAGE + o_n % PAGE
+        p_kv = (phys[:, None] * HKV + hkv) * D + o_d[None, :]
         b_k = tl.load(k_ptr + p_kv, mask=m_n[:, None] & m_d[None, :], other=0.0)
         b_v = tl.load(v_ptr + p_kv, mask=m_n[:, None] & m_d[None, :], other=0.0)
         if LOW:
@@ -99,7 +104,7 @@ def _split_partial(
             b_sc = tl.dot(b_q, tl.trans(b_k), input_precision="ieee") * scale
         seen = (o_n[None, :] >= k_lo[:, None]) & (o_n[None, :] < k_hi[:, None])
         if HAS_VALID:
-            ok = tl.load(valid_ptr + slot * CTX + o_n, mask=m_n, other=0)
+            ok = tl.load(valid_ptr + phys, mask=m_n, other=0)
             seen = seen & (ok[None, :] != 0)
         b_sc = tl.where(seen, b_sc, float("-inf"))
         # Online softmax; a row that has seen no key yet keeps a max of -inf, and its exps are
@@ -131,7 +136,9 @@ def _attention_kernel(
     HQ,
     HKV,
     D,
-    CTX,
+    table_ptr,
+    MAXB,
+    PAGE,
     scale,
     HAS_VALID: tl.constexpr,
     LOW: tl.constexpr,
@@ -171,7 +178,9 @@ def _attention_kernel(
                 hkv,
                 HKV,
                 D,
-                CTX,
+                table_ptr,
+                MAXB,
+                PAGE,
                 scale,
                 k_lo,
                 tl.minimum(k_lo + size, n),
@@ -199,7 +208,9 @@ def _split_kernel(
     HQ,
     HKV,
     D,
-    CTX,
+    table_ptr,
+    MAXB,
+    PAGE,
     scale,
     HAS_VALID: tl.constexpr,
     LOW: tl.constexpr,
@@ -238,7 +249,9 @@ def _split_kernel(
                 hkv,
                 HKV,
                 D,
-                CTX,
+                table_ptr,
+                MAXB,
+                PAGE,
                 scale,
                 k_lo,
                 tl.minimum(k_lo + size, n),
@@ -346,6 +359,15 @@ def _low(q: torch.Tensor) -> bool:
     return q.dtype != torch.float32 and q.device.type != "cpu"
 
 
+def _table(k_cache: torch.Tensor, table: torch.Tensor | None) -> torch.Tensor:
+    """The block table the kernels read: `table`, or for a flat cache one page a slot."""
+    if table is None:
+        return torch.arange(k_cache.shape[0], dtype=torch.int32, device=k_cache.device)[:, None]
+    if table.dtype != torch.int32 or not table.is_contiguous():
+        raise ValueError("attention: the block table must be contiguous int32")
+    return table
+
+
 def split_partials(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -356,11 +378,13 @@ def split_partials(
     valid: torch.Tensor | None,
     scale: float,
     workspace: torch.Tensor,
+    table: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The first kernel of the `split_keys` path, into `workspace`: fp32, at least
     `workspace_bytes(T, Hq, d) / 4` elements. -> (acc [T, Hq, MAX_SPLITS, d], stat [T, Hq,
     MAX_SPLITS, 2]: max, sum), views of it; entries past a row's split count are not written."""
     rows, hq, dim = q.shape
+    table = _table(k_cache, table)
     acc = workspace[: rows * hq * MAX_SPLITS * dim].view(rows, hq, MAX_SPLITS, dim)
     stat = workspace[acc.numel() : acc.numel() + rows * hq * MAX_SPLITS * 2]
     stat = stat.view(rows, hq, MAX_SPLITS, 2)
@@ -378,6 +402,8 @@ def split_partials(
         hq,
         k_cache.shape[2],
         dim,
+        table,
+        table.shape[1],
         k_cache.shape[1],
         scale,
         HAS_VALID=valid is not None,
@@ -397,9 +423,13 @@ def attention(
     valid: torch.Tensor | None = None,
     scale: float | None = None,
     split_keys: bool = True,
+    table: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q: [T, Hq, d], rows of sequence i at positions `starts[i] ..`; caches: [slots, ctx,
-    Hkv, d] holding those rows already; valid: [slots, ctx] bool or None; scale: of the
+    """q: [T, Hq, d], rows of sequence i at positions `starts[i] ..`; caches: paged pools
+    [blocks, page, Hkv, d] read through `table` [slots, blocks a sequence] int32 (position j of
+    a slot: row j % page of block table[slot, j // page]), or with no table flat caches [slots,
+    ctx, Hkv, d], holding those rows already; valid: the pools' [blocks, page] (flat: [slots,
+    ctx]) bool or None; scale: of the
     scores, `d ** -0.5` unless given (1 when q comes scaled); split_keys: a program per split
     and a workspace of `workspace_bytes(T, Hq, d)` (calls of few rows a sequence), else a
     program per query block (prefill). Both run the same arithmetic, in the same order (the
@@ -417,10 +447,13 @@ def attention(
         workspace = torch.empty(
             workspace_bytes(rows, hq, dim) // 4, device=q.device, dtype=torch.float32
         )
-        acc, stat = split_partials(q, k_cache, v_cache, cu, slots, starts, valid, scale, workspace)
+        acc, stat = split_partials(
+            q, k_cache, v_cache, cu, slots, starts, valid, scale, workspace, table
+        )
         _combine_kernel[(len(slots), hq)](acc, stat, out, cu, starts, hq, dim, **_constants(dim))
         return out
     mask = valid.to(torch.int8).contiguous() if valid is not None else q
+    table = _table(k_cache, table)
     _attention_kernel[(len(slots), hq, triton.cdiv(rows, BM))](
         q,
         k_cache,
@@ -433,6 +466,8 @@ def attention(
         hq,
         k_cache.shape[2],
         dim,
+        table,
+        table.shape[1],
         k_cache.shape[1],
         scale,
         HAS_VALID=valid is not None,
