@@ -28,18 +28,22 @@ from gpu_service.model.digest import checkpoint_digest
 from gpu_service.model.hybrid import HybridModel, held_bytes
 from gpu_service.model.weights import serving_dtype, stream_weights
 from gpu_service.pipeline import EngineSteps, run_plan
-from gpu_service.slots import SlotTable
+from gpu_service.prefixes import Prefixes
+from gpu_service.sequence import SeqState
+from gpu_service.slots import SlotTable, mirror
 from gpu_service.state import DeviceState
 from gpu_service.step import Steps
 from gpu_service.tp.group import TpGroup
 from gpu_service.tp.shard import Shard, rank_config
 from gpu_service.verifier import Verifier
 from kernels.attention.format import KEY_BLOCK
+from protos import checks
 from protos.model import (
     FORWARDS,
     Capabilities,
     InvalidArgument,
     Logits,
+    ModelError,
     NotFound,
     Proposal,
     RowDraws,
@@ -97,6 +101,9 @@ class Engine:
             name: None for name in FORWARDS
         }
         self.slots = SlotTable(self.svc.num_slots, self.state.reset_slot, KvBlocks(self.state))
+        self.prefixes = Prefixes(
+            self.state, self.slots, self.svc.prefix_snapshots, self.cfg.has_mtp
+        )
         parts = (self.cfg, self.svc, self.model, self.state, self.slots, self.choice)
         self.drafter = Drafter(*parts)
         self.verifier = Verifier(*parts, prime=self.drafter.prime)
@@ -183,6 +190,45 @@ class Engine:
             for seq_id in seq_ids:
                 with suppress(NotFound):
                     self.slots.free(seq_id)
+
+    # -- prefix snapshots ----------------------------------------------------------------
+
+    def snapshot_prefixes(self, seqs: Sequence[SequenceHandle]) -> list[int]:
+        """A snapshot of each sequence as it stands, right after a prefill to a whole number of
+        KV blocks (`gpu_service/prefixes.py`) -> their ids. All or none: a refused one lets
+        the others taken go."""
+        with self._hold():
+            states = self.slots.lookup("snapshot_prefixes", seqs)
+            taken: list[int] = []
+            try:
+                for s in states:
+                    taken.append(self.prefixes.snapshot(s))
+            except ModelError:
+                self.prefixes.drop(taken)
+                raise
+            return taken
+
+    def restore_prefixes(self, seqs: Sequence[SequenceHandle], snapshots: Sequence[int]) -> None:
+        """Each fresh sequence goes on from its snapshot: it holds the snapshot's tokens, and
+        the rest of its prompt is what it prefills. All or none: a refused one leaves every
+        sequence fresh."""
+        checks.same_length("restore_prefixes", seqs=seqs, snapshots=snapshots)
+        with self._hold():
+            states = self.slots.lookup("restore_prefixes", seqs)
+            done: list[SeqState] = []
+            try:
+                for s, snap in zip(states, snapshots, strict=True):
+                    self.prefixes.restore(s, snap)
+                    done.append(s)
+            except ModelError:
+                for s in done:
+                    self.slots.renew(s)
+                raise
+            mirror(seqs, states)
+
+    def drop_prefixes(self, snapshots: Sequence[int]) -> None:
+        with self._hold():
+            self.prefixes.drop(snapshots)
 
     # -- verifier ------------------------------------------------------------------------
 

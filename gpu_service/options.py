@@ -153,6 +153,15 @@ def _add_capacity_args(parser: argparse.ArgumentParser) -> None:
         "every attention layer each, taken as sequences grow and given back as they shrink "
         "or end; 0: enough for every slot's whole context (default %(default)s)",
     )
+    parser.add_argument(
+        "--prefix-snapshots",
+        type=whole_number(0),
+        default=ServiceConfig.prefix_snapshots,
+        metavar="N",
+        help="prefix snapshots the service can hold (each every GDN layer's state and conv "
+        "window at a block boundary, and the drafter's carry), so that a prompt starting with a "
+        "cached prefix prefills only the rest; 0: no prefix cache (default %(default)s)",
+    )
 
 
 def _add_graphs_flag(parser: argparse.ArgumentParser) -> None:
@@ -176,6 +185,7 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
         verify_tiers=args.verify_tiers,
         max_context=args.max_context,
         kv_blocks=args.kv_blocks,
+        prefix_snapshots=args.prefix_snapshots,
         max_rows=args.max_rows,
         max_batch=args.max_batch,
         max_prefill_tokens=args.max_prefill_tokens,

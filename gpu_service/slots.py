@@ -43,6 +43,12 @@ class SlotTable:
         self.blocks.release(seq.slot)
         self._free.add(seq.slot)
 
+    def renew(self, s: SeqState) -> None:
+        """The sequence back to fresh: no tokens, no blocks, zero state."""
+        self.blocks.release(s.slot)
+        self._reset(s.slot)
+        s.tokens.clear()
+
     def cover(self, states: Sequence[SeqState], ends: Sequence[int]) -> None:
         """KV blocks for each sequence's positions below its end, before a call writes them
         (`ResourceExhausted`, with none taken, when the pool is short)."""

@@ -21,9 +21,9 @@ def not_empty(what: str, items: Sequence) -> None:
         raise InvalidArgument(f"{what} names no sequence")
 
 
-def distinct(what: str, ids: Sequence[int]) -> None:
+def distinct(what: str, ids: Sequence[int], noun: str = "a sequence") -> None:
     if len(set(ids)) != len(ids):
-        raise InvalidArgument(f"{what} names a sequence more than once")
+        raise InvalidArgument(f"{what} names {noun} more than once")
 
 
 def tokens_in_vocab(tokens: Sequence[int], vocab: int) -> None:

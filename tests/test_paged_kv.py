@@ -122,14 +122,15 @@ def test_scattered_blocks_give_the_same_bytes(tiny_dir: Path, forward: str) -> N
         engine.set_forward(forward)
         if scatter:
             x, y = engine.alloc_sequence(), engine.alloc_sequence()
-            engine.prefill([x], [_prompt(130, 3)])  # blocks 0 to 2
-            engine.prefill([y], [_prompt(10, 4)])  # block 3
+            engine.prefill([x], [_prompt(70, 3)])  # blocks 0 and 1
+            engine.prefill([y], [_prompt(10, 4)])  # block 2
             engine.free_sequence(x)
         seq = engine.alloc_sequence()
-        first = engine.prefill([seq], [_prompt(200, 5)])  # blocks 0 to 2 then 4
+        first = engine.prefill([seq], [_prompt(140, 5)])  # blocks 0, 1 then 3
         if scatter:
-            assert engine.slots.blocks.held(seq.slot) == [0, 1, 2, 4]
-        steps = _greedy_steps(engine, [seq], first, 3)
+            assert engine.slots.blocks.held(seq.slot) == [0, 1, 3]
+        # The interpreted kernels are slow: fewer steps there.
+        steps = _greedy_steps(engine, [seq], first, 3 if forward == "eager" else 1)
         return [first, *steps], engine.state.logits.clone()
 
     (plain, plain_logits), (scattered, scattered_logits) = run(False), run(True)

@@ -59,13 +59,20 @@ def _tiny_flags(*more: str) -> tuple[str, ...]:
 
 def test_flagship_weights_are_its_checkpoints_bytes() -> None:
     cfg = ModelConfig.from_dict(QWEN3_NEXT_80B)
-    made = plan.make_plan("flagship", cfg, ServiceConfig(), torch.bfloat16, True, NO_MEMORY)
+    svc = ServiceConfig(prefix_snapshots=4)
+    made = plan.make_plan("flagship", cfg, svc, torch.bfloat16, True, NO_MEMORY)
     checkpoint = sum(2 * math.prod(s) for s in weight_shapes(cfg).values())
     # The held layout may add fp32 norm multipliers; nothing more.
     assert checkpoint <= made.parts["weights_bytes"] <= 1.02 * checkpoint
     print(plan_report.report(made))
     assert all(v > 0 for k, v in made.parts.items() if k != "other_state_bytes"), made.parts
     assert made.parts["other_state_bytes"] == 0
+    # Each snapshot: every GDN layer's state (fp32) and conv window, and a hidden of carry.
+    snapshot = (
+        cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+        + (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim * 2
+    ) * len(cfg.linear_layers) + cfg.hidden_size * 2
+    assert made.parts["snapshot_bytes"] == 4 * snapshot
 
 
 def test_flagship_fp8_counts_a_byte_a_weight_and_fits_one_h200() -> None:
