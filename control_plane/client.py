@@ -247,6 +247,20 @@ class GrpcModel:
             self._stub.TrimProposer, pb.TrimRequest(seq_ids=cv.seq_ids(seqs), keep_own=keep_own)
         )
 
+    def snapshot_prefixes(self, seqs: Sequence[SequenceHandle]) -> list[int]:
+        r = self._rpc(self._stub.SnapshotPrefixes, pb.SnapshotRequest(seq_ids=cv.seq_ids(seqs)))
+        return list(r.snapshot_ids)
+
+    def restore_prefixes(self, seqs: Sequence[SequenceHandle], snapshots: Sequence[int]) -> None:
+        r = self._rpc(
+            self._stub.RestorePrefixes,
+            pb.RestoreRequest(seq_ids=cv.seq_ids(seqs), snapshot_ids=list(snapshots)),
+        )
+        cv.mirror_seq_lens(seqs, r.seq_lens)
+
+    def drop_prefixes(self, snapshots: Sequence[int]) -> None:
+        self._rpc(self._stub.DropPrefixes, pb.DropPrefixesRequest(snapshot_ids=list(snapshots)))
+
     def measure_costs(
         self,
         widths: Sequence[int],

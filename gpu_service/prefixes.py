@@ -22,11 +22,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gpu_service.sequence import IDLE, SeqState
-from gpu_service.slots import SlotTable
+from gpu_service.slots import SlotTable, unknown_snapshot
 from gpu_service.state import DeviceState
 from kernels.attention.format import KEY_BLOCK
 from protos import checks
-from protos.model import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from protos.model import FailedPrecondition, InvalidArgument, ResourceExhausted
 
 
 @dataclass(frozen=True)
@@ -123,4 +123,4 @@ class Prefixes:
         try:
             return self._snaps[snap_id]
         except KeyError:
-            raise NotFound(f"prefix snapshot {snap_id} is unknown or already dropped") from None
+            raise unknown_snapshot(snap_id) from None

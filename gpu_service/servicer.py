@@ -141,12 +141,16 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
             self._end(session)
 
     def _end(self, session: str) -> None:
+        snap_ids = self.sessions.close_snapshots(session)
         seq_ids = self.sessions.close(session)
-        if seq_ids and self.engine is not None:
+        if (seq_ids or snap_ids) and self.engine is not None:
             engine = self.engine
-            task = asyncio.get_running_loop().create_task(
-                self.run_on_engine_thread(lambda: engine.free_sequences(seq_ids))
-            )
+
+            def free() -> None:
+                engine.free_sequences(seq_ids)
+                engine.drop_prefixes(snap_ids)
+
+            task = asyncio.get_running_loop().create_task(self.run_on_engine_thread(free))
             self._freeing.add(task)
             task.add_done_callback(self._freeing.discard)
 
@@ -259,6 +263,30 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
         seqs = self._owned(context, request.seq_ids)
         await self._call(context, lambda: self.loaded.trim_proposer_state(seqs, request.keep_own))
         return pb.TrimReply()
+
+    async def SnapshotPrefixes(self, request, context):
+        session = self._session(context)
+        seqs = self._owned(context, request.seq_ids)
+        ids = await self._call(context, lambda: self.loaded.snapshot_prefixes(seqs))
+        if not self.sessions.is_live(session):  # it ended while the engine took them
+            await self._call(context, lambda: self.loaded.drop_prefixes(ids))
+            raise NoSession("the call's session ended while it ran; open a new one")
+        self.sessions.own_snapshots(session, ids)
+        return pb.SnapshotReply(snapshot_ids=ids)
+
+    async def RestorePrefixes(self, request, context):
+        seqs = self._owned(context, request.seq_ids)
+        snaps = list(request.snapshot_ids)
+        self.sessions.check_snapshots(self._session(context), snaps)
+        await self._call(context, lambda: self.loaded.restore_prefixes(seqs, snaps))
+        return pb.RestoreReply(seq_lens=cv.seq_lens(seqs))
+
+    async def DropPrefixes(self, request, context):
+        snaps = list(request.snapshot_ids)
+        self.sessions.check_snapshots(self._session(context), snaps)
+        await self._call(context, lambda: self.loaded.drop_prefixes(snaps))
+        self.sessions.disown_snapshots(snaps)
+        return pb.DropPrefixesReply()
 
     async def DecodeStep(self, request, context):
         seqs = self._owned(context, request.seq_ids)

@@ -92,6 +92,7 @@ class SessionTable:
     def __init__(self) -> None:
         self._seqs: dict[str, set[int]] = {}  # live session -> its sequence ids
         self._owner: dict[int, str] = {}  # sequence id -> its session
+        self._snap_owner: dict[int, str] = {}  # prefix snapshot id -> its session
 
     @property
     def num_live(self) -> int:
@@ -121,12 +122,37 @@ class SessionTable:
             if self._owner.get(seq_id) != session:
                 raise unknown_sequence(seq_id)
 
+    def own_snapshots(self, session: str, snap_ids: Iterable[int]) -> None:
+        for snap_id in snap_ids:
+            self._snap_owner[snap_id] = session
+
+    def check_snapshots(self, session: str, snap_ids: Iterable[int]) -> None:
+        """`NotFound` for the first prefix snapshot the session does not own."""
+        for snap_id in snap_ids:
+            if self._snap_owner.get(snap_id) != session:
+                raise unknown_snapshot(snap_id)
+
+    def disown_snapshots(self, snap_ids: Iterable[int]) -> None:
+        for snap_id in snap_ids:
+            self._snap_owner.pop(snap_id, None)
+
+    def close_snapshots(self, session: str) -> list[int]:
+        """The session's prefix snapshots, disowned, for the caller to drop."""
+        ids = sorted(i for i, owner in self._snap_owner.items() if owner == session)
+        self.disown_snapshots(ids)
+        return ids
+
     def close(self, session: str) -> list[int]:
         """End the session. -> the sequences it still owned, for the caller to free."""
         seq_ids = sorted(self._seqs.pop(session, ()))
         for seq_id in seq_ids:
             del self._owner[seq_id]
         return seq_ids
+
+
+def unknown_snapshot(snap_id: int) -> NotFound:
+    """The refusal of a prefix snapshot the caller may not name (as `unknown_sequence`)."""
+    return NotFound(f"prefix snapshot {snap_id} is unknown or already dropped")
 
 
 def mirror(handles: Sequence[SequenceHandle], states: Sequence[SeqState]) -> None:

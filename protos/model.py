@@ -322,6 +322,20 @@ class Model(Protocol):
         keeps only entries built from the target's hiddens, so its state is a function of the
         committed history and a replay reproduces it exactly."""
 
+    def snapshot_prefixes(self, seqs: Sequence[SequenceHandle]) -> list[int]:
+        """A snapshot of each sequence, idle right after a prefill to a whole number of KV
+        blocks: the blocks its tokens fill, shared, and copies of its GDN state, conv window
+        and drafter carry -> their ids (`gpu_service/prefixes.py`). All or none."""
+
+    def restore_prefixes(self, seqs: Sequence[SequenceHandle], snapshots: Sequence[int]) -> None:
+        """Each fresh sequence goes on from its snapshot: it holds the snapshot's tokens
+        (its handle's `seq_len` says how many) and prefills only the rest of its prompt,
+        which then equals a prefill of the whole prompt. All or none."""
+
+    def drop_prefixes(self, snapshots: Sequence[int]) -> None:
+        """Let the snapshots go; their blocks go back to the pool once no sequence holds them.
+        An unknown or dropped id (or another session's) is `NotFound`."""
+
     def settle_verdict(
         self,
         seqs: Sequence[SequenceHandle],

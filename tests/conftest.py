@@ -46,6 +46,13 @@ SLOW_TESTS = {
     "tests/test_beside.py": "starts both processes beside live streams",
     "tests/test_fuzz.py": "3,000 malformed RPCs against both processes",
     "tests/test_restart.py": "kills and freezes control plane processes",
+    "tests/test_prefix_snapshots.py::test_over_grpc_a_snapshot_is_its_sessions": "starts a GPU "
+    "service process",
+    "tests/test_prefix_snapshots.py::test_a_restored_prefix_goes_on_as_a_whole_prefill[triton]": (
+        "interprets the Triton forward for steps of three sequences"
+    ),
+    "tests/test_paged_kv.py::test_scattered_blocks_give_the_same_bytes[triton]": "interprets "
+    "the Triton forward for steps of two engines",
     "tests/test_sessions.py": "starts service processes, kills and freezes clients",
     "tests/test_step_stream.py::test_recv_raises_unavailable_soon_after_the_service_dies": "starts "
     "and kills a GPU service",

@@ -68,8 +68,13 @@ def serving(scheduler: Scheduler, run: bool = True) -> Iterator[str]:
 
 def free_slots_within(model: GrpcModel, want: int, seconds: float) -> float:
     """Seconds until the service reports `want` free slots; fails after `seconds`."""
+    return capability_within(model, "free_slots", want, seconds)
+
+
+def capability_within(model: GrpcModel, name: str, want: int, seconds: float) -> float:
+    """Seconds until the service's capability `name` reads `want`; fails after `seconds`."""
     start = time.monotonic()
-    while (free := model.capabilities().free_slots) != want:
-        assert time.monotonic() - start < seconds, f"{free} slots free, not {want}"
+    while (got := getattr(model.capabilities(), name)) != want:
+        assert time.monotonic() - start < seconds, f"{name} is {got}, not {want}"
         time.sleep(0.02)  # polling another process's cleanup
     return time.monotonic() - start

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from control_plane.client import GrpcModel
+from control_plane.launch import start_gpu_service, stop
 from gpu_service.engine import Engine
 from protos.model import (
     FailedPrecondition,
@@ -20,7 +22,8 @@ from protos.model import (
     ResourceExhausted,
     SequenceHandle,
 )
-from tests.conftest import TINY_SERVICE
+from tests.conftest import SERVE_ARGS, TINY_SERVICE
+from tests.servers import capability_within
 
 SHARED = [(5 * i + 3) % 200 + 1 for i in range(128)]  # two blocks
 SVC = replace(TINY_SERVICE, prefix_snapshots=2)
@@ -140,3 +143,30 @@ def test_refusals_leave_nothing_behind(tiny_dir: Path) -> None:
         engine.free_sequence(s)
     engine.drop_prefixes(snaps)
     assert blocks.num_used == 0
+
+
+def test_over_grpc_a_snapshot_is_its_sessions(tiny_dir: Path) -> None:
+    """Another session's snapshot is not found; a session's end drops its snapshots, and the
+    blocks they held go back to the pool."""
+    proc, target = start_gpu_service(tiny_dir, *SERVE_ARGS, "--prefix-snapshots", "2")
+    mine, theirs = GrpcModel(target), GrpcModel(target)
+    try:
+        total = theirs.capabilities().kv_blocks
+        src = mine.alloc_sequence()
+        mine.prefill([src], [SHARED])
+        (snap,) = mine.snapshot_prefixes([src])
+        other = theirs.alloc_sequence()
+        with pytest.raises(NotFound, match=f"prefix snapshot {snap} is unknown"):
+            theirs.restore_prefixes([other], [snap])
+        with pytest.raises(NotFound, match=f"prefix snapshot {snap} is unknown"):
+            theirs.drop_prefixes([snap])
+        seq = mine.alloc_sequence()
+        mine.restore_prefixes([seq], [snap])
+        assert seq.seq_len == len(SHARED)
+        # src: blocks 0 and 1; the snapshot's copy of block 1; seq's copy of that.
+        assert theirs.capabilities().kv_blocks_free == total - 4
+        mine.close()
+        capability_within(theirs, "kv_blocks_free", total, 5.0)
+    finally:
+        theirs.close()
+        assert stop(proc) == 0

@@ -282,6 +282,42 @@ class TrimReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class SnapshotRequest(_message.Message):
+    __slots__ = ("seq_ids",)
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SnapshotReply(_message.Message):
+    __slots__ = ("snapshot_ids",)
+    SNAPSHOT_IDS_FIELD_NUMBER: _ClassVar[int]
+    snapshot_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, snapshot_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class RestoreRequest(_message.Message):
+    __slots__ = ("seq_ids", "snapshot_ids")
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_IDS_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    snapshot_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., snapshot_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class RestoreReply(_message.Message):
+    __slots__ = ("seq_lens",)
+    SEQ_LENS_FIELD_NUMBER: _ClassVar[int]
+    seq_lens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_lens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DropPrefixesRequest(_message.Message):
+    __slots__ = ("snapshot_ids",)
+    SNAPSHOT_IDS_FIELD_NUMBER: _ClassVar[int]
+    snapshot_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, snapshot_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DropPrefixesReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class VerdictRequest(_message.Message):
     __slots__ = ("seq_ids", "kept_rows", "ks", "proposers", "last", "num_drafts", "sampling")
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]

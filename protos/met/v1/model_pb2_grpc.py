@@ -132,6 +132,21 @@ class ModelServiceStub:
                 request_serializer=met_dot_v1_dot_model__pb2.ReadLogitsRequest.SerializeToString,
                 response_deserializer=met_dot_v1_dot_model__pb2.ReadLogitsReply.FromString,
                 _registered_method=True)
+        self.SnapshotPrefixes = channel.unary_unary(
+                '/met.v1.ModelService/SnapshotPrefixes',
+                request_serializer=met_dot_v1_dot_model__pb2.SnapshotRequest.SerializeToString,
+                response_deserializer=met_dot_v1_dot_model__pb2.SnapshotReply.FromString,
+                _registered_method=True)
+        self.RestorePrefixes = channel.unary_unary(
+                '/met.v1.ModelService/RestorePrefixes',
+                request_serializer=met_dot_v1_dot_model__pb2.RestoreRequest.SerializeToString,
+                response_deserializer=met_dot_v1_dot_model__pb2.RestoreReply.FromString,
+                _registered_method=True)
+        self.DropPrefixes = channel.unary_unary(
+                '/met.v1.ModelService/DropPrefixes',
+                request_serializer=met_dot_v1_dot_model__pb2.DropPrefixesRequest.SerializeToString,
+                response_deserializer=met_dot_v1_dot_model__pb2.DropPrefixesReply.FromString,
+                _registered_method=True)
 
 
 class ModelServiceServicer:
@@ -276,6 +291,28 @@ class ModelServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SnapshotPrefixes(self, request, context):
+        """Prefix snapshots (the prefix cache's bytes): each named sequence, idle right after a
+        prefill to a whole number of KV blocks, snapshotted; a fresh sequence restored from one
+        (it then prefills only the rest of its prompt); snapshots dropped. Each is all or none,
+        and a snapshot belongs to the session that took it (its end drops it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RestorePrefixes(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DropPrefixes(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ModelServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -373,6 +410,21 @@ def add_ModelServiceServicer_to_server(servicer, server):
                     servicer.ReadLogits,
                     request_deserializer=met_dot_v1_dot_model__pb2.ReadLogitsRequest.FromString,
                     response_serializer=met_dot_v1_dot_model__pb2.ReadLogitsReply.SerializeToString,
+            ),
+            'SnapshotPrefixes': grpc.unary_unary_rpc_method_handler(
+                    servicer.SnapshotPrefixes,
+                    request_deserializer=met_dot_v1_dot_model__pb2.SnapshotRequest.FromString,
+                    response_serializer=met_dot_v1_dot_model__pb2.SnapshotReply.SerializeToString,
+            ),
+            'RestorePrefixes': grpc.unary_unary_rpc_method_handler(
+                    servicer.RestorePrefixes,
+                    request_deserializer=met_dot_v1_dot_model__pb2.RestoreRequest.FromString,
+                    response_serializer=met_dot_v1_dot_model__pb2.RestoreReply.SerializeToString,
+            ),
+            'DropPrefixes': grpc.unary_unary_rpc_method_handler(
+                    servicer.DropPrefixes,
+                    request_deserializer=met_dot_v1_dot_model__pb2.DropPrefixesRequest.FromString,
+                    response_serializer=met_dot_v1_dot_model__pb2.DropPrefixesReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -891,6 +943,87 @@ class ModelService:
             '/met.v1.ModelService/ReadLogits',
             met_dot_v1_dot_model__pb2.ReadLogitsRequest.SerializeToString,
             met_dot_v1_dot_model__pb2.ReadLogitsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SnapshotPrefixes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/met.v1.ModelService/SnapshotPrefixes',
+            met_dot_v1_dot_model__pb2.SnapshotRequest.SerializeToString,
+            met_dot_v1_dot_model__pb2.SnapshotReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RestorePrefixes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/met.v1.ModelService/RestorePrefixes',
+            met_dot_v1_dot_model__pb2.RestoreRequest.SerializeToString,
+            met_dot_v1_dot_model__pb2.RestoreReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DropPrefixes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/met.v1.ModelService/DropPrefixes',
+            met_dot_v1_dot_model__pb2.DropPrefixesRequest.SerializeToString,
+            met_dot_v1_dot_model__pb2.DropPrefixesReply.FromString,
             options,
             channel_credentials,
             insecure,
