@@ -169,6 +169,7 @@ class Engine:
             kv_blocks=self.state.num_blocks,
             kv_block_size=KEY_BLOCK,
             kv_blocks_free=self.slots.blocks.num_free,
+            prefix_snapshots=self.svc.prefix_snapshots,
         )
 
     def tokenizer_files(self) -> dict[str, bytes]:

@@ -142,6 +142,7 @@ class Capabilities:
     kv_blocks: int = 0
     kv_block_size: int = 0
     kv_blocks_free: int = 0
+    prefix_snapshots: int = 0  # prefix snapshots it can hold (0: no prefix cache)
 
 
 @dataclass(frozen=True)

@@ -27,11 +27,13 @@ from opentelemetry.context import Context
 from control_plane.detok import Tokenizer
 from control_plane.env import Env
 from control_plane.metrics import REPLICA_ATTRIBUTE, Metrics, ReplicaMetrics
+from control_plane.scheduler import prefixing
 from control_plane.scheduler.context import StepContext
 from control_plane.scheduler.cost_model import measured_table
 from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.pipeline import Pipeline
 from control_plane.scheduler.prefill import prefill
+from control_plane.scheduler.prefix_cache import PrefixCache, prefix_cache
 from control_plane.scheduler.seq import ActiveSeq, GenRequest, QueueSink, Sink
 from control_plane.scheduler.served import refuse_stale, replaces, served_by
 from control_plane.scheduler.status import step_status
@@ -84,6 +86,8 @@ class Scheduler:
         self.opts = (opts or SchedulerOptions()).with_env(env or Env.read())
         self.model: Model | None = None
         self.ctx: StepContext | None = None
+        # The prefix cache's names of the snapshots this connection's session holds.
+        self.prefix: PrefixCache | None = None
         self.tally = Tally(series)
         self.pipeline = Pipeline(self._release_handle, self.tally.planned)
         self.inbox: queue.Queue[tuple[str, Payload]] = queue.Queue()
@@ -182,6 +186,9 @@ class Scheduler:
                 self._reset(e)
         try:
             self.pipeline.drain(self.ctx)  # stopping: the frees that wait on flights
+            if self.prefix is not None and self.model is not None:
+                # Over gRPC the session's end would drop them; in process nothing else does.
+                prefixing.drop(self.model, self.prefix.clear())
         except (grpc.RpcError, ModelError, OSError) as e:
             log.warning("stopping with plans in flight: %s", step_status(e)[1])
         self.pipeline.close()
@@ -307,6 +314,7 @@ class Scheduler:
             raise
         self._use(served)
         self.ctx, self.model = ctx, model
+        self.prefix = prefix_cache(self.opts, caps)
         self.free_slots = caps.free_slots  # others (or a past connection) may hold slots
         for a in self.waiting:
             a.max_context = caps.max_context
@@ -330,6 +338,7 @@ class Scheduler:
         if self.waiting and self.free_slots <= 0 and now >= self._poll_at:
             self._poll_at = now + SLOT_POLL_S
             self.free_slots = self.model.capabilities().free_slots
+        admitted = []
         while self.waiting and self.free_slots > 0:
             a = self.waiting[0]
             try:
@@ -345,10 +354,13 @@ class Scheduler:
                 # thread never sees it in neither list while its slot is taken.
                 self.free_slots -= 1
                 self.prefilling.append(a)
+                admitted.append(a)
             self.waiting.popleft()
             self._dequeued(1)
             if a.handle is None:
                 a.finish("error")
+        if admitted and self.prefix is not None:
+            prefixing.restore(self.model, self.prefix, admitted, self.series)
 
     def _tell_places(self) -> None:
         """Each request still waiting after admission hears where it stands."""
@@ -359,8 +371,14 @@ class Scheduler:
     def _prefill(self) -> None:
         """One batched prefill call; the sequences whose prompt is in now become active."""
         assert self.model is not None and self.ctx is not None
-        budget = self.ctx.caps.max_prefill_tokens
-        for a in prefill(self.model, self.prefilling, self.opts.prefill_chunk, budget):
+        caps = self.ctx.caps
+        block = caps.kv_block_size or 1
+        done = prefill(
+            self.model, self.prefilling, self.opts.prefill_chunk, caps.max_prefill_tokens, block
+        )
+        if self.prefix is not None:
+            prefixing.snapshot(self.model, self.prefix, [*self.prefilling])
+        for a in done:
             self.prefilling.remove(a)
             self.active.append(a)
 
@@ -422,7 +440,7 @@ class Scheduler:
         else:
             self._release(failed)
         with self._lock:
-            self.model, self.ctx = None, None
+            self.model, self.ctx, self.prefix = None, None, None
         time.sleep(0.1)  # a restarting service gets a moment before the next connect
 
     def _hand_off(self) -> None:

@@ -30,6 +30,11 @@ class SchedulerOptions:
     )
     max_queue: int = _option(256, "requests waiting for a slot before RESOURCE_EXHAUSTED")
     prefill_chunk: int = _option(512, "prompt tokens per sequence per iteration")
+    prefix_cache: bool = _option(
+        True,
+        "go on from cached prompt prefixes: snapshots the GPU service holds (as many as its "
+        "--prefix-snapshots), taken where prompts diverge and at each prompt's last whole block",
+    )
     k_ladder: str = _option(
         "4:3,8:3,16:1,32:1",
         "draft width by active sequences, ACTIVE:DRAFTS rungs in ascending order",

@@ -12,14 +12,18 @@ from protos.telemetry import span, tracer
 TRACER = tracer("met.control_plane")
 
 
-def prefill(model: Model, prefilling: list[ActiveSeq], chunk: int, budget: int) -> list[ActiveSeq]:
+def prefill(
+    model: Model, prefilling: list[ActiveSeq], chunk: int, budget: int, block: int = 1
+) -> list[ActiveSeq]:
     """The call over each sequence's next chunk (at most `chunk` tokens, `budget` in all); a
     sequence whose whole prompt is now in gains its first token. -> those sequences."""
     batch, chunks = [], []
     for a in prefilling:
-        n = min(len(a.req.prompt_ids) - a.prefilled, chunk, budget)
-        if n <= 0:
+        if budget <= 0:
             break
+        n = chunk_length(a, chunk, budget, block)
+        if n <= 0:
+            continue
         batch.append(a)
         chunks.append(list(a.req.prompt_ids[a.prefilled : a.prefilled + n]))
         budget -= n
@@ -49,6 +53,19 @@ def prefill(model: Model, prefilling: list[ActiveSeq], chunk: int, budget: int) 
             done.append(a)
             a.gain([row[0]], [row[1]])
     return done
+
+
+def chunk_length(a: ActiveSeq, chunk: int, budget: int, block: int) -> int:
+    """The sequence's next chunk: up to its next snapshot point or its prompt's end, at most
+    `chunk` and `budget`, and ending on a KV block boundary (`block` tokens, the chunked GDN
+    kernel's chunk) unless it ends the prompt: a prompt then leaves the same bytes however its
+    prefill is cut, whatever shares the calls, and whether a cached prefix gave its start."""
+    end = len(a.req.prompt_ids)
+    stop = a.snap_points[0] if a.snap_points else end
+    n = min(stop - a.prefilled, chunk, budget)
+    if a.prefilled + n < end:
+        n -= (a.prefilled + n) % block
+    return n
 
 
 def _rows(

@@ -140,6 +140,8 @@ class ActiveSeq:
         self.tokenizer = tokenizer  # the one its prompt was tokenized with
         self.handle: SequenceHandle | None = None
         self.prefilled = 0  # prompt tokens in the service's cache
+        self.prefix_hit = 0  # of them, tokens a cached prefix gave (`prefixing.py`)
+        self.snap_points: list[int] = []  # where its prompt is to be snapshotted, ascending
         self.last: int | None = None  # the newest token, not yet in the cache
         self.pending_drafts: list[int] = []
         self.pending_conf: list[float] = []

@@ -1,0 +1,158 @@
+"""The prefix cache's policy: which prompt prefixes the GPU service keeps snapshots of, and
+which one a new prompt goes on from. The service owns the bytes (`gpu_service/prefixes.py`);
+this owns the names.
+
+Prompts are seen as chains of KV blocks (the service's `kv_block_size` tokens): a node is a
+block boundary of some prompt served, named by the hash chained over its blocks, so that two
+prompts reach the same node exactly when they share every token up to it (a tree over blocks,
+as vLLM's and SGLang's; the tokens are kept and compared, so a hash collision is never a hit).
+A node may hold a snapshot, taken while a prompt was prefilled up to it.
+
+- A new prompt goes on from its deepest node with a snapshot that leaves at least one of its
+  tokens to prefill (the service computes the logits of the last one).
+- While a prompt is prefilled, snapshots are taken where the next prompts will resume: at its
+  last whole block, which its own continuation (the next turn of a chat) starts with, and at
+  the deepest node it shares with a prompt served before, where two prompts diverge. That node
+  is where a third one sharing the first part goes on from, and a shared system prompt ends.
+- Snapshots are dropped least recently used first when more than the budget are held; nodes
+  without one are kept least recently used too, up to `NODE_FACTOR` times the budget."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from control_plane.scheduler.options import SchedulerOptions
+from protos.model import Capabilities
+
+# Nodes remembered without a snapshot, per snapshot of the budget: where prompts diverge is
+# known only from prompts seen before.
+NODE_FACTOR = 8
+
+
+@dataclass
+class Node:
+    tokens: tuple[int, ...]  # the prefix up to the node (compared on every hit)
+    snapshot: int | None = None
+
+
+@dataclass(frozen=True)
+class Hit:
+    snapshot: int
+    tokens: int  # the prefix's length
+
+
+class PrefixCache:
+    def __init__(self, budget: int, block: int) -> None:
+        self.budget, self.block = budget, block
+        self._nodes: OrderedDict[int, Node] = OrderedDict()  # by key, least recently used first
+        self.queries = 0  # prompt tokens looked up
+        self.hits = 0  # of them, tokens a snapshot gave
+
+    @property
+    def enabled(self) -> bool:
+        return self.budget > 0 and self.block > 0
+
+    def _keys(self, prompt: Sequence[int]) -> list[tuple[int, int]]:
+        """(length, key) of every block boundary of the prompt, shortest first."""
+        out, key = [], 0
+        for end in range(self.block, len(prompt) + 1, self.block):
+            key = hash((key, tuple(prompt[end - self.block : end])))
+            out.append((end, key))
+        return out
+
+    def _node(self, prompt: Sequence[int], end: int, key: int) -> Node | None:
+        node = self._nodes.get(key)
+        if node is None or node.tokens != tuple(prompt[:end]):
+            return None
+        self._nodes.move_to_end(key)
+        return node
+
+    def lookup(self, prompt: Sequence[int]) -> Hit | None:
+        """The snapshot a prompt goes on from, if any (counted in `queries` and `hits`)."""
+        self.queries += len(prompt)
+        best = None
+        for end, key in self._keys(prompt):
+            if end >= len(prompt):
+                break
+            node = self._node(prompt, end, key)
+            if node is not None and node.snapshot is not None:
+                best = Hit(node.snapshot, end)
+        if best is not None:
+            self.hits += best.tokens
+        return best
+
+    def points(self, prompt: Sequence[int], start: int) -> list[int]:
+        """Where to snapshot the prompt while it is prefilled from `start`: block boundaries
+        past it, without a snapshot yet, ascending (see the module's docstring)."""
+        keys = self._keys(prompt)
+        shared = 0
+        for end, key in keys:
+            if self._node(prompt, end, key) is None:
+                break
+            shared = end
+        wanted = {shared, keys[-1][0] if keys else 0}
+        out = []
+        for end, key in keys:
+            node = self._nodes.get(key)
+            if end in wanted and end > start and (node is None or node.snapshot is None):
+                out.append(end)
+        return out
+
+    def seen(self, prompt: Sequence[int]) -> list[int]:
+        """Remember the prompt's block boundaries (where later prompts may diverge from it)
+        -> snapshots to drop, evicted."""
+        for end, key in self._keys(prompt):
+            if self._node(prompt, end, key) is None:
+                self._nodes[key] = Node(tuple(prompt[:end]))
+        return self._evict()
+
+    def taken(self, prompt: Sequence[int], end: int, snapshot: int) -> list[int]:
+        """The snapshot of the prompt's first `end` tokens -> snapshots to drop, evicted (or
+        the one given, where its node holds one already)."""
+        key = dict((e, k) for e, k in self._keys(prompt))[end]
+        node = self._node(prompt, end, key)
+        if node is None:
+            node = self._nodes[key] = Node(tuple(prompt[:end]))
+        if node.snapshot is not None:
+            return [snapshot]
+        node.snapshot = snapshot
+        return self._evict()
+
+    def forget(self, snapshot: int) -> None:
+        """A snapshot the service no longer holds (refused on restore)."""
+        for node in self._nodes.values():
+            if node.snapshot == snapshot:
+                node.snapshot = None
+
+    def clear(self) -> list[int]:
+        """Every snapshot (the service they lie in is gone or serves another model)."""
+        held = [n.snapshot for n in self._nodes.values() if n.snapshot is not None]
+        self._nodes.clear()
+        return held
+
+    def _evict(self) -> list[int]:
+        dropped = []
+        with_snapshot = [k for k, n in self._nodes.items() if n.snapshot is not None]
+        for key in with_snapshot[: max(0, len(with_snapshot) - self.budget)]:
+            node = self._nodes[key]
+            assert node.snapshot is not None
+            dropped.append(node.snapshot)
+            node.snapshot = None
+        bare = [k for k, n in self._nodes.items() if n.snapshot is None]
+        for key in bare[: max(0, len(bare) - NODE_FACTOR * self.budget)]:
+            del self._nodes[key]
+        return dropped
+
+    @property
+    def num_snapshots(self) -> int:
+        return sum(1 for n in self._nodes.values() if n.snapshot is not None)
+
+
+def prefix_cache(opts: SchedulerOptions, caps: Capabilities) -> PrefixCache | None:
+    """The connection's cache: as many snapshots as the service holds (`--prefix-snapshots`
+    there), when `--prefix-cache` is on and it holds any."""
+    budget = caps.prefix_snapshots if opts.prefix_cache else 0
+    cache = PrefixCache(budget, caps.kv_block_size)
+    return cache if cache.enabled else None

@@ -1,0 +1,87 @@
+"""The scheduler's side of prefix caching: admitted requests go on from their cached prefixes
+(one restore call for all of them), and prefilling ones are snapshotted where the policy
+(`prefix_cache.py`) wants, right after the prefill call that reached the point. A refusal
+here costs a cache hit, never a request: the request prefills from where it stands."""
+
+from __future__ import annotations
+
+import logging
+
+from opentelemetry.trace import Link
+
+from control_plane.metrics import ReplicaMetrics
+from control_plane.scheduler.prefix_cache import PrefixCache
+from control_plane.scheduler.seq import ActiveSeq
+from protos.model import Model, ModelError
+from protos.telemetry import span, tracer
+
+log = logging.getLogger("control_plane.scheduler")
+TRACER = tracer("met.control_plane")
+HIT_ATTRIBUTE = "met.prefix_hit_tokens"
+
+
+def restore(
+    model: Model, cache: PrefixCache, admitted: list[ActiveSeq], series: ReplicaMetrics | None
+) -> None:
+    """Each admitted request's cached prefix, restored into its fresh sequence; then where
+    its prompt is to be snapshotted while it is prefilled."""
+    hits = []
+    for a in admitted:
+        hit = cache.lookup(a.req.prompt_ids)
+        if hit is not None:
+            hits.append((a, hit))
+        if series is not None:
+            series.prefix_cache_queries.inc(len(a.req.prompt_ids))
+    links = [Link(a.req.span_context) for a, _ in hits if a.req.span_context is not None]
+    restored = sum(h.tokens for _, h in hits)
+    with span(TRACER, "prefix_restore", links, **{HIT_ATTRIBUTE: restored}):
+        if hits:
+            try:
+                model.restore_prefixes(
+                    [a.live_handle for a, _ in hits], [h.snapshot for _, h in hits]
+                )
+            except ModelError as e:
+                log.warning("restoring %d cached prefixes: %s", len(hits), e)
+                for _, h in hits:
+                    cache.forget(h.snapshot)
+                hits = []
+    for a, h in hits:
+        a.prefilled = a.prefix_hit = h.tokens
+        if series is not None:
+            series.prefix_cache_hits.inc(h.tokens)
+    dropped = []
+    for a in admitted:
+        a.snap_points = cache.points(a.req.prompt_ids, a.prefilled)
+        dropped += cache.seen(a.req.prompt_ids)
+    drop(model, dropped)
+
+
+def snapshot(model: Model, cache: PrefixCache, seqs: list[ActiveSeq]) -> None:
+    """Snapshots of the sequences the last prefill brought to their next point."""
+    due = [
+        a
+        for a in seqs
+        if a.snap_points and a.snap_points[0] == a.prefilled and a.handle is not None
+    ]
+    if not due:
+        return
+    for a in due:
+        a.snap_points.pop(0)
+    try:
+        ids = model.snapshot_prefixes([a.live_handle for a in due])
+    except ModelError as e:
+        log.warning("snapshotting %d prefixes: %s", len(due), e)
+        return
+    dropped = []
+    for a, snap in zip(due, ids, strict=True):
+        dropped += cache.taken(a.req.prompt_ids, a.prefilled, snap)
+    drop(model, dropped)
+
+
+def drop(model: Model, snapshots: list[int]) -> None:
+    if not snapshots:
+        return
+    try:
+        model.drop_prefixes(snapshots)
+    except ModelError as e:
+        log.warning("dropping %d prefix snapshots: %s", len(snapshots), e)

@@ -1,0 +1,135 @@
+"""The prefix cache: its policy on chosen prompts (what hits, where snapshots are taken, what
+is evicted), and on a real engine through the scheduler: output with the cache on equals
+output with it off, token for token, for `none`, `mtp` and `prompt_lookup`, over a shared
+system prompt and the turns of chats, with hits; and nothing leaks."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from control_plane.env import Env
+from control_plane.scheduler.loop import Scheduler
+from control_plane.scheduler.options import SchedulerOptions
+from control_plane.scheduler.prefill import chunk_length
+from control_plane.scheduler.prefix_cache import PrefixCache
+from control_plane.scheduler.seq import MTP, NONE, PROMPT_LOOKUP, ActiveSeq, GenRequest
+from control_plane.tokenizer import ByteTokenizer
+from gpu_service.config import ServiceConfig
+from gpu_service.engine import Engine
+from tests.collect import run_all
+
+TOK = ByteTokenizer.default()
+B = 4  # the policy tests' block
+
+
+def _p(*parts: tuple[int, int]) -> list[int]:
+    """A prompt of runs (token, count)."""
+    return [t for t, n in parts for _ in range(n)]
+
+
+def test_a_prompt_hits_its_deepest_snapshot_leaving_a_token_to_prefill() -> None:
+    cache = PrefixCache(budget=4, block=B)
+    first = _p((1, 8), (2, 3))  # boundaries 4, 8
+    assert cache.lookup(first) is None
+    assert cache.points(first, 0) == [8]  # its last whole block; no prompt seen to share
+    assert cache.seen(first) == []
+    assert cache.taken(first, 8, snapshot=11) == []
+    hit = cache.lookup(_p((1, 8), (3, 5)))
+    assert hit is not None and (hit.snapshot, hit.tokens) == (11, 8)
+    # The whole prompt is the prefix: the hit backs off to leave its last token.
+    assert cache.lookup(_p((1, 8))) is None
+    assert cache.lookup(_p((1, 7), (9, 4))) is None, "shares 7 tokens: no whole block of it"
+    assert cache.queries == 11 + 13 + 8 + 11 and cache.hits == 8
+
+
+def test_snapshots_go_where_prompts_diverge() -> None:
+    cache = PrefixCache(budget=4, block=B)
+    system = _p((5, 12))
+    a, b = system + _p((1, 6)), system + _p((2, 6))
+    cache.seen(a)
+    # b shares a's first 12 tokens: where a third prompt sharing the system prompt resumes.
+    assert cache.points(b, 0) == [12, 16]
+    assert cache.points(b, 12) == [16]
+
+
+def test_eviction_is_least_recently_used_and_a_taken_twice_snapshot_is_dropped() -> None:
+    cache = PrefixCache(budget=2, block=B)
+    prompts = [_p((t, 9)) for t in (1, 2, 3)]
+    assert cache.taken(prompts[0], 8, 10) == []
+    assert cache.taken(prompts[1], 8, 20) == []
+    assert cache.lookup(prompts[0]) is not None  # 10 is used: 20 is the least recently
+    assert cache.taken(prompts[2], 8, 30) == [20]
+    assert cache.num_snapshots == 2
+    assert cache.taken(prompts[2], 8, 31) == [31], "its node holds one already"
+    cache.forget(30)
+    assert cache.lookup(prompts[2]) is None
+    assert sorted(cache.clear()) == [10]
+
+
+def test_chunks_end_on_block_boundaries_and_snapshot_points() -> None:
+    a = ActiveSeq(GenRequest("r", tuple(range(200)), 1), lambda ev: None, TOK, (), 1024)
+    assert chunk_length(a, 512, 100, 64) == 64, "a budget of 100 ends on the block at 64"
+    assert chunk_length(a, 512, 1000, 64) == 200, "the prompt's end needs no boundary"
+    a.snap_points = [128]
+    assert chunk_length(a, 512, 1000, 64) == 128
+    assert chunk_length(a, 512, 50, 64) == 0, "no whole block fits the budget"
+
+
+# -- on a real engine ----------------------------------------------------------------------
+
+SYSTEM = tuple(random.Random(5).randrange(256) for _ in range(150))
+
+
+def _wave(method: str, seeds: range) -> list[GenRequest]:
+    rng = random.Random(7)
+    out = []
+    for i in seeds:
+        rng.seed(i)
+        user = tuple(rng.randrange(256) for _ in range(rng.choice([20, 33, 70])))
+        out.append(GenRequest(f"{method}{i}", SYSTEM + user, rng.randint(8, 16), method=method))
+    return out
+
+
+def _serve(engine: Engine, cache: bool) -> tuple[dict[str, list[int]], tuple[int, int]]:
+    """Every request's tokens by id, and the cache's (queries, hits) in tokens."""
+    s = Scheduler(lambda: engine, TOK, SchedulerOptions(prefix_cache=cache), Env())
+    s.start()
+    out: dict[str, list[int]] = {}
+    try:
+        for method in (NONE, MTP, PROMPT_LOOKUP):
+            # A first wave, then the rest, which find its snapshots.
+            for wave in (range(2), range(2, 6)):
+                for r, o in zip(reqs := _wave(method, wave), run_all(s, reqs), strict=True):
+                    out[r.request_id] = o.tokens
+            # Chats of three turns: each turn the last one's prompt, its answer, and more.
+            prompts = [SYSTEM[:70], SYSTEM[60:140]]
+            for turn in range(3):
+                reqs = [
+                    GenRequest(f"chat-{method}-{c}-{turn}", tuple(p), 10, method=method)
+                    for c, p in enumerate(prompts)
+                ]
+                outs = run_all(s, reqs)
+                for r, o in zip(reqs, outs, strict=True):
+                    out[r.request_id] = o.tokens
+                prompts = [
+                    [*p, *o.tokens, *SYSTEM[7 * turn : 7 * turn + 30]]
+                    for p, o in zip(prompts, outs, strict=True)
+                ]
+        counts = (s.prefix.queries, s.prefix.hits) if s.prefix is not None else (0, 0)
+    finally:
+        s.stop()
+    return out, counts
+
+
+def test_the_cache_changes_no_token_and_leaks_nothing(tiny_dir: Path) -> None:
+    svc = ServiceConfig(verify_tiers="8:3,8:2", max_context=1024, prefix_snapshots=6)
+    off, (queries, _) = _serve(Engine(tiny_dir, svc), cache=False)
+    assert queries == 0, "no cache, no lookups"
+    engine = Engine(tiny_dir, svc)
+    on, (queries, hits) = _serve(engine, cache=True)
+    assert on == off
+    print(f"prefix cache: {hits} of {queries} prompt tokens hit")
+    assert hits >= 0.25 * queries
+    # Every request's sequence is freed, and the stopped scheduler dropped its snapshots.
+    assert engine.slots.blocks.num_used == 0 and engine.prefixes.num_held == 0
