@@ -350,3 +350,29 @@ def test_a_propose_only_mismatch_names_row_minus_one(tiny_dir: Path) -> None:
     assert c["argmax_agreement"] == 1.0
     assert report["verdict"] == "FAIL"
     assert "(first at 0, sequence 1, row -1)" in report["reasons"][0]
+
+
+@pytest.mark.parametrize("forwards", [("eager-serial", "eager"), ("triton-serial", "triton")])
+def test_a_prefix_restored_from_a_snapshot_gives_the_whole_prefills_bytes(
+    tiny_dir: Path, forwards: tuple[str, str]
+) -> None:
+    """Each forward's run with every prompt's start (128 and 64 tokens) restored from a snapshot
+    of another sequence, then the batched verifies: byte for byte its run after whole
+    prefills."""
+    svc = ServiceConfig(verify_tiers="4:3", max_context=512, prefix_snapshots=1)
+    engine = Engine(tiny_dir, svc, "fp32")
+    reference, forward = forwards
+    flags = ["--widths", "2", "--ks", "3", "--steps", "2", "--long-prompt", "130", "--snapshot"]
+    report = run_diff(engine, args(*flags, "--reference", reference, "--forwards", forward))
+    assert report["verdict"] == "PASS", report["reasons"]
+    names = [c["variant"] for s in report["shapes"] for c in s["comparisons"]]
+    assert f"{reference} from a snapshot" in names and f"{forward} from a snapshot" in names
+    assert engine.slots.blocks.num_used == 0 and engine.prefixes.num_held == 0
+
+
+def test_the_snapshot_case_needs_whole_blocks_and_snapshots(tiny_dir: Path) -> None:
+    engine = Engine(tiny_dir, ServiceConfig(verify_tiers="4:3", max_context=512))
+    with pytest.raises(DiffError, match="--snapshot needs --long-prompt of at least 130"):
+        run_diff(engine, args("--widths", "2", "--snapshot", "--long-prompt", "100"))
+    with pytest.raises(DiffError, match="holds no prefix snapshots"):
+        run_diff(engine, args("--widths", "2", "--snapshot", "--long-prompt", "130"))

@@ -68,7 +68,7 @@ def test_a_restored_prefix_goes_on_as_a_whole_prefill(tiny_dir: Path, forward: s
     # The sequence it came from goes on with drafts rejected at every position: its rows past
     # the prefix never reach the snapshot's blocks.
     (first,) = engine.prefill([src], [_suffix(9)])
-    steps = 3 if forward == "eager" else 2  # the interpreted kernels are slow
+    steps = 3 if forward == "eager" else 1  # the interpreted kernels are slow
     rejected = _steps(engine, src, first, steps, wrong=True)
     assert [r.accepted[0] for r in rejected[1:]] == [0] * steps
     for seed in (1, 2) if forward == "eager" else (1,):

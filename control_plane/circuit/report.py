@@ -15,8 +15,9 @@ from control_plane.circuit.verify_batch import (
     diff_verify_batch,
     verify_batch_failures,
 )
+from kernels.attention.format import KEY_BLOCK
 from protos.defaults import DEFAULT_MODEL_DIR
-from protos.model import ADMIN_KEY_ENV, Model, ModelError
+from protos.model import ADMIN_KEY_ENV, Capabilities, Model, ModelError
 
 SCHEMA = Path(__file__).with_name("report.schema.json")
 
@@ -85,6 +86,14 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "verified beside keys reaching blocks past theirs (default: prompts of about 12 tokens)",
     )
     parser.add_argument(
+        "--snapshot",
+        action="store_true",
+        help="also run each forward with every prompt's whole blocks restored from a prefix "
+        "snapshot of another sequence and the rest prefilled: the same bytes as after a whole "
+        f"prefill (needs --long-prompt of at least {2 * (KEY_BLOCK + 1)}, so that every prompt "
+        "holds a whole KV block and a token, and a service with --prefix-snapshots)",
+    )
+    parser.add_argument(
         "--num-drafts",
         default="3",
         type=lambda t: _int_at_least(t, "--num-drafts", 1),
@@ -126,6 +135,7 @@ def build_report(model: Model, args: argparse.Namespace, shapes: list[ShapeRepor
         "drafter": args.mtp,
         "steps": args.steps,
         "long_prompt": args.long_prompt,
+        "snapshot": args.snapshot,
         "variants": [
             {"name": "reference", "forward": args.reference},
             *({"name": f, "forward": f} for f in args.forwards),
@@ -167,6 +177,24 @@ def validate_args(model: Model, args: argparse.Namespace) -> None:
         )
     if args.mtp and not caps.has_mtp:
         raise DiffError("--mtp: the model has no MTP head")
+    if args.snapshot:
+        _check_snapshot(caps, args)
+
+
+def _check_snapshot(caps: Capabilities, args: argparse.Namespace) -> None:
+    least = 2 * (caps.kv_block_size + 1)
+    if args.long_prompt < least:
+        raise DiffError(
+            f"--snapshot needs --long-prompt of at least {least}: every prompt a whole KV block "
+            "and a token"
+        )
+    if caps.prefix_snapshots < 1:
+        raise DiffError("--snapshot: the service holds no prefix snapshots (--prefix-snapshots)")
+    if max(args.widths) + int(args.fragment) + 1 > caps.free_slots:
+        raise DiffError(
+            f"--snapshot: a width of {max(args.widths)} and the sequence a snapshot is taken "
+            f"from need more than the {caps.free_slots} free slots"
+        )
 
 
 def run_diff(model: Model, args: argparse.Namespace) -> dict:
@@ -186,6 +214,7 @@ def run_diff(model: Model, args: argparse.Namespace) -> dict:
             args.forwards,
             progress=lambda line: print(line, file=sys.stderr),
             long_prompt=args.long_prompt,
+            snapshot=args.snapshot,
         )
     finally:
         model.set_forward(found)

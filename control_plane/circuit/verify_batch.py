@@ -51,6 +51,9 @@ class Setup:
     prompts: list[list[int]]
     fragment: bool
     drafter: int | None  # drafts per propose, or None without the drafter
+    # Also run each forward with every prompt's start restored from a prefix snapshot, the
+    # rest prefilled, and compare it with the same forward's run after a whole prefill.
+    snapshot: bool = False
 
 
 @dataclass
@@ -165,15 +168,40 @@ class _Cursor:
 
 
 def _prefill_all(
-    model: Model, seqs: list[SequenceHandle], prompts: list[list[int]]
+    model: Model, seqs: list[SequenceHandle], prompts: list[list[int]], restored: bool = False
 ) -> tuple[bytes, list[int], str]:
-    """Each prompt prefilled on its own. -> (the logits rows, the first tokens, their dtype)"""
+    """Each prompt prefilled on its own; `restored`, its last whole block's prefix from a
+    snapshot of another sequence and only the rest prefilled. -> (the logits rows, the first
+    tokens, their dtype)"""
     data, first, dtype = b"", [], ""
     for seq, prompt in zip(seqs, prompts, strict=True):
-        first.append(model.prefill([seq], [prompt])[0])
+        start = _restore(model, seq, prompt) if restored else 0
+        first.append(model.prefill([seq], [prompt[start:]])[0])
         logits = model.read_logits()
         data, dtype = data + logits.data, logits.dtype
     return data, first, dtype
+
+
+def snapshot_prefix(prompt: list[int], block: int) -> int:
+    """The prefix a snapshot case restores: the prompt's whole blocks, leaving a token."""
+    return (len(prompt) - 1) // block * block
+
+
+def _restore(model: Model, seq: SequenceHandle, prompt: list[int]) -> int:
+    """`seq` made from a snapshot of another sequence that prefilled the prompt's start (then
+    freed, and the snapshot dropped: `seq` holds what it needs). -> the prefix's length"""
+    start = snapshot_prefix(prompt, model.capabilities().kv_block_size)
+    donor = model.alloc_sequence()
+    try:
+        model.prefill([donor], [prompt[:start]])
+        (snap,) = model.snapshot_prefixes([donor])
+    finally:
+        model.free_sequence(donor)
+    try:
+        model.restore_prefixes([seq], [snap])
+    finally:
+        model.drop_prefixes([snap])
+    return start
 
 
 def _verify(
@@ -227,14 +255,15 @@ def _step(
 
 
 def run_batch(
-    model: Model, setup: Setup, ks: list[int], steps: int, feed: Feed
+    model: Model, setup: Setup, ks: list[int], steps: int, feed: Feed, restored: bool = False
 ) -> tuple[list[BatchStep], Run]:
-    """One run of `steps` batched verifies at the widths `ks`, rows and accepts from `feed`.
-    -> (what each step fed, so that a replay can feed it again; the run's bytes)"""
+    """One run of `steps` batched verifies at the widths `ks`, rows and accepts from `feed`;
+    `restored`, each prompt's start from a snapshot. -> (what each step fed, so that a replay
+    can feed it again; the run's bytes)"""
     n = len(setup.prompts)
     seqs, spare = _alloc(model, n, setup.fragment)
     try:
-        prefill, first, dtype = _prefill_all(model, seqs, setup.prompts)
+        prefill, first, dtype = _prefill_all(model, seqs, setup.prompts, restored)
         run = Run(prefill, first, [], ks, dtype, [], [])
         cursor = _Cursor(list(first), [0] * n)
         log = [_step(model, setup, seqs, ks, s, feed, cursor, run) for s in range(steps)]
@@ -268,10 +297,12 @@ def diff_verify_batch(
     forwards: list[str],
     progress: Callable[[str], None] = lambda line: None,
     long_prompt: int = 0,
+    snapshot: bool = False,
 ) -> list[ShapeReport]:
     """The reference and every forward for every width at every shape; each sequence's width
     capped as the scheduler caps a step's drafts (`slot_caps`); with `long_prompt`, the first
-    sequence's prompt that long (`batch_prompts`)."""
+    sequence's prompt that long (`batch_prompts`); with `snapshot`, each forward also from
+    prefix snapshots."""
     caps = model.capabilities()
     out = []
     for n in widths:
@@ -279,7 +310,7 @@ def diff_verify_batch(
         model.set_forward(reference)
         greedy = [continuation(model, p, steps * max(ks) + 1) for p in prompts]
         cap = slot_caps(caps.slot_verify_drafts, n, fragment, num_drafts)
-        setup = Setup(prompts, fragment, num_drafts if mtp else None)
+        setup = Setup(prompts, fragment, num_drafts if mtp else None, snapshot)
         feed = Drafted(greedy, caps.vocab_size)
         for shape in dedup([capped(s, cap) for s in batch_shapes(n, ks)]):
             report = _diff_shape(model, setup, shape, steps, feed, reference, forwards)
@@ -310,16 +341,35 @@ def _diff_shape(
         run_batch(model, setup, shape, 1, feed)
     log, ref = run_batch(model, setup, shape, steps, feed)
     comparisons, timings = [], [_timing(reference, ref)]
+    if setup.snapshot:
+        comparisons.append(_from_snapshot(model, setup, shape, steps, log, reference, ref))
     for name in forwards:
         model.set_forward(name)
         _, run = run_batch(model, setup, shape, steps, Replayed(log))
         comparisons.append(compare(name, ref, run))
         timings.append(_timing(name, run))
+        if setup.snapshot:
+            comparisons.append(_from_snapshot(model, setup, shape, steps, log, name, run))
     # The control runs under the last forward, still selected.
     changed = Replayed(_one_draft_changed(log, shape, feed.vocab))
     _, ctl = run_batch(model, setup, shape, steps, changed)
     control = compare("last forward, one draft changed", ref, ctl)
     return ShapeReport(shape, [b.accepted for b in log], comparisons, timings, control)
+
+
+def _from_snapshot(
+    model: Model,
+    setup: Setup,
+    shape: list[int],
+    steps: int,
+    log: list[BatchStep],
+    name: str,
+    whole: Run,
+) -> Comparison:
+    """The forward selected (`name`) replaying `log` with the prompts' starts restored from
+    snapshots, against its run after whole prefills: the same bytes, prefill and every step."""
+    _, run = run_batch(model, setup, shape, steps, Replayed(log), restored=True)
+    return compare(f"{name} from a snapshot", whole, run)
 
 
 def _one_draft_changed(log: list[BatchStep], shape: list[int], vocab: int) -> list[BatchStep]:
