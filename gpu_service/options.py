@@ -146,12 +146,14 @@ def _add_capacity_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--kv-blocks",
-        type=whole_number(0),
+        type=parse_kv_blocks,
         default=ServiceConfig.kv_blocks,
-        metavar="N",
+        metavar="N|auto",
         help="blocks of the paged attention KV pool (target and drafter), 64 positions of "
         "every attention layer each, taken as sequences grow and given back as they shrink "
-        "or end; 0: enough for every slot's whole context (default %(default)s)",
+        "or end; auto: as many as 95%% of the device memory holds after the rest of the plan "
+        "(on the CPU with no --device-memory, 0); 0: enough for every slot's whole context "
+        "(default %(default)s)",
     )
     parser.add_argument(
         "--prefix-snapshots",
@@ -184,7 +186,7 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
     return ServiceConfig(
         verify_tiers=args.verify_tiers,
         max_context=args.max_context,
-        kv_blocks=args.kv_blocks,
+        kv_blocks=args.kv_blocks if isinstance(args.kv_blocks, int) else 0,
         prefix_snapshots=args.prefix_snapshots,
         max_rows=args.max_rows,
         max_batch=args.max_batch,
@@ -207,6 +209,11 @@ def whole_number(least: int) -> Callable[[str], int]:
         return n
 
     return parse
+
+
+def parse_kv_blocks(text: str) -> int | str:
+    """`--kv-blocks`: a whole number, or `auto` (the plan's to settle)."""
+    return text if text == "auto" else whole_number(0)(text)
 
 
 def parse_num_slots(text: str) -> int | str:

@@ -42,6 +42,9 @@ from kernels.attention.naive import KEY_BLOCK
 from kernels.fp8.naive import FP8, BlockFp8
 
 META = torch.device("meta")
+# `--kv-blocks auto` plans this share of the device memory: the rest is the allocator's and
+# the CUDA context's, which no tensor counts (vLLM's gpu_memory_utilization is 0.9).
+AUTO_BLOCKS_SHARE = 0.95
 # Each part's key (in `--json`) and its line in the report; `total_bytes` is their sum.
 PARTS = {
     "weights_bytes": "weights",
@@ -50,7 +53,7 @@ PARTS = {
     "conv_state_bytes": "GDN conv windows",
     "verify_bytes": "verify tiers (GDN + conv)",
     "drafter_kv_bytes": "drafter KV",
-    "snapshot_bytes": "prefix snapshots (GDN + conv + carry)",
+    "snapshot_bytes": "prefix snapshots",
     "logits_bytes": "logits",
     "stash_bytes": "stash, verify hiddens, carry",
     "rope_bytes": "RoPE table",
@@ -360,6 +363,16 @@ def most_slots(fits: Callable[[int], bool]) -> int:
     return max(lo, 1)
 
 
+def most_blocks(model: HybridModel, svc: ServiceConfig, graphs: bool, room: int) -> int:
+    """The KV pool's blocks that fit `room` beside the other per-slot parts, up to every
+    slot's whole context (a block more is of no use); 1 where none fits."""
+    one, _ = slot_parts(model, replace(svc, kv_blocks=1), graphs)
+    two, _ = slot_parts(model, replace(svc, kv_blocks=2), graphs)
+    per_block = sum(two.values()) - sum(one.values())
+    full = svc.num_slots * svc.blocks_per_sequence
+    return max(1, min(full, 1 + (room - sum(one.values())) // per_block))
+
+
 def make_plan(
     name: str,
     cfg: ModelConfig,
@@ -369,9 +382,11 @@ def make_plan(
     memory: Memory,
     auto: bool = False,
     size: int = 1,
+    auto_blocks: bool = False,
 ) -> Plan:
     """The plan of serving `cfg` with `svc` in `dtype` over `size` ranks (one rank's); with
-    `auto` and a known memory, at the most slots whose plan fits it. The model is built once,
+    `auto` and a known memory, at the most slots whose plan fits it; with `auto_blocks`, the KV
+    pool as large as the rest leaves room for (`most_blocks`). The model is built once,
     however many counts that tries. ValueError where `size` does not split `cfg`."""
     start = time.perf_counter()
     graphs = graphs and size == 1  # the engine captures none under tensor parallelism
@@ -396,6 +411,9 @@ def make_plan(
             return sum(parts.values()) <= room
 
         svc = replace(svc, num_slots_override=most_slots(fits))
+    if auto_blocks and memory.bytes is not None:
+        room = int(memory.bytes * AUTO_BLOCKS_SHARE) - sum(fixed.values())
+        svc = replace(svc, kv_blocks=most_blocks(model, svc, graphs, room))
     parts, num_graphs = slot_parts(model, svc, graphs)
     parts |= fixed
     return Plan(
@@ -423,7 +441,7 @@ def from_args(args: argparse.Namespace, device: torch.device, graphs: bool) -> P
     dtype = serving_dtype(cfg, args.dtype)
     memory = device_memory(args.device_memory, device)
     auto, size = args.num_slots == "auto", args.tensor_parallel_size
-    return make_plan(name, cfg, svc, dtype, graphs, memory, auto, size)
+    return make_plan(name, cfg, svc, dtype, graphs, memory, auto, size, args.kv_blocks == "auto")
 
 
 def device_memory(given: int | None, device: torch.device) -> Memory:

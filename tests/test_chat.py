@@ -382,3 +382,38 @@ def test_generate_chat_builds_messages() -> None:
     system = request("--system", "You write Python.", "Sum a list.")
     assert list(system.messages) == messages(CHAT[:2])
     assert request("--chat", "--system", "You write Python.", "Sum a list.") == system
+
+
+TURNS = [
+    {"role": "system", "content": "You write Python."},
+    {"role": "user", "content": "Sum a list."},
+]
+ANSWER = "Use sum(values)."
+
+
+def _turn_starts_with_the_last(template: ChatTemplate) -> None:
+    """Turn 2's rendering starts with turn 1's prompt and its answer: what a multi-turn chat
+    needs to hit the prefix cache with all of turn 1 (its snapshot at turn 1's last block)."""
+    first = template.render(TURNS, True)
+    nxt = [*TURNS, {"role": "assistant", "content": ANSWER}, {"role": "user", "content": "Why?"}]
+    assert template.render(nxt, True).startswith(first + ANSWER)
+
+
+def test_the_bundled_template_renders_turns_that_start_with_the_last() -> None:
+    template = ChatTemplate.from_files(Tokenization.from_dir(DEFAULT_MODEL_DIR).files)
+    assert template is not None
+    _turn_starts_with_the_last(template)
+
+
+# The chat formats among the test templates; the others render a trailer over every message
+# (a count, a summary), so a later turn shares with the last only its common blocks.
+CHAT_FORMATS = [k for k in CASES if k.startswith(("qwen3", "named"))]
+
+
+@pytest.mark.parametrize("case", CHAT_FORMATS)
+def test_the_test_templates_render_turns_that_start_with_the_last(
+    tmp_path: Path, case: str
+) -> None:
+    save_checkpoint(tmp_path, *CASES[case])
+    _, ours = both(tmp_path)
+    _turn_starts_with_the_last(ours)

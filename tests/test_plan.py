@@ -386,3 +386,26 @@ def test_a_size_that_does_not_split_the_model_is_refused(
     assert done.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("met gpu-service serve: error: --tensor-parallel-size 3 does not divide")
+
+
+def test_kv_blocks_auto_fills_the_memory_left(tiny_dir: Path) -> None:
+    """The most blocks within 95% of the memory, and no more than every slot's whole context;
+    with no memory known, every slot's whole context."""
+    small = _plan(tiny_dir, *_tiny_flags("--num-slots", "4", "--kv-blocks", "1"))
+    # A block of every attention layer and the drafter's, with its drafter marks.
+    block = (
+        _plan(tiny_dir, *_tiny_flags("--num-slots", "4", "--kv-blocks", "2")).total - small.total
+    )
+    memory = int((small.total + 10 * block + block // 2) / plan.AUTO_BLOCKS_SHARE)
+    auto = _plan(
+        tiny_dir,
+        *_tiny_flags("--num-slots", "4", "--kv-blocks", "auto", "--device-memory", str(memory)),
+    )
+    assert auto.svc.kv_blocks == 11 and auto.fits
+    assert auto.total <= plan.AUTO_BLOCKS_SHARE * memory < auto.total + block
+    roomy = _plan(
+        tiny_dir, *_tiny_flags("--num-slots", "4", "--kv-blocks", "auto", "--device-memory", "1TB")
+    )
+    assert roomy.svc.kv_blocks == 4 * TINY_SERVICE.max_context // 64
+    cpu = _plan(tiny_dir, *_tiny_flags("--num-slots", "4", "--kv-blocks", "auto"))
+    assert cpu.svc.kv_blocks == 0 and cpu.svc.num_kv_blocks == 4 * TINY_SERVICE.max_context // 64

@@ -105,10 +105,14 @@ def test_shared_blocks_are_held_until_their_last_holder_lets_go(tiny_dir: Path) 
     engine.restore_prefixes([a, b], [snap, snap])
     assert blocks.held(a.slot) == [0, 3] and blocks.held(b.slot) == [0, 4]
     assert blocks.refs(0) == 4
-    for seq in (src, a, b):
+    engine.free_sequence(src)
+    assert blocks.num_used == 4, "a and b hold block 0 and their copies; the snapshot its own"
+    engine.drop_prefixes([snap])  # evicted while sequences made from it still hold block 0
+    assert blocks.refs(0) == 2 and blocks.num_used == 3
+    engine.prefill([a], [[9] * 70])  # a goes on, in blocks of its own past block 0
+    assert blocks.held(a.slot)[0] == 0 and blocks.refs(0) == 2
+    for seq in (a, b):
         engine.free_sequence(seq)
-    assert blocks.num_used == 2, "the snapshot still holds block 0 and its copy"
-    engine.drop_prefixes([snap])
     assert blocks.num_used == 0 and engine.prefixes.num_held == 0
     with pytest.raises(NotFound, match="snapshot 1 is unknown"):
         engine.drop_prefixes([snap])
