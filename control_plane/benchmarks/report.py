@@ -8,6 +8,7 @@ from pathlib import Path
 
 from control_plane.benchmarks.depth import depth_lines, depth_table
 from control_plane.benchmarks.methods import MTP_AUTO
+from control_plane.benchmarks.prefix import prefix_lines, prefix_table
 from control_plane.scheduler.seq import MTP, NONE, PROMPT_LOOKUP
 
 
@@ -55,6 +56,7 @@ def markdown(report: dict) -> str:
     out += _against(report)
     out += ["", *(f"- {line}" for line in figure_lines(report))]
     out += depth_table(report.get("depth"))
+    out += prefix_table(report.get("prefix_cache"))
     out += _replicas_table(report.get("replicas", []))
     out += tensor_parallel_table(report.get("tensor_parallel", []))
     return "\n".join(out) + "\n"
@@ -395,6 +397,7 @@ def print_table(report: dict) -> None:
         )
     more = [
         *depth_lines(report.get("depth")),
+        *prefix_lines(report.get("prefix_cache")),
         *replicas_lines(report.get("replicas", [])),
         *tensor_parallel_lines(report.get("tensor_parallel", [])),
     ]

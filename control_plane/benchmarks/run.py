@@ -19,6 +19,8 @@ On one checkpoint (default: the bundled one), each figure a median over repeats:
 - at one request: a draft's measured cost against a plain decode step, and the mtp / none
   speedup the accepted length predicts from them against the measured one
   (`control_plane.benchmarks.predict`);
+- the prefix cache on and off: time to first token and hit rate over a shared system prompt
+  and over multi-turn chats (`control_plane.benchmarks.prefix`);
 - with `--replicas N`: greedy `mtp` through one GPU service child under a plain scheduler,
   the same child through a router, and N children through a router: what routing costs,
   and the requests each replica took; all must produce identical tokens;
@@ -49,6 +51,7 @@ from control_plane.benchmarks.baseline import (
 from control_plane.benchmarks.depth import depth
 from control_plane.benchmarks.methods import batch_vs_serial, batched_over_serial, methods
 from control_plane.benchmarks.predict import configured_depth, draft_cost, prediction
+from control_plane.benchmarks.prefix import QUICK, Sizes, prefix
 from control_plane.benchmarks.replicas import replicas
 from control_plane.benchmarks.report import draw_chart, markdown, print_table
 from control_plane.benchmarks.split import REPEATS as SPLIT_REPEATS
@@ -135,6 +138,8 @@ def _measure(args: argparse.Namespace) -> dict:
     report["memory"] = memory(engine)
     report["depth"] = depth(args.model, work, [1] if quick else [1, 4], tokens, repeats, quick)
     failures += report["depth"]["failures"]
+    report["prefix_cache"] = prefix(args.model, work, QUICK if quick else Sizes())
+    failures += report["prefix_cache"]["failures"]
     if not quick:
         report["tracing"] = tracing(4, tokens)
     failures += _many_services(args, work, tokens, repeats, report)
