@@ -268,3 +268,24 @@ def test_no_endpoint_exports_nothing(tmp_path: Path) -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60
     )
     assert out.stdout.strip() == "TracerProvider", out.stderr
+
+
+def test_a_prefix_hit_is_on_its_restore_span(
+    memory_spans: InMemorySpanExporter, tiny_dir: Path
+) -> None:
+    """The second request sharing a 130-token prompt start goes on from the first's snapshot
+    at its last whole block: the `prefix_restore` span that restored it says 128 tokens."""
+    svc = ServiceConfig(verify_tiers="4:3", max_context=256, prefix_snapshots=2)
+    engine = Engine(tiny_dir, svc)
+    scheduler = Scheduler(lambda: engine, ByteTokenizer.default(), SchedulerOptions(), Env())
+    scheduler.start()
+    try:
+        for i, tail in enumerate([(1, 2), (3, 4)]):
+            memory_spans.clear()
+            out = Outcome()
+            scheduler.submit(GenRequest(f"p{i}", tuple(range(5, 135)) + tail, 4), out)
+            assert out.done.wait(60) and out.finish is not None
+    finally:
+        scheduler.stop()
+    restores = [s for s in _settled_spans(memory_spans) if s.name == "prefix_restore"]
+    assert [s.attributes["met.prefix_hit_tokens"] for s in restores] == [128]
