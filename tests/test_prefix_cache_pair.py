@@ -1,9 +1,9 @@
-"""The prefix cache through a scheduler over a busy mix, in process and over gRPC: 28 requests
+"""The prefix cache through a scheduler over a busy mix, in process and over gRPC: 32 requests
 at once (a shared 512-token system prompt and each one's own tokens, `none`, `mtp` and
-`prompt_lookup`, stop strings, four cancelled after their first tokens), then the later turns
-of four chats of three turns. Every request's tokens with the cache on equal those with it off
-(a cancelled one's: the shorter a prefix of the longer), and at the end every block, slot and
-snapshot is free."""
+`prompt_lookup`, stop strings, four cancelled after their first tokens, and the first turns of
+four chats), then the chats' later turns, three turns each. Every request's tokens with the
+cache on equal those with it off (a cancelled one's: the shorter a prefix of the longer), and
+at the end every block, slot and snapshot is free."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ class _Cancelling(Outcome):
 def _first_wave() -> list[GenRequest]:
     rng = random.Random(3)
     out = []
-    for i in range(24):
+    for i in range(28):
         own = tuple(rng.randrange(256) for _ in range(rng.choice([9, 30, 64])))
         # Bytes the tiny model writes often: some of these requests end on them.
         stop = ("\x8b", "%") if i % 4 == 1 else ()
