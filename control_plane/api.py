@@ -122,7 +122,19 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             dcut_steps=c.dcut_steps,
             last_step_width=c.last_width,
             replicas=[replica_stats(r) for r in snap.get("replicas", ())],
+            **_pool_stats(snap),
         )
+
+
+def _pool_stats(snap: dict) -> dict:
+    """The KV pool and prefix cache figures of a scheduler's (or the router's) snapshot."""
+    c = snap["counters"]
+    return {
+        "kv_blocks": snap["kv_blocks"],
+        "kv_blocks_free": snap["kv_blocks_free"],
+        "prefix_cache_queries": c.prefix_queries,
+        "prefix_cache_hits": c.prefix_hits,
+    }
 
 
 def replica_stats(r: dict) -> pb.ReplicaStats:
@@ -138,6 +150,7 @@ def replica_stats(r: dict) -> pb.ReplicaStats:
         active=r["active"],
         queued=r["queued"],
         free_slots=r["free_slots"],
+        **_pool_stats(r),
     )
 
 

@@ -210,7 +210,7 @@ class Router:
         """The schedulers' snapshots summed, each replica's beside them (`replicas`)."""
         snaps = [(r, r.scheduler.snapshot()) for r in self.replicas]
         total: dict = {"counters": Counters(), "spec": SpecStats()}
-        for key in ("active", "queued", "free_slots"):
+        for key in ("active", "queued", "free_slots", "kv_blocks", "kv_blocks_free"):
             total[key] = sum(s[key] for _, s in snaps)
         for _, s in snaps:
             total["counters"] = merge_counters(total["counters"], s["counters"])

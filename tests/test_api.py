@@ -146,6 +146,8 @@ def test_cancelled_streams_free_their_slots(stub, served: str) -> None:
     caps = model.capabilities()
     model.close()
     assert caps.free_slots == caps.num_slots == stats.free_slots
+    # Every block the streams took is back in the pool.
+    assert stats.kv_blocks == caps.kv_blocks == stats.kv_blocks_free > 0
 
 
 def test_deadline_frees_the_slot(stub, served: str) -> None:

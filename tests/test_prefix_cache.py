@@ -138,3 +138,14 @@ def test_the_cache_changes_no_token_and_leaks_nothing(tiny_dir: Path, budget: in
     assert hits >= (0.25 if budget > 1 else 0.05) * queries
     # Every request's sequence is freed, and the stopped scheduler dropped its snapshots.
     assert engine.slots.blocks.num_used == 0 and engine.prefixes.num_held == 0
+
+
+def test_a_snapshot_where_prompts_diverge_is_evicted_last() -> None:
+    cache = PrefixCache(budget=2, block=B)
+    system = _p((5, 8))
+    cache.seen(system + _p((1, 5)))
+    assert cache.points(system + _p((2, 5)), 0) == [8, 12]  # 8: where the two diverge
+    assert cache.taken(system + _p((2, 5)), 8, 10) == []
+    assert cache.taken(_p((7, 9)), 8, 20) == []
+    assert cache.lookup(_p((7, 9), (1, 1))) is not None  # 20 used last, 10 least recently
+    assert cache.taken(_p((8, 9)), 8, 30) == [20], "the fork's snapshot stays"

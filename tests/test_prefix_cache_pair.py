@@ -96,6 +96,7 @@ def _serve(connect: Callable[[], Model], cache: bool) -> tuple[dict[str, Outcome
             ]
             outs |= dict(zip([r.request_id for r in reqs], _run(s, reqs, first=100), strict=True))
         hits = s.prefix.hits if s.prefix is not None else 0
+        assert s.snapshot()["counters"].prefix_hits == hits, "GetStats' figure"
     finally:
         s.stop()
     return outs, hits

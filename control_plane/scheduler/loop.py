@@ -162,9 +162,12 @@ class Scheduler:
 
     def snapshot(self) -> dict:
         counters, spec = self.tally.copy()
+        blocks, blocks_free = self._kv_blocks()
         with self._lock:
             free = self.free_slots if self.ctx else 0
             return {
+                "kv_blocks": blocks,
+                "kv_blocks_free": blocks_free,
                 "counters": counters,
                 "spec": spec,
                 # Finished ones whose slot a plan in flight still holds count until it is free.
@@ -172,6 +175,18 @@ class Scheduler:
                 "queued": self._queued,
                 "free_slots": free,
             }
+
+    def _kv_blocks(self) -> tuple[int, int]:
+        """The service's KV pool: its blocks and those free now (asked; 0, 0 when it cannot
+        be, or before a connection)."""
+        model = self.model
+        if model is None:
+            return 0, 0
+        try:
+            caps = model.capabilities()
+        except (grpc.RpcError, ModelError, OSError):
+            return 0, 0
+        return caps.kv_blocks, caps.kv_blocks_free
 
     # -- the loop ------------------------------------------------------------------------
 
@@ -360,7 +375,7 @@ class Scheduler:
             if a.handle is None:
                 a.finish("error")
         if admitted and self.prefix is not None:
-            prefixing.restore(self.model, self.prefix, admitted, self.series)
+            prefixing.restore(self.model, self.prefix, admitted, self.tally)
 
     def _tell_places(self) -> None:
         """Each request still waiting after admission hears where it stands."""

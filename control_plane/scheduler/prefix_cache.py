@@ -14,8 +14,9 @@ A node may hold a snapshot, taken while a prompt was prefilled up to it.
   last whole block, which its own continuation (the next turn of a chat) starts with, and at
   the deepest node it shares with a prompt served before, where two prompts diverge. That node
   is where a third one sharing the first part goes on from, and a shared system prompt ends.
-- Snapshots are dropped least recently used first when more than the budget are held; nodes
-  without one are kept least recently used too, up to `NODE_FACTOR` times the budget."""
+- Snapshots are dropped least recently used first when more than the budget are held, those
+  where prompts diverge after all the others; nodes without one are kept least recently used
+  too, up to `NODE_FACTOR` times the budget."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ NODE_FACTOR = 8
 class Node:
     tokens: tuple[int, ...]  # the prefix up to the node (compared on every hit)
     snapshot: int | None = None
+    diverges: bool = False  # prompts went on from here in different ways
 
 
 @dataclass(frozen=True)
@@ -87,11 +89,14 @@ class PrefixCache:
         """Where to snapshot the prompt while it is prefilled from `start`: block boundaries
         past it, without a snapshot yet, ascending (see the module's docstring)."""
         keys = self._keys(prompt)
-        shared = 0
+        shared, fork = 0, None
         for end, key in keys:
-            if self._node(prompt, end, key) is None:
+            node = self._node(prompt, end, key)
+            if node is None:
                 break
-            shared = end
+            shared, fork = end, node
+        if fork is not None and shared < keys[-1][0]:
+            fork.diverges = True
         wanted = {shared, keys[-1][0] if keys else 0}
         out = []
         for end, key in keys:
@@ -133,8 +138,11 @@ class PrefixCache:
         return held
 
     def _evict(self) -> list[int]:
+        """Past the budget, snapshots go least recently used first, those where prompts
+        diverge last (where the next prompt sharing a start will resume)."""
         dropped = []
-        with_snapshot = [k for k, n in self._nodes.items() if n.snapshot is not None]
+        held = [(n.diverges, k) for k, n in self._nodes.items() if n.snapshot is not None]
+        with_snapshot = [k for _, k in sorted(held, key=lambda dk: dk[0])]  # stable: LRU kept
         for key in with_snapshot[: max(0, len(with_snapshot) - self.budget)]:
             node = self._nodes[key]
             assert node.snapshot is not None

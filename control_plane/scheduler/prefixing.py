@@ -9,9 +9,9 @@ import logging
 
 from opentelemetry.trace import Link
 
-from control_plane.metrics import ReplicaMetrics
 from control_plane.scheduler.prefix_cache import PrefixCache
 from control_plane.scheduler.seq import ActiveSeq
+from control_plane.scheduler.tally import Tally
 from protos.model import Model, ModelError
 from protos.telemetry import span, tracer
 
@@ -20,9 +20,7 @@ TRACER = tracer("met.control_plane")
 HIT_ATTRIBUTE = "met.prefix_hit_tokens"
 
 
-def restore(
-    model: Model, cache: PrefixCache, admitted: list[ActiveSeq], series: ReplicaMetrics | None
-) -> None:
+def restore(model: Model, cache: PrefixCache, admitted: list[ActiveSeq], tally: Tally) -> None:
     """Each admitted request's cached prefix, restored into its fresh sequence; then where
     its prompt is to be snapshotted while it is prefilled."""
     hits = []
@@ -30,8 +28,6 @@ def restore(
         hit = cache.lookup(a.req.prompt_ids)
         if hit is not None:
             hits.append((a, hit))
-        if series is not None:
-            series.prefix_cache_queries.inc(len(a.req.prompt_ids))
     links = [Link(a.req.span_context) for a, _ in hits if a.req.span_context is not None]
     restored = sum(h.tokens for _, h in hits)
     with span(TRACER, "prefix_restore", links, **{HIT_ATTRIBUTE: restored}):
@@ -47,8 +43,7 @@ def restore(
                 hits = []
     for a, h in hits:
         a.prefilled = a.prefix_hit = h.tokens
-        if series is not None:
-            series.prefix_cache_hits.inc(h.tokens)
+    tally.prefix(sum(len(a.req.prompt_ids) for a in admitted), sum(h.tokens for _, h in hits))
     dropped = []
     for a in admitted:
         a.snap_points = cache.points(a.req.prompt_ids, a.prefilled)

@@ -22,6 +22,8 @@ class Counters:
     dcut_steps: int = 0  # steps whose batch D-Cut planned
     last_width: int = 0  # the last step's draft width
     plans: int = 0  # pipelined steps (step plans read back)
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hits: int = 0  # of them, tokens a cached prefix gave
     engine_waited_s: float = 0.0  # the service's idle time between them, as it measured it
 
 
@@ -47,6 +49,8 @@ SUMMED = (
     "dcut_steps",
     "plans",
     "engine_waited_s",
+    "prefix_queries",
+    "prefix_hits",
 )
 
 
@@ -76,6 +80,15 @@ class Tally:
         with self._lock:
             self.counters.plans += 1
             self.counters.engine_waited_s += waited_s
+
+    def prefix(self, queries: int, hits: int) -> None:
+        """Prompt tokens looked up in the prefix cache, and those a cached prefix gave."""
+        with self._lock:
+            self.counters.prefix_queries += queries
+            self.counters.prefix_hits += hits
+        if self.metrics is not None:
+            self.metrics.prefix_cache_queries.inc(queries)
+            self.metrics.prefix_cache_hits.inc(hits)
 
     def stepped(self, width: int, copies: int, dcut: bool, step_nd: int) -> None:
         with self._lock:

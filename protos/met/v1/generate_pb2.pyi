@@ -135,7 +135,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsReply(_message.Message):
-    __slots__ = ("requests", "finished", "prompt_tokens", "completion_tokens", "steps", "speculative", "active", "queued", "free_slots", "prompt_lookup_copies", "dcut_steps", "last_step_width", "replicas")
+    __slots__ = ("requests", "finished", "prompt_tokens", "completion_tokens", "steps", "speculative", "active", "queued", "free_slots", "prompt_lookup_copies", "dcut_steps", "last_step_width", "replicas", "kv_blocks", "kv_blocks_free", "prefix_cache_queries", "prefix_cache_hits")
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +149,10 @@ class GetStatsReply(_message.Message):
     DCUT_STEPS_FIELD_NUMBER: _ClassVar[int]
     LAST_STEP_WIDTH_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     requests: int
     finished: int
     prompt_tokens: int
@@ -162,10 +166,14 @@ class GetStatsReply(_message.Message):
     dcut_steps: int
     last_step_width: int
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStats]
-    def __init__(self, requests: _Optional[int] = ..., finished: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., speculative: _Optional[_Union[SpeculativeStats, _Mapping]] = ..., active: _Optional[int] = ..., queued: _Optional[int] = ..., free_slots: _Optional[int] = ..., prompt_lookup_copies: _Optional[int] = ..., dcut_steps: _Optional[int] = ..., last_step_width: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStats, _Mapping]]] = ...) -> None: ...
+    kv_blocks: int
+    kv_blocks_free: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    def __init__(self, requests: _Optional[int] = ..., finished: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., speculative: _Optional[_Union[SpeculativeStats, _Mapping]] = ..., active: _Optional[int] = ..., queued: _Optional[int] = ..., free_slots: _Optional[int] = ..., prompt_lookup_copies: _Optional[int] = ..., dcut_steps: _Optional[int] = ..., last_step_width: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStats, _Mapping]]] = ..., kv_blocks: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ...) -> None: ...
 
 class ReplicaStats(_message.Message):
-    __slots__ = ("replica", "up", "requests", "finished", "completion_tokens", "steps", "active", "queued", "free_slots")
+    __slots__ = ("replica", "up", "requests", "finished", "completion_tokens", "steps", "active", "queued", "free_slots", "kv_blocks", "kv_blocks_free", "prefix_cache_queries", "prefix_cache_hits")
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     UP_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +183,10 @@ class ReplicaStats(_message.Message):
     ACTIVE_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     FREE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     replica: str
     up: bool
     requests: int
@@ -184,4 +196,8 @@ class ReplicaStats(_message.Message):
     active: int
     queued: int
     free_slots: int
-    def __init__(self, replica: _Optional[str] = ..., up: _Optional[bool] = ..., requests: _Optional[int] = ..., finished: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., active: _Optional[int] = ..., queued: _Optional[int] = ..., free_slots: _Optional[int] = ...) -> None: ...
+    kv_blocks: int
+    kv_blocks_free: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    def __init__(self, replica: _Optional[str] = ..., up: _Optional[bool] = ..., requests: _Optional[int] = ..., finished: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., active: _Optional[int] = ..., queued: _Optional[int] = ..., free_slots: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ...) -> None: ...
