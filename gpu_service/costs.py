@@ -20,15 +20,25 @@ from collections.abc import Generator, Sequence
 from contextlib import suppress
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-from gpu_service.config import ServiceConfig
-from protos.model import CostEntry, InvalidArgument, ResourceExhausted, SequenceHandle
+from gpu_service.config import ModelConfig, ServiceConfig
+from protos.model import CostEntry, InvalidArgument, Model, ResourceExhausted, SequenceHandle
 
-if TYPE_CHECKING:
-    from gpu_service.engine import Engine
+
+class Engine(Model, Protocol):
+    """What a measurement needs of the engine: the `Model` operations, and what keys its
+    table (the service's settings, the checkpoint's directory and config, the forward)."""
+
+    svc: ServiceConfig
+    model_dir: Path
+    cfg: ModelConfig
+
+    @property
+    def forward_name(self) -> str: ...
+
 
 PROMPT = [(7 * i + 3) % 251 for i in range(16)]
 # A measurement takes widths x depths x repeats engine steps; this bounds the last.

@@ -9,8 +9,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from gpu_service.choice import Choice
 from gpu_service.config import ModelConfig, ServiceConfig
-from gpu_service.model.backend import Choice, download, ints, upload
+from gpu_service.model.backend import download, ints, upload
 from gpu_service.model.batch import Segment, draft_batch, key_len
 from gpu_service.model.hybrid import HybridModel
 from gpu_service.model.ops import ROW_TILE, padded_rows

@@ -18,12 +18,13 @@ from opentelemetry import propagate
 from opentelemetry.trace import SpanKind
 
 from gpu_service import costs, graphs
+from gpu_service.choice import Choice
 from gpu_service.config import ModelConfig, ServiceConfig
 from gpu_service.device import describe_device, resolve_device
 from gpu_service.drafter import Drafter
 from gpu_service.graphs import Capture, Graphs
 from gpu_service.kv_blocks import KvBlocks
-from gpu_service.model.backend import EAGER, Choice, EagerOps
+from gpu_service.model.backend import EAGER, EagerOps
 from gpu_service.model.digest import checkpoint_digest
 from gpu_service.model.hybrid import HybridModel, held_bytes
 from gpu_service.model.weights import serving_dtype, stream_weights

@@ -9,8 +9,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from gpu_service.choice import Choice
 from gpu_service.config import ModelConfig, ServiceConfig
-from gpu_service.model.backend import Choice, download, ints, upload
+from gpu_service.model.backend import download, ints, upload
 from gpu_service.model.batch import Segment
 from gpu_service.model.hybrid import PREFILL, VERIFY, HybridModel
 from gpu_service.sampling import check_sampling, distribution, draw, row_draws

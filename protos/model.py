@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from protos.handles import Proposal, SequenceHandle, StepResult
+
 if TYPE_CHECKING:  # the step stream's types name this module's
     from protos.steps import StepStream
 
@@ -99,15 +101,6 @@ def read_tokenizer_files(directory: Path) -> dict[str, bytes]:
     }
 
 
-@dataclass
-class SequenceHandle:
-    """The caller's handle on a sequence the service owns; every reply updates `seq_len`."""
-
-    seq_id: int  # never reused by the service
-    slot: int  # state slot: attention KV rows, GDN state, conv window, drafter KV
-    seq_len: int = 0  # tokens in the target's cache, mirrored from the last reply
-
-
 @dataclass(frozen=True)
 class Capabilities:
     model_name: str
@@ -145,12 +138,6 @@ class Capabilities:
     prefix_snapshots: int = 0  # prefix snapshots it can hold (0: no prefix cache)
 
 
-@dataclass(frozen=True)
-class Proposal:
-    drafts: list[list[int]]  # [sequences][num_drafts]
-    confidences: list[list[float]]  # softmax probability of each draft, same layout
-
-
 def greedy_accepted(rows: Sequence[int], argmax: Sequence[int]) -> int:
     """The greedy verdict, shared by `decode_step` and the control plane. rows = [last, d1 ..
     d_{k-1}]: draft j + 1 stands while it equals the argmax of row j. -> drafts that stood"""
@@ -167,18 +154,6 @@ def room_to_propose(seq_len: int, num_drafts: int, max_context: int) -> bool:
     at the last committed position, whose hidden it starts from), all inside the context.
     Plain arithmetic, so it also holds elementwise for arrays of lengths."""
     return seq_len - 1 + num_drafts <= max_context
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """One greedy speculative step (`decode_step`): the verify's rows and what the verdict
-    made of them."""
-
-    argmax: list[int]  # every row's argmax, in row order
-    logprobs: list[float]  # each argmax's log-probability
-    accepted: list[int]  # per sequence: drafts that stood
-    proposers: list[int]  # indexes of the sequences that got new drafts
-    proposal: Proposal  # their drafts, in `proposers` order
 
 
 @dataclass(frozen=True)

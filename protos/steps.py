@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from protos.model import SequenceHandle, StepResult
+from protos.handles import SequenceHandle, StepResult
 
 # The most steps one plan may run (`StepPlan.repeat`): a plan runs to its end before the
 # next one starts, so this bounds how long one message can keep the engine from the rest.

@@ -18,8 +18,7 @@ from pathlib import Path
 import torch
 
 from training.forward import TrainForward
-from training.options import TrainConfig
-from training.run import (
+from training.loop import (
     Progress,
     apply,
     batch_at,
@@ -28,6 +27,7 @@ from training.run import (
     make_optimizer,
     save_state,
 )
+from training.options import TrainConfig
 
 DISTILL_FILE = "distill.pt"
 

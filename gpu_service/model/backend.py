@@ -5,8 +5,8 @@ parts are shared."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -25,9 +25,6 @@ from kernels.gated_delta_rule.naive import (
 )
 from kernels.moe.naive import routed_moe
 from kernels.rmsnorm.naive import gated_rms_norm
-
-if TYPE_CHECKING:
-    from gpu_service.graphs import Graphs
 
 
 class Cache(NamedTuple):
@@ -169,20 +166,6 @@ class EagerOps:
 
 Ops = EagerOps
 EAGER = EagerOps()
-
-
-class Choice:
-    """The forward in use, shared by the engine's parts: its ops, whether batched calls run
-    one sequence at a time (`*-serial`), and a hook run after every fold (tests plant faults
-    the circuit diff must catch)."""
-
-    def __init__(self) -> None:
-        self.name = "eager"
-        self.ops: EagerOps = EAGER
-        self.serial = False
-        self.after_fold: Callable[[DeviceState, list[int]], None] | None = None
-        # The captured graphs (gpu_service/graphs.py) the batched forwards replay; None: eager.
-        self.graphs: Graphs | None = None
 
 
 def upload(device: torch.device, *lists: Sequence[int]) -> list[torch.Tensor]:
