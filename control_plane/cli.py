@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from protos.defaults import DEFAULT_MODEL_DIR, DEFAULT_SEED
+from protos.hub import model_path
 
 
 def _gpu_service(args: argparse.Namespace) -> None:
@@ -96,7 +97,7 @@ def _replica_count(text: str) -> int:
 
 def _add_up_args(parser: argparse.ArgumentParser) -> None:
     """`met up`'s own arguments; the control plane's follow them."""
-    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
+    parser.add_argument("--model", type=model_path, default=DEFAULT_MODEL_DIR)
     parser.add_argument(
         "--replicas",
         type=_replica_count,
@@ -125,7 +126,11 @@ def _add_gpu_service(sub: argparse._SubParsersAction) -> None:
         "known, 1 when it does not fit, 2 on a bad flag or config.",
     )
     gpu_plan.add_argument(
-        "model", type=Path, metavar="MODEL", help="a checkpoint directory, or a bare config.json"
+        "model",
+        type=model_path,
+        metavar="MODEL",
+        help="a checkpoint directory, a bare config.json, or a Hugging Face hub id "
+        "ORG/NAME[@REVISION]",
     )
     add_plan_args(gpu_plan)
     gpu_plan.add_argument("--json", action="store_true", help="print one JSON object")

@@ -19,7 +19,7 @@ from protos.model import ADMIN_KEY_ENV
 
 
 def start_gpu_service(
-    model_dir: Path,
+    model_dir: Path | str,
     *extra: str,
     timeout: float = 120.0,
     credentials: grpc.ChannelCredentials | None = None,

@@ -39,6 +39,7 @@ from gpu_service.tp.shard import Shard, rank_config
 from gpu_service.verifier import Verifier
 from kernels.attention.format import KEY_BLOCK
 from protos import checks
+from protos.hub import model_name
 from protos.model import (
     FORWARDS,
     Capabilities,
@@ -82,7 +83,7 @@ class Engine:
         self.cfg = ModelConfig.load(model_dir)
         self.tp = tp
         self.svc = svc or ServiceConfig()
-        self.name = model_dir.resolve().name
+        self.name = model_name(model_dir)
         self.model_dir = model_dir
         # Read once, as the weights are: the files served stay those of the weights loaded.
         self._tokenizer_files = read_tokenizer_files(model_dir)

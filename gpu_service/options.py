@@ -9,12 +9,12 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal
-from pathlib import Path
 
 from gpu_service.config import ServiceConfig, parse_tiers
 from gpu_service.tp import DEFAULT_REDUCE, DEFAULT_TIMEOUT_S, REDUCES
 from protos import tls
 from protos.defaults import DEFAULT_MODEL_DIR
+from protos.hub import model_path
 from protos.model import ADMIN_KEY_ENV
 
 # `--num-slots auto` looks no further: more sequences than this at once is no decode batch.
@@ -32,9 +32,10 @@ class Access:
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
-        type=Path,
+        type=model_path,
         default=DEFAULT_MODEL_DIR,
-        help="checkpoint directory (default: the bundled model)",
+        help="checkpoint directory, or a Hugging Face hub id ORG/NAME[@REVISION] (default: the "
+        "bundled model)",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
     parser.add_argument("--port", type=int, default=50051, help="port (0 picks a free one)")

@@ -40,6 +40,7 @@ from gpu_service.tp.group import TpGroup
 from gpu_service.tp.shard import Shard, part, rank_config
 from kernels.attention.naive import KEY_BLOCK
 from kernels.fp8.naive import FP8, BlockFp8
+from protos.hub import model_name
 
 META = torch.device("meta")
 # `--kv-blocks auto` plans this share of the device memory: the rest is the allocator's and
@@ -436,7 +437,7 @@ def from_args(args: argparse.Namespace, device: torch.device, graphs: bool) -> P
     ValueError or OSError with a sentence: a bad flag, an unreadable config, a
     `--tensor-parallel-size` that does not split the model."""
     cfg = load_config(args.model)
-    name = args.model.resolve().name if args.model.is_dir() else str(args.model)
+    name = model_name(args.model) if args.model.is_dir() else str(args.model)
     svc = service_config(args)
     dtype = serving_dtype(cfg, args.dtype)
     memory = device_memory(args.device_memory, device)

@@ -46,6 +46,8 @@ SLOW_TESTS = {
     "tests/test_beside.py": "starts both processes beside live streams",
     "tests/test_fuzz.py": "3,000 malformed RPCs against both processes",
     "tests/test_restart.py": "kills and freezes control plane processes",
+    "tests/test_hub.py::test_serve_serves_a_cached_hub_id": "starts a GPU service process for "
+    "each id",
     "tests/test_prefix_snapshots.py::test_over_grpc_a_snapshot_is_its_sessions": "starts a GPU "
     "service process",
     "tests/test_prefix_snapshots.py::test_a_restored_prefix_goes_on_as_a_whole_prefill[triton]": (

@@ -32,6 +32,7 @@ from control_plane.env import Env
 from control_plane.scheduler.loop import Scheduler, SchedulerOptions
 from control_plane.scheduler.seq import MTP, Delta, Event, Failure, GenRequest
 from protos.defaults import DEFAULT_MODEL_DIR
+from protos.hub import model_path
 from protos.model import Model
 
 SEEDS = 2  # requests that seed the shared system prompt's snapshots, left out of its figures
@@ -321,7 +322,7 @@ def main() -> None:
     import torch
 
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
+    parser.add_argument("--model", type=model_path, default=DEFAULT_MODEL_DIR)
     for f in fields(Sizes):
         parser.add_argument(
             f"--{f.name}",

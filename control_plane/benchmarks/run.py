@@ -61,6 +61,7 @@ from control_plane.benchmarks.tracing import tracing
 from control_plane.benchmarks.workload import Workload
 from control_plane.scheduler.cost_model import cost_widths
 from protos.defaults import DEFAULT_MODEL_DIR
+from protos.hub import model_path
 
 # transformers' static batch, against ours at as many concurrent requests.
 BATCH = 16
@@ -220,7 +221,7 @@ def machine() -> dict:
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
+    parser.add_argument("--model", type=model_path, default=DEFAULT_MODEL_DIR)
     parser.add_argument("--quick", action="store_true", help="the CI-sized smoke run")
     parser.add_argument("--out", type=Path, default=None, help="write the JSON report here")
     parser.add_argument(

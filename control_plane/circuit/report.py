@@ -17,6 +17,7 @@ from control_plane.circuit.verify_batch import (
 )
 from kernels.attention.format import KEY_BLOCK
 from protos.defaults import DEFAULT_MODEL_DIR
+from protos.hub import model_path
 from protos.model import ADMIN_KEY_ENV, Capabilities, Model, ModelError
 
 SCHEMA = Path(__file__).with_name("report.schema.json")
@@ -120,7 +121,10 @@ def _add_target_args(parser: argparse.ArgumentParser) -> None:
         f"read-backs need (default: env {ADMIN_KEY_ENV})",
     )
     parser.add_argument(
-        "--model", type=Path, default=DEFAULT_MODEL_DIR, help="checkpoint of the in-process engine"
+        "--model",
+        type=model_path,
+        default=DEFAULT_MODEL_DIR,
+        help="checkpoint of the in-process engine: a directory or a hub id ORG/NAME[@REVISION]",
     )
 
 
