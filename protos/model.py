@@ -1,8 +1,8 @@
 """The `Model` protocol: every operation the control plane may ask of the GPU service.
 
 Two implementations: `gpu_service.engine.Engine` (in process) and
-`control_plane.client.GrpcModel` (over `met.v1.ModelService`). The scheduler and the circuit
-diff are written against this protocol only. Nothing here imports torch or protobuf.
+`control_plane.replicas.client.GrpcModel` (over `met.v1.ModelService`). The scheduler and the
+circuit diff are written against this protocol only. Nothing here imports torch or protobuf.
 
 Lifecycle of one sequence (each step checked by the service, out-of-order calls are
 `FailedPrecondition`):
@@ -22,7 +22,7 @@ frees the session's sequences. A call naming no live session is refused with UNA
 `set_forward`, `read_logits` and `measure_costs` act on the whole service, so over gRPC they
 are admin calls: they need the service's admin key (`--admin-key`, or `ADMIN_KEY_ENV`) in
 `ADMIN_KEY_METADATA`, and are `PermissionDenied` without it. A service started without a key
-refuses every admin call. `met up` and `control_plane.launch.start_gpu_service` put a random
+refuses every admin call. `met up` and `control_plane.cli.launch.start_gpu_service` put a random
 key in `ADMIN_KEY_ENV` (unless one is set), which the service and every `GrpcModel` of the
 process and its children read.
 

@@ -10,8 +10,8 @@ import grpc
 import pytest
 import torch
 
-from control_plane.client import GrpcModel
-from control_plane.launch import start_control_plane, start_gpu_service, stop
+from control_plane.cli.launch import start_control_plane, start_gpu_service, stop
+from control_plane.replicas.client import GrpcModel
 from gpu_service.config import ModelConfig, ServiceConfig
 from gpu_service.device import choose_device
 from gpu_service.engine import Engine

@@ -8,7 +8,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from control_plane.tokenizer import TOKENIZER_FILE, ByteTokenizer
+from control_plane.text.tokenizer import TOKENIZER_FILE, ByteTokenizer
 from gpu_service.pipeline import PlanClock, plan_steps, run_plan
 from protos.model import (
     Capabilities,

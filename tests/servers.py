@@ -10,8 +10,8 @@ from contextlib import contextmanager
 
 import grpc
 
-from control_plane.api import GenerationServicer
-from control_plane.client import GrpcModel
+from control_plane.fronts.api import GenerationServicer
+from control_plane.replicas.client import GrpcModel
 from control_plane.scheduler.loop import Scheduler
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
 

@@ -52,7 +52,7 @@ def test_bench_quick(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "control_plane.cli",
+            "control_plane.cli.main",
             "bench",
             "--quick",
             "--out",

@@ -11,11 +11,11 @@ import pytest
 from control_plane.benchmarks import prefix as bench
 from control_plane.benchmarks.prefix import Sizes, prefix, prefix_lines, prefix_table, serve
 from control_plane.benchmarks.workload import Workload
-from control_plane.env import Env
+from control_plane.scheduler.env import Env
 from control_plane.scheduler.loop import Scheduler, SchedulerOptions
 from control_plane.scheduler.prefix_cache import PrefixCache
 from control_plane.scheduler.seq import MTP, GenRequest
-from control_plane.tokenizer import ByteTokenizer
+from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.config import ServiceConfig
 from gpu_service.engine import Engine
 

@@ -17,8 +17,8 @@ from subprocess import Popen
 import grpc
 import pytest
 
-from control_plane.client import GrpcModel
-from control_plane.launch import start_control_plane, start_gpu_service, stop
+from control_plane.cli.launch import start_control_plane, start_gpu_service, stop
+from control_plane.replicas.client import GrpcModel
 from protos.met.v1 import generate_pb2, generate_pb2_grpc, model_pb2
 from protos.met.v1 import model_pb2_grpc as model_grpc
 from protos.model import ADMIN_KEY_ENV, ADMIN_KEY_METADATA, SESSION_METADATA

@@ -16,11 +16,11 @@ from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from control_plane.api import GenerationServicer
-from control_plane.env import Env
+from control_plane.fronts.api import GenerationServicer
+from control_plane.scheduler.env import Env
 from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.options import SchedulerOptions
-from control_plane.tokenizer import ByteTokenizer
+from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.engine import Engine
 from gpu_service.options import Access
 from gpu_service.server import build_server

@@ -16,12 +16,12 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from control_plane import generate_cli
-from control_plane.chat import CONFIG_FILE, TEMPLATE_FILE, ChatTemplate
-from control_plane.cli import build_parser
-from control_plane.door import Admission, BadRequest, to_request
+from control_plane.admission.door import Admission, BadRequest, to_request
+from control_plane.cli import generate
+from control_plane.cli.main import build_parser
 from control_plane.scheduler.loop import Scheduler
-from control_plane.tokenizer import Tokenization
+from control_plane.text.chat import CONFIG_FILE, TEMPLATE_FILE, ChatTemplate
+from control_plane.text.tokenizer import Tokenization
 from gpu_service.engine import Engine
 from protos.defaults import DEFAULT_MODEL_DIR
 from protos.met.v1 import generate_pb2 as pb
@@ -374,7 +374,7 @@ def refusal(stub: pb_grpc.GenerationServiceStub, request: pb.GenerateRequest) ->
 
 def test_generate_chat_builds_messages() -> None:
     def request(*argv: str) -> pb.GenerateRequest:
-        return generate_cli.build_request(build_parser().parse_args(["generate", *argv]))
+        return generate.build_request(build_parser().parse_args(["generate", *argv]))
 
     assert request("def f():") == pb.GenerateRequest(prompt="def f():", top_p=1.0)
     chat = request("--chat", "Sum a list.")

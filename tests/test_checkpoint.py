@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from control_plane.cli import main
-from control_plane.tokenizer import ByteTokenizer, load_tokenizer
+from control_plane.cli.main import main
+from control_plane.text.tokenizer import ByteTokenizer, load_tokenizer
 from gpu_service.config import ModelConfig, ServiceConfig, parse_tiers
 from gpu_service.engine import Engine
 from gpu_service.model.weights import init_weights, load_weights, weight_shapes

@@ -26,8 +26,8 @@ from control_plane.circuit.shapes import (
     slot_of,
 )
 from control_plane.circuit.verify_batch import DiffError, ShapeReport, verify_batch_failures
-from control_plane.cli import build_parser
-from control_plane.launch import start_gpu_service, stop
+from control_plane.cli.launch import start_gpu_service, stop
+from control_plane.cli.main import build_parser
 from control_plane.scheduler.verdict import offsets
 from gpu_service.config import ServiceConfig
 from gpu_service.engine import Engine
@@ -176,7 +176,7 @@ def test_default_model_in_process_and_served(
         [
             sys.executable,
             "-m",
-            "control_plane.cli",
+            "control_plane.cli.main",
             "circuit",
             "diff",
             "--verify-batch",

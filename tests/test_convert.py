@@ -206,6 +206,8 @@ def test_costs_round_trip(cached: bool, n: int) -> None:
 
 
 def test_the_control_plane_side_stays_torch_free() -> None:
-    probe = "import sys, protos.convert, control_plane.client; print('torch' in sys.modules)"
+    probe = (
+        "import sys, protos.convert, control_plane.replicas.client; print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from control_plane.env import Env
 from control_plane.scheduler import cost_model
 from control_plane.scheduler.context import StepContext
 from control_plane.scheduler.cost_model import (
@@ -19,11 +18,12 @@ from control_plane.scheduler.cost_model import (
     drafted_line,
     propose_depth,
 )
+from control_plane.scheduler.env import Env
 from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.seq import GenRequest
 from control_plane.scheduler.step import step_mtp
-from control_plane.tokenizer import ByteTokenizer
+from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service import costs as cost_tables
 from gpu_service.config import ServiceConfig
 from gpu_service.engine import Engine
@@ -236,7 +236,7 @@ def test_cached_only_reads_the_table_and_never_measures(
 
 
 def test_cached_only_needs_no_admin_key(served: str) -> None:
-    from control_plane.client import GrpcModel
+    from control_plane.replicas.client import GrpcModel
     from protos.model import ModelError
 
     model = GrpcModel(served, admin_key="not the key")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from control_plane.client import GrpcModel
+from control_plane.replicas.client import GrpcModel
 from gpu_service.engine import Engine
 from protos.model import InvalidArgument, Model, StepResult, room_to_propose
 from tests.conftest import TINY_SERVICE

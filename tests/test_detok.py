@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from control_plane.detok import Detokenizer, Tokenizer
-from control_plane.tokenizer import ByteTokenizer, load_tokenizer
+from control_plane.text.detok import Detokenizer, Tokenizer
+from control_plane.text.tokenizer import ByteTokenizer, load_tokenizer
 from protos.defaults import DEFAULT_MODEL_DIR
 
 TOK = ByteTokenizer.default()

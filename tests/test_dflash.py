@@ -6,9 +6,9 @@ from dataclasses import replace
 
 import pytest
 
-from control_plane.env import Env
 from control_plane.scheduler.context import StepContext
 from control_plane.scheduler.dflash import DFlashRung
+from control_plane.scheduler.env import Env
 from control_plane.scheduler.step import step_mtp
 from tests.fake_model import FakeModel
 from tests.test_step_mtp import NO_ENV, seqs
@@ -76,8 +76,8 @@ def test_bootstrap_then_batch_and_no_prompt_lookup() -> None:
 
 
 def test_batched_bootstrap_and_grammar_in_the_dflash_arm() -> None:
-    from control_plane.grammar import GrammarCompiler
-    from control_plane.tokenizer import ByteTokenizer
+    from control_plane.text.grammar import GrammarCompiler
+    from control_plane.text.tokenizer import ByteTokenizer
 
     model = FakeModel(caps=WIDE)
     fresh = seqs(model, 2)

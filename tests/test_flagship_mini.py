@@ -11,7 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from control_plane.launch import start_control_plane, start_gpu_service, stop
+from control_plane.cli.launch import start_control_plane, start_gpu_service, stop
 from gpu_service.config import ServiceConfig
 from gpu_service.engine import Engine
 from gpu_service.moe_bench import DenseOps

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from control_plane.cli import main as met
+from control_plane.cli.main import main as met
 from gpu_service.config import ServiceConfig
 from gpu_service.engine import Engine
 from gpu_service.model.hybrid import held_bytes
@@ -262,7 +262,7 @@ def _serve_status(directory: Path) -> tuple[int, str]:
         [
             sys.executable,
             "-m",
-            "control_plane.cli",
+            "control_plane.cli.main",
             "gpu-service",
             "serve",
             "--model",

@@ -11,15 +11,15 @@ import grpc
 import pytest
 from opentelemetry.trace import INVALID_SPAN
 
-from control_plane import door as door_module
-from control_plane.door import BadRequest, Door
-from control_plane.env import Env
-from control_plane.grammar import GrammarCompiler
+from control_plane.admission import door as door_module
+from control_plane.admission.door import BadRequest, Door
 from control_plane.scheduler.context import StepContext
+from control_plane.scheduler.env import Env
 from control_plane.scheduler.loop import Scheduler, SchedulerOptions
 from control_plane.scheduler.seq import MTP, GenRequest
 from control_plane.scheduler.step import step_mtp
-from control_plane.tokenizer import ByteTokenizer
+from control_plane.text.grammar import GrammarCompiler
+from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.config import ServiceConfig
 from gpu_service.engine import Engine
 from protos.met.v1 import generate_pb2 as pb

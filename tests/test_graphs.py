@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from control_plane.scheduler.seq import MTP, GenRequest
-from control_plane.tokenizer import ByteTokenizer
+from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service import graphs
 from gpu_service.config import ServiceConfig
 from gpu_service.engine import Engine
@@ -139,7 +139,7 @@ def test_calls_no_graph_fits_run_eagerly(tiny_dir: Path) -> None:
 
 
 def test_scheduler_outputs_match_and_capabilities_say_so(tiny_dir: Path) -> None:
-    from control_plane.env import Env
+    from control_plane.scheduler.env import Env
     from control_plane.scheduler.loop import Scheduler
     from control_plane.scheduler.options import SchedulerOptions
 

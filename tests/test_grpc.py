@@ -13,7 +13,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
-from control_plane.client import GrpcModel
+from control_plane.replicas.client import GrpcModel
 from gpu_service.engine import Engine
 from protos.met.v1 import model_pb2 as pb
 from protos.met.v1 import model_pb2_grpc as pb_grpc

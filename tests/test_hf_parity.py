@@ -113,10 +113,10 @@ def test_missing_and_reshaped_tensors_are_named(tmp_path: Path) -> None:
 
 
 def test_no_mtp_checkpoint_serves_with_speculation_off(tmp_path: Path) -> None:
-    from control_plane.env import Env
+    from control_plane.scheduler.env import Env
     from control_plane.scheduler.loop import Scheduler
     from control_plane.scheduler.seq import MTP, NONE, GenRequest
-    from control_plane.tokenizer import ByteTokenizer
+    from control_plane.text.tokenizer import ByteTokenizer
     from tests.collect import run_all
 
     directory, _ = _checkpoint(tmp_path, {})
@@ -207,8 +207,8 @@ def test_unsupported_config_fields_are_named(tmp_path: Path, field: str, value) 
 
 
 def test_serve_an_hf_directory(tmp_path: Path) -> None:
-    from control_plane.client import GrpcModel
-    from control_plane.launch import start_gpu_service, stop
+    from control_plane.cli.launch import start_gpu_service, stop
+    from control_plane.replicas.client import GrpcModel
 
     directory, reference = _checkpoint(tmp_path, CONFIGS["moe-shared"])
     proc, target = start_gpu_service(

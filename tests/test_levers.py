@@ -9,17 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from control_plane.env import Env
 from control_plane.scheduler import dcut
 from control_plane.scheduler.adaptive import LOW, AdaptiveRung
 from control_plane.scheduler.context import StepContext
+from control_plane.scheduler.env import Env
 from control_plane.scheduler.ladder import Ladder
 from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.prompt_lookup import find_copy
 from control_plane.scheduler.seq import MTP, NONE, PROMPT_LOOKUP, ActiveSeq, GenRequest
 from control_plane.scheduler.step import step_mtp
-from control_plane.tokenizer import ByteTokenizer
+from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.config import ServiceConfig
 from gpu_service.engine import Engine
 from tests.collect import run_all

@@ -14,7 +14,7 @@ import torch
 from grpc_health.v1 import health
 from safetensors.torch import save_file
 
-from control_plane.client import GrpcModel
+from control_plane.replicas.client import GrpcModel
 from gpu_service import engine as engine_module
 from gpu_service.engine import Engine
 from gpu_service.model.digest import SAMPLE_BYTES, checkpoint_digest, sampled_runs

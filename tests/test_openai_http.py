@@ -26,13 +26,14 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from control_plane import auth, openai_http
-from control_plane.api import GenerationServicer
-from control_plane.client import GrpcModel
-from control_plane.door import Door
+from control_plane.admission import auth
+from control_plane.admission.door import Door
+from control_plane.cli.server import build_server
+from control_plane.fronts import openai_http
+from control_plane.fronts.api import GenerationServicer
+from control_plane.replicas.client import GrpcModel
 from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.options import SchedulerOptions
-from control_plane.server import build_server
 from gpu_service.config import ServiceConfig
 from gpu_service.engine import Engine
 from protos.met.v1 import generate_pb2 as pb

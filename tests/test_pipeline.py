@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from control_plane.env import Env
-from control_plane.grammar import GrammarCompiler
+from control_plane.scheduler.env import Env
 from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.seq import MTP, NONE, PROMPT_LOOKUP, Delta, GenRequest
-from control_plane.tokenizer import ByteTokenizer
+from control_plane.text.grammar import GrammarCompiler
+from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.config import ServiceConfig
 from gpu_service.engine import Engine
 from protos.steps import StepPlan

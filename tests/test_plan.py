@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from control_plane.cli import build_parser, main
+from control_plane.cli.main import build_parser, main
 from gpu_service import plan, plan_report, server
 from gpu_service.config import ModelConfig, ServiceConfig
 from gpu_service.engine import Engine
@@ -299,7 +299,7 @@ def test_serve_plans_before_it_loads(tiny_dir: Path, capsys: pytest.CaptureFixtu
 
 
 def test_serve_refuses_a_plan_that_does_not_fit(tiny_dir: Path) -> None:
-    cmd = [sys.executable, "-m", "control_plane.cli", "gpu-service", "serve", "--port", "0"]
+    cmd = [sys.executable, "-m", "control_plane.cli.main", "gpu-service", "serve", "--port", "0"]
     args = ["--model", str(tiny_dir), "--device", "cpu", "--device-memory", "2MB"]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     done = subprocess.run(

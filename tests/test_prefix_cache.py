@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from control_plane.env import Env
+from control_plane.scheduler.env import Env
 from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.prefill import chunk_length
 from control_plane.scheduler.prefix_cache import PrefixCache
 from control_plane.scheduler.seq import MTP, NONE, PROMPT_LOOKUP, ActiveSeq, GenRequest
-from control_plane.tokenizer import ByteTokenizer
+from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.config import ServiceConfig
 from gpu_service.engine import Engine
 from tests.collect import run_all

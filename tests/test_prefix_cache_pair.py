@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from control_plane.client import GrpcModel
-from control_plane.env import Env
-from control_plane.launch import start_gpu_service, stop
+from control_plane.cli.launch import start_gpu_service, stop
+from control_plane.replicas.client import GrpcModel
+from control_plane.scheduler.env import Env
 from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.seq import MTP, NONE, PROMPT_LOOKUP, Delta, Event, GenRequest
-from control_plane.tokenizer import ByteTokenizer
+from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.config import ServiceConfig
 from gpu_service.engine import Engine
 from protos.model import Model

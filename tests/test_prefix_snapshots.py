@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from control_plane.client import GrpcModel
-from control_plane.launch import start_gpu_service, stop
+from control_plane.cli.launch import start_gpu_service, stop
+from control_plane.replicas.client import GrpcModel
 from gpu_service.engine import Engine
 from protos.model import (
     FailedPrecondition,

@@ -12,10 +12,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from control_plane.generate_cli import add_args, run
+from control_plane.cli.generate import add_args, run
 from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.seq import QUEUED_UPDATE_S, ActiveSeq, GenRequest, Queued
-from control_plane.tokenizer import ByteTokenizer
+from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.config import ServiceConfig
 from gpu_service.engine import Engine
 from protos.met.v1 import generate_pb2 as pb

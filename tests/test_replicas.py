@@ -17,14 +17,14 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from control_plane.env import Env
-from control_plane.launch import start_control_plane, start_gpu_service, stop, wait_serving
-from control_plane.metrics import Metrics
-from control_plane.replicas import Router, Target, TargetError, parse_targets
+from control_plane.cli.launch import start_control_plane, start_gpu_service, stop, wait_serving
+from control_plane.replicas.router import Router, Target, TargetError, parse_targets
+from control_plane.scheduler.env import Env
 from control_plane.scheduler.loop import Joins, Scheduler
+from control_plane.scheduler.metrics import Metrics
 from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.seq import NONE, GenRequest
-from control_plane.tokenizer import ByteTokenizer
+from control_plane.text.tokenizer import ByteTokenizer
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
 from tests.collect import Outcome
@@ -55,7 +55,7 @@ def test_a_bad_list_ends_the_process_with_a_sentence() -> None:
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "control_plane.cli", "control-plane", "serve"]
+    cmd = [sys.executable, "-m", "control_plane.cli.main", "control-plane", "serve"]
     done = subprocess.run([*cmd, "--gpu-service", "a:1,b"], capture_output=True, text=True)
     assert done.returncode == 2
     assert "--gpu-service 'a:1,b': 'b' is not HOST:PORT" in done.stderr
@@ -130,7 +130,7 @@ def test_a_replica_down_is_skipped_and_health_follows() -> None:
 
 def test_a_replica_serving_another_model_is_refused(caplog: pytest.LogCaptureFixture) -> None:
     models = {"a:1": FakeModel(), "b:1": FakeModel(digest="other")}
-    with caplog.at_level(logging.ERROR, logger="control_plane.replicas"):
+    with caplog.at_level(logging.ERROR, logger="control_plane.replicas.router"):
         router = Fakes(models).router()  # type: ignore[arg-type]
     assert _place(router, 2) == ["a:1", "a:1"]
     assert [r.up for r in router.replicas] == [True, False]

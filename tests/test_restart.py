@@ -17,8 +17,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from control_plane.client import GrpcModel
-from control_plane.launch import start_control_plane, start_gpu_service, stop
+from control_plane.cli.launch import start_control_plane, start_gpu_service, stop
+from control_plane.replicas.client import GrpcModel
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
 from tests.servers import free_slots_within

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import torch
 
-from control_plane.env import Env
+from control_plane.scheduler.env import Env
 from control_plane.scheduler.loop import Scheduler, SchedulerOptions
 from control_plane.scheduler.seq import MTP, NONE, GenRequest
-from control_plane.tokenizer import ByteTokenizer
+from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.config import ServiceConfig
 from gpu_service.engine import Engine
 from gpu_service.sampling import distribution, draw, row_draws

@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from control_plane.launch import start_control_plane, start_gpu_service, stop
+from control_plane.cli.launch import start_control_plane, start_gpu_service, stop
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
 from tests.hf_checkpoint import MESSAGES, PROMPT, Checkpoint, greedy, make_checkpoint

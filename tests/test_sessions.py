@@ -14,8 +14,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from control_plane.client import GrpcModel
-from control_plane.launch import start_gpu_service, stop
+from control_plane.cli.launch import start_gpu_service, stop
+from control_plane.replicas.client import GrpcModel
 from protos.met.v1 import model_pb2 as pb
 from protos.met.v1 import model_pb2_grpc as pb_grpc
 from protos.model import SESSION_METADATA, NotFound, PermissionDenied
@@ -30,7 +30,7 @@ NUM_SLOTS = 8  # SERVE_ARGS' tiers: 2 + 2 + 4
 # A client process that takes every slot, says so, and waits to be killed or stopped.
 HOLDER = f"""
 import sys, time
-from control_plane.client import GrpcModel
+from control_plane.replicas.client import GrpcModel
 model = GrpcModel(sys.argv[1])
 seqs = [model.alloc_sequence() for _ in range({NUM_SLOTS})]
 print("holding", len(seqs), flush=True)

@@ -11,8 +11,8 @@ from typing import Any
 import grpc
 import pytest
 
-from control_plane.client import GrpcModel
-from control_plane.launch import start_gpu_service
+from control_plane.cli.launch import start_gpu_service
+from control_plane.replicas.client import GrpcModel
 from gpu_service.pipeline import PlanClock
 from protos import convert as cv
 from protos.met.v1 import model_pb2 as pb

@@ -16,7 +16,7 @@ import psutil
 import pytest
 import torch
 
-from control_plane.launch import start_control_plane, start_gpu_service, stop
+from control_plane.cli.launch import start_control_plane, start_gpu_service, stop
 from gpu_service.config import ModelConfig, ServiceConfig
 from gpu_service.engine import Engine
 from gpu_service.model.weights import weight_shapes
@@ -269,7 +269,7 @@ def _diff_passes(target: str, out: Path) -> None:
     a time, a fragmented slot table, the drafter's propose."""
     diff = subprocess.run(
         [
-            *(sys.executable, "-m", "control_plane.cli", "circuit", "diff", "--verify-batch"),
+            *(sys.executable, "-m", "control_plane.cli.main", "circuit", "diff", "--verify-batch"),
             *("--gpu-service", target, "--widths", "2,3", "--ks", "2,3", "--steps", "2"),
             *("--fragment", "--mtp", "--out", str(out)),
         ],

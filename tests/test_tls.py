@@ -23,15 +23,15 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
-from control_plane import generate_cli
-from control_plane.api import GenerationServicer
-from control_plane.auth import bearer
-from control_plane.cli import build_parser
-from control_plane.client import GrpcModel
-from control_plane.launch import start_control_plane, start_gpu_service, stop
+from control_plane.admission.auth import bearer
+from control_plane.cli import generate as generate_command
+from control_plane.cli.launch import start_control_plane, start_gpu_service, stop
+from control_plane.cli.main import build_parser
+from control_plane.cli.server import PROG, build_server, read_security
+from control_plane.fronts.api import GenerationServicer
+from control_plane.replicas.client import GrpcModel
 from control_plane.scheduler.loop import Scheduler
-from control_plane.server import PROG, build_server, read_security
-from control_plane.tokenizer import ByteTokenizer
+from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.engine import Engine
 from gpu_service.options import Access
 from gpu_service.server import build_server as build_gpu_server
@@ -206,9 +206,9 @@ def test_met_generate_sends_the_key(
 ) -> None:
     argv = ["generate", "abc", "--target", target, "--tls-ca", str(certs.ca)]
     argv += ["--max-new-tokens", "2", "--ignore-eos"]
-    assert generate_cli.run(build_parser().parse_args([*argv, "--api-key", KEY])) == 0
+    assert generate_command.run(build_parser().parse_args([*argv, "--api-key", KEY])) == 0
     assert "[length] 3 prompt + 2 completion tokens" in capsys.readouterr().err
-    assert generate_cli.run(build_parser().parse_args(argv)) == 1
+    assert generate_command.run(build_parser().parse_args(argv)) == 1
     assert "error: UNAUTHENTICATED: this API requires an API key" in capsys.readouterr().err
 
 
@@ -269,7 +269,7 @@ def test_processes_refuse_a_cert_without_its_key(certs: Certs, process: str) -> 
     if process == "control-plane":
         argv += ["--gpu-service", "127.0.0.1:1"]
     result = subprocess.run(
-        [sys.executable, "-m", "control_plane.cli", *argv],
+        [sys.executable, "-m", "control_plane.cli.main", *argv],
         capture_output=True,
         text=True,
         timeout=60,

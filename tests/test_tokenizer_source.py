@@ -15,14 +15,14 @@ import grpc
 import pytest
 from grpc_health.v1 import health
 
-from control_plane.api import GenerationServicer
-from control_plane.client import GrpcModel
-from control_plane.env import Env
-from control_plane.grammar import GrammarCompiler
+from control_plane.fronts.api import GenerationServicer
+from control_plane.replicas.client import GrpcModel
+from control_plane.scheduler.env import Env
 from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.seq import GenRequest
-from control_plane.tokenizer import TOKENIZER_FILE, ByteTokenizer, Tokenization
+from control_plane.text.grammar import GrammarCompiler
+from control_plane.text.tokenizer import TOKENIZER_FILE, ByteTokenizer, Tokenization
 from gpu_service.engine import Engine
 from gpu_service.options import Access
 from gpu_service.server import build_server

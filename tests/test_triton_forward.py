@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from control_plane.circuit.report import run_diff
-from control_plane.client import GrpcModel
+from control_plane.replicas.client import GrpcModel
 from gpu_service.config import ServiceConfig
 from gpu_service.engine import Engine
 from protos.model import InvalidArgument

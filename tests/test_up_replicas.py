@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from control_plane import up
-from control_plane.cli import build_parser
+from control_plane.cli import up
+from control_plane.cli.main import build_parser
 from protos.model import ADMIN_KEY_ENV
 
 

@@ -11,12 +11,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from control_plane.cli import build_parser
-from control_plane.door import Admission, BadRequest, to_request
+from control_plane.admission.door import Admission, BadRequest, to_request
+from control_plane.cli.main import build_parser
+from control_plane.cli.server import admission
 from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.seq import MTP
-from control_plane.server import admission
-from control_plane.tokenizer import ByteTokenizer
+from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.config import ServiceConfig
 from gpu_service.engine import Engine
 from protos.met.v1 import generate_pb2 as pb

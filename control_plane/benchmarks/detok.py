@@ -14,8 +14,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from control_plane.detok import Detokenizer, Tokenizer
-from control_plane.tokenizer import load_tokenizer
+from control_plane.text.detok import Detokenizer, Tokenizer
+from control_plane.text.tokenizer import load_tokenizer
 from protos.defaults import DEFAULT_MODEL_DIR
 
 LENGTHS = (500, 1000, 2000, 4000)
@@ -24,7 +24,7 @@ STOP = ("<|stop|>",)  # never in the text: the hold-back search runs at every to
 
 def output_ids(tokenizer: Tokenizer, n: int) -> list[int]:
     """n tokens of real text (this repository's detokenizer source, repeated)."""
-    import control_plane.detok as source
+    import control_plane.text.detok as source
 
     text = inspect.getsource(source)
     ids: list[int] = []

@@ -11,7 +11,7 @@ import argparse
 import time
 
 from control_plane.benchmarks.workload import Workload
-from control_plane.env import Env
+from control_plane.scheduler.env import Env
 from control_plane.scheduler.loop import Scheduler, SchedulerOptions
 from control_plane.scheduler.seq import MTP, NONE, PROMPT_LOOKUP, GenRequest
 from protos.defaults import DEFAULT_MODEL_DIR

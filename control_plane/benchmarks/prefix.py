@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from control_plane.benchmarks.workload import Workload
-from control_plane.env import Env
+from control_plane.scheduler.env import Env
 from control_plane.scheduler.loop import Scheduler, SchedulerOptions
 from control_plane.scheduler.seq import MTP, Delta, Event, Failure, GenRequest
 from protos.defaults import DEFAULT_MODEL_DIR

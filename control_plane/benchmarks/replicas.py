@@ -20,14 +20,14 @@ import statistics
 from pathlib import Path
 
 from control_plane.benchmarks.workload import Workload, drive, median, options_for
-from control_plane.client import GrpcModel
-from control_plane.env import Env
-from control_plane.launch import set_admin_key, start_gpu_service, stop
-from control_plane.replicas import Router, parse_targets
+from control_plane.cli.launch import set_admin_key, start_gpu_service, stop
+from control_plane.cli.server import grpc_router
+from control_plane.cli.up import start_all
+from control_plane.replicas.client import GrpcModel
+from control_plane.replicas.router import Router, parse_targets
+from control_plane.scheduler.env import Env
 from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.seq import MTP, GenRequest
-from control_plane.server import grpc_router
-from control_plane.up import start_all
 from protos.defaults import DEFAULT_MODEL_DIR
 
 ARMS = ("single", "router_1", "router_n")

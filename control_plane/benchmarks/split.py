@@ -15,8 +15,8 @@ from pathlib import Path
 
 from control_plane.benchmarks.baseline import same_rounds
 from control_plane.benchmarks.workload import Workload, median, serve
-from control_plane.client import GrpcModel
-from control_plane.launch import start_gpu_service, stop
+from control_plane.cli.launch import start_gpu_service, stop
+from control_plane.replicas.client import GrpcModel
 from control_plane.scheduler.seq import MTP, NONE
 from protos.defaults import DEFAULT_MODEL_DIR
 

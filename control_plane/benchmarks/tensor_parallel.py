@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from control_plane.benchmarks.workload import Workload, drive, median, options_for
-from control_plane.client import GrpcModel
-from control_plane.env import Env
-from control_plane.launch import start_gpu_service, stop
+from control_plane.cli.launch import start_gpu_service, stop
+from control_plane.replicas.client import GrpcModel
+from control_plane.scheduler.env import Env
 from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.seq import MTP
 from gpu_service.config import ModelConfig

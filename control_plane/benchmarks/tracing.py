@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from control_plane.launch import start_control_plane, start_gpu_service, stop
+from control_plane.cli.launch import start_control_plane, start_gpu_service, stop
 from protos.defaults import DEFAULT_MODEL_DIR
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc

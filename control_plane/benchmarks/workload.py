@@ -10,8 +10,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from control_plane.env import Env
-from control_plane.replicas import Drives, Router
+from control_plane.replicas.router import Drives, Router
+from control_plane.scheduler.env import Env
 from control_plane.scheduler.loop import Scheduler, SchedulerOptions
 from control_plane.scheduler.seq import NONE, Finish, GenRequest
 from protos.model import Model
@@ -126,7 +126,7 @@ def serve_texts(
     options: dict | None = None,
 ) -> dict:
     """Greedy continuations of `prompts`, all at once: texts in order, and the spec stats."""
-    from control_plane.tokenizer import load_tokenizer
+    from control_plane.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(model_dir)
     reqs = [
@@ -143,7 +143,7 @@ class Workload:
     (`held_out_prompts.json`, written by `met train`), else a few generic ones."""
 
     def __init__(self, model_dir: Path) -> None:
-        from control_plane.tokenizer import load_tokenizer
+        from control_plane.text.tokenizer import load_tokenizer
 
         self.tokenizer = load_tokenizer(model_dir)
         path = model_dir / "held_out_prompts.json"

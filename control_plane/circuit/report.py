@@ -227,7 +227,7 @@ def run_diff(model: Model, args: argparse.Namespace) -> dict:
 
 def _connect(args: argparse.Namespace) -> Model:
     if args.gpu_service:
-        from control_plane.client import GrpcModel
+        from control_plane.replicas.client import GrpcModel
 
         return GrpcModel(args.gpu_service, admin_key=args.gpu_service_admin_key)
     from gpu_service.engine import Engine

@@ -24,12 +24,11 @@ from collections.abc import Callable
 import grpc
 from opentelemetry.context import Context
 
-from control_plane.detok import Tokenizer
-from control_plane.env import Env
-from control_plane.metrics import REPLICA_ATTRIBUTE, Metrics, ReplicaMetrics
 from control_plane.scheduler import prefixing
 from control_plane.scheduler.context import StepContext
 from control_plane.scheduler.cost_model import measured_table
+from control_plane.scheduler.env import Env
+from control_plane.scheduler.metrics import REPLICA_ATTRIBUTE, Metrics, ReplicaMetrics
 from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.pipeline import Pipeline
 from control_plane.scheduler.prefill import prefill
@@ -38,7 +37,8 @@ from control_plane.scheduler.seq import ActiveSeq, GenRequest, QueueSink, Sink
 from control_plane.scheduler.served import refuse_stale, replaces, served_by
 from control_plane.scheduler.status import step_status
 from control_plane.scheduler.tally import Tally
-from control_plane.tokenizer import Tokenization
+from control_plane.text.detok import Tokenizer
+from control_plane.text.tokenizer import Tokenization
 from protos.model import Capabilities, Model, ModelError, ResourceExhausted, SequenceHandle
 from protos.telemetry import tracer
 

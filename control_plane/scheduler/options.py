@@ -8,7 +8,7 @@ import argparse
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from control_plane.env import Env
+from control_plane.scheduler.env import Env
 from control_plane.scheduler.ladder import Ladder
 from protos.steps import MAX_PLAN_REPEAT
 

@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 from opentelemetry import propagate
 from opentelemetry.trace import Link, Span, set_span_in_context
 
-from control_plane.metrics import REPLICA_ATTRIBUTE
 from control_plane.scheduler import dcut
 from control_plane.scheduler.context import StepContext
+from control_plane.scheduler.metrics import REPLICA_ATTRIBUTE
 from control_plane.scheduler.seq import MTP, NONE, ActiveSeq
 from control_plane.scheduler.step import step_mtp, step_width
 from control_plane.scheduler.verdict import apply_step, offsets

@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING, Protocol
 
 from opentelemetry.trace import SpanContext
 
-from control_plane.detok import Detokenizer, Tokenizer
+from control_plane.text.detok import Detokenizer, Tokenizer
 from protos.model import FailedPrecondition, ModelError, Sampling, SequenceHandle
 
 if TYPE_CHECKING:  # llguidance is imported only where grammars are compiled
-    from control_plane.grammar import Grammar
+    from control_plane.text.grammar import Grammar
 
 NONE, MTP, PROMPT_LOOKUP = "none", "mtp", "prompt_lookup"
 QUEUED_UPDATE_S = 0.25  # the least time between two `Queued` notices to one request

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 from control_plane.scheduler.seq import ActiveSeq
-from control_plane.tokenizer import Tokenization
+from control_plane.text.tokenizer import Tokenization
 from protos.model import Capabilities, FailedPrecondition, Model
 
 log = logging.getLogger("control_plane.scheduler")

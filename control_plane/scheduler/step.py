@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 
 from opentelemetry.trace import Link
 
-from control_plane.metrics import REPLICA_ATTRIBUTE
 from control_plane.scheduler import dcut
 from control_plane.scheduler.batch_verify import (
     canonical_assignment,
@@ -30,6 +29,7 @@ from control_plane.scheduler.context import StepContext
 from control_plane.scheduler.cost_model import propose_depth
 from control_plane.scheduler.dflash import step_dflash
 from control_plane.scheduler.ladder import clamp_drafts_to_slot_capacity
+from control_plane.scheduler.metrics import REPLICA_ATTRIBUTE
 from control_plane.scheduler.prompt_lookup import offer_copy, settle_copies
 from control_plane.scheduler.seq import MTP, PROMPT_LOOKUP, ActiveSeq
 from control_plane.scheduler.serial_verify import serial_verify_plan, step_verify_serial

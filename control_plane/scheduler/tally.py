@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from control_plane.metrics import ReplicaMetrics
+from control_plane.scheduler.metrics import ReplicaMetrics
 from control_plane.scheduler.seq import ActiveSeq, SpecStats
 
 

@@ -16,8 +16,8 @@ from types import TracebackType
 
 import grpc
 
-from control_plane.client import GrpcModel
-from control_plane.launch import start_control_plane, start_gpu_service, stop
+from control_plane.cli.launch import start_control_plane, start_gpu_service, stop
+from control_plane.replicas.client import GrpcModel
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
 from protos.model import Capabilities
@@ -174,7 +174,7 @@ def _diff(gpu: str, settings: Settings, mtp: bool) -> dict:
     ]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "diff.json"
-        cmd = [sys.executable, "-m", "control_plane.cli", "circuit", "diff", *flags]
+        cmd = [sys.executable, "-m", "control_plane.cli.main", "circuit", "diff", *flags]
         cmd += ["--gpu-service", gpu, "--out", str(out)]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=DIFF_TIMEOUT_S)
         if not out.exists():

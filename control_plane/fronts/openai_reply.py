@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from control_plane.api import stats_message
-from control_plane.detok import Tokenizer
+from control_plane.fronts.api import stats_message
 from control_plane.scheduler.seq import Delta, Finish
+from control_plane.text.detok import Tokenizer
 
 STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,

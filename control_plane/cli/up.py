@@ -12,8 +12,8 @@ import subprocess
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from control_plane.launch import set_admin_key, start_gpu_service, stop
-from control_plane.server import read_security, serve
+from control_plane.cli.launch import set_admin_key, start_gpu_service, stop
+from control_plane.cli.server import read_security, serve
 
 Child = tuple[subprocess.Popen, str]  # the process and the address it serves on
 

@@ -31,11 +31,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from control_plane import auth
-from control_plane.api import TRACER, failed, finished, request_attributes
-from control_plane.door import BadRequest, Door
-from control_plane.openai_body import Ask, InvalidParam, chat_request, completion_request
-from control_plane.openai_reply import DONE, Reply, error, grpc_error, sse
+from control_plane.admission import auth
+from control_plane.admission.door import BadRequest, Door
+from control_plane.fronts.api import TRACER, failed, finished, request_attributes
+from control_plane.fronts.openai_body import Ask, InvalidParam, chat_request, completion_request
+from control_plane.fronts.openai_reply import DONE, Reply, error, grpc_error, sse
 from control_plane.scheduler.seq import Delta, Failure, Finish, Queued
 from protos.model import Capabilities
 

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from tokenizers import Tokenizer as _Tokenizer
 
-from control_plane.chat import write_default_template
-from control_plane.detok import Tokenizer
+from control_plane.text.chat import write_default_template
+from control_plane.text.detok import Tokenizer
 from protos.model import TOKENIZER_FILES, read_tokenizer_files
 
 TOKENIZER_FILE = TOKENIZER_FILES[0]

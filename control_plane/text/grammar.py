@@ -14,7 +14,7 @@ from typing import Protocol
 
 import llguidance
 
-from control_plane.detok import Tokenizer
+from control_plane.text.detok import Tokenizer
 
 
 class Grammar(Protocol):

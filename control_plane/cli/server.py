@@ -15,24 +15,25 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from control_plane import auth, openai_http
-from control_plane.api import GenerationServicer
-from control_plane.client import GrpcModel
-from control_plane.detok import Tokenizer
-from control_plane.door import (
+from control_plane.admission import auth
+from control_plane.admission.door import (
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_MAX_PROMPT_BYTES,
     DEFAULT_METHOD,
     Admission,
     Door,
 )
-from control_plane.env import Env
-from control_plane.metrics import Metrics
-from control_plane.replicas import Router, Target, TargetError, parse_targets
+from control_plane.fronts import openai_http
+from control_plane.fronts.api import GenerationServicer
+from control_plane.replicas.client import GrpcModel
+from control_plane.replicas.router import Router, Target, TargetError, parse_targets
+from control_plane.scheduler.env import Env
 from control_plane.scheduler.loop import Joins, Scheduler
+from control_plane.scheduler.metrics import Metrics
 from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.seq import MTP, NONE
-from control_plane.tokenizer import Tokenization
+from control_plane.text.detok import Tokenizer
+from control_plane.text.tokenizer import Tokenization
 from protos import tls
 from protos.bodies import RejectUndecodable
 from protos.met.v1 import generate_pb2, generate_pb2_grpc

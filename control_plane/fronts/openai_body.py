@@ -20,7 +20,7 @@ from typing import Any
 
 import grpc
 
-from control_plane.door import INVALID, METHODS, BadRequest
+from control_plane.admission.door import INVALID, METHODS, BadRequest
 from protos.met.v1 import generate_pb2 as pb
 
 UINT32, UINT64 = (1 << 32) - 1, (1 << 64) - 1

@@ -23,7 +23,7 @@ def _gpu_service_plan(args: argparse.Namespace) -> None:
 
 
 def _control_plane(args: argparse.Namespace) -> None:
-    from control_plane.server import run
+    from control_plane.cli.server import run
 
     run(args)
 
@@ -47,13 +47,13 @@ def _quantize(args: argparse.Namespace) -> None:
 
 
 def _up(args: argparse.Namespace) -> None:
-    from control_plane.up import run
+    from control_plane.cli.up import run
 
     sys.exit(run(args))
 
 
 def _generate(args: argparse.Namespace) -> None:
-    from control_plane.generate_cli import run
+    from control_plane.cli.generate import run
 
     sys.exit(run(args))
 
@@ -138,9 +138,9 @@ def _add_gpu_service(sub: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from control_plane import generate_cli, server
     from control_plane.benchmarks import run as bench
     from control_plane.circuit import report
+    from control_plane.cli import generate, server
     from training import options as train_options
 
     parser = argparse.ArgumentParser(prog="met", description=__doc__)
@@ -162,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.set_defaults(fn=_up)
 
     gen = sub.add_parser("generate", help="stream one request from a running control plane")
-    generate_cli.add_args(gen)
+    generate.add_args(gen)
     gen.set_defaults(fn=_generate)
 
     circuit = sub.add_parser("circuit", help="proofs that a forward computes the reference")

@@ -38,15 +38,15 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from control_plane.detok import Tokenizer
-from control_plane.metrics import Metrics
 from control_plane.scheduler.loop import Joins, Scheduler
+from control_plane.scheduler.metrics import Metrics
 from control_plane.scheduler.seq import ActiveSeq, GenRequest, QueueSink, Sink, SpecStats
 from control_plane.scheduler.tally import Counters, merge_counters
-from control_plane.tokenizer import Tokenization
+from control_plane.text.detok import Tokenizer
+from control_plane.text.tokenizer import Tokenization
 from protos.model import Capabilities, FailedPrecondition, ModelError, ResourceExhausted
 
-log = logging.getLogger("control_plane.replicas")
+log = logging.getLogger("control_plane.replicas.router")
 DNS_SCHEME = "dns:///"
 PROBE_S = 0.5  # how often a replica that is down is asked again
 RESOLVE_S = 5.0  # how often `dns:///` names are resolved again

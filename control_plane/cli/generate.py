@@ -7,8 +7,8 @@ import sys
 
 import grpc
 
-from control_plane.auth import bearer
-from control_plane.server import DEFAULT_PORT
+from control_plane.admission.auth import bearer
+from control_plane.cli.server import DEFAULT_PORT
 from protos import tls
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc

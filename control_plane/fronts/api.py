@@ -10,8 +10,8 @@ import uuid
 import grpc
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-from control_plane.door import Admission, BadRequest, Door
-from control_plane.replicas import Drives
+from control_plane.admission.door import Admission, BadRequest, Door
+from control_plane.replicas.router import Drives
 from control_plane.scheduler.seq import Delta, Failure, Finish, Queued, SpecStats
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc

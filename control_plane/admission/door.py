@@ -12,13 +12,13 @@ from collections.abc import Iterable
 import grpc
 from opentelemetry.trace import Span
 
-from control_plane.chat import ChatTemplate
-from control_plane.detok import Tokenizer
-from control_plane.grammar import Grammar, GrammarCompiler
-from control_plane.metrics import REPLICA_ATTRIBUTE
-from control_plane.replicas import Drives
+from control_plane.replicas.router import Drives
+from control_plane.scheduler.metrics import REPLICA_ATTRIBUTE
 from control_plane.scheduler.seq import MTP, NONE, PROMPT_LOOKUP, Event, GenRequest, Queued
-from control_plane.tokenizer import Tokenization
+from control_plane.text.chat import ChatTemplate
+from control_plane.text.detok import Tokenizer
+from control_plane.text.grammar import Grammar, GrammarCompiler
+from control_plane.text.tokenizer import Tokenization
 from protos.met.v1 import generate_pb2 as pb
 from protos.model import Capabilities, ModelError
 
