@@ -149,3 +149,30 @@ def test_a_snapshot_where_prompts_diverge_is_evicted_last() -> None:
     assert cache.taken(_p((7, 9)), 8, 20) == []
     assert cache.lookup(_p((7, 9), (1, 1))) is not None  # 20 used last, 10 least recently
     assert cache.taken(_p((8, 9)), 8, 30) == [20], "the fork's snapshot stays"
+
+
+def test_a_finished_answer_is_where_the_next_turn_resumes(tiny_dir: Path) -> None:
+    """A 70-token prompt and its 70-token answer: snapshotted at 128 once the request ends (the
+    prompt's own snapshot is at 64), so the next turn, which starts with both, resumes there,
+    with the same tokens as without the cache."""
+    svc = ServiceConfig(verify_tiers="8:3,8:2", max_context=1024, prefix_snapshots=4)
+    outs = []
+    for cache in (True, False):
+        engine = Engine(tiny_dir, svc)
+        s = Scheduler(
+            lambda engine=engine: engine, TOK, SchedulerOptions(prefix_cache=cache), Env()
+        )
+        s.start()
+        try:
+            first = tuple(SYSTEM[:70])
+            (answer,) = run_all(s, [GenRequest("t0", first, 70, ignore_eos=True, method=MTP)])
+            nxt = (*first, *answer.tokens, *SYSTEM[:20])
+            hits = s.prefix.hits if s.prefix is not None else 0
+            (second,) = run_all(s, [GenRequest("t1", nxt, 8, method=MTP)])
+            if s.prefix is not None:
+                assert s.prefix.hits - hits == 128
+            outs.append((answer.tokens, second.tokens))
+        finally:
+            s.stop()
+        assert engine.slots.blocks.num_used == 0 and engine.prefixes.num_held == 0
+    assert outs[0] == outs[1]

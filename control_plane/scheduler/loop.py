@@ -404,7 +404,16 @@ class Scheduler:
                 group.remove(a)
                 if a.failure is None:
                     self.tally.finished(a)
+                    self._remember(a)
                 a.finish(a.finished or "stop")
+
+    def _remember(self, a: ActiveSeq) -> None:
+        """A request that ran to its end leaves its prompt and answer in the prefix cache."""
+        if self.prefix is None or self.model is None or self.ctx is None:
+            return
+        if a.finished in ("stop", "length"):
+            budget = self.ctx.caps.max_prefill_tokens
+            prefixing.after_answer(self.model, self.prefix, a, budget)
 
     def _free(self, a: ActiveSeq) -> None:
         """Release the request's sequence; one the service no longer knows is gone already."""

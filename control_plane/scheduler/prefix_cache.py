@@ -14,6 +14,8 @@ A node may hold a snapshot, taken while a prompt was prefilled up to it.
   last whole block, which its own continuation (the next turn of a chat) starts with, and at
   the deepest node it shares with a prompt served before, where two prompts diverge. That node
   is where a third one sharing the first part goes on from, and a shared system prompt ends.
+- A finished request's prompt and answer are snapshotted at their last whole block, which the
+  next turn of its chat starts with (`prefixing.after_answer`).
 - Snapshots are dropped least recently used first when more than the budget are held, those
   where prompts diverge after all the others; nodes without one are kept least recently used
   too, up to `NODE_FACTOR` times the budget."""
@@ -72,17 +74,23 @@ class PrefixCache:
         return node
 
     def lookup(self, prompt: Sequence[int]) -> Hit | None:
-        """The snapshot a prompt goes on from, if any (counted in `queries` and `hits`)."""
+        """The snapshot a prompt goes on from, if any (counted in `queries` and `hits`): the
+        deepest that leaves a token of it to prefill."""
         self.queries += len(prompt)
-        best = None
-        for end, key in self._keys(prompt):
-            if end >= len(prompt):
-                break
-            node = self._node(prompt, end, key)
-            if node is not None and node.snapshot is not None:
-                best = Hit(node.snapshot, end)
+        best = self.deepest(prompt, len(prompt) - 1)
         if best is not None:
             self.hits += best.tokens
+        return best
+
+    def deepest(self, tokens: Sequence[int], limit: int) -> Hit | None:
+        """The deepest snapshot `tokens` start with, at most `limit` tokens long."""
+        best = None
+        for end, key in self._keys(tokens):
+            if end > limit:
+                break
+            node = self._node(tokens, end, key)
+            if node is not None and node.snapshot is not None:
+                best = Hit(node.snapshot, end)
         return best
 
     def points(self, prompt: Sequence[int], start: int) -> list[int]:

@@ -80,3 +80,33 @@ def drop(model: Model, snapshots: list[int]) -> None:
         model.drop_prefixes(snapshots)
     except ModelError as e:
         log.warning("dropping %d prefix snapshots: %s", len(snapshots), e)
+
+
+def after_answer(model: Model, cache: PrefixCache, a: ActiveSeq, budget: int) -> None:
+    """A finished request's prompt and answer, snapshotted at their last whole block, where
+    the next turn of its chat will resume. Decode keeps the GDN state at a block boundary only
+    in the verify buffers of the step that crossed it, so the state is computed again: a fresh
+    sequence goes on from the deepest snapshot the tokens start with and prefills the rest up
+    to the boundary in whole blocks (the bytes of one prefill of all of them)."""
+    tokens, block = [*a.req.prompt_ids, *a.generated], cache.block
+    end = len(tokens) // block * block
+    hit = cache.deepest(tokens, end)
+    start = hit.tokens if hit is not None else 0
+    step = budget // block * block
+    if end - start < block or step < block:
+        return
+    try:
+        seq = model.alloc_sequence()
+    except ModelError:  # no slot to spare: the next turn resumes from the prompt's snapshot
+        return
+    try:
+        if hit is not None:
+            model.restore_prefixes([seq], [hit.snapshot])
+        for at in range(start, end, step):
+            model.prefill([seq], [tokens[at : min(at + step, end)]])
+        (snap,) = model.snapshot_prefixes([seq])
+        drop(model, cache.taken(tokens, end, snap))
+    except ModelError as e:
+        log.warning("snapshotting a finished request's answer: %s", e)
+    finally:
+        model.free_sequence(seq)
