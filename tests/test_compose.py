@@ -407,3 +407,14 @@ def test_binary_rejects_a_broken_file(tmp_path: Path) -> None:
     broken = tmp_path / "compose.yaml"
     broken.write_text("services:\n  a:\n    image: x\n    depends_on: [missing]\n")
     assert _config(broken).returncode != 0
+
+
+def test_prefix_caching_is_on_in_every_gpu_service(stack: dict, cpu_services: dict) -> None:
+    """Room for 32 prefix snapshots unless MET_PREFIX_SNAPSHOTS says otherwise; the control
+    plane's prefix cache is on by default, so this turns it on."""
+    for services in (stack, cpu_services):
+        for name in _replicas(services):
+            assert _flag(services[name]["command"], "--prefix-snapshots") == "32", name
+    tp = _services(BASE, profiles=("tp",), env={"MET_PREFIX_SNAPSHOTS": "0"})
+    for name in _replicas(tp):
+        assert _flag(tp[name]["command"], "--prefix-snapshots") == "0", name
