@@ -28,7 +28,7 @@ from protos.met.v1 import generate_pb2_grpc as pb_grpc
 from tests.flagship import MINI_FLAGSHIP
 from tests.steps import logit_rows
 
-SERVICE = ServiceConfig(verify_tiers="4:3,4:2", max_context=256)
+SERVICE = ServiceConfig(verify_tiers="4:3,4:2", max_context=256, prefix_snapshots=2)
 # fp32, as the HF-parity tests: a row-parallel sum is reassociated (each rank's partial, then
 # their sum), so logits move by rounding, never by more.
 ATOL, RTOL = 4e-4, 1e-4
@@ -377,3 +377,25 @@ def test_masks_and_sampling_match_one_device(tp_engines: dict[str, Engine]) -> N
     (one, one_lp), (split, split_lp) = results
     assert one == split and one[0] in (3000, 4000, 4095) and one[1] in (5, 2100, 2047, 2048)
     np.testing.assert_allclose(split_lp[:2], one_lp[:2], atol=ATOL, rtol=RTOL)
+
+
+def test_a_prefix_snapshot_under_tp_2(tp_engines: dict[str, Engine]) -> None:
+    """Every rank snapshots its share of the state and restores it: a sequence made from a
+    128-token snapshot, given the rest of the prompt, has the logits of a whole prefill on the
+    same ranks, byte for byte, and every block goes back to the pool."""
+    engine = tp_engines["default-2"]
+    prompt = [(5 * i + 1) % 250 for i in range(150)]
+    whole = engine.alloc_sequence()
+    want = engine.prefill([whole], [prompt]), engine.read_logits().data
+    engine.free_sequence(whole)
+    src, seq = engine.alloc_sequence(), engine.alloc_sequence()
+    engine.prefill([src], [prompt[:128]])
+    (snap,) = engine.snapshot_prefixes([src])
+    engine.restore_prefixes([seq], [snap])
+    got = engine.prefill([seq], [prompt[128:]]), engine.read_logits().data
+    assert got == want
+    for s in (src, seq):
+        engine.free_sequence(s)
+    engine.drop_prefixes([snap])
+    caps = engine.capabilities()
+    assert caps.kv_blocks_free == caps.kv_blocks
