@@ -215,9 +215,9 @@ def test_each_rank_holds_a_share_plus_what_is_replicated(
         got = rank["state"][name]
         if name in ("k_cache", "v_cache", "mtp_k", "mtp_v"):
             assert got == full * kv, name
-        elif name in ("gdn", "verify_gdn", "logits"):  # value heads; the held token ids
+        elif name in ("gdn", "verify_gdn", "snap_gdn", "logits"):  # value heads; held token ids
             assert got * size == full, name
-        elif name in ("conv", "verify_conv"):
+        elif name in ("conv", "verify_conv", "snap_conv"):
             assert got * cfg.conv_dim == full * held.conv_dim, name
         else:
             assert got == full, name  # per-row and per-slot tables
