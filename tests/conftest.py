@@ -50,9 +50,6 @@ SLOW_TESTS = {
     "each id",
     "tests/test_prefix_snapshots.py::test_over_grpc_a_snapshot_is_its_sessions": "starts a GPU "
     "service process",
-    "tests/test_prefix_snapshots.py::test_a_restored_prefix_goes_on_as_a_whole_prefill[triton]": (
-        "interprets the Triton forward for steps of three sequences"
-    ),
     "tests/test_circuit_diff.py::test_a_prefix_restored_from_a_snapshot_gives_the_whole_prefills"
     "_bytes[forwards1]": "interprets the Triton forward through five runs of the diff",
     "tests/test_sessions.py": "starts service processes, kills and freezes clients",

@@ -115,7 +115,8 @@ def test_a_sequence_the_pool_cannot_back_is_refused_alone(tiny_dir: Path) -> Non
 def test_scattered_blocks_give_the_same_bytes(tiny_dir: Path) -> None:
     """A sequence backed by blocks out of order, after another's, equals one backed by the
     first blocks in order: prefill, steps with drafts, and the last logits. (The Triton
-    kernel reads scattered tables in tests/test_prefix_snapshots.py: a restored sequence's.)"""
+    kernel reads scattered tables in tests/test_circuit_diff.py's snapshot case: a restored
+    sequence's.)"""
     forward = "eager"
 
     def run(scatter: bool) -> tuple[list, torch.Tensor]:
