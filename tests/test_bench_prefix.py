@@ -31,6 +31,9 @@ SMALL = Sizes(
     turns=2,
     opening=70,
     user=16,
+    long_tokens=70,
+    long_requests=2,
+    long_concurrency=2,
 )
 
 
@@ -43,13 +46,17 @@ def test_the_section_hits_with_the_cache_alone_and_changes_no_token(
     monkeypatch.setattr(bench, "_compare", lambda a: arms.append(a) or compare(a))
     section = prefix(tiny_dir, Workload(tiny_dir), SMALL)
     assert section["failures"] == []
-    for name, w in (("system", section["system"]), ("chat", section["chat"])):
+    for name in bench.WORKLOADS:
+        w = section[name]
         assert w["identical"], name
-        assert w["on"]["hit_rate"] > 0 and w["off"]["hit_rate"] == 0, name
+        assert w["off"]["hit_rate"] == 0, name
+        # The long answers' prompts are distinct: nothing to hit, only answers to snapshot.
+        assert (w["on"]["hit_rate"] > 0) == (name != "long"), name
         for arm in ("on", "off"):
             assert w[arm]["ttft_median_s"] > 0 and w[arm]["ttft_mean_s"] > 0
             assert w[arm]["tok_s"] > 0
         assert w["ttft_ratio"] == w["on"]["ttft_median_s"] / w["off"]["ttft_median_s"]
+        assert w["tok_s_ratio"] == w["on"]["tok_s"] / w["off"]["tok_s"]
     system = section["system"]
     assert system["on"]["requests"] == SMALL.requests, "the seeds are left out"
     assert len(system["on"]["seed_ttft_s"]) == bench.SEEDS
@@ -57,14 +64,17 @@ def test_the_section_hits_with_the_cache_alone_and_changes_no_token(
     assert system["on"]["measured_hit_rate"] == SMALL.system / (SMALL.system + SMALL.suffix)
     assert system["holds"] == (system["ttft_ratio"] <= bench.TARGET)
     assert len(section["chat"]["on"]["turn_ttft_median_s"]) == SMALL.turns
-    for a in arms:
+    for a, tokens in zip(arms, (SMALL.tokens, SMALL.tokens, SMALL.long_tokens), strict=True):
         on, off = a["on"]["outputs"], a["off"]["outputs"]
-        assert on == off and all(len(t) == SMALL.tokens for t in on)
+        assert on == off and all(len(t) == tokens for t in on)
     assert len(arms[0]["on"]["outputs"]) == bench.SEEDS + SMALL.requests
     assert len(arms[1]["on"]["outputs"]) == SMALL.chats * SMALL.turns
+    assert len(arms[2]["on"]["outputs"]) == SMALL.long_requests
     text = "\n".join(prefix_lines(section))
     assert "TTFT on / off" in text and "the first 2 requests at once seed the cache" in text
     assert "| shared system prompt | on |" in "\n".join(prefix_table(section))
+    assert "| long answers | off |" in "\n".join(prefix_table(section))
+    assert "tok/s on / off" in text
 
 
 def test_a_prompt_sharing_100_tokens_with_a_cached_one_hits_one_block(tiny_dir: Path) -> None:

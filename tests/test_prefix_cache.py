@@ -15,11 +15,19 @@ from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.prefill import chunk_length
 from control_plane.scheduler.prefix_cache import PrefixCache
-from control_plane.scheduler.seq import MTP, NONE, PROMPT_LOOKUP, ActiveSeq, GenRequest
+from control_plane.scheduler.seq import (
+    MTP,
+    NONE,
+    PROMPT_LOOKUP,
+    ActiveSeq,
+    Event,
+    Finish,
+    GenRequest,
+)
 from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.config import ServiceConfig
 from gpu_service.engine import Engine
-from tests.collect import run_all
+from tests.collect import Outcome, run_all
 
 TOK = ByteTokenizer.default()
 B = 4  # the policy tests' block
@@ -152,9 +160,10 @@ def test_a_snapshot_where_prompts_diverge_is_evicted_last() -> None:
 
 
 def test_a_finished_answer_is_where_the_next_turn_resumes(tiny_dir: Path) -> None:
-    """A 70-token prompt and its 70-token answer: snapshotted at 128 once the request ends (the
-    prompt's own snapshot is at 64), so the next turn, which starts with both, resumes there,
-    with the same tokens as without the cache."""
+    """A 70-token prompt and its 70-token answer: snapshotted at 128 once the request ends and
+    the loop is idle (the prompt's own snapshot is at 64), so the next turn, which starts with
+    both, sent once the scheduler settled, resumes there, with the same tokens as without the
+    cache."""
     svc = ServiceConfig(verify_tiers="8:3,8:2", max_context=1024, prefix_snapshots=4)
     outs = []
     for cache in (True, False):
@@ -166,6 +175,7 @@ def test_a_finished_answer_is_where_the_next_turn_resumes(tiny_dir: Path) -> Non
         try:
             first = tuple(SYSTEM[:70])
             (answer,) = run_all(s, [GenRequest("t0", first, 70, ignore_eos=True, method=MTP)])
+            assert s.settle(60), "the answer's snapshot is taken once the loop is idle"
             nxt = (*first, *answer.tokens, *SYSTEM[:20])
             hits = s.prefix.hits if s.prefix is not None else 0
             (second,) = run_all(s, [GenRequest("t1", nxt, 8, method=MTP)])
@@ -176,3 +186,80 @@ def test_a_finished_answer_is_where_the_next_turn_resumes(tiny_dir: Path) -> Non
             s.stop()
         assert engine.slots.blocks.num_used == 0 and engine.prefixes.num_held == 0
     assert outs[0] == outs[1]
+
+
+def test_room_is_made_before_a_snapshot_is_taken() -> None:
+    """The service holds no more snapshots than the budget: a full cache drops, before the
+    call, as many as are to be taken, least recently used first, forks last."""
+    cache = PrefixCache(budget=2, block=B)
+    fork, other = _p((5, 8)), _p((6, 8))
+    cache.seen(fork + _p((1, 5)))
+    assert cache.points(fork + _p((2, 5)), 0) == [8, 12]  # 8: where the two diverge
+    assert cache.taken(fork, 8, 10) == [] and cache.taken(other, 8, 20) == []
+    assert cache.room(0) == []
+    assert cache.room(1) == [20], "the fork's snapshot stays"
+    assert cache.room(5) == [10], "at most the budget is made room for"
+    assert cache.num_snapshots == 0
+
+
+def _prompt(seed: int, n: int) -> tuple[int, ...]:
+    return tuple(random.Random(seed).randrange(256) for _ in range(n))
+
+
+def test_a_full_cache_goes_on_taking_the_newest_prefixes(tiny_dir: Path) -> None:
+    """Room for two snapshots and three prompts served one after the other: the third is
+    snapshotted (the first, least recently used, dropped to make room), so a prompt sharing
+    its first 128 tokens hits them, and one sharing the first prompt's misses."""
+    engine = Engine(
+        tiny_dir, ServiceConfig(verify_tiers="8:3", max_context=512, prefix_snapshots=2)
+    )
+    s = Scheduler(lambda: engine, TOK, SchedulerOptions(prefix_cache=True), Env())
+    s.start()
+    try:
+        prompts = [_prompt(seed, 140) for seed in (1, 2, 3)]
+        for i, p in enumerate(prompts):
+            run_all(s, [GenRequest(f"p{i}", p, 2, method=NONE)])
+            assert s.settle(60)
+        assert s.prefix is not None and s.prefix.num_snapshots == 2
+        hits = s.prefix.hits
+        run_all(s, [GenRequest("third", prompts[2][:128] + (1, 2, 3), 2, method=NONE)])
+        assert s.prefix.hits - hits == 128
+        run_all(s, [GenRequest("first", prompts[0][:128] + (1, 2, 3), 2, method=NONE)])
+        assert s.prefix.hits - hits == 128, "the first prompt's snapshot went to make room"
+    finally:
+        s.stop()
+    assert engine.slots.blocks.num_used == 0 and engine.prefixes.num_held == 0
+
+
+def test_answers_wait_for_an_idle_loop(tiny_dir: Path) -> None:
+    """A finished request's answer is snapshotted only once nothing else runs: while a longer
+    request is still decoding, the short one's answer waits; once the loop settles, both are
+    snapshotted at their last whole block."""
+    engine = Engine(
+        tiny_dir, ServiceConfig(verify_tiers="8:3", max_context=512, prefix_snapshots=8)
+    )
+    s = Scheduler(lambda: engine, TOK, SchedulerOptions(prefix_cache=True), Env())
+    s.start()
+    waiting: list[int] = []
+
+    class Seen(Outcome):
+        def __call__(self, ev: Event) -> None:
+            if isinstance(ev, Finish):  # on the loop's thread: nothing runs meanwhile
+                assert s.prefix is not None
+                waiting.append(len(s.prefix.answers))
+            super().__call__(ev)
+
+    try:
+        short, long = Seen(), Seen()
+        s.submit(GenRequest("short", _prompt(4, 70), 60, ignore_eos=True, method=NONE), short)
+        s.submit(GenRequest("long", _prompt(5, 70), 150, ignore_eos=True, method=NONE), long)
+        assert short.done.wait(120) and long.done.wait(120)
+        assert waiting == [1, 2], "the short one's answer waited while the long one ran"
+        assert s.settle(60) and s.prefix is not None and not s.prefix.answers
+        for p, o in ((_prompt(4, 70), short), (_prompt(5, 70), long)):
+            end = (70 + len(o.tokens)) // 64 * 64
+            hit = s.prefix.deepest((*p, *o.tokens), end)
+            assert hit is not None and hit.tokens == end
+    finally:
+        s.stop()
+    assert engine.slots.blocks.num_used == 0 and engine.prefixes.num_held == 0

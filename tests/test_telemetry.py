@@ -287,5 +287,31 @@ def test_a_prefix_hit_is_on_its_restore_span(
             assert out.done.wait(60) and out.finish is not None
     finally:
         scheduler.stop()
-    restores = [s for s in _settled_spans(memory_spans) if s.name == "prefix_restore"]
+    # Stopped, the loop's thread has ended every span it began (the clears above drop the
+    # first request's parents: waiting for them to end would wait for nothing).
+    restores = [s for s in memory_spans.get_finished_spans() if s.name == "prefix_restore"]
     assert [s.attributes["met.prefix_hit_tokens"] for s in restores] == [128]
+
+
+def test_an_answer_snapshot_is_a_trace_of_its_own(
+    memory_spans: InMemorySpanExporter, tiny_dir: Path
+) -> None:
+    """A 70-token prompt (snapshotted at 64) and a 70-token answer: once idle, the loop
+    prefills the answer's 64 tokens from 64 to 128 again, under a root `prefix_answer` span."""
+    engine = Engine(
+        tiny_dir, ServiceConfig(verify_tiers="4:3", max_context=256, prefix_snapshots=2)
+    )
+    scheduler = Scheduler(lambda: engine, ByteTokenizer.default(), SchedulerOptions(), Env())
+    scheduler.start()
+    try:
+        out = Outcome()
+        scheduler.submit(GenRequest("a", tuple(range(5, 75)), 70, ignore_eos=True), out)
+        assert out.done.wait(60) and out.finish is not None
+        assert scheduler.settle(60)
+    finally:
+        scheduler.stop()
+    (answer,) = [s for s in memory_spans.get_finished_spans() if s.name == "prefix_answer"]
+    assert answer.parent is None and answer.attributes is not None
+    assert answer.attributes["met.replica"] == "local"
+    assert answer.attributes["met.prefix_hit_tokens"] == 64
+    assert answer.attributes["met.prefix_answer_tokens"] == 64

@@ -12,8 +12,14 @@ same prompts and the same engine:
   (prompt tokens a snapshot gave over prompt tokens looked up); the target is a time to
   first token with the cache at most `TARGET` times the one without.
 - `multi-turn chat`: chats of a few turns, every chat's turn at once; each turn's prompt is
-  the last one's, its answer and new user tokens. Time to first token over the turns after
-  the first (the first has nothing cached) and per turn, and the hit rate.
+  the last one's, its answer and new user tokens. A turn is sent once the scheduler has
+  settled after the last (its users read the answers before they reply), which is when the
+  answers are snapshotted. Time to first token over the turns after the first (the first has
+  nothing cached) and per turn, and the hit rate.
+- `long answers`: requests of short distinct prompts and answers of several blocks,
+  `long_concurrency` at a time, each group once the last is done: output tokens per second
+  with the cache over without, what snapshotting answers costs a workload that never
+  reuses them (it waits for an idle loop).
 Prompts are windows of the checkpoint's held-out prompts (else a few generic ones), cycled.
 Both arms must produce the same tokens (the run fails otherwise)."""
 
@@ -39,6 +45,8 @@ SEEDS = 2  # requests that seed the shared system prompt's snapshots, left out o
 TARGET = 0.3  # time to first token with the cache over without, at most
 SNAPSHOTS = 16  # the engine's `--prefix-snapshots`: every chat's and the system prompt's
 ARMS = {"on": True, "off": False}
+WORKLOADS = {"system": "shared system prompt", "chat": "multi-turn chat", "long": "long answers"}
+SETTLE_S = 120  # the longest a chat's answers may take to be snapshotted between its turns
 
 
 def _size(default: int, help: str) -> int:
@@ -56,9 +64,12 @@ class Sizes:
     turns: int = _size(3, "turns of each chat")
     opening: int = _size(256, "tokens of a chat's first prompt")
     user: int = _size(32, "new user tokens of each later turn")
+    long_tokens: int = _size(256, "output tokens of each long answer")
+    long_requests: int = _size(16, "long-answer requests")
+    long_concurrency: int = _size(8, "long-answer requests sent at once")
 
 
-QUICK = Sizes(requests=4, chats=2)
+QUICK = Sizes(requests=4, chats=2, long_tokens=96, long_requests=4, long_concurrency=2)
 
 
 @dataclass
@@ -92,12 +103,14 @@ def prefix(model_dir: Path, work: Workload, sizes: Sizes = Sizes()) -> dict:
     longest = max(
         sizes.system + sizes.suffix,
         sizes.opening + (sizes.turns - 1) * (sizes.tokens + sizes.user),
+        sizes.suffix + sizes.long_tokens,
     )
     context = max(1024, -(-(longest + sizes.tokens) // 64) * 64)  # whole attention key blocks
     engine = Engine(model_dir, ServiceConfig(max_context=context, prefix_snapshots=SNAPSHOTS))
     connect = lambda: engine  # noqa: E731
     system = {arm: shared_system(connect, work, sizes, on) for arm, on in ARMS.items()}
     chat = {arm: chats(connect, work, sizes, on) for arm, on in ARMS.items()}
+    long = {arm: long_answers(connect, work, sizes, on) for arm, on in ARMS.items()}
     shared = _compare(system)
     shared["target"], shared["holds"] = TARGET, shared["ttft_ratio"] <= TARGET
     section: dict = {
@@ -106,10 +119,11 @@ def prefix(model_dir: Path, work: Workload, sizes: Sizes = Sizes()) -> dict:
         "snapshots": SNAPSHOTS,
         "system": shared,
         "chat": _compare(chat),
+        "long": _compare(long),
     }
     section["failures"] = [
         f"prefix cache, {name}: tokens with the cache differ from those without"
-        for name in ("system", "chat")
+        for name in WORKLOADS
         if not section[name]["identical"]
     ]
     return section
@@ -120,6 +134,7 @@ def _compare(arms: dict[str, dict]) -> dict:
     made the same tokens (the outputs themselves left out of the report)."""
     out: dict = {arm: {k: v for k, v in r.items() if k != "outputs"} for arm, r in arms.items()}
     out["ttft_ratio"] = arms["on"]["ttft_median_s"] / arms["off"]["ttft_median_s"]
+    out["tok_s_ratio"] = arms["on"]["tok_s"] / arms["off"]["tok_s"]
     out["identical"] = arms["on"]["outputs"] == arms["off"]["outputs"]
     return out
 
@@ -176,6 +191,8 @@ def chats(connect: Callable[[], Model], work: Workload, sizes: Sizes, cache: boo
                 for c, p in enumerate(prompts)
             ]
             turns.append(serve(sched, reqs))
+            if not sched.settle(SETTLE_S):
+                raise RuntimeError(f"the scheduler did not settle within {SETTLE_S} s")
             prompts = [
                 p + tuple(s.tokens) + text.take(sizes.user)
                 for p, s in zip(prompts, turns[-1], strict=True)
@@ -191,6 +208,33 @@ def chats(connect: Callable[[], Model], work: Workload, sizes: Sizes, cache: boo
         "tok_s": sum(len(s.tokens) for t in turns for s in t) / seconds,
         "hit_rate": _rate(counts),
         "outputs": [s.tokens for t in turns for s in t],
+    }
+
+
+def long_answers(connect: Callable[[], Model], work: Workload, sizes: Sizes, cache: bool) -> dict:
+    """The long answers' workload, one arm: `long_concurrency` requests at a time."""
+    text = _Text(work)
+    reqs = [
+        GenRequest(
+            f"long-{i}", text.take(sizes.suffix), sizes.long_tokens, method=MTP, ignore_eos=True
+        )
+        for i in range(sizes.long_requests)
+    ]
+    sched = _scheduler(connect, work, cache)
+    try:
+        t0 = time.perf_counter()
+        served: list[Served] = []
+        for i in range(0, len(reqs), sizes.long_concurrency):
+            served += serve(sched, reqs[i : i + sizes.long_concurrency])
+        seconds = time.perf_counter() - t0
+        counts = _counts(sched)
+    finally:
+        sched.stop()
+    return {
+        **_ttft([s.ttft for s in served]),
+        "tok_s": sum(len(s.tokens) for s in served) / seconds,
+        "hit_rate": _rate(counts),
+        "outputs": [s.tokens for s in served],
     }
 
 
@@ -279,6 +323,13 @@ def prefix_lines(section: dict | None) -> list[str]:
         turns = ", ".join(f"{t * 1e3:.0f}" for t in chat[arm]["turn_ttft_median_s"])
         lines.append(f"{_arm_line(arm, chat[arm])}; per turn {turns} ms")
     lines.append(f"  TTFT on / off: {chat['ttft_ratio']:.2f}x; identical {chat['identical']}")
+    long = section["long"]
+    lines.append(
+        f"prefix cache, long answers ({z['long_requests']} requests of {z['suffix']} distinct "
+        f"prompt tokens and {z['long_tokens']} mtp tokens out, {z['long_concurrency']} at a time):"
+    )
+    lines += [_arm_line(arm, long[arm]) for arm in ARMS]
+    lines.append(f"  tok/s on / off: {long['tok_s_ratio']:.2f}x; identical {long['identical']}")
     return lines
 
 
@@ -303,17 +354,18 @@ def prefix_table(section: dict | None) -> list[str]:
         "TTFT over the turns after the first):",
         "",
         "| workload | cache | TTFT median ms | TTFT mean ms | tok/s | hit rate | TTFT on / off "
-        "| identical |",
-        "|---|---|---|---|---|---|---|---|",
+        "| tok/s on / off | identical |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, label in (("system", "shared system prompt"), ("chat", "multi-turn chat")):
+    for name, label in WORKLOADS.items():
         w = section[name]
         for arm in ARMS:
             r = w[arm]
             out.append(
                 f"| {label} | {arm} | {r['ttft_median_s'] * 1e3:.1f} | "
                 f"{r['ttft_mean_s'] * 1e3:.1f} | {r['tok_s']:.1f} | {r['hit_rate']:.2f} | "
-                f"{w['ttft_ratio']:.2f}x | {'yes' if w['identical'] else 'NO'} |"
+                f"{w['ttft_ratio']:.2f}x | {w['tok_s_ratio']:.2f}x | "
+                f"{'yes' if w['identical'] else 'NO'} |"
             )
     return out
 

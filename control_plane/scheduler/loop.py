@@ -99,6 +99,9 @@ class Scheduler:
         self._queued = 0  # submitted and not yet admitted, across threads
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        # Set while the loop has nothing to do: no request and no answer waiting to be
+        # snapshotted (`settle`).
+        self._settled = threading.Event()
         self._thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
 
     @property
@@ -148,12 +151,19 @@ class Scheduler:
                     f"{self.opts.max_queue}); retry later"
                 )
             self._queued += 1
+            self._settled.clear()
         self.tally.submitted()
         self.inbox.put(("submit", (req, sink, on_queued, tokenizer)))
         return self.replica
 
     def cancel(self, request_id: str) -> None:
         self.inbox.put(("cancel", request_id))
+
+    def settle(self, timeout: float) -> bool:
+        """Wait until the loop has nothing to do, its background work done too (the answers
+        the prefix cache snapshots once idle): what a client that reads an answer before it
+        sends the next turn gives it. -> whether it settled within `timeout` seconds"""
+        return self._settled.wait(timeout)
 
     def load(self) -> tuple[int, int]:
         """(free slots, requests waiting for one): what a router places by."""
@@ -210,10 +220,15 @@ class Scheduler:
 
     def _idle(self) -> float:
         """How long the loop may wait for news: none with work to do; a poll's interval with
-        requests waiting on slots held elsewhere."""
+        requests waiting on slots held elsewhere. With nothing at all to do, it is settled."""
         if self.prefilling or self.active or self.pipeline.flights:
             return 0.0
         if not self.waiting:
+            if self.prefix is not None and self.prefix.answers:
+                return 0.0  # nothing else to do: the answers waiting to be snapshotted
+            with self._lock:
+                if not self._queued:
+                    self._settled.set()
             return 0.5
         return SLOT_POLL_S if self.model is not None and self.free_slots <= 0 else 0.0
 
@@ -291,6 +306,9 @@ class Scheduler:
         if not self.active and self.pipeline.flights:
             self.pipeline.drain(self.ctx)  # what is still in flight, and the frees it holds
         if not (self.waiting or self.prefilling or self.active):
+            if self.prefix and self.prefix.answers and self.model and self.ctx:
+                budget = self.ctx.caps.max_prefill_tokens
+                prefixing.answer(self.model, self.prefix, budget, self.replica)
             return
         # Each iteration is a trace of its own; requests reach it through span links.
         attrs = {REPLICA_ATTRIBUTE: self.replica}
@@ -408,12 +426,12 @@ class Scheduler:
                 a.finish(a.finished or "stop")
 
     def _remember(self, a: ActiveSeq) -> None:
-        """A request that ran to its end leaves its prompt and answer in the prefix cache."""
+        """A request that ran to its end leaves its prompt and answer to the prefix cache, to
+        be snapshotted once the loop is idle."""
         if self.prefix is None or self.model is None or self.ctx is None:
             return
         if a.finished in ("stop", "length"):
-            budget = self.ctx.caps.max_prefill_tokens
-            prefixing.after_answer(self.model, self.prefix, a, budget)
+            self.prefix.answers.append((*a.req.prompt_ids, *a.generated))
 
     def _free(self, a: ActiveSeq) -> None:
         """Release the request's sequence; one the service no longer knows is gone already."""

@@ -15,14 +15,17 @@ A node may hold a snapshot, taken while a prompt was prefilled up to it.
   the deepest node it shares with a prompt served before, where two prompts diverge. That node
   is where a third one sharing the first part goes on from, and a shared system prompt ends.
 - A finished request's prompt and answer are snapshotted at their last whole block, which the
-  next turn of its chat starts with (`prefixing.after_answer`).
+  next turn of its chat starts with. Decode does not keep the state there, so this costs a
+  prefill of the answer: it waits in `answers` until the scheduler has nothing else to do
+  (`prefixing.answer`), the most recent `budget` of them, so that the cache never slows the
+  requests being served.
 - Snapshots are dropped least recently used first when more than the budget are held, those
   where prompts diverge after all the others; nodes without one are kept least recently used
   too, up to `NODE_FACTOR` times the budget."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -53,6 +56,9 @@ class PrefixCache:
         self._nodes: OrderedDict[int, Node] = OrderedDict()  # by key, least recently used first
         self.queries = 0  # prompt tokens looked up
         self.hits = 0  # of them, tokens a snapshot gave
+        # Finished requests' prompt and answer tokens, to snapshot once idle, oldest first:
+        # more than the budget would only evict each other.
+        self.answers: deque[tuple[int, ...]] = deque(maxlen=max(budget, 0))
 
     @property
     def enabled(self) -> bool:
@@ -143,15 +149,21 @@ class PrefixCache:
         """Every snapshot (the service they lie in is gone or serves another model)."""
         held = [n.snapshot for n in self._nodes.values() if n.snapshot is not None]
         self._nodes.clear()
+        self.answers.clear()
         return held
 
-    def _evict(self) -> list[int]:
-        """Past the budget, snapshots go least recently used first, those where prompts
-        diverge last (where the next prompt sharing a start will resume)."""
+    def room(self, wanted: int) -> list[int]:
+        """Snapshots to drop before `wanted` more are taken (at most the budget): the service
+        holds no more than the budget, so the room is made first, by `_evict`'s order."""
+        return self._evict(min(wanted, self.budget))
+
+    def _evict(self, room: int = 0) -> list[int]:
+        """Past the budget less `room`, snapshots go least recently used first, those where
+        prompts diverge last (where the next prompt sharing a start will resume)."""
         dropped = []
         held = [(n.diverges, k) for k, n in self._nodes.items() if n.snapshot is not None]
         with_snapshot = [k for _, k in sorted(held, key=lambda dk: dk[0])]  # stable: LRU kept
-        for key in with_snapshot[: max(0, len(with_snapshot) - self.budget)]:
+        for key in with_snapshot[: max(0, len(with_snapshot) - self.budget + room)]:
             node = self._nodes[key]
             assert node.snapshot is not None
             dropped.append(node.snapshot)

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import logging
 
+from opentelemetry.context import Context
 from opentelemetry.trace import Link
+from opentelemetry.util.types import AttributeValue
 
+from control_plane.scheduler.metrics import REPLICA_ATTRIBUTE
 from control_plane.scheduler.prefix_cache import PrefixCache
 from control_plane.scheduler.seq import ActiveSeq
 from control_plane.scheduler.tally import Tally
@@ -18,6 +21,7 @@ from protos.telemetry import span, tracer
 log = logging.getLogger("control_plane.scheduler")
 TRACER = tracer("met.control_plane")
 HIT_ATTRIBUTE = "met.prefix_hit_tokens"
+ANSWER_ATTRIBUTE = "met.prefix_answer_tokens"  # tokens prefilled again to snapshot an answer
 
 
 def restore(model: Model, cache: PrefixCache, admitted: list[ActiveSeq], tally: Tally) -> None:
@@ -62,6 +66,10 @@ def snapshot(model: Model, cache: PrefixCache, seqs: list[ActiveSeq]) -> None:
         return
     for a in due:
         a.snap_points.pop(0)
+    # One per prefix: requests admitted together with one start want the same snapshot.
+    firsts = {id(a) for a in {tuple(a.req.prompt_ids[: a.prefilled]): a for a in due}.values()}
+    due = [a for a in due if id(a) in firsts][: cache.budget]
+    drop(model, cache.room(len(due)))
     try:
         ids = model.snapshot_prefixes([a.live_handle for a in due])
     except ModelError as e:
@@ -82,31 +90,40 @@ def drop(model: Model, snapshots: list[int]) -> None:
         log.warning("dropping %d prefix snapshots: %s", len(snapshots), e)
 
 
-def after_answer(model: Model, cache: PrefixCache, a: ActiveSeq, budget: int) -> None:
-    """A finished request's prompt and answer, snapshotted at their last whole block, where
-    the next turn of its chat will resume. Decode keeps the GDN state at a block boundary only
-    in the verify buffers of the step that crossed it, so the state is computed again: a fresh
-    sequence goes on from the deepest snapshot the tokens start with and prefills the rest up
-    to the boundary in whole blocks (the bytes of one prefill of all of them)."""
-    tokens, block = [*a.req.prompt_ids, *a.generated], cache.block
+def answer(model: Model, cache: PrefixCache, budget: int, replica: str) -> None:
+    """The oldest finished request waiting in `cache.answers`: its prompt and answer,
+    snapshotted at their last whole block, where the next turn of its chat will resume. Decode
+    keeps the GDN state at a block boundary only in the verify buffers of the step that crossed
+    it, so the state is computed again: a fresh sequence goes on from the deepest snapshot the
+    tokens start with and prefills the rest up to the boundary in whole blocks (the bytes of
+    one prefill of all of them). The scheduler calls this only with nothing else to do, in a
+    trace of its own, as an iteration is."""
+    tokens, block = cache.answers.popleft(), cache.block
     end = len(tokens) // block * block
     hit = cache.deepest(tokens, end)
     start = hit.tokens if hit is not None else 0
     step = budget // block * block
     if end - start < block or step < block:
         return
-    try:
-        seq = model.alloc_sequence()
-    except ModelError:  # no slot to spare: the next turn resumes from the prompt's snapshot
-        return
-    try:
-        if hit is not None:
-            model.restore_prefixes([seq], [hit.snapshot])
-        for at in range(start, end, step):
-            model.prefill([seq], [tokens[at : min(at + step, end)]])
-        (snap,) = model.snapshot_prefixes([seq])
-        drop(model, cache.taken(tokens, end, snap))
-    except ModelError as e:
-        log.warning("snapshotting a finished request's answer: %s", e)
-    finally:
-        model.free_sequence(seq)
+    attrs: dict[str, AttributeValue] = {
+        REPLICA_ATTRIBUTE: replica,
+        HIT_ATTRIBUTE: start,
+        ANSWER_ATTRIBUTE: end - start,
+    }
+    with TRACER.start_as_current_span("prefix_answer", context=Context(), attributes=attrs):
+        try:
+            seq = model.alloc_sequence()
+        except ModelError:  # no slot to spare: the next turn resumes from the prompt's snapshot
+            return
+        try:
+            if hit is not None:
+                model.restore_prefixes([seq], [hit.snapshot])
+            for at in range(start, end, step):
+                model.prefill([seq], [list(tokens[at : min(at + step, end)])])
+            drop(model, cache.room(1))
+            (snap,) = model.snapshot_prefixes([seq])
+            drop(model, cache.taken(tokens, end, snap))
+        except ModelError as e:
+            log.warning("snapshotting a finished request's answer: %s", e)
+        finally:
+            model.free_sequence(seq)
