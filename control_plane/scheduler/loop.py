@@ -33,13 +33,14 @@ from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.pipeline import Pipeline
 from control_plane.scheduler.prefill import prefill
 from control_plane.scheduler.prefix_cache import PrefixCache, prefix_cache
+from control_plane.scheduler.recovery import Recovery
 from control_plane.scheduler.seq import ActiveSeq, GenRequest, QueueSink, Sink
 from control_plane.scheduler.served import refuse_stale, replaces, served_by
 from control_plane.scheduler.status import step_status
 from control_plane.scheduler.tally import Tally
 from control_plane.text.detok import Tokenizer
 from control_plane.text.tokenizer import Tokenization
-from protos.model import Capabilities, Model, ModelError, ResourceExhausted, SequenceHandle
+from protos.model import Capabilities, Model, ModelError, ResourceExhausted
 from protos.telemetry import tracer
 
 log = logging.getLogger("control_plane.scheduler")
@@ -52,7 +53,7 @@ Joins = Callable[["Scheduler", Capabilities, Tokenization], Tokenization]
 SLOT_POLL_S = 0.05  # with requests waiting and no free slot, how often to ask the service
 
 
-class Scheduler:
+class Scheduler(Recovery):
     def __init__(
         self,
         connect: Callable[[], Model],
@@ -432,77 +433,3 @@ class Scheduler:
             return
         if a.finished in ("stop", "length"):
             self.prefix.answers.append((*a.req.prompt_ids, *a.generated))
-
-    def _free(self, a: ActiveSeq) -> None:
-        """Release the request's sequence; one the service no longer knows is gone already."""
-        handle, a.handle = a.handle, None
-        if self.model is None or handle is None:
-            return
-        if self.pipeline.holds(a):  # a plan in flight still runs it: freed once it is back
-            self.pipeline.defer_free(a, handle)
-            return
-        self._release_handle(handle)
-
-    def _release_handle(self, handle: SequenceHandle) -> None:
-        assert self.model is not None
-        try:
-            self.model.free_sequence(handle)
-        except ModelError as e:
-            log.warning("freeing sequence %d: %s", handle.seq_id, e)
-            return
-        self.free_slots += 1
-
-    def _dequeued(self, n: int) -> None:
-        with self._lock:
-            self._queued -= n
-
-    def _reset(self, error: Exception) -> None:
-        """A step failed as a whole: fail every admitted request with the error's status.
-        When the service went away, ask it what it still holds, free those sequences and
-        start over on a fresh connection; otherwise free them and carry on."""
-        code, message = step_status(error)
-        self.pipeline.close()  # what was in flight is lost with the step
-        failed = [*self.prefilling, *self.active]
-        log.error("%s; failing %d requests", message, len(failed))
-        for a in failed:
-            a.fail(code, message)
-        self.prefilling, self.active = [], []
-        lost = isinstance(error, (grpc.RpcError, OSError))
-        if lost:
-            self._hand_off()
-        if not lost and self.model is not None:
-            for a in failed:
-                self._free(a)
-            return
-        if self.model is None:  # the connection itself failed: the waiting fail too
-            for a in self.waiting:
-                a.fail(code, message)
-            self._dequeued(len(self.waiting))
-            self.waiting.clear()
-        else:
-            self._release(failed)
-        with self._lock:
-            self.model, self.ctx, self.prefix = None, None, None
-        time.sleep(0.1)  # a restarting service gets a moment before the next connect
-
-    def _hand_off(self) -> None:
-        """Requests that hold no slot yet may go elsewhere: to a router's other replicas."""
-        if self.handoff is None or not self.waiting:
-            return
-        waiting = list(self.waiting)
-        unplaced = self.handoff(self, waiting)
-        self._dequeued(len(waiting) - len(unplaced))
-        self.waiting = deque(unplaced)
-
-    def _release(self, failed: list[ActiveSeq]) -> None:
-        """After a transport error: free the ended requests' sequences the service still
-        holds (none when it restarted, or cannot be reached), then close the connection."""
-        assert self.model is not None
-        try:
-            caps = self.model.capabilities()
-            if caps.free_slots < caps.num_slots:
-                for a in failed:
-                    self._free(a)
-        except (grpc.RpcError, OSError) as e:
-            log.warning("the GPU service is still unreachable: %s", step_status(e)[1])
-        getattr(self.model, "close", lambda: None)()
