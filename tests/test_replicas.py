@@ -23,8 +23,11 @@ from control_plane.scheduler.env import Env
 from control_plane.scheduler.loop import Joins, Scheduler
 from control_plane.scheduler.metrics import Metrics
 from control_plane.scheduler.options import SchedulerOptions
+from control_plane.scheduler.prefix_cache import PrefixCache
 from control_plane.scheduler.seq import NONE, GenRequest
 from control_plane.text.tokenizer import ByteTokenizer
+from gpu_service.config import ServiceConfig
+from gpu_service.engine import Engine
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
 from tests.collect import Outcome
@@ -115,6 +118,59 @@ def test_the_shorter_queue_breaks_a_tie_of_free_capacity() -> None:
     b.alloc_sequence()  # held by another client: b reports no free slot
     router = Fakes({"a:1": a, "b:1": b}).router()
     assert _place(router, 3) == ["a:1", "a:1", "b:1"]
+
+
+def test_a_prompt_goes_where_it_is_cached_while_there_is_room() -> None:
+    """b's prefix cache holds the prompt's first block: the request goes there though a has
+    four free slots to b's two; a prompt b does not hold goes by free capacity as before; and
+    once b has none left, the cached prompt goes to a."""
+    a, b = FakeModel(caps=(3, 3, 3, 3)), FakeModel(caps=(3, 3))
+    router = Fakes({"a:1": a, "b:1": b}).router()
+    cache = PrefixCache(budget=2, block=4)
+    cached = (7, 7, 7, 7, 8)
+    cache.taken(cached, 4, snapshot=1)
+    router.replicas[1].scheduler.prefix = cache
+
+    def place(prompt: tuple[int, ...]) -> str:
+        return router.submit(GenRequest("r", prompt, 4, method=NONE), Outcome(), None, TOKENIZER)
+
+    assert router.replicas[1].scheduler.cached_tokens(cached) == 4
+    assert [place(cached), place(cached)] == ["b:1", "b:1"]
+    assert [place((1, 2)), place((1, 2))] == ["a:1", "a:1"]
+    assert place(cached) == "a:1", "b has no free capacity left"
+    assert cache.queries == cache.hits == 0, "placing counts no lookup"
+
+
+def test_a_chats_next_turn_goes_to_the_replica_holding_its_last(tiny_dir: Path) -> None:
+    """Two in-process engines behind a router, equal in every way: turn 1 of a chat goes to
+    one of them; its answer is snapshotted there once idle; turn 2, which starts with turn 1's
+    prompt and answer, goes to the same one (round robin would have sent it to the other) and
+    restores 128 tokens there."""
+    svc = ServiceConfig(verify_tiers="8:3", max_context=512, prefix_snapshots=4)
+    engines = {"a:1": Engine(tiny_dir, svc), "b:1": Engine(tiny_dir, svc)}
+
+    def build(address: str, authority: str | None, joins: Joins) -> Scheduler:
+        engine = engines[address]
+        opts = SchedulerOptions()
+        return Scheduler(lambda: engine, TOKENIZER, opts, Env(), replica=address, joins=joins)
+
+    router = Router(parse_targets(",".join(engines)), build)
+    router.start()
+    try:
+        first = tuple(range(5, 75))
+        out = Outcome()
+        one = router.submit(GenRequest("t1", first, 70, ignore_eos=True, method=NONE), out)
+        assert out.done.wait(60) and len(out.tokens) == 70
+        assert all(r.scheduler.settle(60) for r in router.replicas)
+        holder = next(r.scheduler for r in router.replicas if r.name == one)
+        assert holder.prefix is not None
+        hits = holder.prefix.hits
+        nxt = (*first, *out.tokens, *range(100, 120))
+        two = router.submit(GenRequest("t2", nxt, 4, method=NONE), second := Outcome())
+        assert second.done.wait(60) and second.finish is not None
+        assert two == one and holder.prefix.hits - hits == 128
+    finally:
+        router.stop()
 
 
 def test_a_replica_down_is_skipped_and_health_follows() -> None:

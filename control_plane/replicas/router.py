@@ -15,9 +15,12 @@ model name and model digest (config and weights, `Capabilities.model_digest`). O
 differs is refused with a log line and never routed to. With none up, the first to come up
 sets the model, so that a fleet restarted on a new checkpoint serves it.
 
-**Routing.** A new request goes to the replica with the most free capacity. Free capacity is
-the replica's free slots less the requests already waiting for one there; among equals, the
-shortest queue wins; remaining ties go round robin. Only replicas that are up and serve the
+**Routing.** A new request goes, among the replicas with free capacity, to the one whose
+prefix cache holds the most of its prompt (a chat's next turn goes where its last turn's
+snapshot lies, a shared system prompt where it was prefilled: SGLang's cache-aware routing);
+with no prompt cached, or no free capacity, to the replica with the most free capacity. Free
+capacity is the replica's free slots less the requests already waiting for one there; among
+equals, the shortest queue wins; remaining ties go round robin. Only replicas that are up and serve the
 tokenizer the request was tokenized with are candidates. With every replica down it goes to
 the first listed, whose scheduler refuses it as it refuses any request with no service in
 reach.
@@ -196,7 +199,8 @@ class Router:
     ) -> str:
         """Place the request (the rule: module docstring); returns its replica's name."""
         with self._route:
-            replica = self._place(tokenizer) or next(iter(self._listed()), self.replicas[0])
+            replica = self._place(tokenizer, req.prompt_ids)
+            replica = replica or next(iter(self._listed()), self.replicas[0])
             replica.scheduler.submit(req, sink, on_queued, tokenizer)
         return replica.name
 
@@ -220,8 +224,10 @@ class Router:
 
     # -- placement ------------------------------------------------------------------------
 
-    def _place(self, tokenizer: Tokenizer | None, lost: Scheduler | None = None) -> Replica | None:
-        """The replica the rule picks, None when none is up (other than `lost`)."""
+    def _place(
+        self, tokenizer: Tokenizer | None, prompt: tuple[int, ...], lost: Scheduler | None = None
+    ) -> Replica | None:
+        """The replica the rule picks for `prompt`, None when none is up (other than `lost`)."""
         up = [r for r in self.replicas if r.up and r.scheduler is not lost]
         if tokenizer is not None:
             up = [r for r in up if _serves(r, tokenizer)]
@@ -233,9 +239,11 @@ class Router:
         scored = []
         for i, r in enumerate(up):
             free, queued = r.scheduler.load()
-            # Most free capacity, then the shortest queue, then the next in turn.
-            scored.append((queued - free, queued, (i - turn) % len(up), r))
-        return min(scored, key=lambda s: s[:3])[3]
+            cached = r.scheduler.cached_tokens(prompt) if free > queued else 0
+            # With room, the most of the prompt cached; then the most free capacity, then the
+            # shortest queue, then the next in turn.
+            scored.append((-cached, queued - free, queued, (i - turn) % len(up), r))
+        return min(scored, key=lambda s: s[:4])[4]
 
     def _handoff(self, lost: Scheduler, waiting: list[ActiveSeq]) -> list[ActiveSeq]:
         """Requests that waited for a slot on a replica now lost, placed again by the rule
@@ -243,7 +251,7 @@ class Router:
         unplaced = []
         for a in waiting:
             with self._route:
-                replica = self._place(a.tokenizer, lost)
+                replica = self._place(a.tokenizer, a.req.prompt_ids, lost)
                 try:
                     if replica is None:
                         raise ResourceExhausted("no other replica is up")

@@ -166,6 +166,12 @@ class Scheduler(Recovery):
         sends the next turn gives it. -> whether it settled within `timeout` seconds"""
         return self._settled.wait(timeout)
 
+    def cached_tokens(self, prompt: tuple[int, ...]) -> int:
+        """How many of the prompt's tokens this replica's prefix cache would restore (0 with
+        none): what a router places by, from its own thread."""
+        cache = self.prefix
+        return cache.peek(prompt) if cache is not None else 0
+
     def load(self) -> tuple[int, int]:
         """(free slots, requests waiting for one): what a router places by."""
         with self._lock:

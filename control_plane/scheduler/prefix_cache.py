@@ -99,6 +99,23 @@ class PrefixCache:
                 best = Hit(node.snapshot, end)
         return best
 
+    def peek(self, prompt: Sequence[int]) -> int:
+        """The tokens `lookup` would restore, touching nothing (no count, no recency): what a
+        router asks from its own thread while the loop's thread changes the cache, with dict
+        reads alone, each atomic."""
+        best = 0
+        for end, key in self._keys(prompt):
+            if end > len(prompt) - 1:
+                break
+            node = self._nodes.get(key)
+            if (
+                node is not None
+                and node.snapshot is not None
+                and node.tokens == tuple(prompt[:end])
+            ):
+                best = end
+        return best
+
     def points(self, prompt: Sequence[int], start: int) -> list[int]:
         """Where to snapshot the prompt while it is prefilled from `start`: block boundaries
         past it, without a snapshot yet, ascending (see the module's docstring)."""
