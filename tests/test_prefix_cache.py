@@ -263,3 +263,25 @@ def test_answers_wait_for_an_idle_loop(tiny_dir: Path) -> None:
     finally:
         s.stop()
     assert engine.slots.blocks.num_used == 0 and engine.prefixes.num_held == 0
+
+
+def test_requests_sent_together_prefill_their_shared_blocks_once(tiny_dir: Path) -> None:
+    """Four requests at once whose prompts share 140 tokens, none cached: the first is
+    snapshotted at 128 and the other three wait for it, then restore those 128 tokens each
+    rather than prefill them beside it; the tokens are those of no cache."""
+    shared = _prompt(6, 140)
+    reqs = [GenRequest(f"r{i}", (*shared, *_prompt(10 + i, 9)), 6, method=MTP) for i in range(4)]
+    svc = ServiceConfig(verify_tiers="8:3", max_context=512, prefix_snapshots=4)
+    outs = []
+    for cache in (True, False):
+        engine = Engine(tiny_dir, svc)
+        s = Scheduler(lambda e=engine: e, TOK, SchedulerOptions(prefix_cache=cache), Env())
+        s.start()
+        try:
+            outs.append([o.tokens for o in run_all(s, reqs)])
+            if cache:
+                assert s.prefix is not None and s.prefix.hits == 3 * 128
+        finally:
+            s.stop()
+        assert engine.slots.blocks.num_used == 0 and engine.prefixes.num_held == 0
+    assert outs[0] == outs[1]

@@ -5,9 +5,9 @@ Two workloads of greedy `mtp` requests through a scheduler driving one in-proces
 holds prefix snapshots, each with the cache on and off (`--prefix-cache`), the arms on the
 same prompts and the same engine:
 - `shared system prompt`: a shared system prompt and a distinct suffix per request. The
-  first `SEEDS` requests go at once and seed the cache (the first is snapshotted at its last
-  whole block, the second where it diverges from the first); they are left out of the
-  figures. The measured requests follow `concurrency` at a time, each group once the last
+  first `SEEDS` requests go at once and seed the cache (the first is snapshotted where the
+  second parts from it, and the second, which waits for that, goes on from there); they are
+  left out of the figures. The measured requests follow `concurrency` at a time, each group once the last
   is done. Time to first token (median, mean), output tokens per second, and the hit rate
   (prompt tokens a snapshot gave over prompt tokens looked up); the target is a time to
   first token with the cache at most `TARGET` times the one without.

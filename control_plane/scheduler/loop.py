@@ -370,22 +370,27 @@ class Scheduler(Recovery):
         self.tokenization = new
 
     def _admit(self) -> None:
-        """Waiting requests take free slots in order. One the service cannot place (its
-        slots are held elsewhere) stays at the head until a slot frees or the service
-        reports one free."""
+        """Waiting requests take free slots in order, but for one that shares uncached
+        prompt blocks with a request ahead of it: it waits for that one's snapshot
+        (`prefixing.held`). One the service cannot place (its slots are held elsewhere) stays
+        until a slot frees or the service reports one free."""
         assert self.model is not None
         now = time.monotonic()
         if self.waiting and self.free_slots <= 0 and now >= self._poll_at:
             self._poll_at = now + SLOT_POLL_S
             self.free_slots = self.model.capabilities().free_slots
-        admitted = []
-        while self.waiting and self.free_slots > 0:
-            a = self.waiting[0]
+        admitted: list[ActiveSeq] = []
+        for a in list(self.waiting):
+            if self.free_slots <= 0:
+                break
+            ahead = [*self.prefilling, *admitted]
+            if self.prefix is not None and prefixing.held(self.prefix, a, ahead):
+                continue
             try:
                 a.handle = self.model.alloc_sequence()
             except ResourceExhausted:
                 self.free_slots, self._poll_at = 0, now + SLOT_POLL_S
-                return
+                break
             except ModelError as e:
                 a.handle = None
                 a.refuse(e.code, str(e))
@@ -395,7 +400,7 @@ class Scheduler(Recovery):
                 self.free_slots -= 1
                 self.prefilling.append(a)
                 admitted.append(a)
-            self.waiting.popleft()
+            self.waiting.remove(a)
             self._dequeued(1)
             if a.handle is None:
                 a.finish("error")

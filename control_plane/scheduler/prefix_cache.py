@@ -14,6 +14,8 @@ A node may hold a snapshot, taken while a prompt was prefilled up to it.
   last whole block, which its own continuation (the next turn of a chat) starts with, and at
   the deepest node it shares with a prompt served before, where two prompts diverge. That node
   is where a third one sharing the first part goes on from, and a shared system prompt ends.
+- A request that shares uncached whole blocks with one ahead of it in the queue or being
+  prefilled waits until that one is snapshotted where they part (`prefixing.held`).
 - A finished request's prompt and answer are snapshotted at their last whole block, which the
   next turn of its chat starts with. Decode does not keep the state there, so this costs a
   prefill of the answer: it waits in `answers` until the scheduler has nothing else to do

@@ -6,6 +6,7 @@ here costs a cache hit, never a request: the request prefills from where it stan
 from __future__ import annotations
 
 import logging
+from bisect import insort
 
 from opentelemetry.context import Context
 from opentelemetry.trace import Link
@@ -50,9 +51,35 @@ def restore(model: Model, cache: PrefixCache, admitted: list[ActiveSeq], tally: 
     tally.prefix(sum(len(a.req.prompt_ids) for a in admitted), sum(h.tokens for _, h in hits))
     dropped = []
     for a in admitted:
-        a.snap_points = cache.points(a.req.prompt_ids, a.prefilled)
+        # With the points a request held behind it asked for (`held`).
+        wanted = [p for p in a.snap_points if p > a.prefilled]
+        a.snap_points = sorted({*cache.points(a.req.prompt_ids, a.prefilled), *wanted})
         dropped += cache.seen(a.req.prompt_ids)
     drop(model, dropped)
+
+
+def held(cache: PrefixCache, a: ActiveSeq, ahead: list[ActiveSeq]) -> bool:
+    """Whether `a` waits for a request ahead of it (prefilling, or admitted before it now)
+    to reach the whole blocks it shares with `a` past what the cache gives `a`: that one is
+    snapshotted there (the point added to its own), and `a` goes on from the snapshot rather
+    than prefill the same tokens beside it (SGLang's in-batch prefix caching). It waits no
+    longer than that one's prefill up to the point, which it would have spent on the same
+    tokens; a snapshot refused ends the wait too, the point being behind."""
+    prompt, block = a.req.prompt_ids, cache.block
+    cached = cache.peek(prompt)
+    for b in ahead:
+        other = b.req.prompt_ids
+        shared = 0
+        while (
+            shared + block < len(prompt)
+            and prompt[shared : shared + block] == other[shared : shared + block]
+        ):
+            shared += block
+        if shared > cached and b.prefilled < shared:
+            if shared not in b.snap_points:
+                insort(b.snap_points, shared)
+            return True
+    return False
 
 
 def snapshot(model: Model, cache: PrefixCache, seqs: list[ActiveSeq]) -> None:
