@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from control_plane.cli.main import build_parser, main
-from gpu_service import plan, plan_report, server
+from gpu_service import plan, plan_graphs, plan_report, server
 from gpu_service.config import ModelConfig, ServiceConfig
 from gpu_service.engine import Engine
 from gpu_service.model.hybrid import held_bytes
@@ -104,9 +104,11 @@ def test_flagship_workspace_holds_the_split_kernels_partials() -> None:
     model = plan.meta_model(cfg, torch.bfloat16, svc.max_context)
     rows = svc.max_rows
     partials = rows * cfg.num_attention_heads * MAX_SPLITS * (cfg.head_dim + 2) * 4
-    assert plan.split_workspace_bytes(model, rows) >= partials
+    assert plan_graphs.split_workspace_bytes(model, rows) >= partials
     made = plan.make_plan("flagship", cfg, svc, torch.bfloat16, False, NO_MEMORY)
-    verify = plan.activation_bytes(cfg, rows, 2) + plan.split_workspace_bytes(model, rows)
+    verify = plan_graphs.activation_bytes(cfg, rows, 2) + plan_graphs.split_workspace_bytes(
+        model, rows
+    )
     assert made.parts["workspace_bytes"] >= verify
 
 
@@ -193,11 +195,11 @@ def test_graphs_count_every_key_a_service_can_capture(tiny_dir: Path) -> None:
     # Verify (tiers 2:3,2:2,4:1, 24 rows): bucket 4 at 1..4 rows a sequence; bucket 8 (5
     # sequences or more) at 1 or 2 only, since 3 rows a sequence need slots of 2 drafts or more,
     # and there are 4. Each at two write modes. Chain: 2 buckets x 4 depths.
-    assert plan.verify_shapes(svc) == [(4, 1), (4, 2), (4, 3), (4, 4), (8, 1), (8, 2)]
-    assert plan.key_lengths(svc.max_context) == [64, 128, 256]
+    assert plan_graphs.verify_shapes(svc) == [(4, 1), (4, 2), (4, 3), (4, 4), (8, 1), (8, 2)]
+    assert plan_graphs.key_lengths(svc.max_context) == [64, 128, 256]
     assert on.num_graphs == (2 * 6 + 8) * 3
     one = _plan(tiny_dir, *_tiny_flags("--num-slots", "1"), graphs=True)
-    assert plan.verify_shapes(one.svc) == [(4, 1), (4, 2), (4, 3), (4, 4)]
+    assert plan_graphs.verify_shapes(one.svc) == [(4, 1), (4, 2), (4, 3), (4, 4)]
     assert one.num_graphs == (2 * 4 + 4) * 3
 
 
