@@ -17,7 +17,7 @@ from gpu_service.config import FULL, ModelConfig
 from gpu_service.model.backend import EAGER, Cache, Ops
 from gpu_service.model.batch import Batch, Layout, Segment, build
 from gpu_service.model.ops import ROW_TILE, apply_rope, pad_rows, rope_table
-from gpu_service.model.packing import fold_norms, pack
+from gpu_service.model.packing import fold_norms, head_norms, norm_weights, pack
 from gpu_service.state import DeviceState
 from gpu_service.tp.group import TpGroup
 from gpu_service.tp.shard import Shard, vocab_range
@@ -70,7 +70,7 @@ class HybridModel:
         self.rope = torch.stack([cos, sin * sign], 1).to(self.device)
         self.linear_index = {n: i for i, n in enumerate(cfg.linear_layers)}
         self.full_index = {n: i for i, n in enumerate(cfg.full_layers)}
-        norms = _norm_weights(self.vectors)
+        norms = norm_weights(self.vectors)
         folded = fold_norms(self.wt, norms)
         # A folded norm keeps zeros as its weight (1 + 0 for a kernel that applies 1 + w) and
         # no multiplier.
@@ -78,7 +78,7 @@ class HybridModel:
             n: (torch.zeros_like(w), None) if n in folded else (w, one_plus)
             for n, (w, one_plus) in norms.items()
         }
-        self.head_norms = _head_norms(cfg, self.vectors)
+        self.head_norms = head_norms(cfg, self.vectors)
         self.neg_a = {  # -exp(A_log) per GDN layer, fp32
             n: -self.vectors.pop(f"model.layers.{n}.linear_attn.A_log").float().exp()
             for n in cfg.linear_layers
@@ -428,32 +428,3 @@ def _write_kv(
 @functools.cache
 def _true(device: torch.device) -> torch.Tensor:
     return torch.ones((), dtype=torch.bool, device=device)
-
-
-def _norm_weights(w: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Zero-centred norms as (w, 1 + w in fp32)."""
-    out = {}
-    for name, t in w.items():
-        part = name.split(".")[-2] if name.endswith(".weight") else ""
-        if "norm" in part and not name.endswith("linear_attn.norm.weight"):
-            out[name.removesuffix(".weight")] = (t, 1.0 + t.float())
-    return out
-
-
-def _head_norms(
-    cfg: ModelConfig, w: dict[str, torch.Tensor]
-) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Each attention layer's q and k norms as one per-head pair, by layer prefix: the raw
-    weights [2, d] and 1 + w per head [Hq + Hkv, d], q's scaled by d ** -0.5 (the attention's
-    scale, applied once here)."""
-    out = {}
-    d, hq, hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-    for name in w:
-        if name.endswith("q_norm.weight"):
-            p = name.removesuffix(".q_norm.weight")
-            qn, kn = w[f"{p}.q_norm.weight"], w[f"{p}.k_norm.weight"]
-            per_head = torch.cat(
-                [((1.0 + qn.float()) * d**-0.5).expand(hq, d), (1.0 + kn.float()).expand(hkv, d)]
-            )
-            out[p] = (torch.stack([qn, kn]), per_head.contiguous())
-    return out

@@ -10,7 +10,9 @@ next is read, so the engine never holds a checkpoint's tensors beside their pack
   `[E, I, H]`;
 - with tied embeddings, only `lm_head` `[H, V]`: the embedding is looked up in its columns;
 - the zero-centred norms that only feed linears folded into those linears' rows (`fold_norms`).
-Everything else (norms, conv taps, A_log, dt_bias, an untied embedding) is kept as loaded.
+Everything else (norms, conv taps, A_log, dt_bias, an untied embedding) is kept as loaded;
+the norms the forward applies itself get their `1 + w` in fp32 beside them (`norm_weights`,
+`head_norms`).
 """
 
 from __future__ import annotations
@@ -265,3 +267,32 @@ def _scale_rows_(weight_t: torch.Tensor, one_plus: torch.Tensor) -> None:
     in place."""
     rows = one_plus.to(weight_t.device)[:, None]
     weight_t.copy_((weight_t.float() * rows).to(weight_t.dtype))
+
+
+def norm_weights(w: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Zero-centred norms as (w, 1 + w in fp32)."""
+    out = {}
+    for name, t in w.items():
+        part = name.split(".")[-2] if name.endswith(".weight") else ""
+        if "norm" in part and not name.endswith("linear_attn.norm.weight"):
+            out[name.removesuffix(".weight")] = (t, 1.0 + t.float())
+    return out
+
+
+def head_norms(
+    cfg: ModelConfig, w: dict[str, torch.Tensor]
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Each attention layer's q and k norms as one per-head pair, by layer prefix: the raw
+    weights [2, d] and 1 + w per head [Hq + Hkv, d], q's scaled by d ** -0.5 (the attention's
+    scale, applied once here)."""
+    out = {}
+    d, hq, hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    for name in w:
+        if name.endswith("q_norm.weight"):
+            p = name.removesuffix(".q_norm.weight")
+            qn, kn = w[f"{p}.q_norm.weight"], w[f"{p}.k_norm.weight"]
+            per_head = torch.cat(
+                [((1.0 + qn.float()) * d**-0.5).expand(hq, d), (1.0 + kn.float()).expand(hkv, d)]
+            )
+            out[p] = (torch.stack([qn, kn]), per_head.contiguous())
+    return out
