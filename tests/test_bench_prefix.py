@@ -31,6 +31,7 @@ SMALL = Sizes(
     turns=2,
     opening=70,
     user=16,
+    burst=2,
     long_tokens=70,
     long_requests=2,
     long_concurrency=2,
@@ -64,12 +65,17 @@ def test_the_section_hits_with_the_cache_alone_and_changes_no_token(
     assert system["on"]["measured_hit_rate"] == SMALL.system / (SMALL.system + SMALL.suffix)
     assert system["holds"] == (system["ttft_ratio"] <= bench.TARGET)
     assert len(section["chat"]["on"]["turn_ttft_median_s"]) == SMALL.turns
-    for a, tokens in zip(arms, (SMALL.tokens, SMALL.tokens, SMALL.long_tokens), strict=True):
+    outs = (SMALL.tokens, SMALL.tokens, SMALL.tokens, SMALL.long_tokens)
+    for a, tokens in zip(arms, outs, strict=True):
         on, off = a["on"]["outputs"], a["off"]["outputs"]
         assert on == off and all(len(t) == tokens for t in on)
     assert len(arms[0]["on"]["outputs"]) == bench.SEEDS + SMALL.requests
     assert len(arms[1]["on"]["outputs"]) == SMALL.chats * SMALL.turns
-    assert len(arms[2]["on"]["outputs"]) == SMALL.long_requests
+    assert len(arms[2]["on"]["outputs"]) == SMALL.burst
+    assert len(arms[3]["on"]["outputs"]) == SMALL.long_requests
+    # The second of the burst waited for the first's snapshot of the system prompt.
+    burst = section["burst"]["on"]["hit_rate"]
+    assert burst == SMALL.system / (SMALL.burst * (SMALL.system + SMALL.suffix))
     text = "\n".join(prefix_lines(section))
     assert "TTFT on / off" in text and "the first 2 requests at once seed the cache" in text
     assert "| shared system prompt | on |" in "\n".join(prefix_table(section))

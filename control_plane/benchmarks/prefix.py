@@ -7,15 +7,18 @@ same prompts and the same engine:
 - `shared system prompt`: a shared system prompt and a distinct suffix per request. The
   first `SEEDS` requests go at once and seed the cache (the first is snapshotted where the
   second parts from it, and the second, which waits for that, goes on from there); they are
-  left out of the figures. The measured requests follow `concurrency` at a time, each group once the last
-  is done. Time to first token (median, mean), output tokens per second, and the hit rate
-  (prompt tokens a snapshot gave over prompt tokens looked up); the target is a time to
-  first token with the cache at most `TARGET` times the one without.
+  left out of the figures. The measured requests follow `concurrency` at a time, each group
+  once the last is done. Time to first token (median, mean), output tokens per second, and
+  the hit rate (prompt tokens a snapshot gave over prompt tokens looked up); the target is a
+  time to first token with the cache at most `TARGET` times the one without.
 - `multi-turn chat`: chats of a few turns, every chat's turn at once; each turn's prompt is
   the last one's, its answer and new user tokens. A turn is sent once the scheduler has
   settled after the last (its users read the answers before they reply), which is when the
   answers are snapshotted. Time to first token over the turns after the first (the first has
   nothing cached) and per turn, and the hit rate.
+- `cold burst`: `burst` requests sent at once onto a cold cache, a shared system prompt and
+  a distinct suffix each: the first prefills the system prompt, the others wait for its
+  snapshot and go on from it. Time to first token and the hit rate.
 - `long answers`: requests of short distinct prompts and answers of several blocks,
   `long_concurrency` at a time, each group once the last is done: output tokens per second
   with the cache over without, what snapshotting answers costs a workload that never
@@ -45,7 +48,12 @@ SEEDS = 2  # requests that seed the shared system prompt's snapshots, left out o
 TARGET = 0.3  # time to first token with the cache over without, at most
 SNAPSHOTS = 16  # the engine's `--prefix-snapshots`: every chat's and the system prompt's
 ARMS = {"on": True, "off": False}
-WORKLOADS = {"system": "shared system prompt", "chat": "multi-turn chat", "long": "long answers"}
+WORKLOADS = {
+    "system": "shared system prompt",
+    "chat": "multi-turn chat",
+    "burst": "cold burst",
+    "long": "long answers",
+}
 SETTLE_S = 120  # the longest a chat's answers may take to be snapshotted between its turns
 
 
@@ -64,12 +72,13 @@ class Sizes:
     turns: int = _size(3, "turns of each chat")
     opening: int = _size(256, "tokens of a chat's first prompt")
     user: int = _size(32, "new user tokens of each later turn")
+    burst: int = _size(8, "requests of the cold burst, sent at once")
     long_tokens: int = _size(256, "output tokens of each long answer")
     long_requests: int = _size(16, "long-answer requests")
     long_concurrency: int = _size(8, "long-answer requests sent at once")
 
 
-QUICK = Sizes(requests=4, chats=2, long_tokens=96, long_requests=4, long_concurrency=2)
+QUICK = Sizes(requests=4, chats=2, burst=4, long_tokens=96, long_requests=4, long_concurrency=2)
 
 
 @dataclass
@@ -110,6 +119,7 @@ def prefix(model_dir: Path, work: Workload, sizes: Sizes = Sizes()) -> dict:
     connect = lambda: engine  # noqa: E731
     system = {arm: shared_system(connect, work, sizes, on) for arm, on in ARMS.items()}
     chat = {arm: chats(connect, work, sizes, on) for arm, on in ARMS.items()}
+    burst = {arm: cold_burst(connect, work, sizes, on) for arm, on in ARMS.items()}
     long = {arm: long_answers(connect, work, sizes, on) for arm, on in ARMS.items()}
     shared = _compare(system)
     shared["target"], shared["holds"] = TARGET, shared["ttft_ratio"] <= TARGET
@@ -119,6 +129,7 @@ def prefix(model_dir: Path, work: Workload, sizes: Sizes = Sizes()) -> dict:
         "snapshots": SNAPSHOTS,
         "system": shared,
         "chat": _compare(chat),
+        "burst": _compare(burst),
         "long": _compare(long),
     }
     section["failures"] = [
@@ -208,6 +219,36 @@ def chats(connect: Callable[[], Model], work: Workload, sizes: Sizes, cache: boo
         "tok_s": sum(len(s.tokens) for t in turns for s in t) / seconds,
         "hit_rate": _rate(counts),
         "outputs": [s.tokens for t in turns for s in t],
+    }
+
+
+def cold_burst(connect: Callable[[], Model], work: Workload, sizes: Sizes, cache: bool) -> dict:
+    """The cold burst's workload, one arm: every request at once onto an empty cache."""
+    text = _Text(work)
+    system = text.take(sizes.system)
+    reqs = [
+        GenRequest(
+            f"burst-{i}",
+            system + text.take(sizes.suffix),
+            sizes.tokens,
+            method=MTP,
+            ignore_eos=True,
+        )
+        for i in range(sizes.burst)
+    ]
+    sched = _scheduler(connect, work, cache)
+    try:
+        t0 = time.perf_counter()
+        served = serve(sched, reqs)
+        seconds = time.perf_counter() - t0
+        counts = _counts(sched)
+    finally:
+        sched.stop()
+    return {
+        **_ttft([s.ttft for s in served]),
+        "tok_s": sum(len(s.tokens) for s in served) / seconds,
+        "hit_rate": _rate(counts),
+        "outputs": [s.tokens for s in served],
     }
 
 
@@ -323,6 +364,13 @@ def prefix_lines(section: dict | None) -> list[str]:
         turns = ", ".join(f"{t * 1e3:.0f}" for t in chat[arm]["turn_ttft_median_s"])
         lines.append(f"{_arm_line(arm, chat[arm])}; per turn {turns} ms")
     lines.append(f"  TTFT on / off: {chat['ttft_ratio']:.2f}x; identical {chat['identical']}")
+    burst = section["burst"]
+    lines.append(
+        f"prefix cache, cold burst ({z['burst']} requests at once onto an empty cache: "
+        f"{z['system']} shared tokens, then {z['suffix']} of each one's own):"
+    )
+    lines += [_arm_line(arm, burst[arm]) for arm in ARMS]
+    lines.append(f"  TTFT on / off: {burst['ttft_ratio']:.2f}x; identical {burst['identical']}")
     long = section["long"]
     lines.append(
         f"prefix cache, long answers ({z['long_requests']} requests of {z['suffix']} distinct "
