@@ -78,7 +78,7 @@ class Sizes:
     long_concurrency: int = _size(8, "long-answer requests sent at once")
 
 
-QUICK = Sizes(requests=4, chats=2, burst=4, long_tokens=96, long_requests=4, long_concurrency=2)
+QUICK = Sizes(requests=4, chats=2, burst=3, long_tokens=70, long_requests=2, long_concurrency=2)
 
 
 @dataclass
