@@ -20,10 +20,10 @@ prefix cache holds the most of its prompt (a chat's next turn goes where its las
 snapshot lies, a shared system prompt where it was prefilled: SGLang's cache-aware routing);
 with no prompt cached, or no free capacity, to the replica with the most free capacity. Free
 capacity is the replica's free slots less the requests already waiting for one there; among
-equals, the shortest queue wins; remaining ties go round robin. Only replicas that are up and serve the
-tokenizer the request was tokenized with are candidates. With every replica down it goes to
-the first listed, whose scheduler refuses it as it refuses any request with no service in
-reach.
+equals, the shortest queue wins; remaining ties go round robin. Only replicas that are up and
+serve the tokenizer the request was tokenized with are candidates. With every replica down
+it goes to the first listed, whose scheduler refuses it as it refuses any request with no
+service in reach.
 
 **Moves.** A request never moves once its slot is allocated: when its replica is lost it
 ends `UNAVAILABLE`. One still waiting for a slot there is placed again, by the same rule,
