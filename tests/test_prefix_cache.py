@@ -285,3 +285,28 @@ def test_requests_sent_together_prefill_their_shared_blocks_once(tiny_dir: Path)
             s.stop()
         assert engine.slots.blocks.num_used == 0 and engine.prefixes.num_held == 0
     assert outs[0] == outs[1]
+
+
+def test_snapshots_give_their_blocks_back_before_a_request_would_fail(tiny_dir: Path) -> None:
+    """An eight-block pool and three 130-token prompts served with the cache on: their
+    snapshots hold blocks. A 400-token prompt then needs seven: the snapshots go, least
+    recently used first, and it runs as it does with the cache off, to the same tokens."""
+    svc = ServiceConfig(verify_tiers="8:3", max_context=512, kv_blocks=8, prefix_snapshots=4)
+    outs = []
+    for cache in (True, False):
+        engine = Engine(tiny_dir, svc)
+        s = Scheduler(lambda e=engine: e, TOK, SchedulerOptions(prefix_cache=cache), Env())
+        s.start()
+        try:
+            for i in range(3):
+                run_all(s, [GenRequest(f"p{i}", _prompt(i, 130), 2, method=NONE)])
+                assert s.settle(60)
+            if cache:
+                assert engine.prefixes.num_held > 0, "the snapshots hold blocks"
+            (big,) = run_all(s, [GenRequest("big", _prompt(9, 400), 8, method=MTP)])
+            assert big.failure is None and len(big.tokens) == 8
+            outs.append(big.tokens)
+        finally:
+            s.stop()
+        assert engine.slots.blocks.num_used == 0 and engine.prefixes.num_held == 0
+    assert outs[0] == outs[1]

@@ -418,6 +418,9 @@ class Scheduler(Recovery):
         assert self.model is not None and self.ctx is not None
         caps = self.ctx.caps
         block = caps.kv_block_size or 1
+        if self.prefix is not None:
+            args = (caps.kv_blocks, self.prefilling, self.active, caps.max_prefill_tokens)
+            prefixing.reserve(self.model, self.prefix, *args)
         done = prefill(
             self.model, self.prefilling, self.opts.prefill_chunk, caps.max_prefill_tokens, block
         )

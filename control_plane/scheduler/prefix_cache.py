@@ -21,6 +21,9 @@ A node may hold a snapshot, taken while a prompt was prefilled up to it.
   prefill of the answer: it waits in `answers` until the scheduler has nothing else to do
   (`prefixing.answer`), the most recent `budget` of them, so that the cache never slows the
   requests being served.
+- Snapshots hold KV blocks, so when the service's pool may be short of what the live
+  sequences take next, they go first (`prefixing.reserve`): the cache never fails a request
+  that would run without it.
 - Snapshots are dropped least recently used first when more than the budget are held, those
   where prompts diverge after all the others; nodes without one are kept least recently used
   too, up to `NODE_FACTOR` times the budget."""
@@ -170,6 +173,14 @@ class PrefixCache:
         self._nodes.clear()
         self.answers.clear()
         return held
+
+    def oldest(self, n: int) -> list[int]:
+        """The `n` snapshots `_evict` would drop first, dropped."""
+        return self._evict(self.budget - self.num_snapshots + n)
+
+    def snapshot_tokens(self) -> list[int]:
+        """Each snapshot's prefix length."""
+        return [len(n.tokens) for n in self._nodes.values() if n.snapshot is not None]
 
     def room(self, wanted: int) -> list[int]:
         """Snapshots to drop before `wanted` more are taken (at most the budget): the service

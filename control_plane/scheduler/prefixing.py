@@ -82,6 +82,40 @@ def held(cache: PrefixCache, a: ActiveSeq, ahead: list[ActiveSeq]) -> bool:
     return False
 
 
+def reserve(
+    model: Model,
+    cache: PrefixCache,
+    pool: int,
+    prefilling: list[ActiveSeq],
+    active: list[ActiveSeq],
+    budget: int,
+) -> None:
+    """Before an iteration's calls: the blocks they may take (the prefilling sequences' next
+    chunks, within the prefill budget, and two a decoding one: its verify rows and drafts may
+    each cross into a block), against what the pool surely has free (its blocks less the live
+    sequences' and the snapshots', shared ones counted twice). When that may fall short, the
+    service's own count is asked, and snapshots are dropped, least recently used first, until
+    it does not: snapshots hold blocks, and the cache never fails a request that would run
+    without it."""
+    block = cache.block
+    blocks = lambda n: -(-n // block)  # noqa: E731
+    snaps = cache.snapshot_tokens()
+    if not snaps:
+        return
+    need, left = 2 * len(active), budget
+    for a in prefilling:  # the chunks `prefill` takes, at most
+        chunk = min(len(a.req.prompt_ids) - a.prefilled, left)
+        need, left = need + blocks(chunk) + 1, left - chunk
+    held = sum(blocks(a.prefilled) for a in prefilling) + sum(map(blocks, snaps))
+    held += sum(blocks(len(a.req.prompt_ids) + len(a.generated)) for a in active)
+    if pool - held >= need:
+        return
+    free = model.capabilities().kv_blocks_free
+    while free < need and cache.num_snapshots:
+        drop(model, cache.oldest(max(1, cache.num_snapshots // 2)))
+        free = model.capabilities().kv_blocks_free
+
+
 def snapshot(model: Model, cache: PrefixCache, seqs: list[ActiveSeq]) -> None:
     """Snapshots of the sequences the last prefill brought to their next point."""
     due = [
