@@ -6,6 +6,8 @@ system prompt and the turns of chats, with hits; and nothing leaks."""
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -206,16 +208,33 @@ def _prompt(seed: int, n: int) -> tuple[int, ...]:
     return tuple(random.Random(seed).randrange(256) for _ in range(n))
 
 
+@contextmanager
+def _serving(tiny_dir: Path, svc: ServiceConfig, cache: bool = True) -> Iterator[Scheduler]:
+    """A started scheduler over a fresh engine; once left, stopped, with every block and
+    snapshot of the engine free."""
+    engine = Engine(tiny_dir, svc)
+    s = Scheduler(lambda: engine, TOK, SchedulerOptions(prefix_cache=cache), Env())
+    s.start()
+    try:
+        yield s
+    finally:
+        s.stop()
+    assert engine.slots.blocks.num_used == 0 and engine.prefixes.num_held == 0
+
+
+def _held(s: Scheduler) -> int:
+    """The snapshots the scheduler's engine holds."""
+    model = s.model
+    assert isinstance(model, Engine)
+    return model.prefixes.num_held
+
+
 def test_a_full_cache_goes_on_taking_the_newest_prefixes(tiny_dir: Path) -> None:
     """Room for two snapshots and three prompts served one after the other: the third is
     snapshotted (the first, least recently used, dropped to make room), so a prompt sharing
     its first 128 tokens hits them, and one sharing the first prompt's misses."""
-    engine = Engine(
-        tiny_dir, ServiceConfig(verify_tiers="8:3", max_context=512, prefix_snapshots=2)
-    )
-    s = Scheduler(lambda: engine, TOK, SchedulerOptions(prefix_cache=True), Env())
-    s.start()
-    try:
+    svc = ServiceConfig(verify_tiers="8:3", max_context=512, prefix_snapshots=2)
+    with _serving(tiny_dir, svc) as s:
         prompts = [_prompt(seed, 140) for seed in (1, 2, 3)]
         for i, p in enumerate(prompts):
             run_all(s, [GenRequest(f"p{i}", p, 2, method=NONE)])
@@ -226,30 +245,23 @@ def test_a_full_cache_goes_on_taking_the_newest_prefixes(tiny_dir: Path) -> None
         assert s.prefix.hits - hits == 128
         run_all(s, [GenRequest("first", prompts[0][:128] + (1, 2, 3), 2, method=NONE)])
         assert s.prefix.hits - hits == 128, "the first prompt's snapshot went to make room"
-    finally:
-        s.stop()
-    assert engine.slots.blocks.num_used == 0 and engine.prefixes.num_held == 0
 
 
 def test_answers_wait_for_an_idle_loop(tiny_dir: Path) -> None:
     """A finished request's answer is snapshotted only once nothing else runs: while a longer
     request is still decoding, the short one's answer waits; once the loop settles, both are
     snapshotted at their last whole block."""
-    engine = Engine(
-        tiny_dir, ServiceConfig(verify_tiers="8:3", max_context=512, prefix_snapshots=8)
-    )
-    s = Scheduler(lambda: engine, TOK, SchedulerOptions(prefix_cache=True), Env())
-    s.start()
     waiting: list[int] = []
+    svc = ServiceConfig(verify_tiers="8:3", max_context=512, prefix_snapshots=8)
+    with _serving(tiny_dir, svc) as s:
 
-    class Seen(Outcome):
-        def __call__(self, ev: Event) -> None:
-            if isinstance(ev, Finish):  # on the loop's thread: nothing runs meanwhile
-                assert s.prefix is not None
-                waiting.append(len(s.prefix.answers))
-            super().__call__(ev)
+        class Seen(Outcome):
+            def __call__(self, ev: Event) -> None:
+                if isinstance(ev, Finish):  # on the loop's thread: nothing runs meanwhile
+                    assert s.prefix is not None
+                    waiting.append(len(s.prefix.answers))
+                super().__call__(ev)
 
-    try:
         short, long = Seen(), Seen()
         s.submit(GenRequest("short", _prompt(4, 70), 60, ignore_eos=True, method=NONE), short)
         s.submit(GenRequest("long", _prompt(5, 70), 150, ignore_eos=True, method=NONE), long)
@@ -260,9 +272,6 @@ def test_answers_wait_for_an_idle_loop(tiny_dir: Path) -> None:
             end = (70 + len(o.tokens)) // 64 * 64
             hit = s.prefix.deepest((*p, *o.tokens), end)
             assert hit is not None and hit.tokens == end
-    finally:
-        s.stop()
-    assert engine.slots.blocks.num_used == 0 and engine.prefixes.num_held == 0
 
 
 def test_requests_sent_together_prefill_their_shared_blocks_once(tiny_dir: Path) -> None:
@@ -274,16 +283,9 @@ def test_requests_sent_together_prefill_their_shared_blocks_once(tiny_dir: Path)
     svc = ServiceConfig(verify_tiers="8:3", max_context=512, prefix_snapshots=4)
     outs = []
     for cache in (True, False):
-        engine = Engine(tiny_dir, svc)
-        s = Scheduler(lambda e=engine: e, TOK, SchedulerOptions(prefix_cache=cache), Env())
-        s.start()
-        try:
+        with _serving(tiny_dir, svc, cache) as s:
             outs.append([o.tokens for o in run_all(s, reqs)])
-            if cache:
-                assert s.prefix is not None and s.prefix.hits == 3 * 128
-        finally:
-            s.stop()
-        assert engine.slots.blocks.num_used == 0 and engine.prefixes.num_held == 0
+            assert (s.prefix.hits if s.prefix is not None else 0) == (3 * 128 if cache else 0)
     assert outs[0] == outs[1]
 
 
@@ -294,19 +296,12 @@ def test_snapshots_give_their_blocks_back_before_a_request_would_fail(tiny_dir: 
     svc = ServiceConfig(verify_tiers="8:3", max_context=512, kv_blocks=8, prefix_snapshots=4)
     outs = []
     for cache in (True, False):
-        engine = Engine(tiny_dir, svc)
-        s = Scheduler(lambda e=engine: e, TOK, SchedulerOptions(prefix_cache=cache), Env())
-        s.start()
-        try:
+        with _serving(tiny_dir, svc, cache) as s:
             for i in range(3):
                 run_all(s, [GenRequest(f"p{i}", _prompt(i, 130), 2, method=NONE)])
                 assert s.settle(60)
-            if cache:
-                assert engine.prefixes.num_held > 0, "the snapshots hold blocks"
+            assert (_held(s) > 0) == cache, "with the cache, the snapshots hold blocks"
             (big,) = run_all(s, [GenRequest("big", _prompt(9, 400), 8, method=MTP)])
             assert big.failure is None and len(big.tokens) == 8
             outs.append(big.tokens)
-        finally:
-            s.stop()
-        assert engine.slots.blocks.num_used == 0 and engine.prefixes.num_held == 0
     assert outs[0] == outs[1]

@@ -150,21 +150,26 @@ def _compare(arms: dict[str, dict]) -> dict:
     return out
 
 
-def shared_system(connect: Callable[[], Model], work: Workload, sizes: Sizes, cache: bool) -> dict:
-    """The shared system prompt's workload, one arm: the seeds at once, then the measured
-    requests `sizes.concurrency` at a time."""
+def _system_requests(work: Workload, sizes: Sizes, name: str, n: int) -> list[GenRequest]:
+    """`n` greedy `mtp` requests: one system prompt, then each one's own suffix."""
     text = _Text(work)
     system = text.take(sizes.system)
-    reqs = [
+    return [
         GenRequest(
-            f"system-{i}",
+            f"{name}-{i}",
             system + text.take(sizes.suffix),
             sizes.tokens,
             method=MTP,
             ignore_eos=True,
         )
-        for i in range(SEEDS + sizes.requests)
+        for i in range(n)
     ]
+
+
+def shared_system(connect: Callable[[], Model], work: Workload, sizes: Sizes, cache: bool) -> dict:
+    """The shared system prompt's workload, one arm: the seeds at once, then the measured
+    requests `sizes.concurrency` at a time."""
+    reqs = _system_requests(work, sizes, "system", SEEDS + sizes.requests)
     sched = _scheduler(connect, work, cache)
     try:
         seeded = serve(sched, reqs[:SEEDS])
@@ -224,18 +229,7 @@ def chats(connect: Callable[[], Model], work: Workload, sizes: Sizes, cache: boo
 
 def cold_burst(connect: Callable[[], Model], work: Workload, sizes: Sizes, cache: bool) -> dict:
     """The cold burst's workload, one arm: every request at once onto an empty cache."""
-    text = _Text(work)
-    system = text.take(sizes.system)
-    reqs = [
-        GenRequest(
-            f"burst-{i}",
-            system + text.take(sizes.suffix),
-            sizes.tokens,
-            method=MTP,
-            ignore_eos=True,
-        )
-        for i in range(sizes.burst)
-    ]
+    reqs = _system_requests(work, sizes, "burst", sizes.burst)
     sched = _scheduler(connect, work, cache)
     try:
         t0 = time.perf_counter()
