@@ -230,20 +230,7 @@ def chats(connect: Callable[[], Model], work: Workload, sizes: Sizes, cache: boo
 def cold_burst(connect: Callable[[], Model], work: Workload, sizes: Sizes, cache: bool) -> dict:
     """The cold burst's workload, one arm: every request at once onto an empty cache."""
     reqs = _system_requests(work, sizes, "burst", sizes.burst)
-    sched = _scheduler(connect, work, cache)
-    try:
-        t0 = time.perf_counter()
-        served = serve(sched, reqs)
-        seconds = time.perf_counter() - t0
-        counts = _counts(sched)
-    finally:
-        sched.stop()
-    return {
-        **_ttft([s.ttft for s in served]),
-        "tok_s": sum(len(s.tokens) for s in served) / seconds,
-        "hit_rate": _rate(counts),
-        "outputs": [s.tokens for s in served],
-    }
+    return _in_groups(connect, work, cache, reqs, len(reqs))
 
 
 def long_answers(connect: Callable[[], Model], work: Workload, sizes: Sizes, cache: bool) -> dict:
@@ -255,12 +242,19 @@ def long_answers(connect: Callable[[], Model], work: Workload, sizes: Sizes, cac
         )
         for i in range(sizes.long_requests)
     ]
+    return _in_groups(connect, work, cache, reqs, sizes.long_concurrency)
+
+
+def _in_groups(
+    connect: Callable[[], Model], work: Workload, cache: bool, reqs: list[GenRequest], group: int
+) -> dict:
+    """One arm: `reqs`, `group` at a time, each group once the last is done."""
     sched = _scheduler(connect, work, cache)
     try:
         t0 = time.perf_counter()
         served: list[Served] = []
-        for i in range(0, len(reqs), sizes.long_concurrency):
-            served += serve(sched, reqs[i : i + sizes.long_concurrency])
+        for i in range(0, len(reqs), group):
+            served += serve(sched, reqs[i : i + group])
         seconds = time.perf_counter() - t0
         counts = _counts(sched)
     finally:
@@ -358,21 +352,29 @@ def prefix_lines(section: dict | None) -> list[str]:
         turns = ", ".join(f"{t * 1e3:.0f}" for t in chat[arm]["turn_ttft_median_s"])
         lines.append(f"{_arm_line(arm, chat[arm])}; per turn {turns} ms")
     lines.append(f"  TTFT on / off: {chat['ttft_ratio']:.2f}x; identical {chat['identical']}")
-    burst = section["burst"]
-    lines.append(
+    lines += _arms_lines(
         f"prefix cache, cold burst ({z['burst']} requests at once onto an empty cache: "
-        f"{z['system']} shared tokens, then {z['suffix']} of each one's own):"
+        f"{z['system']} shared tokens, then {z['suffix']} of each one's own):",
+        section["burst"],
+        "ttft",
     )
-    lines += [_arm_line(arm, burst[arm]) for arm in ARMS]
-    lines.append(f"  TTFT on / off: {burst['ttft_ratio']:.2f}x; identical {burst['identical']}")
-    long = section["long"]
-    lines.append(
+    lines += _arms_lines(
         f"prefix cache, long answers ({z['long_requests']} requests of {z['suffix']} distinct "
-        f"prompt tokens and {z['long_tokens']} mtp tokens out, {z['long_concurrency']} at a time):"
+        f"prompt tokens and {z['long_tokens']} mtp tokens out, {z['long_concurrency']} at a time):",
+        section["long"],
+        "tok_s",
     )
-    lines += [_arm_line(arm, long[arm]) for arm in ARMS]
-    lines.append(f"  tok/s on / off: {long['tok_s_ratio']:.2f}x; identical {long['identical']}")
     return lines
+
+
+def _arms_lines(title: str, w: dict, ratio: str) -> list[str]:
+    """A workload's title, its arms, and the ratio of `ratio` (ttft or tok_s) on over off."""
+    label = {"ttft": "TTFT", "tok_s": "tok/s"}[ratio]
+    return [
+        title,
+        *(_arm_line(arm, w[arm]) for arm in ARMS),
+        f"  {label} on / off: {w[ratio + '_ratio']:.2f}x; identical {w['identical']}",
+    ]
 
 
 def _arm_line(arm: str, r: dict) -> str:
