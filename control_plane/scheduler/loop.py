@@ -442,13 +442,6 @@ class Scheduler(Recovery):
                 group.remove(a)
                 if a.failure is None:
                     self.tally.finished(a)
-                    self._remember(a)
+                    if self.prefix is not None:
+                        prefixing.remember(self.prefix, a)
                 a.finish(a.finished or "stop")
-
-    def _remember(self, a: ActiveSeq) -> None:
-        """A request that ran to its end leaves its prompt and answer to the prefix cache, to
-        be snapshotted once the loop is idle."""
-        if self.prefix is None or self.model is None or self.ctx is None:
-            return
-        if a.finished in ("stop", "length"):
-            self.prefix.answers.append((*a.req.prompt_ids, *a.generated))

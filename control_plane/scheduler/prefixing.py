@@ -151,6 +151,13 @@ def drop(model: Model, snapshots: list[int]) -> None:
         log.warning("dropping %d prefix snapshots: %s", len(snapshots), e)
 
 
+def remember(cache: PrefixCache, a: ActiveSeq) -> None:
+    """A request that ran to its end leaves its prompt and answer to be snapshotted once the
+    loop is idle (`answer`)."""
+    if a.finished in ("stop", "length"):
+        cache.answers.append((*a.req.prompt_ids, *a.generated))
+
+
 def answer(model: Model, cache: PrefixCache, budget: int, replica: str) -> None:
     """The oldest finished request waiting in `cache.answers`: its prompt and answer,
     snapshotted at their last whole block, where the next turn of its chat will resume. Decode
