@@ -33,7 +33,7 @@ from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.pipeline import Pipeline
 from control_plane.scheduler.prefill import prefill
 from control_plane.scheduler.prefix_cache import PrefixCache, prefix_cache
-from control_plane.scheduler.recovery import Recovery
+from control_plane.scheduler.room import Room
 from control_plane.scheduler.seq import ActiveSeq, GenRequest, QueueSink, Sink
 from control_plane.scheduler.served import refuse_stale, replaces, served_by
 from control_plane.scheduler.status import step_status
@@ -56,7 +56,7 @@ SLOT_POLL_S = 0.05  # with requests waiting and no free slot, how often to ask t
 ANSWER_IDLE_S = 0.05
 
 
-class Scheduler(Recovery):
+class Scheduler(Room):
     def __init__(
         self,
         connect: Callable[[], Model],
@@ -98,6 +98,8 @@ class Scheduler(Recovery):
         self.waiting: deque[ActiveSeq] = deque()
         self.prefilling: list[ActiveSeq] = []
         self.active: list[ActiveSeq] = []
+        self.paused: set[int] = set()
+        self.pressed = False
         self.free_slots = 0  # the service's free slots, as of its last word and our calls
         self._poll_at = 0.0  # when the service may next be asked for free slots
         self._queued = 0  # submitted and not yet admitted, across threads
@@ -329,12 +331,14 @@ class Scheduler(Recovery):
         ):
             self._admit()
             self._tell_places()
+            self._make_room()
             self._prefill()
             self._retire()
-            if self.active:
+            stepping = [a for a in self.active if id(a) not in self.paused]
+            if stepping:
                 assert self.model is not None and self.ctx is not None
                 joining = bool(self.waiting or self.prefilling)
-                self.pipeline.step(self.model, self.active, self.ctx, joining, self.tally.stepped)
+                self.pipeline.step(self.model, stepping, self.ctx, joining, self.tally.stepped)
                 self._retire()
         self._gauges()
 
@@ -386,7 +390,7 @@ class Scheduler(Recovery):
             self.free_slots = self.model.capabilities().free_slots
         admitted: list[ActiveSeq] = []
         for a in list(self.waiting):
-            if self.free_slots <= 0:
+            if self.free_slots <= 0 or self.paused:  # a full pool: `pressure.py`
                 break
             ahead = [*self.prefilling, *admitted]
             if self.prefix is not None and prefixing.held(self.prefix, a, ahead):
@@ -423,13 +427,9 @@ class Scheduler(Recovery):
         assert self.model is not None and self.ctx is not None
         caps = self.ctx.caps
         block = caps.kv_block_size or 1
-        if self.prefix is not None:
-            args = (caps.kv_blocks, self.prefilling, self.active, caps.max_prefill_tokens)
-            prefixing.reserve(self.model, self.prefix, *args)
-        done = prefill(
-            self.model, self.prefilling, self.opts.prefill_chunk, caps.max_prefill_tokens, block
-        )
-        if self.prefix is not None:
+        going = [a for a in self.prefilling if id(a) not in self.paused]
+        done = prefill(self.model, going, self.opts.prefill_chunk, caps.max_prefill_tokens, block)
+        if self.prefix is not None and not self.pressed:  # a snapshot takes a block
             prefixing.snapshot(self.model, self.prefix, [*self.prefilling])
         for a in done:
             self.prefilling.remove(a)

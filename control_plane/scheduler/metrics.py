@@ -3,7 +3,7 @@ where vLLM has one: `spec_decode_num_drafts`, `spec_decode_num_draft_tokens`,
 `spec_decode_num_accepted_tokens`, `spec_decode_num_accepted_tokens_per_pos`,
 `num_requests_running`, `num_requests_waiting`, `time_to_first_token_seconds`,
 `inter_token_latency_seconds`, `prompt_tokens`, `generation_tokens`, `request_success`,
-`prefix_cache_queries`, `prefix_cache_hits`.
+`prefix_cache_queries`, `prefix_cache_hits`, `num_preemptions`.
 
 Every series carries a `replica` label: the GPU service (its address) whose scheduler counted
 it, as vLLM's carry `engine`. A scheduler writes through its replica's view
@@ -63,6 +63,9 @@ class Metrics:
         self.generation_tokens = self._counter("met:generation_tokens", "Tokens generated.")
         self.prefix_cache_queries = self._counter(
             "met:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.preemptions = self._counter(
+            "met:num_preemptions", "Requests preempted: their sequence freed for the KV pool."
         )
         self.prefix_cache_hits = self._counter(
             "met:prefix_cache_hits", "Prompt tokens a cached prefix gave (not prefilled)."

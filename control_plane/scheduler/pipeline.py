@@ -74,7 +74,7 @@ class Flight:
 
 def room(a: ActiveSeq) -> int:
     """Tokens a sequence's context may still take."""
-    return a.max_context - a.prefilled - len(a.generated)
+    return a.max_context - len(a.req.prompt_ids) - len(a.generated)
 
 
 @dataclass

@@ -16,7 +16,8 @@ def prefill(
     model: Model, prefilling: list[ActiveSeq], chunk: int, budget: int, block: int = 1
 ) -> list[ActiveSeq]:
     """The call over each sequence's next chunk (at most `chunk` tokens, `budget` in all); a
-    sequence whose whole prompt is now in gains its first token. -> those sequences."""
+    sequence whose whole context is now in gains its first token (one resuming after a
+    preemption has it already). -> those sequences."""
     batch, chunks = [], []
     for a in prefilling:
         if budget <= 0:
@@ -25,7 +26,7 @@ def prefill(
         if n <= 0:
             continue
         batch.append(a)
-        chunks.append(list(a.req.prompt_ids[a.prefilled : a.prefilled + n]))
+        chunks.append(list(a.context[a.prefilled : a.prefilled + n]))
         budget -= n
     if not batch:
         return []
@@ -36,8 +37,9 @@ def prefill(
         links,
         **{"met.sequences": len(batch), "met.tokens": sum(map(len, chunks))},
     ):
+        # A preempted request's context ends with tokens it streamed already: none is gained.
         ends = zip(batch, chunks, strict=True)
-        last = [a.prefilled + len(c) == len(a.req.prompt_ids) for a, c in ends]
+        last = [a.prefilled + len(c) == len(a.context) and not a.generated for a, c in ends]
         # Grammars and min_new_tokens bind the first generated token too.
         masks = [a.row_mask([]) if end else b"" for a, end in zip(batch, last, strict=True)]
         sampling = [
@@ -49,18 +51,19 @@ def prefill(
         if row is None:
             continue
         a.prefilled += len(c)
-        if a.prefilled == len(a.req.prompt_ids):
+        if a.prefilled == len(a.context):
             done.append(a)
-            a.gain([row[0]], [row[1]])
+            if not a.generated:
+                a.gain([row[0]], [row[1]])
     return done
 
 
 def chunk_length(a: ActiveSeq, chunk: int, budget: int, block: int) -> int:
-    """The sequence's next chunk: up to its next snapshot point or its prompt's end, at most
+    """The sequence's next chunk: up to its next snapshot point or its context's end, at most
     `chunk` and `budget`, and ending on a KV block boundary (`block` tokens, the chunked GDN
     kernel's chunk) unless it ends the prompt: a prompt then leaves the same bytes however its
     prefill is cut, whatever shares the calls, and whether a cached prefix gave its start."""
-    end = len(a.req.prompt_ids)
+    end = len(a.context)
     stop = a.snap_points[0] if a.snap_points else end
     n = min(stop - a.prefilled, chunk, budget)
     if a.prefilled + n < end:

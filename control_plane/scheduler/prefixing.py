@@ -30,7 +30,7 @@ def restore(model: Model, cache: PrefixCache, admitted: list[ActiveSeq], tally: 
     its prompt is to be snapshotted while it is prefilled."""
     hits = []
     for a in admitted:
-        hit = cache.lookup(a.req.prompt_ids)
+        hit = cache.lookup(a.context)
         if hit is not None:
             hits.append((a, hit))
     links = [Link(a.req.span_context) for a, _ in hits if a.req.span_context is not None]
@@ -48,13 +48,13 @@ def restore(model: Model, cache: PrefixCache, admitted: list[ActiveSeq], tally: 
                 hits = []
     for a, h in hits:
         a.prefilled = a.prefix_hit = h.tokens
-    tally.prefix(sum(len(a.req.prompt_ids) for a in admitted), sum(h.tokens for _, h in hits))
+    tally.prefix(sum(len(a.context) for a in admitted), sum(h.tokens for _, h in hits))
     dropped = []
     for a in admitted:
         # With the points a request held behind it asked for (`held`).
         wanted = [p for p in a.snap_points if p > a.prefilled]
-        a.snap_points = sorted({*cache.points(a.req.prompt_ids, a.prefilled), *wanted})
-        dropped += cache.seen(a.req.prompt_ids)
+        a.snap_points = sorted({*cache.points(a.context, a.prefilled), *wanted})
+        dropped += cache.seen(a.context)
     drop(model, dropped)
 
 
@@ -65,10 +65,10 @@ def held(cache: PrefixCache, a: ActiveSeq, ahead: list[ActiveSeq]) -> bool:
     than prefill the same tokens beside it (SGLang's in-batch prefix caching). It waits no
     longer than that one's prefill up to the point, which it would have spent on the same
     tokens; a snapshot refused ends the wait too, the point being behind."""
-    prompt, block = a.req.prompt_ids, cache.block
+    prompt, block = a.context, cache.block
     cached = cache.peek(prompt)
     for b in ahead:
-        other = b.req.prompt_ids
+        other = b.context
         shared = 0
         while (
             shared + block < len(prompt)
@@ -80,40 +80,6 @@ def held(cache: PrefixCache, a: ActiveSeq, ahead: list[ActiveSeq]) -> bool:
                 insort(b.snap_points, shared)
             return True
     return False
-
-
-def reserve(
-    model: Model,
-    cache: PrefixCache,
-    pool: int,
-    prefilling: list[ActiveSeq],
-    active: list[ActiveSeq],
-    budget: int,
-) -> None:
-    """Before an iteration's calls: the blocks they may take (the prefilling sequences' next
-    chunks, within the prefill budget, and two a decoding one: its verify rows and drafts may
-    each cross into a block), against what the pool surely has free (its blocks less the live
-    sequences' and the snapshots', shared ones counted twice). When that may fall short, the
-    service's own count is asked, and snapshots are dropped, least recently used first, until
-    it does not: snapshots hold blocks, and the cache never fails a request that would run
-    without it."""
-    block = cache.block
-    blocks = lambda n: -(-n // block)  # noqa: E731
-    snaps = cache.snapshot_tokens()
-    if not snaps:
-        return
-    need, left = 2 * len(active), budget
-    for a in prefilling:  # the chunks `prefill` takes, at most
-        chunk = min(len(a.req.prompt_ids) - a.prefilled, left)
-        need, left = need + blocks(chunk) + 1, left - chunk
-    held = sum(blocks(a.prefilled) for a in prefilling) + sum(map(blocks, snaps))
-    held += sum(blocks(len(a.req.prompt_ids) + len(a.generated)) for a in active)
-    if pool - held >= need:
-        return
-    free = model.capabilities().kv_blocks_free
-    while free < need and cache.num_snapshots:
-        drop(model, cache.oldest(max(1, cache.num_snapshots // 2)))
-        free = model.capabilities().kv_blocks_free
 
 
 def snapshot(model: Model, cache: PrefixCache, seqs: list[ActiveSeq]) -> None:
@@ -128,7 +94,7 @@ def snapshot(model: Model, cache: PrefixCache, seqs: list[ActiveSeq]) -> None:
     for a in due:
         a.snap_points.pop(0)
     # One per prefix: requests admitted together with one start want the same snapshot.
-    firsts = {id(a) for a in {tuple(a.req.prompt_ids[: a.prefilled]): a for a in due}.values()}
+    firsts = {id(a) for a in {a.context[: a.prefilled]: a for a in due}.values()}
     due = [a for a in due if id(a) in firsts][: cache.budget]
     drop(model, cache.room(len(due)))
     try:
@@ -138,7 +104,7 @@ def snapshot(model: Model, cache: PrefixCache, seqs: list[ActiveSeq]) -> None:
         return
     dropped = []
     for a, snap in zip(due, ids, strict=True):
-        dropped += cache.taken(a.req.prompt_ids, a.prefilled, snap)
+        dropped += cache.taken(a.context, a.prefilled, snap)
     drop(model, dropped)
 
 

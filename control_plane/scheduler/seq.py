@@ -139,7 +139,11 @@ class ActiveSeq:
         self.req, self.sink, self.max_context = req, sink, max_context
         self.tokenizer = tokenizer  # the one its prompt was tokenized with
         self.handle: SequenceHandle | None = None
-        self.prefilled = 0  # prompt tokens in the service's cache
+        # What a prefill puts in the service's cache: the prompt; after a preemption, the
+        # prompt and every generated token but the newest (`preempt`).
+        self.context: tuple[int, ...] = req.prompt_ids
+        self.prefilled = 0  # tokens of `context` in the service's cache
+        self.preemptions = 0  # times its sequence was freed for the KV pool's sake
         self.prefix_hit = 0  # of them, tokens a cached prefix gave (`prefixing.py`)
         self.snap_points: list[int] = []  # where its prompt is to be snapshotted, ascending
         self.last: int | None = None  # the newest token, not yet in the cache
@@ -281,6 +285,18 @@ class ActiveSeq:
             since = self.submitted if self.last_emit is None else self.last_emit
             self.observer.record_tokens(count, first, now - since)
         self.last_emit = now
+
+    def preempt(self) -> None:
+        """Its sequence was freed to give the KV pool its blocks back: it waits to be admitted
+        again, then prefills its prompt and what it generated before its newest token (that one
+        is not in the cache yet: its next step verifies it), and goes on from there. Its
+        output, grammar and sampler stand; its drafts went with the sequence."""
+        self.handle = None
+        self.context = (*self.req.prompt_ids, *self.generated[:-1])
+        self.prefilled = self.prefix_hit = 0
+        self.snap_points = []
+        self.pending_drafts, self.pending_conf, self.copy = [], [], 0
+        self.preemptions += 1
 
     def refuse(self, code: str, message: str) -> None:
         """End this request alone with a failure (sent when it retires, after its sequence is

@@ -24,6 +24,7 @@ class Counters:
     plans: int = 0  # pipelined steps (step plans read back)
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_hits: int = 0  # of them, tokens a cached prefix gave
+    preemptions: int = 0  # requests whose sequence was freed for the KV pool's sake
     engine_waited_s: float = 0.0  # the service's idle time between them, as it measured it
 
 
@@ -51,6 +52,7 @@ SUMMED = (
     "engine_waited_s",
     "prefix_queries",
     "prefix_hits",
+    "preemptions",
 )
 
 
@@ -89,6 +91,12 @@ class Tally:
         if self.metrics is not None:
             self.metrics.prefix_cache_queries.inc(queries)
             self.metrics.prefix_cache_hits.inc(hits)
+
+    def preempted(self) -> None:
+        with self._lock:
+            self.counters.preemptions += 1
+        if self.metrics is not None:
+            self.metrics.preemptions.inc()
 
     def stepped(self, width: int, copies: int, dcut: bool, step_nd: int) -> None:
         with self._lock:
