@@ -315,3 +315,34 @@ def test_an_answer_snapshot_is_a_trace_of_its_own(
     assert answer.attributes["met.replica"] == "local"
     assert answer.attributes["met.prefix_hit_tokens"] == 64
     assert answer.attributes["met.prefix_answer_tokens"] == 64
+
+
+def test_a_preemption_is_an_event_of_its_iteration(
+    memory_spans: InMemorySpanExporter, tiny_dir: Path
+) -> None:
+    """A pool of three blocks, a 100-token prompt asking for 100 more and a short request after
+    it: the short one is preempted to make room for the first (which fails alone once it needs
+    a fourth), and the iteration that preempted it says so, with the tokens it held."""
+    svc = ServiceConfig(verify_tiers="8:3", max_context=512, kv_blocks=3)
+    engine = Engine(tiny_dir, svc)
+    opts = SchedulerOptions(prefix_cache=False)
+    scheduler = Scheduler(lambda: engine, ByteTokenizer.default(), opts, Env())
+    scheduler.start()
+    memory_spans.clear()
+    try:
+        big, small = Outcome(), Outcome()
+        scheduler.submit(GenRequest("big", tuple(range(5, 105)), 100, ignore_eos=True), big)
+        scheduler.submit(GenRequest("small", tuple(range(5, 25)), 30, ignore_eos=True), small)
+        assert big.done.wait(60) and small.done.wait(60) and small.failure is None
+    finally:
+        scheduler.stop()
+    events = [
+        (s.name, dict(e.attributes or {}))
+        for s in memory_spans.get_finished_spans()
+        for e in s.events
+        if e.name == "preempt"
+    ]
+    assert events, "a preempt event"
+    name, attrs = events[0]
+    assert name == "scheduler_iteration" and attrs["met.request_id"] == "small"
+    assert isinstance(attrs["met.tokens"], int) and attrs["met.tokens"] > 20

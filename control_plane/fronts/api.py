@@ -134,6 +134,7 @@ def _pool_stats(snap: dict) -> dict:
         "kv_blocks_free": snap["kv_blocks_free"],
         "prefix_cache_queries": c.prefix_queries,
         "prefix_cache_hits": c.prefix_hits,
+        "preemptions": c.preemptions,
     }
 
 

@@ -135,7 +135,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsReply(_message.Message):
-    __slots__ = ("requests", "finished", "prompt_tokens", "completion_tokens", "steps", "speculative", "active", "queued", "free_slots", "prompt_lookup_copies", "dcut_steps", "last_step_width", "replicas", "kv_blocks", "kv_blocks_free", "prefix_cache_queries", "prefix_cache_hits")
+    __slots__ = ("requests", "finished", "prompt_tokens", "completion_tokens", "steps", "speculative", "active", "queued", "free_slots", "prompt_lookup_copies", "dcut_steps", "last_step_width", "replicas", "kv_blocks", "kv_blocks_free", "prefix_cache_queries", "prefix_cache_hits", "preemptions")
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +153,7 @@ class GetStatsReply(_message.Message):
     KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     requests: int
     finished: int
     prompt_tokens: int
@@ -170,10 +171,11 @@ class GetStatsReply(_message.Message):
     kv_blocks_free: int
     prefix_cache_queries: int
     prefix_cache_hits: int
-    def __init__(self, requests: _Optional[int] = ..., finished: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., speculative: _Optional[_Union[SpeculativeStats, _Mapping]] = ..., active: _Optional[int] = ..., queued: _Optional[int] = ..., free_slots: _Optional[int] = ..., prompt_lookup_copies: _Optional[int] = ..., dcut_steps: _Optional[int] = ..., last_step_width: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStats, _Mapping]]] = ..., kv_blocks: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ...) -> None: ...
+    preemptions: int
+    def __init__(self, requests: _Optional[int] = ..., finished: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., speculative: _Optional[_Union[SpeculativeStats, _Mapping]] = ..., active: _Optional[int] = ..., queued: _Optional[int] = ..., free_slots: _Optional[int] = ..., prompt_lookup_copies: _Optional[int] = ..., dcut_steps: _Optional[int] = ..., last_step_width: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStats, _Mapping]]] = ..., kv_blocks: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., preemptions: _Optional[int] = ...) -> None: ...
 
 class ReplicaStats(_message.Message):
-    __slots__ = ("replica", "up", "requests", "finished", "completion_tokens", "steps", "active", "queued", "free_slots", "kv_blocks", "kv_blocks_free", "prefix_cache_queries", "prefix_cache_hits")
+    __slots__ = ("replica", "up", "requests", "finished", "completion_tokens", "steps", "active", "queued", "free_slots", "kv_blocks", "kv_blocks_free", "prefix_cache_queries", "prefix_cache_hits", "preemptions")
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     UP_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +189,7 @@ class ReplicaStats(_message.Message):
     KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     replica: str
     up: bool
     requests: int
@@ -200,4 +203,5 @@ class ReplicaStats(_message.Message):
     kv_blocks_free: int
     prefix_cache_queries: int
     prefix_cache_hits: int
-    def __init__(self, replica: _Optional[str] = ..., up: _Optional[bool] = ..., requests: _Optional[int] = ..., finished: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., active: _Optional[int] = ..., queued: _Optional[int] = ..., free_slots: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ...) -> None: ...
+    preemptions: int
+    def __init__(self, replica: _Optional[str] = ..., up: _Optional[bool] = ..., requests: _Optional[int] = ..., finished: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., active: _Optional[int] = ..., queued: _Optional[int] = ..., free_slots: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., preemptions: _Optional[int] = ...) -> None: ...
