@@ -91,6 +91,7 @@ def test_an_upper_bound_that_fits_needs_no_call() -> None:
     assert POOL.reach(a, POOL.steps) == 189
     assert POOL.surely_fits([], [a], in_flight=0, snapshots=[320])
     assert not POOL.surely_fits([], [a], in_flight=1, snapshots=[320])
+    assert (POOL.decode_need(a), POOL.decode_need(a, in_flight=1)) == (0, 1)
     assert not POOL.surely_fits([_seq(300, prefilled=0)], [a], in_flight=0, snapshots=[128])
 
 

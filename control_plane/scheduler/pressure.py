@@ -20,8 +20,8 @@ one would only sit out or push out an older one.
 
 This costs no call while the pool surely has room: its blocks against an upper bound of what
 the live sequences and the snapshots hold once the iteration's calls and the steps in flight
-have run. Only past that bound are the flights read back and the service asked its free
-count."""
+have run. Past that bound the service is asked its free count; only when that falls short are
+the flights read back (a request sitting out must not be in one) and the count asked again."""
 
 from __future__ import annotations
 
@@ -73,11 +73,13 @@ class Pool:
         bound = min(a.max_context, len(a.req.prompt_ids) + a.req.max_new_tokens) + self.width
         return min(tokens + steps * (self.width + 1) + self.width, bound)
 
-    def decode_need(self, a: ActiveSeq) -> int:
-        """Blocks an iteration's steps may add to a decoding sequence (which holds at least
-        those of the tokens in its cache: all but its newest)."""
+    def decode_need(self, a: ActiveSeq, in_flight: int = 0) -> int:
+        """Blocks an iteration's steps, after the `in_flight` steps sent before it, may add to
+        a decoding sequence (which holds at least those of the tokens in its cache as last
+        read: all but its newest)."""
         cached = len(a.req.prompt_ids) + len(a.generated) - 1
-        return max(0, self.blocks_for(self.reach(a, self.steps)) - self.blocks_for(cached))
+        reach = self.reach(a, self.steps + in_flight)
+        return max(0, self.blocks_for(reach) - self.blocks_for(cached))
 
     def surely_fits(
         self,
@@ -97,13 +99,20 @@ class Pool:
             budget -= n
         return held <= self.blocks
 
-    def plan(self, prefilling: Sequence[ActiveSeq], active: Sequence[ActiveSeq], free: int) -> Plan:
+    def plan(
+        self,
+        prefilling: Sequence[ActiveSeq],
+        active: Sequence[ActiveSeq],
+        free: int,
+        in_flight: int = 0,
+    ) -> Plan:
         """Who goes on with `free` blocks, oldest work first: each request whose blocks for the
-        iteration are free goes on and takes them; the others sit out."""
+        iteration (and the `in_flight` steps before it) are free goes on and takes them; the
+        others sit out."""
         paused: set[int] = set()
         need, budget = 0, self.budget
         for a in active:
-            want = self.decode_need(a)
+            want = self.decode_need(a, in_flight)
             need += want
             if want <= free:
                 free -= want

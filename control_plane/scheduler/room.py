@@ -28,16 +28,17 @@ class Room(Recovery):
     # id() of the requests sitting this iteration out (`pressure.Plan.paused`); while any
     # does, nothing new is admitted.
     paused: set[int]
-    # Whether this iteration had to ask the pool: then no snapshot takes one of its blocks.
+    # Whether this iteration's calls may leave the pool no block to spare: then no snapshot
+    # takes one.
     pressed: bool
 
     def _retire(self) -> None:
         raise NotImplementedError
 
     def _make_room(self) -> None:
-        """Who goes on this iteration: everyone while the pool surely has room; otherwise,
-        once the flights are read back and the service says what is free, `pressure.py`'s
-        rules, repeated until the oldest can go on."""
+        """Who goes on this iteration: everyone while the pool surely has room, or has it by
+        the service's count; otherwise, once the flights are read back, `pressure.py`'s rules,
+        repeated until the oldest can go on."""
         self.paused, self.pressed = set(), False
         assert self.model is not None and self.ctx is not None
         pool = Pool.of(self.ctx.caps, self.opts)
@@ -46,6 +47,12 @@ class Room(Recovery):
         snaps = self.prefix.snapshot_tokens() if self.prefix is not None else []
         flights = len(self.pipeline.flights)
         if pool.surely_fits(self.prefilling, self.active, flights, snaps):
+            return
+        free = self.model.capabilities().kv_blocks_free
+        plan = pool.plan(self.prefilling, self.active, free, flights)
+        if plan.need <= free:
+            # A snapshot after the prefill takes a block: none while the pool is that tight.
+            self.pressed = plan.need + len(self.prefilling) > free
             return
         self.pressed = True
         self.pipeline.drain(self.ctx)  # the steps in flight take what they take first
