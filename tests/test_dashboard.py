@@ -40,7 +40,8 @@ PROMETHEUS_3_ACCEPT = (
     "text/plain;version=1.0.0;escaping=allow-utf-8;q=0.4,"
     "text/plain;version=0.0.4;q=0.3,*/*;q=0.2"
 )
-# The series the dashboard is for: serving, speculation, replicas and the prefix cache.
+# The series the dashboard is for: serving, speculation, replicas, the KV pool and the prefix
+# cache.
 REQUIRED = {
     "met:generation_tokens_total",
     "met:time_to_first_token_seconds_bucket",
@@ -54,6 +55,7 @@ REQUIRED = {
     "met:replica_up",
     "met:prefix_cache_queries_total",
     "met:prefix_cache_hits_total",
+    "met:num_preemptions_total",
 }
 
 # PromQL, enough of it for the dashboard's queries: what names a label (matchers, grouping
