@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from control_plane.benchmarks.workload import Workload
+from control_plane.benchmarks.workload import Windows, Workload
 from control_plane.scheduler.env import Env
 from control_plane.scheduler.loop import Scheduler, SchedulerOptions
 from control_plane.scheduler.seq import MTP, Delta, Event, Failure, GenRequest
@@ -89,20 +89,6 @@ class Served:
     ttft: float
 
 
-class _Text:
-    """Consecutive windows of the workload's prompts, cycled: tokens like those served, and
-    no two windows alike while the prompts last."""
-
-    def __init__(self, work: Workload) -> None:
-        self.pool = [t for p in work.prompts for t in p]
-        self.at = 0
-
-    def take(self, n: int) -> tuple[int, ...]:
-        out = tuple(self.pool[(self.at + i) % len(self.pool)] for i in range(n))
-        self.at += n
-        return out
-
-
 def prefix(model_dir: Path, work: Workload, sizes: Sizes = Sizes()) -> dict:
     """The section's report: each workload's arms, and failures where the arms' tokens
     differ."""
@@ -152,7 +138,7 @@ def _compare(arms: dict[str, dict]) -> dict:
 
 def _system_requests(work: Workload, sizes: Sizes, name: str, n: int) -> list[GenRequest]:
     """`n` greedy `mtp` requests: one system prompt, then each one's own suffix."""
-    text = _Text(work)
+    text = Windows(work)
     system = text.take(sizes.system)
     return [
         GenRequest(
@@ -195,7 +181,7 @@ def shared_system(connect: Callable[[], Model], work: Workload, sizes: Sizes, ca
 
 def chats(connect: Callable[[], Model], work: Workload, sizes: Sizes, cache: bool) -> dict:
     """The multi-turn chats' workload, one arm: each turn of every chat at once."""
-    text = _Text(work)
+    text = Windows(work)
     prompts = [text.take(sizes.opening) for _ in range(sizes.chats)]
     turns: list[list[Served]] = []
     sched = _scheduler(connect, work, cache)
@@ -235,7 +221,7 @@ def cold_burst(connect: Callable[[], Model], work: Workload, sizes: Sizes, cache
 
 def long_answers(connect: Callable[[], Model], work: Workload, sizes: Sizes, cache: bool) -> dict:
     """The long answers' workload, one arm: `long_concurrency` requests at a time."""
-    text = _Text(work)
+    text = Windows(work)
     reqs = [
         GenRequest(
             f"long-{i}", text.take(sizes.suffix), sizes.long_tokens, method=MTP, ignore_eos=True

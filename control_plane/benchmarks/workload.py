@@ -54,6 +54,7 @@ def drive(sched: Drives, reqs: list[GenRequest]) -> dict:
         s.capabilities()
     tokens: dict[str, list[int]] = {r.request_id: [] for r in reqs}
     first: dict[str, float] = {}  # when each request's first token arrived
+    failed: list[str] = []
     left, done = [len(reqs)], threading.Event()
     lock = threading.Lock()
 
@@ -64,6 +65,8 @@ def drive(sched: Drives, reqs: list[GenRequest]) -> dict:
                 if tokens[rid] and rid not in first:
                     first[rid] = time.perf_counter()
                 if isinstance(ev, Finish) or not hasattr(ev, "token_ids"):
+                    if not isinstance(ev, Finish):
+                        failed.append(rid)
                     left[0] -= 1
                     if left[0] == 0:
                         done.set()
@@ -96,6 +99,9 @@ def drive(sched: Drives, reqs: list[GenRequest]) -> dict:
         "plans": counters.plans,  # pipelined steps read back
         "engine_waited_s": counters.engine_waited_s,  # the service idle between them
         "by_replica": {r["replica"]: r["counters"].requests for r in snap.get("replicas", ())},
+        "failed": failed,  # the requests that ended with a failure
+        "ttft_median_s": statistics.median(f - t0 for f in first.values()) if first else 0.0,
+        "preemptions": counters.preemptions,
     }
 
 
@@ -163,3 +169,17 @@ class Workload:
             )
             for i in range(n)
         ]
+
+
+class Windows:
+    """Consecutive windows of the workload's prompts, cycled: tokens like those served, and
+    no two windows alike while the prompts last."""
+
+    def __init__(self, work: Workload) -> None:
+        self.pool = [t for p in work.prompts for t in p]
+        self.at = 0
+
+    def take(self, n: int) -> tuple[int, ...]:
+        out = tuple(self.pool[(self.at + i) % len(self.pool)] for i in range(n))
+        self.at += n
+        return out

@@ -95,7 +95,8 @@ class Pool:
         budget = self.budget
         for a in prefilling:
             n = max(0, chunk_length(a, self.chunk, budget, self.block))
-            held += self.blocks_for(a.prefilled + n)
+            # and a block of its own for a snapshot taken after its chunk
+            held += self.blocks_for(a.prefilled + n) + 1
             budget -= n
         return held <= self.blocks
 

@@ -46,10 +46,13 @@ class Room(Recovery):
             return
         snaps = self.prefix.snapshot_tokens() if self.prefix is not None else []
         flights = len(self.pipeline.flights)
-        if pool.surely_fits(self.prefilling, self.active, flights, snaps):
+        # Finished in a step whose result is not back: their blocks, and what that step takes,
+        # are theirs until it is.
+        holding = [*self.active, *(a for a, _ in self.pipeline.deferred)]
+        if pool.surely_fits(self.prefilling, holding, flights, snaps):
             return
         free = self.model.capabilities().kv_blocks_free
-        plan = pool.plan(self.prefilling, self.active, free, flights)
+        plan = pool.plan(self.prefilling, holding, free, flights)
         if plan.need <= free:
             # A snapshot after the prefill takes a block: none while the pool is that tight.
             self.pressed = plan.need + len(self.prefilling) > free
