@@ -98,4 +98,15 @@ class Room(Recovery):
             "met.tokens": tokens,
         }
         trace.get_current_span().add_event("preempt", attrs)
-        log.info("KV pool full: request %s preempted at %d tokens", a.req.request_id, tokens)
+        # The first one says what to do about it, as vLLM's warning does; the rest, that they
+        # happened.
+        first = self.tally.copy()[0].preemptions == 1
+        log.log(
+            logging.WARNING if first else logging.INFO,
+            "the KV pool is full: request %s preempted at %d tokens, to be prefilled again%s",
+            a.req.request_id,
+            tokens,
+            " (raise the GPU service's --kv-blocks, or lower the load, to avoid it)"
+            if first
+            else "",
+        )
