@@ -49,9 +49,9 @@ def split_workspace_bytes(model: HybridModel, rows: int) -> int:
     """The fp32 partials the split kernels of a verify, decode or drafter call of `rows` rows
     allocate on a GPU, each live only during its own kernel pair, so the larger counts:
     attention's split of the keys, or the GEMM's split of K at the linear that needs most
-    (`kernels/attention/triton.py`, `kernels/matmul/triton.py`, `kernels/fp8/triton.py`). A
+    (`kernels/attention/splits.py`, `kernels/matmul/triton.py`, `kernels/fp8/triton.py`). A
     prefill splits neither."""
-    from kernels.attention.triton import workspace_bytes
+    from kernels.attention.splits import workspace_bytes
     from kernels.fp8.triton import plan as fp8_plan
     from kernels.matmul.triton import plan as gemm_plan
 

@@ -97,7 +97,7 @@ def test_flagship_fp8_counts_a_byte_a_weight_and_fits_one_h200() -> None:
 def test_flagship_workspace_holds_the_split_kernels_partials() -> None:
     """A verify's attention splits its keys, 16 partial rows a query row and head; the plan's
     workspace counts them on top of the verify's activations."""
-    from kernels.attention.triton import MAX_SPLITS
+    from kernels.attention.splits import MAX_SPLITS
 
     cfg = ModelConfig.from_dict(QWEN3_NEXT_80B)
     svc = ServiceConfig()

@@ -26,9 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
-BM, BN = 16, 32
-MAX_SPLITS = 16
-MIN_KEYS_PER_SPLIT = 256  # a multiple of BN
+from kernels.attention import splits
+from kernels.attention.splits import BN, workspace_bytes
+
+BM = 16
 
 
 @triton.jit
@@ -315,26 +316,6 @@ def _combine_kernel(
         tl.store(out_ptr + p_o, b_o.to(out_ptr.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])
 
 
-def split_size(keys: int) -> int:
-    """Keys in each split of a row that sees `keys` keys (the kernels' `_splits`): the least
-    multiple of BN with which MAX_SPLITS splits cover them, and MIN_KEYS_PER_SPLIT at least.
-    Rows a few positions apart share a size, and so their splits' bounds, except where it
-    grows (every MAX_SPLITS * BN keys past MAX_SPLITS * MIN_KEYS_PER_SPLIT)."""
-    need = -(-keys // MAX_SPLITS)
-    return max(-(-need // BN) * BN, MIN_KEYS_PER_SPLIT)
-
-
-def num_splits(keys: int) -> int:
-    """Splits of a row that sees `keys` keys: its working programs per query head."""
-    return -(-keys // split_size(keys))
-
-
-def workspace_bytes(rows: int, heads: int, head_dim: int) -> int:
-    """Bytes of the fp32 partials a `split_keys` call of `rows` query rows at `heads` query
-    heads of `head_dim` allocates: accumulators, maxima and sums of MAX_SPLITS splits."""
-    return rows * heads * MAX_SPLITS * (head_dim + 2) * 4
-
-
 def _constants(dim: int) -> dict[str, int]:
     """The kernels' compile-time sizes at head dim `dim`, the split rule read at each call so
     that a test can change it. Warps and stages as measured spill-free (`cuobjdump`: no stack)
@@ -342,8 +323,8 @@ def _constants(dim: int) -> dict[str, int]:
     Next); 8 warps below 256, or 3 stages, spilled the prefill kernel at some of them."""
     bd = max(16, triton.next_power_of_2(dim))
     return {
-        "MIN_KEYS": MIN_KEYS_PER_SPLIT,
-        "MAX_SPLITS": MAX_SPLITS,
+        "MIN_KEYS": splits.MIN_KEYS_PER_SPLIT,
+        "MAX_SPLITS": splits.MAX_SPLITS,
         "BM": BM,
         "BN": BN,
         "BD": bd,
@@ -385,11 +366,11 @@ def split_partials(
     MAX_SPLITS, 2]: max, sum), views of it; entries past a row's split count are not written."""
     rows, hq, dim = q.shape
     table = _table(k_cache, table)
-    acc = workspace[: rows * hq * MAX_SPLITS * dim].view(rows, hq, MAX_SPLITS, dim)
-    stat = workspace[acc.numel() : acc.numel() + rows * hq * MAX_SPLITS * 2]
-    stat = stat.view(rows, hq, MAX_SPLITS, 2)
+    most = splits.MAX_SPLITS
+    acc = workspace[: rows * hq * most * dim].view(rows, hq, most, dim)
+    stat = workspace[acc.numel() : acc.numel() + rows * hq * most * 2].view(rows, hq, most, 2)
     mask = valid.to(torch.int8).contiguous() if valid is not None else q
-    _split_kernel[(len(slots), hq, MAX_SPLITS)](
+    _split_kernel[(len(slots), hq, most)](
         q,
         k_cache,
         v_cache,

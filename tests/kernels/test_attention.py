@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.attention import splits
 from kernels.attention import triton as kt
 from kernels.attention.naive import KEY_BLOCK, tiled_attention
 from tests.kernels.device import on
@@ -63,8 +64,8 @@ SEQS = [(1, 125, 5), (0, 300, 1), (3, 40, 20), (2, 0, 1)]
 
 @pytest.fixture
 def small_splits(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kt, "MIN_KEYS_PER_SPLIT", MIN_KEYS)
-    monkeypatch.setattr(kt, "MAX_SPLITS", MAX_SPLITS)
+    monkeypatch.setattr(splits, "MIN_KEYS_PER_SPLIT", MIN_KEYS)
+    monkeypatch.setattr(splits, "MAX_SPLITS", MAX_SPLITS)
 
 
 def _case(hq: int, hkv: int, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
@@ -169,7 +170,7 @@ def test_split_rule_and_workspace() -> None:
     cu = torch.tensor([0] + [r for _, _, r in SEQS]).cumsum(0).to(torch.int32)
     slots = torch.tensor([s for s, _, _ in SEQS], dtype=torch.int32)
     starts = torch.tensor([st for _, st, _ in SEQS], dtype=torch.int32)
-    workspace = torch.full((kt.workspace_bytes(rows, hq, d) // 4,), float("nan"))
+    workspace = torch.full((splits.workspace_bytes(rows, hq, d) // 4,), float("nan"))
     q, k, v, cu, slots, starts, valid, workspace = on(
         c["q"], c["k"], c["v"], cu, slots, starts, c["valid"], workspace
     )
@@ -177,7 +178,7 @@ def test_split_rule_and_workspace() -> None:
     assert stat.shape == (rows, hq, MAX_SPLITS, 2)
     positions = torch.cat([torch.arange(st, st + r) for _, st, r in SEQS])
     expected = torch.arange(MAX_SPLITS) < torch.tensor(
-        [kt.num_splits(int(p) + 1) for p in positions]
+        [splits.num_splits(int(p) + 1) for p in positions]
     ).unsqueeze(1)
     written = ~stat.cpu()[..., 1].isnan()  # [rows, hq, splits]
     assert torch.equal(written, expected.unsqueeze(1).expand(-1, hq, -1))
@@ -187,5 +188,5 @@ def test_split_rule_and_workspace() -> None:
 def test_one_long_sequence_fills_an_h200() -> None:
     """At the module's split rule: one decode over 32,768 keys (or any count from 2,049) at
     Qwen3-Next's 16 query heads runs a working program per SM of an H200 (132)."""
-    assert 16 * kt.num_splits(32768) >= 132
-    assert min(16 * kt.num_splits(n) for n in range(2049, 300_000, 97)) >= 132
+    assert 16 * splits.num_splits(32768) >= 132
+    assert min(16 * splits.num_splits(n) for n in range(2049, 300_000, 97)) >= 132

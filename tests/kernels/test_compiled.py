@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels.attention import triton as attention
+from kernels.attention import splits
 from kernels.report import ROOT, problems
 from tests.flagship import QWEN3_NEXT_80B
 
@@ -130,7 +130,7 @@ def test_attention_over_32k_keys_fills_the_gpu(reports: dict[str, dict]) -> None
     """A decode row over 32,768 keys splits them over enough programs for every SM, by the
     kernel's own rule, and the report's decode at one sequence launches them all."""
     heads = QWEN3_NEXT_80B["num_attention_heads"]
-    working = heads * attention.num_splits(32768)
+    working = heads * splits.num_splits(32768)
     assert working >= SMS, working
     launched = _programs(reports["flagship"], "decode", "_split_kernel")
     assert launched and min(launched) >= working, launched
