@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from control_plane.scheduler.env import Env
 from control_plane.scheduler.loop import Scheduler
+from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.seq import Delta, Event, Failure, Finish, GenRequest
+from control_plane.text.tokenizer import ByteTokenizer
+from gpu_service.config import ServiceConfig
+from gpu_service.engine import Engine
 
 
 @dataclass
@@ -38,3 +46,19 @@ def run_all(scheduler: Scheduler, reqs: list[GenRequest], timeout: float = 120) 
     for o in outs:
         assert o.done.wait(timeout), "a request did not finish"
     return outs
+
+
+@contextmanager
+def serving(model_dir: Path, svc: ServiceConfig, cache: bool = True) -> Iterator[Scheduler]:
+    """A started scheduler (byte tokenizer, `--prefix-cache` as `cache`) over a fresh engine;
+    once left, stopped, with every block and snapshot of the engine free."""
+    engine = Engine(model_dir, svc)
+    s = Scheduler(
+        lambda: engine, ByteTokenizer.default(), SchedulerOptions(prefix_cache=cache), Env()
+    )
+    s.start()
+    try:
+        yield s
+    finally:
+        s.stop()
+    assert engine.slots.blocks.num_used == 0 and engine.prefixes.num_held == 0

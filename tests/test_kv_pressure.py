@@ -5,8 +5,8 @@ them, against the same runs with a pool of every slot's context."""
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import pytest
@@ -20,9 +20,8 @@ from control_plane.scheduler.pressure import Pool
 from control_plane.scheduler.seq import MTP, NONE, ActiveSeq, GenRequest
 from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.config import ServiceConfig
-from gpu_service.engine import Engine
 from protos.handles import SequenceHandle
-from tests.collect import Outcome, run_all
+from tests.collect import Outcome, run_all, serving
 from tests.servers import capability_within
 
 TOK = ByteTokenizer.default()
@@ -107,21 +106,12 @@ def _prompt(seed: int, n: int) -> tuple[int, ...]:
     return tuple(rng.randrange(3, 250) for _ in range(n))
 
 
-@contextmanager
-def _serving(tiny_dir: Path, kv_blocks: int, cache: bool) -> Iterator[Scheduler]:
-    """A started scheduler over a fresh engine of `kv_blocks` blocks (0: every slot's context);
-    once left, stopped, with every block of the engine free."""
+def _serving(tiny_dir: Path, kv_blocks: int, cache: bool) -> AbstractContextManager[Scheduler]:
+    """`serving` with a pool of `kv_blocks` blocks (0: every slot's context)."""
     svc = ServiceConfig(
         verify_tiers="8:3", max_context=512, kv_blocks=kv_blocks, prefix_snapshots=4
     )
-    engine = Engine(tiny_dir, svc)
-    s = Scheduler(lambda: engine, TOK, SchedulerOptions(prefix_cache=cache), Env())
-    s.start()
-    try:
-        yield s
-    finally:
-        s.stop()
-    assert engine.slots.blocks.num_used == 0
+    return serving(tiny_dir, svc, cache)
 
 
 def _four(method: str) -> list[GenRequest]:

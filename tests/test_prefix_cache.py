@@ -6,8 +6,6 @@ system prompt and the turns of chats, with hits; and nothing leaks."""
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -29,7 +27,7 @@ from control_plane.scheduler.seq import (
 from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.config import ServiceConfig
 from gpu_service.engine import Engine
-from tests.collect import Outcome, run_all
+from tests.collect import Outcome, run_all, serving
 
 TOK = ByteTokenizer.default()
 B = 4  # the policy tests' block
@@ -208,20 +206,6 @@ def _prompt(seed: int, n: int) -> tuple[int, ...]:
     return tuple(random.Random(seed).randrange(256) for _ in range(n))
 
 
-@contextmanager
-def _serving(tiny_dir: Path, svc: ServiceConfig, cache: bool = True) -> Iterator[Scheduler]:
-    """A started scheduler over a fresh engine; once left, stopped, with every block and
-    snapshot of the engine free."""
-    engine = Engine(tiny_dir, svc)
-    s = Scheduler(lambda: engine, TOK, SchedulerOptions(prefix_cache=cache), Env())
-    s.start()
-    try:
-        yield s
-    finally:
-        s.stop()
-    assert engine.slots.blocks.num_used == 0 and engine.prefixes.num_held == 0
-
-
 def _held(s: Scheduler) -> int:
     """The snapshots the scheduler's engine holds."""
     model = s.model
@@ -234,7 +218,7 @@ def test_a_full_cache_goes_on_taking_the_newest_prefixes(tiny_dir: Path) -> None
     snapshotted (the first, least recently used, dropped to make room), so a prompt sharing
     its first 128 tokens hits them, and one sharing the first prompt's misses."""
     svc = ServiceConfig(verify_tiers="8:3", max_context=512, prefix_snapshots=2)
-    with _serving(tiny_dir, svc) as s:
+    with serving(tiny_dir, svc) as s:
         prompts = [_prompt(seed, 140) for seed in (1, 2, 3)]
         for i, p in enumerate(prompts):
             run_all(s, [GenRequest(f"p{i}", p, 2, method=NONE)])
@@ -253,7 +237,7 @@ def test_answers_wait_for_an_idle_loop(tiny_dir: Path) -> None:
     snapshotted at their last whole block."""
     waiting: list[int] = []
     svc = ServiceConfig(verify_tiers="8:3", max_context=512, prefix_snapshots=8)
-    with _serving(tiny_dir, svc) as s:
+    with serving(tiny_dir, svc) as s:
 
         class Seen(Outcome):
             def __call__(self, ev: Event) -> None:
@@ -283,7 +267,7 @@ def test_requests_sent_together_prefill_their_shared_blocks_once(tiny_dir: Path)
     svc = ServiceConfig(verify_tiers="8:3", max_context=512, prefix_snapshots=4)
     outs = []
     for cache in (True, False):
-        with _serving(tiny_dir, svc, cache) as s:
+        with serving(tiny_dir, svc, cache) as s:
             outs.append([o.tokens for o in run_all(s, reqs)])
             assert (s.prefix.hits if s.prefix is not None else 0) == (3 * 128 if cache else 0)
     assert outs[0] == outs[1]
@@ -296,7 +280,7 @@ def test_snapshots_give_their_blocks_back_before_a_request_would_fail(tiny_dir: 
     svc = ServiceConfig(verify_tiers="8:3", max_context=512, kv_blocks=8, prefix_snapshots=4)
     outs = []
     for cache in (True, False):
-        with _serving(tiny_dir, svc, cache) as s:
+        with serving(tiny_dir, svc, cache) as s:
             for i in range(3):
                 run_all(s, [GenRequest(f"p{i}", _prompt(i, 130), 2, method=NONE)])
                 assert s.settle(60)

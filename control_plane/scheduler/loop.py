@@ -429,7 +429,9 @@ class Scheduler(Room):
         block = caps.kv_block_size or 1
         going = [a for a in self.prefilling if id(a) not in self.paused]
         done = prefill(self.model, going, self.opts.prefill_chunk, caps.max_prefill_tokens, block)
-        if self.prefix is not None and not self.pressed:  # a snapshot takes a block
+        if self.prefix is not None and self.pressed:  # a snapshot takes a block
+            prefixing.forgo(self.prefilling)
+        elif self.prefix is not None:
             prefixing.snapshot(self.model, self.prefix, [*self.prefilling])
         for a in done:
             self.prefilling.remove(a)

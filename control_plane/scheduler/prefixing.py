@@ -108,6 +108,14 @@ def snapshot(model: Model, cache: PrefixCache, seqs: list[ActiveSeq]) -> None:
     drop(model, dropped)
 
 
+def forgo(seqs: list[ActiveSeq]) -> None:
+    """The snapshots due now are not taken (each would take a block of a pool with none to
+    spare): their points pass, so the prefills go on past them."""
+    for a in seqs:
+        while a.snap_points and a.snap_points[0] <= a.prefilled:
+            a.snap_points.pop(0)
+
+
 def drop(model: Model, snapshots: list[int]) -> None:
     if not snapshots:
         return
