@@ -346,3 +346,4 @@ def test_a_preemption_is_an_event_of_its_iteration(
     name, attrs = events[0]
     assert name == "scheduler_iteration" and attrs["met.request_id"] == "small"
     assert isinstance(attrs["met.tokens"], int) and attrs["met.tokens"] > 20
+    assert attrs["met.preemptions"] == 1, "its first"

@@ -96,6 +96,7 @@ class Room(Recovery):
         attrs: dict[str, AttributeValue] = {
             "met.request_id": a.req.request_id,
             "met.tokens": tokens,
+            "met.preemptions": a.preemptions,  # this request's, this one included
         }
         trace.get_current_span().add_event("preempt", attrs)
         # The first one says what to do about it, as vLLM's warning does; the rest, that they
