@@ -47,6 +47,7 @@ from protos.model import (
     Logits,
     ModelError,
     NotFound,
+    Penalties,
     Proposal,
     RowDraws,
     Sampling,
@@ -177,9 +178,13 @@ class Engine:
     def tokenizer_files(self) -> dict[str, bytes]:
         return dict(self._tokenizer_files)
 
-    def alloc_sequence(self) -> SequenceHandle:
+    def alloc_sequence(self, penalties: Penalties | None = None) -> SequenceHandle:
+        if penalties is not None and (problem := penalties.problem(self.cfg.vocab_size)):
+            raise InvalidArgument(problem)
         with self._hold():
-            seq = self.slots.alloc()
+            seq = self.slots.alloc(
+                penalties if penalties is not None and penalties.active else None
+            )
             return SequenceHandle(seq.seq_id, seq.slot, 0)
 
     def free_sequence(self, seq: SequenceHandle) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from protos.model import Penalties
+
 if TYPE_CHECKING:
     import torch
 
@@ -27,6 +29,8 @@ class SeqState:
     # The rows its last `decode_step` leaves to verify next (its bonus token, then the drafts
     # it proposed), for a step plan that continues it; any other call naming it drops them.
     continuation: list[int] | None = None
+    penalties: Penalties | None = None  # applied to its rows (`gpu_service/penalties.py`)
+    prompt_seen: tuple[int, ...] | None = None  # the distinct ids of its prompt, once whole
 
     @property
     def seq_len(self) -> int:

@@ -31,6 +31,7 @@ from protos.model import (
     SESSION_METADATA,
     ModelError,
     NotFound,
+    Penalties,
     PermissionDenied,
     RowDraws,
     SequenceHandle,
@@ -170,7 +171,10 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
 
     async def AllocSequence(self, request, context):
         session = self._session(context)
-        seq = await self._call(context, lambda: self.loaded.alloc_sequence())
+        penalties = (
+            cv.from_pb(Penalties, request.penalties) if request.HasField("penalties") else None
+        )
+        seq = await self._call(context, lambda: self.loaded.alloc_sequence(penalties))
         if not self.sessions.is_live(session):  # it ended while the engine allocated
             await self._call(context, lambda: self.loaded.free_sequences([seq.seq_id]))
             raise NoSession("the call's session ended while it ran; open a new one")

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable, Sequence
 from gpu_service.kv_blocks import KvBlocks
 from gpu_service.sequence import SeqState
 from protos import checks
-from protos.model import NotFound, ResourceExhausted, SequenceHandle
+from protos.model import NotFound, Penalties, ResourceExhausted, SequenceHandle
 
 
 class SlotTable:
@@ -25,13 +25,13 @@ class SlotTable:
     def num_free(self) -> int:
         return len(self._free)
 
-    def alloc(self) -> SeqState:
+    def alloc(self, penalties: Penalties | None = None) -> SeqState:
         """A new sequence (its id never reused) on the lowest free slot."""
         if not self._free:
             raise ResourceExhausted(f"all {self.num_slots} slots are taken")
         slot = min(self._free)
         self._free.remove(slot)
-        seq = SeqState(self._next_id, slot)
+        seq = SeqState(self._next_id, slot, penalties=penalties)
         self._next_id += 1
         self._seqs[seq.seq_id] = seq
         self._reset(slot)

@@ -14,6 +14,7 @@ from gpu_service.config import ModelConfig, ServiceConfig
 from gpu_service.model.backend import download, ints, upload
 from gpu_service.model.batch import Segment
 from gpu_service.model.hybrid import PREFILL, VERIFY, HybridModel
+from gpu_service.penalties import penalize
 from gpu_service.sampling import check_sampling, distribution, draw, row_draws
 from gpu_service.sequence import FOLDED, IDLE, VERIFIED, SeqState
 from gpu_service.slots import SlotTable, mirror
@@ -112,7 +113,10 @@ class Verifier:
         (ends,) = upload(hidden.device, (np.cumsum([len(p) for p in rows]) - 1).tolist())
         for s, p in zip(states, rows, strict=True):
             s.tokens.extend(p)
-        out = self.keep_logits(self.model.logits(hidden[ends]), row_masks)
+        logits = self.model.logits(hidden[ends])
+        for i, s in enumerate(states):
+            penalize(logits[i : i + 1], self.model.vocab, s, s.tokens[:-1], s.tokens[-1:])
+        out = self.keep_logits(logits, row_masks)
         for i, smp in sampled.items():
             row = self.model.full_logits(self.state.logits[i : i + 1])
             out[i] = draw(distribution(row, smp)[0], smp.uniforms[0])
@@ -166,12 +170,15 @@ class Verifier:
         row_masks: dict[int, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The verify forward and its bookkeeping, results left on the device -> logits
-        [R, V] (also kept in the buffer, masked rows with -inf outside their mask)."""
+        [R, V] (also kept in the buffer), each sequence's penalties applied, masked rows with
+        -inf outside their mask."""
         starts = np.cumsum([0, *ks]).tolist()
         rows = [tokens[a:b] for a, b in zip(starts, starts[1:], strict=False)]
         hidden = self._forward(states, rows, VERIFY, not write_on_accept)
         self.state.verify_hidden = hidden
         logits = self.model.logits(hidden)
+        for s, k, lo in zip(states, ks, starts, strict=False):
+            penalize(logits[lo : lo + k], self.model.vocab, s, s.tokens, tokens[lo : lo + k])
         for row, allowed in (row_masks or {}).items():
             held = self.model.held_columns(allowed).to(logits.device)
             logits[row] = logits[row].masked_fill(~held, float("-inf"))

@@ -21,6 +21,7 @@ from protos.model import (
     CostEntry,
     InvalidArgument,
     Logits,
+    Penalties,
     Proposal,
     RowDraws,
     Sampling,
@@ -36,6 +37,7 @@ MESSAGES: dict[type, type[Message]] = {
     Capabilities: pb.CapabilitiesReply,
     SequenceHandle: pb.SequenceHandle,
     Sampling: pb.SamplingParams,
+    Penalties: pb.Penalties,
     CostEntry: pb.CostEntry,
     Logits: pb.ReadLogitsReply,
 }

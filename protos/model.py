@@ -35,6 +35,7 @@ sequence from its own previous result, which the control plane has not read yet.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -163,6 +164,67 @@ class Logits:
     shape: tuple[int, ...]  # (rows, vocab)
 
 
+# vLLM's bounds: presence and frequency penalties in [-PENALTY_BOUND, PENALTY_BOUND]; OpenAI's:
+# a logit bias in [-BIAS_BOUND, BIAS_BOUND].
+PENALTY_BOUND = 2.0
+BIAS_BOUND = 100.0
+
+
+def _span(bound: float) -> str:
+    return f"from -{bound:g} to {bound:g}"
+
+
+@dataclass(frozen=True)
+class Penalties:
+    """vLLM's penalties and OpenAI's logit bias for one sequence, set at `alloc_sequence`: the
+    service applies them to every row it judges, from the sequence's own tokens (its drafts
+    included), so a verified draft meets the logits one token at a time would have seen."""
+
+    presence: float = 0.0  # once per token the output holds
+    frequency: float = 0.0  # once per time the output holds a token
+    repetition: float = 0.0  # tokens of prompt or output: logit / r above 0, * r else; 0 or 1: none
+    prompt_tokens: int = 0  # the sequence's first tokens that are its prompt, not its output
+    bias_ids: tuple[int, ...] = ()
+    bias_values: tuple[float, ...] = ()  # added to the logits of bias_ids
+
+    @property
+    def active(self) -> bool:
+        """Whether applying them changes any logit."""
+        return bool(self.presence or self.frequency or self.bias_ids) or self.repetition not in (
+            0.0,
+            1.0,
+        )
+
+    def problem(self, vocab_size: int) -> str | None:
+        """A sentence naming what is out of range (as a request names it), or None. NaN fails
+        every comparison, so each test is written as what must hold."""
+        for name, value in (
+            ("presence_penalty", self.presence),
+            ("frequency_penalty", self.frequency),
+        ):
+            if not -PENALTY_BOUND <= value <= PENALTY_BOUND:
+                return f"{name} is {value}; it must be {_span(PENALTY_BOUND)}"
+        if not (math.isfinite(self.repetition) and self.repetition >= 0):
+            return (
+                f"repetition_penalty is {self.repetition}; it must be a finite number above 0 "
+                "(1 or unset: none)"
+            )
+        if len(self.bias_ids) != len(self.bias_values):
+            return (
+                f"logit_bias has {len(self.bias_ids)} token ids but {len(self.bias_values)} values"
+            )
+        if len(set(self.bias_ids)) != len(self.bias_ids):
+            return "logit_bias names a token id more than once"
+        for t, b in zip(self.bias_ids, self.bias_values, strict=True):
+            if not 0 <= t < vocab_size:
+                return (
+                    f"logit_bias names token id {t}, outside the vocabulary (0 .. {vocab_size - 1})"
+                )
+            if not -BIAS_BOUND <= b <= BIAS_BOUND:
+                return f"logit_bias of token {t} is {b}; it must be {_span(BIAS_BOUND)}"
+        return None
+
+
 @dataclass(frozen=True)
 class Sampling:
     temperature: float
@@ -205,9 +267,10 @@ class Model(Protocol):
         (`TokenizerFiles`), each file's in order, so files past the 4 MiB message bound pass;
         no session needed."""
 
-    def alloc_sequence(self) -> SequenceHandle:
+    def alloc_sequence(self, penalties: Penalties | None = None) -> SequenceHandle:
         """A new sequence (id never reused) on the lowest free slot, with an empty cache.
-        `ResourceExhausted` when every slot is taken."""
+        `ResourceExhausted` when every slot is taken. `penalties` (`Penalties.problem`:
+        `InvalidArgument`) apply to every row of its prefills and verifies, before masks."""
 
     def free_sequence(self, seq: SequenceHandle) -> None:
         """Release the sequence and its slot. An unknown or freed id, or another session's,

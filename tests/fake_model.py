@@ -16,6 +16,7 @@ from protos.model import (
     InvalidArgument,
     Logits,
     NotFound,
+    Penalties,
     Proposal,
     ResourceExhausted,
     SequenceHandle,
@@ -123,7 +124,9 @@ class FakeModel:
         self.calls.append(("tokenizer_files",))
         return dict(self.files)
 
-    def alloc_sequence(self) -> SequenceHandle:
+    def alloc_sequence(self, penalties: Penalties | None = None) -> SequenceHandle:
+        if penalties is not None:
+            raise InvalidArgument("the fake model applies no penalties")
         free = set(range(len(self.caps))) - set(self.slots.values())
         if not free:
             raise ResourceExhausted(f"all {len(self.caps)} slots are taken")

@@ -20,7 +20,7 @@ from control_plane.text.detok import Tokenizer
 from control_plane.text.grammar import Grammar, GrammarCompiler
 from control_plane.text.tokenizer import Tokenization
 from protos.met.v1 import generate_pb2 as pb
-from protos.model import Capabilities, ModelError
+from protos.model import Capabilities, ModelError, Penalties
 
 METHODS = {
     pb.SPECULATIVE_METHOD_NONE: NONE,
@@ -79,6 +79,7 @@ def to_request(
             INVALID,
             f"min_new_tokens is {r.min_new_tokens}; it must not exceed max_new_tokens ({max_new})",
         )
+    penalties = _penalties(r, len(ids), caps)
     return GenRequest(
         request_id=request_id,
         prompt_ids=tuple(ids),
@@ -95,7 +96,25 @@ def to_request(
         top_k=r.top_k,
         top_p=r.top_p or 1.0,  # proto3 cannot tell an unset top_p from 0
         seed=r.seed if r.HasField("seed") else None,
+        penalties=penalties,
     )
+
+
+def _penalties(r: pb.GenerateRequest, prompt_len: int, caps: Capabilities) -> Penalties | None:
+    """The request's penalties and logit bias, checked; None when they change nothing."""
+    bias = sorted(r.logit_bias.items())
+    p = Penalties(
+        presence=r.presence_penalty,
+        frequency=r.frequency_penalty,
+        repetition=r.repetition_penalty,
+        prompt_tokens=prompt_len,
+        bias_ids=tuple(t for t, _ in bias),
+        bias_values=tuple(b for _, b in bias),
+    )
+    problem = p.problem(caps.vocab_size)
+    if problem is not None:
+        raise BadRequest(INVALID, problem)
+    return p if p.active else None
 
 
 def _prompt_ids(

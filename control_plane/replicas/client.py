@@ -24,6 +24,7 @@ from protos.model import (
     Capabilities,
     CostEntry,
     Logits,
+    Penalties,
     Proposal,
     RowDraws,
     Sampling,
@@ -93,8 +94,11 @@ class GrpcModel:
             raise _refused(e) from None
         return {name: bytes(data) for name, data in files.items()}
 
-    def alloc_sequence(self) -> SequenceHandle:
-        h = self._rpc(self._stub.AllocSequence, pb.AllocSequenceRequest())
+    def alloc_sequence(self, penalties: Penalties | None = None) -> SequenceHandle:
+        request = pb.AllocSequenceRequest(
+            penalties=cv.to_pb(penalties) if penalties is not None else None
+        )
+        h = self._rpc(self._stub.AllocSequence, request)
         return cv.from_pb(SequenceHandle, h)
 
     def free_sequence(self, seq: SequenceHandle) -> None:

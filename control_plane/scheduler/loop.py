@@ -396,7 +396,7 @@ class Scheduler(Room):
             if self.prefix is not None and prefixing.held(self.prefix, a, ahead):
                 continue
             try:
-                a.handle = self.model.alloc_sequence()
+                a.handle = self.model.alloc_sequence(a.req.penalties)
             except ResourceExhausted:
                 self.free_slots, self._poll_at = 0, now + SLOT_POLL_S
                 break

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Protocol
 from opentelemetry.trace import SpanContext
 
 from control_plane.text.detok import Detokenizer, Tokenizer
-from protos.model import FailedPrecondition, ModelError, Sampling, SequenceHandle
+from protos.model import FailedPrecondition, ModelError, Penalties, Sampling, SequenceHandle
 
 if TYPE_CHECKING:  # llguidance is imported only where grammars are compiled
     from control_plane.text.grammar import Grammar
@@ -40,6 +40,7 @@ class GenRequest:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None  # the uniforms' generator; None: an unseeded one
+    penalties: Penalties | None = None  # applied by the service to every row it judges
 
 
 @dataclass

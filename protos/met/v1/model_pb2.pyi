@@ -87,8 +87,26 @@ class TokenizerFileChunk(_message.Message):
     def __init__(self, name: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class AllocSequenceRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("penalties",)
+    PENALTIES_FIELD_NUMBER: _ClassVar[int]
+    penalties: Penalties
+    def __init__(self, penalties: _Optional[_Union[Penalties, _Mapping]] = ...) -> None: ...
+
+class Penalties(_message.Message):
+    __slots__ = ("presence", "frequency", "repetition", "prompt_tokens", "bias_ids", "bias_values")
+    PRESENCE_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BIAS_IDS_FIELD_NUMBER: _ClassVar[int]
+    BIAS_VALUES_FIELD_NUMBER: _ClassVar[int]
+    presence: float
+    frequency: float
+    repetition: float
+    prompt_tokens: int
+    bias_ids: _containers.RepeatedScalarFieldContainer[int]
+    bias_values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, presence: _Optional[float] = ..., frequency: _Optional[float] = ..., repetition: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., bias_ids: _Optional[_Iterable[int]] = ..., bias_values: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class SequenceHandle(_message.Message):
     __slots__ = ("seq_id", "slot", "seq_len")
