@@ -87,7 +87,7 @@ def penalize(
     cols = torch.from_numpy(t.ids[keep] - lo).to(device)
     counts = torch.from_numpy(t.counts[:, keep]).to(device)
     sub = logits[:, cols].float() + torch.from_numpy(t.bias[keep]).to(device)
-    if pen.repetition not in (0.0, 1.0):
+    if pen.repetition != 1.0:
         seen = torch.from_numpy(t.in_prompt[:, keep]).to(device) | (counts > 0)
         scaled = torch.where(sub > 0, sub / pen.repetition, sub * pen.repetition)
         sub = torch.where(seen, scaled, sub)

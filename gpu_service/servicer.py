@@ -31,7 +31,6 @@ from protos.model import (
     SESSION_METADATA,
     ModelError,
     NotFound,
-    Penalties,
     PermissionDenied,
     RowDraws,
     SequenceHandle,
@@ -171,9 +170,7 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
 
     async def AllocSequence(self, request, context):
         session = self._session(context)
-        penalties = (
-            cv.from_pb(Penalties, request.penalties) if request.HasField("penalties") else None
-        )
+        penalties = cv.penalties_from_pb(request)
         seq = await self._call(context, lambda: self.loaded.alloc_sequence(penalties))
         if not self.sessions.is_live(session):  # it ended while the engine allocated
             await self._call(context, lambda: self.loaded.free_sequences([seq.seq_id]))

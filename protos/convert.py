@@ -9,6 +9,7 @@ imports this module."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import fields
 from typing import Any, TypeVar
@@ -97,6 +98,14 @@ def seq_sampling_from_pb(items: Iterable[pb.SeqSampling], n: int) -> list[Sampli
             raise InvalidArgument(f"sampling names sequence {item.index} of {n}")
         out[item.index] = from_pb(Sampling, item.params)
     return out
+
+
+def penalties_from_pb(request: pb.AllocSequenceRequest) -> Penalties | None:
+    """The request's penalties, None when unset; a repetition left at 0 is 1 (none)."""
+    if not request.HasField("penalties"):
+        return None
+    p = from_pb(Penalties, request.penalties)
+    return p if p.repetition else dataclasses.replace(p, repetition=1.0)
 
 
 def row_masks_to_pb(masks: dict[int, bytes]) -> list[pb.RowMask]:

@@ -182,7 +182,7 @@ class Penalties:
 
     presence: float = 0.0  # once per token the output holds
     frequency: float = 0.0  # once per time the output holds a token
-    repetition: float = 0.0  # tokens of prompt or output: logit / r above 0, * r else; 0 or 1: none
+    repetition: float = 1.0  # tokens of prompt or output: logit / r above 0, * r else; 1: none
     prompt_tokens: int = 0  # the sequence's first tokens that are its prompt, not its output
     bias_ids: tuple[int, ...] = ()
     bias_values: tuple[float, ...] = ()  # added to the logits of bias_ids
@@ -190,10 +190,7 @@ class Penalties:
     @property
     def active(self) -> bool:
         """Whether applying them changes any logit."""
-        return bool(self.presence or self.frequency or self.bias_ids) or self.repetition not in (
-            0.0,
-            1.0,
-        )
+        return bool(self.presence or self.frequency or self.bias_ids or self.repetition != 1.0)
 
     def problem(self, vocab_size: int) -> str | None:
         """A sentence naming what is out of range (as a request names it), or None. NaN fails
@@ -204,10 +201,10 @@ class Penalties:
         ):
             if not -PENALTY_BOUND <= value <= PENALTY_BOUND:
                 return f"{name} is {value}; it must be {_span(PENALTY_BOUND)}"
-        if not (math.isfinite(self.repetition) and self.repetition >= 0):
+        if not (math.isfinite(self.repetition) and self.repetition > 0):
             return (
                 f"repetition_penalty is {self.repetition}; it must be a finite number above 0 "
-                "(1 or unset: none)"
+                "(1: none)"
             )
         if len(self.bias_ids) != len(self.bias_values):
             return (

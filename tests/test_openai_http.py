@@ -187,8 +187,50 @@ def test_json_schema_output_validates(fronts: Fronts) -> None:
     jsonschema.validate(json.loads(done.choices[0].message.content or ""), COLOR)
 
 
+def test_penalties_and_logit_bias_are_the_grpc_apis(fronts: Fronts) -> None:
+    """OpenAI's presence and frequency penalties and logit bias (ids as strings), vLLM's
+    repetition penalty: the gRPC API's text with the same fields, which differs from the text
+    without them."""
+    fields = dict(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.3)
+    bias = {ord("i"): -100.0, ord("e"): 5.0}
+    want = grpc_text(
+        fronts.stub,
+        pb.GenerateRequest(prompt=PROMPT, max_new_tokens=16, logit_bias=bias, **fields),
+    )
+    assert want != grpc_text(fronts.stub, pb.GenerateRequest(prompt=PROMPT, max_new_tokens=16))
+    done = fronts.client.completions.create(
+        model="",
+        prompt=PROMPT,
+        max_tokens=16,
+        temperature=0,
+        presence_penalty=1.5,
+        frequency_penalty=0.5,
+        logit_bias={str(t): b for t, b in bias.items()},
+        extra_body={"repetition_penalty": 1.3},
+    )
+    assert done.choices[0].text == want and "i" not in want
+
+
 BAD = {
     "n": ({"n": 2}, 400, "n", "n is 2; this server returns one choice per request (n: 1)"),
+    "presence_penalty": (
+        {"presence_penalty": 3},
+        400,
+        None,
+        "presence_penalty is 3.0; it must be from -2 to 2",
+    ),
+    "repetition_penalty": (
+        {"extra_body": {"repetition_penalty": 0}},
+        400,
+        None,
+        "repetition_penalty is 0.0; it must be a finite number above 0 (1: none)",
+    ),
+    "logit_bias-key": (
+        {"logit_bias": {"the": 1}},
+        400,
+        "logit_bias",
+        'logit_bias names "the"; a key is a token id, 0 to 4294967295',
+    ),
     "temperature": (
         {"temperature": -1},
         400,

@@ -14,6 +14,8 @@ import pytest
 import torch
 from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
+from control_plane.cli import generate
+from control_plane.cli.main import build_parser
 from control_plane.scheduler.seq import MTP, NONE, PROMPT_LOOKUP, GenRequest
 from gpu_service.config import ServiceConfig
 from gpu_service.engine import Engine
@@ -38,7 +40,7 @@ def reference(
     x = row.float().clone()
     for t, b in zip(pen.bias_ids, pen.bias_values, strict=True):
         x[t] += b
-    if pen.repetition not in (0.0, 1.0):
+    if pen.repetition != 1.0:
         for t in set(prompt) | set(output):
             x[t] = x[t] / pen.repetition if x[t] > 0 else x[t] * pen.repetition
     for t, c in Counter(output).items():
@@ -236,3 +238,16 @@ def test_the_api_takes_penalties_and_refuses_bad_ones(stub) -> None:
         list(stub.Generate(bad))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "logit_bias names token id 9999, outside the vocabulary" in (e.value.details() or "")
+
+
+def test_met_generate_sends_penalties() -> None:
+    def request(*argv: str) -> pb.GenerateRequest:
+        return generate.build_request(build_parser().parse_args(["generate", "hi", *argv]))
+
+    r = request("--presence-penalty", "1", "--repetition-penalty", "1.2", "--logit-bias", "42:-100")
+    assert (r.presence_penalty, r.frequency_penalty) == (1.0, 0.0)
+    assert r.HasField("repetition_penalty") and r.repetition_penalty == pytest.approx(1.2)
+    assert dict(r.logit_bias) == {42: -100.0}
+    assert not request().HasField("repetition_penalty") and not request().logit_bias
+    with pytest.raises(SystemExit, match="--logit-bias 'x:3' is not ID:BIAS"):
+        request("--logit-bias", "x:3")

@@ -106,7 +106,7 @@ def _penalties(r: pb.GenerateRequest, prompt_len: int, caps: Capabilities) -> Pe
     p = Penalties(
         presence=r.presence_penalty,
         frequency=r.frequency_penalty,
-        repetition=r.repetition_penalty,
+        repetition=r.repetition_penalty if r.HasField("repetition_penalty") else 1.0,
         prompt_tokens=prompt_len,
         bias_ids=tuple(t for t, _ in bias),
         bias_values=tuple(b for _, b in bias),

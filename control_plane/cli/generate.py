@@ -38,6 +38,16 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--presence-penalty", type=float, default=0.0)
+    parser.add_argument("--frequency-penalty", type=float, default=0.0)
+    parser.add_argument("--repetition-penalty", type=float, default=None, help="1: none")
+    parser.add_argument(
+        "--logit-bias",
+        action="append",
+        default=[],
+        metavar="ID:BIAS",
+        help="add BIAS to token ID's logit (repeat)",
+    )
     parser.add_argument("--logprobs", action="store_true")
     parser.add_argument("--method", choices=list(METHODS), default=None)
     parser.add_argument("--num-drafts", type=int, default=None)
@@ -49,6 +59,21 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     tls.add_client_args(parser, "tls", "the control plane")
 
 
+def _logit_bias(pairs: list[str]) -> dict[int, float]:
+    out = {}
+    for pair in pairs:
+        token, _, bias = pair.partition(":")
+        try:
+            if not token.isdecimal():
+                raise ValueError(token)
+            out[int(token)] = float(bias)
+        except ValueError:
+            raise SystemExit(
+                f"--logit-bias {pair!r} is not ID:BIAS (for example 42:-100)"
+            ) from None
+    return out
+
+
 def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
     r = pb.GenerateRequest(
         min_new_tokens=args.min_new_tokens,
@@ -58,6 +83,9 @@ def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        logit_bias=_logit_bias(args.logit_bias),
         logprobs=args.logprobs,
         request_id=args.request_id,
         speculative_method=METHODS.get(args.method, pb.SPECULATIVE_METHOD_UNSPECIFIED),
@@ -72,7 +100,7 @@ def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
         r.response_format.json_schema = args.json_schema
     elif args.regex is not None:
         r.response_format.regex = args.regex
-    for field in ("max_new_tokens", "seed", "num_drafts"):
+    for field in ("max_new_tokens", "seed", "num_drafts", "repetition_penalty"):
         if getattr(args, field) is not None:
             setattr(r, field, getattr(args, field))
     return r

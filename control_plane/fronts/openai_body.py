@@ -1,6 +1,6 @@
 """OpenAI request bodies as `GenerateRequest`s: what the HTTP front takes, what it refuses.
 
-A known parameter this server cannot honour (`n` above 1, penalties, `logit_bias`, tools, ...)
+A known parameter this server cannot honour (`n` above 1, tools, `top_logprobs`, ...)
 is refused with a sentence naming it, never dropped. Unknown fields are ignored, as vLLM
 ignores them: SDKs add their own (`user`, `metadata`, `store`), and none of those changes the
 output. Only types, and what the wire types cannot hold, are checked here; the ranges of the
@@ -8,8 +8,8 @@ fields a `GenerateRequest` carries are the `Door`'s to check.
 
 Beyond OpenAI's parameters it takes `speculative` ({"method": "none" | "mtp" |
 "prompt_lookup", "num_drafts": N}), `add_generation_prompt` (chat), and vLLM's `top_k`,
-`min_tokens`, `ignore_eos` and `stop_token_ids`. Left unset, `temperature` is 1 as in OpenAI's
-API, and `max_tokens` the server's `--max-new-tokens`."""
+`min_tokens`, `ignore_eos`, `stop_token_ids` and `repetition_penalty`. Left unset,
+`temperature` is 1 as in OpenAI's API, and `max_tokens` the server's `--max-new-tokens`."""
 
 from __future__ import annotations
 
@@ -35,10 +35,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "best_of": ((1,), "returns one choice per request (best_of: 1)"),
     "echo": ((False,), "does not echo the prompt"),
     "suffix": (("",), "inserts no suffix"),
-    "logit_bias": (({},), "has no logit bias"),
-    "presence_penalty": ((0,), "applies no penalties"),
-    "frequency_penalty": ((0,), "applies no penalties"),
-    "repetition_penalty": ((1,), "applies no penalties"),
     "min_p": ((0,), "has no min_p cut (top_p and top_k are taken)"),
     "use_beam_search": ((False,), "has no beam search"),
     "top_logprobs": ((0,), "returns the chosen token's log-probability only (top_logprobs: 0)"),
@@ -137,7 +133,27 @@ def _sampling(body: dict) -> pb.GenerateRequest:
     r.min_new_tokens = _int(body, "min_tokens") or 0
     r.ignore_eos = bool(_bool(body, "ignore_eos"))
     r.stop_token_ids.extend(_ids(_list(body, "stop_token_ids"), "stop_token_ids"))
+    r.presence_penalty = _number(body, "presence_penalty") or 0.0
+    r.frequency_penalty = _number(body, "frequency_penalty") or 0.0
+    if (repetition := _number(body, "repetition_penalty")) is not None:
+        r.repetition_penalty = repetition
+    for token, bias in _logit_bias(body).items():
+        r.logit_bias[token] = bias
     return r
+
+
+def _logit_bias(body: dict) -> dict[int, float]:
+    """OpenAI's map of token ids, as decimal strings, to biases."""
+    given = _object(body, "logit_bias") or {}
+    out = {}
+    for key in given:
+        if not (key.isascii() and key.isdecimal() and int(key) <= UINT32):
+            raise InvalidParam(
+                "logit_bias", f"logit_bias names {_shown(key)}; a key is a token id, 0 to {UINT32}"
+            )
+        bias = _number(given, key)
+        out[int(key)] = 0.0 if bias is None else bias
+    return out
 
 
 def _max_tokens(body: dict) -> int | None:
