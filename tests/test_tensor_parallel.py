@@ -379,6 +379,41 @@ def test_masks_and_sampling_match_one_device(tp_engines: dict[str, Engine]) -> N
     np.testing.assert_allclose(split_lp[:2], one_lp[:2], atol=ATOL, rtol=RTOL)
 
 
+def test_penalties_match_one_device(tp_engines: dict[str, Engine]) -> None:
+    """Each rank penalizes its own columns: seen and biased ids on both ranks' sides of the
+    split, through a prefill and a verify with drafts: one device's logits and tokens."""
+    from protos.model import Penalties
+
+    vocab = tp_engines["default-1"].cfg.vocab_size
+    prompt = [5, 9, 5, vocab - 3, 2047, 2048, vocab - 3, 11]
+    pen = Penalties(
+        presence=0.5,
+        frequency=0.25,
+        repetition=1.5,
+        prompt_tokens=len(prompt),
+        bias_ids=(7, vocab - 1),
+        bias_values=(3.0, 4.0),
+    )
+    results = []
+    for name in ("default-1", "default-2"):
+        engine = tp_engines[name]
+        seq = engine.alloc_sequence(pen)
+        try:
+            first = engine.prefill([seq], [prompt])
+            rows = [_rows(engine)]
+            top = engine.decode_verify_batched([first[0], 2048, vocab - 3, 5], [4], [seq])
+            rows.append(_rows(engine))
+            engine.gdn_fold_accepted([seq], [1])
+            engine.commit_accepted_prefix([seq], [1], [4])
+            results.append((first + top, rows))
+        finally:
+            engine.free_sequence(seq)
+    (one, one_rows), (split, split_rows) = results
+    assert one == split
+    for a, b in zip(one_rows, split_rows, strict=True):
+        torch.testing.assert_close(b, a, atol=ATOL, rtol=RTOL)
+
+
 def test_a_prefix_snapshot_under_tp_2(tp_engines: dict[str, Engine]) -> None:
     """Every rank snapshots its share of the state and restores it: a sequence made from a
     128-token snapshot, given the rest of the prompt, has the logits of a whole prefill on the
