@@ -10,6 +10,8 @@ from protos.model import Penalties
 if TYPE_CHECKING:
     import torch
 
+    from gpu_service.penalties import Counts
+
 IDLE, VERIFIED, FOLDED = "idle", "verified", "folded"
 
 
@@ -30,7 +32,7 @@ class SeqState:
     # it proposed), for a step plan that continues it; any other call naming it drops them.
     continuation: list[int] | None = None
     penalties: Penalties | None = None  # applied to its rows (`gpu_service/penalties.py`)
-    prompt_seen: tuple[int, ...] | None = None  # the distinct ids of its prompt, once whole
+    counts: Counts | None = None  # what its penalties read, kept on the device
 
     @property
     def seq_len(self) -> int:

@@ -114,8 +114,9 @@ class Verifier:
         for s, p in zip(states, rows, strict=True):
             s.tokens.extend(p)
         logits = self.model.logits(hidden[ends])
-        for i, s in enumerate(states):
-            penalize(logits[i : i + 1], self.model.vocab, s, s.tokens[:-1], s.tokens[-1:])
+        before = [s.seq_len - 1 for s in states]
+        last = [s.tokens[-1:] for s in states]
+        penalize(logits, self.model.vocab, states, before, last, range(len(states)))
         out = self.keep_logits(logits, row_masks)
         for i, smp in sampled.items():
             row = self.model.full_logits(self.state.logits[i : i + 1])
@@ -177,8 +178,8 @@ class Verifier:
         hidden = self._forward(states, rows, VERIFY, not write_on_accept)
         self.state.verify_hidden = hidden
         logits = self.model.logits(hidden)
-        for s, k, lo in zip(states, ks, starts, strict=False):
-            penalize(logits[lo : lo + k], self.model.vocab, s, s.tokens, tokens[lo : lo + k])
+        before = [s.seq_len for s in states]
+        penalize(logits, self.model.vocab, states, before, rows, starts)
         for row, allowed in (row_masks or {}).items():
             held = self.model.held_columns(allowed).to(logits.device)
             logits[row] = logits[row].masked_fill(~held, float("-inf"))

@@ -19,6 +19,8 @@ from control_plane.cli.main import build_parser
 from control_plane.scheduler.seq import MTP, NONE, PROMPT_LOOKUP, GenRequest
 from gpu_service.config import ServiceConfig
 from gpu_service.engine import Engine
+from gpu_service.penalties import penalize
+from gpu_service.sequence import SeqState
 from protos.met.v1 import generate_pb2 as pb
 from protos.model import InvalidArgument, Penalties
 from tests.collect import run_all, serving
@@ -88,6 +90,41 @@ def test_a_chunked_prefill_counts_the_prompt_so_far(engine: Engine, rng: torch.G
         torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
     engine.free_sequence(plain)
     engine.free_sequence(held)
+
+
+@pytest.mark.parametrize("held", [(0, 320), (100, 320), (0, 100)], ids=["all", "rank1", "rank0"])
+@pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense"])
+def test_both_ways_are_the_formula_call_after_call(
+    rng: torch.Generator, dense: bool, held: tuple[int, int]
+) -> None:
+    """`penalize` over every column (the GPU's way) and over the seen ones (the CPU's), on any
+    rank's columns: three sequences (one unpenalized) through two calls, the second after more
+    tokens were committed, so the kept counts are brought up to date."""
+    lo, hi = held
+    kinds = [dict(PEN), dict(presence=-1.0, bias_ids=(150, 7), bias_values=(9.0, -3.0)), None]
+    states, prompts = [], []
+    for kind in kinds:
+        prompt = random_tokens(rng, 12, vocab=320)
+        pen = None if kind is None else Penalties(prompt_tokens=len(prompt), **kind)
+        states.append(SeqState(len(states), len(states), tokens=list(prompt), penalties=pen))
+        prompts.append(prompt)
+    for _ in range(2):
+        for s in states:
+            s.tokens.extend(random_tokens(rng, 5, vocab=320))  # committed since the last call
+        rows = [random_tokens(rng, k, vocab=320) for k in (3, 1, 2)]
+        starts, before = [0, 3, 4], [s.seq_len for s in states]
+        logits = torch.randn(6, 320, generator=rng)
+        mine = logits[:, lo:hi].clone()
+        penalize(mine, held, states, before, rows, starts, dense=dense)
+        for s, new, start, prompt in zip(states, rows, starts, prompts, strict=True):
+            for j in range(len(new)):
+                r = start + j
+                if s.penalties is None:
+                    assert torch.equal(mine[r], logits[r, lo:hi])
+                    continue
+                output = s.tokens[len(prompt) :] + new[: j + 1]
+                want = reference(logits[r], prompt, output, s.penalties)[lo:hi]
+                torch.testing.assert_close(mine[r], want, atol=ATOL, rtol=0)
 
 
 BAD = {
