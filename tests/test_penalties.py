@@ -21,7 +21,10 @@ from gpu_service.config import ServiceConfig
 from gpu_service.engine import Engine
 from gpu_service.penalties import penalize
 from gpu_service.sequence import SeqState
+from protos.convert import penalties_from_pb
 from protos.met.v1 import generate_pb2 as pb
+from protos.met.v1 import model_pb2 as model_pb
+from protos.met.v1.model_pb2 import AllocSequenceRequest
 from protos.model import InvalidArgument, Penalties
 from tests.collect import run_all, serving
 from tests.conftest import TINY_SERVICE, random_tokens
@@ -288,3 +291,17 @@ def test_met_generate_sends_penalties() -> None:
     assert not request().HasField("repetition_penalty") and not request().logit_bias
     with pytest.raises(SystemExit, match="--logit-bias 'x:3' is not ID:BIAS"):
         request("--logit-bias", "x:3")
+
+
+def test_the_service_refuses_bad_penalties_over_grpc(client) -> None:
+    """A `ModelService` client gets INVALID_ARGUMENT with the sentence and no sequence; a
+    repetition left at 0 on the wire is none, as proto3 leaves an unset field."""
+    free = client.capabilities().free_slots
+    with pytest.raises(InvalidArgument, match="presence_penalty is 5.0; it must be from -2 to 2"):
+        client.alloc_sequence(Penalties(presence=5.0))
+    assert client.capabilities().free_slots == free
+    bare = AllocSequenceRequest(penalties=model_pb.Penalties(presence=0.5, prompt_tokens=3))
+    assert penalties_from_pb(bare) == Penalties(presence=0.5, prompt_tokens=3)
+    seq = client.alloc_sequence(Penalties(frequency=0.5, prompt_tokens=3))
+    assert client.prefill([seq], [[7, 7, 7]])[0] >= 0
+    client.free_sequence(seq)
