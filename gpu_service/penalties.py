@@ -25,28 +25,18 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gpu_service.sequence import SeqState
+from gpu_service.sequence import Counts, SeqState
 from protos.model import Penalties
 
 
-@dataclass
-class Counts:
-    """A penalized sequence's tokens as its penalties read them, over the held columns."""
-
-    synced: int  # the sequence's first tokens counted here
-    out: torch.Tensor  # [W] fp32: times the output holds each id
-    seen: torch.Tensor  # [W] bool: the prompt or the output holds it
-    bias: torch.Tensor  # [W] fp32
-
-    @classmethod
-    def empty(cls, pen: Penalties, held: tuple[int, int], device: torch.device) -> Counts:
-        lo, hi = held
-        bias = torch.zeros(hi - lo, dtype=torch.float32)
-        for t, b in zip(pen.bias_ids, pen.bias_values, strict=True):
-            if lo <= t < hi:
-                bias[t - lo] = b
-        out = torch.zeros(hi - lo, dtype=torch.float32, device=device)
-        return cls(0, out, torch.zeros_like(out, dtype=torch.bool), bias.to(device))
+def _empty(pen: Penalties, held: tuple[int, int], device: torch.device) -> Counts:
+    lo, hi = held
+    bias = torch.zeros(hi - lo, dtype=torch.float32)
+    for t, b in zip(pen.bias_ids, pen.bias_values, strict=True):
+        if lo <= t < hi:
+            bias[t - lo] = b
+    out = torch.zeros(hi - lo, dtype=torch.float32, device=device)
+    return Counts(0, out, torch.zeros_like(out, dtype=torch.bool), bias.to(device))
 
 
 def _sync(
@@ -56,7 +46,7 @@ def _sync(
     than counted, or another device, start them again)."""
     c = seq.counts
     if c is None or n < c.synced or c.out.device != device:
-        c = seq.counts = Counts.empty(pen, held, device)
+        c = seq.counts = _empty(pen, held, device)
     lo, hi = held
     fresh = np.asarray(seq.tokens[c.synced : n], dtype=np.int64)
     inside = (fresh >= lo) & (fresh < hi)

@@ -10,9 +10,18 @@ from protos.model import Penalties
 if TYPE_CHECKING:
     import torch
 
-    from gpu_service.penalties import Counts
-
 IDLE, VERIFIED, FOLDED = "idle", "verified", "folded"
+
+
+@dataclass
+class Counts:
+    """A penalized sequence's tokens as its penalties read them (`gpu_service/penalties.py`),
+    over the held columns."""
+
+    synced: int  # the sequence's first tokens counted here
+    out: torch.Tensor  # [W] fp32: times the output holds each id
+    seen: torch.Tensor  # [W] bool: the prompt or the output holds it
+    bias: torch.Tensor  # [W] fp32
 
 
 @dataclass
