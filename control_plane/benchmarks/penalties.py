@@ -16,10 +16,8 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from control_plane.benchmarks.workload import Windows, Workload, serve
+from control_plane.benchmarks.workload import Windows, Workload, load_parser, parse_load, serve
 from control_plane.scheduler.seq import MTP, NONE, GenRequest
-from protos.defaults import DEFAULT_MODEL_DIR
-from protos.hub import model_path
 from protos.model import Model, Penalties
 
 SETS = {
@@ -90,18 +88,7 @@ def lines(report: dict[str, dict]) -> list[str]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m control_plane.benchmarks.penalties", description=__doc__
-    )
-    parser.add_argument("--model", type=model_path, default=DEFAULT_MODEL_DIR)
-    parser.add_argument("--requests", type=int, default=8, help="requests sent at once")
-    parser.add_argument("--prompt", type=int, default=200, help="prompt tokens of each")
-    parser.add_argument("--tokens", type=int, default=200, help="tokens out of each")
-    args = parser.parse_args(argv)
-    for name in ("requests", "prompt", "tokens"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} must be at least 1")
-    return args
+    return parse_load(load_parser("control_plane.benchmarks.penalties", __doc__), argv)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,12 +15,17 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from control_plane.benchmarks.workload import Windows, Workload, drive, options_for
+from control_plane.benchmarks.workload import (
+    Windows,
+    Workload,
+    drive,
+    load_parser,
+    options_for,
+    parse_load,
+)
 from control_plane.scheduler.env import Env
 from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.seq import MTP, GenRequest
-from protos.defaults import DEFAULT_MODEL_DIR
-from protos.hub import model_path
 from protos.model import Model
 
 BLOCK = 64  # positions a KV block backs (`Capabilities.kv_block_size`)
@@ -104,24 +109,14 @@ def _fractions(text: str) -> list[float]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m control_plane.benchmarks.pool", description=__doc__
-    )
-    parser.add_argument("--model", type=model_path, default=DEFAULT_MODEL_DIR)
-    parser.add_argument("--requests", type=int, default=8, help="requests sent at once")
-    parser.add_argument("--prompt", type=int, default=200, help="prompt tokens of each")
-    parser.add_argument("--tokens", type=int, default=200, help="tokens out of each")
+    parser = load_parser("control_plane.benchmarks.pool", __doc__)
     parser.add_argument(
         "--fractions",
         type=_fractions,
         default=[0.75, 0.5, 0.3],
         help="pools as fractions of the blocks the requests need (default: 0.75,0.5,0.3)",
     )
-    args = parser.parse_args(argv)
-    for name in ("requests", "prompt", "tokens"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    return args
+    return parse_load(parser, argv)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,6 +3,7 @@ call that serves a batch of requests and returns its tokens and figures."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import threading
@@ -14,7 +15,35 @@ from control_plane.replicas.router import Drives, Router
 from control_plane.scheduler.env import Env
 from control_plane.scheduler.loop import Scheduler, SchedulerOptions
 from control_plane.scheduler.seq import NONE, Finish, GenRequest
+from protos.defaults import DEFAULT_MODEL_DIR
+from protos.hub import model_path
 from protos.model import Model
+
+# A serving bench's load: requests sent at once, each a window of the prompts and tokens out.
+LOAD_FLAGS = {
+    "requests": (8, "requests sent at once"),
+    "prompt": (200, "prompt tokens of each"),
+    "tokens": (200, "tokens out of each"),
+}
+
+
+def load_parser(module: str, description: str | None) -> argparse.ArgumentParser:
+    """`python -m module`'s parser with the load's flags and `--model`."""
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=description)
+    parser.add_argument("--model", type=model_path, default=DEFAULT_MODEL_DIR)
+    for name, (default, text) in LOAD_FLAGS.items():
+        parser.add_argument(f"--{name}", type=int, default=default, help=text)
+    return parser
+
+
+def parse_load(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The arguments, each of the load's counts at least 1."""
+    args = parser.parse_args(argv)
+    for name in LOAD_FLAGS:
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1")
+    return args
+
 
 PROMPTS = [
     "def fibonacci(n):\n",
