@@ -5,6 +5,7 @@ the scheduler for every method, and refused with a sentence when out of range.""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 from pathlib import Path
@@ -172,7 +173,8 @@ def test_every_method_gives_the_tokens_of_one_at_a_time(
 ) -> None:
     """none, mtp and prompt lookup, pipelined or not, batched with an unpenalized request:
     the formula's greedy tokens, which differ from the unpenalized ones."""
-    prompts = [random_tokens(rng, n, vocab=60) for n in (23, 41)]
+    # The longer prompt spans a KV block, so the later methods restore it from the prefix cache.
+    prompts = [random_tokens(rng, n, vocab=60) for n in (23, 90)]
     pens = [Penalties(prompt_tokens=len(p), **PEN) for p in prompts]
     want = [
         greedy_reference(Engine(tiny_dir, TINY_SERVICE), p, q, 24)
@@ -184,7 +186,7 @@ def test_every_method_gives_the_tokens_of_one_at_a_time(
             f"{method}-{i}", tuple(prompts[i]), 24, ignore_eos=True, method=method, penalties=pen
         )
 
-    with serving(tiny_dir, TINY_SERVICE) as s:
+    with serving(tiny_dir, dataclasses.replace(TINY_SERVICE, prefix_snapshots=4)) as s:
         for method in (NONE, MTP, PROMPT_LOOKUP):
             reqs = [req(i, method, pens[i]) for i in range(2)] + [req(0, method, None)]
             got = run_all(s, reqs)
@@ -192,6 +194,32 @@ def test_every_method_gives_the_tokens_of_one_at_a_time(
                 assert got[i].failure is None
                 assert got[i].tokens == want[i], f"{method}: request {i} left the formula's tokens"
             assert got[2].tokens != want[0], "the penalties changed no token"
+        assert s.snapshot()["counters"].prefix_hits > 0, "no prompt came from the cache"
+
+
+def test_preempted_requests_keep_their_counts(tiny_dir: Path) -> None:
+    """Four penalized requests in half the KV blocks they need: the preempted ones prefill
+    their output again as context, and its tokens still count as output: every request makes
+    the tokens it makes with every block it needs."""
+    from tests.test_kv_pressure import _all_finish, _prompt, _serving
+
+    def four() -> list[GenRequest]:
+        return [
+            GenRequest(
+                f"r{i}",
+                _prompt(i, 100),
+                120,
+                ignore_eos=True,
+                penalties=Penalties(prompt_tokens=100, **PEN),
+            )
+            for i in range(4)
+        ]
+
+    with _serving(tiny_dir, 0, False) as s:
+        want = _all_finish(s, four())
+    with _serving(tiny_dir, 8, False) as s:
+        assert _all_finish(s, four()) == want
+        assert s.snapshot()["counters"].preemptions > 0
 
 
 def test_a_sampled_request_never_draws_a_banned_token(tiny_dir: Path, rng: torch.Generator) -> None:
