@@ -225,6 +225,12 @@ BAD = {
         None,
         "repetition_penalty is 0.0; it must be a finite number above 0 (1: none)",
     ),
+    "logit_bias-value": (
+        {"logit_bias": {"7": "3"}},
+        400,
+        "logit_bias",
+        'logit_bias of 7 is "3"; it must be a number',
+    ),
     "logit_bias-key": (
         {"logit_bias": {"the": 1}},
         400,

@@ -151,8 +151,15 @@ def _logit_bias(body: dict) -> dict[int, float]:
             raise InvalidParam(
                 "logit_bias", f"logit_bias names {_shown(key)}; a key is a token id, 0 to {UINT32}"
             )
-        bias = _number(given, key)
-        out[int(key)] = 0.0 if bias is None else bias
+        bias = given[key]
+        try:
+            if isinstance(bias, bool) or not isinstance(bias, int | float):
+                raise TypeError(bias)
+            out[int(key)] = float(bias)
+        except (TypeError, ValueError, OverflowError):  # not a number, or an int past a float
+            raise InvalidParam(
+                "logit_bias", f"logit_bias of {key} is {_shown(bias)}; it must be a number"
+            ) from None
     return out
 
 
