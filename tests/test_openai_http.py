@@ -83,11 +83,10 @@ def client(base_url: str, key: str = KEY) -> openai.OpenAI:
     return openai.OpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=120)
 
 
-@pytest.fixture(scope="module")
-def fronts(tiny_dir: Path) -> Iterator[Fronts]:
-    """Both fronts, keys required, on one scheduler over an in-process one-slot engine."""
-    engine = Engine(tiny_dir, ONE_SLOT)
-    scheduler = Scheduler(lambda: engine, opts=SchedulerOptions(max_queue=1))
+@contextmanager
+def serving(engine: Engine, max_queue: int) -> Iterator[Fronts]:
+    """Both fronts, keys required, on one scheduler over `engine`."""
+    scheduler = Scheduler(lambda: engine, opts=SchedulerOptions(max_queue=max_queue))
     scheduler.start()
     spans, provider = InMemorySpanExporter(), TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(spans))
@@ -114,6 +113,20 @@ def fronts(tiny_dir: Path) -> Iterator[Fronts]:
         finally:
             on(loop, stop(server, http))
             scheduler.stop()
+
+
+@pytest.fixture(scope="module")
+def fronts(tiny_dir: Path) -> Iterator[Fronts]:
+    """Both fronts on an in-process one-slot engine, a queue of one."""
+    with serving(Engine(tiny_dir, ONE_SLOT), 1) as f:
+        yield f
+
+
+@pytest.fixture(scope="module")
+def wide(tiny_dir: Path) -> Iterator[Fronts]:
+    """Both fronts on an in-process engine of four slots, a queue of eight."""
+    with serving(Engine(tiny_dir, ServiceConfig(verify_tiers="4:3", max_context=512)), 8) as f:
+        yield f
 
 
 def grpc_text(stub: pb_grpc.GenerationServiceStub, request: pb.GenerateRequest) -> str:
@@ -211,8 +224,70 @@ def test_penalties_and_logit_bias_are_the_grpc_apis(fronts: Fronts) -> None:
     assert done.choices[0].text == want and "i" not in want
 
 
+def test_n_choices_are_the_requests_seeded_one_apart(wide: Fronts) -> None:
+    """n sampled choices: choice i is the text of one request with seed + i, whole and
+    streamed; the usage counts the prompt once and every choice's tokens; each choice is a
+    `choice` span under the request's."""
+    fields = dict(model="", prompt=PROMPT, max_tokens=12, temperature=0.9)
+    alone = [
+        wide.client.completions.create(**fields, seed=40 + i).choices[0].text for i in range(3)
+    ]
+    assert len(set(alone)) > 1, "three seeds drew one text"
+    wide.spans.clear()
+    whole = wide.client.completions.create(**fields, seed=40, n=3)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert [c.text for c in whole.choices] == alone
+    single = wide.client.completions.create(**fields, seed=40)
+    assert whole.usage is not None and single.usage is not None
+    assert whole.usage.prompt_tokens == single.usage.prompt_tokens
+    assert whole.usage.completion_tokens == 3 * 12  # no EOS in twelve tokens of these seeds
+    spans = wide.spans.get_finished_spans()
+    top = next(sp for sp in spans if sp.name == "generate")
+    choices = [sp for sp in spans if sp.name == "choice"]
+    assert sorted(sp.attributes["met.choice_index"] for sp in choices) == [0, 1, 2]
+    assert all(sp.parent is not None and sp.parent.span_id == top.context.span_id for sp in choices)
+
+    chunks = list(
+        wide.client.completions.create(
+            **fields, seed=40, n=3, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    texts = ["", "", ""]
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] += choice.text
+    assert texts == alone
+    assert chunks[-1].usage == whole.usage
+
+
+def test_n_greedy_chat_choices_are_alike(wide: Fronts) -> None:
+    turn = {"role": "user", "content": "hi"}
+    done = wide.client.chat.completions.create(
+        model="", messages=[turn], max_tokens=8, temperature=0, n=2
+    )
+    first, second = (c.message.content for c in done.choices)
+    assert first and first == second
+    chunks = list(
+        wide.client.chat.completions.create(
+            model="", messages=[turn], max_tokens=8, temperature=0, n=2, stream=True
+        )
+    )
+    roles = [c.choices[0].index for c in chunks if c.choices[0].delta.role == "assistant"]
+    assert sorted(roles) == [0, 1]
+    text = {0: "", 1: ""}
+    for c in chunks:
+        text[c.choices[0].index] += c.choices[0].delta.content or ""
+    assert text == {0: first, 1: first}
+
+
 BAD = {
-    "n": ({"n": 2}, 400, "n", "n is 2; this server returns one choice per request (n: 1)"),
+    "n": ({"n": 0}, 400, "n", "n is 0; it must be from 1 to 128"),
+    "best_of": (
+        {"best_of": 2},
+        400,
+        "best_of",
+        "best_of is 2; this server returns the choices it samples (best_of: 1; use n)",
+    ),
     "presence_penalty": (
         {"presence_penalty": 3},
         400,

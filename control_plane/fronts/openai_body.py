@@ -1,6 +1,6 @@
 """OpenAI request bodies as `GenerateRequest`s: what the HTTP front takes, what it refuses.
 
-A known parameter this server cannot honour (`n` above 1, tools, `top_logprobs`, ...)
+A known parameter this server cannot honour (tools, `top_logprobs`, `best_of`, ...)
 is refused with a sentence naming it, never dropped. Unknown fields are ignored, as vLLM
 ignores them: SDKs add their own (`user`, `metadata`, `store`), and none of those changes the
 output. Only types, and what the wire types cannot hold, are checked here; the ranges of the
@@ -27,12 +27,13 @@ UINT32, UINT64 = (1 << 32) - 1, (1 << 64) - 1
 METHOD_NAMES = {name: method for method, name in METHODS.items()}
 FORMATS = "text, json_object or json_schema"
 SPECULATIVE_KEYS = ("method", "num_drafts")
+# OpenAI's bound on `n`; each choice is a request of its own to the scheduler.
+MAX_CHOICES = 128
 
 # Parameters taken only at a value that changes nothing: name -> (those values, what this
 # server does instead). An absent or null parameter is always taken.
 REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "n": ((1,), "returns one choice per request (n: 1)"),
-    "best_of": ((1,), "returns one choice per request (best_of: 1)"),
+    "best_of": ((1,), "returns the choices it samples (best_of: 1; use n)"),
     "echo": ((False,), "does not echo the prompt"),
     "suffix": (("",), "inserts no suffix"),
     "min_p": ((0,), "has no min_p cut (top_p and top_k are taken)"),
@@ -75,6 +76,17 @@ class Ask:
     model: str | None  # None: the served one
     stream: bool
     include_usage: bool  # a last streamed chunk carries the usage
+    n: int = 1  # choices: requests that differ only in their seed (`choice_request`)
+
+    def choice_request(self, index: int) -> pb.GenerateRequest:
+        """Choice `index`'s request: a seeded one draws with seed + index, as vLLM's do, so
+        that its choices differ and each replays."""
+        if index == 0 or not self.request.HasField("seed"):
+            return self.request
+        r = pb.GenerateRequest()
+        r.CopyFrom(self.request)
+        r.seed = (r.seed + index) % (UINT64 + 1)
+        return r
 
 
 def completion_request(body: Any) -> Ask:
@@ -109,7 +121,15 @@ def _ask(
         _str(body, "model") or None,  # "" too: the served one
         bool(_bool(body, "stream")),
         bool(_bool(options, "include_usage", "stream_options.include_usage")),
+        _choices(body),
     )
+
+
+def _choices(body: dict) -> int:
+    n = _int(body, "n")
+    if n is not None and not 1 <= n <= MAX_CHOICES:
+        raise InvalidParam("n", f"n is {n}; it must be from 1 to {MAX_CHOICES}")
+    return 1 if n is None else n
 
 
 def _refuse_unsupported(body: dict) -> None:

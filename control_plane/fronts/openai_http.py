@@ -3,7 +3,9 @@
 (and so the same scheduler) as the gRPC API. `openai_body` says which parameters it takes.
 
 A request is one OpenTelemetry SERVER span under the caller's `traceparent`, like a `Generate`
-call. A client that disconnects before the end cancels its request, which frees its slot. With
+call. `n` choices are n requests to the scheduler (a `choice` span each under it); the first
+one's prefill gives the others its prompt through the prefix cache. A client that disconnects
+before the end cancels its requests, which frees their slots. With
 API keys configured, every route wants `Authorization: Bearer <key>`, as the gRPC API does."""
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import json
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any, TypeVar
@@ -23,7 +25,7 @@ from typing import Any, TypeVar
 import grpc
 import uvicorn
 from opentelemetry import propagate
-from opentelemetry.trace import Span, SpanKind, Tracer
+from opentelemetry.trace import Span, SpanKind, Tracer, set_span_in_context
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -35,7 +37,7 @@ from control_plane.admission import auth
 from control_plane.admission.door import BadRequest, Door
 from control_plane.fronts.api import TRACER, failed, finished, request_attributes
 from control_plane.fronts.openai_body import Ask, InvalidParam, chat_request, completion_request
-from control_plane.fronts.openai_reply import DONE, Reply, error, grpc_error, sse
+from control_plane.fronts.openai_reply import DONE, Reply, Whole, error, grpc_error, sse
 from control_plane.scheduler.seq import Delta, Failure, Finish, Queued
 from protos.model import Capabilities
 
@@ -133,18 +135,18 @@ class Flight:
 
 
 class EventStream(StreamingResponse):
-    """Server-sent events that end their flight however the response ends, a client gone
+    """Server-sent events that end their flights however the response ends, a client gone
     before the first chunk included (the body's generator then never runs)."""
 
-    def __init__(self, content: AsyncIterator[str], flight: Flight, rid: str) -> None:
+    def __init__(self, content: AsyncIterator[str], end: Callable[[], None], rid: str) -> None:
         super().__init__(content, media_type="text/event-stream", headers={"x-request-id": rid})
-        self.flight = flight
+        self.end = end
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.flight.end()
+            self.end()
 
 
 class Front:
@@ -187,23 +189,59 @@ class Front:
         )
         try:
             ask, caps = await self._admit(request, chat, rid, span)
-            key = f"{rid}#{next(self._ids)}"  # clients may reuse ids; the scheduler must not
-            flight = Flight(self.door, key, await self.door.enter(ask.request, key, span), span)
+            flights = await self._enter(ask, rid, span)
         except BadRequest as e:
             failed(span, e.code.name, str(e))
             span.end()
             return _refused(e)
         prefix = "chatcmpl-" if chat else "cmpl-"
         reply = Reply(chat, prefix + rid, caps.model_name, self.door.scheduler.tokenizer)
+
+        def end() -> None:
+            for f in flights:
+                f.end()
+            if ask.n > 1:
+                span.end()
+
         if ask.stream:
-            return EventStream(_events(reply, flight, ask.include_usage), flight, rid)
+            return EventStream(_events(reply, flights, ask.include_usage), end, rid)
         try:
-            body = await _or_gone(request, _whole(reply, flight))
+            body = await _or_gone(request, _wholes(reply, flights))
         except BadRequest as e:
             return _refused(e)
         finally:
-            flight.end()
+            end()
         return JSONResponse(body, headers={"x-request-id": rid})
+
+    def _choice_span(self, span: Span, rid: str, index: int) -> Span:
+        return self.tracer.start_span(
+            "choice",
+            context=set_span_in_context(span),
+            attributes={"met.request_id": rid, "met.choice_index": index},
+        )
+
+    async def _enter(self, ask: Ask, rid: str, span: Span) -> list[Flight]:
+        """Each choice's request submitted, under the request's span (one choice) or a span
+        of its own beneath it; a refusal of any leaves those already in."""
+        flights: list[Flight] = []
+        try:
+            for i in range(ask.n):
+                # Clients may reuse ids; the scheduler must not.
+                key = f"{rid}#{next(self._ids)}"
+                own = span if ask.n == 1 else self._choice_span(span, rid, i)
+                try:
+                    events = await self.door.enter(ask.choice_request(i), key, own)
+                except BadRequest as e:
+                    if own is not span:
+                        failed(own, e.code.name, str(e))
+                        own.end()
+                    raise
+                flights.append(Flight(self.door, key, events, own))
+        except BadRequest:
+            for f in flights:
+                f.end()
+            raise
+        return flights
 
     async def _admit(
         self, request: Request, chat: bool, rid: str, span: Span
@@ -244,7 +282,7 @@ async def _json(request: Request) -> Any:
         raise InvalidParam(None, f"the body is not JSON: {e}") from None
 
 
-async def _whole(reply: Reply, flight: Flight) -> dict:
+async def _whole(flight: Flight) -> Whole:
     text: list[str] = []
     ids: list[int] = []
     logprobs: list[float] = []
@@ -255,26 +293,64 @@ async def _whole(reply: Reply, flight: Flight) -> dict:
             ids += ev.token_ids
             logprobs += ev.logprobs
         elif isinstance(ev, Finish):
-            return reply.whole("".join(text), ids, logprobs, ev)
+            return Whole("".join(text), ids, logprobs, ev)
 
 
-async def _events(reply: Reply, flight: Flight, include_usage: bool) -> AsyncIterator[str]:
+async def _wholes(reply: Reply, flights: list[Flight]) -> dict:
+    """Every choice gathered; the first refusal ends them all."""
+    tasks = [asyncio.ensure_future(_whole(f)) for f in flights]
+    try:
+        return reply.whole(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _merged(flights: list[Flight]) -> AsyncIterator[tuple[int, Delta | Queued | Finish]]:
+    """Every flight's events as they come, each with its choice's index, until each has
+    finished; a refusal of any is raised."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, f: Flight) -> None:
+        try:
+            while not isinstance(ev := await f.next(), Finish):
+                queue.put_nowait((i, ev))
+            queue.put_nowait((i, ev))
+        except BadRequest as e:
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.ensure_future(pump(i, f)) for i, f in enumerate(flights)]
+    try:
+        left = len(flights)
+        while left:
+            i, ev = await queue.get()
+            if isinstance(ev, BadRequest):
+                raise ev
+            left -= isinstance(ev, Finish)
+            yield i, ev
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _events(reply: Reply, flights: list[Flight], include_usage: bool) -> AsyncIterator[str]:
     """The stream's chunks, then `[DONE]`; a request waiting for a slot hears its place as
     SSE comments, which clients skip."""
+    done: dict[int, Finish] = {}
     try:
         if reply.chat:
-            yield sse(reply.opening())
-        while True:
-            ev = await flight.next()
+            for i in range(len(flights)):
+                yield sse(reply.opening(i))
+        async for i, ev in _merged(flights):
             if isinstance(ev, Queued):
                 yield f": queued {ev.position} of {ev.queue_length}\n\n"
             elif isinstance(ev, Delta):
-                yield sse(reply.chunk(ev))
+                yield sse(reply.chunk(ev, i))
             else:
-                yield sse(reply.closing(ev))
-                if include_usage:
-                    yield sse(reply.usage_chunk(ev))
-                break
+                done[i] = ev
+                yield sse(reply.closing(ev, i))
+        if include_usage:
+            yield sse(reply.usage_chunk([done[i] for i in sorted(done)]))
     except BadRequest as e:  # the status line is gone: the error travels as an event
         yield sse(grpc_error(e.code, str(e))[1])
     yield DONE

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import grpc
 from google.protobuf.json_format import MessageToDict
 
 from control_plane.fronts.api import stats_message
-from control_plane.scheduler.seq import Delta, Finish
+from control_plane.scheduler.seq import Delta, Finish, SpecStats
 from control_plane.text.detok import Tokenizer
 
 STATUS = {
@@ -58,22 +59,36 @@ def sse(body: dict) -> str:
     return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
 
 
-def usage(ev: Finish) -> dict:
-    total = ev.prompt_tokens + ev.completion_tokens
+def usage(done: Sequence[Finish]) -> dict:
+    """One response's usage: the prompt once, every choice's completion."""
+    prompt, completion = done[0].prompt_tokens, sum(ev.completion_tokens for ev in done)
     return {
-        "prompt_tokens": ev.prompt_tokens,
-        "completion_tokens": ev.completion_tokens,
-        "total_tokens": total,
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
     }
 
 
-def speculative(ev: Finish) -> dict:
-    """The gRPC API's `SpeculativeStats`, field for field."""
+def speculative(done: Sequence[Finish]) -> dict:
+    """The gRPC API's `SpeculativeStats`, field for field, over every choice given."""
+    stats = SpecStats()
+    for ev in done:
+        stats.merge(ev.stats)
     return MessageToDict(
-        stats_message(ev.stats),
+        stats_message(stats),
         preserving_proto_field_name=True,
         always_print_fields_with_no_presence=True,
     )
+
+
+@dataclass(frozen=True)
+class Whole:
+    """One choice of a whole response, gathered."""
+
+    text: str
+    ids: list[int]
+    logprobs: list[float]
+    finish: Finish
 
 
 @dataclass(frozen=True)
@@ -86,26 +101,37 @@ class Reply:
     tokenizer: Tokenizer  # spells each token of a logprobs list
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def opening(self) -> dict:
-        """The first chunk of a chat stream: the assistant's role."""
-        return self._body(True, {"role": "assistant", "content": ""}, None, None)
+    def opening(self, index: int = 0) -> dict:
+        """The first chunk of a choice's chat stream: the assistant's role."""
+        return self._body(True, index, {"role": "assistant", "content": ""}, None, None)
 
-    def chunk(self, ev: Delta) -> dict:
+    def chunk(self, ev: Delta, index: int = 0) -> dict:
         delta = {"content": ev.text} if self.chat else ev.text
-        return self._body(True, delta, self._logprobs(ev.token_ids, ev.logprobs), None)
+        return self._body(True, index, delta, self._logprobs(ev.token_ids, ev.logprobs), None)
 
-    def closing(self, ev: Finish) -> dict:
-        """The last chunk with a choice: its finish reason, and the speculative statistics."""
-        body = self._body(True, {} if self.chat else "", None, ev.reason)
-        return {**body, "speculative": speculative(ev)}
+    def closing(self, ev: Finish, index: int = 0) -> dict:
+        """The last chunk of a choice: its finish reason, and its speculative statistics."""
+        body = self._body(True, index, {} if self.chat else "", None, ev.reason)
+        return {**body, "speculative": speculative([ev])}
 
-    def usage_chunk(self, ev: Finish) -> dict:
-        return {**self._head(True), "choices": [], "usage": usage(ev)}
+    def usage_chunk(self, done: Sequence[Finish]) -> dict:
+        return {**self._head(True), "choices": [], "usage": usage(done)}
 
-    def whole(self, text: str, ids: list[int], logprobs: list[float], ev: Finish) -> dict:
-        message = {"role": "assistant", "content": text} if self.chat else text
-        body = self._body(False, message, self._logprobs(ids, logprobs), ev.reason)
-        return {**body, "usage": usage(ev), "speculative": speculative(ev)}
+    def whole(self, choices: Sequence[Whole]) -> dict:
+        """The response of every choice: each one's text, the usage and the speculative
+        statistics of them all."""
+        bodies = []
+        for i, c in enumerate(choices):
+            message = {"role": "assistant", "content": c.text} if self.chat else c.text
+            logprobs = self._logprobs(c.ids, c.logprobs)
+            bodies.append(self._choice(False, i, message, logprobs, c.finish.reason))
+        done = [c.finish for c in choices]
+        return {
+            **self._head(False),
+            "choices": bodies,
+            "usage": usage(done),
+            "speculative": speculative(done),
+        }
 
     def _head(self, chunk: bool) -> dict:
         kind = "text_completion"
@@ -114,11 +140,26 @@ class Reply:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
     def _body(
-        self, chunk: bool, content: dict | str, logprobs: dict | None, finish: str | None
+        self,
+        chunk: bool,
+        index: int,
+        content: dict | str,
+        logprobs: dict | None,
+        finish: str | None,
+    ) -> dict:
+        choice = self._choice(chunk, index, content, logprobs, finish)
+        return {**self._head(chunk), "choices": [choice]}
+
+    def _choice(
+        self,
+        chunk: bool,
+        index: int,
+        content: dict | str,
+        logprobs: dict | None,
+        finish: str | None,
     ) -> dict:
         name = ("delta" if chunk else "message") if self.chat else "text"
-        choice = {"index": 0, name: content, "logprobs": logprobs, "finish_reason": finish}
-        return {**self._head(chunk), "choices": [choice]}
+        return {"index": index, name: content, "logprobs": logprobs, "finish_reason": finish}
 
     def _logprobs(self, ids: list[int], logprobs: list[float]) -> dict | None:
         """Each token's own log-probability (there are no alternatives: top_logprobs 0)."""
