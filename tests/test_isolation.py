@@ -94,9 +94,9 @@ def test_a_slot_held_elsewhere_keeps_the_request_waiting() -> None:
         held = [model.alloc_sequence() for _ in range(4)]  # all taken by another client
         alloc, capabilities, refusals, polls = model.alloc_sequence, model.capabilities, [], []
 
-        def counted_alloc():
+        def counted_alloc(penalties=None):
             try:
-                return alloc()
+                return alloc(penalties)
             except ResourceExhausted:
                 refusals.append(len(model.slots))
                 raise
