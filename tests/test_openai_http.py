@@ -222,6 +222,9 @@ def test_penalties_and_logit_bias_are_the_grpc_apis(fronts: Fronts) -> None:
         extra_body={"repetition_penalty": 1.3},
     )
     assert done.choices[0].text == want and "i" not in want
+    (span,) = [sp for sp in fronts.spans.get_finished_spans() if sp.name == "generate"][-1:]
+    assert span.attributes["gen_ai.request.presence_penalty"] == 1.5
+    assert span.attributes["gen_ai.request.frequency_penalty"] == 0.5
 
 
 def test_n_choices_are_the_requests_seeded_one_apart(wide: Fronts) -> None:
@@ -245,6 +248,7 @@ def test_n_choices_are_the_requests_seeded_one_apart(wide: Fronts) -> None:
     top = next(sp for sp in spans if sp.name == "generate")
     choices = [sp for sp in spans if sp.name == "choice"]
     assert sorted(sp.attributes["met.choice_index"] for sp in choices) == [0, 1, 2]
+    assert top.attributes["gen_ai.request.choice.count"] == 3
     assert all(sp.parent is not None and sp.parent.span_id == top.context.span_id for sp in choices)
 
     chunks = list(

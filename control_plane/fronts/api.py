@@ -165,6 +165,9 @@ def request_attributes(r: pb.GenerateRequest, rid: str) -> dict:
     }
     if r.HasField("max_new_tokens"):
         attrs["gen_ai.request.max_tokens"] = r.max_new_tokens
+    for name in ("presence_penalty", "frequency_penalty"):
+        if value := getattr(r, name):
+            attrs[f"gen_ai.request.{name}"] = value
     return attrs
 
 

@@ -249,6 +249,8 @@ class Front:
         """The request read and checked against the served model, or `BadRequest`."""
         ask = (chat_request if chat else completion_request)(await _json(request))
         span.set_attributes(request_attributes(ask.request, rid))
+        if ask.n > 1:
+            span.set_attribute("gen_ai.request.choice.count", ask.n)
         if chat:
             span.set_attribute("gen_ai.operation.name", "chat")
         caps = await self.door.capabilities()
