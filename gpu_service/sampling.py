@@ -1,4 +1,5 @@
-"""Sampling on the service: target distributions with temperature, top-k and top-p, and
+"""Sampling on the service: target distributions with temperature, top-k, min-p and top-p (in
+vLLM's order: min-p cuts before top-p sums), and
 inverse-CDF draws from uniforms the control plane sends (so a seeded request replays).
 
 For a verify row j of a sampled sequence the service reports what rejection sampling needs:
@@ -22,6 +23,9 @@ def distribution(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
         kth = x.topk(s.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
     p = torch.softmax(x, dim=-1)
+    if s.min_p > 0.0:
+        p = p.masked_fill(p < s.min_p * p.max(-1, keepdim=True).values, 0.0)
+        p = p / p.sum(-1, keepdim=True)
     if 0.0 < s.top_p < 1.0:
         sorted_p, order = p.sort(dim=-1, descending=True)
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
@@ -65,5 +69,5 @@ def check_sampling(sampling: dict[int, Sampling], uniforms: dict[int, int], n: i
             raise InvalidArgument(
                 f"sequence {i} sent {len(smp.uniforms)} uniforms for {uniforms[i]} draws"
             )
-        if not 0.0 <= smp.top_p <= 1.0 or smp.top_k < 0:
-            raise InvalidArgument(f"sequence {i}: top_p must be in [0, 1] and top_k >= 0")
+        if not (0.0 <= smp.top_p <= 1.0 and 0.0 <= smp.min_p <= 1.0) or smp.top_k < 0:
+            raise InvalidArgument(f"sequence {i}: top_p and min_p must be in [0, 1] and top_k >= 0")

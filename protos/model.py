@@ -228,6 +228,7 @@ class Sampling:
     top_k: int = 0  # 0: no limit
     top_p: float = 1.0
     uniforms: tuple[float, ...] = ()  # one per verify row, or per draft for a propose
+    min_p: float = 0.0  # 0: no cut; else below min_p times the top probability is cut
 
 
 @dataclass(frozen=True)

@@ -292,6 +292,12 @@ BAD = {
         "best_of",
         "best_of is 2; this server returns the choices it samples (best_of: 1; use n)",
     ),
+    "min_p": (
+        {"extra_body": {"min_p": 2}},
+        400,
+        None,
+        "min_p is 2.0; it must be from 0 (no cut) to 1",
+    ),
     "presence_penalty": (
         {"presence_penalty": 3},
         400,

@@ -37,6 +37,37 @@ def test_distribution_top_k_top_p() -> None:
     assert draw(torch.tensor([0.2, 0.3, 0.5]), 0.999) == 2
 
 
+def test_min_p_cuts_before_top_p() -> None:
+    """min_p keeps the tokens at least min_p times as probable as the most probable one, and
+    top_p then sums the renormalised rest (vLLM's order): here top_p alone would keep three."""
+    p = torch.tensor([[0.5, 0.3, 0.15, 0.05]], dtype=torch.float64)
+    logits = p.log()
+    cut = distribution(logits, Sampling(1.0, min_p=0.2))[0]
+    torch.testing.assert_close(cut, torch.tensor([0.5, 0.3, 0.15, 0.0], dtype=torch.float64) / 0.95)
+    assert (distribution(logits, Sampling(1.0, top_p=0.83))[0, :3] > 0).all()
+    both = distribution(logits, Sampling(1.0, top_p=0.83, min_p=0.2))[0]
+    torch.testing.assert_close(both, torch.tensor([0.5, 0.3, 0.0, 0.0], dtype=torch.float64) / 0.8)
+
+
+def test_min_p_of_one_samples_the_greedy_tokens(tiny_dir: Path) -> None:
+    """At min_p 1 only the most probable token stays: sampled `mtp` (drafts drawn from the
+    cut drafter, verified against the cut target) makes the greedy tokens."""
+    engine = Engine(tiny_dir, ServiceConfig(verify_tiers="8:3", max_context=256))
+    s = Scheduler(lambda: engine, TOK, SchedulerOptions(max_queue=4), NO_ENV)
+    s.start()
+    try:
+        prompt = (72, 105, 33, 10, 100)
+        greedy = GenRequest("g", prompt, 24, method=NONE, ignore_eos=True)
+        cut = [
+            GenRequest(f"c{i}", prompt, 24, temperature=0.9, min_p=1.0, seed=i, ignore_eos=True)
+            for i in range(2)
+        ]
+        want, *got = (o.tokens for o in run_all(s, [greedy, *cut]))
+    finally:
+        s.stop()
+    assert got == [want, want]
+
+
 def test_speculative_verdict_reproduces_the_target() -> None:
     """Draft from q, accept with min(1, p/q), else draw from the residual: the token is
     distributed as p (Monte Carlo, 40000 draws, each probability within 0.01)."""

@@ -95,6 +95,7 @@ def to_request(
         temperature=r.temperature,
         top_k=r.top_k,
         top_p=r.top_p or 1.0,  # proto3 cannot tell an unset top_p from 0
+        min_p=r.min_p,
         seed=r.seed if r.HasField("seed") else None,
         penalties=penalties,
     )
@@ -216,7 +217,7 @@ def _check_method(r: pb.GenerateRequest, caps: Capabilities) -> None:
 
 
 def _check_sampling(r: pb.GenerateRequest, caps: Capabilities) -> None:
-    """temperature, top_p and top_k: finite and in range (NaN fails every comparison, so each
+    """temperature, top_p, min_p and top_k: finite and in range (NaN fails every comparison, so each
     test is written as what must hold)."""
     if not (math.isfinite(r.temperature) and r.temperature >= 0):
         raise BadRequest(
@@ -226,6 +227,8 @@ def _check_sampling(r: pb.GenerateRequest, caps: Capabilities) -> None:
         raise BadRequest(
             INVALID, f"top_p is {r.top_p}; it must be above 0 and at most 1, or 0 for no cut"
         )
+    if not 0.0 <= r.min_p <= 1.0:
+        raise BadRequest(INVALID, f"min_p is {r.min_p}; it must be from 0 (no cut) to 1")
     if r.top_k > caps.vocab_size:
         raise BadRequest(
             INVALID,

@@ -37,6 +37,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--min-p", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--presence-penalty", type=float, default=0.0)
     parser.add_argument("--frequency-penalty", type=float, default=0.0)
@@ -82,6 +83,7 @@ def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
         ignore_eos=args.ignore_eos,
         temperature=args.temperature,
         top_p=args.top_p,
+        min_p=args.min_p,
         top_k=args.top_k,
         presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty,

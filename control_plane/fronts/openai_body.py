@@ -8,7 +8,7 @@ fields a `GenerateRequest` carries are the `Door`'s to check.
 
 Beyond OpenAI's parameters it takes `speculative` ({"method": "none" | "mtp" |
 "prompt_lookup", "num_drafts": N}), `add_generation_prompt` (chat), and vLLM's `top_k`,
-`min_tokens`, `ignore_eos`, `stop_token_ids` and `repetition_penalty`. Left unset,
+`min_p`, `min_tokens`, `ignore_eos`, `stop_token_ids` and `repetition_penalty`. Left unset,
 `temperature` is 1 as in OpenAI's API, and `max_tokens` the server's `--max-new-tokens`."""
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "best_of": ((1,), "returns the choices it samples (best_of: 1; use n)"),
     "echo": ((False,), "does not echo the prompt"),
     "suffix": (("",), "inserts no suffix"),
-    "min_p": ((0,), "has no min_p cut (top_p and top_k are taken)"),
     "use_beam_search": ((False,), "has no beam search"),
     "top_logprobs": ((0,), "returns the chosen token's log-probability only (top_logprobs: 0)"),
     "tools": (([],), "has no tool calling"),
@@ -147,6 +146,7 @@ def _sampling(body: dict) -> pb.GenerateRequest:
     temperature = _number(body, "temperature")
     r.temperature = 1.0 if temperature is None else temperature
     r.top_p = _number(body, "top_p") or 0.0  # 0: no cut
+    r.min_p = _number(body, "min_p") or 0.0
     if (seed := _int(body, "seed", most=UINT64)) is not None:
         r.seed = seed
     r.top_k = _int(body, "top_k") or 0

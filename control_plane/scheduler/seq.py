@@ -39,6 +39,7 @@ class GenRequest:
     temperature: float = 0.0  # 0: greedy
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0  # 0: no cut
     seed: int | None = None  # the uniforms' generator; None: an unseeded one
     penalties: Penalties | None = None  # applied by the service to every row it judges
 
@@ -176,7 +177,7 @@ class ActiveSeq:
         """This request's sampling parameters with `draws` fresh uniforms."""
         r = self.req
         uniforms = tuple(self.rng.random() for _ in range(draws))
-        return Sampling(r.temperature, r.top_k, r.top_p, uniforms)
+        return Sampling(r.temperature, r.top_k, r.top_p, uniforms, r.min_p)
 
     def tell_place(self, position: int, queue_length: int, now: float) -> None:
         """Send a `Queued` notice: the first at once, later ones only as the request moves
