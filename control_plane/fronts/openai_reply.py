@@ -103,15 +103,16 @@ class Reply:
 
     def opening(self, index: int = 0) -> dict:
         """The first chunk of a choice's chat stream: the assistant's role."""
-        return self._body(True, index, {"role": "assistant", "content": ""}, None, None)
+        return self._body(True, self._choice(True, index, {"role": "assistant", "content": ""}))
 
     def chunk(self, ev: Delta, index: int = 0) -> dict:
         delta = {"content": ev.text} if self.chat else ev.text
-        return self._body(True, index, delta, self._logprobs(ev.token_ids, ev.logprobs), None)
+        logprobs = self._logprobs(ev.token_ids, ev.logprobs)
+        return self._body(True, self._choice(True, index, delta, logprobs))
 
     def closing(self, ev: Finish, index: int = 0) -> dict:
         """The last chunk of a choice: its finish reason, and its speculative statistics."""
-        body = self._body(True, index, {} if self.chat else "", None, ev.reason)
+        body = self._body(True, self._choice(True, index, {} if self.chat else "", None, ev.reason))
         return {**body, "speculative": speculative([ev])}
 
     def usage_chunk(self, done: Sequence[Finish]) -> dict:
@@ -139,15 +140,7 @@ class Reply:
             kind = "chat.completion.chunk" if chunk else "chat.completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def _body(
-        self,
-        chunk: bool,
-        index: int,
-        content: dict | str,
-        logprobs: dict | None,
-        finish: str | None,
-    ) -> dict:
-        choice = self._choice(chunk, index, content, logprobs, finish)
+    def _body(self, chunk: bool, choice: dict) -> dict:
         return {**self._head(chunk), "choices": [choice]}
 
     def _choice(
@@ -155,8 +148,8 @@ class Reply:
         chunk: bool,
         index: int,
         content: dict | str,
-        logprobs: dict | None,
-        finish: str | None,
+        logprobs: dict | None = None,
+        finish: str | None = None,
     ) -> dict:
         name = ("delta" if chunk else "message") if self.chat else "text"
         return {"index": index, name: content, "logprobs": logprobs, "finish_reason": finish}
