@@ -59,6 +59,19 @@ def _sync(
     return c
 
 
+# On a GPU: the bytes a penalized sequence keeps a held token id (its counts fp32, the ids seen
+# bool, its bias fp32), and the most fp32 [rows, held ids] tensors `_dense` holds at once (the
+# counts and repetition factors of its rows, the logits, the bias, and the formula's steps).
+COUNTS_BYTES = 9
+DENSE_COPIES = 8
+
+
+def device_bytes(width: int, slots: int, rows: int) -> tuple[int, int]:
+    """What penalties take on a GPU over `width` held token ids: (every slot's counts, one
+    call's transient, for `rows` rows)."""
+    return slots * width * COUNTS_BYTES, DENSE_COPIES * rows * width * 4
+
+
 @dataclass(frozen=True)
 class Rows:
     """The penalized rows of one call, on the host: where they sit, whose they are, and which
@@ -125,23 +138,28 @@ def _pen(seq: SeqState) -> Penalties:
 
 
 def _dense(logits: torch.Tensor, p: Rows) -> None:
-    """Every column of the rows, from counts on the device."""
+    """Every column of the rows, from counts on the device; at most `DENSE_COPIES` fp32
+    [rows, width] tensors live at once."""
     device = logits.device
     # Chosen on the host: a mask applied on the device would read its count back.
     counted = (p.later[p.is_out], p.token[p.is_out])
-    owner, index, later, token, out_rows, out_tokens = (
-        torch.from_numpy(a).to(device) for a in (p.owner, p.index, p.later, p.token, *counted)
+    index, later, token, out_rows, out_tokens = (
+        torch.from_numpy(a).to(device) for a in (p.index, p.later, p.token, *counted)
     )
-    out = torch.stack([c.out for c in p.counts])[owner]
-    seen = torch.stack([c.seen for c in p.counts])[owner]
-    bias = torch.stack([c.bias for c in p.counts])[owner]
+    owners = [p.counts[o] for o in p.owner.tolist()]
+    out = torch.stack([c.out for c in owners])
     out.index_put_((out_rows, out_tokens), torch.ones((), device=device), accumulate=True)
+    seen = torch.stack([c.seen for c in owners])
     seen[later, token] = True
     rep, freq, pres = torch.from_numpy(p.scalars).to(device).T[:, :, None]
     rep = torch.where(seen, rep, 1.0)
-    x = logits[index].float() + bias
+    del seen
+    x = logits[index].float()
+    x += torch.stack([c.bias for c in owners])
     x = torch.where(x > 0, x / rep, x * rep)
-    x = x - freq * out - pres * (out > 0).float()
+    del rep
+    x -= freq * out
+    x -= pres * (out > 0).float()
     logits[index] = x.to(logits.dtype)
 
 

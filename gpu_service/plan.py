@@ -32,6 +32,7 @@ from gpu_service.model.weights import (
     weight_shapes,
 )
 from gpu_service.options import MAX_AUTO_SLOTS, service_config
+from gpu_service.penalties import device_bytes
 from gpu_service.plan_graphs import META, activation_bytes, graph_parts, split_workspace_bytes
 from gpu_service.quantization import fp8_names, scale_name, scale_shape
 from gpu_service.state import DeviceState
@@ -53,6 +54,7 @@ PARTS = {
     "drafter_kv_bytes": "drafter KV",
     "snapshot_bytes": "prefix snapshots",
     "logits_bytes": "logits",
+    "penalty_bytes": "penalty counts",
     "stash_bytes": "stash, verify hiddens, carry",
     "rope_bytes": "RoPE table",
     "graphs_bytes": "captured graphs",
@@ -213,6 +215,7 @@ def slot_parts(model: HybridModel, svc: ServiceConfig, graphs: bool) -> tuple[di
     gathered = 0 if ranks == 1 else ranks * kept + logits_rows * cfg.vocab_size * size
     out["logits_bytes"] += kept + max(kept, gathered)
     out["stash_bytes"] += padded_rows(svc.max_rows) * cfg.hidden_size * size
+    out["penalty_bytes"], _ = device_bytes(model.vocab[1] - model.vocab[0], svc.num_slots, 0)
     num_graphs, out["graphs_bytes"] = graph_parts(model, state, svc) if graphs else (0, 0)
     return out, num_graphs
 
@@ -263,11 +266,13 @@ def make_plan(
     fixed = {
         "weights_bytes": sum(weights.values()),
         "rope_bytes": held_bytes([model.rope]),
-        # A prefill's activations, or a verify's with its split kernels' partials: never both.
+        # A prefill's activations, or a verify's with its split kernels' partials, or the
+        # penalties of its rows once its logits are made: never two at once.
         "workspace_bytes": max(
             activation_bytes(cfg, padded_rows(svc.max_prefill_tokens), dtype.itemsize),
             activation_bytes(cfg, padded_rows(svc.max_rows), dtype.itemsize)
             + split_workspace_bytes(model, padded_rows(svc.max_rows)),
+            device_bytes(model.vocab[1] - model.vocab[0], 0, svc.max_rows)[1],
         ),
     }
     if auto and memory.bytes is not None:

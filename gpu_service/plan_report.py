@@ -55,7 +55,9 @@ def _notes(plan: Plan) -> dict[str, str]:
         "kv_cache_bytes": f"{svc.num_kv_blocks} blocks of {KEY_BLOCK} positions: {positions} "
         f"positions, {positions / svc.max_context:.2f}x the max context",
         "graphs_bytes": f"{plan.num_graphs} graphs at most, with their capture pool",
-        "workspace_bytes": f"{svc.max_prefill_tokens} prefill rows through the widest layer",
+        "penalty_bytes": "every slot penalized",
+        "workspace_bytes": f"the most of {svc.max_prefill_tokens} prefill rows, {svc.max_rows} "
+        "verify rows with their split partials, or their penalties",
     }
 
 
