@@ -1,22 +1,62 @@
-"""Model configuration with HF `Qwen3NextConfig` field names, and the service's own settings."""
+"""Model configuration with HF `Qwen3NextConfig` field names, and the service's own settings.
+A `config.json` is read as transformers reads it (`gpu_service/hf_config.py`)."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields, replace
+import math
+from dataclasses import asdict, dataclass, replace
+from dataclasses import fields as dataclass_fields
 from pathlib import Path
 
+from gpu_service import hf_config
 from gpu_service.quantization import Fp8Blocks
 from gpu_service.quantization import parse as parse_quantization
 from kernels.attention.format import KEY_BLOCK
 from protos import checks
 
-LINEAR = "linear_attention"
-FULL = "full_attention"
+LINEAR = hf_config.LINEAR
+FULL = hf_config.FULL
 
 
 # Qwen3-Next's layers repeat this: three Gated DeltaNet layers, then one gated attention layer.
 LAYER_PATTERN = (LINEAR, LINEAR, LINEAR, FULL)
+
+
+@dataclass(frozen=True)
+class Yarn:
+    """`rope_type: yarn`'s parameters, as transformers' `_compute_yarn_parameters` reads them."""
+
+    factor: float
+    original_max_position_embeddings: int
+    attention_factor: float | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.factor, (int, float)) or not self.factor >= 1:
+            raise ValueError(f"rope_parameters.factor is {self.factor!r}; yarn needs one >= 1")
+        if self.original_max_position_embeddings < 1:
+            raise ValueError("rope_parameters.original_max_position_embeddings must be >= 1")
+
+    @property
+    def scale(self) -> float:
+        """The factor on cos and sin (the paper's attention temperature)."""
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+
+        def mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        if self.mscale and self.mscale_all_dim:
+            return mscale(self.factor, self.mscale) / mscale(self.factor, self.mscale_all_dim)
+        return mscale(self.factor)
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v is not None}
 
 
 @dataclass(frozen=True)
@@ -45,8 +85,8 @@ class ModelConfig:
     hidden_act: str = "silu"
     tie_word_embeddings: bool = True
     max_position_embeddings: int = 4096
-    bos_token_id: int = 0
-    eos_token_id: int = 1  # the first EOS id; `all_eos` has every one
+    bos_token_id: int | None = 0
+    eos_token_id: int | None = 1  # the first EOS id; `all_eos` has every one
     # EOS ids beyond the first: config.json's list, and generation_config.json's (a list in
     # Qwen checkpoints), which is where transformers' generate reads them.
     more_eos_token_ids: tuple[int, ...] = ()
@@ -62,9 +102,13 @@ class ModelConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     attention_bias: bool = False  # not supported: no checkpoint of this family uses it
-    rope_type: str = "default"  # scaled RoPE variants are not supported
+    rope_type: str = "default"  # or "yarn", with its parameters in `yarn`
+    yarn: Yarn | None = None
     # config.json's `quantization_config`: block FP8 (gpu_service/quantization.py) or none.
     quantization: Fp8Blocks | None = None
+    # Where the text model's tensors sit in the checkpoint: `model.`, or Qwen3.5's
+    # `model.language_model.` beside its vision tower (`model.visual.`).
+    weight_prefix: str = "model."
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
@@ -85,8 +129,8 @@ class ModelConfig:
                 raise ValueError(f"layer_types[{i}] is {kind!r}; expected {LINEAR!r} or {FULL!r}")
         if self.attention_bias:
             raise ValueError("attention_bias is true; this model has no attention biases")
-        if self.rope_type != "default":
-            raise ValueError(f"rope_type {self.rope_type!r} is not supported (only 'default')")
+        if (self.rope_type == "yarn") != (self.yarn is not None):
+            raise ValueError(f"rope_type {self.rope_type!r} does not match its parameters")
         if self.hidden_act != "silu":
             raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (only 'silu')")
         if self.linear_num_value_heads % self.linear_num_key_heads:
@@ -125,6 +169,18 @@ class ModelConfig:
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
 
+    def canonical(self, name: str) -> str:
+        """A checkpoint tensor's name as the model knows it: the text model under `model.`."""
+        if self.weight_prefix != "model." and name.startswith(self.weight_prefix):
+            return "model." + name.removeprefix(self.weight_prefix)
+        return name
+
+    @property
+    def separate_gdn_projections(self) -> bool:
+        """Qwen3.5's `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a` in place of
+        Qwen3-Next's per-key-head interleaved `in_proj_qkvz` and `in_proj_ba`."""
+        return self.model_type.startswith("qwen3_5")
+
     @property
     def has_mtp(self) -> bool:
         return self.num_nextn_predict_layers > 0
@@ -156,9 +212,13 @@ class ModelConfig:
     @property
     def all_eos(self) -> tuple[int, ...]:
         """Every id that ends a sequence, the first EOS first, each once."""
-        return tuple(dict.fromkeys((self.eos_token_id, *self.more_eos_token_ids)))
+        ids = (self.eos_token_id, *self.more_eos_token_ids)
+        return tuple(i for i in dict.fromkeys(ids) if i is not None)
 
     def to_json(self) -> str:
+        """A Qwen3-Next `config.json` of this config, as transformers 5 writes one."""
+        if self.weight_prefix != "model." or self.separate_gdn_projections:
+            raise ValueError(f"only a qwen3_next config is written, not {self.model_type!r}")
         d = asdict(self)
         more = d.pop("more_eos_token_ids")
         if more:
@@ -166,35 +226,37 @@ class ModelConfig:
         d["layer_types"] = list(self.layer_types)
         d["mlp_only_layers"] = list(self.mlp_only_layers)
         d["architectures"] = ["Qwen3NextForCausalLM"]
-        d.pop("quantization")
+        for key in ("quantization", "yarn", "weight_prefix", "rope_theta", "rope_type"):
+            d.pop(key)
+        d.pop("partial_rotary_factor")
+        rope = {"rope_type": self.rope_type, "rope_theta": self.rope_theta}
+        rope["partial_rotary_factor"] = self.partial_rotary_factor
+        d["rope_parameters"] = rope | (self.yarn.to_dict() if self.yarn else {})
         if self.quantization is not None:
             d["quantization_config"] = self.quantization.to_dict()
         return json.dumps(d, indent=2) + "\n"
 
     @classmethod
     def from_dict(cls, d: dict) -> ModelConfig:
-        """HF names; transformers 5 nests RoPE in `rope_parameters` and names the dtype
-        `dtype`."""
-        d = dict(d)
-        rope = d.pop("rope_parameters", None) or {}
-        for key in ("rope_theta", "partial_rotary_factor", "rope_type"):
-            if key in rope:
-                d.setdefault(key, rope[key])
-        if d.get("dtype"):
-            d.setdefault("torch_dtype", d["dtype"])
-        eos = d.get("eos_token_id")
-        if isinstance(eos, list) and eos:
-            d["more_eos_token_ids"] = tuple(eos[1:])
-        for key in ("eos_token_id", "bos_token_id"):
-            if isinstance(d.get(key), list):
-                d[key] = d[key][0] if d[key] else None
-            if d.get(key) is None:
-                d.pop(key, None)
-        if d.get("torch_dtype") is None:
-            d.pop("torch_dtype", None)
-        d["quantization"] = parse_quantization(d.pop("quantization_config", None))
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known})
+        """config.json's object, read as transformers reads it (`gpu_service/hf_config.py`):
+        what it leaves out takes transformers' default for its model type."""
+        fields, prefix = hf_config.text_fields(d)
+        eos, bos = fields.pop("eos_token_id"), fields.pop("bos_token_id")
+        eos_ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+        yarn = fields.pop("yarn", None)
+        quantization = parse_quantization(fields.pop("quantization_config", None))
+        # Every field from the file or transformers' defaults, none from the bundled model's.
+        unset = {f.name for f in dataclass_fields(cls)} - set(fields) - _FROM_DICT_OWN
+        assert not unset, f"hf_config left {sorted(unset)} to the bundled model's defaults"
+        return cls(
+            **fields,
+            eos_token_id=eos_ids[0] if eos_ids else None,
+            more_eos_token_ids=tuple(eos_ids[1:]),
+            bos_token_id=(bos or [None])[0] if isinstance(bos, list) else bos,
+            yarn=Yarn(**yarn) if yarn is not None else None,
+            quantization=quantization,
+            weight_prefix=prefix,
+        )
 
     @classmethod
     def load(cls, directory: Path) -> ModelConfig:
@@ -206,6 +268,17 @@ class ModelConfig:
         ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
         more = tuple(i for i in dict.fromkeys((*cfg.all_eos, *ids)) if i != cfg.eos_token_id)
         return replace(cfg, more_eos_token_ids=more)
+
+
+# What from_dict sets itself, beside hf_config's fields.
+_FROM_DICT_OWN = {
+    "eos_token_id",
+    "more_eos_token_ids",
+    "bos_token_id",
+    "yarn",
+    "quantization",
+    "weight_prefix",
+}
 
 
 def parse_tiers(spec: str) -> tuple[int, ...]:

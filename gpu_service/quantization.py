@@ -21,9 +21,17 @@ SCALE_SUFFIX = "weight_scale_inv"
 # The linears Qwen's FP8 checkpoints keep in bf16, by module name within a layer: the output
 # head, the router and the shared expert's gate (tiny, and a flipped expert choice changes a
 # token), and the GDN's b/a projection (it sets the decay and the write strength of the state).
-PUBLISHED_NOT_CONVERTED = ("lm_head", "mlp.gate", "mlp.shared_expert_gate", "in_proj_ba")
+# Qwen3.5's b and a are projections of their own.
+PUBLISHED_NOT_CONVERTED = (
+    "lm_head",
+    "mlp.gate",
+    "mlp.shared_expert_gate",
+    "in_proj_ba",
+    "in_proj_b",
+    "in_proj_a",
+)
 # Tensors never held in FP8 whatever the checkpoint lists: looked up, not multiplied.
-NEVER_FP8 = ("model.embed_tokens.weight",)
+NEVER_FP8 = "embed_tokens.weight"
 
 
 @dataclass(frozen=True)
@@ -94,7 +102,7 @@ def parse(config: dict | None) -> Fp8Blocks | None:
 
 def quantizable(name: str, shape: tuple[int, ...]) -> bool:
     """Whether the tensor `name` of `shape` is a linear's weight, which FP8 may hold."""
-    return name.endswith(".weight") and len(shape) == 2 and name not in NEVER_FP8
+    return name.endswith(".weight") and len(shape) == 2 and not name.endswith(NEVER_FP8)
 
 
 def fp8_names(quant: Fp8Blocks | None, shapes: dict[str, tuple[int, ...]]) -> set[str]:

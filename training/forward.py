@@ -23,7 +23,7 @@ from kernels.gated_delta_rule.train import chunk_gated_delta_rule_batched
 class TrainForward:
     def __init__(self, cfg: ModelConfig, params: dict[str, torch.Tensor], max_len: int):
         self.cfg, self.p = cfg, params
-        self.cos, self.sin = rope_table(cfg.rotary_dim, cfg.rope_theta, max_len + 2)
+        self.cos, self.sin = rope_table(cfg, max_len + 2)
 
     @property
     def lm_head(self) -> torch.Tensor:

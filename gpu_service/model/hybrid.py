@@ -63,7 +63,7 @@ class HybridModel:
             raise ValueError("lm_head is FP8 and tied to the embedding, which is looked up in it")
         # The activations' dtype: the embedding's, whatever the linears are held in.
         self.dtype, self.device = table.dtype, table.device
-        cos, sin = rope_table(cfg.rotary_dim, cfg.rope_theta, max_context)
+        cos, sin = rope_table(cfg, max_context)
         half = cfg.rotary_dim // 2
         # [ctx, 2, rot]: cos, and sin signed for rotate-half (x2, x1) order.
         sign = torch.cat([-torch.ones(half), torch.ones(half)])

@@ -10,8 +10,11 @@ with the `[out, in]` weight transposed on the fly (which differs by row count be
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from gpu_service.config import ModelConfig, Yarn
 from kernels.common import ROW_TILE, pad_rows, padded_rows
 from kernels.fp8.naive import BlockFp8, fp8_linear
 
@@ -30,12 +33,38 @@ def linear(
     return torch.mm(x, weight_t)
 
 
-def rope_table(rotary_dim: int, theta: float, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: [length, rotary_dim] for rotate-half RoPE, computed once in fp32."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim)
+def rope_table(cfg: ModelConfig, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [length, rotary_dim] for rotate-half RoPE, computed once in fp32 as
+    transformers computes them (YaRN: its frequencies, cos and sin times its scale)."""
+    dim, theta = cfg.rotary_dim, cfg.rope_theta
+    inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    scale = 1.0
+    if cfg.yarn is not None:
+        inv_freq, scale = _yarn_inv_freq(cfg.yarn, inv_freq, dim, theta), cfg.yarn.scale
     freqs = torch.arange(length, dtype=torch.float32)[:, None] * inv_freq[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos(), emb.sin()
+    return emb.cos() * scale, emb.sin() * scale
+
+
+def _yarn_inv_freq(yarn: Yarn, inv_freq: torch.Tensor, dim: int, base: float) -> torch.Tensor:
+    """YaRN (transformers' `_compute_yarn_parameters`): dimensions that turn fewer than
+    `beta_slow` times over the original context are interpolated by `factor`, those turning
+    more than `beta_fast` times kept, a linear ramp between."""
+    original = yarn.original_max_position_embeddings
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(yarn.beta_fast or 32), correction_dim(yarn.beta_slow or 1)
+    if yarn.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers does, against a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    interpolation = inv_freq / yarn.factor
+    return interpolation * (1 - extrapolation) + inv_freq * extrapolation
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:

@@ -44,7 +44,8 @@ def pack(cfg: ModelConfig, stream: Iterable[tuple[str, torch.Tensor]]) -> Packed
     source of a kept tensor has come, and then become its scale grid (`_Fp8Grids`)."""
     out = Packed()
     grids = _Fp8Grids()
-    for name, t in stream:
+    for stored, t in stream:
+        name = cfg.canonical(stored)
         if name.endswith(SCALE_SUFFIX):
             grids.scales[name.removesuffix(SCALE_SUFFIX) + "weight"] = t
             continue
@@ -151,6 +152,8 @@ def _pieces(cfg: ModelConfig, name: str, t: torch.Tensor) -> list[Piece] | None:
         return _whole("lm_head", t) if cfg.tie_word_embeddings else None
     if name == "lm_head.weight":
         return _whole("lm_head", t)
+    if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+        return _stacked_experts(name, t)
     if not name.endswith(".weight") or t.dim() != 2:
         return None
     base = name.removesuffix(".weight")
@@ -164,7 +167,41 @@ def _pieces(cfg: ModelConfig, name: str, t: torch.Tensor) -> list[Piece] | None:
     if kind == "in_proj_ba":
         ratio = cfg.linear_num_value_heads // cfg.linear_num_key_heads
         return _whole(base, _by_group(t, cfg.linear_num_key_heads, [ratio, ratio]))
+    if kind in _SEPARATE_GDN:
+        return _gdn_part(cfg, prefix, kind, t)
     return _whole(base, t)
+
+
+# Qwen3.5's GDN projections, each already laid out by part: kept key, and where its columns
+# start in it (in units of conv_dim, then of value heads).
+_SEPARATE_GDN = {
+    "in_proj_qkv": ("in_proj_qkvz", 0),
+    "in_proj_z": ("in_proj_qkvz", 1),
+    "in_proj_b": ("in_proj_ba", 0),
+    "in_proj_a": ("in_proj_ba", 1),
+}
+
+
+def _gdn_part(cfg: ModelConfig, p: str, kind: str, t: torch.Tensor) -> list[Piece]:
+    """Qwen3.5's `in_proj_qkv` [q, k, v] and `in_proj_z` into `{p}.in_proj_qkvz`'s columns,
+    `in_proj_b` and `in_proj_a` into `{p}.in_proj_ba`'s: the kept layout Qwen3-Next's
+    regrouping makes."""
+    key, second = _SEPARATE_GDN[kind]
+    if key == "in_proj_qkvz":
+        width, start = cfg.conv_dim + cfg.value_dim, second * cfg.conv_dim
+    else:
+        width, start = 2 * cfg.linear_num_value_heads, second * cfg.linear_num_value_heads
+    cols = slice(start, start + t.shape[0])
+    return [(f"{p}.{key}", (t.shape[1], width), (slice(None), cols), t.t())]
+
+
+def _stacked_experts(name: str, t: torch.Tensor) -> list[Piece]:
+    """Stacked experts: `gate_up_proj` [E, 2I, H] (gate rows first) -> `experts.w13`
+    [E, H, 2I]; `down_proj` [E, H, I] -> `experts.w2` [E, I, H]."""
+    layer, _, kind = name.rpartition(".")
+    key = f"{layer}.w13" if kind == "gate_up_proj" else f"{layer}.w2"
+    moved = t.transpose(1, 2)
+    return [(key, tuple(moved.shape), (), moved)]
 
 
 def _whole(key: str, t: torch.Tensor) -> list[Piece]:

@@ -35,9 +35,20 @@ def _attention_shapes(cfg: ModelConfig, prefix: str) -> dict[str, tuple[int, ...
 def _gdn_shapes(cfg: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
     h, hv = cfg.hidden_size, cfg.linear_num_value_heads
     p = f"{prefix}.linear_attn"
+    if cfg.separate_gdn_projections:
+        projections = {
+            f"{p}.in_proj_qkv.weight": (cfg.conv_dim, h),
+            f"{p}.in_proj_z.weight": (cfg.value_dim, h),
+            f"{p}.in_proj_b.weight": (hv, h),
+            f"{p}.in_proj_a.weight": (hv, h),
+        }
+    else:
+        projections = {
+            f"{p}.in_proj_qkvz.weight": (2 * cfg.key_dim + 2 * cfg.value_dim, h),
+            f"{p}.in_proj_ba.weight": (2 * hv, h),
+        }
     return {
-        f"{p}.in_proj_qkvz.weight": (2 * cfg.key_dim + 2 * cfg.value_dim, h),
-        f"{p}.in_proj_ba.weight": (2 * hv, h),
+        **projections,
         f"{p}.conv1d.weight": (cfg.conv_dim, 1, cfg.linear_conv_kernel_dim),
         f"{p}.A_log": (hv,),
         f"{p}.dt_bias": (hv,),
@@ -54,11 +65,25 @@ def _swiglu_shapes(prefix: str, h: int, i: int) -> dict[str, tuple[int, ...]]:
     }
 
 
-def _moe_shapes(cfg: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
-    h, e = cfg.hidden_size, cfg.num_experts
+# How a checkpoint holds a MoE layer's experts: a SwiGLU each (`experts.E.gate_proj.weight`,
+# as transformers' save_pretrained writes them), or stacked (`experts.gate_up_proj`
+# [E, 2I, H], gate rows first, and `experts.down_proj` [E, H, I], transformers' own layout).
+PER_EXPERT, STACKED = "per_expert", "stacked"
+
+
+def expert_layout(names: Iterable[str]) -> str:
+    """The expert layout of a checkpoint holding tensors `names`."""
+    return STACKED if any(n.endswith(".experts.gate_up_proj") for n in names) else PER_EXPERT
+
+
+def _moe_shapes(cfg: ModelConfig, prefix: str, experts: str) -> dict[str, tuple[int, ...]]:
+    h, e, i = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
     shapes: dict[str, tuple[int, ...]] = {f"{prefix}.gate.weight": (e, h)}
-    for n in range(e):
-        shapes.update(_swiglu_shapes(f"{prefix}.experts.{n}", h, cfg.moe_intermediate_size))
+    if experts == STACKED:
+        shapes[f"{prefix}.experts.gate_up_proj"] = (e, 2 * i, h)
+        shapes[f"{prefix}.experts.down_proj"] = (e, h, i)
+    for n in range(e if experts == PER_EXPERT else 0):
+        shapes.update(_swiglu_shapes(f"{prefix}.experts.{n}", h, i))
     if cfg.shared_expert_intermediate_size:
         shapes.update(
             _swiglu_shapes(f"{prefix}.shared_expert", h, cfg.shared_expert_intermediate_size)
@@ -68,11 +93,14 @@ def _moe_shapes(cfg: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
 
 
 def _layer_shapes(
-    cfg: ModelConfig, prefix: str, kind: str, moe: bool = False
+    cfg: ModelConfig, prefix: str, kind: str, moe: bool, experts: str
 ) -> dict[str, tuple[int, ...]]:
     h, i = cfg.hidden_size, cfg.intermediate_size
     mixer = _attention_shapes(cfg, prefix) if kind == FULL else _gdn_shapes(cfg, prefix)
-    mlp = _moe_shapes(cfg, f"{prefix}.mlp") if moe else _swiglu_shapes(f"{prefix}.mlp", h, i)
+    if moe:
+        mlp = _moe_shapes(cfg, f"{prefix}.mlp", experts)
+    else:
+        mlp = _swiglu_shapes(f"{prefix}.mlp", h, i)
     return {
         f"{prefix}.input_layernorm.weight": (h,),
         f"{prefix}.post_attention_layernorm.weight": (h,),
@@ -81,17 +109,19 @@ def _layer_shapes(
     }
 
 
-def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor the checkpoint of `cfg` holds, by HF name."""
-    h = cfg.hidden_size
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
+def weight_shapes(cfg: ModelConfig, experts: str = PER_EXPERT) -> dict[str, tuple[int, ...]]:
+    """Every tensor the engine reads from a checkpoint of `cfg` whose experts are laid out as
+    `experts`, by its name there (the text model under `cfg.weight_prefix`)."""
+    h, model = cfg.hidden_size, cfg.weight_prefix
+    shapes: dict[str, tuple[int, ...]] = {f"{model}embed_tokens.weight": (cfg.vocab_size, h)}
     for n, kind in enumerate(cfg.layer_types):
-        shapes.update(_layer_shapes(cfg, f"model.layers.{n}", kind, cfg.is_moe_layer(n)))
-    shapes["model.norm.weight"] = (h,)
+        moe = cfg.is_moe_layer(n)
+        shapes.update(_layer_shapes(cfg, f"{model}layers.{n}", kind, moe, experts))
+    shapes[f"{model}norm.weight"] = (h,)
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
     for n in range(cfg.num_nextn_predict_layers):
-        shapes.update(_layer_shapes(cfg, f"mtp.layers.{n}", FULL, cfg.num_experts > 0))
+        shapes.update(_layer_shapes(cfg, f"mtp.layers.{n}", FULL, cfg.num_experts > 0, experts))
     if cfg.has_mtp:
         shapes.update(
             {
@@ -113,6 +143,16 @@ def _init(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tens
         return torch.zeros(shape)
     fan_in = math.prod(shape[1:])
     return torch.randn(shape, generator=gen) / math.sqrt(fan_in)
+
+
+VISION_PREFIX = "model.visual."
+
+
+def vision_tensors(cfg: ModelConfig, names: Iterable[str]) -> list[str]:
+    """The vision tower's tensors among `names` (a Qwen3.5 checkpoint's `model.visual.*`): the
+    engine serves text, so it recognises them and leaves them unread."""
+    nested = cfg.weight_prefix != "model."
+    return [n for n in names if nested and n.startswith(VISION_PREFIX)]
 
 
 def init_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
@@ -190,7 +230,7 @@ def expected_tensors(
     tensor's name -> shape, the weights held in FP8). A tensor missing, of another shape, in
     FP8 where it cannot be, or one the engine would not read is refused with a sentence naming
     it (the first by name), before any tensor is read."""
-    expected = weight_shapes(cfg)
+    expected = weight_shapes(cfg, expert_layout(index))
     fp8 = {n for n in expected if n in index and index[n][2] == FP8_NAME}
     for name in sorted(fp8):
         if cfg.quantization is None:
@@ -213,7 +253,8 @@ def expected_tensors(
             raise ValueError(f"{name} has shape {index[name][1]}; the config says {shape}")
         if index[name][2] not in _DTYPES:
             raise ValueError(f"{name} is stored as {index[name][2]}, which is not supported")
-    unknown = sorted(n for n in set(index) - set(expected) if not _moot(cfg, n, index[n][1]))
+    unread = set(index) - set(expected) - set(vision_tensors(cfg, index))
+    unknown = sorted(n for n in unread if not _moot(cfg, n, index[n][1]))
     if unknown:
         raise ValueError(
             f"the checkpoint holds {unknown[0]!r}, which this engine would not read"

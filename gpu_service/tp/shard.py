@@ -183,6 +183,7 @@ def part(
     along it, in order), or None where it holds the whole tensor."""
     if shard.size == 1:
         return None
+    name = cfg.canonical(name)
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         return 0, list(range(*vocab_range(shape[0], shard)))
     d, tail = cfg.head_dim, name.rpartition(".")[0]
@@ -198,10 +199,17 @@ def part(
         return 0, _qkvz_rows(cfg, shard)
     if kind == "in_proj_ba":
         return 0, _ba_rows(cfg, shard)
-    if kind == "conv1d":
+    if kind in ("conv1d", "in_proj_qkv"):  # Qwen3.5's in_proj_qkv is [q, k, v] as conv1d is
         return 0, _conv_rows(cfg, shard)
-    if kind in ("A_log", "dt_bias"):
+    if kind in ("A_log", "dt_bias", "in_proj_b", "in_proj_a"):
         return 0, _value_heads(cfg, shard)
+    if kind == "in_proj_z":
+        return 0, _spans(cfg.linear_value_head_dim, _value_heads(cfg, shard))
+    if len(shape) == 3:  # stacked experts: gate_up_proj [E, 2I, H], down_proj [E, H, I]
+        if kind == "gate_up_proj":
+            inner = shape[1] // 2
+            return 1, _inner(inner, shard) + [inner + i for i in _inner(inner, shard)]
+        return 2, _inner(shape[2], shard)
     if kind == "out_proj":
         return 1, _spans(cfg.linear_value_head_dim, _value_heads(cfg, shard))
     if kind in ("gate_proj", "up_proj"):
