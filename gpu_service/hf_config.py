@@ -97,12 +97,13 @@ NESTED_PREFIX = "model.language_model."
 _FIXED = {
     "qwen3_5_text": ("num_experts", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"),
     "qwen3_5_moe_text": (
-        "intermediate_size",
         "norm_topk_prob",
         "decoder_sparse_step",
         "mlp_only_layers",
     ),
 }
+# Text types whose every layer (and MTP layer) is sparse: a dense width there is read by none.
+_NO_DENSE_MLP = ("qwen3_5_moe_text",)
 
 # Fields no forward reads: training settings, cache switches, bookkeeping, the vision tower's
 # token ids (a request with an image is refused before it is tokenized).
@@ -211,6 +212,8 @@ def _text(raw: dict, model_type: str, where: str) -> dict[str, Any]:
         interval = raw.get("full_attention_interval", defaults["full_attention_interval"])
         out["layer_types"] = _interval_pattern(interval, out["num_hidden_layers"], where)
     out["mlp_only_layers"] = out["mlp_only_layers"] or []
+    if model_type in _NO_DENSE_MLP:
+        out["intermediate_size"] = 0  # read by no layer: every one routes
     out["model_type"] = model_type
     out["torch_dtype"] = raw.get("dtype") or raw.get("torch_dtype") or "float32"
     out.update(_rope(raw, defaults, out["max_position_embeddings"], where, model_type))
