@@ -15,7 +15,7 @@ from opentelemetry.trace import Span
 from control_plane.replicas.router import Drives
 from control_plane.scheduler.metrics import REPLICA_ATTRIBUTE
 from control_plane.scheduler.seq import MTP, NONE, PROMPT_LOOKUP, Event, GenRequest, Queued
-from control_plane.text.chat import ChatTemplate
+from control_plane.text.chat import KWARGS, ChatTemplate, parse_kwargs
 from control_plane.text.detok import Tokenizer
 from control_plane.text.grammar import Grammar, GrammarCompiler
 from control_plane.text.tokenizer import Tokenization
@@ -132,6 +132,10 @@ def _prompt_ids(
             f"give one of prompt, prompt_token_ids and messages; this request has "
             f"{' and '.join(given)}",
         )
+    if r.chat_template_kwargs and not r.messages:
+        raise BadRequest(
+            INVALID, f"{KWARGS} are variables of the chat template; this request has no messages"
+        )
     text, field = (_render(r, chat), "the rendered chat") if r.messages else (r.prompt, "prompt")
     size = len(text.encode("utf-8"))
     if size > max_bytes:
@@ -157,7 +161,7 @@ def _render(r: pb.GenerateRequest, chat: ChatTemplate | None) -> str:
     messages = [{"role": m.role, "content": m.content} for m in r.messages]
     generation_prompt = not r.HasField("add_generation_prompt") or r.add_generation_prompt
     try:
-        return chat.render(messages, generation_prompt)
+        return chat.render(messages, generation_prompt, parse_kwargs(r.chat_template_kwargs))
     except ValueError as e:
         raise BadRequest(INVALID, str(e)) from None
 

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from typing import Any
 
 import grpc
 
 from control_plane.admission.auth import bearer
 from control_plane.cli.server import DEFAULT_PORT
+from control_plane.text.chat import parse_kwargs
 from protos import tls
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
@@ -26,6 +29,18 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--chat", action="store_true", help="send a chat, rendered by the model's chat template"
     )
     parser.add_argument("--system", default=None, help="a system message first (implies --chat)")
+    parser.add_argument(
+        "--chat-template-kwargs",
+        default=None,
+        metavar="JSON",
+        help="the chat template's own variables, a JSON object (implies --chat)",
+    )
+    parser.add_argument(
+        "--enable-thinking",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="enable_thinking among them, over the JSON's (Qwen3's templates; implies --chat)",
+    )
     parser.add_argument(
         "--target", default=f"127.0.0.1:{DEFAULT_PORT}", help="the control plane, HOST:PORT"
     )
@@ -75,6 +90,19 @@ def _logit_bias(pairs: list[str]) -> dict[int, float]:
     return out
 
 
+def _template_kwargs(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The chat template's variables the flags give; None when they give none."""
+    if args.chat_template_kwargs is None and args.enable_thinking is None:
+        return None
+    try:
+        kwargs = parse_kwargs(args.chat_template_kwargs or "")
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    if args.enable_thinking is not None:
+        kwargs["enable_thinking"] = args.enable_thinking
+    return kwargs
+
+
 def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
     r = pb.GenerateRequest(
         min_new_tokens=args.min_new_tokens,
@@ -92,10 +120,13 @@ def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
         request_id=args.request_id,
         speculative_method=METHODS.get(args.method, pb.SPECULATIVE_METHOD_UNSPECIFIED),
     )
-    if args.chat or args.system is not None:
+    kwargs = _template_kwargs(args)
+    if args.chat or args.system is not None or kwargs is not None:
         if args.system is not None:
             r.messages.add(role="system", content=args.system)
         r.messages.add(role="user", content=args.prompt)
+        if kwargs:
+            r.chat_template_kwargs = json.dumps(kwargs, ensure_ascii=False)
     else:
         r.prompt = args.prompt
     if args.json_schema is not None:

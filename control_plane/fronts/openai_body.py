@@ -8,8 +8,9 @@ fields a `GenerateRequest` carries are the `Door`'s to check.
 
 Beyond OpenAI's parameters it takes `speculative` ({"method": "none" | "mtp" |
 "prompt_lookup", "num_drafts": N}), `add_generation_prompt` (chat), and vLLM's `top_k`,
-`min_p`, `min_tokens`, `ignore_eos`, `stop_token_ids` and `repetition_penalty`. Left unset,
-`temperature` is 1 as in OpenAI's API, and `max_tokens` the server's `--max-new-tokens`."""
+`min_p`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `repetition_penalty` and
+`chat_template_kwargs` (chat). Left unset, `temperature` is 1 as in OpenAI's API, and
+`max_tokens` the server's `--max-new-tokens`."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from typing import Any
 import grpc
 
 from control_plane.admission.door import INVALID, METHODS, BadRequest
+from control_plane.text.chat import KWARGS
 from protos.met.v1 import generate_pb2 as pb
 
 UINT32, UINT64 = (1 << 32) - 1, (1 << 64) - 1
@@ -231,6 +233,11 @@ def _messages(body: dict, r: pb.GenerateRequest) -> None:
         r.messages.add(role=role, content=_content(m.get("content"), i))
     if (add := _bool(body, "add_generation_prompt")) is not None:
         r.add_generation_prompt = add
+    if (kwargs := _object(body, KWARGS)) is not None:
+        try:
+            r.chat_template_kwargs = json.dumps(kwargs, ensure_ascii=False)
+        except RecursionError:
+            raise InvalidParam(KWARGS, f"{KWARGS} nests too deep") from None
 
 
 def _content(content: Any, i: int) -> str:

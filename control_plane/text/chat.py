@@ -1,7 +1,8 @@
 """A checkpoint's chat template, rendered as transformers' `apply_chat_template(messages,
-tokenize=False)` renders it: the same sandboxed jinja2 environment and helpers, and the same
-context (the messages, `add_generation_prompt` and the special tokens of tokenizer_config.json),
-so that a chat becomes the prompt the model was trained on."""
+tokenize=False, **kwargs)` renders it: the same sandboxed jinja2 environment and helpers, and the
+same context (the messages, `add_generation_prompt`, the special tokens of tokenizer_config.json
+and a request's own variables, such as Qwen3's `enable_thinking`), so that a chat becomes the
+prompt the model was trained on."""
 
 from __future__ import annotations
 
@@ -22,6 +23,15 @@ from protos.defaults import DEFAULT_MODEL_DIR
 from protos.model import TOKENIZER_FILES
 
 CONFIG_FILE, TEMPLATE_FILE = TOKENIZER_FILES[1:3]  # tokenizer_config.json, chat_template.jinja
+KWARGS = "chat_template_kwargs"  # the request field of a template's own variables
+# The context the server sets itself, by name, and what it sets: a template variable of a
+# request may not take their place (transformers too refuses a second `messages`).
+SERVER_SET = {
+    "messages": "the request's messages",
+    "add_generation_prompt": "the request's add_generation_prompt field",
+    "tools": "none: this server has no tool calling",
+    "documents": "none: this server takes no documents",
+}
 
 
 class Refusal(jinja2.TemplateError):
@@ -134,11 +144,25 @@ class ChatTemplate:
             source = _config_template(config)
         return None if source is None else cls(source, _special_tokens(config))
 
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
-        """The chat as the prompt text; `ValueError` with a sentence when the template refuses
-        it or fails on it."""
+    def render(
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool,
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        """The chat as the prompt text, `kwargs` the request's own template variables (they
+        override special tokens of their name, as in transformers); `ValueError` with a
+        sentence when one names what the server sets, or the template refuses the chat or
+        fails on it."""
+        kwargs = kwargs or {}
+        taken = next((k for k in SERVER_SET if k in kwargs), None)
+        if taken is not None:
+            raise ValueError(
+                f"{KWARGS} may not set {taken}; the server sets it to {SERVER_SET[taken]}"
+            )
         context = {
             **self.special_tokens,
+            **kwargs,
             "messages": messages,
             "tools": None,
             "documents": None,
@@ -151,6 +175,25 @@ class ChatTemplate:
         # A template is a program: whatever it raises concerns this chat alone.
         except Exception as e:
             raise ValueError(f"the chat template failed on these messages: {e}") from None
+
+
+def parse_kwargs(text: str) -> dict[str, Any]:
+    """A request's template variables from their wire form, a JSON object as text (empty:
+    none); `ValueError` with a sentence for anything else."""
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+        # JSON's escapes can spell lone surrogates, which no UTF-8 prompt holds.
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{KWARGS} holds text that is not valid Unicode: {e}") from None
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, or nested past the stack
+        raise ValueError(f"{KWARGS} is not JSON text: {e}") from None
+    if not isinstance(value, dict):
+        shown = text if len(text) <= 40 else text[:37] + "..."
+        raise ValueError(f"{KWARGS} is {shown}; it must be a JSON object of template variables")
+    return value
 
 
 def _text(files: Mapping[str, bytes], name: str) -> str:
