@@ -1,7 +1,9 @@
 """A chat template's own variables (vLLM's `chat_template_kwargs`, such as Qwen3's
 `enable_thinking`): rendered as transformers' `apply_chat_template(..., **kwargs)` renders them,
 taken over the gRPC API, the OpenAI front and `met generate`; a value that is not a JSON object,
-or a name the server sets itself, is INVALID_ARGUMENT (HTTP 400) with a sentence."""
+or a name the server sets itself, is INVALID_ARGUMENT (HTTP 400) with a sentence. An image,
+audio or video part of a message is a 400 too: the server serves text, and text parts are
+joined with newlines as vLLM joins them."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from control_plane.admission import auth
 from control_plane.admission.door import Admission, to_request
 from control_plane.cli import generate
 from control_plane.cli.main import build_parser
+from control_plane.fronts.openai_body import InvalidParam, chat_request
 from control_plane.text.chat import SERVER_SET, TEMPLATE_FILE, ChatTemplate, parse_kwargs
 from control_plane.text.tokenizer import Tokenization
 from gpu_service.engine import Engine
@@ -164,7 +167,22 @@ def test_bad_variables_are_invalid_argument(fronts: Fronts, fields: dict, senten
     assert caught.value.details() == sentence
 
 
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+AUDIO = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
+TEXT = {"type": "text", "text": "What is this?"}
 HTTP_REFUSED = {
+    "image": (
+        {"messages": [{"role": "user", "content": [TEXT, IMAGE]}]},
+        "messages",
+        "messages[0].content[1] is of type image_url; this server serves text only (the "
+        "checkpoint's vision tower is not loaded)",
+    ),
+    "audio": (
+        {"messages": [{"role": "user", "content": [AUDIO]}]},
+        "messages",
+        "messages[0].content[0] is of type input_audio; this server serves text only (no audio "
+        "encoder is loaded)",
+    ),
     "kwargs-not-an-object": (
         {"messages": TURN, "extra_body": {"chat_template_kwargs": [1]}},
         "chat_template_kwargs",
@@ -179,7 +197,7 @@ HTTP_REFUSED = {
 
 
 @pytest.mark.parametrize(("fields", "param", "sentence"), HTTP_REFUSED.values(), ids=HTTP_REFUSED)
-def test_bad_variables_are_400(
+def test_media_parts_and_bad_variables_are_400(
     fronts: Fronts, fields: dict, param: str | None, sentence: str
 ) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
@@ -191,6 +209,29 @@ def test_bad_variables_are_400(
         "param": param,
         "code": "invalid_argument",
     }
+
+
+def test_text_parts_are_joined_and_served_beside_a_refused_image(
+    fronts: Fronts, qwen3_dir: Path
+) -> None:
+    parts = [TEXT, {"type": "text", "text": "A list."}]
+    ask = chat_request({"messages": [{"role": "user", "content": parts}]})
+    assert ask.request.messages[0].content == "What is this?\nA list."
+    with pytest.raises(openai.BadRequestError):
+        fronts.client.chat.completions.create(
+            model="", messages=[{"role": "user", "content": [TEXT, IMAGE]}], max_tokens=1
+        )
+    done = fronts.client.chat.completions.create(
+        model="", messages=[{"role": "user", "content": parts}], max_tokens=1, temperature=0
+    )
+    want = hf_ids(qwen3_dir, [{"role": "user", "content": "What is this?\nA list."}])
+    assert done.usage is not None and done.usage.prompt_tokens == len(want)
+
+
+def test_a_part_of_no_known_type_is_refused() -> None:
+    for kind in ("audio_url", ["image_url"], None):
+        with pytest.raises(InvalidParam, match=r"^messages\[0\].content\[0\] is .*text parts only"):
+            chat_request({"messages": [{"role": "user", "content": [{"type": kind}]}]})
 
 
 # -- met generate ----------------------------------------------------------------------------

@@ -10,7 +10,9 @@ Beyond OpenAI's parameters it takes `speculative` ({"method": "none" | "mtp" |
 "prompt_lookup", "num_drafts": N}), `add_generation_prompt` (chat), and vLLM's `top_k`,
 `min_p`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `repetition_penalty` and
 `chat_template_kwargs` (chat). Left unset, `temperature` is 1 as in OpenAI's API, and
-`max_tokens` the server's `--max-new-tokens`."""
+`max_tokens` the server's `--max-new-tokens`. A message's content is text, or text parts
+(joined with newlines, as vLLM joins them); an image, audio or video part is refused: this
+server serves text only."""
 
 from __future__ import annotations
 
@@ -31,6 +33,12 @@ FORMATS = "text, json_object or json_schema"
 SPECULATIVE_KEYS = ("method", "num_drafts")
 # OpenAI's bound on `n`; each choice is a request of its own to the scheduler.
 MAX_CHOICES = 128
+# Content parts of other media than text, and why none is taken.
+MEDIA_PARTS = {
+    "image_url": "the checkpoint's vision tower is not loaded",
+    "video_url": "the checkpoint's vision tower is not loaded",
+    "input_audio": "no audio encoder is loaded",
+}
 
 # Parameters taken only at a value that changes nothing: name -> (those values, what this
 # server does instead). An absent or null parameter is always taken.
@@ -241,7 +249,7 @@ def _messages(body: dict, r: pb.GenerateRequest) -> None:
 
 
 def _content(content: Any, i: int) -> str:
-    """A message's text: a string, or text parts (joined)."""
+    """A message's text: a string, or text parts, joined with newlines as vLLM joins them."""
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):
@@ -249,13 +257,20 @@ def _content(content: Any, i: int) -> str:
             "messages", f"messages[{i}].content is {_shown(content)}; it must be text or parts"
         )
     for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") != "text":
+        kind = part.get("type") if isinstance(part, dict) else None
+        if isinstance(kind, str) and kind in MEDIA_PARTS:
+            raise InvalidParam(
+                "messages",
+                f"messages[{i}].content[{j}] is of type {kind}; this server serves text only "
+                f"({MEDIA_PARTS[kind]})",
+            )
+        if kind != "text":
             raise InvalidParam(
                 "messages",
                 f"messages[{i}].content[{j}] is {_shown(part)}; this server takes text parts only",
             )
     texts = [_str(p, "text", f"messages[{i}].content[{j}].text") for j, p in enumerate(content)]
-    return "".join(t or "" for t in texts)
+    return "\n".join(t or "" for t in texts)
 
 
 def _completion_logprobs(body: dict) -> bool:
