@@ -19,6 +19,7 @@ from gpu_service.model.weights import (
     expected_tensors,
     served_config,
     shard_paths,
+    vision_tensors,
 )
 from gpu_service.quantization import PUBLISHED_NOT_CONVERTED, Fp8Blocks, fp8_names, scale_name
 from kernels.fp8.naive import BLOCK, quantize_blocks
@@ -41,13 +42,14 @@ def quantize_checkpoint(src: Path, dst: Path, block: int = BLOCK) -> list[str]:
     index = checkpoint_index(src)
     cfg = served_config(ModelConfig.from_dict(raw), index)
     expected, _ = expected_tensors(cfg, index)
+    carried = set(expected) | set(vision_tensors(cfg, index))  # the tower, written as read
     quant = Fp8Blocks(PUBLISHED_NOT_CONVERTED)
     targets = fp8_names(quant, expected)
     dst.mkdir(parents=True, exist_ok=True)
     weight_map: dict[str, str] = {}
     for shard in shard_paths(src):
         tensors = {}
-        for name, t in _read_tensors(shard, set(expected)):
+        for name, t in _read_tensors(shard, carried):
             if name in targets:
                 tensors[name], tensors[scale_name(name)] = quantize_blocks(t)
             else:
