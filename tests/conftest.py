@@ -58,6 +58,8 @@ SLOW_TESTS = {
     "tests/test_tls.py::test_mutual_tls_between_the_processes": "both processes under mTLS",
     "tests/test_tls.py::test_processes_refuse_a_cert_without_its_key": "starts each process",
     "tests/test_hf_parity.py": "builds transformers' reference model for every comparison",
+    "tests/test_qwen3_5.py": "transformers' Qwen3.5 models, both processes, TP ranks, the "
+    "interpreted diff",
     "tests/test_serve_checkpoint.py": "serves a transformers checkpoint with both processes",
     "tests/test_training.py::test_training_is_deterministic_and_resumes_exactly": "trains twice",
     "tests/test_training.py::test_training_forward_matches_the_service_forward": "two forwards",

@@ -108,10 +108,17 @@ def stack_experts(src: Path, dst: Path) -> None:
     out: dict[str, torch.Tensor] = {}
     layers = sorted({n.partition(".experts.")[0] for n in tensors if ".experts." in n})
     for layer in layers:
-        count = 1 + max(int(n.split(".experts.")[1].split(".")[0]) for n in tensors if n.startswith(f"{layer}.experts."))
+        count = 1 + max(
+            int(n.split(".experts.")[1].split(".")[0])
+            for n in tensors
+            if n.startswith(f"{layer}.experts.")
+        )
         names = [f"{layer}.experts.{e}" for e in range(count)]
         out[f"{layer}.experts.gate_up_proj"] = torch.stack(
-            [torch.cat([tensors[f"{e}.gate_proj.weight"], tensors[f"{e}.up_proj.weight"]]) for e in names]
+            [
+                torch.cat([tensors[f"{e}.gate_proj.weight"], tensors[f"{e}.up_proj.weight"]])
+                for e in names
+            ]
         )
         out[f"{layer}.experts.down_proj"] = torch.stack(
             [tensors[f"{e}.down_proj.weight"] for e in names]

@@ -133,18 +133,29 @@ def test_greedy_through_both_processes_is_transformers_and_mtp_is_none(
     assert sum(d for _, d in mtp) > 0 and sum(d for _, d in none) == 0
 
 
-# Interpreted, the triton forward's GDN kernels take about a second a call: one shape.
+# Interpreted, the triton forward's kernels take about a second a call: one shape, on a
+# two-layer dense model (one GDN layer, one attention layer; the routed experts' kernel is the
+# flagship miniature's diff's).
+TWO_LAYERS = {"num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"]}
 DIFF_FLAGS = {
     "eager": ["--widths", "2,3", "--ks", "2,3,4", "--steps", "3"],
-    "triton": ["--widths", "2", "--ks", "3", "--steps", "2"],
+    "triton": ["--widths", "2", "--ks", "2", "--steps", "2"],
 }
 
 
 @pytest.mark.parametrize("forward", ["eager", "triton"])
-def test_circuit_diff_passes(made: dict, forward: str) -> None:
+def test_circuit_diff_passes(
+    made: dict, forward: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     from control_plane.circuit.report import run_diff
 
-    engine = Engine(made["moe-tied"][0], SERVICE, "bf16")
+    if forward == "triton":
+        directory = tmp_path_factory.mktemp("two-layers")
+        make(directory, "dense-tied", TWO_LAYERS)
+    else:
+        directory = made["moe-tied"][0]
+    # The attention kernel's programs grow with the context; the diff's sequences fit in 128.
+    engine = Engine(directory, replace(SERVICE, max_context=128), "bf16")
     flags = [*DIFF_FLAGS[forward], "--reference", forward, "--forwards", f"{forward}-serial"]
     report = run_diff(engine, args(*flags, "--mtp"))
     assert report["verdict"] == "PASS", report["reasons"]
