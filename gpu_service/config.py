@@ -109,6 +109,8 @@ class ModelConfig:
     # Where the text model's tensors sit in the checkpoint: `model.`, or Qwen3.5's
     # `model.language_model.` beside its vision tower (`model.visual.`).
     weight_prefix: str = "model."
+    # Parameters of the vision tower beside the text model (Qwen3.5): recognised, not loaded.
+    vision_params: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
@@ -228,6 +230,8 @@ class ModelConfig:
         d["architectures"] = ["Qwen3NextForCausalLM"]
         for key in ("quantization", "yarn", "weight_prefix", "rope_theta", "rope_type"):
             d.pop(key)
+        for key in ("vision_params",):
+            d.pop(key)
         d.pop("partial_rotary_factor")
         rope = {"rope_type": self.rope_type, "rope_theta": self.rope_theta}
         rope["partial_rotary_factor"] = self.partial_rotary_factor
@@ -241,6 +245,7 @@ class ModelConfig:
         """config.json's object, read as transformers reads it (`gpu_service/hf_config.py`):
         what it leaves out takes transformers' default for its model type."""
         fields, prefix = hf_config.text_fields(d)
+        fields.setdefault("vision_params", 0)
         eos, bos = fields.pop("eos_token_id"), fields.pop("bos_token_id")
         eos_ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
         yarn = fields.pop("yarn", None)

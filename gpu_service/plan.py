@@ -105,6 +105,8 @@ class Plan:
     seconds: float = 0.0
     quantization: str = ""  # the checkpoint's, as Capabilities names it; "" when none
     tensor_parallel_size: int = 1  # ranks; every part is one rank's
+    # The checkpoint's vision tower (Qwen3.5), in its dtype: recognised, never loaded.
+    vision_bytes: int = 0
 
     @property
     def total(self) -> int:
@@ -300,6 +302,7 @@ def make_plan(
         time.perf_counter() - start,
         cfg.quantization.name if cfg.quantization else "",
         size,
+        cfg.vision_params * serving_dtype(cfg, None).itemsize,
     )
 
 

@@ -79,6 +79,9 @@ def report(plan: Plan) -> str:
         note = f"  {notes[key]}" if key in notes else ""
         lines.append(f"  {label:<30} {human(plan.parts[key]):>10}{note}")
     lines.append(f"  {'total' + _per_rank(plan):<30} {human(plan.total):>10}")
+    if plan.vision_bytes:
+        label, note = "vision tower", "in the checkpoint, not loaded: this engine serves text"
+        lines.append(f"  {label:<30} {human(plan.vision_bytes):>10}  {note}")
     lines.append(verdict(plan))
     return "\n".join(lines)
 
@@ -118,6 +121,7 @@ def to_json(plan: Plan) -> dict:
         "dtype": str(plan.dtype).removeprefix("torch."),
         "quantization": plan.quantization,
         "tensor_parallel_size": plan.tensor_parallel_size,
+        "vision_tower_bytes_not_loaded": plan.vision_bytes,
         "num_slots": svc.num_slots,
         "verify_tiers": svc.verify_tiers,
         "max_context": svc.max_context,
@@ -145,8 +149,38 @@ def run(args: argparse.Namespace) -> int:
     except (DeviceError, OSError, ValueError) as e:
         print(f"met gpu-service plan: error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(to_json(plan), indent=2) if args.json else report(plan))
+    found = holding_size(args, plan, graphs) if plan.fits is False else None
+    if args.json:
+        body = to_json(plan)
+        if found is not None:
+            body["tensor_parallel_size_that_fits"] = found.tensor_parallel_size
+        print(json.dumps(body, indent=2))
+    else:
+        print(report(plan))
+        if found is not None:
+            print(f"at --tensor-parallel-size {found.tensor_parallel_size}: {verdict(found)}")
     return 1 if plan.fits is False else 0
+
+
+# The tensor-parallel sizes a refused plan is tried at, as the devices of one machine come.
+_SIZES = (2, 4, 8, 16)
+
+
+def holding_size(args: argparse.Namespace, plan: Plan, graphs: bool) -> Plan | None:
+    """The plan at the smallest tensor-parallel size above `plan`'s whose every rank fits, with
+    the same flags; None when none does or the model splits at none."""
+    for size in (n for n in _SIZES if n > plan.tensor_parallel_size):
+        try:
+            split = from_args(
+                argparse.Namespace(**{**vars(args), "tensor_parallel_size": size}),
+                resolve_device(args.device),
+                graphs,
+            )
+        except ValueError:
+            continue  # the size does not split the model, or the checkpoint is quantized
+        if split.fits:
+            return split
+    return None
 
 
 def _memory(memory: Memory) -> str:

@@ -32,6 +32,11 @@ SHAPE_SETS = {
     "default": MODELS / "default" / "config.json",
     "qwen3-next-80b": MODELS / "qwen3-next-80b-a3b" / "config.json",
     "qwen3-next-80b-fp8": MODELS / "qwen3-next-80b-a3b-fp8" / "config.json",
+    "qwen3.5-27b": MODELS / "qwen3.5-27b" / "config.json",
+    "qwen3.5-35b-a3b": MODELS / "qwen3.5-35b-a3b" / "config.json",
+    "qwen3.5-397b-a17b": MODELS / "qwen3.5-397b-a17b" / "config.json",
+    "qwen3.5-35b-a3b-fp8": MODELS / "qwen3.5-35b-a3b-fp8" / "config.json",
+    "qwen3.5-397b-a17b-fp8": MODELS / "qwen3.5-397b-a17b-fp8" / "config.json",
 }
 # The GPU each target stands for (an A100, an H100 or H200, a B200): its compute capability,
 # its streaming multiprocessors, and the shared memory one block may take (163 KB on Ampere,

@@ -76,6 +76,8 @@ def test_logits_match_transformers(made: dict, kind: str) -> None:
     engine = Engine(directory, SERVICE, "fp32")
     assert engine.cfg.has_mtp and engine.cfg.tie_word_embeddings == kind.endswith("tied")
     assert vision_tensors(engine.cfg, checkpoint_index(directory)), "the tower is there, unread"
+    tower = sum(p.numel() for n, p in model.named_parameters() if ".visual." in n)
+    assert engine.cfg.vision_params == tower > 0
     expected = _theirs(model, TOKENS)
     seq = engine.alloc_sequence()
     tokens = torch.tensor(TOKENS)
@@ -240,3 +242,23 @@ def test_yarn_matches_transformers_past_the_original_context(family: str, tmp_pa
     # and YaRN is not a no-op here: its table is not plain RoPE's
     plain = replace(engine.cfg, rope_type="default", yarn=None)
     assert not torch.allclose(rope_table(plain, 40)[0], rope_table(engine.cfg, 40)[0])
+
+
+def test_the_plan_names_the_tower_and_the_tensor_parallel_size_that_holds_it(capsys) -> None:
+    """Qwen3.5-27B at its whole context on one H200: refused, and TP 2 named; the vision
+    tower's bf16 bytes beside the total."""
+    import json
+
+    from tests.test_hf_config import MODELS
+
+    config = MODELS / "qwen3.5-27b" / "config.json"
+    flags = ["--device-memory", "141GB", "--max-context", "262144", "--num-slots", "8"]
+    with pytest.raises(SystemExit) as refused:
+        met(["gpu-service", "plan", str(config), *flags, "--json"])
+    assert refused.value.code == 1
+    body = json.loads(capsys.readouterr().out)
+    assert body["fits"] is False and body["tensor_parallel_size_that_fits"] == 2
+    vision = json.loads(config.read_text())["vision_config"]
+    from gpu_service.hf_config import vision_params
+
+    assert body["vision_tower_bytes_not_loaded"] == 2 * vision_params(vision)
