@@ -252,3 +252,32 @@ def test_generate_takes_the_variables_and_the_thinking_shorthand() -> None:
     assert not cli_request("--chat").chat_template_kwargs
     with pytest.raises(SystemExit, match="^chat_template_kwargs is \\[1\\]; it must be a JSON"):
         cli_request("--chat-template-kwargs", "[1]")
+
+
+# The chat template Qwen3.6-35B-A3B ships (byte for byte as its NVFP4 release lists it): thinking
+# on by default, `enable_thinking` and `preserve_thinking` read from the kwargs.
+QWEN3_6 = (Path(__file__).parent / "fixtures/qwen3.6/chat_template.jinja").read_text()
+QWEN3_6_CHAT = [
+    {"role": "system", "content": "You write Python."},
+    {"role": "user", "content": "Sum a list."},
+    {"role": "assistant", "content": "<think>\nsum() does it.\n</think>\n\nUse sum(values)."},
+    {"role": "user", "content": "And the mean?"},
+]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, OFF, {"enable_thinking": True}, {"preserve_thinking": True}],
+    ids=["default", "thinking-off", "thinking-on", "preserve-thinking"],
+)
+def test_qwen3_6s_template_renders_as_transformers(tmp_path: Path, kwargs: dict) -> None:
+    save_checkpoint(tmp_path, QWEN3_6, jinja=True)
+    hf, ours = both(tmp_path)
+    for gen in (True, False):
+        want = hf.apply_chat_template(
+            QWEN3_6_CHAT, tokenize=False, add_generation_prompt=gen, **kwargs
+        )
+        assert ours.render(QWEN3_6_CHAT, gen, kwargs) == want
+    # thinking opens the reply's think block; with it off the block comes closed and empty
+    closed = "<think>\n\n</think>\n\n" if kwargs == OFF else "<think>\n"
+    assert ours.render(QWEN3_6_CHAT, True, kwargs).endswith("<|im_start|>assistant\n" + closed)
