@@ -262,3 +262,43 @@ def test_the_plan_names_the_tower_and_the_tensor_parallel_size_that_holds_it(cap
     from gpu_service.hf_config import vision_params
 
     assert body["vision_tower_bytes_not_loaded"] == 2 * vision_params(vision)
+
+
+def test_prefix_cache_paged_kv_and_penalties_change_no_greedy_token(made: dict) -> None:
+    """The MoE checkpoint with a KV pool smaller than its slots' whole contexts, prefix
+    snapshots, and penalties: two turns of prompts sharing a 130-token prefix give, with the
+    cache and with `mtp`, the tokens of plain decoding without the cache, and the second turn
+    takes its prefix from the cache."""
+    from control_plane.scheduler.env import Env
+    from control_plane.scheduler.loop import Scheduler
+    from control_plane.scheduler.options import SchedulerOptions
+    from control_plane.scheduler.seq import MTP, NONE, GenRequest
+    from control_plane.text.tokenizer import ByteTokenizer
+    from protos.model import Penalties
+    from tests.collect import run_all
+
+    svc = replace(SERVICE, kv_blocks=12, prefix_snapshots=4)
+    shared = [(11 * i + 5) % 480 for i in range(130)]
+    prompts = [[*shared, *TOKENS[:n]] for n in (3, 9)]
+
+    def serve(cache: bool, method: str) -> tuple[list[list[int]], int]:
+        engine = Engine(made["moe"][0], svc, "fp32")
+        options = SchedulerOptions(prefix_cache=cache)
+        s = Scheduler(lambda: engine, ByteTokenizer.default(), options, Env())
+        s.start()
+        try:
+            out = []
+            for turn, prompt in enumerate(prompts):
+                pen = Penalties(presence=0.5, frequency=0.25, repetition=1.25)
+                pen = replace(pen, prompt_tokens=len(prompt))
+                req = GenRequest(f"{turn}", tuple(prompt), 8, method=method, penalties=pen)
+                out += [o.tokens for o in run_all(s, [req])]
+            hits = s.prefix.hits if s.prefix is not None else 0
+        finally:
+            s.stop()
+        assert engine.slots.blocks.num_used == 0
+        return out, hits
+
+    plain, _ = serve(False, NONE)
+    cached, hits = serve(True, MTP)
+    assert cached == plain and hits >= 128
