@@ -265,11 +265,11 @@ class ModelConfig:
 
     @classmethod
     def load(cls, directory: Path) -> ModelConfig:
-        cfg = cls.from_dict(json.loads((directory / "config.json").read_text()))
+        cfg = cls.from_dict(read_json(directory / "config.json"))
         generation = directory / "generation_config.json"
         if not generation.exists():
             return cfg
-        eos = json.loads(generation.read_text()).get("eos_token_id")
+        eos = read_json(generation).get("eos_token_id")
         ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
         more = tuple(i for i in dict.fromkeys((*cfg.all_eos, *ids)) if i != cfg.eos_token_id)
         return replace(cfg, more_eos_token_ids=more)
@@ -284,6 +284,17 @@ _FROM_DICT_OWN = {
     "quantization",
     "weight_prefix",
 }
+
+
+def read_json(path: Path) -> dict:
+    """A checkpoint's JSON file; ValueError naming it when it is not JSON or not an object."""
+    try:
+        body = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not JSON ({e})") from None
+    if not isinstance(body, dict):
+        raise ValueError(f"{path} holds {type(body).__name__}; expected a JSON object")
+    return body
 
 
 def parse_tiers(spec: str) -> tuple[int, ...]:

@@ -13,7 +13,6 @@ own."""
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from gpu_service.config import ModelConfig, ServiceConfig
+from gpu_service.config import ModelConfig, ServiceConfig, read_json
 from gpu_service.model.hybrid import HybridModel, held_bytes
 from gpu_service.model.ops import padded_rows
 from gpu_service.model.weights import (
@@ -126,7 +125,7 @@ def load_config(path: Path) -> ModelConfig:
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist")
     if not path.is_dir():
-        return ModelConfig.from_dict(json.loads(path.read_text()))
+        return ModelConfig.from_dict(read_json(path))
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path} has no config.json")
     cfg = ModelConfig.load(path)

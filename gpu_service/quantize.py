@@ -12,7 +12,7 @@ import json
 import shutil
 from pathlib import Path
 
-from gpu_service.config import ModelConfig
+from gpu_service.config import ModelConfig, read_json
 from gpu_service.model.weights import (
     _read_tensors,
     checkpoint_index,
@@ -36,7 +36,7 @@ def quantize_checkpoint(src: Path, dst: Path, block: int = BLOCK) -> list[str]:
         raise ValueError(f"--fp8-block {block} is not served; the published block is {BLOCK}")
     if dst.exists() and any(dst.iterdir()):
         raise ValueError(f"{dst} is not empty; give a new directory")
-    raw = json.loads((src / "config.json").read_text())
+    raw = read_json(src / "config.json")
     if raw.get("quantization_config"):
         raise ValueError(f"{src} is quantized already (config.json has a quantization_config)")
     index = checkpoint_index(src)

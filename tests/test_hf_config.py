@@ -138,3 +138,10 @@ def test_yarn_takes_transformers_defaults() -> None:
     _, text = _theirs(raw)
     assert text.rope_parameters["original_max_position_embeddings"] == 1000
     assert cfg.yarn.scale == pytest.approx(0.1 * __import__("math").log(4.0) + 1.0)
+
+
+@pytest.mark.parametrize("text", ["{", "[1, 2]", "\xff"], ids=["broken", "a-list", "not-utf8"])
+def test_a_config_that_is_not_a_json_object_is_named(tmp_path: Path, text: str) -> None:
+    (tmp_path / "config.json").write_bytes(text.encode("latin-1"))
+    with pytest.raises(ValueError, match=f"{tmp_path / 'config.json'} (is not JSON|holds list)"):
+        ModelConfig.load(tmp_path)
