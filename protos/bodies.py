@@ -5,6 +5,9 @@ INVALID_ARGUMENT and a sentence. Torch-free; both servers install it:
 
     server = grpc.aio.server(interceptors=[RejectUndecodable(), ...])
 
+On a request stream, the frame that does not parse raises `UndecodableFrame` where the handler
+reads it, and the status goes out when the handler has ended: after the replies to the frames
+before it (a status sent from the reading side would overtake them, and race the writes).
 A handler that reads requests with `context.read()` instead of iterating is not guarded."""
 
 from __future__ import annotations
@@ -48,6 +51,11 @@ def lenient(deserialize: Callable[[bytes], Any], method: str) -> Callable[[bytes
     return parse
 
 
+class UndecodableFrame(Exception):
+    """Raised where a handler reads the frame of a request stream that does not parse; the
+    guard ends the call with INVALID_ARGUMENT and this sentence once the handler has ended."""
+
+
 async def _refuse_undecodable(request: Any, context: grpc.aio.ServicerContext) -> Any:
     if isinstance(request, Undecodable):
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.sentence)
@@ -59,23 +67,32 @@ async def _checked_stream(
 ) -> AsyncIterator[Any]:
     async def checked() -> AsyncIterator[Any]:
         async for request in requests:
-            yield await _refuse_undecodable(request, context)
+            if isinstance(request, Undecodable):
+                raise UndecodableFrame(request.sentence)
+            yield request
 
     return checked()
 
 
 def _guard(behavior: Callable[..., Any], prepare: Prepare) -> Callable[..., Any]:
-    """`behavior` with its first argument passed through `prepare`; a generator stays one."""
+    """`behavior` with its first argument passed through `prepare`; a generator stays one. An
+    `UndecodableFrame` that ends it becomes its status, after every reply it gave."""
     if inspect.isasyncgenfunction(behavior):
 
         async def replies(arg: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            async for reply in behavior(await prepare(arg, context), context):
-                yield reply
+            try:
+                async for reply in behavior(await prepare(arg, context), context):
+                    yield reply
+            except UndecodableFrame as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
         return replies
 
     async def reply(arg: Any, context: grpc.aio.ServicerContext) -> Any:
-        return await behavior(await prepare(arg, context), context)
+        try:
+            return await behavior(await prepare(arg, context), context)
+        except UndecodableFrame as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
     return reply
 

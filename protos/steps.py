@@ -81,7 +81,9 @@ class StepStream(Protocol):
 
     def recv(self) -> PlanResult:
         """The next plan's result, refusals inside it; raises what a transport failure
-        raises (every plan in flight is then lost)."""
+        raises (every plan in flight is then lost). A stream refused whole (a plan that does
+        not parse: INVALID_ARGUMENT; its session gone) gives the results of every plan sent
+        before the refusal, which ran, and then raises it: every stream ends with a status."""
         ...
 
     def close(self) -> None: ...

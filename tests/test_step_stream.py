@@ -1,26 +1,37 @@
 """The step stream over gRPC (`StepStream`): plans sent ahead give the tokens of the same
-unary steps, refusals stay with their sequence, the service's wait is measured, and a dead
-service fails a waiting `recv` at once. The conversions first, as tests/test_convert.py's."""
+unary steps, refusals stay with their sequence, the service's wait is measured, a frame that
+does not parse ends the stream after the results before it, and a dead service fails a waiting
+`recv` at once. The conversions first, as tests/test_convert.py's."""
 
 from __future__ import annotations
 
 import time
+from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+from grpc_health.v1 import health
 
 from control_plane.cli.launch import start_gpu_service
 from control_plane.replicas.client import GrpcModel
+from gpu_service.engine import Engine
+from gpu_service.options import Access
 from gpu_service.pipeline import PlanClock
+from gpu_service.server import build_server
+from gpu_service.servicer import ModelServicer
 from protos import convert as cv
 from protos.met.v1 import model_pb2 as pb
-from protos.model import Proposal, SequenceHandle, StepResult
+from protos.model import SESSION_METADATA, Proposal, SequenceHandle, StepResult
 from protos.steps import MAX_PLAN_REPEAT, PlanResult, StepPlan
-from tests.conftest import SERVE_ARGS
+from tests.conftest import SERVE_ARGS, TINY_SERVICE
+from tests.servers import aio_server_in_thread
 
 PROMPTS = [[1, 2, 3, 4, 5], [9] * 7, [200, 100, 50]]
+# Frames that do not parse as a StepPlan: a varint that never ends; a trace key not UTF-8.
+UNPARSED = [b"\xff" * 8, b"\x3a\x03\x0a\x01\xff"]
 NUM_DRAFTS = 2  # within every slot the three prompts take (0 .. 2: 3, 3 and 2 drafts)
 UNKNOWN = 10**9
 
@@ -277,3 +288,66 @@ def test_recv_raises_unavailable_soon_after_the_service_dies(tiny_dir: Path) -> 
         proc.kill()
         proc.wait(10)
         model.close()
+
+
+@pytest.fixture(scope="module")
+def in_process(tiny_dir: Path) -> Iterator[str]:
+    """The GPU service's server, built as `serve` builds it, in this process over the tiny
+    model."""
+    engine = Engine(tiny_dir, TINY_SERVICE)
+
+    async def start() -> tuple[grpc.aio.Server, int]:
+        servicer = ModelServicer(Access())
+        servicer.engine = engine
+        server = build_server(servicer, health.aio.HealthServicer())
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        return server, port
+
+    with aio_server_in_thread(start) as target:
+        yield target
+
+
+def test_a_frame_that_does_not_parse_ends_the_stream_after_the_plans_before_it(
+    in_process: str,
+) -> None:
+    """The race of the plans sent ahead and the bad frame behind them, 300 times: each call
+    gives every earlier plan's result (they ran: the sequence grew by one a plan), then
+    INVALID_ARGUMENT; none is left without a status (a hang would end at the deadline)."""
+    model = GrpcModel(in_process)
+    channel = grpc.insecure_channel(in_process)
+    raw = channel.stream_stream(
+        f"/{pb.DESCRIPTOR.services_by_name['ModelService'].full_name}/StepStream"
+    )
+    outcomes: Counter[tuple[str, str]] = Counter()
+    seq = None
+    try:
+        for run in range(300):
+            if seq is None or seq.seq_len > TINY_SERVICE.max_context - 8:
+                if seq is not None:
+                    model.free_sequence(seq)
+                seq = model.alloc_sequence()
+                model.prefill([seq], [[1, 2, 3]])
+            n = run % 4  # 0 .. 3 plans ahead of the bad frame
+            plan = cv.plan_to_pb(StepPlan([seq], [False], [7], [1], [False], 0))
+            frames = [plan.SerializeToString()] * n + [UNPARSED[run % 2]]
+            call = raw(iter(frames), metadata=((SESSION_METADATA, model.session_id),), timeout=10)
+            lens = []
+            try:
+                for body in call:
+                    lens += [
+                        r.step.seq_lens[0]
+                        for r in cv.plan_results_from_pb(pb.PlanResult.FromString(body))
+                    ]
+            except grpc.RpcError:
+                pass
+            ran = lens == [seq.seq_len + i + 1 for i in range(n)]
+            outcomes[("ran" if ran else f"results {lens}", call.code().name)] += 1
+            seq.seq_len += len(lens)
+            assert "met.v1.StepPlan" in call.details()
+    finally:
+        if seq is not None:
+            model.free_sequence(seq)
+        channel.close()
+        model.close()
+    assert outcomes == {("ran", "INVALID_ARGUMENT"): 300}
