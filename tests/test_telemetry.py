@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from control_plane.cli.launch import start_control_plane, start_gpu_service, stop
 from control_plane.scheduler.env import Env
 from control_plane.scheduler.loop import Scheduler, SchedulerOptions
+from control_plane.scheduler.metrics import Metrics
 from control_plane.scheduler.seq import MTP, GenRequest
 from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.config import ServiceConfig
@@ -347,3 +348,29 @@ def test_a_preemption_is_an_event_of_its_iteration(
     assert name == "scheduler_iteration" and attrs["met.request_id"] == "small"
     assert isinstance(attrs["met.tokens"], int) and attrs["met.tokens"] > 20
     assert attrs["met.preemptions"] == 1, "its first"
+
+
+def test_metrics_are_true_when_idle(tiny_dir: Path) -> None:
+    """After the last request ends (its slot freed once the plan in flight is read back), the
+    gauges say what `GetStats` says: nothing running, every slot free."""
+    engine = Engine(tiny_dir, ServiceConfig(verify_tiers="4:3", max_context=256))
+    metrics = Metrics()
+    scheduler = Scheduler(
+        lambda: engine, ByteTokenizer.default(), SchedulerOptions(), Env(), metrics
+    )
+    scheduler.start()
+    try:
+        out = Outcome()
+        scheduler.submit(GenRequest("one", (1, 2), 24, ignore_eos=True, method=MTP), out)
+        assert out.done.wait(60) and out.finish is not None
+        assert scheduler.settle(30)
+        snap = scheduler.snapshot()
+    finally:
+        scheduler.stop()
+
+    def gauge(name: str) -> float | None:
+        return metrics.registry.get_sample_value(name, {"replica": scheduler.replica})
+
+    assert (snap["active"], snap["free_slots"]) == (0, engine.capabilities().num_slots)
+    assert gauge("met:num_requests_running") == 0
+    assert gauge("met:free_slots") == snap["free_slots"]

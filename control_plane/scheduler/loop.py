@@ -192,8 +192,7 @@ class Scheduler(Room):
                 "kv_blocks_free": blocks_free,
                 "counters": counters,
                 "spec": spec,
-                # Finished ones whose slot a plan in flight still holds count until it is free.
-                "active": len(self.active) + len(self.prefilling) + len(self.pipeline.deferred),
+                "active": self._holding(),
                 "queued": self._queued,
                 "free_slots": free,
             }
@@ -221,6 +220,8 @@ class Scheduler(Room):
                 if not isinstance(e, (grpc.RpcError, ModelError, OSError)):
                     log.exception("the scheduler step failed")
                 self._reset(e)
+            # After every iteration, the idle ones too: the last frees may come with a drain.
+            self._gauges()
         try:
             self.pipeline.drain(self.ctx)  # stopping: the frees that wait on flights
             if self.prefix is not None and self.model is not None:
@@ -340,14 +341,19 @@ class Scheduler(Room):
                 joining = bool(self.waiting or self.prefilling)
                 self.pipeline.step(self.model, stepping, self.ctx, joining, self.tally.stepped)
                 self._retire()
-        self._gauges()
 
     def _gauges(self) -> None:
         if self.series is None or self.ctx is None:
             return
-        self.series.running.set(len(self.prefilling) + len(self.active))
-        self.series.waiting.set(self._queued)
-        self.series.free_slots.set(self.free_slots)
+        with self._lock:
+            self.series.running.set(self._holding())
+            self.series.waiting.set(self._queued)
+            self.series.free_slots.set(self.free_slots)
+
+    def _holding(self) -> int:
+        """Requests holding a slot: finished ones whose slot a plan in flight still holds
+        count until it is free."""
+        return len(self.active) + len(self.prefilling) + len(self.pipeline.deferred)
 
     def _connect(self) -> None:
         model = self.connect()
