@@ -37,6 +37,7 @@ from gpu_service.quantization import fp8_names, scale_name, scale_shape
 from gpu_service.state import DeviceState
 from gpu_service.tp.group import TpGroup
 from gpu_service.tp.shard import Shard, part, rank_config
+from kernels.attention.format import KEY_BLOCK
 from kernels.fp8.naive import FP8
 from protos.hub import model_name
 
@@ -106,6 +107,8 @@ class Plan:
     tensor_parallel_size: int = 1  # ranks; every part is one rank's
     # The checkpoint's vision tower (Qwen3.5), in its dtype: recognised, never loaded.
     vision_bytes: int = 0
+    # The context the model was built for, where the plan lowered `svc.max_context` from it.
+    model_context: int = 0
 
     @property
     def total(self) -> int:
@@ -244,6 +247,23 @@ def most_blocks(model: HybridModel, svc: ServiceConfig, graphs: bool, room: int)
     return max(1, min(full, 1 + (room - sum(one.values())) // per_block))
 
 
+def most_context(model: HybridModel, svc: ServiceConfig, graphs: bool, room: int) -> int:
+    """The largest context, in key blocks up to `svc.max_context`, at which the per-slot parts
+    fit `room` (the KV pool holds every slot's whole context unless `--kv-blocks` sizes it);
+    the model's RoPE table, built for `svc.max_context`, is counted whole. One block where none
+    fits: the plan then says what does not."""
+
+    def fits(blocks: int) -> bool:
+        parts, _ = slot_parts(model, replace(svc, max_context=blocks * KEY_BLOCK), graphs)
+        return sum(parts.values()) <= room
+
+    lo, hi = 0, svc.max_context // KEY_BLOCK + 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return max(lo, 1) * KEY_BLOCK
+
+
 def make_plan(
     name: str,
     cfg: ModelConfig,
@@ -254,12 +274,16 @@ def make_plan(
     auto: bool = False,
     size: int = 1,
     auto_blocks: bool = False,
+    auto_context: bool = False,
 ) -> Plan:
     """The plan of serving `cfg` with `svc` in `dtype` over `size` ranks (one rank's); with
     `auto` and a known memory, at the most slots whose plan fits it; with `auto_blocks`, the KV
-    pool as large as the rest leaves room for (`most_blocks`). The model is built once,
-    however many counts that tries. ValueError where `size` does not split `cfg`."""
+    pool as large as the rest leaves room for (`most_blocks`); with `auto_context`, the
+    model's context (`svc.max_context`) lowered to what a known memory holds (`most_context`).
+    The model is built once, however many counts that tries. ValueError where `size` does not
+    split `cfg`."""
     start = time.perf_counter()
+    model_context = svc.max_context if auto_context else 0
     graphs = graphs and size == 1  # the engine captures none under tensor parallelism
     model = meta_model(cfg, dtype, svc.max_context, size)
     cfg = model.cfg
@@ -276,6 +300,9 @@ def make_plan(
             device_bytes(model.vocab[1] - model.vocab[0], 0, svc.max_rows)[1],
         ),
     }
+    if auto_context and not auto_blocks and memory.bytes is not None:
+        room = memory.bytes - sum(fixed.values())
+        svc = replace(svc, max_context=most_context(model, svc, graphs, room))
     if auto and memory.bytes is not None:
         room = memory.bytes - sum(fixed.values())
 
@@ -287,6 +314,9 @@ def make_plan(
     if auto_blocks and memory.bytes is not None:
         room = int(memory.bytes * AUTO_BLOCKS_SHARE) - sum(fixed.values())
         svc = replace(svc, kv_blocks=most_blocks(model, svc, graphs, room))
+        if auto_context:  # a sequence may reach no further than the pool holds
+            held = svc.num_kv_blocks * KEY_BLOCK
+            svc = replace(svc, max_context=min(svc.max_context, held))
     parts, num_graphs = slot_parts(model, svc, graphs)
     parts |= fixed
     return Plan(
@@ -302,6 +332,7 @@ def make_plan(
         cfg.quantization.name if cfg.quantization else "",
         size,
         cfg.vision_params * serving_dtype(cfg, None).itemsize,
+        model_context if svc.max_context < model_context else 0,
     )
 
 
@@ -311,11 +342,12 @@ def from_args(args: argparse.Namespace, device: torch.device, graphs: bool) -> P
     `--tensor-parallel-size` that does not split the model."""
     cfg = load_config(args.model)
     name = model_name(args.model) if args.model.is_dir() else str(args.model)
-    svc = service_config(args)
+    svc = service_config(args, cfg)
     dtype = serving_dtype(cfg, args.dtype)
     memory = device_memory(args.device_memory, device)
     auto, size = args.num_slots == "auto", args.tensor_parallel_size
-    return make_plan(name, cfg, svc, dtype, graphs, memory, auto, size, args.kv_blocks == "auto")
+    blocks, context = args.kv_blocks == "auto", args.max_context is None
+    return make_plan(name, cfg, svc, dtype, graphs, memory, auto, size, blocks, context)
 
 
 def device_memory(given: int | None, device: torch.device) -> Memory:

@@ -41,9 +41,16 @@ def _settings(plan: Plan) -> str:
         dtype += f", per rank x {n} ranks (a device each)"
     return (
         f"{plan.model} in {dtype}: {_slots(svc.num_slots)} (verify tiers {svc.verify_tiers}), "
-        f"max context {svc.max_context}, max prefill {svc.max_prefill_tokens} tokens, "
+        f"max context {svc.max_context}{_lowered(plan)}, max prefill {svc.max_prefill_tokens} "
+        "tokens, "
         f"graphs {'counted' if plan.graphs else 'off'}"
     )
+
+
+def _lowered(plan: Plan) -> str:
+    if not plan.model_context:
+        return ""
+    return f" (the model's {plan.model_context}, lowered to what the memory holds)"
 
 
 def _notes(plan: Plan) -> dict[str, str]:

@@ -13,7 +13,7 @@ import torch
 from control_plane.scheduler.seq import MTP, GenRequest
 from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service import graphs
-from gpu_service.config import ServiceConfig
+from gpu_service.config import ModelConfig, ServiceConfig
 from gpu_service.engine import Engine
 from gpu_service.graphs import NO_GRAPHS_ENV, bucket_for, buckets, key_bucket, replay_eagerly
 from gpu_service.options import add_serve_args, service_config
@@ -52,8 +52,9 @@ def test_graphs_only_on_cuda_and_only_when_asked() -> None:
     assert not graphs.wanted(True, cpu, {}), "the CPU has no capture"
     parser = __import__("argparse").ArgumentParser()
     add_serve_args(parser)
-    assert service_config(parser.parse_args([])).cuda_graphs
-    assert not service_config(parser.parse_args(["--no-cuda-graphs"])).cuda_graphs
+    cfg = ModelConfig()
+    assert service_config(parser.parse_args([]), cfg).cuda_graphs
+    assert not service_config(parser.parse_args(["--no-cuda-graphs"]), cfg).cuda_graphs
 
 
 def _steps(engine: Engine, n: int, k: int, rounds: int) -> list[StepResult]:

@@ -246,7 +246,7 @@ def test_report_without_memory_has_no_verdict(
         (["--num-slots", "0"], 2, "argument --num-slots: expected a whole number"),
         (["--device-memory", "12XB"], 2, "argument --device-memory: expected bytes"),
         (["--verify-tiers", "8:x"], 2, "met gpu-service plan: error: bad verify tier"),
-        (["--max-context", "100"], 2, "not a multiple of 64"),
+        (["--max-context", "100"], 2, "expected a positive multiple of 64"),
     ],
     ids=["too-small", "zero-slots", "bad-unit", "bad-tiers", "bad-context"],
 )
@@ -411,3 +411,19 @@ def test_kv_blocks_auto_fills_the_memory_left(tiny_dir: Path) -> None:
     assert roomy.svc.kv_blocks == 4 * TINY_SERVICE.max_context // 64
     cpu = _plan(tiny_dir, *_tiny_flags("--num-slots", "4", "--kv-blocks", "auto"))
     assert cpu.svc.kv_blocks == 0 and cpu.svc.num_kv_blocks == 4 * TINY_SERVICE.max_context // 64
+
+
+def test_the_context_is_the_models_lowered_to_what_memory_holds(tiny_dir: Path) -> None:
+    """No --max-context: the model's max_position_embeddings (512), and with a device memory
+    that does not hold it, the largest whole number of key blocks that does; a --max-context
+    given is never lowered."""
+    flags = ["--verify-tiers", "4:3", "--max-rows", "16", "--max-batch", "4"]
+    whole = _plan(tiny_dir, *flags)
+    assert whole.svc.max_context == 512 and whole.model_context == 0
+    tight = f"{whole.total - 1}"
+    lowered = _plan(tiny_dir, *flags, "--device-memory", tight)
+    assert lowered.fits and lowered.svc.max_context < 512 and lowered.svc.max_context % 64 == 0
+    assert lowered.model_context == 512
+    assert "(the model's 512, lowered to what the memory holds)" in plan_report.report(lowered)
+    given = _plan(tiny_dir, *flags, "--device-memory", tight, "--max-context", "512")
+    assert given.svc.max_context == 512 and given.fits is False
