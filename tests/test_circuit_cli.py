@@ -62,7 +62,8 @@ def test_a_failing_diff_exits_1_and_writes_its_report(
     written = json.loads(out.read_text())
     assert written["verdict"] == "FAIL" and written["reasons"]
     printed = capsys.readouterr()
-    assert json.loads(printed.out) == written
+    assert printed.out == f"circuit diff FAIL: 1 shapes; the report is in {out}\n"
+    assert "verify-batch [3, 3]: 2 steps under eager" in printed.err, "progress before a shape"
     assert "circuit diff FAILED:\n  verify-batch [3, 3], eager-perturbed:" in printed.err
 
 
@@ -84,6 +85,15 @@ def test_drafts_beyond_the_service_exit_2(
     out = tmp_path / "report.json"
     flags = ("--widths", "2", "--ks", "3", "--mtp", "--num-drafts", "9", "--out", str(out))
     assert report.main(args(*flags)) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("circuit diff could not run: ") and "9" in err, err
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last.startswith("circuit diff could not run: ") and "9" in last, last
     assert not out.exists()
+
+
+def test_out_dash_prints_the_report_alone(
+    tiny_engine: Engine, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    flags = ("--widths", "2", "--ks", "2", "--steps", "2", "--out", "-")
+    assert report.main(args(*flags)) == 0
+    assert json.loads(capsys.readouterr().out)["verdict"] == "PASS"
+    assert not (tmp_path / "-").exists()

@@ -106,7 +106,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 def _add_target_args(parser: argparse.ArgumentParser) -> None:
     """Where the diff runs and where its report goes."""
-    parser.add_argument("--out", type=Path, default=Path("circuit-diff-verify-batch.json"))
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("circuit-diff-verify-batch.json"),
+        help="where the JSON report goes; - for stdout (default %(default)s)",
+    )
     parser.add_argument(
         "--gpu-service",
         metavar="HOST:PORT",
@@ -242,8 +247,12 @@ def main(args: argparse.Namespace) -> int:
         print(f"circuit diff could not run: {e}", file=sys.stderr)
         return 2
     text = json.dumps(report, indent=2)
-    args.out.write_text(text + "\n")
-    print(text)
+    if str(args.out) == "-":
+        print(text)
+    else:
+        args.out.write_text(text + "\n")
+        shapes = len(report["shapes"])
+        print(f"circuit diff {report['verdict']}: {shapes} shapes; the report is in {args.out}")
     if report["reasons"]:
         print("circuit diff FAILED:\n  " + "\n  ".join(report["reasons"]), file=sys.stderr)
         return 1

@@ -313,6 +313,10 @@ def diff_verify_batch(
         setup = Setup(prompts, fragment, num_drafts if mtp else None, snapshot)
         feed = Drafted(greedy, caps.vocab_size)
         for shape in dedup([capped(s, cap) for s in batch_shapes(n, ks)]):
+            progress(
+                f"verify-batch {shape}: {steps} steps under {reference}, then {len(forwards)} "
+                f"forwards and the detection control"
+            )
             report = _diff_shape(model, setup, shape, steps, feed, reference, forwards)
             progress(
                 f"verify-batch {shape}: "
