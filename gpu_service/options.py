@@ -27,6 +27,15 @@ class Access:
 
     admin_key: str | None = None  # None: every admin call is refused
     session_timeout: float = 10.0  # seconds to notice a session's client has vanished
+    max_slots_per_session: int | None = None  # None: every slot but one
+
+    def session_slots(self, num_slots: int) -> int:
+        """The most sequences one session may hold at once: the flag's, else every slot but
+        one, so that no session holds them all and another (the control plane, which is a
+        session of its own) always finds one."""
+        if self.max_slots_per_session is not None:
+            return self.max_slots_per_session
+        return max(1, num_slots - 1)
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -80,6 +89,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="free a session's sequences at most this long after its client vanished "
         "(default %(default)s)",
+    )
+    parser.add_argument(
+        "--max-slots-per-session",
+        type=whole_number(1),
+        default=Access.max_slots_per_session,
+        metavar="N",
+        help="the most sequences one session may hold at once; past them AllocSequence is "
+        "RESOURCE_EXHAUSTED (default: every slot but one, so that no client holds them all and "
+        "the control plane always finds one)",
     )
 
 
@@ -251,4 +269,8 @@ def access(args: argparse.Namespace) -> Access:
         message = f"--session-timeout is {args.session_timeout}; it must be above 0"
         print(f"met gpu-service serve: error: {message}", file=sys.stderr)
         raise SystemExit(2)
-    return Access(admin_key=args.admin_key or None, session_timeout=args.session_timeout)
+    return Access(
+        admin_key=args.admin_key or None,
+        session_timeout=args.session_timeout,
+        max_slots_per_session=args.max_slots_per_session,
+    )

@@ -171,11 +171,15 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
     async def AllocSequence(self, request, context):
         session = self._session(context)
         penalties = cv.penalties_from_pb(request)
-        seq = await self._call(context, lambda: self.loaded.alloc_sequence(penalties))
-        if not self.sessions.is_live(session):  # it ended while the engine allocated
-            await self._call(context, lambda: self.loaded.free_sequences([seq.seq_id]))
-            raise NoSession("the call's session ended while it ran; open a new one")
-        self.sessions.own(session, seq.seq_id)
+        self.sessions.claim(session, self.access.session_slots(self.loaded.svc.num_slots))
+        try:
+            seq = await self._call(context, lambda: self.loaded.alloc_sequence(penalties))
+            if not self.sessions.is_live(session):  # it ended while the engine allocated
+                await self._call(context, lambda: self.loaded.free_sequences([seq.seq_id]))
+                raise NoSession("the call's session ended while it ran; open a new one")
+            self.sessions.own(session, seq.seq_id)
+        finally:
+            self.sessions.unclaim(session)
         return cv.to_pb(seq)
 
     async def FreeSequence(self, request, context):

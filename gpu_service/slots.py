@@ -93,6 +93,7 @@ class SessionTable:
         self._seqs: dict[str, set[int]] = {}  # live session -> its sequence ids
         self._owner: dict[int, str] = {}  # sequence id -> its session
         self._snap_owner: dict[int, str] = {}  # prefix snapshot id -> its session
+        self._claims: dict[str, int] = {}  # live session -> its allocations in flight
 
     @property
     def num_live(self) -> int:
@@ -106,6 +107,22 @@ class SessionTable:
 
     def is_live(self, session: str) -> bool:
         return session in self._seqs
+
+    def claim(self, session: str, most: int) -> None:
+        """Room for one more sequence of the session, kept until `unclaim`; `ResourceExhausted`
+        when it holds (or is allocating) `most` already."""
+        if len(self._seqs[session]) + self._claims.get(session, 0) >= most:
+            raise ResourceExhausted(
+                f"this session holds {most} sequences, the most one session may hold at once "
+                f"(the GPU service's --max-slots-per-session); free one first"
+            )
+        self._claims[session] = self._claims.get(session, 0) + 1
+
+    def unclaim(self, session: str) -> None:
+        if self._claims.get(session, 0) > 1:
+            self._claims[session] -= 1
+        else:
+            self._claims.pop(session, None)
 
     def own(self, session: str, seq_id: int) -> None:
         self._seqs[session].add(seq_id)
@@ -145,6 +162,7 @@ class SessionTable:
     def close(self, session: str) -> list[int]:
         """End the session. -> the sequences it still owned, for the caller to free."""
         seq_ids = sorted(self._seqs.pop(session, ()))
+        self._claims.pop(session, None)
         for seq_id in seq_ids:
             del self._owner[seq_id]
         return seq_ids

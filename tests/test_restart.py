@@ -40,6 +40,8 @@ def service(tiny_dir: Path) -> Iterator[str]:
         *("--verify-tiers", TIERS, "--max-context", str(MAX_CONTEXT)),
         *("--max-rows", "64", "--max-batch", str(NUM_SLOTS)),
         *("--session-timeout", str(SESSION_TIMEOUT)),
+        # One control plane's streams take every slot (by default a session holds all but one).
+        *("--max-slots-per-session", str(NUM_SLOTS)),
     )
     try:
         yield target

@@ -41,6 +41,7 @@ time.sleep(600)
 @pytest.fixture(scope="module")
 def target(tiny_dir: Path) -> Iterator[str]:
     args = ("--session-timeout", str(SESSION_TIMEOUT), "--admin-key", KEY)
+    args += ("--max-slots-per-session", str(NUM_SLOTS))  # `HOLDER` takes every slot
     proc, target = start_gpu_service(tiny_dir, *SERVE_ARGS, *args)
     try:
         yield target

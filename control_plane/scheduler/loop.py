@@ -1,6 +1,7 @@
 """The scheduler loop, on its own thread: admit, prefill, step, stream, retire.
 
-Requests come in through a queue (bounded: past `max_queue` waiting, `ResourceExhausted`);
+Requests come in through a queue (bounded: past `max_queue` waiting, `ResourceExhausted`; and
+past `slot_wait` seconds waiting while other sessions hold every slot, `slot_wait.py`);
 events go out through each request's sink, and, to those that ask, `Queued` notices while
 they wait for a slot. A refusal that concerns one request (a mask that allows no token, a
 grammar that refuses its tokens) ends that request alone, with the refusal's status. A lost
@@ -36,6 +37,7 @@ from control_plane.scheduler.prefix_cache import PrefixCache, prefix_cache
 from control_plane.scheduler.room import Room
 from control_plane.scheduler.seq import ActiveSeq, GenRequest, QueueSink, Sink
 from control_plane.scheduler.served import refuse_stale, replaces, served_by
+from control_plane.scheduler.slot_wait import SlotWait
 from control_plane.scheduler.status import step_status
 from control_plane.scheduler.tally import Tally
 from control_plane.text.detok import Tokenizer
@@ -88,6 +90,7 @@ class Scheduler(Room):
         self._stale: list[ActiveSeq] = []
         # The environment is read once, here; its switches override the options by name.
         self.opts = (opts or SchedulerOptions()).with_env(env or Env.read())
+        self.slot_wait = SlotWait(self.opts.slot_wait)
         self.model: Model | None = None
         self.ctx: StepContext | None = None
         # The prefix cache's names of the snapshots this connection's session holds.
@@ -421,6 +424,17 @@ class Scheduler(Room):
                 a.finish("error")
         if admitted and self.prefix is not None:
             prefixing.restore(self.model, self.prefix, admitted, self.tally)
+        self._refuse_overdue(now)
+
+    def _refuse_overdue(self, now: float) -> None:
+        """Requests that waited `slot_wait` for a slot while others held them all."""
+        assert self.ctx is not None
+        holding = bool(self.prefilling or self.active or self.pipeline.deferred)
+        for a in self.slot_wait.overdue(self.waiting, holding, self.free_slots, now):
+            self.waiting.remove(a)
+            self._dequeued(1)
+            a.refuse(ResourceExhausted.code, self.slot_wait.sentence(self.ctx.caps.num_slots))
+            a.finish("error")
 
     def _tell_places(self) -> None:
         """Each request still waiting after admission hears where it stands."""

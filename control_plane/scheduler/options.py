@@ -5,6 +5,7 @@ environment's `METRALE_*` switches override them by name (`with_env`)."""
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -16,8 +17,19 @@ from protos.steps import MAX_PLAN_REPEAT
 def _option(default: object, help: str, **cli: Any) -> Any:
     """A field with its help; `cli` holds the argparse keywords that the default does not
     imply: `flag` (a command-line name other than the field's), `choices`, `metavar`, and
-    `type` when the default is None."""
+    `type` when the default is None or the value needs a check of its own."""
     return field(default=default, metadata={"help": help, **cli})
+
+
+def _seconds(text: str) -> float:
+    """A flag's parser: a finite number of seconds above 0, else a sentence saying so."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds above 0")
+    return value
 
 
 @dataclass(frozen=True)
@@ -29,6 +41,13 @@ class SchedulerOptions:
         "sets the width; batched verify needs more than 1",
     )
     max_queue: int = _option(256, "requests waiting for a slot before RESOURCE_EXHAUSTED")
+    slot_wait: float = _option(
+        10.0,
+        "seconds a request may wait for a slot while this control plane holds none and the GPU "
+        "service has none free (other sessions hold them all); then RESOURCE_EXHAUSTED",
+        type=_seconds,
+        metavar="SECONDS",
+    )
     prefill_chunk: int = _option(512, "prompt tokens per sequence per iteration")
     prefix_cache: bool = _option(
         True,
@@ -111,6 +130,8 @@ class SchedulerOptions:
 
     def __post_init__(self) -> None:
         Ladder.parse(self.k_ladder)  # a bad ladder is refused when the options are made
+        if not 0 < self.slot_wait < math.inf:
+            raise ValueError(f"slot_wait must be above 0 seconds, not {self.slot_wait}")
         if not 1 <= self.plan_steps <= MAX_PLAN_REPEAT:
             raise ValueError(f"plan_steps must be 1 to {MAX_PLAN_REPEAT}, not {self.plan_steps}")
 
