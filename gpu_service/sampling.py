@@ -19,7 +19,7 @@ from protos.model import InvalidArgument, RowDraws, Sampling
 def distribution(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
     """logits: [n, V] -> probabilities [n, V] in fp64 (masked tokens at -inf stay at 0)."""
     x = logits.double() / s.temperature
-    if 0 < s.top_k < x.shape[-1]:
+    if 0 < s.top_k < x.shape[-1]:  # 0 or -1: no limit
         kth = x.topk(s.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
     p = torch.softmax(x, dim=-1)
@@ -58,16 +58,21 @@ def row_draws(
 
 
 def check_sampling(sampling: dict[int, Sampling], uniforms: dict[int, int], n: int) -> None:
+    """Each sampling sequence's parameters in the ranges of `checks.FLOATS` (a temperature
+    above 0: greedy sequences send none), with one uniform per draw."""
     for i, smp in sampling.items():
         checks.within("a sampling sequence index", i, 0, n - 1)
-        if not smp.temperature > 0:
+        if smp.temperature == 0:
             raise InvalidArgument(
-                f"sequence {i} samples at temperature {smp.temperature}; "
-                "it must be above 0 (greedy sequences send no sampling)"
+                f"sequence {i} samples at temperature 0; greedy sequences send no sampling"
             )
         if len(smp.uniforms) != uniforms[i]:
             raise InvalidArgument(
                 f"sequence {i} sent {len(smp.uniforms)} uniforms for {uniforms[i]} draws"
             )
-        if not (0.0 <= smp.top_p <= 1.0 and 0.0 <= smp.min_p <= 1.0) or smp.top_k < 0:
-            raise InvalidArgument(f"sequence {i}: top_p and min_p must be in [0, 1] and top_k >= 0")
+        for name in ("temperature", "top_p", "min_p"):
+            checks.number(name, getattr(smp, name), f"sequence {i}'s {name}")
+        for u in smp.uniforms:
+            checks.number("uniform", u, f"a uniform of sequence {i}")
+        if smp.top_k < -1:
+            raise InvalidArgument(f"sequence {i}'s top_k is {smp.top_k}; it must be -1 or above")

@@ -1,10 +1,15 @@
 """Input checks shared by the engine's operations. Each raises a `ModelError` with a sentence,
 before any state is touched. Beside them, the parser of the `A:B,...` settings that both
-processes read (it raises `ValueError`: a bad setting is the operator's, not a client's)."""
+processes read (it raises `ValueError`: a bad setting is the operator's, not a client's).
+
+The ranges of a request's numbers live here once (`FLOATS`, `INTS`): the `Door`, the OpenAI
+front, the GPU service and `met generate`'s flags all ask `number_problem` / `int_problem`."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from protos.model import FailedPrecondition, InvalidArgument
 
@@ -75,3 +80,82 @@ def parse_pairs(spec: str, what: str, first: str, second: str) -> list[tuple[int
             )
         pairs.append((a, b))
     return pairs
+
+
+@dataclass(frozen=True)
+class Span:
+    """The values a number may take: `low ..= high`, or `also` (a value with a meaning of its
+    own, like a temperature of 0: greedy). NaN fails every comparison, so each test is written
+    as what must hold, and an infinity is outside every span."""
+
+    low: float
+    high: float
+    text: str  # what the sentence says the value must be
+    also: float | None = None
+
+    def holds(self, value: float) -> bool:
+        return self.low <= value <= self.high or value == self.also
+
+
+# Why these ends. A logit a model produces is far below fp32's (and bf16's) largest finite
+# value, 3.4e38. Every adjustment keeps such a logit finite with room to spare: the repetition
+# penalty divides a positive logit by r and multiplies a negative one, so r in 0.01 ..= 100
+# moves any logit under 3.4e36 at most a factor of 100 (a penalty just above 0, as vLLM's
+# `> 0` allows, sends logit / r to infinity and every logprob to NaN); presence, frequency and
+# bias add at most a context's count of 2s or one 100. The temperature divides logits in fp64
+# (gpu_service/sampling.py), and vLLM clamps it to 0.01 for the same reason the penalty is
+# bounded. Every end is inside fp32, so a value sent as a JSON double means what the wire's
+# float carries.
+PENALTY_BOUND = 2.0  # vLLM's: presence and frequency penalties
+BIAS_BOUND = 100.0  # OpenAI's: a logit bias
+FLOATS: dict[str, Span] = {
+    "temperature": Span(0.01, 100.0, "0 (greedy) or from 0.01 to 100", also=0.0),
+    "top_p": Span(0.0, 1.0, "above 0 and at most 1, or 0 for no cut"),
+    "min_p": Span(0.0, 1.0, "from 0 (no cut) to 1"),
+    "presence_penalty": Span(-PENALTY_BOUND, PENALTY_BOUND, "from -2 to 2"),
+    "frequency_penalty": Span(-PENALTY_BOUND, PENALTY_BOUND, "from -2 to 2"),
+    "repetition_penalty": Span(0.01, 100.0, "from 0.01 to 100 (1: none)"),
+    "logit_bias": Span(-BIAS_BOUND, BIAS_BOUND, "from -100 to 100"),
+    "uniform": Span(0.0, 1.0, "from 0 to 1"),  # a draw's uniform, sent by the control plane
+}
+
+UINT32, UINT64 = (1 << 32) - 1, (1 << 64) - 1
+INT32 = (1 << 31) - 1
+# Whole numbers of a `GenerateRequest`: what the wire type holds, and what no served model
+# changes (the `Door` checks what depends on the model: the vocabulary, the context, drafts).
+INTS: dict[str, Span] = {
+    "max_new_tokens": Span(1, UINT32, f"from 1 to {UINT32}"),
+    "min_new_tokens": Span(0, UINT32, f"from 0 to {UINT32}"),
+    "seed": Span(0, UINT64, f"from 0 to {UINT64}"),
+    "top_k": Span(-1, INT32, f"-1 or 0 (no limit), or a count to {INT32}"),
+    "num_drafts": Span(1, UINT32, f"from 1 to {UINT32}"),
+    "token_id": Span(0, UINT32, f"from 0 to {UINT32}"),
+}
+
+
+def number_problem(name: str, value: float, shown: str | None = None) -> str | None:
+    """A sentence when `value` is outside `FLOATS[name]`, naming it as `shown` (default
+    `name`); None when it holds."""
+    span = FLOATS[name]
+    if span.holds(value):
+        return None
+    return f"{shown or name} is {value}; it must be {span.text}"
+
+
+def int_problem(name: str, value: int, shown: str | None = None) -> str | None:
+    """As `number_problem`, for the whole numbers of `INTS`."""
+    span = INTS[name]
+    if span.holds(value):
+        return None
+    return f"{shown or name} is {value}; it must be {span.text}"
+
+
+def number(name: str, value: float, shown: str | None = None) -> None:
+    """`InvalidArgument` with `number_problem`'s sentence."""
+    if (problem := number_problem(name, value, shown)) is not None:
+        raise InvalidArgument(problem)
+
+
+def finite(values: Sequence[float]) -> bool:
+    """Whether every value is a finite number."""
+    return all(math.isfinite(v) for v in values)

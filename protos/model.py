@@ -35,7 +35,6 @@ sequence from its own previous result, which the control plane has not read yet.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -164,16 +163,6 @@ class Logits:
     shape: tuple[int, ...]  # (rows, vocab)
 
 
-# vLLM's bounds: presence and frequency penalties in [-PENALTY_BOUND, PENALTY_BOUND]; OpenAI's:
-# a logit bias in [-BIAS_BOUND, BIAS_BOUND].
-PENALTY_BOUND = 2.0
-BIAS_BOUND = 100.0
-
-
-def _span(bound: float) -> str:
-    return f"from -{bound:g} to {bound:g}"
-
-
 @dataclass(frozen=True)
 class Penalties:
     """vLLM's penalties and OpenAI's logit bias for one sequence, set at `alloc_sequence`: the
@@ -193,19 +182,17 @@ class Penalties:
         return bool(self.presence or self.frequency or self.bias_ids or self.repetition != 1.0)
 
     def problem(self, vocab_size: int) -> str | None:
-        """A sentence naming what is out of range (as a request names it), or None. NaN fails
-        every comparison, so each test is written as what must hold."""
+        """A sentence naming what is out of range (as a request names it), or None; the
+        ranges are `protos.checks.FLOATS`."""
+        from protos import checks  # checks raises this module's errors
+
         for name, value in (
             ("presence_penalty", self.presence),
             ("frequency_penalty", self.frequency),
+            ("repetition_penalty", self.repetition),
         ):
-            if not -PENALTY_BOUND <= value <= PENALTY_BOUND:
-                return f"{name} is {value}; it must be {_span(PENALTY_BOUND)}"
-        if not (math.isfinite(self.repetition) and self.repetition > 0):
-            return (
-                f"repetition_penalty is {self.repetition}; it must be a finite number above 0 "
-                "(1: none)"
-            )
+            if (problem := checks.number_problem(name, value)) is not None:
+                return problem
         if len(self.bias_ids) != len(self.bias_values):
             return (
                 f"logit_bias has {len(self.bias_ids)} token ids but {len(self.bias_values)} values"
@@ -217,15 +204,15 @@ class Penalties:
                 return (
                     f"logit_bias names token id {t}, outside the vocabulary (0 .. {vocab_size - 1})"
                 )
-            if not -BIAS_BOUND <= b <= BIAS_BOUND:
-                return f"logit_bias of token {t} is {b}; it must be {_span(BIAS_BOUND)}"
+            if problem := checks.number_problem("logit_bias", b, f"logit_bias of token {t}"):
+                return problem
         return None
 
 
 @dataclass(frozen=True)
 class Sampling:
     temperature: float
-    top_k: int = 0  # 0: no limit
+    top_k: int = 0  # 0 (or -1, as vLLM's): no limit
     top_p: float = 1.0
     uniforms: tuple[float, ...] = ()  # one per verify row, or per draft for a propose
     min_p: float = 0.0  # 0: no cut; else below min_p times the top probability is cut

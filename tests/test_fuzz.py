@@ -106,10 +106,14 @@ def _int(fz: Fuzz, f: FieldDescriptor) -> int:
     bits = 64 if f.type in (FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_INT64) else 32
     r = fz.rng.random()
     if r < 0.5:
-        return fz.rng.randrange(fz.caps.vocab_size + 2)
-    if r < 0.85:
-        return fz.rng.choice(EDGE_INTS)
-    return fz.rng.getrandbits(bits)
+        value = fz.rng.randrange(fz.caps.vocab_size + 2)
+    elif r < 0.85:
+        value = fz.rng.choice(EDGE_INTS)
+    else:
+        value = fz.rng.getrandbits(bits)
+    if f.type in (FieldDescriptor.TYPE_INT32, FieldDescriptor.TYPE_INT64):  # signed: -1 too
+        value = value - (1 << bits) if value >= 1 << (bits - 1) else value
+    return value
 
 
 def _scalar(fz: Fuzz, f: FieldDescriptor) -> object:

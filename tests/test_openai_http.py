@@ -231,20 +231,44 @@ BAD = {
     "min_p": (
         {"extra_body": {"min_p": 2}},
         400,
-        None,
+        "min_p",
         "min_p is 2.0; it must be from 0 (no cut) to 1",
     ),
     "presence_penalty": (
         {"presence_penalty": 3},
         400,
-        None,
+        "presence_penalty",
         "presence_penalty is 3.0; it must be from -2 to 2",
     ),
     "repetition_penalty": (
         {"extra_body": {"repetition_penalty": 0}},
         400,
-        None,
-        "repetition_penalty is 0.0; it must be a finite number above 0 (1: none)",
+        "repetition_penalty",
+        "repetition_penalty is 0.0; it must be from 0.01 to 100 (1: none)",
+    ),
+    "repetition_penalty-near-0": (  # logit / r overflows: every logprob NaN
+        {"extra_body": {"repetition_penalty": 1e-45}},
+        400,
+        "repetition_penalty",
+        "repetition_penalty is 1e-45; it must be from 0.01 to 100 (1: none)",
+    ),
+    "speculative-method-list": (
+        {"extra_body": {"speculative": {"method": ["mtp"]}}},
+        400,
+        "speculative",
+        'speculative.method is ["mtp"]; use one of none, mtp, prompt_lookup',
+    ),
+    "speculative-method-object": (
+        {"extra_body": {"speculative": {"method": {}}}},
+        400,
+        "speculative",
+        "speculative.method is {{}}; use one of none, mtp, prompt_lookup",  # str.format's
+    ),
+    "logit_bias-key-past-int": (  # past int()'s 4,300 digits
+        {"logit_bias": {"9" * 5000: 1}},
+        400,
+        "logit_bias",
+        'logit_bias names "' + "9" * 36 + "...; a key is a token id, 0 to 4294967295",
     ),
     "logit_bias-value": (
         {"logit_bias": {"7": "3"}},
@@ -261,8 +285,8 @@ BAD = {
     "temperature": (
         {"temperature": -1},
         400,
-        None,
-        "temperature is -1.0; it must be a finite number, 0 or above",
+        "temperature",
+        "temperature is -1.0; it must be 0 (greedy) or from 0.01 to 100",
     ),
     "logprobs": (
         {"logprobs": 2},

@@ -78,15 +78,15 @@ def refusal(stub: pb_grpc.GenerationServiceStub, request: pb.GenerateRequest) ->
 BAD = {
     "temperature-nan": (
         pb.GenerateRequest(prompt="a", temperature=NAN),
-        "temperature is nan; it must be a finite number, 0 or above",
+        "temperature is nan; it must be 0 (greedy) or from 0.01 to 100",
     ),
     "temperature-inf": (
         pb.GenerateRequest(prompt="a", temperature=INF),
-        "temperature is inf; it must be a finite number, 0 or above",
+        "temperature is inf; it must be 0 (greedy) or from 0.01 to 100",
     ),
     "temperature-negative": (
         pb.GenerateRequest(prompt="a", temperature=-1.0),
-        "temperature is -1.0; it must be a finite number, 0 or above",
+        "temperature is -1.0; it must be 0 (greedy) or from 0.01 to 100",
     ),
     "top_p-above-1": (
         pb.GenerateRequest(prompt="a", temperature=1.0, top_p=1.5),
@@ -102,7 +102,7 @@ BAD = {
     ),
     "top_k-past-vocab": (
         pb.GenerateRequest(prompt="a", temperature=1.0, top_k=321),
-        "top_k is 321; it must be at most the vocabulary size 320 (0: no limit)",
+        "top_k is 321; it must be at most the vocabulary size 320 (0 or -1: no limit)",
     ),
     "min-over-max": (
         pb.GenerateRequest(prompt="a", max_new_tokens=5, min_new_tokens=6),

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import math
 from collections.abc import Iterable
 
 import grpc
@@ -19,6 +18,7 @@ from control_plane.text.chat import KWARGS, ChatTemplate, parse_kwargs
 from control_plane.text.detok import Tokenizer
 from control_plane.text.grammar import Grammar, GrammarCompiler
 from control_plane.text.tokenizer import Tokenization
+from protos import checks
 from protos.met.v1 import generate_pb2 as pb
 from protos.model import Capabilities, ModelError, Penalties
 
@@ -93,7 +93,7 @@ def to_request(
         logprobs=r.logprobs,
         grammar=_grammar(r, compiler),
         temperature=r.temperature,
-        top_k=r.top_k,
+        top_k=max(r.top_k, 0),  # -1, vLLM's no limit, is 0's
         top_p=r.top_p or 1.0,  # proto3 cannot tell an unset top_p from 0
         min_p=r.min_p,
         seed=r.seed if r.HasField("seed") else None,
@@ -221,23 +221,15 @@ def _check_method(r: pb.GenerateRequest, caps: Capabilities) -> None:
 
 
 def _check_sampling(r: pb.GenerateRequest, caps: Capabilities) -> None:
-    """temperature, top_p, min_p and top_k: finite and in range (NaN fails every comparison, so each
-    test is written as what must hold)."""
-    if not (math.isfinite(r.temperature) and r.temperature >= 0):
-        raise BadRequest(
-            INVALID, f"temperature is {r.temperature}; it must be a finite number, 0 or above"
-        )
-    if not 0.0 <= r.top_p <= 1.0:
-        raise BadRequest(
-            INVALID, f"top_p is {r.top_p}; it must be above 0 and at most 1, or 0 for no cut"
-        )
-    if not 0.0 <= r.min_p <= 1.0:
-        raise BadRequest(INVALID, f"min_p is {r.min_p}; it must be from 0 (no cut) to 1")
-    if r.top_k > caps.vocab_size:
+    """temperature, top_p, min_p (their ranges: `checks.FLOATS`) and top_k."""
+    for name in ("temperature", "top_p", "min_p"):
+        if (problem := checks.number_problem(name, getattr(r, name))) is not None:
+            raise BadRequest(INVALID, problem)
+    if not -1 <= r.top_k <= caps.vocab_size:
         raise BadRequest(
             INVALID,
             f"top_k is {r.top_k}; it must be at most the vocabulary size {caps.vocab_size} "
-            "(0: no limit)",
+            "(0 or -1: no limit)",
         )
 
 

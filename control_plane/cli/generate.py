@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -12,7 +13,7 @@ import grpc
 from control_plane.admission.auth import bearer
 from control_plane.cli.server import DEFAULT_PORT
 from control_plane.text.chat import parse_kwargs
-from protos import tls
+from protos import checks, tls
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
 
@@ -21,6 +22,45 @@ METHODS = {
     "mtp": pb.SPECULATIVE_METHOD_MTP,
     "prompt_lookup": pb.SPECULATIVE_METHOD_PROMPT_LOOKUP,
 }
+
+
+def _whole(name: str, shown: str | None = None) -> Callable[[str], int]:
+    """An argparse `type` for the whole number `checks.INTS[name]` holds, named `shown` in the
+    sentence (default `name`)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if (problem := checks.int_problem(name, value, shown)) is not None:
+            raise argparse.ArgumentTypeError(problem)
+        return value
+
+    return parse
+
+
+def _real(name: str) -> Callable[[str], float]:
+    """An argparse `type` for the number `checks.FLOATS[name]` holds."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if (problem := checks.number_problem(name, value)) is not None:
+            raise argparse.ArgumentTypeError(problem)
+        return value
+
+    return parse
+
+
+def _bias(text: str) -> tuple[int, float]:
+    """`ID:BIAS` -> (ID, BIAS), each in its range."""
+    token, colon, bias = text.partition(":")
+    if not colon:
+        raise argparse.ArgumentTypeError(f"{text!r} is not ID:BIAS (for example 42:-100)")
+    return _whole("token_id", "a token id")(token), _real("logit_bias")(bias)
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -44,21 +84,26 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--target", default=f"127.0.0.1:{DEFAULT_PORT}", help="the control plane, HOST:PORT"
     )
-    parser.add_argument("--max-new-tokens", type=int, default=None)
-    parser.add_argument("--min-new-tokens", type=int, default=0)
+    parser.add_argument("--max-new-tokens", type=_whole("max_new_tokens"), default=None)
+    parser.add_argument("--min-new-tokens", type=_whole("min_new_tokens"), default=0)
     parser.add_argument("--stop", action="append", default=[], help="a stop string (repeat)")
-    parser.add_argument("--stop-token-id", type=int, action="append", default=[])
+    parser.add_argument(
+        "--stop-token-id", type=_whole("token_id", "a token id"), action="append", default=[]
+    )
     parser.add_argument("--ignore-eos", action="store_true")
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--min-p", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--presence-penalty", type=float, default=0.0)
-    parser.add_argument("--frequency-penalty", type=float, default=0.0)
-    parser.add_argument("--repetition-penalty", type=float, default=None, help="1: none")
+    parser.add_argument("--temperature", type=_real("temperature"), default=0.0)
+    parser.add_argument("--top-p", type=_real("top_p"), default=1.0)
+    parser.add_argument("--top-k", type=_whole("top_k"), default=0, help="0 or -1: no limit")
+    parser.add_argument("--min-p", type=_real("min_p"), default=0.0)
+    parser.add_argument("--seed", type=_whole("seed"), default=None)
+    parser.add_argument("--presence-penalty", type=_real("presence_penalty"), default=0.0)
+    parser.add_argument("--frequency-penalty", type=_real("frequency_penalty"), default=0.0)
+    parser.add_argument(
+        "--repetition-penalty", type=_real("repetition_penalty"), default=None, help="1: none"
+    )
     parser.add_argument(
         "--logit-bias",
+        type=_bias,
         action="append",
         default=[],
         metavar="ID:BIAS",
@@ -66,28 +111,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--logprobs", action="store_true")
     parser.add_argument("--method", choices=list(METHODS), default=None)
-    parser.add_argument("--num-drafts", type=int, default=None)
+    parser.add_argument("--num-drafts", type=_whole("num_drafts"), default=None)
     parser.add_argument("--request-id", default="")
     parser.add_argument("--json-schema", default=None, help="constrain the output (JSON text)")
     parser.add_argument("--regex", default=None, help="constrain the output to a regex")
     parser.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds")
     parser.add_argument("--api-key", default=None, help="sent as `authorization: Bearer KEY`")
     tls.add_client_args(parser, "tls", "the control plane")
-
-
-def _logit_bias(pairs: list[str]) -> dict[int, float]:
-    out = {}
-    for pair in pairs:
-        token, _, bias = pair.partition(":")
-        try:
-            if not token.isdecimal():
-                raise ValueError(token)
-            out[int(token)] = float(bias)
-        except ValueError:
-            raise SystemExit(
-                f"--logit-bias {pair!r} is not ID:BIAS (for example 42:-100)"
-            ) from None
-    return out
 
 
 def _template_kwargs(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -115,7 +145,7 @@ def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
         top_k=args.top_k,
         presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty,
-        logit_bias=_logit_bias(args.logit_bias),
+        logit_bias=dict(args.logit_bias),
         logprobs=args.logprobs,
         request_id=args.request_id,
         speculative_method=METHODS.get(args.method, pb.SPECULATIVE_METHOD_UNSPECIFIED),

@@ -3,16 +3,17 @@
 A known parameter this server cannot honour (tools, `top_logprobs`, `best_of`, ...)
 is refused with a sentence naming it, never dropped. Unknown fields are ignored, as vLLM
 ignores them: SDKs add their own (`user`, `metadata`, `store`), and none of those changes the
-output. Only types, and what the wire types cannot hold, are checked here; the ranges of the
-fields a `GenerateRequest` carries are the `Door`'s to check.
+output. Types, and what the wire types cannot hold, are checked here, and every number's range
+(`protos.checks`, the ranges the `Door` holds too) on the value as sent, before it is rounded to
+the wire's float; the ranges that depend on the served model are the `Door`'s to check.
 
 Beyond OpenAI's parameters it takes `speculative` ({"method": "none" | "mtp" |
 "prompt_lookup", "num_drafts": N}), `add_generation_prompt` (chat), and vLLM's `top_k`,
 `min_p`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `repetition_penalty` and
-`chat_template_kwargs` (chat). Left unset, `temperature` is 1 as in OpenAI's API, and
-`max_tokens` the server's `--max-new-tokens`. A message's content is text, or text parts
-(joined with newlines, as vLLM joins them); an image, audio or video part is refused: this
-server serves text only."""
+`chat_template_kwargs` (chat); `top_k: -1` is vLLM's no limit. Left unset, `temperature` is 1
+as in OpenAI's API, and `max_tokens` the server's `--max-new-tokens`. A message's content is
+text, or text parts (joined with newlines, as vLLM joins them); an image, audio or video part is
+refused: this server serves text only."""
 
 from __future__ import annotations
 
@@ -25,9 +26,10 @@ import grpc
 
 from control_plane.admission.door import INVALID, METHODS, BadRequest
 from control_plane.text.chat import KWARGS
+from protos import checks
+from protos.checks import INT32, UINT32, UINT64
 from protos.met.v1 import generate_pb2 as pb
 
-UINT32, UINT64 = (1 << 32) - 1, (1 << 64) - 1
 METHOD_NAMES = {name: method for method, name in METHODS.items()}
 FORMATS = "text, json_object or json_schema"
 SPECULATIVE_KEYS = ("method", "num_drafts")
@@ -159,7 +161,7 @@ def _sampling(body: dict) -> pb.GenerateRequest:
     r.min_p = _number(body, "min_p") or 0.0
     if (seed := _int(body, "seed", most=UINT64)) is not None:
         r.seed = seed
-    r.top_k = _int(body, "top_k") or 0
+    r.top_k = _int(body, "top_k", least=-1, most=INT32) or 0
     r.min_new_tokens = _int(body, "min_tokens") or 0
     r.ignore_eos = bool(_bool(body, "ignore_eos"))
     r.stop_token_ids.extend(_ids(_list(body, "stop_token_ids"), "stop_token_ids"))
@@ -177,7 +179,8 @@ def _logit_bias(body: dict) -> dict[int, float]:
     given = _object(body, "logit_bias") or {}
     out = {}
     for key in given:
-        if not (key.isascii() and key.isdecimal() and int(key) <= UINT32):
+        # At most UINT32's 10 digits before int(), which refuses past 4,300 of them.
+        if not (key.isascii() and key.isdecimal() and len(key) <= 10 and int(key) <= UINT32):
             raise InvalidParam(
                 "logit_bias", f"logit_bias names {_shown(key)}; a key is a token id, 0 to {UINT32}"
             )
@@ -185,11 +188,14 @@ def _logit_bias(body: dict) -> dict[int, float]:
         try:
             if isinstance(bias, bool) or not isinstance(bias, int | float):
                 raise TypeError(bias)
-            out[int(key)] = float(bias)
+            value = float(bias)
         except (TypeError, ValueError, OverflowError):  # not a number, or an int past a float
             raise InvalidParam(
                 "logit_bias", f"logit_bias of {key} is {_shown(bias)}; it must be a number"
             ) from None
+        if problem := checks.number_problem("logit_bias", value, f"logit_bias of {key}"):
+            raise InvalidParam("logit_bias", problem)
+        out[int(key)] = value
     return out
 
 
@@ -321,7 +327,7 @@ def _speculative(body: dict, r: pb.GenerateRequest) -> None:
         )
     method = spec.get("method")
     if method is not None:
-        if method not in METHOD_NAMES:
+        if not isinstance(method, str) or method not in METHOD_NAMES:
             names = ", ".join(METHOD_NAMES)
             raise InvalidParam(
                 "speculative", f"speculative.method is {_shown(method)}; use one of {names}"
@@ -335,13 +341,17 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _int(obj: dict, key: str, param: str | None = None, most: int = UINT32) -> int | None:
+def _int(
+    obj: dict, key: str, param: str | None = None, most: int = UINT32, least: int = 0
+) -> int | None:
     value = obj.get(key)
     if value is None:
         return None
-    if not _is_int(value) or not 0 <= value <= most:
+    if not _is_int(value) or not least <= value <= most:
         name = param or key
-        raise InvalidParam(name, f"{name} is {_shown(value)}; it must be an integer, 0 to {most}")
+        raise InvalidParam(
+            name, f"{name} is {_shown(value)}; it must be an integer, {least} to {most}"
+        )
     return value
 
 
@@ -355,14 +365,19 @@ def _ids(values: list, param: str) -> list[int]:
 
 
 def _number(obj: dict, key: str) -> float | None:
+    """A number in its range of `checks.FLOATS`, as sent (JSON's double, not the wire's float)."""
     value = obj.get(key)
     if value is None:
         return None
     if isinstance(value, int | float) and not isinstance(value, bool):
         try:
-            return float(value)
+            number = float(value)
         except OverflowError:  # an integer past any float
             pass
+        else:
+            if (problem := checks.number_problem(key, number)) is not None:
+                raise InvalidParam(key, problem)
+            return number
     raise InvalidParam(key, f"{key} is {_shown(value)}; it must be a number")
 
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Protocol
 from opentelemetry.trace import SpanContext
 
 from control_plane.text.detok import Detokenizer, Tokenizer
+from protos import checks
 from protos.model import FailedPrecondition, ModelError, Penalties, Sampling, SequenceHandle
 
 if TYPE_CHECKING:  # llguidance is imported only where grammars are compiled
@@ -242,7 +243,15 @@ class ActiveSeq:
 
     def gain(self, tokens: list[int], logprobs: list[float] | None = None) -> None:
         """Append what the model produced, stopping at EOS, a stop token, a stop string or
-        the length; stream the delta."""
+        the length; stream the delta. A row whose logprob is not finite had logits that
+        were not (NaN, or an infinity): this request fails alone, and no NaN leaves."""
+        if logprobs is not None and not checks.finite(logprobs[: len(tokens)]):
+            self.refuse(
+                FailedPrecondition.code,
+                f"the model's logits for output token {len(self.generated)} are not finite "
+                "(NaN or infinity), so no token can be chosen from them",
+            )
+            return
         kept: list[int] = []
         for t in tokens:
             early = len(self.generated) < self.req.min_new_tokens
