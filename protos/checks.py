@@ -83,10 +83,10 @@ def parse_pairs(spec: str, what: str, first: str, second: str) -> list[tuple[int
 
 
 @dataclass(frozen=True)
-class Span:
+class Bounds:
     """The values a number may take: `low ..= high`, or `also` (a value with a meaning of its
     own, like a temperature of 0: greedy). NaN fails every comparison, so each test is written
-    as what must hold, and an infinity is outside every span."""
+    as what must hold, and an infinity is outside all bounds."""
 
     low: float
     high: float
@@ -104,50 +104,50 @@ class Span:
 # `> 0` allows, sends logit / r to infinity and every logprob to NaN); presence, frequency and
 # bias add at most a context's count of 2s or one 100. The temperature divides logits in fp64
 # (gpu_service/sampling.py), and vLLM clamps it to 0.01 for the same reason the penalty is
-# bounded. Every end is inside fp32, so a value sent as a JSON double means what the wire's
-# float carries.
+# bounded. Every end is an fp32 number, so the wire's float holds each one, and the OpenAI
+# front checks a JSON double before it is rounded to that float (1e39 is refused, not inf).
 PENALTY_BOUND = 2.0  # vLLM's: presence and frequency penalties
 BIAS_BOUND = 100.0  # OpenAI's: a logit bias
-FLOATS: dict[str, Span] = {
-    "temperature": Span(0.01, 100.0, "0 (greedy) or from 0.01 to 100", also=0.0),
-    "top_p": Span(0.0, 1.0, "above 0 and at most 1, or 0 for no cut"),
-    "min_p": Span(0.0, 1.0, "from 0 (no cut) to 1"),
-    "presence_penalty": Span(-PENALTY_BOUND, PENALTY_BOUND, "from -2 to 2"),
-    "frequency_penalty": Span(-PENALTY_BOUND, PENALTY_BOUND, "from -2 to 2"),
-    "repetition_penalty": Span(0.01, 100.0, "from 0.01 to 100 (1: none)"),
-    "logit_bias": Span(-BIAS_BOUND, BIAS_BOUND, "from -100 to 100"),
-    "uniform": Span(0.0, 1.0, "from 0 to 1"),  # a draw's uniform, sent by the control plane
+FLOATS: dict[str, Bounds] = {
+    "temperature": Bounds(0.01, 100.0, "0 (greedy) or from 0.01 to 100", also=0.0),
+    "top_p": Bounds(0.0, 1.0, "above 0 and at most 1, or 0 for no cut"),
+    "min_p": Bounds(0.0, 1.0, "from 0 (no cut) to 1"),
+    "presence_penalty": Bounds(-PENALTY_BOUND, PENALTY_BOUND, "from -2 to 2"),
+    "frequency_penalty": Bounds(-PENALTY_BOUND, PENALTY_BOUND, "from -2 to 2"),
+    "repetition_penalty": Bounds(0.01, 100.0, "from 0.01 to 100 (1: none)"),
+    "logit_bias": Bounds(-BIAS_BOUND, BIAS_BOUND, "from -100 to 100"),
+    "uniform": Bounds(0.0, 1.0, "from 0 to 1"),  # a draw's uniform, sent by the control plane
 }
 
 UINT32, UINT64 = (1 << 32) - 1, (1 << 64) - 1
 INT32 = (1 << 31) - 1
 # Whole numbers of a `GenerateRequest`: what the wire type holds, and what no served model
 # changes (the `Door` checks what depends on the model: the vocabulary, the context, drafts).
-INTS: dict[str, Span] = {
-    "max_new_tokens": Span(1, UINT32, f"from 1 to {UINT32}"),
-    "min_new_tokens": Span(0, UINT32, f"from 0 to {UINT32}"),
-    "seed": Span(0, UINT64, f"from 0 to {UINT64}"),
-    "top_k": Span(-1, INT32, f"-1 or 0 (no limit), or a count to {INT32}"),
-    "num_drafts": Span(1, UINT32, f"from 1 to {UINT32}"),
-    "token_id": Span(0, UINT32, f"from 0 to {UINT32}"),
+INTS: dict[str, Bounds] = {
+    "max_new_tokens": Bounds(1, UINT32, f"from 1 to {UINT32}"),
+    "min_new_tokens": Bounds(0, UINT32, f"from 0 to {UINT32}"),
+    "seed": Bounds(0, UINT64, f"from 0 to {UINT64}"),
+    "top_k": Bounds(-1, INT32, f"-1 or 0 (no limit), or a count to {INT32}"),
+    "num_drafts": Bounds(1, UINT32, f"from 1 to {UINT32}"),
+    "token_id": Bounds(0, UINT32, f"from 0 to {UINT32}"),
 }
 
 
 def number_problem(name: str, value: float, shown: str | None = None) -> str | None:
     """A sentence when `value` is outside `FLOATS[name]`, naming it as `shown` (default
     `name`); None when it holds."""
-    span = FLOATS[name]
-    if span.holds(value):
+    bounds = FLOATS[name]
+    if bounds.holds(value):
         return None
-    return f"{shown or name} is {value}; it must be {span.text}"
+    return f"{shown or name} is {value}; it must be {bounds.text}"
 
 
 def int_problem(name: str, value: int, shown: str | None = None) -> str | None:
     """As `number_problem`, for the whole numbers of `INTS`."""
-    span = INTS[name]
-    if span.holds(value):
+    bounds = INTS[name]
+    if bounds.holds(value):
         return None
-    return f"{shown or name} is {value}; it must be {span.text}"
+    return f"{shown or name} is {value}; it must be {bounds.text}"
 
 
 def number(name: str, value: float, shown: str | None = None) -> None:
