@@ -19,6 +19,17 @@ from protos.model import ADMIN_KEY_ENV
 
 # `--num-slots auto` looks no further: more sequences than this at once is no decode batch.
 MAX_AUTO_SLOTS = 1024
+# `met up`'s prefix snapshots, as compose.yaml's MET_PREFIX_SNAPSHOTS default: the control
+# plane's prefix cache is on by default, and it needs them.
+UP_PREFIX_SNAPSHOTS = 32
+# The flags that shape a model's serving, which `met up` takes and passes to its GPU services.
+SHAPE_FLAGS = (
+    "--device",
+    "--tensor-parallel-size",
+    "--max-context",
+    "--kv-blocks",
+    "--prefix-snapshots",
+)
 
 
 @dataclass(frozen=True)
@@ -49,9 +60,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
     parser.add_argument("--port", type=int, default=50051, help="port (0 picks a free one)")
     add_plan_args(parser)
-    parser.add_argument(
-        "--threads", type=int, default=1, help="torch intra-op threads of the engine (CPU)"
-    )
+    add_threads_arg(parser)
     parser.add_argument(
         "--otlp-endpoint",
         default=None,
@@ -101,13 +110,28 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_threads_arg(parser: argparse.ArgumentParser) -> None:
+    """`--threads`: the service's, and every command's that runs an engine in its process."""
+    parser.add_argument(
+        "--threads",
+        type=whole_number(1),
+        default=1,
+        help="torch intra-op threads of the engine (CPU) (default %(default)s)",
+    )
+
+
+def use_threads(threads: int) -> None:
+    """`--threads` applied. The engine runs on a worker thread, and an OpenMP team outside the
+    main thread doubled the step time at 2 threads on a 2-core machine (measured: 13 ms against
+    6.3 ms at 1), so one thread is the default; more pay off only with cores to spare."""
+    import torch  # here, so that parsing stays torch-free
+
+    torch.set_num_threads(threads)
+
+
 def add_plan_args(parser: argparse.ArgumentParser) -> None:
     """The flags that size the service: `serve`'s, and `plan`'s, which plans what they ask."""
-    parser.add_argument(
-        "--device",
-        default="auto",
-        help="auto (CUDA when torch sees it, else the CPU), cpu, cuda or cuda:N (default auto)",
-    )
+    add_shape_args(parser)
     parser.add_argument(
         "--dtype",
         choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"],
@@ -119,21 +143,11 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
         default=ServiceConfig.verify_tiers,
         help="verify buffers by slot, SLOTS:DRAFTS,... (default %(default)s)",
     )
-    _add_capacity_args(parser)
+    _add_slots_arg(parser)
     parser.add_argument("--max-rows", type=int, default=ServiceConfig.max_rows)
     parser.add_argument("--max-batch", type=int, default=ServiceConfig.max_batch)
     parser.add_argument("--max-prefill-tokens", type=int, default=ServiceConfig.max_prefill_tokens)
     _add_graphs_flag(parser)
-    parser.add_argument(
-        "--tensor-parallel-size",
-        "--tp",
-        dest="tensor_parallel_size",
-        type=whole_number(1),
-        default=1,
-        metavar="N",
-        help="ranks the model is split over, one process per device (cuda:0 .. N-1, or N CPU "
-        "processes); the plan is one rank's (default %(default)s)",
-    )
     parser.add_argument(
         "--device-memory",
         type=parse_bytes,
@@ -144,8 +158,37 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_capacity_args(parser: argparse.ArgumentParser) -> None:
-    """What the service holds: sequences, the context each may reach, the KV pool."""
+def add_shape_args(
+    parser: argparse.ArgumentParser, prefix_snapshots: int = ServiceConfig.prefix_snapshots
+) -> None:
+    """`SHAPE_FLAGS` (`--prefix-snapshots` defaulting to `prefix_snapshots`): where the model
+    runs and what each sequence, the KV pool and the prefix cache may hold."""
+    parser.add_argument(
+        "--device",
+        default="auto",
+        help="auto (CUDA when torch sees it, else the CPU), cpu, cuda or cuda:N (default auto)",
+    )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        "--tp",
+        dest="tensor_parallel_size",
+        type=whole_number(1),
+        default=1,
+        metavar="N",
+        help="ranks the model is split over, one process per device (cuda:0 .. N-1, or N CPU "
+        "processes); the plan is one rank's (default %(default)s)",
+    )
+    _add_capacity_args(parser, prefix_snapshots)
+
+
+def shape_argv(args: argparse.Namespace) -> list[str]:
+    """The flags `add_shape_args` added, as `met gpu-service serve`'s arguments (one left at
+    None is left to the service's default)."""
+    values = {flag: getattr(args, flag[2:].replace("-", "_")) for flag in SHAPE_FLAGS}
+    return [arg for flag, v in values.items() if v is not None for arg in (flag, str(v))]
+
+
+def _add_slots_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--num-slots",
         type=parse_num_slots,
@@ -156,6 +199,10 @@ def _add_capacity_args(parser: argparse.ArgumentParser) -> None:
         "whose memory plan fits the device memory (on the CPU with no --device-memory, the "
         "tiers' count); default: one slot per tier entry",
     )
+
+
+def _add_capacity_args(parser: argparse.ArgumentParser, prefix_snapshots: int) -> None:
+    """What the service holds: the context each sequence may reach, the KV pool, snapshots."""
     parser.add_argument(
         "--max-context",
         type=int,
@@ -177,7 +224,7 @@ def _add_capacity_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prefix-snapshots",
         type=whole_number(0),
-        default=ServiceConfig.prefix_snapshots,
+        default=prefix_snapshots,
         metavar="N",
         help="prefix snapshots the service can hold (each every GDN layer's state and conv "
         "window at a block boundary, and the drafter's carry), so that a prompt starting with a "

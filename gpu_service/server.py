@@ -19,15 +19,16 @@ from gpu_service import graphs, plan, plan_report
 from gpu_service.config import ServiceConfig
 from gpu_service.device import DeviceError, choose_device, default_forward
 from gpu_service.engine import Engine
-from gpu_service.options import access
+from gpu_service.options import access, use_threads
 from gpu_service.servicer import ErrorInterceptor, ModelServicer
 from gpu_service.tp import ranks
-from protos import tls
+from protos import ports, tls
 from protos.bodies import RejectUndecodable
 from protos.met.v1 import model_pb2, model_pb2_grpc
 from protos.telemetry import ServerTracing, setup_tracing
 
 log = logging.getLogger("gpu_service")
+PROG = "met gpu-service serve"
 SERVICE_NAME = model_pb2.DESCRIPTOR.services_by_name["ModelService"].full_name
 
 
@@ -46,6 +47,7 @@ def build_server(
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.max_pings_without_data", 0),  # a session stream carries no data
             ("grpc.http2.ping_timeout_ms", half_timeout_ms),  # gRPC core's keepalive bound
+            *ports.EXCLUSIVE,
         ],
     )
     model_pb2_grpc.add_ModelServiceServicer_to_server(servicer, server)
@@ -84,10 +86,7 @@ async def serve(
     device: torch.device,
     credentials: grpc.ServerCredentials | None,
 ) -> None:
-    # The engine runs on a worker thread. An OpenMP team outside the main thread doubled the
-    # step time at 2 threads on a 2-core machine (measured: 13 ms against 6.3 ms at 1), so
-    # one thread is the default; more pay off only with cores to spare.
-    torch.set_num_threads(args.threads)
+    use_threads(args.threads)
     flush_spans = setup_tracing("gpu-service", args.otlp_endpoint)
     servicer = ModelServicer(access(args))
     health_servicer = health.aio.HealthServicer()
@@ -132,7 +131,7 @@ async def serve(
 
 def _refuse(message: object) -> NoReturn:
     """End the process as argparse ends it on a bad flag: one sentence on stderr, status 2."""
-    print(f"met gpu-service serve: error: {message}", file=sys.stderr)
+    print(f"{PROG}: error: {message}", file=sys.stderr)
     raise SystemExit(2)
 
 
@@ -173,9 +172,10 @@ def _planned(args: argparse.Namespace, device: torch.device) -> ServiceConfig:
 
 
 def run(args: argparse.Namespace) -> None:
-    credentials = tls.or_exit("met gpu-service serve", tls.server_credentials, args)
+    credentials = tls.or_exit(PROG, tls.server_credentials, args)
+    tls.or_exit(PROG, lambda a: ports.check_free(a.host, {"--port": a.port}), args)
     device = _device_or_exit(args.device)
     _ranks_or_exit(args.tensor_parallel_size, device)
     svc = _planned(args, device)
     logging.basicConfig(level=logging.INFO)
-    asyncio.run(serve(args, svc, device, credentials))
+    tls.or_exit(PROG, lambda a: asyncio.run(serve(a, svc, device, credentials)), args)

@@ -98,11 +98,24 @@ def server_credentials(args: argparse.Namespace) -> grpc.ServerCredentials | Non
     )
 
 
-def add_port(server: grpc.aio.Server, address: str, creds: grpc.ServerCredentials | None) -> int:
-    """Bind `address` (TLS when `creds` is set) and return the port."""
-    if creds is None:
-        return server.add_insecure_port(address)
-    return server.add_secure_port(address, creds)
+def add_port(
+    server: grpc.aio.Server,
+    address: str,
+    creds: grpc.ServerCredentials | None,
+    flag: str = "--port",
+) -> int:
+    """Bind `address` (TLS when `creds` is set) and return the port; FlagError naming `flag`
+    when it cannot be bound (a server built with `ports.EXCLUSIVE` shares no port)."""
+    try:
+        if creds is None:
+            return server.add_insecure_port(address)
+        return server.add_secure_port(address, creds)
+    except RuntimeError:
+        host, port = address.rsplit(":", 1)
+        raise FlagError(
+            f"port {port} ({flag}) cannot be bound on {host}: another process holds it, or the "
+            "address is not this machine's"
+        ) from None
 
 
 # -- clients ---------------------------------------------------------------------------------

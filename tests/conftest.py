@@ -58,6 +58,10 @@ SLOW_TESTS = {
     "tests/test_tls.py::test_mutual_tls_between_the_processes": "both processes under mTLS",
     "tests/test_tls.py::test_processes_refuse_a_cert_without_its_key": "starts each process",
     "tests/test_hf_parity.py": "builds transformers' reference model for every comparison",
+    "tests/test_cli_ports.py::test_a_second_server_on_a_busy_port_exits_2_before_loading": "starts "
+    "each server process on a busy port",
+    "tests/test_cli_ports.py::test_up_on_a_bad_path_says_one_sentence": "starts met up and its GPU "
+    "service process",
     "tests/test_qwen3_5.py": "transformers' Qwen3.5 models, both processes, TP ranks, the "
     "interpreted diff",
     "tests/test_serve_checkpoint.py": "serves a transformers checkpoint with both processes",

@@ -18,6 +18,14 @@ from protos import tls
 from protos.model import ADMIN_KEY_ENV
 
 
+class ChildExited(RuntimeError):
+    """A service child that ended before it served; it said why on its own stderr."""
+
+    def __init__(self, process: str, status: int) -> None:
+        super().__init__(f"the {process} exited with status {status} before serving")
+        self.status = status
+
+
 def start_gpu_service(
     model_dir: Path | str,
     *extra: str,
@@ -73,11 +81,11 @@ def start(
             seen.append(line)
     else:
         proc.kill()
-        raise RuntimeError(f"the {process} exited before listening (status {proc.wait()})")
+        raise ChildExited(process, proc.wait())
     target = line.split("listening on", 1)[1].split()[0]
     # Keep draining the child's output so a full pipe never blocks it.
     threading.Thread(target=_forward, args=(process, proc.stdout), daemon=True).start()
-    wait_serving(target, timeout, credentials)
+    wait_serving(target, timeout, credentials, proc)
     return proc, target
 
 
@@ -87,8 +95,13 @@ def _forward(process: str, stream: IO[str]) -> None:
 
 
 def wait_serving(
-    target: str, timeout: float = 120.0, credentials: grpc.ChannelCredentials | None = None
+    target: str,
+    timeout: float = 120.0,
+    credentials: grpc.ChannelCredentials | None = None,
+    child: subprocess.Popen | None = None,
 ) -> None:
+    """Until `target` says SERVING; TimeoutError after `timeout`, ChildExited as soon as the
+    `child` serving it has ended."""
     deadline = time.monotonic() + timeout
     with tls.open_channel(target, credentials) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
@@ -99,6 +112,8 @@ def wait_serving(
                     return
             except grpc.RpcError:
                 pass
+            if child is not None and child.poll() is not None:
+                raise ChildExited(f"service at {target}", child.returncode)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{target} did not become SERVING within {timeout} s")
             time.sleep(0.05)  # polling a child that loads its weights

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from protos.defaults import DEFAULT_MODEL_DIR, DEFAULT_SEED
 from protos.hub import model_path
@@ -58,24 +61,27 @@ def _generate(args: argparse.Namespace) -> None:
     sys.exit(run(args))
 
 
-def _choose_device() -> None:
+def _in_process_engine(args: argparse.Namespace) -> None:
     """For a command that builds an engine in this process: the Triton interpreter decision,
-    made for the device the engine picks, before anything imports a kernel."""
+    made for the device the engine picks, before anything imports a kernel; the service's
+    `--threads`."""
     from gpu_service.device import choose_device
+    from gpu_service.options import use_threads
 
     choose_device()
+    use_threads(args.threads)
 
 
 def _circuit_diff(args: argparse.Namespace) -> None:
     if not args.gpu_service:
-        _choose_device()
+        _in_process_engine(args)
     from control_plane.circuit.report import main
 
     sys.exit(main(args))
 
 
 def _bench(args: argparse.Namespace) -> None:
-    _choose_device()
+    _in_process_engine(args)
     from control_plane.benchmarks.run import run
 
     sys.exit(run(args))
@@ -96,7 +102,11 @@ def _replica_count(text: str) -> int:
 
 
 def _add_up_args(parser: argparse.ArgumentParser) -> None:
-    """`met up`'s own arguments; the control plane's follow them."""
+    """`met up`'s own arguments, the GPU service's that shape its serving, then the control
+    plane's."""
+    from control_plane.cli import server
+    from gpu_service.options import UP_PREFIX_SNAPSHOTS, add_shape_args
+
     parser.add_argument("--model", type=model_path, default=DEFAULT_MODEL_DIR)
     parser.add_argument(
         "--replicas",
@@ -106,25 +116,73 @@ def _add_up_args(parser: argparse.ArgumentParser) -> None:
         help="GPU-service children, each on its own free port, all serving --model; the "
         "control plane routes among them (default: %(default)s)",
     )
+    add_shape_args(parser, prefix_snapshots=UP_PREFIX_SNAPSHOTS)
+    server.add_serve_args(parser, gpu_service_required=False)
 
 
-def _add_gpu_service(sub: argparse._SubParsersAction) -> None:
+class _Commands(argparse._SubParsersAction):
+    """Subcommands whose flags are added only when the command is parsed, so that `met --help`
+    imports no command's module; an argument the command does not take ends the parse with the
+    command's usage and the closest of its flags."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fills: dict[str, Callable[[argparse.ArgumentParser], None]] = {}
+
+    def add(
+        self, name: str, fill: Callable[[argparse.ArgumentParser], None], **kwargs: Any
+    ) -> argparse.ArgumentParser:
+        """The command `name`, its flags added by `fill` when it is parsed."""
+        self.fills[name] = fill
+        return self.add_parser(name, **kwargs)
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
+        command = self.choices.get(values[0])
+        if command is not None and (fill := self.fills.pop(values[0], None)) is not None:
+            fill(command)
+        super().__call__(parser, namespace, values, option_string)
+        extras = getattr(namespace, argparse._UNRECOGNIZED_ARGS_ATTR, None)
+        if command is not None and extras:
+            command.error(unrecognized(command, extras))
+
+
+def unrecognized(parser: argparse.ArgumentParser, extras: list[str]) -> str:
+    """argparse's sentence for arguments `parser` does not take, with the closest flag."""
+    flags = [flag for action in parser._actions for flag in action.option_strings]
+    typed = [arg.split("=", 1)[0] for arg in extras if arg.startswith("--")]
+    close = [c for arg in typed for c in difflib.get_close_matches(arg, flags, n=1)]
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    return f"unrecognized arguments: {' '.join(extras)}{hint}"
+
+
+def _commands(parser: argparse.ArgumentParser, dest: str) -> _Commands:
+    commands = parser.add_subparsers(dest=dest, required=True, action=_Commands)
+    assert isinstance(commands, _Commands)
+    return commands
+
+
+def _fill_gpu_service(gpu: argparse.ArgumentParser) -> None:
     """`met gpu-service serve` and `met gpu-service plan`."""
-    from gpu_service.options import add_plan_args, add_serve_args
+    from gpu_service import options
 
-    gpu = sub.add_parser("gpu-service", help="the GPU service process")
-    gpu_sub = gpu.add_subparsers(dest="action", required=True)
-    gpu_serve = gpu_sub.add_parser("serve", help="serve met.v1.ModelService over gRPC")
-    add_serve_args(gpu_serve)
-    gpu_serve.set_defaults(fn=_gpu_service)
-    gpu_plan = gpu_sub.add_parser(
+    gpu_sub = _commands(gpu, "action")
+    gpu_sub.add("serve", options.add_serve_args, help="serve met.v1.ModelService over gRPC")
+    gpu_sub.choices["serve"].set_defaults(fn=_gpu_service)
+    gpu_plan = gpu_sub.add(
         "plan",
+        _fill_plan,
         help="the memory plan of serving MODEL: each part's bytes against the device's memory",
         description="The bytes serve would allocate for MODEL with these flags, from shapes "
         "alone, as a CUDA service allocates them (captured graphs counted unless "
         "--no-cuda-graphs or --device cpu). Exit status 0 when the plan fits or no memory is "
         "known, 1 when it does not fit, 2 on a bad flag or config.",
     )
+    gpu_plan.set_defaults(fn=_gpu_service_plan)
+
+
+def _fill_plan(gpu_plan: argparse.ArgumentParser) -> None:
+    from gpu_service.options import add_plan_args
+
     gpu_plan.add_argument(
         "model",
         type=model_path,
@@ -134,67 +192,98 @@ def _add_gpu_service(sub: argparse._SubParsersAction) -> None:
     )
     add_plan_args(gpu_plan)
     gpu_plan.add_argument("--json", action="store_true", help="print one JSON object")
-    gpu_plan.set_defaults(fn=_gpu_service_plan)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from control_plane.benchmarks import run as bench
-    from control_plane.circuit import report
-    from control_plane.cli import generate, server
-    from training import options as train_options
+def _fill_control_plane(cp: argparse.ArgumentParser) -> None:
+    def fill_serve(cp_serve: argparse.ArgumentParser) -> None:
+        from control_plane.cli import server
 
-    parser = argparse.ArgumentParser(prog="met", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+        server.add_serve_args(cp_serve)
 
-    _add_gpu_service(sub)
+    cp_sub = _commands(cp, "action")
+    serve = cp_sub.add("serve", fill_serve, help="serve met.v1.GenerationService over gRPC")
+    serve.set_defaults(fn=_control_plane)
 
-    cp = sub.add_parser("control-plane", help="the control plane process")
-    cp_sub = cp.add_subparsers(dest="action", required=True)
-    cp_serve = cp_sub.add_parser("serve", help="serve met.v1.GenerationService over gRPC")
-    server.add_serve_args(cp_serve)
-    cp_serve.set_defaults(fn=_control_plane)
 
-    up = sub.add_parser(
-        "up", help="start the GPU service(s) and the control plane on the default model and serve"
-    )
-    _add_up_args(up)
-    server.add_serve_args(up, gpu_service_required=False)
-    up.set_defaults(fn=_up)
+def _fill_generate(gen: argparse.ArgumentParser) -> None:
+    from control_plane.cli import generate
 
-    gen = sub.add_parser("generate", help="stream one request from a running control plane")
     generate.add_args(gen)
-    gen.set_defaults(fn=_generate)
 
-    circuit = sub.add_parser("circuit", help="proofs that a forward computes the reference")
-    circuit_sub = circuit.add_subparsers(dest="action", required=True)
-    diff = circuit_sub.add_parser("diff", help="compare forwards byte for byte")
-    report.add_args(diff)
+
+def _fill_circuit(circuit: argparse.ArgumentParser) -> None:
+    def fill_diff(diff: argparse.ArgumentParser) -> None:
+        from control_plane.circuit import report
+        from gpu_service.options import add_threads_arg
+
+        report.add_args(diff)
+        add_threads_arg(diff)
+
+    circuit_sub = _commands(circuit, "action")
+    diff = circuit_sub.add("diff", fill_diff, help="compare forwards byte for byte")
     diff.set_defaults(fn=_circuit_diff)
 
-    bench_cmd = sub.add_parser("bench", help="what speculation buys: methods, batching, split")
+
+def _fill_bench(bench_cmd: argparse.ArgumentParser) -> None:
+    from control_plane.benchmarks import run as bench
+    from gpu_service.options import add_threads_arg
+
     bench.add_args(bench_cmd)
-    bench_cmd.set_defaults(fn=_bench)
+    add_threads_arg(bench_cmd)
 
-    train_cmd = sub.add_parser(
-        "train", help="train the default checkpoint (and its MTP head) on the stdlib's source"
-    )
+
+def _fill_train(train_cmd: argparse.ArgumentParser) -> None:
+    from training import options as train_options
+
     train_options.add_args(train_cmd)
-    train_cmd.set_defaults(fn=_train)
 
-    quantize = sub.add_parser(
-        "quantize", help="rewrite a checkpoint in the block-FP8 layout Qwen publishes"
-    )
+
+def _fill_quantize(quantize: argparse.ArgumentParser) -> None:
     quantize.add_argument(
         "--fp8-block", type=int, required=True, metavar="N", help="the scale block (only 128)"
     )
     quantize.add_argument("src", type=Path, help="a bf16 or fp32 checkpoint directory")
     quantize.add_argument("dst", type=Path, help="a new directory for the FP8 checkpoint")
-    quantize.set_defaults(fn=_quantize)
 
-    init = sub.add_parser("init-model", help="write seeded random weights into a checkpoint")
+
+def _fill_init_model(init: argparse.ArgumentParser) -> None:
     init.add_argument("directory", type=Path, help="a new checkpoint directory")
     init.add_argument("--seed", type=int, default=DEFAULT_SEED)
-    init.set_defaults(fn=_init_model)
+
+
+# Each command: its flags' filler, what it runs (None: a group of commands), its help.
+COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Any, str]] = {
+    "gpu-service": (_fill_gpu_service, None, "the GPU service process"),
+    "control-plane": (_fill_control_plane, None, "the control plane process"),
+    "up": (
+        _add_up_args,
+        _up,
+        "start the GPU service(s) and the control plane on the default model and serve",
+    ),
+    "generate": (_fill_generate, _generate, "stream one request from a running control plane"),
+    "circuit": (_fill_circuit, None, "proofs that a forward computes the reference"),
+    "bench": (_fill_bench, _bench, "what speculation buys: methods, batching, split"),
+    "train": (
+        _fill_train,
+        _train,
+        "train the default checkpoint (and its MTP head) on the stdlib's source",
+    ),
+    "quantize": (
+        _fill_quantize,
+        _quantize,
+        "rewrite a checkpoint in the block-FP8 layout Qwen publishes",
+    ),
+    "init-model": (_fill_init_model, _init_model, "write seeded random weights into a checkpoint"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="met", description=__doc__)
+    sub = _commands(parser, "command")
+    for name, (fill, fn, help) in COMMANDS.items():
+        command = sub.add(name, fill, help=help)
+        if fn is not None:
+            command.set_defaults(fn=fn)
     return parser
 
 

@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import logging
 import signal
+import socket
 import ssl
 from pathlib import Path
 
@@ -34,7 +35,7 @@ from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.seq import MTP, NONE
 from control_plane.text.detok import Tokenizer
 from control_plane.text.tokenizer import Tokenization
-from protos import tls
+from protos import ports, tls
 from protos.bodies import RejectUndecodable
 from protos.met.v1 import generate_pb2, generate_pb2_grpc
 from protos.model import ADMIN_KEY_ENV
@@ -220,7 +221,7 @@ def build_server(
     if api_keys:
         # Outermost: a call without a key is refused before its body is even parsed.
         interceptors.insert(0, auth.RequireApiKey(api_keys, [SERVICE_NAME]))
-    server = grpc.aio.server(interceptors=interceptors)
+    server = grpc.aio.server(interceptors=interceptors, options=ports.EXCLUSIVE)
     generate_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -230,32 +231,37 @@ def build_server(
 
 
 async def serve(args: argparse.Namespace, security: Security) -> None:
+    """Serve until SIGTERM or SIGINT; FlagError naming the flag of a port that cannot be bound,
+    before the GPU services are asked anything."""
     flush_spans = setup_tracing("control-plane", args.otlp_endpoint)
     router = build_router(args, security.gpu_service)
     loop = asyncio.get_running_loop()
     health_servicer = health.aio.HealthServicer()
+    servicer = GenerationServicer(router, admission(args))
+    server = build_server(servicer, health_servicer, security.api_keys)
+    port = tls.add_port(server, f"{args.host}:{args.port}", security.server)
+    http_socket = bind_listener(args.host, args.http_port, "--http-port")
+    if router.metrics is not None:
+        metrics_port = serve_metrics(router.metrics, args.host, args.metrics_port)
+        print(f"control-plane metrics on http://{args.host}:{metrics_port}/metrics", flush=True)
 
     def tell_health(up: bool) -> None:  # from the router's thread, or this one
         status = health_pb2.HealthCheckResponse.SERVING if up else NOT_SERVING
         for name in ("", SERVICE_NAME):
             asyncio.run_coroutine_threadsafe(health_servicer.set(name, status), loop)
 
-    # Every replica asked once before the port opens: health is right from the first check.
+    # Every replica asked once before the server answers: health is right from the first check.
     await loop.run_in_executor(None, router.start)
     tell_health(router.healthy)
     router.on_health = tell_health
-    if router.metrics is not None:
-        metrics_port = router.metrics.serve(args.metrics_port, args.host)
-        print(f"control-plane metrics on http://{args.host}:{metrics_port}/metrics", flush=True)
-    servicer = GenerationServicer(router, admission(args))
-    server = build_server(servicer, health_servicer, security.api_keys)
-    port = tls.add_port(server, f"{args.host}:{args.port}", security.server)
     # Before any port is announced: a SIGTERM right after the announcement shuts down cleanly.
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await server.start()
-    http = serve_http(args, servicer.door, security) if args.http_port is not None else None
+    http = (
+        serve_http(args, servicer.door, security, http_socket) if http_socket is not None else None
+    )
     print(
         f"control-plane listening on {args.host}:{port} ({describe(security)}, "
         f"GPU service {args.gpu_service})",
@@ -269,13 +275,40 @@ async def serve(args: argparse.Namespace, security: Security) -> None:
     flush_spans()
 
 
-def serve_http(args: argparse.Namespace, door: Door, security: Security) -> openai_http.HttpServer:
-    """The OpenAI-compatible front on `door`, under the gRPC port's certificate and keys."""
+def listen_ports(args: argparse.Namespace) -> dict[str, int | None]:
+    """The ports the control plane listens on, by the flag that sets each."""
+    return {"--port": args.port, "--http-port": args.http_port, "--metrics-port": args.metrics_port}
+
+
+def bind_listener(host: str, port: int | None, flag: str) -> socket.socket | None:
+    """`port` bound on `host` for an HTTP listener (None: none asked for); FlagError naming
+    `flag` when it cannot be bound."""
+    if port is None:
+        return None
+    try:
+        return ports.bind(host, port)
+    except OSError as e:
+        raise ports.refusal(host, port, flag, e) from None
+
+
+def serve_metrics(metrics: Metrics, host: str, port: int) -> int:
+    """Prometheus' /metrics on `port`; -> the bound port, or FlagError naming --metrics-port."""
+    try:
+        return metrics.serve(port, host)
+    except OSError as e:
+        raise ports.refusal(host, port, "--metrics-port", e) from None
+
+
+def serve_http(
+    args: argparse.Namespace, door: Door, security: Security, sock: socket.socket
+) -> openai_http.HttpServer:
+    """The OpenAI-compatible front on `door` and the bound `sock`, under the gRPC port's
+    certificate and keys."""
     tls: dict = {"ssl_certfile": args.tls_cert, "ssl_keyfile": args.tls_key}
     if args.tls_client_ca is not None:
         tls |= {"ssl_ca_certs": str(args.tls_client_ca), "ssl_cert_reqs": ssl.CERT_REQUIRED}
     app = openai_http.build_app(door, security.api_keys)
-    http = openai_http.serve(app, args.host, args.http_port, args.grace, **tls)
+    http = openai_http.serve(app, args.host, args.http_port, args.grace, sock, **tls)
     scheme = "https" if security.server else "http"
     print(f"control-plane OpenAI API on {scheme}://{args.host}:{http.port}/v1", flush=True)
     return http
@@ -286,8 +319,15 @@ def describe(security: Security) -> str:
     return f"{'TLS' if security.server else 'plaintext'}, {keys}"
 
 
+def check_ports(prog: str, args: argparse.Namespace) -> None:
+    """Every port the control plane listens on free, else the process ended with status 2 and
+    a sentence naming the port and its flag."""
+    tls.or_exit(prog, lambda a: ports.check_free(a.host, listen_ports(a)), args)
+
+
 def run(args: argparse.Namespace) -> None:
     security = read_security(args, PROG)
     tls.or_exit(PROG, read_targets, args)  # a bad list ends the process before anything starts
+    check_ports(PROG, args)
     logging.basicConfig(level=logging.INFO)
-    asyncio.run(serve(args, security))
+    tls.or_exit(PROG, lambda a: asyncio.run(serve(a, security)), args)

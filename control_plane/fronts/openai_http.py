@@ -15,6 +15,7 @@ import contextlib
 import itertools
 import json
 import math
+import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -39,6 +40,7 @@ from control_plane.fronts.api import TRACER, failed, finished, request_attribute
 from control_plane.fronts.openai_body import Ask, InvalidParam, chat_request, completion_request
 from control_plane.fronts.openai_reply import DONE, Reply, Whole, error, grpc_error, sse
 from control_plane.scheduler.seq import Delta, Failure, Finish, Queued
+from protos import ports
 from protos.model import Capabilities
 
 T = TypeVar("T")
@@ -397,9 +399,18 @@ class HttpServer:
         await self.task
 
 
-def serve(app: Any, host: str, port: int, grace: float, **tls: Any) -> HttpServer:
-    """uvicorn serving `app` on this loop, its socket bound and listening on return (port 0:
-    a free one). `tls`: uvicorn's `ssl_*` settings."""
+def serve(
+    app: Any,
+    host: str,
+    port: int,
+    grace: float,
+    sock: socket.socket | None = None,
+    **tls: Any,
+) -> HttpServer:
+    """uvicorn serving `app` on this loop, its socket (`sock` if given, bound to `host:port`)
+    listening on return (port 0: a free one). OSError when the port cannot be bound, never
+    uvicorn's exit. `tls`: uvicorn's `ssl_*` settings."""
+    sock = sock or ports.bind(host, port)
     config = uvicorn.Config(
         app,
         host=host,
@@ -408,7 +419,6 @@ def serve(app: Any, host: str, port: int, grace: float, **tls: Any) -> HttpServe
         timeout_graceful_shutdown=math.ceil(grace),  # whole seconds
         **tls,
     )
-    sock = config.bind_socket()
     sock.listen(config.backlog)  # connections wait in the backlog until uvicorn accepts
     server = _Uvicorn(config)
     task = asyncio.ensure_future(server.serve(sockets=[sock]))
