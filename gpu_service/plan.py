@@ -264,6 +264,39 @@ def most_context(model: HybridModel, svc: ServiceConfig, graphs: bool, room: int
     return max(lo, 1) * KEY_BLOCK
 
 
+@dataclass(frozen=True)
+class Auto:
+    """What a plan settles from a known memory rather than from its flags."""
+
+    slots: bool = False  # --num-slots auto
+    blocks: bool = False  # --kv-blocks auto
+    context: bool = False  # no --max-context: the model's, lowered to what fits
+
+
+def _settled(
+    model: HybridModel, svc: ServiceConfig, graphs: bool, memory: int, fixed: int, auto: Auto
+) -> ServiceConfig:
+    """`svc` with what `auto` leaves to the memory settled against `memory` less the `fixed`
+    parts: the context first (unless the KV pool is sized by memory, which then caps it), the
+    slots, then the pool's blocks (in `AUTO_BLOCKS_SHARE` of the memory)."""
+    room = memory - fixed
+    if auto.context and not auto.blocks:
+        svc = replace(svc, max_context=most_context(model, svc, graphs, room))
+    if auto.slots:
+
+        def fits(n: int) -> bool:
+            parts, _ = slot_parts(model, replace(svc, num_slots_override=n), graphs)
+            return sum(parts.values()) <= room
+
+        svc = replace(svc, num_slots_override=most_slots(fits))
+    if auto.blocks:
+        share = int(memory * AUTO_BLOCKS_SHARE) - fixed
+        svc = replace(svc, kv_blocks=most_blocks(model, svc, graphs, share))
+        if auto.context:  # a sequence may reach no further than the pool holds
+            svc = replace(svc, max_context=min(svc.max_context, svc.num_kv_blocks * KEY_BLOCK))
+    return svc
+
+
 def make_plan(
     name: str,
     cfg: ModelConfig,
@@ -300,23 +333,9 @@ def make_plan(
             device_bytes(model.vocab[1] - model.vocab[0], 0, svc.max_rows)[1],
         ),
     }
-    if auto_context and not auto_blocks and memory.bytes is not None:
-        room = memory.bytes - sum(fixed.values())
-        svc = replace(svc, max_context=most_context(model, svc, graphs, room))
-    if auto and memory.bytes is not None:
-        room = memory.bytes - sum(fixed.values())
-
-        def fits(n: int) -> bool:
-            parts, _ = slot_parts(model, replace(svc, num_slots_override=n), graphs)
-            return sum(parts.values()) <= room
-
-        svc = replace(svc, num_slots_override=most_slots(fits))
-    if auto_blocks and memory.bytes is not None:
-        room = int(memory.bytes * AUTO_BLOCKS_SHARE) - sum(fixed.values())
-        svc = replace(svc, kv_blocks=most_blocks(model, svc, graphs, room))
-        if auto_context:  # a sequence may reach no further than the pool holds
-            held = svc.num_kv_blocks * KEY_BLOCK
-            svc = replace(svc, max_context=min(svc.max_context, held))
+    if memory.bytes is not None:
+        settle = Auto(auto, auto_blocks, auto_context)
+        svc = _settled(model, svc, graphs, memory.bytes, sum(fixed.values()), settle)
     parts, num_graphs = slot_parts(model, svc, graphs)
     parts |= fixed
     return Plan(

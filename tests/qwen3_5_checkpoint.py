@@ -21,26 +21,18 @@ from transformers import (
 
 from gpu_service.config import ModelConfig
 from gpu_service.model.weights import WEIGHTS_FILE, weight_shapes
-from tests.hf_checkpoint import TEMPLATE, VOCAB, _tokenizer
+from tests.hf_checkpoint import BASE, TEMPLATE, VOCAB, _tokenizer
 
-TEXT = dict(
+# The Qwen3-Next tests' small text model (its layer pattern is transformers' default), with
+# Qwen3.5's RoPE: rotary dims 4 of 16, mrope_section [1, 1, 0] covering its two frequencies,
+# interleaved.
+TEXT = {k: v for k, v in BASE.items() if k not in ("layer_types", "num_experts")}
+TEXT |= dict(
     vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=16,
-    linear_value_head_dim=16,
-    max_position_embeddings=512,
-    # rotary dims 4 of 16: mrope_section [1, 1, 0] covers its two frequencies, interleaved
     rope_parameters={
         "rope_type": "default",
         "rope_theta": 10000000.0,
-        "partial_rotary_factor": 0.25,
+        "partial_rotary_factor": TEXT.pop("partial_rotary_factor"),
         "mrope_section": [1, 1, 0],
         "mrope_interleaved": True,
     },
