@@ -173,7 +173,6 @@ def _planned(args: argparse.Namespace, device: torch.device) -> ServiceConfig:
 
 def run(args: argparse.Namespace) -> None:
     credentials = tls.or_exit(PROG, tls.server_credentials, args)
-    tls.or_exit(PROG, lambda a: ports.check_free(a.host, {"--port": a.port}), args)
     device = _device_or_exit(args.device)
     _ranks_or_exit(args.tensor_parallel_size, device)
     svc = _planned(args, device)

@@ -62,6 +62,8 @@ SLOW_TESTS = {
     "each server process on a busy port",
     "tests/test_cli_ports.py::test_up_on_a_bad_path_says_one_sentence": "starts met up and its GPU "
     "service process",
+    "tests/test_cli_ports.py::test_up_serves_a_repeated_prefix_from_the_cache": "starts met up, "
+    "both processes",
     "tests/test_qwen3_5.py": "transformers' Qwen3.5 models, both processes, TP ranks, the "
     "interpreted diff",
     "tests/test_serve_checkpoint.py": "serves a transformers checkpoint with both processes",

@@ -19,6 +19,8 @@ import pytest
 from control_plane.cli.main import build_parser
 from gpu_service.options import SHAPE_FLAGS, UP_PREFIX_SNAPSHOTS, shape_argv
 from protos import ports, tls
+from protos.met.v1 import generate_pb2 as pb
+from protos.met.v1 import generate_pb2_grpc as pb_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -94,6 +96,31 @@ def test_up_on_a_bad_path_says_one_sentence() -> None:
     assert done.returncode == 2
     assert done.stderr.splitlines() == ["met gpu-service serve: error: /nonexistent does not exist"]
     assert "Traceback" not in done.stderr
+
+
+def test_up_serves_a_repeated_prefix_from_the_cache() -> None:
+    """`met up` as the README runs it (on free ports): the second of two requests with one
+    600-token prompt is given its prefix by the prefix cache (whole blocks of 64)."""
+    argv = ["up", "--port", "0", "--http-port", "0"]
+    cmd = [sys.executable, "-m", "control_plane.cli.main", *argv]
+    up = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT
+    )
+    try:
+        assert up.stdout is not None
+        line = next((line for line in up.stdout if "control-plane listening on" in line), "")
+        target = line.split("listening on ", 1)[1].split()[0]
+        with grpc.insecure_channel(target) as channel:
+            stub = pb_grpc.GenerationServiceStub(channel)
+            ask = pb.GenerateRequest(prompt_token_ids=[i % 200 + 10 for i in range(600)])
+            ask.max_new_tokens = 2
+            for _ in range(2):
+                list(stub.Generate(ask, timeout=60))
+            stats = stub.GetStats(pb.GetStatsRequest(), timeout=10)
+        assert stats.prefix_cache_hits >= 512, stats
+    finally:
+        up.terminate()
+        assert up.wait(30) == 0
 
 
 def test_up_passes_the_shaping_flags_with_prefix_snapshots_as_compose() -> None:

@@ -12,8 +12,14 @@ from typing import Any
 from protos.defaults import DEFAULT_MODEL_DIR, DEFAULT_SEED
 from protos.hub import model_path
 
+GPU_SERVE = "met gpu-service serve"
+
 
 def _gpu_service(args: argparse.Namespace) -> None:
+    from protos import ports, tls
+
+    # Before torch loads: a busy port is refused in a blink.
+    tls.or_exit(GPU_SERVE, lambda a: ports.check_free(a.host, {"--port": a.port}), args)
     from gpu_service.server import run
 
     run(args)
