@@ -7,7 +7,13 @@ depth are left out. A table shipped with the model is read, never written: measu
 to the cache directory (`cache_dir`).
 
 A measurement runs in short steps (`measurement`): in process they run back to back; the
-servicer queues each as its own engine-thread job, so other clients' calls run between them."""
+servicer queues each as its own engine-thread job, so other clients' calls run between them.
+
+Every entry is a median of timed calls, so positive. A draft's cost is a difference of them,
+a drafted verdict's over the plain one's, which a busy machine can turn negative: a drafted
+cell whose verdict is not above its width's plain one is measured again with it (while the
+scratch sequences have room), and what stays short is raised to `DRAFT_FLOOR` of the plain
+verdict a draft (`bounded`), so no table, measured or read, has a draft cost of 0 or less."""
 
 from __future__ import annotations
 
@@ -16,7 +22,7 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from contextlib import suppress
 from dataclasses import asdict
 from pathlib import Path
@@ -45,6 +51,14 @@ PROMPT = [(7 * i + 3) % 251 for i in range(16)]
 MAX_REPEATS = 100
 # A measurement in steps (`measurement`); its result is (entries, whether from the cache).
 Job = Generator[None, None, tuple[list[CostEntry], bool]]
+# Rounds of the short drafted cells measured again, at most, after the first `repeats`.
+MORE_ROUNDS = 3
+# The least a draft adds to a verdict, as a fraction of the plain (depth 0) verdict: an MTP
+# pass is a forward of a layer, never free.
+DRAFT_FLOOR = 0.01
+MIN_MS = 1e-3  # the least a median of timed calls counts as (the clock's resolution aside)
+Clock = Callable[[], float]  # seconds
+Times = dict[tuple[int, int], list[tuple[float, float]]]  # cell -> (verify ms, verdict ms) each
 
 
 def cache_dir() -> Path:
@@ -99,7 +113,7 @@ def check(svc: ServiceConfig, widths: Sequence[int], max_depth: int, repeats: in
 def load(path: Path, widths: list[int], max_depth: int) -> list[CostEntry] | None:
     if not path.exists():
         return None
-    entries = [CostEntry(**e) for e in json.loads(path.read_text())["entries"]]
+    entries = bounded([CostEntry(**e) for e in json.loads(path.read_text())["entries"]])
     have = {(e.width, e.depth) for e in entries}
     covered = (
         all((w, 0) in have for w in widths)
@@ -115,13 +129,14 @@ def measurement(
     repeats: int,
     refresh: bool,
     cached_only: bool = False,
+    clock: Clock = time.perf_counter,
 ) -> Job:
     """The table from the cache unless `refresh` or it falls short, else measured and saved
     (with `cached_only`: else no entries), as a job in steps: each `next` is a short stretch
     of engine work (the cache read with the scratch sequences' allocation and prefill, then
     one repeat of one cell), so a caller that shares the engine can run other work between
-    steps. Closing the job between steps frees
-    the scratch sequences. `advance` runs one step, `run` all of them."""
+    steps. Closing the job between steps frees the scratch sequences. `advance` runs one
+    step, `run` all of them; `clock` times the calls (seconds)."""
     check(engine.svc, widths, max_depth, repeats)
     path = cache_path(engine.model_dir, engine.forward_name, engine.svc.verify_tiers)
     if not refresh and (cached := load(path, widths, max_depth)) is not None:
@@ -134,7 +149,7 @@ def measurement(
         for _ in range(max(widths)):
             seqs.append(engine.alloc_sequence())
         engine.prefill(seqs, [PROMPT] * len(seqs))
-        entries = yield from _cells(engine, seqs, widths, max_depth, repeats)
+        entries = yield from _cells(engine, seqs, widths, max_depth, repeats, clock)
     finally:
         for s in seqs:
             engine.free_sequence(s)
@@ -168,12 +183,18 @@ def _check_free(engine: Engine, width: int) -> None:
 
 
 def _cells(
-    engine: Engine, seqs: list[SequenceHandle], widths: list[int], max_depth: int, repeats: int
+    engine: Engine,
+    seqs: list[SequenceHandle],
+    widths: list[int],
+    max_depth: int,
+    repeats: int,
+    clock: Clock,
 ) -> Generator[None, None, list[CostEntry]]:
     """Each (width, depth) the slots allow, timed as the median of `repeats`; a step before
     each timing. The repeats run in rounds over every cell, not cell after cell: the
     machine's drift over the measurement (clock, cache, other processes) then falls on every
-    cell alike instead of on the depths measured last, and the cost model compares depths."""
+    cell alike instead of on the depths measured last, and the cost model compares depths.
+    Then the short drafted cells again, with their plain ones (the module's docstring)."""
     caps = engine.svc.slot_verify_drafts
     cells = [
         (w, depth)
@@ -181,30 +202,72 @@ def _cells(
         for depth in range(max_depth + 1)
         if all(caps[s.slot] >= depth for s in seqs[:w])
     ]
-    times: dict[tuple[int, int], list[tuple[float, float]]] = {c: [] for c in cells}
+    times: Times = {c: [] for c in cells}
+    yield from _rounds(engine, seqs, cells, repeats, times, clock)
+    for _ in range(MORE_ROUNDS if engine.cfg.has_mtp else 0):
+        again = _short(times)
+        room = engine.svc.max_context - seqs[0].seq_len - 2 * max_depth - 1
+        if not again or len(again) * repeats > room:
+            break
+        yield from _rounds(engine, seqs, again, repeats, times, clock)
+    return bounded([CostEntry(w, depth, *_medians(times[(w, depth)])) for w, depth in cells])
+
+
+def _rounds(
+    engine: Engine,
+    seqs: list[SequenceHandle],
+    cells: list[tuple[int, int]],
+    repeats: int,
+    times: Times,
+    clock: Clock,
+) -> Generator[None, None, None]:
     for _ in range(repeats):
         for w, depth in cells:
             yield
-            times[(w, depth)].append(_time_once(engine, seqs[:w], depth))
-    entries = []
-    for (w, depth), runs in times.items():
-        verify, propose = (statistics.median(t) for t in zip(*runs, strict=True))
-        entries.append(CostEntry(w, depth, verify, propose))
-    return entries
+            times[(w, depth)].append(_time_once(engine, seqs[:w], depth, clock))
 
 
-def _time_once(engine: Engine, group: list[SequenceHandle], depth: int) -> tuple[float, float]:
+def _medians(runs: list[tuple[float, float]]) -> tuple[float, float]:
+    verify, verdict = (max(MIN_MS, statistics.median(t)) for t in zip(*runs, strict=True))
+    return verify, verdict
+
+
+def _short(times: Times) -> list[tuple[int, int]]:
+    """The drafted cells whose verdict is not above their width's plain one, with those plain
+    ones: the cells to measure again."""
+    verdict = {cell: _medians(runs)[1] for cell, runs in times.items()}
+    short = {(w, d) for (w, d), ms in verdict.items() if d and ms <= verdict.get((w, 0), 0.0)}
+    return sorted(short | {(w, 0) for w, _ in short if (w, 0) in times})
+
+
+def bounded(entries: list[CostEntry]) -> list[CostEntry]:
+    """Each drafted entry at least its width's plain one: its verify as long (it checks more
+    rows), its verdict longer by `DRAFT_FLOOR` of the plain one a draft. So a draft's cost
+    (the verdicts' difference) is above 0, and a drafted step costs more than a plain one."""
+    plain = {e.width: e for e in entries if e.depth == 0}
+    out = []
+    for e in entries:
+        if e.depth and (p := plain.get(e.width)) is not None:
+            least = max(MIN_MS, p.propose_ms) * (1 + DRAFT_FLOOR * e.depth)
+            e = CostEntry(e.width, e.depth, max(e.verify_ms, p.verify_ms), max(e.propose_ms, least))
+        out.append(e)
+    return out
+
+
+def _time_once(
+    engine: Engine, group: list[SequenceHandle], depth: int, clock: Clock
+) -> tuple[float, float]:
     """A verify of depth + 1 rows per sequence, then its verdict (fold, commit and, for
     depth > 0, a propose of depth drafts). -> (verify ms, verdict ms)"""
     w = len(group)
-    t0 = time.perf_counter()
+    t0 = clock()
     engine.decode_verify_batched([1] * (w * (depth + 1)), [depth + 1] * w, group)
-    t1 = time.perf_counter()
+    t1 = clock()
     proposers = list(range(w)) if depth and engine.cfg.has_mtp else []
     engine.settle_verdict(
         group, [1] * w, [depth + 1] * w, proposers, [1] * len(proposers), depth if proposers else 0
     )
-    return (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3
+    return (t1 - t0) * 1e3, (clock() - t1) * 1e3
 
 
 def save(path: Path, entries: list[CostEntry]) -> None:

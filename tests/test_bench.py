@@ -106,6 +106,8 @@ def _check_figures(report: dict, stdout: str, table: str) -> None:
     `--quick`."""
     cost, pred = report["draft_cost"], report["prediction"]
     assert [e["depth"] for e in cost["entries"]] == [0, 1, 2, 3]
+    # Orders that hold by construction (gpu_service/costs.py, `bounded`: a drafted verify
+    # as long as the plain one, a draft's cost above 0), not by the machine's timing.
     assert cost["target_step_ms"] > 0 and cost["draft_ms"] > 0
     assert cost["draft_over_step"] == cost["draft_ms"] / cost["target_step_ms"]
     assert pred["drafts_from"] == "spec stats" and 0 < pred["drafts_per_verify"] <= 3
@@ -259,6 +261,7 @@ def test_draft_cost_measures_in_a_scratch_cache(engine: Engine) -> None:
     got = draft_cost(engine, 2, 3)
     assert got["max_depth"] == 2 and got["repeats"] == 3
     assert [(e["width"], e["depth"]) for e in got["entries"]] == [(1, 0), (1, 1), (1, 2)]
+    # Positive by construction (gpu_service/costs.py, `bounded`), not by the machine's timing.
     assert got["target_step_ms"] > 0 and got["draft_ms"] > 0
     after = sorted(costs.cache_dir().glob("*")) if costs.cache_dir().exists() else []
     assert after == before

@@ -1,5 +1,6 @@
 """MeasureCosts over gRPC runs in short engine-thread steps: another client's calls, issued
-while a measurement runs, complete between its steps instead of waiting for the whole of it;
+while a measurement runs, complete between its steps instead of waiting for the whole of it
+(they end before it does: an order, not a timing);
 its scratch sequences stay reserved from the first step to the last and are freed when the
 call ends, cancelled included."""
 
@@ -7,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +27,8 @@ WIDTHS, MAX_DEPTH, REPEATS = [1, 6], 1, 25
 CELLS = [(w, d) for w in WIDTHS for d in range(MAX_DEPTH + 1)]  # TINY_SERVICE allows them all
 SCRATCH = max(WIDTHS)
 # Each fold of the measured forward sleeps this long, so the measurement's 100 steps take
-# seconds on any machine while one step stays far under `BOUND_S`.
+# seconds on any machine: far longer than a few calls queued between two of them.
 FOLD_S = 0.02
-BOUND_S = 0.3
 
 
 def slow_engine(tiny_dir: Path) -> Engine:
@@ -46,28 +46,21 @@ async def stub(tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
             yield pb_grpc.ModelServiceStub(channel)
 
 
-async def timed(call: Awaitable[Any]) -> tuple[Any, float]:
-    t0 = time.perf_counter()
-    reply = await call
-    return reply, time.perf_counter() - t0
-
-
 def measure(stub: pb_grpc.ModelServiceStub) -> Any:
     request = pb.CostRequest(widths=WIDTHS, max_depth=MAX_DEPTH, repeats=REPEATS, refresh=True)
     return stub.MeasureCosts(request, metadata=ADMIN)
 
 
-async def free_slots(stub: pb_grpc.ModelServiceStub) -> tuple[int, float]:
-    caps, seconds = await timed(stub.Capabilities(pb.CapabilitiesRequest()))
-    return caps.free_slots, seconds
+async def free_slots(stub: pb_grpc.ModelServiceStub) -> int:
+    return (await stub.Capabilities(pb.CapabilitiesRequest())).free_slots
 
 
-async def reserved(stub: pb_grpc.ModelServiceStub) -> None:
-    """Polls Capabilities, each answered within `BOUND_S`, until the scratch sequences are
-    allocated."""
+async def reserved(stub: pb_grpc.ModelServiceStub, measuring: Any) -> None:
+    """Polls Capabilities, each answered while the measurement (a task or a call) runs, until
+    the scratch sequences are allocated."""
     for _ in range(100):
-        free, seconds = await free_slots(stub)
-        assert seconds < BOUND_S, f"Capabilities waited {seconds:.2f} s behind the measurement"
+        free = await free_slots(stub)
+        assert not measuring.done(), "Capabilities waited behind the whole measurement"
         if free == TINY_SERVICE.num_slots - SCRATCH:
             return
         await asyncio.sleep(0.01)  # polling the measurement's first step
@@ -77,31 +70,29 @@ async def reserved(stub: pb_grpc.ModelServiceStub) -> None:
 async def test_calls_run_between_measurement_steps(stub: pb_grpc.ModelServiceStub) -> None:
     stream = stub.OpenSession(pb.OpenSessionRequest())
     session = ((SESSION_METADATA, (await stream.read()).session_id),)
-    measuring = asyncio.create_task(timed(measure(stub)))
-    await reserved(stub)
-    seq, alloc_s = await timed(stub.AllocSequence(pb.AllocSequenceRequest(), metadata=session))
+    measuring = asyncio.ensure_future(measure(stub))
+    await reserved(stub, measuring)
+    seq = await stub.AllocSequence(pb.AllocSequenceRequest(), metadata=session)
     item = pb.PrefillItem(seq_id=seq.seq_id, tokens=[1, 2, 3, 4])
-    _, prefill_s = await timed(stub.Prefill(pb.PrefillRequest(items=[item]), metadata=session))
-    request = pb.FreeSequenceRequest(seq_id=seq.seq_id)
-    _, free_s = await timed(stub.FreeSequence(request, metadata=session))
-    assert (await free_slots(stub))[0] == TINY_SERVICE.num_slots - SCRATCH, "still reserved"
+    await stub.Prefill(pb.PrefillRequest(items=[item]), metadata=session)
+    await stub.FreeSequence(pb.FreeSequenceRequest(seq_id=seq.seq_id), metadata=session)
+    assert await free_slots(stub) == TINY_SERVICE.num_slots - SCRATCH, "still reserved"
     assert not measuring.done(), "the calls finished while the measurement ran"
-    reply, measure_s = await measuring
+    reply = await measuring
     stream.cancel()
-    assert max(alloc_s, prefill_s, free_s) < BOUND_S and measure_s > 1.0
     assert [(e.width, e.depth) for e in reply.entries] == CELLS and not reply.cached
     assert all(e.verify_ms > 0 and e.propose_ms > 0 for e in reply.entries)
-    assert (await free_slots(stub))[0] == TINY_SERVICE.num_slots
+    assert await free_slots(stub) == TINY_SERVICE.num_slots
 
 
 async def test_cancelled_measurement_frees_its_sequences(stub: pb_grpc.ModelServiceStub) -> None:
     call = measure(stub)
-    await reserved(stub)
+    await reserved(stub, call)
     call.cancel()
     with pytest.raises(asyncio.CancelledError):
         await call
     for _ in range(100):
-        if (await free_slots(stub))[0] == TINY_SERVICE.num_slots:
+        if await free_slots(stub) == TINY_SERVICE.num_slots:
             break
         await asyncio.sleep(0.01)  # the cancelled handler's free job, queued behind its step
-    assert (await free_slots(stub))[0] == TINY_SERVICE.num_slots
+    assert await free_slots(stub) == TINY_SERVICE.num_slots

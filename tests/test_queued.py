@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,7 +32,6 @@ LONG = pb.GenerateRequest(
     speculative_method=pb.SPECULATIVE_METHOD_NONE,
 )
 SHORT = pb.GenerateRequest(prompt_token_ids=[7, 8, 9], max_new_tokens=12, ignore_eos=True)
-PROMPTLY_S = 5.0
 
 
 @pytest.fixture(scope="module")
@@ -61,9 +59,8 @@ def test_queued_stream_hears_its_place_then_its_tokens(one_slot: str) -> None:
         hold = stub.Generate(LONG, timeout=60)
         assert next(hold).token_ids  # admitted: the slot is taken
         waiting = stub.Generate(SHORT, timeout=60)
-        started = time.monotonic()
-        waiting.initial_metadata()
-        assert time.monotonic() - started < PROMPTLY_S
+        waiting.initial_metadata()  # were they held back, they would come with the call's end
+        assert waiting.is_active()
         first = next(waiting)
         assert first.HasField("queued") and not first.token_ids
         assert (first.queued.position, first.queued.queue_length) == (1, 1)
@@ -81,9 +78,8 @@ def test_headers_come_before_any_event(tiny_dir: Path) -> None:
     idle = Scheduler(lambda: engine, TOK)  # not started: requests stay in its inbox
     with serving(idle, run=False) as target, grpc.insecure_channel(target) as channel:
         call = pb_grpc.GenerationServiceStub(channel).Generate(SHORT, timeout=30)
-        started = time.monotonic()
-        call.initial_metadata()
-        assert time.monotonic() - started < PROMPTLY_S and call.is_active()
+        call.initial_metadata()  # were they held back, they would come with the call's end
+        assert call.is_active()
         call.cancel()
 
 

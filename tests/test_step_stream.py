@@ -1,5 +1,5 @@
 """The step stream over gRPC (`StepStream`): plans sent ahead give the tokens of the same
-unary steps, refusals stay with their sequence, the service's wait is measured, a frame that
+unary steps, refusals stay with their sequence, the service's wait is told, a frame that
 does not parse ends the stream after the results before it, and a dead service fails a waiting
 `recv` at once. The conversions first, as tests/test_convert.py's."""
 
@@ -153,11 +153,10 @@ def test_plans_sent_ahead_equal_unary_steps(client: GrpcModel) -> None:
     assert [r.step for r in results] == steps
     assert [r.rows for r in results] == rows
     assert all(r.ran == [0, 1, 2] and not r.refused for r in results)
-    # Plans sent ahead reach the service while the one before runs (0), unless a loaded
-    # machine delays reading one past that end (test_plan_clock has the exact rule); the
-    # last plan left only after the service answered the one before it.
+    # The first plan waits for none; the last one left only after the service answered the
+    # one before it. How long plans sent ahead waited is the machine's to say (a loaded one
+    # reads one late); test_plan_clock has the exact rule.
     assert results[0].waited_s == 0.0
-    assert all(r.waited_s < 0.05 for r in results)
     assert late.waited_s > 0
     for s in seqs:
         client.free_sequence(s)
@@ -185,7 +184,6 @@ def test_a_repeated_plan_runs_as_its_steps_sent_one_by_one(client: GrpcModel) ->
     assert [r.step for r in results] == steps
     assert [r.rows for r in results] == rows
     assert all(r.ran == [0, 1, 2] and not r.refused for r in results)
-    assert all(r.waited_s < 0.05 for r in results[1:])
     assert too_long.ran == [] and [c for _, c, _ in too_long.refused] == ["INVALID_ARGUMENT"] * 3
     assert f"1 to {MAX_PLAN_REPEAT} steps" in too_long.refused[0][2]
     for r in traced:
