@@ -120,6 +120,11 @@ async def serve(
     )
 
     await stop.wait()
+    # A second stop while this one drains (`met up`'s SIGTERM after a Ctrl-C that reached its
+    # whole process group) is this one, not a death by signal.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.remove_signal_handler(sig)
+        signal.signal(sig, signal.SIG_IGN)
     print("gpu-service shutting down", flush=True)
     await health_servicer.enter_graceful_shutdown()
     servicer.end_sessions()

@@ -6,7 +6,9 @@ command; an unknown flag gets the command's usage and the closest flag."""
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -100,11 +102,13 @@ def test_up_on_a_bad_path_says_one_sentence() -> None:
 
 def test_up_serves_a_repeated_prefix_from_the_cache() -> None:
     """`met up` as the README runs it (on free ports): the second of two requests with one
-    600-token prompt is given its prefix by the prefix cache (whole blocks of 64)."""
+    600-token prompt is given its prefix by the prefix cache (whole blocks of 64). A Ctrl-C,
+    which reaches the whole process group, then stops both processes cleanly."""
     argv = ["up", "--port", "0", "--http-port", "0"]
     cmd = [sys.executable, "-m", "control_plane.cli.main", *argv]
+    pipe, quiet = subprocess.PIPE, subprocess.DEVNULL
     up = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT
+        cmd, stdout=pipe, stderr=quiet, text=True, cwd=ROOT, start_new_session=True
     )
     try:
         assert up.stdout is not None
@@ -119,8 +123,9 @@ def test_up_serves_a_repeated_prefix_from_the_cache() -> None:
             stats = stub.GetStats(pb.GetStatsRequest(), timeout=10)
         assert stats.prefix_cache_hits >= 512, stats
     finally:
-        up.terminate()
+        os.killpg(up.pid, signal.SIGINT)
         assert up.wait(30) == 0
+    assert "gpu-service exited with status 0" in up.stdout.read()
 
 
 def test_up_passes_the_shaping_flags_with_prefix_snapshots_as_compose() -> None:
