@@ -10,8 +10,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal
 
-from gpu_service.config import ServiceConfig, parse_tiers
+from gpu_service.config import ModelConfig, ServiceConfig, parse_tiers
 from gpu_service.tp import DEFAULT_REDUCE, DEFAULT_TIMEOUT_S, REDUCES
+from kernels.attention.format import KEY_BLOCK
 from protos import tls
 from protos.defaults import DEFAULT_MODEL_DIR
 from protos.hub import model_path
@@ -205,10 +206,11 @@ def _add_capacity_args(parser: argparse.ArgumentParser, prefix_snapshots: int) -
     """What the service holds: the context each sequence may reach, the KV pool, snapshots."""
     parser.add_argument(
         "--max-context",
-        type=int,
-        default=ServiceConfig.max_context,
+        type=multiple_of(KEY_BLOCK),
+        default=None,
         help="positions a sequence may reach, a multiple of 64: a limit, not an allocation "
-        "(the KV pool's blocks are, --kv-blocks) (default %(default)s)",
+        "(the KV pool's blocks are, --kv-blocks); default: the model's max_position_embeddings, "
+        "lowered to what the memory plan holds when the device memory is known",
     )
     parser.add_argument(
         "--kv-blocks",
@@ -243,15 +245,36 @@ def _add_graphs_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def service_config(args: argparse.Namespace) -> ServiceConfig:
-    """The service's settings from its flags (`--num-slots auto` is the plan's to settle);
+def model_context(cfg: ModelConfig) -> int:
+    """The context a model was built for (its max_position_embeddings), in whole key blocks."""
+    return max(KEY_BLOCK, cfg.max_position_embeddings // KEY_BLOCK * KEY_BLOCK)
+
+
+def multiple_of(step: int) -> Callable[[str], int]:
+    """A flag's parser: a positive multiple of `step`, else a sentence saying so."""
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            n = 0
+        if n < step or n % step:
+            raise argparse.ArgumentTypeError(
+                f"expected a positive multiple of {step}, got {text!r}"
+            )
+        return n
+
+    return parse
+
+
+def service_config(args: argparse.Namespace, cfg: ModelConfig) -> ServiceConfig:
+    """The service's settings from its flags (`--num-slots auto` is the plan's to settle, and
+    so is the context when `--max-context` is not given: `cfg`'s, then what memory holds);
     ValueError with a sentence on a bad one."""
-    if args.max_context % 64:
-        raise ValueError(f"--max-context {args.max_context} is not a multiple of 64")
     parse_tiers(args.verify_tiers)
     return ServiceConfig(
         verify_tiers=args.verify_tiers,
-        max_context=args.max_context,
+        max_context=args.max_context or model_context(cfg),
         kv_blocks=args.kv_blocks if isinstance(args.kv_blocks, int) else 0,
         prefix_snapshots=args.prefix_snapshots,
         max_rows=args.max_rows,
