@@ -11,9 +11,9 @@ from typing import Any
 import grpc
 
 from control_plane.admission.auth import bearer
-from control_plane.cli.server import DEFAULT_PORT
 from control_plane.text.chat import parse_kwargs
 from protos import checks, tls
+from protos.defaults import CONTROL_PLANE_PORT
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
 
@@ -82,7 +82,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="enable_thinking among them, over the JSON's (Qwen3's templates; implies --chat)",
     )
     parser.add_argument(
-        "--target", default=f"127.0.0.1:{DEFAULT_PORT}", help="the control plane, HOST:PORT"
+        "--target", default=f"127.0.0.1:{CONTROL_PLANE_PORT}", help="the control plane, HOST:PORT"
     )
     parser.add_argument("--max-new-tokens", type=_whole("max_new_tokens"), default=None)
     parser.add_argument("--min-new-tokens", type=_whole("min_new_tokens"), default=0)

@@ -37,13 +37,14 @@ from control_plane.text.detok import Tokenizer
 from control_plane.text.tokenizer import Tokenization
 from protos import ports, tls
 from protos.bodies import RejectUndecodable
+from protos.defaults import CONTROL_PLANE_PORT
 from protos.met.v1 import generate_pb2, generate_pb2_grpc
 from protos.model import ADMIN_KEY_ENV
 from protos.telemetry import setup_tracing
 
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
-DEFAULT_PORT = 50050
+DEFAULT_PORT = CONTROL_PLANE_PORT
 DEFAULT_HTTP_PORT = 8000  # vLLM's; `met up` serves HTTP by default, `serve` only when asked
 PROG = "met control-plane serve"
 
