@@ -151,13 +151,22 @@ def test_in_process_commands_take_the_services_threads() -> None:
     assert parse(["gpu-service", "serve"]).threads == 1
 
 
-def test_help_imports_no_command() -> None:
+@pytest.mark.parametrize(
+    ("argv", "heavy"),
+    [
+        (["--help"], {"torch", "grpc", "transformers", "numpy"}),
+        (["generate", "--help"], {"torch", "transformers", "numpy", "control_plane.cli.server"}),
+    ],
+    ids=["met", "generate"],
+)
+def test_help_imports_no_command(argv: list[str], heavy: set[str]) -> None:
+    """`met --help` imports no command's module; the client imports no server."""
     probe = (
         "import sys, contextlib, io\n"
         "from control_plane.cli.main import main\n"
         "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
-        "    main(['--help'])\n"
-        "print(sorted({'torch', 'grpc', 'transformers', 'numpy'} & set(sys.modules)))\n"
+        f"    main({argv!r})\n"
+        f"print(sorted({heavy!r} & set(sys.modules)))\n"
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT)
     assert done.stdout == "[]\n", done.stderr
