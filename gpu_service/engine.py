@@ -179,7 +179,10 @@ class Engine:
         return dict(self._tokenizer_files)
 
     def alloc_sequence(self, penalties: Penalties | None = None) -> SequenceHandle:
-        if penalties is not None and (problem := penalties.problem(self.cfg.vocab_size)):
+        problem = (
+            None if penalties is None else checks.penalties_problem(penalties, self.cfg.vocab_size)
+        )
+        if problem:
             raise InvalidArgument(problem)
         with self._hold():
             seq = self.slots.alloc(

@@ -11,7 +11,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from protos.model import FailedPrecondition, InvalidArgument
+from protos.model import FailedPrecondition, InvalidArgument, Penalties
 
 
 def same_length(what: str, **lists: Sequence) -> None:
@@ -159,3 +159,26 @@ def number(name: str, value: float, shown: str | None = None) -> None:
 def finite(values: Sequence[float]) -> bool:
     """Whether every value is a finite number."""
     return all(math.isfinite(v) for v in values)
+
+
+def penalties_problem(p: Penalties, vocab_size: int) -> str | None:
+    """A sentence naming what of `p` is out of range (as a request names it), or None; the
+    ranges are `FLOATS`."""
+
+    for name, value in (
+        ("presence_penalty", p.presence),
+        ("frequency_penalty", p.frequency),
+        ("repetition_penalty", p.repetition),
+    ):
+        if (problem := number_problem(name, value)) is not None:
+            return problem
+    if len(p.bias_ids) != len(p.bias_values):
+        return f"logit_bias has {len(p.bias_ids)} token ids but {len(p.bias_values)} values"
+    if len(set(p.bias_ids)) != len(p.bias_ids):
+        return "logit_bias names a token id more than once"
+    for t, b in zip(p.bias_ids, p.bias_values, strict=True):
+        if not 0 <= t < vocab_size:
+            return f"logit_bias names token id {t}, outside the vocabulary (0 .. {vocab_size - 1})"
+        if problem := number_problem("logit_bias", b, f"logit_bias of token {t}"):
+            return problem
+    return None

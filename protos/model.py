@@ -181,33 +181,6 @@ class Penalties:
         """Whether applying them changes any logit."""
         return bool(self.presence or self.frequency or self.bias_ids or self.repetition != 1.0)
 
-    def problem(self, vocab_size: int) -> str | None:
-        """A sentence naming what is out of range (as a request names it), or None; the
-        ranges are `protos.checks.FLOATS`."""
-        from protos import checks  # checks raises this module's errors
-
-        for name, value in (
-            ("presence_penalty", self.presence),
-            ("frequency_penalty", self.frequency),
-            ("repetition_penalty", self.repetition),
-        ):
-            if (problem := checks.number_problem(name, value)) is not None:
-                return problem
-        if len(self.bias_ids) != len(self.bias_values):
-            return (
-                f"logit_bias has {len(self.bias_ids)} token ids but {len(self.bias_values)} values"
-            )
-        if len(set(self.bias_ids)) != len(self.bias_ids):
-            return "logit_bias names a token id more than once"
-        for t, b in zip(self.bias_ids, self.bias_values, strict=True):
-            if not 0 <= t < vocab_size:
-                return (
-                    f"logit_bias names token id {t}, outside the vocabulary (0 .. {vocab_size - 1})"
-                )
-            if problem := checks.number_problem("logit_bias", b, f"logit_bias of token {t}"):
-                return problem
-        return None
-
 
 @dataclass(frozen=True)
 class Sampling:
@@ -254,7 +227,7 @@ class Model(Protocol):
 
     def alloc_sequence(self, penalties: Penalties | None = None) -> SequenceHandle:
         """A new sequence (id never reused) on the lowest free slot, with an empty cache.
-        `ResourceExhausted` when every slot is taken. `penalties` (`Penalties.problem`:
+        `ResourceExhausted` when every slot is taken. `penalties` (`checks.penalties_problem`:
         `InvalidArgument`) apply to every row of its prefills and verifies, before masks."""
 
     def free_sequence(self, seq: SequenceHandle) -> None:

@@ -112,7 +112,7 @@ def _penalties(r: pb.GenerateRequest, prompt_len: int, caps: Capabilities) -> Pe
         bias_ids=tuple(t for t, _ in bias),
         bias_values=tuple(b for _, b in bias),
     )
-    problem = p.problem(caps.vocab_size)
+    problem = checks.penalties_problem(p, caps.vocab_size)
     if problem is not None:
         raise BadRequest(INVALID, problem)
     return p if p.active else None
