@@ -42,9 +42,9 @@ class Access:
     max_slots_per_session: int | None = None  # None: every slot but one
 
     def session_slots(self, num_slots: int) -> int:
-        """The most sequences one session may hold at once: the flag's, else every slot but
-        one, so that no session holds them all and another (the control plane, which is a
-        session of its own) always finds one."""
+        """The most sequences a session without the admin key may hold at once: the flag's,
+        else every slot but one, so that no such client holds them all and the control plane
+        (whose session holds the key, and may take every slot) always finds one."""
         if self.max_slots_per_session is not None:
             return self.max_slots_per_session
         return max(1, num_slots - 1)
@@ -105,9 +105,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         type=whole_number(1),
         default=Access.max_slots_per_session,
         metavar="N",
-        help="the most sequences one session may hold at once; past them AllocSequence is "
-        "RESOURCE_EXHAUSTED (default: every slot but one, so that no client holds them all and "
-        "the control plane always finds one)",
+        help="the most sequences one session without the admin key may hold at once; past "
+        "them AllocSequence is RESOURCE_EXHAUSTED (default: every slot but one, so that no "
+        "client holds them all and the control plane, whose calls carry the key, always finds "
+        "one)",
     )
 
 

