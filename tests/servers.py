@@ -13,6 +13,8 @@ import grpc
 from control_plane.fronts.api import GenerationServicer
 from control_plane.replicas.client import GrpcModel
 from control_plane.scheduler.loop import Scheduler
+from gpu_service.engine import Engine
+from gpu_service.options import Access
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
 
 # Builds and starts a server on the thread's event loop; -> (the server, its port).
@@ -42,6 +44,27 @@ def aio_server_in_thread(start: Start) -> Iterator[str]:
         loop.call_soon_threadsafe(box["stop"].set)
         thread.join(30)
         loop.close()
+
+
+@contextmanager
+def model_server(engine: Engine, access: Access | None = None) -> Iterator[str]:
+    """The GPU service's server over `engine`, built as `serve` builds it, in this process;
+    yields its loopback address."""
+    from grpc_health.v1 import health
+
+    from gpu_service.server import build_server
+    from gpu_service.servicer import ModelServicer
+
+    async def start() -> tuple[grpc.aio.Server, int]:
+        servicer = ModelServicer(access or Access())
+        servicer.engine = engine
+        server = build_server(servicer, health.aio.HealthServicer())
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        return server, port
+
+    with aio_server_in_thread(start) as target:
+        yield target
 
 
 @contextmanager

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health
 
 from control_plane.replicas.client import GrpcModel
 from control_plane.scheduler.env import Env
@@ -21,13 +20,11 @@ from control_plane.scheduler.options import SchedulerOptions
 from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.engine import Engine
 from gpu_service.options import Access
-from gpu_service.server import build_server
-from gpu_service.servicer import ModelServicer
 from protos.met.v1 import generate_pb2 as gpb
 from protos.met.v1 import generate_pb2_grpc as gpb_grpc
 from protos.model import ResourceExhausted, SequenceHandle
 from tests.conftest import TINY_SERVICE
-from tests.servers import aio_server_in_thread, serving
+from tests.servers import model_server, serving
 
 NUM_SLOTS = TINY_SERVICE.num_slots
 # Well inside the Generate's deadline: a refusal at the deadline would be DEADLINE_EXCEEDED.
@@ -40,15 +37,7 @@ def gpu_service(tiny_dir: Path, access: Access) -> Iterator[str]:
     """The GPU service's server, built as `serve` builds it, over a fresh tiny engine."""
     engine = Engine(tiny_dir, TINY_SERVICE)
 
-    async def start() -> tuple[grpc.aio.Server, int]:
-        servicer = ModelServicer(access)
-        servicer.engine = engine
-        server = build_server(servicer, health.aio.HealthServicer())
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        return server, port
-
-    with aio_server_in_thread(start) as target:
+    with model_server(engine, access) as target:
         yield target
 
 

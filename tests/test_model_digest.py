@@ -8,21 +8,16 @@ import shutil
 import struct
 from pathlib import Path
 
-import grpc
 import pytest
 import torch
-from grpc_health.v1 import health
 from safetensors.torch import save_file
 
 from control_plane.replicas.client import GrpcModel
 from gpu_service import engine as engine_module
 from gpu_service.engine import Engine
 from gpu_service.model.digest import SAMPLE_BYTES, checkpoint_digest, sampled_runs
-from gpu_service.options import Access
-from gpu_service.server import build_server
-from gpu_service.servicer import ModelServicer
 from tests.conftest import TINY_SERVICE
-from tests.servers import aio_server_in_thread
+from tests.servers import model_server
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "gpu_service" / "models" / "default"
 SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
@@ -132,15 +127,7 @@ def test_the_engine_digests_once_at_load(tiny_dir: Path, monkeypatch: pytest.Mon
 def test_the_reply_over_grpc_carries_the_engines_digest(tiny_dir: Path) -> None:
     engine = Engine(tiny_dir, TINY_SERVICE)
 
-    async def start() -> tuple[grpc.aio.Server, int]:
-        servicer = ModelServicer(Access())
-        servicer.engine = engine
-        server = build_server(servicer, health.aio.HealthServicer())
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        return server, port
-
-    with aio_server_in_thread(start) as target:
+    with model_server(engine) as target:
         model = GrpcModel(target)
         try:
             caps = model.capabilities()

@@ -13,21 +13,17 @@ from typing import Any
 
 import grpc
 import pytest
-from grpc_health.v1 import health
 
 from control_plane.cli.launch import start_gpu_service
 from control_plane.replicas.client import GrpcModel
 from gpu_service.engine import Engine
-from gpu_service.options import Access
 from gpu_service.pipeline import PlanClock
-from gpu_service.server import build_server
-from gpu_service.servicer import ModelServicer
 from protos import convert as cv
 from protos.met.v1 import model_pb2 as pb
 from protos.model import SESSION_METADATA, Proposal, SequenceHandle, StepResult
 from protos.steps import MAX_PLAN_REPEAT, PlanResult, StepPlan
 from tests.conftest import SERVE_ARGS, TINY_SERVICE
-from tests.servers import aio_server_in_thread
+from tests.servers import model_server
 
 PROMPTS = [[1, 2, 3, 4, 5], [9] * 7, [200, 100, 50]]
 # Frames that do not parse as a StepPlan: a varint that never ends; a trace key not UTF-8.
@@ -294,15 +290,7 @@ def in_process(tiny_dir: Path) -> Iterator[str]:
     model."""
     engine = Engine(tiny_dir, TINY_SERVICE)
 
-    async def start() -> tuple[grpc.aio.Server, int]:
-        servicer = ModelServicer(Access())
-        servicer.engine = engine
-        server = build_server(servicer, health.aio.HealthServicer())
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        return server, port
-
-    with aio_server_in_thread(start) as target:
+    with model_server(engine) as target:
         yield target
 
 
