@@ -31,11 +31,11 @@ from typing import Protocol
 import torch
 
 from gpu_service.config import ModelConfig, ServiceConfig
-from protos.model import CostEntry, InvalidArgument, Model, ResourceExhausted, SequenceHandle
+from protos.model import CircuitModel, CostEntry, InvalidArgument, ResourceExhausted, SequenceHandle
 
 
-class Engine(Model, Protocol):
-    """What a measurement needs of the engine: the `Model` operations, and what keys its
+class Engine(CircuitModel, Protocol):
+    """What a measurement needs of the engine: the `CircuitModel` operations, and what keys its
     table (the service's settings, the checkpoint's directory and config, the forward)."""
 
     svc: ServiceConfig

@@ -48,11 +48,12 @@ from protos.model import (
     ModelError,
     NotFound,
     Penalties,
+    Prefilled,
     Proposal,
-    RowDraws,
     Sampling,
     SequenceHandle,
     StepResult,
+    Verified,
     read_tokenizer_files,
 )
 from protos.steps import PlanResult, StepPlan, StepStream
@@ -249,7 +250,7 @@ class Engine:
         prompts: Sequence[Sequence[int]],
         masks: Sequence[bytes] | None = None,
         sampling: Sequence[Sampling | None] | None = None,
-    ) -> list[int]:
+    ) -> Prefilled:
         with self._hold():
             return self.verifier.prefill(seqs, prompts, masks, sampling)
 
@@ -261,14 +262,11 @@ class Engine:
         write_on_accept: bool = True,
         masks: dict[int, bytes] | None = None,
         sampling: dict[int, Sampling] | None = None,
-    ) -> list[int]:
+    ) -> Verified:
         with self._hold():
             return self.verifier.decode_verify_batched(
                 tokens, ks, seqs, write_on_accept, masks, sampling
             )
-
-    def can_batch_verify(self, ks: Sequence[int]) -> bool:
-        return self.verifier.can_batch_verify(ks)
 
     def gdn_fold_accepted(self, seqs: Sequence[SequenceHandle], fold_rows: Sequence[int]) -> None:
         with self._hold():
@@ -283,12 +281,6 @@ class Engine:
     def stash_verify_hidden_rows(self, rows: Sequence[int]) -> None:
         with self._hold():
             self.verifier.stash_verify_hidden_rows(rows)
-
-    def last_draws(self) -> list[RowDraws | None]:
-        return list(self.verifier.draws)
-
-    def last_logprobs(self) -> list[float]:
-        return list(self.verifier.logprobs)
 
     # -- drafter -------------------------------------------------------------------------
 

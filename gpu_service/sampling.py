@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from protos import checks
-from protos.model import InvalidArgument, RowDraws, Sampling
+from protos.handles import RowDraws
+from protos.model import InvalidArgument, Sampling
 
 
 def distribution(logits: torch.Tensor, s: Sampling) -> torch.Tensor:

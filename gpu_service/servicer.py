@@ -32,9 +32,10 @@ from protos.model import (
     ModelError,
     NotFound,
     PermissionDenied,
-    RowDraws,
     SequenceHandle,
+    fits_batch,
 )
+from protos.operations import BY_NAME, OPERATIONS, Operation
 from protos.steps import PlanResult, StepPlan
 
 _LOADING = "the model is still loading"
@@ -159,8 +160,22 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
 
     # -- operations ----------------------------------------------------------------------------
 
-    async def Capabilities(self, request, context):
-        return cv.to_pb(await self._call(context, lambda: self.loaded.capabilities()))
+    async def _serve(self, op: Operation, request: Any, context: grpc.aio.ServicerContext):
+        """A unary operation as the table converts it: its session, its admin key and the
+        sequences and snapshots it names checked, then the engine's call -> (result, the
+        call's arguments)."""
+        session = self._session(context) if op.session else None
+        assert op.arguments is not None
+        args = op.arguments(request)
+        if op.admin(args):
+            self._admin(context)
+        if session is not None:
+            named = args["seqs"] if "seqs" in args else [args["seq"]] if "seq" in args else []
+            self.sessions.check(session, [s.seq_id for s in named])
+            if "snapshots" in args:
+                self.sessions.check_snapshots(session, args["snapshots"])
+        value = await self._call(context, lambda: getattr(self.loaded, op.name)(**args))
+        return value, args
 
     async def TokenizerFiles(self, request, context):
         # Read when the checkpoint loaded: no engine-thread job, no session (read-only).
@@ -189,129 +204,44 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
         return cv.to_pb(seq)
 
     async def FreeSequence(self, request, context):
-        (seq,) = self._owned(context, [request.seq_id])
-        await self._call(context, lambda: self.loaded.free_sequence(seq))
-        self.sessions.disown(seq.seq_id)
+        op = BY_NAME["free_sequence"]
+        _, args = await self._serve(op, request, context)
+        self.sessions.disown(args["seq"].seq_id)
         return pb.FreeSequenceReply()
 
-    async def Prefill(self, request, context):
-        seqs, prompts, masks, sampling = cv.prefill_from_pb(request)
-        self._owned(context, (s.seq_id for s in seqs))
-        argmax, logprobs = await self._call(
-            context,
-            lambda: (
-                self.loaded.prefill(seqs, prompts, masks, sampling),
-                self.loaded.last_logprobs(),
-            ),
-        )
-        return pb.PrefillReply(argmax=argmax, seq_lens=cv.seq_lens(seqs), logprobs=logprobs)
-
-    async def DecodeVerifyBatched(self, request, context):
-        seqs = self._owned(context, request.seq_ids)
-
-        def run() -> tuple[list[int], list[float], list[RowDraws | None]]:
-            masks = cv.row_masks_from_pb(request.masks)
-            sampled = cv.seq_sampling_from_pb(request.sampling, len(seqs))
-            argmax = self.loaded.decode_verify_batched(
-                list(request.tokens),
-                list(request.ks),
-                seqs,
-                request.write_on_accept,
-                masks,
-                {i: s for i, s in enumerate(sampled) if s is not None},
-            )
-            return argmax, self.loaded.last_logprobs(), self.loaded.last_draws()
-
-        argmax, logprobs, draws = await self._call(context, run)
-        return pb.VerifyReply(
-            argmax=argmax, seq_lens=cv.seq_lens(seqs), logprobs=logprobs, **cv.draws_to_pb(draws)
-        )
-
     async def CanBatchVerify(self, request, context):
+        # Not an operation of the contract any more (the rule is `fits_batch` on the
+        # capabilities), answered for clients of the wire that still ask.
         self._session(context)
-        ok = await self._call(context, lambda: self.loaded.can_batch_verify(list(request.ks)))
-        return pb.CanBatchVerifyReply(ok=ok)
-
-    async def FoldAccepted(self, request, context):
-        seqs = self._owned(context, request.seq_ids)
-        await self._call(
-            context, lambda: self.loaded.gdn_fold_accepted(seqs, list(request.fold_rows))
-        )
-        return pb.FoldReply()
-
-    async def CommitAcceptedPrefix(self, request, context):
-        seqs = self._owned(context, request.seq_ids)
-        lens = await self._call(
-            context,
-            lambda: self.loaded.commit_accepted_prefix(
-                seqs, list(request.kept_rows), list(request.ks)
-            ),
-        )
-        return pb.CommitReply(seq_lens=lens)
-
-    async def StashVerifyHiddenRows(self, request, context):
-        self._session(context)
-        await self._call(context, lambda: self.loaded.stash_verify_hidden_rows(list(request.rows)))
-        return pb.StashReply()
+        return pb.CanBatchVerifyReply(ok=fits_batch(self.loaded.capabilities(), request.ks))
 
     async def Propose(self, request, context):
-        seqs = self._owned(context, request.seq_ids)
-        p = await self._call(context, lambda: self._propose(request, seqs))
-        return pb.ProposeReply(**cv.proposal_to_pb(p))
+        op = BY_NAME["run_mtp_propose_batched"]
+        self._session(context)
+        assert op.arguments is not None and op.reply is not None
+        args = op.arguments(request)
+        self._owned(context, (s.seq_id for s in args["seqs"]))
 
-    def _propose(self, request, seqs: list[SequenceHandle]):
-        if request.positions:
-            self.loaded.check_positions(seqs, list(request.positions))
-        return self.loaded.run_mtp_propose_batched(
-            list(request.last),
-            list(request.stash),
-            request.num_drafts,
-            seqs,
-            cv.seq_sampling_from_pb(request.sampling, len(seqs)),
-        )
+        def run():
+            if request.positions:
+                self.loaded.check_positions(args["seqs"], list(request.positions))
+            return self.loaded.run_mtp_propose_batched(**args)
 
-    async def TrimProposer(self, request, context):
-        seqs = self._owned(context, request.seq_ids)
-        await self._call(context, lambda: self.loaded.trim_proposer_state(seqs, request.keep_own))
-        return pb.TrimReply()
+        return op.reply(await self._call(context, run), args)
 
     async def SnapshotPrefixes(self, request, context):
         session = self._session(context)
-        seqs = self._owned(context, request.seq_ids)
-        ids = await self._call(context, lambda: self.loaded.snapshot_prefixes(seqs))
+        ids, args = await self._serve(BY_NAME["snapshot_prefixes"], request, context)
         if not self.sessions.is_live(session):  # it ended while the engine took them
             await self._call(context, lambda: self.loaded.drop_prefixes(ids))
             raise NoSession("the call's session ended while it ran; open a new one")
         self.sessions.own_snapshots(session, ids)
         return pb.SnapshotReply(snapshot_ids=ids)
 
-    async def RestorePrefixes(self, request, context):
-        seqs = self._owned(context, request.seq_ids)
-        snaps = list(request.snapshot_ids)
-        self.sessions.check_snapshots(self._session(context), snaps)
-        await self._call(context, lambda: self.loaded.restore_prefixes(seqs, snaps))
-        return pb.RestoreReply(seq_lens=cv.seq_lens(seqs))
-
     async def DropPrefixes(self, request, context):
-        snaps = list(request.snapshot_ids)
-        self.sessions.check_snapshots(self._session(context), snaps)
-        await self._call(context, lambda: self.loaded.drop_prefixes(snaps))
-        self.sessions.disown_snapshots(snaps)
+        _, args = await self._serve(BY_NAME["drop_prefixes"], request, context)
+        self.sessions.disown_snapshots(args["snapshots"])
         return pb.DropPrefixesReply()
-
-    async def DecodeStep(self, request, context):
-        seqs = self._owned(context, request.seq_ids)
-        r = await self._call(
-            context,
-            lambda: self.loaded.decode_step(
-                list(request.tokens),
-                list(request.ks),
-                seqs,
-                list(request.want_drafts),
-                request.num_drafts,
-            ),
-        )
-        return cv.step_to_pb(r, cv.seq_lens(seqs))
 
     async def StepStream(self, request_iterator, context):
         # A call's metadata is fixed: its session is read once, its liveness at every plan.
@@ -338,31 +268,15 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
                 refused.append((i, e.code, str(e)))
         return plan, refused, self.loaded.run_plan
 
-    async def SettleVerdict(self, request, context):
-        seqs = self._owned(context, request.seq_ids)
-        p = await self._call(
-            context,
-            lambda: self.loaded.settle_verdict(
-                seqs,
-                list(request.kept_rows),
-                list(request.ks),
-                list(request.proposers),
-                list(request.last),
-                request.num_drafts,
-                cv.seq_sampling_from_pb(request.sampling, max(len(request.proposers), 1)),
-            ),
-        )
-        return pb.VerdictReply(seq_lens=cv.seq_lens(seqs), **cv.proposal_to_pb(p))
-
     async def MeasureCosts(self, request, context):
-        if not request.cached_only:  # reading the table costs no engine time
+        op = BY_NAME["measure_costs"]
+        assert op.arguments is not None and op.reply is not None
+        args = op.arguments(request)
+        if op.admin(args):
             self._admin(context)
-        widths, repeats = list(request.widths), request.repeats or 5
         # Refused here, not behind whatever holds the engine thread.
-        costs.check(self.loaded.svc, widths, request.max_depth, repeats)
-        job = costs.measurement(
-            self.loaded, widths, request.max_depth, repeats, request.refresh, request.cached_only
-        )
+        costs.check(self.loaded.svc, args["widths"], args["max_depth"], args["repeats"])
+        job = costs.measurement(self.loaded, **args)
         try:
             # One engine-thread job per step: calls queued meanwhile run between them.
             while (result := await self._call(context, costs.advance, job)) is None:
@@ -371,16 +285,24 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
             # Frees the scratch sequences on error or cancellation; shielded, so a second
             # cancellation cannot drop the job from the queue.
             await asyncio.shield(self.run_on_engine_thread(job.close))
-        return cv.costs_to_pb(*result)
+        return op.reply(result, args)
 
-    async def SetForward(self, request, context):
-        self._admin(context)
-        await self._call(context, lambda: self.loaded.set_forward(request.forward))
-        return pb.SetForwardReply(current_forward=request.forward)
 
-    async def ReadLogits(self, request, context):
-        self._admin(context)
-        return cv.to_pb(await self._call(context, lambda: self.loaded.read_logits()))
+def _unary(op: Operation) -> Callable[..., Any]:
+    """The servicer's side of an operation the table converts whole."""
+
+    async def handle(self: ModelServicer, request: Any, context: grpc.aio.ServicerContext):
+        value, args = await self._serve(op, request, context)
+        assert op.reply is not None
+        return op.reply(value, args)
+
+    handle.__name__ = handle.__qualname__ = op.rpc
+    return handle
+
+
+for _op in OPERATIONS:
+    if not _op.stream and _op.rpc not in ModelServicer.__dict__:
+        setattr(ModelServicer, _op.rpc, _unary(_op))
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):

@@ -189,7 +189,6 @@ class Steps:
     ) -> StepResult:
         """The host's bookkeeping once the step's results are back."""
         argmax, logprobs, accepted = ints(host[0]), host[1], ints(host[2])
-        self.verifier.logprobs = logprobs
         kept = [a + 1 for a in accepted]
         for s, k in zip(states, kept, strict=True):
             s.folded_rows = k

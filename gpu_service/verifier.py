@@ -20,12 +20,15 @@ from gpu_service.sequence import FOLDED, IDLE, VERIFIED, SeqState
 from gpu_service.slots import SlotTable, mirror
 from gpu_service.state import DeviceState
 from protos import checks
+from protos.handles import RowDraws
 from protos.model import (
     FailedPrecondition,
     InvalidArgument,
-    RowDraws,
+    Prefilled,
     Sampling,
     SequenceHandle,
+    Verified,
+    batch_fits,
 )
 from protos.telemetry import traced
 
@@ -54,8 +57,6 @@ class Verifier:
     ) -> None:
         self.cfg, self.svc, self.model, self.state = cfg, svc, model, state
         self.slots, self.choice, self.prime = slots, choice, prime
-        self.logprobs: list[float] = []
-        self.draws: list[RowDraws | None] = []
         self.verify_calls = 0
 
     # -- forward -------------------------------------------------------------------------
@@ -101,7 +102,7 @@ class Verifier:
         prompts: Sequence[Sequence[int]],
         masks: Sequence[bytes] | None = None,
         sampling: Sequence[Sampling | None] | None = None,
-    ) -> list[int]:
+    ) -> Prefilled:
         checks.same_length("prefill", seqs=seqs, prompts=prompts)
         sampled = {i: s for i, s in enumerate(sampling or ()) if s is not None}
         check_sampling(sampled, {i: 1 for i in sampled}, len(prompts))
@@ -117,12 +118,12 @@ class Verifier:
         before = [s.seq_len - 1 for s in states]
         last = [s.tokens[-1:] for s in states]
         penalize(logits, self.model.vocab, states, before, last, range(len(states)))
-        out = self.keep_logits(logits, row_masks)
+        out, logprobs = self.keep_logits(logits, row_masks)
         for i, smp in sampled.items():
             row = self.model.full_logits(self.state.logits[i : i + 1])
             out[i] = draw(distribution(row, smp)[0], smp.uniforms[0])
         mirror(seqs, states)
-        return out
+        return Prefilled(out, logprobs)
 
     def _check_prefill(self, states: list[SeqState], prompts: Sequence[Sequence[int]]) -> None:
         total = 0
@@ -150,17 +151,17 @@ class Verifier:
         write_on_accept: bool = True,
         masks: dict[int, bytes] | None = None,
         sampling: dict[int, Sampling] | None = None,
-    ) -> list[int]:
+    ) -> Verified:
         states = self.check_verify(tokens, ks, seqs)
         check_sampling(sampling or {}, dict(enumerate(ks)), len(ks))
         row_masks = self.masks(masks or {}, sum(ks))
         tokens, ks = list(tokens), list(ks)
         logits = self.verify_logits(states, tokens, ks, write_on_accept, row_masks)
         top, logprob = self.model.argmax_logprob(logits)
-        host_top, self.logprobs = download(top, logprob)
-        self.draws = self._row_draws(states, tokens, ks, sampling or {})
+        host_top, logprobs = download(top, logprob)
+        draws = self._row_draws(states, tokens, ks, sampling or {})
         mirror(seqs, states)
-        return ints(host_top)
+        return Verified(ints(host_top), logprobs, draws)
 
     def verify_logits(
         self,
@@ -199,7 +200,7 @@ class Verifier:
         states = self.slots.lookup("decode_verify_batched", seqs)
         if sum(ks) != len(tokens):
             raise InvalidArgument(f"ks sum to {sum(ks)} rows but {len(tokens)} tokens were given")
-        if not self.can_batch_verify(ks):
+        if not batch_fits(ks, self.svc.max_batch, self.svc.max_rows):
             raise InvalidArgument(
                 f"a verify of {len(ks)} sequences and {sum(ks)} rows exceeds "
                 f"the budget of {self.svc.max_batch} sequences and "
@@ -217,9 +218,6 @@ class Verifier:
             checks.phase(s.seq_id, s.phase, IDLE, "verify")
             checks.fits_context(s.seq_id, s.seq_len, k, self.svc.max_context)
         return states
-
-    def can_batch_verify(self, ks: Sequence[int]) -> bool:
-        return 1 <= len(ks) <= self.svc.max_batch and sum(ks) <= self.svc.max_rows
 
     # -- verdict -------------------------------------------------------------------------
 
@@ -312,16 +310,18 @@ class Verifier:
             out[row] = allowed
         return out
 
-    def keep_logits(self, logits: torch.Tensor, masks: dict[int, torch.Tensor]) -> list[int]:
-        """Keep a prefill's logits (masked rows with -inf outside their mask) and each row's
-        argmax log-probability -> each row's argmax."""
+    def keep_logits(
+        self, logits: torch.Tensor, masks: dict[int, torch.Tensor]
+    ) -> tuple[list[int], list[float]]:
+        """Keep a prefill's logits (masked rows with -inf outside their mask) -> each row's
+        argmax and its log-probability."""
         for row, allowed in masks.items():
             held = self.model.held_columns(allowed).to(logits.device)
             logits[row] = logits[row].masked_fill(~held, float("-inf"))
         self.state.logits = logits
         top, logprob = self.model.argmax_logprob(logits)
-        host_top, self.logprobs = download(top, logprob)
-        return ints(host_top)
+        host_top, logprobs = download(top, logprob)
+        return ints(host_top), logprobs
 
     def _row_draws(
         self,

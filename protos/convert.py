@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 from google.protobuf.message import Message
 
+from protos.handles import RowDraws
 from protos.met.v1 import model_pb2 as pb
 from protos.model import (
     Capabilities,
@@ -24,7 +25,6 @@ from protos.model import (
     Logits,
     Penalties,
     Proposal,
-    RowDraws,
     Sampling,
     SequenceHandle,
     StepResult,

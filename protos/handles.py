@@ -1,5 +1,5 @@
-"""A sequence's handle and what a greedy step returns: the types the `Model` protocol and the
-step stream (`protos.steps`) both speak, apart from either."""
+"""A sequence's handle and what the operations return: the types the model contract
+(`protos.model`) and the step stream (`protos.steps`) both speak, apart from either."""
 
 from __future__ import annotations
 
@@ -13,6 +13,33 @@ class SequenceHandle:
     seq_id: int  # never reused by the service
     slot: int  # state slot: attention KV rows, GDN state, conv window, drafter KV
     seq_len: int = 0  # tokens in the target's cache, mirrored from the last reply
+
+
+@dataclass(frozen=True)
+class RowDraws:
+    p_next: float  # target probability of the next row's token (0 for the last row)
+    resample: int  # draw from the residual (the target itself when no draft distribution)
+    sample: int  # draw from the target
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    """What a prefill returns: per prompt, its last row's argmax and that token's
+    log-probability."""
+
+    argmax: list[int]
+    logprobs: list[float]
+
+
+@dataclass(frozen=True)
+class Verified:
+    """What a batched verify returns, per row in row order: its argmax, that token's
+    log-probability, and for a sampling sequence's rows what rejection sampling needs (None on
+    a greedy sequence's rows)."""
+
+    argmax: list[int]
+    logprobs: list[float]
+    draws: list[RowDraws | None]
 
 
 @dataclass(frozen=True)

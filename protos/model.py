@@ -1,14 +1,19 @@
-"""The `Model` protocol: every operation the control plane may ask of the GPU service.
+"""The model contract, in two layers: `ServingModel`, the operations the scheduler calls, and
+`CircuitModel`, which adds the single steps of a verdict and the admin reads that the circuit
+diff takes apart. Operations return values (`Prefilled`, `Verified`, `Proposal`, ...): nothing
+is read back afterwards. `protos.operations` lists every operation with its RPC, from which the
+gRPC client, the servicer and tensor parallelism's mirror follow.
 
 Two implementations: `gpu_service.engine.Engine` (in process) and
-`control_plane.replicas.client.GrpcModel` (over `met.v1.ModelService`). The scheduler and the
-circuit diff are written against this protocol only. Nothing here imports torch or protobuf.
+`control_plane.replicas.client.GrpcModel` (over `met.v1.ModelService`). Nothing here imports
+torch or protobuf.
 
 Lifecycle of one sequence (each step checked by the service, out-of-order calls are
 `FailedPrecondition`):
 
-    alloc_sequence -> prefill* -> [decode_verify_batched -> stash? -> fold -> commit
-                                   -> (propose -> trim)?]* -> free_sequence
+    alloc_sequence -> prefill* -> [decode_verify_batched -> settle_verdict]* -> free_sequence
+
+where the diff may take `settle_verdict` apart as stash? -> fold -> commit -> (propose -> trim)?.
 
 Over gRPC, sequences belong to sessions (the in-process engine has none): a client opens a
 session (`OpenSession`, a stream it keeps open) and names it in `SESSION_METADATA` on every
@@ -40,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from protos.handles import Proposal, SequenceHandle, StepResult
+from protos.handles import Prefilled, Proposal, SequenceHandle, StepResult, Verified
 
 if TYPE_CHECKING:  # the step stream's types name this module's
     from protos.steps import StepStream
@@ -138,6 +143,18 @@ class Capabilities:
     prefix_snapshots: int = 0  # prefix snapshots it can hold (0: no prefix cache)
 
 
+def batch_fits(ks: Sequence[int], max_batch: int, max_rows: int) -> bool:
+    """Whether one batched verify of these widths (rows per sequence) fits the stash width and
+    the row budget: the rule the service checks and the scheduler plans its chunks by. Slot
+    capacities are the caller's job (it clamps drafts to them)."""
+    return 1 <= len(ks) <= max_batch and sum(ks) <= max_rows
+
+
+def fits_batch(caps: Capabilities, ks: Sequence[int]) -> bool:
+    """`batch_fits` by a service's capabilities, read once at connection."""
+    return batch_fits(ks, caps.max_batch, caps.max_rows)
+
+
 def greedy_accepted(rows: Sequence[int], argmax: Sequence[int]) -> int:
     """The greedy verdict, shared by `decode_step` and the control plane. rows = [last, d1 ..
     d_{k-1}]: draft j + 1 stands while it equals the argmax of row j. -> drafts that stood"""
@@ -192,13 +209,6 @@ class Sampling:
 
 
 @dataclass(frozen=True)
-class RowDraws:
-    p_next: float  # target probability of the next row's token (0 for the last row)
-    resample: int  # draw from the residual (the target itself when no draft distribution)
-    sample: int  # draw from the target
-
-
-@dataclass(frozen=True)
 class CostEntry:
     """One measured step cost (`measure_costs`)."""
 
@@ -211,8 +221,8 @@ class CostEntry:
 FORWARDS = ("eager", "eager-serial", "triton", "triton-serial")
 
 
-class Model(Protocol):
-    """Synchronous model operations, each one batched RPC of `met.v1.ModelService`."""
+class ServingModel(Protocol):
+    """The operations the scheduler calls, each one batched RPC of `met.v1.ModelService`."""
 
     def capabilities(self) -> Capabilities:
         """Model name, vocabulary, slots (count, free, per-slot verify capacity), row budget,
@@ -240,7 +250,7 @@ class Model(Protocol):
         prompts: Sequence[Sequence[int]],
         masks: Sequence[bytes] | None = None,
         sampling: Sequence[Sampling | None] | None = None,
-    ) -> list[int]:
+    ) -> Prefilled:
         """Append each prompt to its sequence's cache (a long prompt may come in chunks) and
         return each one's last-row argmax. The last rows' logits stay in the logits buffer;
         the drafter's cache is primed with the prompt's (token, hidden) pairs. `masks[i]`, when
@@ -257,10 +267,10 @@ class Model(Protocol):
         write_on_accept: bool = True,
         masks: dict[int, bytes] | None = None,
         sampling: dict[int, Sampling] | None = None,
-    ) -> list[int]:
+    ) -> Verified:
         """One batched forward over `R = sum(ks)` rows; sequence i contributes its rows
         `[last, d1 .. d_{k_i - 1}]` at positions `seq_len .. seq_len + k_i - 1`, attending to
-        its own cache and causally within its rows. Returns the argmax of every row.
+        its own cache and causally within its rows. -> every row's argmax and its log-probability.
 
         Every row's GDN state and conv window is kept in the slot's verify buffer; the rows'
         KV are written into the cache and `seq_len` advances by `k_i` (the commit rewinds
@@ -270,68 +280,8 @@ class Model(Protocol):
         A plain one-token decode is `k = 1`. Each `k` is in `1 ..= capacity(slot) + 1`.
         `masks` maps rows to allowed-token bitmasks (as `prefill`'s), applied before their
         argmax, so a grammar binds the bonus token too. `sampling` maps sequence indices to
-        their sampling parameters with one uniform per row: `last_draws` then has, for each
-        of their rows, what rejection sampling needs."""
-
-    def last_draws(self) -> list[RowDraws | None]:
-        """Per row of the last verify: the draws of a sampling sequence, None elsewhere (the
-        gRPC client answers from that call's reply)."""
-
-    def can_batch_verify(self, ks: Sequence[int]) -> bool:
-        """Whether one batched call of these widths fits the row budget and the stash width.
-        Slot capacities are the caller's job (it clamps drafts to them)."""
-
-    def gdn_fold_accepted(self, seqs: Sequence[SequenceHandle], fold_rows: Sequence[int]) -> None:
-        """For each sequence, the GDN state and conv window after row `fold_rows[i] - 1` of its
-        last verify become its live state. A row outside that verify is `InvalidArgument`;
-        no verify pending is `FailedPrecondition`."""
-
-    def commit_accepted_prefix(
-        self, seqs: Sequence[SequenceHandle], kept_rows: Sequence[int], ks: Sequence[int]
-    ) -> list[int]:
-        """Each sequence keeps rows `0 .. kept_rows[i] - 1` of its last verify: the service
-        rewinds `seq_len` by `k - kept_rows` and returns the new lengths (the handles are
-        updated). The fold must come first; `ks` must match the pending verify."""
-
-    def stash_verify_hidden_rows(self, rows: Sequence[int]) -> None:
-        """Stash slot i takes the final hidden of row `rows[i]` of the last verify (one row
-        per sequence: its last accepted row). Call it before fold and commit."""
-
-    def run_mtp_propose_batched(
-        self,
-        last: Sequence[int],
-        stash: Sequence[int],
-        num_drafts: int,
-        seqs: Sequence[SequenceHandle],
-        sampling: Sequence[Sampling | None] | None = None,
-    ) -> Proposal:
-        """For each sequence, `num_drafts` greedy drafts (or sampled, with one uniform per
-        draft, for sequences with `sampling`; the service keeps the distributions they came
-        from for the next verify's residuals) from the MTP head, starting from its
-        stash slot's hidden and `last` (the token after its committed history). The first
-        drafter entry sits at position `seq_len - 1` (the hidden's position, as vLLM's MTP);
-        draft j feeds back the drafter's own hidden. The last position's logits stay in the
-        logits buffer, one row per sequence."""
-
-    def trim_proposer_state(self, seqs: Sequence[SequenceHandle], keep_own: int = 0) -> None:
-        """Drop the drafter entries the last propose built from its own hidden, keeping the
-        first `keep_own` of them. With `keep_own = 0`, as after every propose, the drafter
-        keeps only entries built from the target's hiddens, so its state is a function of the
-        committed history and a replay reproduces it exactly."""
-
-    def snapshot_prefixes(self, seqs: Sequence[SequenceHandle]) -> list[int]:
-        """A snapshot of each sequence, idle right after a prefill to a whole number of KV
-        blocks: the blocks its tokens fill, shared, and copies of its GDN state, conv window
-        and drafter carry -> their ids (`gpu_service/prefixes.py`). All or none."""
-
-    def restore_prefixes(self, seqs: Sequence[SequenceHandle], snapshots: Sequence[int]) -> None:
-        """Each fresh sequence goes on from its snapshot: it holds the snapshot's tokens
-        (its handle's `seq_len` says how many) and prefills only the rest of its prompt,
-        which then equals a prefill of the whole prompt. All or none."""
-
-    def drop_prefixes(self, snapshots: Sequence[int]) -> None:
-        """Let the snapshots go; their blocks go back to the pool once no sequence holds them.
-        An unknown or dropped id (or another session's) is `NotFound`."""
+        their sampling parameters with one uniform per row: the reply's `draws` then has, for
+        each of their rows, what rejection sampling needs."""
 
     def settle_verdict(
         self,
@@ -372,6 +322,20 @@ class Model(Protocol):
         back, and discarding what a sequence that finished meanwhile gains. Over gRPC, the
         bidirectional `StepStream` RPC of the session; in process, a worker thread."""
 
+    def snapshot_prefixes(self, seqs: Sequence[SequenceHandle]) -> list[int]:
+        """A snapshot of each sequence, idle right after a prefill to a whole number of KV
+        blocks: the blocks its tokens fill, shared, and copies of its GDN state, conv window
+        and drafter carry -> their ids (`gpu_service/prefixes.py`). All or none."""
+
+    def restore_prefixes(self, seqs: Sequence[SequenceHandle], snapshots: Sequence[int]) -> None:
+        """Each fresh sequence goes on from its snapshot: it holds the snapshot's tokens
+        (its handle's `seq_len` says how many) and prefills only the rest of its prompt,
+        which then equals a prefill of the whole prompt. All or none."""
+
+    def drop_prefixes(self, snapshots: Sequence[int]) -> None:
+        """Let the snapshots go; their blocks go back to the pool once no sequence holds them.
+        An unknown or dropped id (or another session's) is `NotFound`."""
+
     def measure_costs(
         self,
         widths: Sequence[int],
@@ -389,15 +353,54 @@ class Model(Protocol):
         `cached_only`: the cached table or no entries, never a measurement.
         -> (entries, whether they came from the cache)"""
 
+
+class CircuitModel(ServingModel, Protocol):
+    """`ServingModel` with what the circuit diff calls besides: the verdict's single steps
+    (`settle_verdict` is them in one call), the forward's choice and the logits buffer."""
+
+    def gdn_fold_accepted(self, seqs: Sequence[SequenceHandle], fold_rows: Sequence[int]) -> None:
+        """For each sequence, the GDN state and conv window after row `fold_rows[i] - 1` of its
+        last verify become its live state. A row outside that verify is `InvalidArgument`;
+        no verify pending is `FailedPrecondition`."""
+
+    def commit_accepted_prefix(
+        self, seqs: Sequence[SequenceHandle], kept_rows: Sequence[int], ks: Sequence[int]
+    ) -> list[int]:
+        """Each sequence keeps rows `0 .. kept_rows[i] - 1` of its last verify: the service
+        rewinds `seq_len` by `k - kept_rows` and returns the new lengths (the handles are
+        updated). The fold must come first; `ks` must match the pending verify."""
+
+    def stash_verify_hidden_rows(self, rows: Sequence[int]) -> None:
+        """Stash slot i takes the final hidden of row `rows[i]` of the last verify (one row
+        per sequence: its last accepted row). Call it before fold and commit."""
+
+    def run_mtp_propose_batched(
+        self,
+        last: Sequence[int],
+        stash: Sequence[int],
+        num_drafts: int,
+        seqs: Sequence[SequenceHandle],
+        sampling: Sequence[Sampling | None] | None = None,
+    ) -> Proposal:
+        """For each sequence, `num_drafts` greedy drafts (or sampled, with one uniform per
+        draft, for sequences with `sampling`; the service keeps the distributions they came
+        from for the next verify's residuals) from the MTP head, starting from its
+        stash slot's hidden and `last` (the token after its committed history). The first
+        drafter entry sits at position `seq_len - 1` (the hidden's position, as vLLM's MTP);
+        draft j feeds back the drafter's own hidden. The last position's logits stay in the
+        logits buffer, one row per sequence."""
+
+    def trim_proposer_state(self, seqs: Sequence[SequenceHandle], keep_own: int = 0) -> None:
+        """Drop the drafter entries the last propose built from its own hidden, keeping the
+        first `keep_own` of them. With `keep_own = 0`, as after every propose, the drafter
+        keeps only entries built from the target's hiddens, so its state is a function of the
+        committed history and a replay reproduces it exactly."""
+
     def set_forward(self, name: str) -> None:
         """Select the forward: `eager` (plain torch), `triton` (the per-sequence parts as Triton
         kernels), or `eager-serial` / `triton-serial` (a batched call run one sequence at a
         time inside the service, same buffers and replies). Unknown names are
         `InvalidArgument`. An admin call over gRPC."""
-
-    def last_logprobs(self) -> list[float]:
-        """The log-probability of each row's argmax in the last prefill or verify (the gRPC
-        client answers from that call's reply, with no call of its own)."""
 
     def read_logits(self) -> Logits:
         """The logits buffer of the last prefill, verify or propose, in the model's dtype.

@@ -1,6 +1,7 @@
-"""A `Model` whose outputs the test chooses: the target's greedy next token and the drafter's
-chain are functions of the history. It records every call, so a test can see which path a
-step took. Its step stream runs the engine's plan rules (`run_plan`) over its `decode_step`."""
+"""A `ServingModel` (protos/model.py) whose outputs the test chooses: the target's greedy
+next token and the drafter's chain are functions of the history. It records every call, so a
+test can see which path a step took. Its step stream runs the engine's plan rules (`run_plan`)
+over its `decode_step`."""
 
 from __future__ import annotations
 
@@ -14,13 +15,14 @@ from protos.model import (
     Capabilities,
     FailedPrecondition,
     InvalidArgument,
-    Logits,
     NotFound,
     Penalties,
+    Prefilled,
     Proposal,
     ResourceExhausted,
     SequenceHandle,
     StepResult,
+    Verified,
     greedy_accepted,
     room_to_propose,
 )
@@ -80,7 +82,6 @@ class FakeModel:
         max_context: int = 512,
         oracle: Oracle = counting_oracle,
         drafter: Drafter | None = None,
-        refuse: Callable[[list[int]], bool] = lambda ks: False,
         files: dict[str, bytes] | None = None,
         name: str = "fake",
         digest: str = "fake",
@@ -92,12 +93,10 @@ class FakeModel:
         self.max_context = max_context
         self.oracle = oracle
         self.drafter = drafter or perfect_drafter(oracle)
-        self.refuse = refuse
         self.seqs: dict[int, _Seq] = {}
         self.slots: dict[int, int] = {}
         self.next_id = 1
         self.calls: list[tuple] = []  # (name, details)
-        self._rows: list[int] = []
 
     def capabilities(self) -> Capabilities:
         return Capabilities(
@@ -161,12 +160,11 @@ class FakeModel:
             out.append(
                 _masked(self.oracle(tuple(s.tokens)), (masks or [b""] * len(seqs))[len(out)])
             )
-        self._rows = out
-        return out
+        return Prefilled(out, [-0.5] * len(out))
 
     def decode_verify_batched(
         self, tokens, ks, seqs, write_on_accept=True, masks=None, sampling=None
-    ) -> list[int]:
+    ) -> Verified:
         self.calls.append(("verify", list(ks), [h.slot for h in seqs]))
         self._moved(seqs)
         _check_masks(masks or {})
@@ -181,17 +179,12 @@ class FakeModel:
                 out.append(_masked(self.oracle(tuple(s.tokens)), bits))
             s.pending, s.row, lo = k, lo, lo + k
             h.seq_len = len(s.tokens)
-        self._rows = out
-        return out
+        return Verified(out, [-0.5] * len(out), [None] * len(out))
 
-    def last_logprobs(self) -> list[float]:
-        return [-0.5] * len(self._rows)
+    # The verdict's single steps, which `settle_verdict` runs in order: not operations of the
+    # serving contract, so private, but logged by name as the engine's spans name them.
 
-    def can_batch_verify(self, ks) -> bool:
-        self.calls.append(("can_batch_verify", list(ks)))
-        return len(ks) <= self.max_batch and sum(ks) <= self.max_rows and not self.refuse(list(ks))
-
-    def gdn_fold_accepted(self, seqs, fold_rows) -> None:
+    def _fold(self, seqs, fold_rows) -> None:
         self.calls.append(("fold", list(fold_rows)))
         self._moved(seqs)
         for h, a in zip(seqs, fold_rows, strict=True):
@@ -200,7 +193,7 @@ class FakeModel:
                 raise FailedPrecondition("bad fold")
             s.folded = a
 
-    def commit_accepted_prefix(self, seqs, kept_rows, ks) -> list[int]:
+    def _commit(self, seqs, kept_rows, ks) -> list[int]:
         self.calls.append(("commit", list(kept_rows)))
         self._moved(seqs)
         for h, kept, k in zip(seqs, kept_rows, ks, strict=True):
@@ -211,10 +204,10 @@ class FakeModel:
             h.seq_len = len(s.tokens)
         return [h.seq_len for h in seqs]
 
-    def stash_verify_hidden_rows(self, rows) -> None:
+    def _stash(self, rows) -> None:
         self.calls.append(("stash", list(rows)))
 
-    def run_mtp_propose_batched(self, last, stash, num_drafts, seqs, sampling=None) -> Proposal:
+    def _propose(self, last, num_drafts, seqs) -> Proposal:
         self.calls.append(("propose", len(seqs), num_drafts))
         self._moved(seqs)
         drafts = [
@@ -223,7 +216,7 @@ class FakeModel:
         ]
         return Proposal(drafts, [[0.9] * num_drafts for _ in seqs])
 
-    def trim_proposer_state(self, seqs, keep_own: int = 0) -> None:
+    def _trim(self, seqs) -> None:
         self.calls.append(("trim", len(seqs)))
         self._moved(seqs)
 
@@ -231,16 +224,14 @@ class FakeModel:
         self, seqs, kept_rows, ks, proposers, last, num_drafts, sampling=None
     ) -> Proposal:
         if proposers:
-            self.stash_verify_hidden_rows(
-                [self.seqs[seqs[p].seq_id].row + kept_rows[p] - 1 for p in proposers]
-            )
-        self.gdn_fold_accepted(seqs, kept_rows)
-        self.commit_accepted_prefix(seqs, kept_rows, ks)
+            self._stash([self.seqs[seqs[p].seq_id].row + kept_rows[p] - 1 for p in proposers])
+        self._fold(seqs, kept_rows)
+        self._commit(seqs, kept_rows, ks)
         if not proposers:
             return Proposal([], [])
         chosen = [seqs[p] for p in proposers]
-        proposal = self.run_mtp_propose_batched(last, list(range(len(chosen))), num_drafts, chosen)
-        self.trim_proposer_state(chosen)
+        proposal = self._propose(last, num_drafts, chosen)
+        self._trim(chosen)
         return proposal
 
     def decode_step(self, tokens, ks, seqs, want_drafts, num_drafts) -> StepResult:
@@ -248,7 +239,8 @@ class FakeModel:
         verify, stash, fold, commit, propose and trim either way; `step` marks the one call."""
         self.calls.append(("step", list(ks), [h.slot for h in seqs]))
         before = [h.seq_len for h in seqs]
-        argmax = self.decode_verify_batched(tokens, ks, seqs)
+        verified = self.decode_verify_batched(tokens, ks, seqs)
+        argmax = verified.argmax
         accepted, lo = [], 0
         for k in ks:
             accepted.append(greedy_accepted(tokens[lo : lo + k], argmax[lo : lo + k]))
@@ -265,7 +257,7 @@ class FakeModel:
         for i, h in enumerate(seqs):  # what a plan continuing it verifies: bonus, then drafts
             bonus = argmax[sum(ks[:i]) + accepted[i]]
             self.seqs[h.seq_id].continuation = [bonus, *drafts.get(i, [])]
-        return StepResult(argmax, self.last_logprobs(), accepted, proposers, proposal)
+        return StepResult(argmax, verified.logprobs, accepted, proposers, proposal)
 
     def open_steps(self) -> StepStream:
         """Each plan runs as it is sent, on the sender's thread, so a test's call log keeps
@@ -294,15 +286,9 @@ class FakeModel:
             for d in range(max_depth + 1)
         ], False
 
-    def set_forward(self, name: str) -> None:
-        pass
-
-    def read_logits(self) -> Logits:
-        return Logits(b"", "float32", (0, 320))
-
     def names(self) -> list[str]:
-        """The calls made, by name, `step` (the fused call's mark) and the gates left out."""
-        return [c[0] for c in self.calls if c[0] not in ("can_batch_verify", "step")]
+        """The calls made, by name, but `step` (the fused call's mark)."""
+        return [c[0] for c in self.calls if c[0] != "step"]
 
     def steps(self) -> list[tuple]:
         return [c for c in self.calls if c[0] == "step"]

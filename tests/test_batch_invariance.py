@@ -46,7 +46,7 @@ def _batched_run(
         if i == spare_at:
             spare = engine.alloc_sequence()
         seqs.append(engine.alloc_sequence())
-    last = engine.prefill(seqs, prompts)
+    last = engine.prefill(seqs, prompts).argmax
     prefill = logit_rows(engine)
     steps = []
     for step in range(3):
@@ -82,7 +82,7 @@ def test_row_logits_do_not_depend_on_k(engine: Engine, rng: torch.Generator) -> 
     prefix, while other sequences share the batch."""
     prompt, other = random_tokens(rng, 63), random_tokens(rng, 9)
     a, b, c = engine.alloc_sequence(), engine.alloc_sequence(), engine.alloc_sequence()
-    first = engine.prefill([a, b, c], [prompt, prompt, other])
+    first = engine.prefill([a, b, c], [prompt, prompt, other]).argmax
     rows = [first[0], *random_tokens(rng, 3)]
     _, logits = verify(engine, [c, a], [[first[2], 1], rows], [2, 4])
     alone = [decode(engine, b, t)[1] for t in rows]
@@ -105,7 +105,7 @@ def test_a_prefill_in_block_aligned_parts_is_one_prefill(split: list[int]) -> No
         engine = Engine(DEFAULT_MODEL_DIR, svc, "fp32")
         seq, start = engine.alloc_sequence(), 0
         for n in parts:
-            first = engine.prefill([seq], [prompt[start : start + n]])
+            first = engine.prefill([seq], [prompt[start : start + n]]).argmax
             start += n
         state = engine.state
         out = [

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from protos import convert as cv
+from protos.handles import RowDraws
 from protos.met.v1 import model_pb2 as pb
 from protos.model import (
     Capabilities,
@@ -19,7 +20,6 @@ from protos.model import (
     InvalidArgument,
     Logits,
     Proposal,
-    RowDraws,
     Sampling,
     SequenceHandle,
     StepResult,

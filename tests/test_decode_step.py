@@ -8,7 +8,7 @@ import pytest
 
 from control_plane.replicas.client import GrpcModel
 from gpu_service.engine import Engine
-from protos.model import InvalidArgument, Model, StepResult, room_to_propose
+from protos.model import CircuitModel, InvalidArgument, StepResult, room_to_propose
 from tests.conftest import TINY_SERVICE
 from tests.steps import logit_rows
 
@@ -27,10 +27,10 @@ def _greedy(rows: list[list[int]], argmax: list[int]) -> tuple[list[int], list[i
     return accepted, last
 
 
-def _two_calls(model: Model, seqs, rows, want, nd) -> tuple[StepResult, list[bytes]]:
+def _two_calls(model: CircuitModel, seqs, rows, want, nd) -> tuple[StepResult, list[bytes]]:
     ks = [len(r) for r in rows]
-    argmax = model.decode_verify_batched([t for r in rows for t in r], ks, seqs)
-    logprobs = model.last_logprobs()
+    verified = model.decode_verify_batched([t for r in rows for t in r], ks, seqs)
+    argmax, logprobs = verified.argmax, verified.logprobs
     accepted, last = _greedy(rows, argmax)
     cap = TINY_SERVICE.max_context
     committed = [s.seq_len - (k - n - 1) for s, k, n in zip(seqs, ks, accepted, strict=True)]
@@ -41,12 +41,12 @@ def _two_calls(model: Model, seqs, rows, want, nd) -> tuple[StepResult, list[byt
     return StepResult(argmax, logprobs, accepted, proposers, proposal), logit_rows(model)
 
 
-def _drive(model: Model, fused: bool) -> list:
+def _drive(model: CircuitModel, fused: bool) -> list:
     """Three steps over three sequences, each step's rows [last, drafts...] from the previous
     step's result, as the scheduler would make them."""
     seqs = [model.alloc_sequence() for _ in PROMPTS]
     try:
-        argmax = model.prefill(seqs, PROMPTS)
+        argmax = model.prefill(seqs, PROMPTS).argmax
         rows = [[a] for a in argmax]
         want, nd, trace = [True, True, False], 3, []
         for _ in range(3):
@@ -87,7 +87,7 @@ def test_over_grpc_equals_in_process(engine: Engine, client: GrpcModel) -> None:
 def test_no_drafts_without_room(engine: Engine) -> None:
     seq = engine.alloc_sequence()
     cap = TINY_SERVICE.max_context
-    first = engine.prefill([seq], [[3] * (cap - 2)])[0]
+    first = engine.prefill([seq], [[3] * (cap - 2)]).argmax[0]
     # 3 drafts would sit at positions cap - 2 .. cap: one past the context
     res = engine.decode_step([first], [1], [seq], [True], 3)
     assert res.proposers == [] and res.proposal.drafts == [] and seq.seq_len == cap - 1
@@ -102,8 +102,8 @@ def test_a_proposer_without_room_is_refused(engine: Engine) -> None:
     assert room_to_propose(cap - 2, 3, cap) and not room_to_propose(cap - 1, 3, cap)
     seq = engine.alloc_sequence()
     try:
-        first = engine.prefill([seq], [[3] * (cap - 2)])[0]
-        (top,) = engine.decode_verify_batched([first], [1], [seq])
+        first = engine.prefill([seq], [[3] * (cap - 2)]).argmax[0]
+        (top,) = engine.decode_verify_batched([first], [1], [seq]).argmax
         with pytest.raises(InvalidArgument, match="3 drafts from position .* exceed the context"):
             engine.settle_verdict([seq], [1], [1], [0], [top], 3)
         engine.settle_verdict([seq], [1], [1], [], [], 0)  # nothing ran: it still settles

@@ -47,13 +47,13 @@ def test_batches_equal_gamma_in_slot_order() -> None:
 
 
 def test_m_max_shrinks_and_a_trailing_single_goes_serial() -> None:
-    model = FakeModel(caps=WIDE, refuse=lambda ks: len(ks) > 2)
+    model = FakeModel(caps=WIDE, max_batch=2)
     report = step_mtp(model, seqs(model, 5, drafts=[4] * 5), ctx(model), 8)
     assert report.batched_calls == [[5, 5], [5, 5]] and report.serial_arms == ["DFlash"]
 
 
-def test_refused_group_goes_serial_whole() -> None:
-    model = FakeModel(caps=WIDE, refuse=lambda ks: True)
+def test_a_group_past_the_row_budget_goes_serial_whole() -> None:
+    model = FakeModel(caps=WIDE, max_rows=9)  # two verifies of 5 rows take 10
     report = step_mtp(model, seqs(model, 3, drafts=[4] * 3), ctx(model), 8)
     assert report.dflash_declined and report.serial_arms == ["DFlash"] * 3
 

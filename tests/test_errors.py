@@ -8,9 +8,9 @@ from collections.abc import Callable
 import pytest
 
 from protos.model import (
+    CircuitModel,
     FailedPrecondition,
     InvalidArgument,
-    Model,
     ModelError,
     NotFound,
     ResourceExhausted,
@@ -19,10 +19,10 @@ from protos.model import (
 from tests.steps import decode
 
 PROMPT = [5, 17, 99, 3, 250, 42, 7]
-Case = Callable[[Model, SequenceHandle, SequenceHandle], object]
+Case = Callable[[CircuitModel, SequenceHandle, SequenceHandle], object]
 
 
-def _exhaust(model: Model, b: SequenceHandle, v: SequenceHandle) -> None:
+def _exhaust(model: CircuitModel, b: SequenceHandle, v: SequenceHandle) -> None:
     taken = []
     try:
         for _ in range(model.capabilities().free_slots):
@@ -33,12 +33,12 @@ def _exhaust(model: Model, b: SequenceHandle, v: SequenceHandle) -> None:
             model.free_sequence(s)
 
 
-def _freed(model: Model, b: SequenceHandle, v: SequenceHandle) -> None:
+def _freed(model: CircuitModel, b: SequenceHandle, v: SequenceHandle) -> None:
     model.free_sequence(v)
     model.decode_verify_batched([1, 2], [1, 1], [b, v])
 
 
-def _fold_outside(model: Model, b: SequenceHandle, v: SequenceHandle) -> None:
+def _fold_outside(model: CircuitModel, b: SequenceHandle, v: SequenceHandle) -> None:
     model.decode_verify_batched([1, 2], [2], [v])
     try:
         model.gdn_fold_accepted([v], [3])
@@ -108,12 +108,12 @@ CASES: dict[str, tuple[type[ModelError], Case]] = {
 
 
 @pytest.fixture(params=["in-process", "grpc"])
-def model(request: pytest.FixtureRequest) -> Model:
+def model(request: pytest.FixtureRequest) -> CircuitModel:
     return request.getfixturevalue("engine" if request.param == "in-process" else "client")
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_bad_input_is_refused_and_harmless(model: Model, case: str) -> None:
+def test_bad_input_is_refused_and_harmless(model: CircuitModel, case: str) -> None:
     error, call = CASES[case]
     bystander, control, victim = (model.alloc_sequence() for _ in range(3))
     model.prefill([bystander, control, victim], [PROMPT, PROMPT, PROMPT])

@@ -62,7 +62,7 @@ def _steps(engine: Engine, n: int, k: int, rounds: int) -> list[StepResult]:
     seqs = [engine.alloc_sequence() for _ in range(n)]
     first = engine.prefill(
         seqs, [[(5 * i + 3 * j) % 200 + 1 for i in range(9 + j)] for j in range(n)]
-    )
+    ).argmax
     out = [engine.decode_step(first, [1] * n, seqs, [True] * n, k - 1)]
     for _ in range(rounds):
         last = out[-1]
@@ -131,7 +131,7 @@ def test_calls_no_graph_fits_run_eagerly(tiny_dir: Path) -> None:
         seqs = [engine.alloc_sequence() for _ in range(2)]
         engine.prefill(seqs, [[5, 6, 7], [8, 9]])
         # Rows that differ between sequences: no graph has that shape.
-        results.append(engine.decode_verify_batched([1, 2, 3, 4, 5], [2, 3], seqs))
+        results.append(engine.decode_verify_batched([1, 2, 3, 4, 5], [2, 3], seqs).argmax)
         # A sampled chain draws on the host: eager.
         sampled = [Sampling(0.8, 0, 1.0, (0.3, 0.6)), None]
         results.append(engine.settle_verdict(seqs, [1, 1], [2, 3], [0, 1], [1, 2], 2, sampled))

@@ -17,29 +17,27 @@ from control_plane.replicas.client import GrpcModel
 from gpu_service.engine import Engine
 from protos.met.v1 import model_pb2 as pb
 from protos.met.v1 import model_pb2_grpc as pb_grpc
-from protos.model import SESSION_METADATA, Model
+from protos.model import SESSION_METADATA, CircuitModel
 from tests.steps import logit_rows
 
 
-def transcript(model: Model) -> list[object]:
+def transcript(model: CircuitModel) -> list[object]:
     """Every operation once or more, with each reply and each logits buffer."""
     out: list[object] = []
     caps = model.capabilities()
     out.append(dataclasses.replace(caps, free_slots=0))
     a, b, c = (model.alloc_sequence() for _ in range(3))
     out.append([(s.slot, s.seq_len) for s in (a, b, c)])
-    out.append(model.prefill([a, b, c], [[1, 2, 3, 4, 5], [9] * 12, [200, 100, 50]]))
+    prefilled = model.prefill([a, b, c], [[1, 2, 3, 4, 5], [9] * 12, [200, 100, 50]])
+    out.append(prefilled)
     out.append(model.read_logits())
-    out.append(model.last_logprobs())
-    out.append(model.can_batch_verify([4, 4, 3]))
-    out.append(model.can_batch_verify([caps.max_rows, 1]))
-    last = out[2]
+    last = prefilled.argmax
     for forward in ("eager", "eager-serial"):
         model.set_forward(forward)
         rows = [[last[0], 7, 8, 9], [last[1], 10, 11], [last[2], 12, 13]]
-        argmax = model.decode_verify_batched([t for r in rows for t in r], [4, 3, 3], [a, b, c])
-        out.append((argmax, [s.seq_len for s in (a, b, c)], logit_rows(model)))
-        out.append(model.last_logprobs())
+        verified = model.decode_verify_batched([t for r in rows for t in r], [4, 3, 3], [a, b, c])
+        argmax = verified.argmax
+        out.append((verified, [s.seq_len for s in (a, b, c)], logit_rows(model)))
         model.stash_verify_hidden_rows([1, 6, 9])
         model.gdn_fold_accepted([a, b, c], [2, 3, 3])
         out.append(model.commit_accepted_prefix([a, b, c], [2, 3, 3], [4, 3, 3]))
@@ -47,7 +45,7 @@ def transcript(model: Model) -> list[object]:
         out.append(model.run_mtp_propose_batched(last, [0, 1, 2], 3, [a, b, c]))
         out.append(model.read_logits())
         model.trim_proposer_state([a, b, c])
-        argmax = model.decode_verify_batched([last[0], 1, last[2]], [2, 1], [a, c])
+        argmax = model.decode_verify_batched([last[0], 1, last[2]], [2, 1], [a, c]).argmax
         out.append(model.settle_verdict([a, c], [1, 1], [2, 1], [1], [argmax[2]], 2))
         out.append(model.read_logits())
         last = [argmax[0], last[1], argmax[2]]

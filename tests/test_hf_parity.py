@@ -147,8 +147,8 @@ def test_mtp_head_matches_its_formula(tiny_dir: Path) -> None:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1 + w[name])
 
     seq = engine.alloc_sequence()
-    first = engine.prefill([seq], [[42]])[0]  # one token: nothing primes the drafter
-    bonus = engine.decode_verify_batched([first], [1], [seq])[0]
+    first = engine.prefill([seq], [[42]]).argmax[0]  # one token: nothing primes the drafter
+    bonus = engine.decode_verify_batched([first], [1], [seq]).argmax[0]
     engine.stash_verify_hidden_rows([0])
     h = engine.state.stash[0]
     engine.gdn_fold_accepted([seq], [1])
@@ -222,7 +222,7 @@ def test_serve_an_hf_directory(tmp_path: Path) -> None:
         prompt = [5, 17, 99, 3]
         with torch.no_grad():
             expected = int(reference(torch.tensor([prompt])).logits[0, -1].argmax())
-        assert model.prefill([seq], [prompt]) == [expected]
+        assert model.prefill([seq], [prompt]).argmax == [expected]
         model.close()
     finally:
         assert stop(proc) == 0

@@ -35,7 +35,7 @@ def test_dense_is_the_routed_paths_bytes(tmp_path: Path) -> None:
     for path in ("routed", "dense"):
         moe_bench.use_path(engine, path)
         seqs = [engine.alloc_sequence() for _ in range(2)]
-        first = engine.prefill(seqs, [prompt, prompt[:13]])
+        first = engine.prefill(seqs, [prompt, prompt[:13]]).argmax
         prefilled = logit_rows(engine)
         _, verified = verify(engine, seqs, [[first[0], 7, 9, 11], [first[1], 3]], [2, 1])
         runs.append((first, prefilled, verified))

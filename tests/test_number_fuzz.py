@@ -233,8 +233,8 @@ def test_the_gpu_service_takes_finite_numbers_or_refuses(tiny_dir: Path) -> None
                 assert str(e), (name, value)
                 continue
             try:
-                engine.prefill([seq], [PROMPT], sampling=[smp])
-                assert all(math.isfinite(v) for v in engine.last_logprobs()), (name, value)
+                done = engine.prefill([seq], [PROMPT], sampling=[smp])
+                assert all(math.isfinite(v) for v in done.logprobs), (name, value)
                 taken += 1
             except InvalidArgument as e:
                 assert str(e), (name, value)

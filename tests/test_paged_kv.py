@@ -66,7 +66,7 @@ def test_the_default_model_at_a_long_context_holds_blocks_for_its_tokens() -> No
     state = engine.state
     assert state.k_cache.shape[1] == 65 and state.block_table.shape == (33, 512)
     seqs = [engine.alloc_sequence() for _ in range(3)]
-    first = engine.prefill(seqs, [_prompt(n, i) for i, n in enumerate((130, 64, 7))])
+    first = engine.prefill(seqs, [_prompt(n, i) for i, n in enumerate((130, 64, 7))]).argmax
     _check_blocks_follow_tokens(engine)
     assert engine.slots.blocks.num_used == 3 + 1 + 1
     _greedy_steps(engine, seqs, first, 4)
@@ -108,7 +108,7 @@ def test_a_sequence_the_pool_cannot_back_is_refused_alone(tiny_dir: Path) -> Non
     engine.prefill([b], [_prompt(63, 1)])  # one block fits
     assert engine.slots.blocks.num_free == 0
     # The steps of both still run: their verify rows stay within their last blocks.
-    logits = engine.decode_verify_batched([1, 2], [1, 1], [a, b])
+    logits = engine.decode_verify_batched([1, 2], [1, 1], [a, b]).argmax
     assert len(logits) == 2
 
 
@@ -128,7 +128,7 @@ def test_scattered_blocks_give_the_same_bytes(tiny_dir: Path) -> None:
             engine.prefill([y], [_prompt(10, 4)])  # block 2
             engine.free_sequence(x)
         seq = engine.alloc_sequence()
-        first = engine.prefill([seq], [_prompt(140, 5)])  # blocks 0, 1 then 3
+        first = engine.prefill([seq], [_prompt(140, 5)]).argmax  # blocks 0, 1 then 3
         if scatter:
             assert engine.slots.blocks.held(seq.slot) == [0, 1, 3]
         steps = _greedy_steps(engine, [seq], first, 3)

@@ -64,7 +64,7 @@ def test_prefill_and_verify_rows_are_the_formula(engine: Engine, rng: torch.Gene
     prompt = random_tokens(rng, 37, vocab=40)  # a small range, so tokens repeat
     pen = Penalties(prompt_tokens=len(prompt), **PEN)
     plain, held = engine.alloc_sequence(), engine.alloc_sequence(pen)
-    firsts = engine.prefill([plain, held], [prompt, prompt])
+    firsts = engine.prefill([plain, held], [prompt, prompt]).argmax
     base, got = rows_of(logit_rows(engine))
     torch.testing.assert_close(got, reference(base, prompt, [], pen), atol=ATOL, rtol=0)
     assert firsts[1] == int(reference(base, prompt, [], pen).argmax())
@@ -335,5 +335,5 @@ def test_the_service_refuses_bad_penalties_over_grpc(client) -> None:
     bare = AllocSequenceRequest(penalties=model_pb.Penalties(presence=0.5, prompt_tokens=3))
     assert penalties_from_pb(bare) == Penalties(presence=0.5, prompt_tokens=3)
     seq = client.alloc_sequence(Penalties(frequency=0.5, prompt_tokens=3))
-    assert client.prefill([seq], [[7, 7, 7]])[0] >= 0
+    assert client.prefill([seq], [[7, 7, 7]]).argmax[0] >= 0
     client.free_sequence(seq)

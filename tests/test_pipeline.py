@@ -207,7 +207,7 @@ def test_a_stop_string_found_one_step_late_streams_nothing_after_it(
 
 def test_plans_continuing_a_freed_or_moved_sequence_refuse_it_alone(engine: Engine) -> None:
     a, b, c = (engine.alloc_sequence() for _ in range(3))
-    first = engine.prefill([a, b, c], [[65, 66], [67, 68], [69, 70]])
+    first = engine.prefill([a, b, c], [[65, 66], [67, 68], [69, 70]]).argmax
     engine.decode_step(first, [1, 1, 1], [a, b, c], [True] * 3, 2)
     steps = engine.open_steps()
     try:

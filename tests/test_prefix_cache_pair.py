@@ -22,7 +22,7 @@ from control_plane.scheduler.seq import MTP, NONE, PROMPT_LOOKUP, Delta, Event, 
 from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.config import ServiceConfig
 from gpu_service.engine import Engine
-from protos.model import Model
+from protos.model import CircuitModel
 from tests.collect import Outcome
 from tests.servers import capability_within
 
@@ -74,7 +74,7 @@ def _run(scheduler: Scheduler, reqs: list[GenRequest], first: int = 0) -> list[O
     return outs
 
 
-def _serve(connect: Callable[[], Model], cache: bool) -> tuple[dict[str, Outcome], int]:
+def _serve(connect: Callable[[], CircuitModel], cache: bool) -> tuple[dict[str, Outcome], int]:
     """Every request's outcome by id, and the prompt tokens the cache gave."""
     s = Scheduler(connect, TOK, SchedulerOptions(prefix_cache=cache), Env())
     s.start()

@@ -51,7 +51,7 @@ def _steps(engine: Engine, seq: SequenceHandle, first: int, n: int, wrong: bool 
 def _fresh(engine: Engine, prompt: list[int], steps: int) -> tuple[list, torch.Tensor]:
     """The prompt prefilled whole on a fresh sequence, then decoded; the sequence freed."""
     seq = engine.alloc_sequence()
-    (first,) = engine.prefill([seq], [prompt])
+    (first,) = engine.prefill([seq], [prompt]).argmax
     out = _steps(engine, seq, first, steps)
     logits = engine.state.logits.clone()
     engine.free_sequence(seq)
@@ -69,7 +69,7 @@ def test_a_restored_prefix_goes_on_as_a_whole_prefill(tiny_dir: Path) -> None:
     (snap,) = engine.snapshot_prefixes([src])
     # The sequence it came from goes on with drafts rejected at every position: its rows past
     # the prefix never reach the snapshot's blocks.
-    (first,) = engine.prefill([src], [_suffix(9)])
+    (first,) = engine.prefill([src], [_suffix(9)]).argmax
     steps = 3
     rejected = _steps(engine, src, first, steps, wrong=True)
     assert [r.accepted[0] for r in rejected[1:]] == [0] * steps
@@ -78,7 +78,7 @@ def test_a_restored_prefix_goes_on_as_a_whole_prefill(tiny_dir: Path) -> None:
         seq = engine.alloc_sequence()
         engine.restore_prefixes([seq], [snap])
         assert seq.seq_len == len(SHARED)
-        (first,) = engine.prefill([seq], [_suffix(seed)])
+        (first,) = engine.prefill([seq], [_suffix(seed)]).argmax
         restored = _steps(engine, seq, first, steps)
         logits = engine.state.logits.clone()
         engine.free_sequence(seq)

@@ -142,7 +142,7 @@ def _chi_square(a: list[int], b: list[int]) -> tuple[float, int, float]:
 def test_rejection_verdict_accepts_and_falls() -> None:
     from control_plane.scheduler.seq import ActiveSeq
     from control_plane.scheduler.verdict import _rejection
-    from protos.model import RowDraws
+    from protos.handles import RowDraws
 
     a = ActiveSeq(
         GenRequest("x", (1,), 5, temperature=1.0, seed=0), lambda ev: None, TOK, (257,), 64

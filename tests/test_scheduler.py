@@ -56,9 +56,9 @@ def test_mtp_is_lossless_against_plain_greedy(tiny_dir: Path) -> None:
     # `none` itself against a hand-driven prefill and one-token decodes.
     req = mixed_requests(NONE)[5]
     seq = engine.alloc_sequence()
-    tokens = [engine.prefill([seq], [list(req.prompt_ids)])[0]]
+    tokens = [engine.prefill([seq], [list(req.prompt_ids)]).argmax[0]]
     while len(tokens) < len(plain[5].tokens):
-        tokens.append(engine.decode_verify_batched([tokens[-1]], [1], [seq])[0])
+        tokens.append(engine.decode_verify_batched([tokens[-1]], [1], [seq]).argmax[0])
         engine.gdn_fold_accepted([seq], [1])
         engine.commit_accepted_prefix([seq], [1], [1])
     assert tokens == plain[5].tokens

@@ -93,7 +93,7 @@ def _greedy_step_ops(engine: Engine, batch: int) -> int:
     """Non-view aten ops of one greedy `decode_step` (verify k = 4, settle, 3 drafts) over
     `batch` sequences, after a prefill and a first step that made their drafts."""
     seqs = [engine.alloc_sequence() for _ in range(batch)]
-    first = engine.prefill(seqs, [PROMPT] * batch)
+    first = engine.prefill(seqs, [PROMPT] * batch).argmax
     res = engine.decode_step(first, [1] * batch, seqs, [True] * batch, 3)
     rows = [[res.argmax[i], *res.proposal.drafts[i]] for i in range(batch)]
     with _OpCount() as count:
@@ -179,7 +179,7 @@ def test_each_operation_reads_the_device_once(tiny_dir: Path) -> None:
     first: list[int] = []
 
     def prefill() -> None:
-        first[:] = engine.prefill(seqs, [PROMPT, PROMPT[:3], PROMPT[:5]])
+        first[:] = engine.prefill(seqs, [PROMPT, PROMPT[:3], PROMPT[:5]]).argmax
 
     def verify(model_seqs: list[SequenceHandle]) -> Callable[[], object]:
         return lambda: engine.decode_verify_batched(first + [1, 2], [2, 1, 2], model_seqs)

@@ -36,7 +36,7 @@ def seqs(
         req = GenRequest(str(i), (10 * i,), max_new, method=method)
         a = ActiveSeq(req, lambda ev: None, ByteTokenizer.default(), (257,), model.max_context)
         a.handle = model.alloc_sequence()
-        a.last = model.prefill([a.handle], [[10 * i]])[0]
+        a.last = model.prefill([a.handle], [[10 * i]]).argmax[0]
         a.generated.append(a.last)
         held = drafts[i] if drafts else 0
         a.pending_drafts = [(a.last + j + 1) % 256 for j in range(held)]
@@ -132,8 +132,8 @@ def test_bootstrap_serial_when_switched_off() -> None:
     assert [c[1] for c in model.verify_calls()] == [[1], [1], [1]]
 
 
-def test_bootstrap_serial_when_the_service_refuses() -> None:
-    model = FakeModel(refuse=lambda ks: ks == [1, 1, 1])
+def test_bootstrap_serial_past_the_stash_width() -> None:
+    model = FakeModel(max_batch=2)
     assert step_mtp(model, seqs(model, 3), ctx(model), 3).bootstrap == "serial"
 
 
@@ -172,10 +172,10 @@ def test_trailing_lone_chunk_goes_serial() -> None:
     assert report.batched_calls == [[4, 4]] and report.serial_arms == ["K4"]
 
 
-def test_refused_chunk_goes_serial() -> None:
-    model = FakeModel(refuse=lambda ks: len(ks) == 3)
+def test_chunks_follow_the_stash_width() -> None:
+    model = FakeModel(max_batch=2)
     report = step_mtp(model, seqs(model, 3, drafts=[3] * 3), ctx(model), 3)
-    assert report.batched_calls == [] and report.serial_arms == ["K4", "K4", "K4"]
+    assert report.batched_calls == [[4, 4]] and report.serial_arms == ["K4"]
 
 
 def test_lone_sequence_with_drafts_goes_serial() -> None:

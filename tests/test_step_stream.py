@@ -118,7 +118,7 @@ def unary_steps(model: GrpcModel, n: int) -> tuple[list[StepResult], list[list[i
     """`n` DecodeSteps of PROMPTS, each verifying the last one's continuations. -> (the
     steps, each step's rows, the final lengths)"""
     seqs = [model.alloc_sequence() for _ in PROMPTS]
-    rows = [[t] for t in model.prefill(seqs, PROMPTS)]
+    rows = [[t] for t in model.prefill(seqs, PROMPTS).argmax]
     steps, flat = [], []
     for _ in range(n):
         ks = [len(r) for r in rows]
@@ -134,7 +134,7 @@ def unary_steps(model: GrpcModel, n: int) -> tuple[list[StepResult], list[list[i
 def test_plans_sent_ahead_equal_unary_steps(client: GrpcModel) -> None:
     steps, rows, lens = unary_steps(client, 5)
     seqs = [client.alloc_sequence() for _ in PROMPTS]  # the slots the unary steps had
-    first = client.prefill(seqs, PROMPTS)
+    first = client.prefill(seqs, PROMPTS).argmax
     stream = client.open_steps()
     try:
         stream.send(StepPlan(seqs, [False] * 3, first, [1] * 3, [True] * 3, NUM_DRAFTS))
@@ -161,7 +161,7 @@ def test_plans_sent_ahead_equal_unary_steps(client: GrpcModel) -> None:
 def test_a_repeated_plan_runs_as_its_steps_sent_one_by_one(client: GrpcModel) -> None:
     steps, rows, lens = unary_steps(client, 5)
     seqs = [client.alloc_sequence() for _ in PROMPTS]
-    first = client.prefill(seqs, PROMPTS)
+    first = client.prefill(seqs, PROMPTS).argmax
     every = ([True] * 3, [], [0] * 3, [True] * 3, NUM_DRAFTS)
     stream = client.open_steps()
     try:
@@ -195,12 +195,12 @@ def test_refusals_stay_with_their_sequence(client: GrpcModel, served: str) -> No
     other = GrpcModel(served)
     try:
         a, b, c, d = (client.alloc_sequence() for _ in range(4))
-        first = client.prefill([a, b, c, d], [[1, 2], [3, 4], [5, 6], [7, 8]])
+        first = client.prefill([a, b, c, d], [[1, 2], [3, 4], [5, 6], [7, 8]]).argmax
         rows = continuations(
             client.decode_step(first, [1] * 4, [a, b, c, d], [True] * 4, 2), [1] * 4
         )
         theirs = other.alloc_sequence()
-        other.decode_step(other.prefill([theirs], [[9, 10]]), [1], [theirs], [False], 0)
+        other.decode_step(other.prefill([theirs], [[9, 10]]).argmax, [1], [theirs], [False], 0)
         client.free_sequence(a)
         client.prefill([c], [[11]])  # its last call is not a step: nothing to continue from
         plan = StepPlan(
@@ -252,7 +252,9 @@ def test_a_closed_stream_stops_its_plans(client: GrpcModel) -> None:
     step after the close finds the sequence short of them."""
     seq = client.alloc_sequence()
     stream = client.open_steps()
-    stream.send(StepPlan([seq], [False], client.prefill([seq], [[1, 2, 3]]), [1], [False], 0))
+    stream.send(
+        StepPlan([seq], [False], client.prefill([seq], [[1, 2, 3]]).argmax, [1], [False], 0)
+    )
     for _ in range(200):
         stream.send(StepPlan([seq], [True], [], [0], [False], 0))  # one token each
     stream.recv()
@@ -268,7 +270,9 @@ def test_recv_raises_unavailable_soon_after_the_service_dies(tiny_dir: Path) -> 
     try:
         seq = model.alloc_sequence()
         stream = model.open_steps()
-        stream.send(StepPlan([seq], [False], model.prefill([seq], [[1, 2, 3]]), [1], [True], 1))
+        stream.send(
+            StepPlan([seq], [False], model.prefill([seq], [[1, 2, 3]]).argmax, [1], [True], 1)
+        )
         assert stream.recv().ran == [0]
         proc.kill()
         proc.wait(10)

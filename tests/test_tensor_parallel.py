@@ -133,7 +133,7 @@ def _calls(engine: Engine) -> list[torch.Tensor]:
     of each."""
     seqs = [engine.alloc_sequence() for _ in PROMPTS]
     try:
-        first = engine.prefill(seqs, PROMPTS)
+        first = engine.prefill(seqs, PROMPTS).argmax
         out = [_rows(engine)]
         engine.decode_verify_batched([first[0], 5, 9, 11, first[1], 3], [4, 2], seqs)
         out.append(_rows(engine))
@@ -369,8 +369,8 @@ def test_masks_and_sampling_match_one_device(tp_engines: dict[str, Engine]) -> N
         engine = tp_engines[name]
         seqs = [engine.alloc_sequence() for _ in prompts]
         try:
-            out = engine.prefill(seqs, prompts, masks, sampling)
-            results.append((out, engine.last_logprobs()))
+            done = engine.prefill(seqs, prompts, masks, sampling)
+            results.append((done.argmax, done.logprobs))
         finally:
             for s in seqs:
                 engine.free_sequence(s)
@@ -399,9 +399,9 @@ def test_penalties_match_one_device(tp_engines: dict[str, Engine]) -> None:
         engine = tp_engines[name]
         seq = engine.alloc_sequence(pen)
         try:
-            first = engine.prefill([seq], [prompt])
+            first = engine.prefill([seq], [prompt]).argmax
             rows = [_rows(engine)]
-            top = engine.decode_verify_batched([first[0], 2048, vocab - 3, 5], [4], [seq])
+            top = engine.decode_verify_batched([first[0], 2048, vocab - 3, 5], [4], [seq]).argmax
             rows.append(_rows(engine))
             engine.gdn_fold_accepted([seq], [1])
             engine.commit_accepted_prefix([seq], [1], [4])
@@ -421,13 +421,13 @@ def test_a_prefix_snapshot_under_tp_2(tp_engines: dict[str, Engine]) -> None:
     engine = tp_engines["default-2"]
     prompt = [(5 * i + 1) % 250 for i in range(150)]
     whole = engine.alloc_sequence()
-    want = engine.prefill([whole], [prompt]), engine.read_logits().data
+    want = engine.prefill([whole], [prompt]).argmax, engine.read_logits().data
     engine.free_sequence(whole)
     src, seq = engine.alloc_sequence(), engine.alloc_sequence()
     engine.prefill([src], [prompt[:128]])
     (snap,) = engine.snapshot_prefixes([src])
     engine.restore_prefixes([seq], [snap])
-    got = engine.prefill([seq], [prompt[128:]]), engine.read_logits().data
+    got = engine.prefill([seq], [prompt[128:]]).argmax, engine.read_logits().data
     assert got == want
     for s in (src, seq):
         engine.free_sequence(s)

@@ -31,10 +31,10 @@ def _session(engine: Engine, forward: str, prompts: list[list[int]], drafts: lis
     logits and argmaxes."""
     engine.set_forward(forward)
     seqs = [engine.alloc_sequence() for _ in prompts]
-    out = {"prefill": (engine.prefill(seqs, prompts), _floats(engine))}
+    out = {"prefill": (engine.prefill(seqs, prompts).argmax, _floats(engine))}
     rows = [[out["prefill"][0][i], *drafts[i]] for i in range(len(seqs))]
     ks = [len(r) for r in rows]
-    argmax = engine.decode_verify_batched([t for r in rows for t in r], ks, seqs)
+    argmax = engine.decode_verify_batched([t for r in rows for t in r], ks, seqs).argmax
     out["verify"] = (argmax, _floats(engine))
     offs = np.cumsum([0, *ks])[:-1].tolist()
     engine.stash_verify_hidden_rows([o + 1 for o in offs])
@@ -44,7 +44,10 @@ def _session(engine: Engine, forward: str, prompts: list[list[int]], drafts: lis
     proposal = engine.run_mtp_propose_batched(last, list(range(len(seqs))), 2, seqs)
     out["propose"] = (proposal.drafts, _floats(engine))
     engine.trim_proposer_state(seqs)
-    out["decode"] = (engine.decode_verify_batched(last, [1] * len(seqs), seqs), _floats(engine))
+    out["decode"] = (
+        engine.decode_verify_batched(last, [1] * len(seqs), seqs).argmax,
+        _floats(engine),
+    )
     for s in seqs:
         engine.free_sequence(s)
     engine.set_forward("eager")
@@ -91,7 +94,7 @@ def test_triton_over_grpc(client: GrpcModel, tiny_dir) -> None:
     for model in (client, local):
         model.set_forward("triton")
         seq = model.alloc_sequence()
-        first = model.prefill([seq], [[5, 6, 7]])
+        first = model.prefill([seq], [[5, 6, 7]]).argmax
         model.decode_verify_batched([first[0], 9, 10], [3], [seq])
         results.append((first, logit_rows(model), model.capabilities().current_forward))
         model.free_sequence(seq)
@@ -122,7 +125,7 @@ def test_triton_write_on_accept_values_agree(tiny_dir, rng: torch.Generator) -> 
     runs = []
     for woa in (True, False):
         seq = engine.alloc_sequence()
-        last = engine.prefill([seq], [prompt])[0]
+        last = engine.prefill([seq], [prompt]).argmax[0]
         logits = []
         for step in range(2):
             rows = [last, *drafts[3 * step : 3 * step + 3]]

@@ -19,7 +19,7 @@ def test_verify_fold_commit_equals_one_at_a_time(
     for accepted in range(k):
         drafts = random_tokens(rng, k - 1)
         a, b = engine.alloc_sequence(), engine.alloc_sequence()
-        first = engine.prefill([a, b], [prompt, prompt])
+        first = engine.prefill([a, b], [prompt, prompt]).argmax
         rows = [first[0], *drafts]
         _, batched = verify(engine, [a], [rows], [accepted + 1], write_on_accept)
         singles = [decode(engine, b, t)[1] for t in rows[: accepted + 1]]
@@ -39,7 +39,7 @@ def test_write_on_accept_values_agree(engine: Engine, rng: torch.Generator) -> N
     runs = []
     for woa in (True, False):
         seqs = [engine.alloc_sequence() for _ in prompts]
-        last = engine.prefill(seqs, prompts)
+        last = engine.prefill(seqs, prompts).argmax
         logits = []
         for step in range(3):
             rows = [[last[i], *drafts[2 * step + i][: 3 - i]] for i in range(2)]
@@ -75,10 +75,10 @@ def test_recurrent_and_chunked_prefill_agree(engine: Engine, rng: torch.Generato
 def test_chunked_prefill_matches_whole_prefill(engine: Engine, rng: torch.Generator) -> None:
     prompt = random_tokens(rng, 90)
     a, b = engine.alloc_sequence(), engine.alloc_sequence()
-    whole = engine.prefill([a], [prompt])[0]
+    whole = engine.prefill([a], [prompt]).argmax[0]
     whole_row = torch.frombuffer(bytearray(logit_rows(engine)[0]), dtype=torch.float32)
     for lo in range(0, 90, 32):
-        part = engine.prefill([b], [prompt[lo : lo + 32]])[0]
+        part = engine.prefill([b], [prompt[lo : lo + 32]]).argmax[0]
     assert b.seq_len == a.seq_len == 90
     torch.testing.assert_close(
         torch.frombuffer(bytearray(logit_rows(engine)[0]), dtype=torch.float32),
@@ -94,8 +94,8 @@ def test_propose_after_trim_equals_fresh_propose(engine: Engine, rng: torch.Gene
     other proposes once. Drafts, confidences and logits are the same bytes."""
     prompt = random_tokens(rng, 25)
     a, b = engine.alloc_sequence(), engine.alloc_sequence()
-    first = engine.prefill([a, b], [prompt, prompt])
-    out = engine.decode_verify_batched([first[0], first[1]], [1, 1], [a, b])
+    first = engine.prefill([a, b], [prompt, prompt]).argmax
+    out = engine.decode_verify_batched([first[0], first[1]], [1, 1], [a, b]).argmax
     engine.stash_verify_hidden_rows([0, 1])
     engine.gdn_fold_accepted([a, b], [1, 1])
     engine.commit_accepted_prefix([a, b], [1, 1], [1, 1])
@@ -114,15 +114,15 @@ def test_untrimmed_drafter_differs(engine: Engine, rng: torch.Generator) -> None
     own hidden at positions the next verify then commits, and the next propose sees them."""
     prompt = random_tokens(rng, 25)
     seqs = [engine.alloc_sequence(), engine.alloc_sequence()]
-    first = engine.prefill(seqs, [prompt, prompt])
-    out = engine.decode_verify_batched(first, [1, 1], seqs)
+    first = engine.prefill(seqs, [prompt, prompt]).argmax
+    out = engine.decode_verify_batched(first, [1, 1], seqs).argmax
     engine.stash_verify_hidden_rows([0, 1])
     engine.gdn_fold_accepted(seqs, [1, 1])
     engine.commit_accepted_prefix(seqs, [1, 1], [1, 1])
     drafts = engine.run_mtp_propose_batched(out, [0, 1], 3, seqs).drafts
     engine.trim_proposer_state([seqs[1]])
     rows = [[out[i], *drafts[i][:2]] for i in range(2)]
-    out = engine.decode_verify_batched([t for r in rows for t in r], [3, 3], seqs)
+    out = engine.decode_verify_batched([t for r in rows for t in r], [3, 3], seqs).argmax
     engine.stash_verify_hidden_rows([2, 5])
     engine.gdn_fold_accepted(seqs, [3, 3])
     engine.commit_accepted_prefix(seqs, [3, 3], [3, 3])
@@ -135,14 +135,16 @@ def test_untrimmed_drafter_differs(engine: Engine, rng: torch.Generator) -> None
 def _verified_pair(engine: Engine, rng: torch.Generator):
     prompt = random_tokens(rng, 30)
     seqs = [engine.alloc_sequence() for _ in range(4)]
-    first = engine.prefill(seqs, [prompt, prompt, prompt[:20], prompt[:20]])
+    first = engine.prefill(seqs, [prompt, prompt, prompt[:20], prompt[:20]]).argmax
     rows = [first[0], 3, 4, first[2], 5]
     return seqs, rows
 
 
 def test_fused_verdict_equals_the_five_calls(engine: Engine, rng: torch.Generator) -> None:
     seqs, rows = _verified_pair(engine, rng)
-    out = engine.decode_verify_batched(rows * 2, [3, 2, 3, 2], [seqs[0], seqs[2], seqs[1], seqs[3]])
+    out = engine.decode_verify_batched(
+        rows * 2, [3, 2, 3, 2], [seqs[0], seqs[2], seqs[1], seqs[3]]
+    ).argmax
     # Halves 0/2 take the single calls; 1/3 the fused one, keeping 2 and 1 rows.
     last = [out[1], out[3]]
     engine.stash_verify_hidden_rows([1, 3])

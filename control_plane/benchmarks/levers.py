@@ -15,7 +15,7 @@ from control_plane.scheduler.env import Env
 from control_plane.scheduler.loop import Scheduler, SchedulerOptions
 from control_plane.scheduler.seq import MTP, NONE, PROMPT_LOOKUP, GenRequest
 from protos.defaults import DEFAULT_MODEL_DIR
-from protos.model import Model
+from protos.model import ServingModel
 
 CONFIGS: dict[str, tuple[str, dict[str, object], dict[str, object]]] = {
     "none": (NONE, {}, {}),
@@ -39,7 +39,13 @@ CONFIGS: dict[str, tuple[str, dict[str, object], dict[str, object]]] = {
 
 
 def measure(
-    engine: Model, work: Workload, method: str, switches: dict, opts: dict, n: int, tokens: int
+    engine: ServingModel,
+    work: Workload,
+    method: str,
+    switches: dict,
+    opts: dict,
+    n: int,
+    tokens: int,
 ) -> str:
     """One configuration: `n` requests at once through a scheduler, as a line of figures."""
     s = Scheduler(

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from control_plane.benchmarks.workload import Windows, Workload, load_parser, parse_load, serve
 from control_plane.scheduler.seq import MTP, NONE, GenRequest
-from protos.model import Model, Penalties
+from protos.model import Penalties, ServingModel
 
 SETS = {
     "off": None,
@@ -52,7 +52,7 @@ def run(model_dir: Path, args: argparse.Namespace) -> dict[str, dict]:
     work = Workload(model_dir)
     text = Windows(work)
     prompts = [text.take(args.prompt) for _ in range(args.requests)]
-    engine: Model = Engine(model_dir, ServiceConfig())
+    engine: ServingModel = Engine(model_dir, ServiceConfig())
     out: dict[str, dict] = {}
     for name, pen in SETS.items():
         runs = {

@@ -26,7 +26,7 @@ from control_plane.benchmarks.workload import (
 from control_plane.scheduler.env import Env
 from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.seq import MTP, GenRequest
-from protos.model import Model
+from protos.model import ServingModel
 
 BLOCK = 64  # positions a KV block backs (`Capabilities.kv_block_size`)
 
@@ -75,7 +75,7 @@ def run(model_dir: Path, args: argparse.Namespace) -> dict:
     return {"need": need, "runs": runs}
 
 
-def _served(engine: Model, work: Workload, reqs: list[GenRequest]) -> dict:
+def _served(engine: ServingModel, work: Workload, reqs: list[GenRequest]) -> dict:
     """`drive`'s figures for the requests through a scheduler over `engine`."""
     return drive(Scheduler(lambda: engine, work.tokenizer, options_for(reqs), Env()), reqs)
 

@@ -42,7 +42,7 @@ from control_plane.scheduler.loop import Scheduler, SchedulerOptions
 from control_plane.scheduler.seq import MTP, Delta, Event, Failure, GenRequest
 from protos.defaults import DEFAULT_MODEL_DIR
 from protos.hub import model_path
-from protos.model import Model
+from protos.model import ServingModel
 
 SEEDS = 2  # requests that seed the shared system prompt's snapshots, left out of its figures
 TARGET = 0.3  # time to first token with the cache over without, at most
@@ -152,7 +152,9 @@ def _system_requests(work: Workload, sizes: Sizes, name: str, n: int) -> list[Ge
     ]
 
 
-def shared_system(connect: Callable[[], Model], work: Workload, sizes: Sizes, cache: bool) -> dict:
+def shared_system(
+    connect: Callable[[], ServingModel], work: Workload, sizes: Sizes, cache: bool
+) -> dict:
     """The shared system prompt's workload, one arm: the seeds at once, then the measured
     requests `sizes.concurrency` at a time."""
     reqs = _system_requests(work, sizes, "system", SEEDS + sizes.requests)
@@ -179,7 +181,7 @@ def shared_system(connect: Callable[[], Model], work: Workload, sizes: Sizes, ca
     }
 
 
-def chats(connect: Callable[[], Model], work: Workload, sizes: Sizes, cache: bool) -> dict:
+def chats(connect: Callable[[], ServingModel], work: Workload, sizes: Sizes, cache: bool) -> dict:
     """The multi-turn chats' workload, one arm: each turn of every chat at once."""
     text = Windows(work)
     prompts = [text.take(sizes.opening) for _ in range(sizes.chats)]
@@ -213,13 +215,17 @@ def chats(connect: Callable[[], Model], work: Workload, sizes: Sizes, cache: boo
     }
 
 
-def cold_burst(connect: Callable[[], Model], work: Workload, sizes: Sizes, cache: bool) -> dict:
+def cold_burst(
+    connect: Callable[[], ServingModel], work: Workload, sizes: Sizes, cache: bool
+) -> dict:
     """The cold burst's workload, one arm: every request at once onto an empty cache."""
     reqs = _system_requests(work, sizes, "burst", sizes.burst)
     return _in_groups(connect, work, cache, reqs, len(reqs))
 
 
-def long_answers(connect: Callable[[], Model], work: Workload, sizes: Sizes, cache: bool) -> dict:
+def long_answers(
+    connect: Callable[[], ServingModel], work: Workload, sizes: Sizes, cache: bool
+) -> dict:
     """The long answers' workload, one arm: `long_concurrency` requests at a time."""
     text = Windows(work)
     reqs = [
@@ -232,7 +238,11 @@ def long_answers(connect: Callable[[], Model], work: Workload, sizes: Sizes, cac
 
 
 def _in_groups(
-    connect: Callable[[], Model], work: Workload, cache: bool, reqs: list[GenRequest], group: int
+    connect: Callable[[], ServingModel],
+    work: Workload,
+    cache: bool,
+    reqs: list[GenRequest],
+    group: int,
 ) -> dict:
     """One arm: `reqs`, `group` at a time, each group once the last is done."""
     sched = _scheduler(connect, work, cache)
@@ -253,7 +263,7 @@ def _in_groups(
     }
 
 
-def _scheduler(connect: Callable[[], Model], work: Workload, cache: bool) -> Scheduler:
+def _scheduler(connect: Callable[[], ServingModel], work: Workload, cache: bool) -> Scheduler:
     """A started scheduler, connected before any clock starts (a served control plane is
     before its first request); the `METRALE_*` switches ignored, so an arm is its options."""
     sched = Scheduler(connect, work.tokenizer, SchedulerOptions(prefix_cache=cache), Env())

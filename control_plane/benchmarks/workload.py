@@ -17,7 +17,7 @@ from control_plane.scheduler.loop import Scheduler, SchedulerOptions
 from control_plane.scheduler.seq import NONE, Finish, GenRequest
 from protos.defaults import DEFAULT_MODEL_DIR
 from protos.hub import model_path
-from protos.model import Model
+from protos.model import ServingModel
 
 # A serving bench's load: requests sent at once, each a window of the prompts and tokens out.
 LOAD_FLAGS = {
@@ -55,7 +55,7 @@ PROMPTS = [
 
 
 def serve(
-    connect: Callable[[], Model],
+    connect: Callable[[], ServingModel],
     reqs: list[GenRequest],
     tokenizer,
     options: dict | None = None,
@@ -153,7 +153,7 @@ FIXED_DRAFTS = {"fixed_width": True, "dcut": False}  # num_drafts at every verif
 
 
 def serve_texts(
-    connect: Callable[[], Model],
+    connect: Callable[[], ServingModel],
     model_dir: Path,
     prompts: list[str],
     method: str,

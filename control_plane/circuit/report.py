@@ -18,7 +18,7 @@ from control_plane.circuit.verify_batch import (
 from kernels.attention.format import KEY_BLOCK
 from protos.defaults import DEFAULT_MODEL_DIR
 from protos.hub import model_path
-from protos.model import ADMIN_KEY_ENV, Capabilities, Model, ModelError
+from protos.model import ADMIN_KEY_ENV, Capabilities, CircuitModel, ModelError
 
 SCHEMA = Path(__file__).with_name("report.schema.json")
 
@@ -133,7 +133,7 @@ def _add_target_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def build_report(model: Model, args: argparse.Namespace, shapes: list[ShapeReport]) -> dict:
+def build_report(model: CircuitModel, args: argparse.Namespace, shapes: list[ShapeReport]) -> dict:
     caps = model.capabilities()
     reasons = verify_batch_failures(shapes)
     return {
@@ -165,7 +165,7 @@ def build_report(model: Model, args: argparse.Namespace, shapes: list[ShapeRepor
     }
 
 
-def validate_args(model: Model, args: argparse.Namespace) -> None:
+def validate_args(model: CircuitModel, args: argparse.Namespace) -> None:
     caps = model.capabilities()
     unknown = [f for f in [args.reference, *args.forwards] if f not in caps.forwards]
     if unknown:
@@ -206,7 +206,7 @@ def _check_snapshot(caps: Capabilities, args: argparse.Namespace) -> None:
         )
 
 
-def run_diff(model: Model, args: argparse.Namespace) -> dict:
+def run_diff(model: CircuitModel, args: argparse.Namespace) -> dict:
     """The whole diff; the service's forward is set back as it was found."""
     validate_args(model, args)
     found = model.capabilities().current_forward
@@ -230,7 +230,7 @@ def run_diff(model: Model, args: argparse.Namespace) -> dict:
     return build_report(model, args, shapes)
 
 
-def _connect(args: argparse.Namespace) -> Model:
+def _connect(args: argparse.Namespace) -> CircuitModel:
     if args.gpu_service:
         from control_plane.replicas.client import GrpcModel
 

@@ -3,7 +3,7 @@ the drafts taken from them."""
 
 from __future__ import annotations
 
-from protos.model import Model
+from protos.model import CircuitModel
 
 
 def batch_shapes(n: int, ks: list[int]) -> list[list[int]]:
@@ -75,13 +75,13 @@ def drafts(greedy: list[int], pos: int, step: int, seq: int, k: int, vocab: int)
     return out
 
 
-def continuation(model: Model, prompt: list[int], length: int) -> list[int]:
+def continuation(model: CircuitModel, prompt: list[int], length: int) -> list[int]:
     """The greedy continuation of `prompt`, `length` tokens, one-token decodes."""
     seq = model.alloc_sequence()
     try:
-        out = [model.prefill([seq], [prompt])[0]]
+        out = [model.prefill([seq], [prompt]).argmax[0]]
         while len(out) < length:
-            out.append(model.decode_verify_batched([out[-1]], [1], [seq])[0])
+            out.append(model.decode_verify_batched([out[-1]], [1], [seq]).argmax[0])
             model.settle_verdict([seq], [1], [1], [], [], 0)
         return out
     finally:

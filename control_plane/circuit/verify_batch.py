@@ -33,7 +33,7 @@ from control_plane.circuit.shapes import (
     slot_of,
 )
 from control_plane.scheduler.verdict import accepted, offsets
-from protos.model import Model, SequenceHandle
+from protos.model import CircuitModel, SequenceHandle, fits_batch
 
 
 class DiffError(Exception):
@@ -66,7 +66,7 @@ class ShapeReport:
 
 
 def _propose_all(
-    model: Model, seqs: list[SequenceHandle], last: list[int], nd: int, step: Step
+    model: CircuitModel, seqs: list[SequenceHandle], last: list[int], nd: int, step: Step
 ) -> None:
     """The batched propose after a step, from stash slots 0..n-1; then each drafter trimmed
     as after a verify that accepted nothing."""
@@ -79,7 +79,7 @@ def _propose_all(
 
 
 def _alloc(
-    model: Model, n: int, fragment: bool
+    model: CircuitModel, n: int, fragment: bool
 ) -> tuple[list[SequenceHandle], SequenceHandle | None]:
     seqs: list[SequenceHandle] = []
     spare = None
@@ -99,7 +99,9 @@ def _alloc(
     return seqs, spare
 
 
-def _free(model: Model, seqs: list[SequenceHandle], spare: SequenceHandle | None, n: int) -> None:
+def _free(
+    model: CircuitModel, seqs: list[SequenceHandle], spare: SequenceHandle | None, n: int
+) -> None:
     """In the reverse of allocation order (the upper half last-first, the spare, the lower half
     last-first): a pool that hands out the slot freed last then has its free list back as it
     was, and the next run takes the same slots."""
@@ -168,7 +170,10 @@ class _Cursor:
 
 
 def _prefill_all(
-    model: Model, seqs: list[SequenceHandle], prompts: list[list[int]], restored: bool = False
+    model: CircuitModel,
+    seqs: list[SequenceHandle],
+    prompts: list[list[int]],
+    restored: bool = False,
 ) -> tuple[bytes, list[int], str]:
     """Each prompt prefilled on its own; `restored`, its last whole block's prefix from a
     snapshot of another sequence and only the rest prefilled. -> (the logits rows, the first
@@ -176,7 +181,7 @@ def _prefill_all(
     data, first, dtype = b"", [], ""
     for seq, prompt in zip(seqs, prompts, strict=True):
         start = _restore(model, seq, prompt) if restored else 0
-        first.append(model.prefill([seq], [prompt[start:]])[0])
+        first.append(model.prefill([seq], [prompt[start:]]).argmax[0])
         logits = model.read_logits()
         data, dtype = data + logits.data, logits.dtype
     return data, first, dtype
@@ -187,7 +192,7 @@ def snapshot_prefix(prompt: list[int], block: int) -> int:
     return (len(prompt) - 1) // block * block
 
 
-def _restore(model: Model, seq: SequenceHandle, prompt: list[int]) -> int:
+def _restore(model: CircuitModel, seq: SequenceHandle, prompt: list[int]) -> int:
     """`seq` made from a snapshot of another sequence that prefilled the prompt's start (then
     freed, and the snapshot dropped: `seq` holds what it needs). -> the prefix's length"""
     start = snapshot_prefix(prompt, model.capabilities().kv_block_size)
@@ -205,13 +210,13 @@ def _restore(model: Model, seq: SequenceHandle, prompt: list[int]) -> int:
 
 
 def _verify(
-    model: Model, tokens: list[int], ks: list[int], seqs: list[SequenceHandle], run: Run
+    model: CircuitModel, tokens: list[int], ks: list[int], seqs: list[SequenceHandle], run: Run
 ) -> Step:
     """The batched verify with write-on-accept, its time appended to `run`."""
-    if not model.can_batch_verify(ks):
+    if not fits_batch(model.capabilities(), ks):
         raise DiffError(f"the service refuses a batched verify of {ks}")
     t0 = time.perf_counter()
-    argmax = model.decode_verify_batched(tokens, ks, seqs, write_on_accept=True)
+    argmax = model.decode_verify_batched(tokens, ks, seqs, write_on_accept=True).argmax
     t1 = time.perf_counter()
     step = Step(model.read_logits().data, argmax)
     run.enqueue_ms.append((t1 - t0) * 1e3)
@@ -220,7 +225,7 @@ def _verify(
 
 
 def _commit(
-    model: Model, setup: Setup, seqs: list[SequenceHandle], ks: list[int], na: list[int]
+    model: CircuitModel, setup: Setup, seqs: list[SequenceHandle], ks: list[int], na: list[int]
 ) -> None:
     """After a verify: the accepted rows stashed for the drafter, the GDN fold of the batch,
     each accepted prefix committed."""
@@ -232,7 +237,7 @@ def _commit(
 
 
 def _step(
-    model: Model,
+    model: CircuitModel,
     setup: Setup,
     seqs: list[SequenceHandle],
     ks: list[int],
@@ -255,7 +260,7 @@ def _step(
 
 
 def run_batch(
-    model: Model, setup: Setup, ks: list[int], steps: int, feed: Feed, restored: bool = False
+    model: CircuitModel, setup: Setup, ks: list[int], steps: int, feed: Feed, restored: bool = False
 ) -> tuple[list[BatchStep], Run]:
     """One run of `steps` batched verifies at the widths `ks`, rows and accepts from `feed`;
     `restored`, each prompt's start from a snapshot. -> (what each step fed, so that a replay
@@ -286,7 +291,7 @@ def _timing(name: str, run: Run) -> dict:
 
 
 def diff_verify_batch(
-    model: Model,
+    model: CircuitModel,
     widths: list[int],
     ks: list[int],
     fragment: bool,
@@ -329,7 +334,7 @@ def diff_verify_batch(
 
 
 def _diff_shape(
-    model: Model,
+    model: CircuitModel,
     setup: Setup,
     shape: list[int],
     steps: int,
@@ -362,7 +367,7 @@ def _diff_shape(
 
 
 def _from_snapshot(
-    model: Model,
+    model: CircuitModel,
     setup: Setup,
     shape: list[int],
     steps: int,

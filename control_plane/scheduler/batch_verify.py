@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from control_plane.scheduler.seq import ActiveSeq
 from control_plane.scheduler.verdict import verify_and_settle
-from protos.model import Model
+from protos.model import ServingModel
 
 
 def chunk_ranges(ks: list[int], max_rows: int, max_batch: int) -> list[tuple[int, int]]:
@@ -45,7 +45,7 @@ def verify_batch_permutation(slots: list[int], depths: list[int], canonical: boo
 
 
 def step_verify_batched(
-    model: Model, seqs: list[ActiveSeq], ks: list[int], ladder_nd: int, fused: bool
+    model: ServingModel, seqs: list[ActiveSeq], ks: list[int], ladder_nd: int, fused: bool
 ) -> None:
     """One call: each sequence's rows `[last, drafts[:k-1]]`."""
     rows = [[a.last_token, *a.pending_drafts[: k - 1]] for a, k in zip(seqs, ks, strict=True)]

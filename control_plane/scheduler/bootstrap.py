@@ -2,8 +2,8 @@
 verdict, and their first drafts.
 
 `can_batch_bootstrap`: batched when at least two sequences bootstrap, the `batch_bootstrap`
-lever is on and the service accepts one call of that many one-row sequences
-(`can_batch_verify`); otherwise each sequence bootstraps alone."""
+lever is on and one call of that many one-row sequences fits the service's budget
+(`fits_batch`); otherwise each sequence bootstraps alone."""
 
 from __future__ import annotations
 
@@ -12,17 +12,17 @@ from opentelemetry.util.types import AttributeValue
 from control_plane.scheduler.context import StepContext
 from control_plane.scheduler.seq import ActiveSeq
 from control_plane.scheduler.verdict import verify_and_settle
-from protos.model import Model
+from protos.model import ServingModel, fits_batch
 from protos.telemetry import span, tracer
 
 TRACER = tracer("met.control_plane")
 
 
-def can_batch_bootstrap(model: Model, ctx: StepContext, count: int) -> bool:
-    return count >= 2 and ctx.opts.batch_bootstrap and model.can_batch_verify([1] * count)
+def can_batch_bootstrap(model: ServingModel, ctx: StepContext, count: int) -> bool:
+    return count >= 2 and ctx.opts.batch_bootstrap and fits_batch(ctx.caps, [1] * count)
 
 
-def bootstrap(model: Model, seqs: list[ActiveSeq], ctx: StepContext, ladder_nd: int) -> str:
+def bootstrap(model: ServingModel, seqs: list[ActiveSeq], ctx: StepContext, ladder_nd: int) -> str:
     """Bootstrap `seqs`, proposing `ladder_nd` drafts each. -> "batched" or "serial"."""
     batched = can_batch_bootstrap(model, ctx, len(seqs))
     mode = "batched" if batched else "serial"
@@ -39,5 +39,5 @@ def bootstrap(model: Model, seqs: list[ActiveSeq], ctx: StepContext, ladder_nd: 
     return mode
 
 
-def bootstrap_serial(model: Model, seq: ActiveSeq, ladder_nd: int, fused: bool) -> None:
+def bootstrap_serial(model: ServingModel, seq: ActiveSeq, ladder_nd: int, fused: bool) -> None:
     verify_and_settle(model, [seq], [[seq.last_token]], ladder_nd, "bootstrap", fused)

@@ -26,7 +26,7 @@ import statistics
 from collections import deque
 
 from control_plane.scheduler.options import SchedulerOptions
-from protos.model import Capabilities, CostEntry, Model
+from protos.model import Capabilities, CostEntry, ServingModel
 
 PRIOR, MIN_SEEN, WINDOW = 0.7, 32, 512
 OVERHEAD_WINDOW = 64
@@ -148,7 +148,9 @@ def propose_depth(
     return min(d for d, r in rates.items() if r >= best * (1 - slack))
 
 
-def measured_table(model: Model, caps: Capabilities, opts: SchedulerOptions) -> CostTable | None:
+def measured_table(
+    model: ServingModel, caps: Capabilities, opts: SchedulerOptions
+) -> CostTable | None:
     """The measured cost model's table, once per connection: under `measured`, measured by
     the service if it has none; under `auto`, the one it has, else None (the ladder), which
     asks no admin key and no engine time; None under `static`."""

@@ -11,25 +11,28 @@ serve-wide count. Pinned, it returns the serve-wide count unchanged: by `--dflas
 Batched verify: two or more sequences with drafts, the `dflash_batch_verify` and
 `batch_verify` levers on. The batch is every sequence without a grammar whose draft count
 equals the first such sequence's (gamma); the rest go serial. `m_max` is the widest group
-`can_batch_verify` accepts at `gamma + 1` rows, shrinking from the whole group; the group,
-in slot order, is verified in chunks of `m_max`; a trailing single goes serial. A refused
-group goes serial whole. The arm returns early (it records its own step span).
+the service's budget (`fits_batch`) takes at `gamma + 1` rows, shrinking from the whole
+group; the group, in slot order, is verified in chunks of `m_max`; a trailing single goes
+serial. A group the budget cannot take two of goes serial whole. The arm returns early (it
+records its own step span).
 
-A deliberate departure from the Rust engine: the verify (and the propose after its verdict)
-runs at the clamped width, the resolver's gamma clamped to the smallest verify-slot capacity
-as the bootstrap's is. The Rust arm clamps only the bootstrap's width and hands its verify
-arms the unclamped gamma, so a sequence could be given more drafts than its slot can verify
-next step; here the service would refuse that verify, so one width, clamped, serves the
-whole step.
+The verify (and the propose after its verdict) runs at the clamped width: the resolver's gamma
+clamped to the smallest verify-slot capacity, as the bootstrap's is. An unclamped gamma could
+give a sequence more drafts than its slot can verify next step, a verify the service refuses,
+so one width, clamped, serves the whole step.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from control_plane.scheduler.ladder import Ladder
-from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.seq import ActiveSeq
 from control_plane.scheduler.verdict import verify_and_settle
-from protos.model import Model
+from protos.model import Capabilities, ServingModel, fits_batch
+
+if TYPE_CHECKING:  # the context holds the gamma resolver of this module
+    from control_plane.scheduler.context import StepContext
 
 GAMMA_LADDER = "4:8,8:6,16:4,32:3"
 
@@ -61,27 +64,28 @@ def plan_batch(active: list[ActiveSeq], verify: list[int]) -> tuple[list[int], l
     return batchable, serial, gamma
 
 
-def widest_chunk(model: Model, gamma: int, count: int) -> int:
+def widest_chunk(caps: Capabilities, gamma: int, count: int) -> int:
     """`m_max`: the widest group of `gamma + 1`-row verifies the service accepts."""
     m_max = count
-    while m_max >= 2 and not model.can_batch_verify([gamma + 1] * m_max):
+    while m_max >= 2 and not fits_batch(caps, [gamma + 1] * m_max):
         m_max -= 1
     return m_max
 
 
 def step_dflash(
-    model: Model,
+    model: ServingModel,
     active: list[ActiveSeq],
     verify: list[int],
     num_drafts: int,
-    opts: SchedulerOptions,
+    ctx: StepContext,
     report,
 ) -> None:
     """The verify half of the DFlash arm (the bootstrap ran before it)."""
+    opts = ctx.opts
     serial: list[int] = []
     if len(verify) >= 2 and opts.dflash_batch_verify and opts.batch_verify:
         batchable, serial, gamma = plan_batch(active, verify)
-        m_max = widest_chunk(model, gamma, len(batchable))
+        m_max = widest_chunk(ctx.caps, gamma, len(batchable))
         if len(batchable) >= 2 and m_max >= 2:
             by_slot = sorted(batchable, key=lambda i: (active[i].slot, i))
             for lo in range(0, len(by_slot), m_max):
@@ -102,7 +106,7 @@ def step_dflash(
         _verify_serial(model, active[i], num_drafts, opts.fused_step, report)
 
 
-def _verify_serial(model: Model, a: ActiveSeq, num_drafts: int, fused: bool, report) -> None:
+def _verify_serial(model: ServingModel, a: ActiveSeq, num_drafts: int, fused: bool, report) -> None:
     """One sequence's drafts, cut before the first one its grammar rejects."""
     drafts = a.pending_drafts
     if a.grammar is not None:

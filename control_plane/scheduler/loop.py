@@ -42,7 +42,7 @@ from control_plane.scheduler.status import step_status
 from control_plane.scheduler.tally import Tally
 from control_plane.text.detok import Tokenizer
 from control_plane.text.tokenizer import Tokenization
-from protos.model import Capabilities, Model, ModelError, ResourceExhausted
+from protos.model import Capabilities, ModelError, ResourceExhausted, ServingModel
 from protos.telemetry import tracer
 
 log = logging.getLogger("control_plane.scheduler")
@@ -61,7 +61,7 @@ ANSWER_IDLE_S = 0.05
 class Scheduler(Room):
     def __init__(
         self,
-        connect: Callable[[], Model],
+        connect: Callable[[], ServingModel],
         tokenizer: Tokenizer | Tokenization | None = None,
         opts: SchedulerOptions | None = None,
         env: Env | None = None,
@@ -91,7 +91,7 @@ class Scheduler(Room):
         # The environment is read once, here; its switches override the options by name.
         self.opts = (opts or SchedulerOptions()).with_env(env or Env.read())
         self.slot_wait = SlotWait(self.opts.slot_wait)
-        self.model: Model | None = None
+        self.model: ServingModel | None = None
         self.ctx: StepContext | None = None
         # The prefix cache's names of the snapshots this connection's session holds.
         self.prefix: PrefixCache | None = None

@@ -1,5 +1,5 @@
 """The pipelined step: greedy `none` and `mtp` sequences run one step ahead over the model's
-step stream (`Model.open_steps`). Each iteration sends the plan of step N + 1, which tells
+step stream (`ServingModel.open_steps`). Each iteration sends the plan of step N + 1, which tells
 every sequence of step N to continue from the service's own verdict, and only then reads
 step N's result; so the service runs step N + 1 while this process streams step N's tokens,
 and never waits for it.
@@ -35,7 +35,7 @@ from control_plane.scheduler.metrics import REPLICA_ATTRIBUTE
 from control_plane.scheduler.seq import MTP, NONE, ActiveSeq
 from control_plane.scheduler.step import step_mtp, step_width
 from control_plane.scheduler.verdict import apply_step, offsets
-from protos.model import Model, Proposal, SequenceHandle, StepResult
+from protos.model import Proposal, SequenceHandle, ServingModel, StepResult
 from protos.steps import PlanResult, StepPlan, StepStream
 from protos.telemetry import tracer
 
@@ -109,7 +109,7 @@ class Pipeline:
 
     def step(
         self,
-        model: Model,
+        model: ServingModel,
         active: list[ActiveSeq],
         ctx: StepContext,
         joining: bool,
@@ -143,7 +143,7 @@ class Pipeline:
 
     def advance(
         self,
-        model: Model,
+        model: ServingModel,
         seqs: list[ActiveSeq],
         ctx: StepContext,
         num_drafts: int,

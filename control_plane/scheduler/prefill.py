@@ -6,14 +6,14 @@ from __future__ import annotations
 from opentelemetry.trace import Link
 
 from control_plane.scheduler.seq import ActiveSeq
-from protos.model import Model, ModelError, Sampling
+from protos.model import ModelError, Sampling, ServingModel
 from protos.telemetry import span, tracer
 
 TRACER = tracer("met.control_plane")
 
 
 def prefill(
-    model: Model, prefilling: list[ActiveSeq], chunk: int, budget: int, block: int = 1
+    model: ServingModel, prefilling: list[ActiveSeq], chunk: int, budget: int, block: int = 1
 ) -> list[ActiveSeq]:
     """The call over each sequence's next chunk (at most `chunk` tokens, `budget` in all); a
     sequence whose whole context is now in gains its first token (one resuming after a
@@ -72,7 +72,7 @@ def chunk_length(a: ActiveSeq, chunk: int, budget: int, block: int) -> int:
 
 
 def _rows(
-    model: Model,
+    model: ServingModel,
     batch: list[ActiveSeq],
     chunks: list[list[int]],
     masks: list[bytes],
@@ -82,7 +82,7 @@ def _rows(
     service refused. A refused batch is retried one sequence per call to find the one
     the refusal concerns (a call is checked whole before any of it runs)."""
     try:
-        argmax = model.prefill([a.live_handle for a in batch], chunks, masks, sampling)
+        done = model.prefill([a.live_handle for a in batch], chunks, masks, sampling)
     except ModelError as e:
         if len(batch) == 1:
             batch[0].refuse(e.code, str(e))
@@ -94,4 +94,4 @@ def _rows(
                 model, batch[i : i + 1], chunks[i : i + 1], masks[i : i + 1], sampling[i : i + 1]
             )
         ]
-    return list(zip(argmax, model.last_logprobs(), strict=True))
+    return list(zip(done.argmax, done.logprobs, strict=True))

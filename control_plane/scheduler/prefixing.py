@@ -16,7 +16,7 @@ from control_plane.scheduler.metrics import REPLICA_ATTRIBUTE
 from control_plane.scheduler.prefix_cache import PrefixCache
 from control_plane.scheduler.seq import ActiveSeq
 from control_plane.scheduler.tally import Tally
-from protos.model import Model, ModelError
+from protos.model import ModelError, ServingModel
 from protos.telemetry import span, tracer
 
 log = logging.getLogger("control_plane.scheduler")
@@ -25,7 +25,9 @@ HIT_ATTRIBUTE = "met.prefix_hit_tokens"
 ANSWER_ATTRIBUTE = "met.prefix_answer_tokens"  # tokens prefilled again to snapshot an answer
 
 
-def restore(model: Model, cache: PrefixCache, admitted: list[ActiveSeq], tally: Tally) -> None:
+def restore(
+    model: ServingModel, cache: PrefixCache, admitted: list[ActiveSeq], tally: Tally
+) -> None:
     """Each admitted request's cached prefix, restored into its fresh sequence; then where
     its prompt is to be snapshotted while it is prefilled."""
     hits = []
@@ -82,7 +84,7 @@ def held(cache: PrefixCache, a: ActiveSeq, ahead: list[ActiveSeq]) -> bool:
     return False
 
 
-def snapshot(model: Model, cache: PrefixCache, seqs: list[ActiveSeq]) -> None:
+def snapshot(model: ServingModel, cache: PrefixCache, seqs: list[ActiveSeq]) -> None:
     """Snapshots of the sequences the last prefill brought to their next point."""
     due = [
         a
@@ -116,7 +118,7 @@ def forgo(seqs: list[ActiveSeq]) -> None:
             a.snap_points.pop(0)
 
 
-def drop(model: Model, snapshots: list[int]) -> None:
+def drop(model: ServingModel, snapshots: list[int]) -> None:
     if not snapshots:
         return
     try:
@@ -132,7 +134,7 @@ def remember(cache: PrefixCache, a: ActiveSeq) -> None:
         cache.answers.append((*a.req.prompt_ids, *a.generated))
 
 
-def answer(model: Model, cache: PrefixCache, budget: int, replica: str) -> None:
+def answer(model: ServingModel, cache: PrefixCache, budget: int, replica: str) -> None:
     """The oldest finished request waiting in `cache.answers`: its prompt and answer,
     snapshotted at their last whole block, where the next turn of its chat will resume. Decode
     keeps the GDN state at a block boundary only in the verify buffers of the step that crossed

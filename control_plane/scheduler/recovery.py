@@ -20,7 +20,7 @@ from control_plane.scheduler.pipeline import Pipeline
 from control_plane.scheduler.prefix_cache import PrefixCache
 from control_plane.scheduler.seq import ActiveSeq
 from control_plane.scheduler.status import step_status
-from protos.model import Model, ModelError, SequenceHandle
+from protos.model import ModelError, SequenceHandle, ServingModel
 
 log = logging.getLogger("control_plane.scheduler")
 
@@ -33,7 +33,7 @@ class Recovery:
     prefilling: list[ActiveSeq]
     active: list[ActiveSeq]
     waiting: deque[ActiveSeq]
-    model: Model | None
+    model: ServingModel | None
     ctx: StepContext | None
     prefix: PrefixCache | None
     # A router's: the waiting requests, placed elsewhere -> those it could not place.

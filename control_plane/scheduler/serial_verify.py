@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from control_plane.scheduler.seq import ActiveSeq
 from control_plane.scheduler.verdict import verify_and_settle
-from protos.model import Model
+from protos.model import ServingModel
 
 
 def serial_verify_plan(held: int, step_nd: int) -> tuple[int, str]:
@@ -19,6 +19,6 @@ def serial_verify_plan(held: int, step_nd: int) -> tuple[int, str]:
 
 
 def step_verify_serial(
-    model: Model, seq: ActiveSeq, drafts: list[int], step_nd: int, fused: bool
+    model: ServingModel, seq: ActiveSeq, drafts: list[int], step_nd: int, fused: bool
 ) -> None:
     verify_and_settle(model, [seq], [[seq.last_token, *drafts]], step_nd, "serial", fused)

@@ -7,12 +7,12 @@ import logging
 
 from control_plane.scheduler.seq import ActiveSeq
 from control_plane.text.tokenizer import Tokenization
-from protos.model import Capabilities, FailedPrecondition, Model
+from protos.model import Capabilities, FailedPrecondition, ServingModel
 
 log = logging.getLogger("control_plane.scheduler")
 
 
-def served_by(model: Model, caps: Capabilities) -> Tokenization:
+def served_by(model: ServingModel, caps: Capabilities) -> Tokenization:
     """The served checkpoint's tokenizer; files that give none are `FailedPrecondition`."""
     try:
         return Tokenization.from_files(

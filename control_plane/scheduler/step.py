@@ -33,7 +33,7 @@ from control_plane.scheduler.metrics import REPLICA_ATTRIBUTE
 from control_plane.scheduler.prompt_lookup import offer_copy, settle_copies
 from control_plane.scheduler.seq import MTP, PROMPT_LOOKUP, ActiveSeq
 from control_plane.scheduler.serial_verify import serial_verify_plan, step_verify_serial
-from protos.model import Model
+from protos.model import ServingModel
 from protos.telemetry import span, tracer
 
 TRACER = tracer("met.control_plane")
@@ -90,7 +90,7 @@ def _measured_width(n: int, ctx: StepContext, num_drafts: int) -> int:
 
 
 def step_mtp(
-    model: Model, active: list[ActiveSeq], ctx: StepContext, num_drafts: int
+    model: ServingModel, active: list[ActiveSeq], ctx: StepContext, num_drafts: int
 ) -> StepReport:
     """One span over the whole step (its outer timing), linked to every request it
     served; then the width sources learn the step's acceptance."""
@@ -126,7 +126,9 @@ def step_mtp(
     return report
 
 
-def _step(model: Model, active: list[ActiveSeq], ctx: StepContext, num_drafts: int) -> StepReport:
+def _step(
+    model: ServingModel, active: list[ActiveSeq], ctx: StepContext, num_drafts: int
+) -> StepReport:
     if ctx.opts.dflash:
         return _step_dflash(model, active, ctx, num_drafts)
     report = StepReport(ladder_nd=step_width(active, ctx, num_drafts))
@@ -150,7 +152,7 @@ def _step(model: Model, active: list[ActiveSeq], ctx: StepContext, num_drafts: i
 
 
 def _verify_batched(
-    model: Model,
+    model: ServingModel,
     active: list[ActiveSeq],
     batchable: list[int],
     copies: list[int],
@@ -172,7 +174,7 @@ def _verify_batched(
     serial = []
     for lo, hi in chunk_ranges(ks, ctx.caps.max_rows, ctx.caps.max_batch):
         chunk, chunk_ks = batchable[lo:hi], ks[lo:hi]
-        if len(chunk) < 2 or not model.can_batch_verify(chunk_ks):
+        if len(chunk) < 2:  # `chunk_ranges` keeps every chunk within the budget
             serial.extend(chunk)
             continue
         order = verify_batch_permutation([active[i].slot for i in chunk], chunk_ks, canonical)
@@ -183,7 +185,7 @@ def _verify_batched(
 
 
 def _step_dflash(
-    model: Model, active: list[ActiveSeq], ctx: StepContext, num_drafts: int
+    model: ServingModel, active: list[ActiveSeq], ctx: StepContext, num_drafts: int
 ) -> StepReport:
     """The DFlash arm: gamma from the resolver (it shadows the serve-wide count), the
     bootstrap, then the DFlash verify; no prompt lookup, no D-Cut (its drafts come as one
@@ -196,7 +198,7 @@ def _step_dflash(
     boot, verify = split(active)
     if boot:
         report.bootstrap = bootstrap(model, [active[i] for i in boot], ctx, width)
-    step_dflash(model, active, verify, width, ctx.opts, report)
+    step_dflash(model, active, verify, width, ctx, report)
     return report
 
 
@@ -237,7 +239,9 @@ def _partition(
     return serial, batchable, copies
 
 
-def _serial(model: Model, a: ActiveSeq, ladder_nd: int, fused: bool, report: StepReport) -> None:
+def _serial(
+    model: ServingModel, a: ActiveSeq, ladder_nd: int, fused: bool, report: StepReport
+) -> None:
     drafts = a.pending_drafts
     if a.grammar is not None:
         # Keep only the drafts before the first one the grammar would reject.

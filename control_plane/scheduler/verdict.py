@@ -9,7 +9,7 @@ import math
 from opentelemetry.util.types import AttributeValue
 
 from control_plane.scheduler.seq import ActiveSeq
-from protos.model import Model, ModelError, Proposal, Sampling, StepResult, room_to_propose
+from protos.model import ModelError, Proposal, Sampling, ServingModel, StepResult, room_to_propose
 from protos.model import greedy_accepted as accepted
 from protos.telemetry import span, tracer
 
@@ -25,7 +25,7 @@ def offsets(ks: list[int]) -> list[int]:
 
 
 def verify_and_settle(
-    model: Model,
+    model: ServingModel,
     seqs: list[ActiveSeq],
     rows: list[list[int]],
     step_nd: int,
@@ -51,7 +51,7 @@ def verify_and_settle(
 
 
 def _verify(
-    model: Model,
+    model: ServingModel,
     seqs: list[ActiveSeq],
     rows: list[list[int]],
     step_nd: int,
@@ -69,7 +69,7 @@ def _verify(
 
 
 def _two_calls(
-    model: Model,
+    model: ServingModel,
     seqs: list[ActiveSeq],
     rows: list[list[int]],
     step_nd: int,
@@ -82,15 +82,14 @@ def _two_calls(
     q = [a.pending_conf[: k - 1] for a, k in zip(seqs, ks, strict=True)]
     attrs: dict[str, AttributeValue] = {"met.verify.mode": mode, "met.verify.ks": ks}
     with span(TRACER, "verify", **attrs):
-        argmax = model.decode_verify_batched(
+        verified = model.decode_verify_batched(
             [t for r in rows for t in r],
             ks,
             handles,
             masks=masks or None,
             sampling=sampling or None,
         )
-        logprobs = model.last_logprobs()
-        draws = model.last_draws() if sampling else []
+    argmax, logprobs, draws = verified.argmax, verified.logprobs, verified.draws
     off = offsets(ks)
     gains = []
     for i, r in enumerate(rows):
@@ -120,7 +119,7 @@ def _two_calls(
 
 
 def _fused_step(
-    model: Model, seqs: list[ActiveSeq], rows: list[list[int]], step_nd: int, mode: str
+    model: ServingModel, seqs: list[ActiveSeq], rows: list[list[int]], step_nd: int, mode: str
 ) -> None:
     ks = [len(r) for r in rows]
     want = [step_nd >= 1 and a.wants_drafts for a in seqs]

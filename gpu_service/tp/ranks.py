@@ -32,33 +32,12 @@ from gpu_service.tp import DEFAULT_REDUCE, DEFAULT_TIMEOUT_S
 from gpu_service.tp.group import START_TIMEOUT, Rendezvous, TpGroup
 from kernels import configure_interpreter
 from protos.model import ModelError
+from protos.operations import mirrored
 
-# Engine calls every rank runs, in rank 0's order; the rest read rank 0's results or, as
-# `measure_costs` does, run these calls, each sent on its own (a measured time never steers
-# what another rank runs).
-MIRRORED = (
-    "alloc_sequence",
-    "free_sequence",
-    "free_sequences",
-    "prefill",
-    "decode_verify_batched",
-    "gdn_fold_accepted",
-    "commit_accepted_prefix",
-    "stash_verify_hidden_rows",
-    "run_mtp_propose_batched",
-    "check_positions",
-    "trim_proposer_state",
-    "settle_verdict",
-    "decode_step",
-    "run_plan",
-    "snapshot_prefixes",
-    "restore_prefixes",
-    "drop_prefixes",
-    "set_forward",
-    "use_graphs",
-    "held_bytes_by_rank",
-    "read_logits",  # gathers every rank's columns
-)
+# Engine calls every rank runs, in rank 0's order (`protos.operations` marks the contract's);
+# the rest read rank 0's results or, as `measure_costs` does, run these calls, each sent on its
+# own (a measured time never steers what another rank runs).
+MIRRORED = mirrored()
 _STOP = "stop"
 
 

@@ -49,7 +49,7 @@ def one_step(
     inside `around`; both steps' results onto `results` when given."""
     seqs = [engine.alloc_sequence() for _ in range(batch)]
     try:
-        first = engine.prefill(seqs, [PROMPT] * batch)
+        first = engine.prefill(seqs, [PROMPT] * batch).argmax
         res = engine.decode_step(first, [1] * batch, seqs, [True] * batch, NUM_DRAFTS)
         if len(res.proposers) != batch:
             raise RuntimeError(f"{len(res.proposers)} of {batch} sequences got drafts")
