@@ -15,8 +15,8 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from gpu_service.config import ServiceConfig
-from gpu_service.engine import Engine
+from gpu_service.engine.facade import Engine
+from gpu_service.model.config import ServiceConfig
 from gpu_service.model.ops import linear, pad_rows
 from protos.defaults import DEFAULT_MODEL_DIR
 
@@ -102,7 +102,7 @@ def profile_step(drafts: int = 3, steps: int = 30) -> None:
 if __name__ == "__main__":
     import sys
 
-    from gpu_service.device import choose_device
+    from gpu_service.engine.device import choose_device
 
     choose_device()
     torch.manual_seed(0)

@@ -30,10 +30,10 @@ from pathlib import Path
 
 import torch
 
-from gpu_service.config import ModelConfig, ServiceConfig
-from gpu_service.device import choose_device
-from gpu_service.engine import Engine
+from gpu_service.engine.device import choose_device
+from gpu_service.engine.facade import Engine
 from gpu_service.model.backend import EagerOps
+from gpu_service.model.config import ModelConfig, ServiceConfig
 from gpu_service.model.weights import init_weights, save_weights
 from kernels.fp8.naive import BlockFp8
 from kernels.moe.naive import dense_moe

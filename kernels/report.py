@@ -69,12 +69,12 @@ CONTEXT = 32768  # keys before a verify or decode row
 
 def drive(config: Path, batches: tuple[int, ...], catcher: Catcher) -> None:
     """Every call of the serving path at each batch, on `meta` with the triton ops."""
-    from gpu_service.config import ModelConfig, ServiceConfig
+    from gpu_service.engine.state import DeviceState
+    from gpu_service.memory.plan import META, meta_model
     from gpu_service.model.batch import Segment
+    from gpu_service.model.config import ModelConfig, ServiceConfig
     from gpu_service.model.hybrid import PREFILL, VERIFY
     from gpu_service.model.triton_forward import TRITON
-    from gpu_service.plan import META, meta_model
-    from gpu_service.state import DeviceState
 
     cfg = ModelConfig.from_dict(json.loads(config.read_text()))
     most = max(batches)

@@ -103,7 +103,7 @@ class Bounds:
 # moves any logit under 3.4e36 at most a factor of 100 (a penalty just above 0, as vLLM's
 # `> 0` allows, sends logit / r to infinity and every logprob to NaN); presence, frequency and
 # bias add at most a context's count of 2s or one 100. The temperature divides logits in fp64
-# (gpu_service/sampling.py), and vLLM clamps it to 0.01 for the same reason the penalty is
+# (gpu_service/engine/sampling.py), and vLLM clamps it to 0.01 for the same reason the penalty is
 # bounded. Every end is an fp32 number, so the wire's float holds each one, and the OpenAI
 # front checks a JSON double before it is rounded to that float (1e39 is refused, not inf).
 PENALTY_BOUND = 2.0  # vLLM's: presence and frequency penalties

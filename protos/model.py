@@ -4,7 +4,7 @@ diff takes apart. Operations return values (`Prefilled`, `Verified`, `Proposal`,
 is read back afterwards. `protos.operations` lists every operation with its RPC, from which the
 gRPC client, the servicer and tensor parallelism's mirror follow.
 
-Two implementations: `gpu_service.engine.Engine` (in process) and
+Two implementations: `gpu_service.engine.facade.Engine` (in process) and
 `control_plane.replicas.client.GrpcModel` (over `met.v1.ModelService`). Nothing here imports
 torch or protobuf.
 
@@ -130,7 +130,7 @@ class Capabilities:
     # Whether the batched verify and the drafter's chain replay captured graphs (CUDA graphs;
     # `--no-cuda-graphs` or METRALE_NO_MTP_VERIFY_GRAPHS: eager).
     graphs: bool = False
-    # The checkpoint's quantization as served (gpu_service/quantization.py names it, e.g.
+    # The checkpoint's quantization as served (gpu_service/model/quantization.py names it, e.g.
     # "fp8-e4m3-block128"); "" when its weights are served as stored.
     quantization: str = ""
     # Ranks the model is split over (`--tensor-parallel-size`); 1: one device.
@@ -325,7 +325,7 @@ class ServingModel(Protocol):
     def snapshot_prefixes(self, seqs: Sequence[SequenceHandle]) -> list[int]:
         """A snapshot of each sequence, idle right after a prefill to a whole number of KV
         blocks: the blocks its tokens fill, shared, and copies of its GDN state, conv window
-        and drafter carry -> their ids (`gpu_service/prefixes.py`). All or none."""
+        and drafter carry -> their ids (`gpu_service/memory/prefixes.py`). All or none."""
 
     def restore_prefixes(self, seqs: Sequence[SequenceHandle], snapshots: Sequence[int]) -> None:
         """Each fresh sequence goes on from its snapshot: it holds the snapshot's tokens

@@ -12,9 +12,9 @@ import torch
 
 from control_plane.cli.launch import start_control_plane, start_gpu_service, stop
 from control_plane.replicas.client import GrpcModel
-from gpu_service.config import ModelConfig, ServiceConfig
-from gpu_service.device import choose_device
-from gpu_service.engine import Engine
+from gpu_service.engine.device import choose_device
+from gpu_service.engine.facade import Engine
+from gpu_service.model.config import ModelConfig, ServiceConfig
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
 from training.checkpoint import init_model
 

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from control_plane.text.tokenizer import TOKENIZER_FILE, ByteTokenizer
-from gpu_service.pipeline import PlanClock, plan_steps, run_plan
+from gpu_service.engine.plans import PlanClock, plan_steps, run_plan
 from protos.model import (
     Capabilities,
     FailedPrecondition,

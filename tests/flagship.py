@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from gpu_service.config import LAYER_PATTERN, ModelConfig
+from gpu_service.model.config import LAYER_PATTERN, ModelConfig
 
 # Qwen/Qwen3-Next-80B-A3B-Instruct's config.json, the fields a plan or a loader reads; the
 # committed copy is what `met gpu-service plan` and `python -m kernels.report` read too.

@@ -19,7 +19,7 @@ from transformers import (
     Qwen3_5MoeForConditionalGeneration,
 )
 
-from gpu_service.config import ModelConfig
+from gpu_service.model.config import ModelConfig
 from gpu_service.model.weights import WEIGHTS_FILE, weight_shapes
 from tests.hf_checkpoint import BASE, TEMPLATE, VOCAB, _tokenizer
 

@@ -13,8 +13,8 @@ import grpc
 from control_plane.fronts.api import GenerationServicer
 from control_plane.replicas.client import GrpcModel
 from control_plane.scheduler.loop import Scheduler
-from gpu_service.engine import Engine
-from gpu_service.options import Access
+from gpu_service.engine.facade import Engine
+from gpu_service.rpc.options import Access
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
 
 # Builds and starts a server on the thread's event loop; -> (the server, its port).
@@ -52,8 +52,8 @@ def model_server(engine: Engine, access: Access | None = None) -> Iterator[str]:
     yields its loopback address."""
     from grpc_health.v1 import health
 
-    from gpu_service.server import build_server
-    from gpu_service.servicer import ModelServicer
+    from gpu_service.rpc.server import build_server
+    from gpu_service.rpc.servicer import ModelServicer
 
     async def start() -> tuple[grpc.aio.Server, int]:
         servicer = ModelServicer(access or Access())

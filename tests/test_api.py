@@ -24,7 +24,7 @@ from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.seq import MTP, NONE
 from control_plane.text.tokenizer import ByteTokenizer
-from gpu_service.engine import Engine
+from gpu_service.engine.facade import Engine
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
 from tests.collect import run_all

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_service.engine import Engine
+from gpu_service.engine.facade import Engine
 from gpu_service.model.ops import linear, pad_rows
 from tests.conftest import random_tokens
 from tests.steps import decode, logit_rows, verify
@@ -95,7 +95,7 @@ def test_a_prefill_in_block_aligned_parts_is_one_prefill(split: list[int]) -> No
     chunk too) leaves the bytes of one prefill: the last row's logits, every layer's GDN state
     and conv window, the KV cache; and the next verify reads the same logits. What resuming a
     sequence from a prefix's state needs (issue 35)."""
-    from gpu_service.config import ServiceConfig
+    from gpu_service.model.config import ServiceConfig
     from protos.defaults import DEFAULT_MODEL_DIR
 
     svc = ServiceConfig(verify_tiers="4:3", max_context=256)

@@ -39,8 +39,8 @@ from control_plane.benchmarks.report import (
 from control_plane.benchmarks.split import pair
 from control_plane.benchmarks.tensor_parallel import ARMS, tensor_parallel
 from control_plane.benchmarks.workload import Workload
-from gpu_service import costs
-from gpu_service.engine import Engine
+from gpu_service.engine import costs
+from gpu_service.engine.facade import Engine
 from protos.model import CostEntry
 
 
@@ -106,7 +106,7 @@ def _check_figures(report: dict, stdout: str, table: str) -> None:
     `--quick`."""
     cost, pred = report["draft_cost"], report["prediction"]
     assert [e["depth"] for e in cost["entries"]] == [0, 1, 2, 3]
-    # Orders that hold by construction (gpu_service/costs.py, `bounded`: a drafted verify
+    # Orders that hold by construction (gpu_service/engine/costs.py, `bounded`: a drafted verify
     # as long as the plain one, a draft's cost above 0), not by the machine's timing.
     assert cost["target_step_ms"] > 0 and cost["draft_ms"] > 0
     assert cost["draft_over_step"] == cost["draft_ms"] / cost["target_step_ms"]
@@ -261,7 +261,7 @@ def test_draft_cost_measures_in_a_scratch_cache(engine: Engine) -> None:
     got = draft_cost(engine, 2, 3)
     assert got["max_depth"] == 2 and got["repeats"] == 3
     assert [(e["width"], e["depth"]) for e in got["entries"]] == [(1, 0), (1, 1), (1, 2)]
-    # Positive by construction (gpu_service/costs.py, `bounded`), not by the machine's timing.
+    # Positive by construction (engine/costs.py, `bounded`), not by the machine's timing.
     assert got["target_step_ms"] > 0 and got["draft_ms"] > 0
     after = sorted(costs.cache_dir().glob("*")) if costs.cache_dir().exists() else []
     assert after == before

@@ -21,10 +21,10 @@ from control_plane.scheduler.env import Env
 from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.options import SchedulerOptions
 from control_plane.text.tokenizer import ByteTokenizer
-from gpu_service.engine import Engine
-from gpu_service.options import Access
-from gpu_service.server import build_server
-from gpu_service.servicer import ModelServicer
+from gpu_service.engine.facade import Engine
+from gpu_service.rpc.options import Access
+from gpu_service.rpc.server import build_server
+from gpu_service.rpc.servicer import ModelServicer
 from protos.bodies import RejectUndecodable
 from protos.met.v1 import generate_pb2, generate_pb2_grpc, model_pb2
 from tests.conftest import TINY_SERVICE

@@ -24,7 +24,7 @@ from control_plane.cli.main import build_parser
 from control_plane.fronts.openai_body import InvalidParam, chat_request
 from control_plane.text.chat import SERVER_SET, TEMPLATE_FILE, ChatTemplate, parse_kwargs
 from control_plane.text.tokenizer import Tokenization
-from gpu_service.engine import Engine
+from gpu_service.engine.facade import Engine
 from protos.met.v1 import generate_pb2 as pb
 from tests.test_chat import CHAT, QWEN3, both, messages, save_checkpoint
 from tests.test_openai_http import KEY, ONE_SLOT, Fronts, serving

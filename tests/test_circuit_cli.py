@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from control_plane.circuit import report
-from gpu_service.config import ServiceConfig
-from gpu_service.engine import Engine
-from gpu_service.state import DeviceState
+from gpu_service.engine.facade import Engine
+from gpu_service.engine.state import DeviceState
+from gpu_service.model.config import ServiceConfig
 from tests.test_circuit_diff import args
 
 

@@ -29,10 +29,10 @@ from control_plane.circuit.verify_batch import DiffError, ShapeReport, verify_ba
 from control_plane.cli.launch import start_gpu_service, stop
 from control_plane.cli.main import build_parser
 from control_plane.scheduler.verdict import offsets
-from gpu_service.config import ServiceConfig
-from gpu_service.engine import Engine
-from gpu_service.graphs import replay_eagerly
-from gpu_service.state import DeviceState
+from gpu_service.engine.facade import Engine
+from gpu_service.engine.graphs import replay_eagerly
+from gpu_service.engine.state import DeviceState
+from gpu_service.model.config import ServiceConfig
 from protos.defaults import DEFAULT_MODEL_DIR
 from protos.model import Logits
 

@@ -19,7 +19,7 @@ import grpc
 import pytest
 
 from control_plane.cli.main import build_parser
-from gpu_service.options import SHAPE_FLAGS, UP_PREFIX_SNAPSHOTS, shape_argv
+from gpu_service.rpc.options import SHAPE_FLAGS, UP_PREFIX_SNAPSHOTS, shape_argv
 from protos import ports, tls
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc

@@ -24,9 +24,9 @@ from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.seq import GenRequest
 from control_plane.scheduler.step import step_mtp
 from control_plane.text.tokenizer import ByteTokenizer
-from gpu_service import costs as cost_tables
-from gpu_service.config import ServiceConfig
-from gpu_service.engine import Engine
+from gpu_service.engine import costs as cost_tables
+from gpu_service.engine.facade import Engine
+from gpu_service.model.config import ServiceConfig
 from protos.model import CostEntry, ResourceExhausted
 from tests.collect import run_all
 from tests.fake_model import FakeModel

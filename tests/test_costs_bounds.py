@@ -11,8 +11,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from gpu_service import costs
-from gpu_service.engine import Engine
+from gpu_service.engine import costs
+from gpu_service.engine.facade import Engine
 from protos.met.v1 import model_pb2 as pb
 from protos.met.v1 import model_pb2_grpc as pb_grpc
 from protos.model import ADMIN_KEY_METADATA, CostEntry, InvalidArgument

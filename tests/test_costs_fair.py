@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 import pytest
 
-from gpu_service.engine import Engine
+from gpu_service.engine.facade import Engine
 from protos.met.v1 import model_pb2 as pb
 from protos.met.v1 import model_pb2_grpc as pb_grpc
 from protos.model import ADMIN_KEY_METADATA, SESSION_METADATA

@@ -24,8 +24,8 @@ from control_plane.scheduler.metrics import Metrics
 from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.seq import MTP, NONE, GenRequest
 from control_plane.text.tokenizer import ByteTokenizer
-from gpu_service.config import ServiceConfig
-from gpu_service.engine import Engine
+from gpu_service.engine.facade import Engine
+from gpu_service.model.config import ServiceConfig
 from tests.collect import Outcome
 from tests.conftest import TRAINED
 

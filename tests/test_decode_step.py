@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from control_plane.replicas.client import GrpcModel
-from gpu_service.engine import Engine
+from gpu_service.engine.facade import Engine
 from protos.model import CircuitModel, InvalidArgument, StepResult, room_to_propose
 from tests.conftest import TINY_SERVICE
 from tests.steps import logit_rows

@@ -13,8 +13,8 @@ from safetensors import safe_open
 from control_plane.benchmarks.workload import FIXED_DRAFTS, serve_texts
 from control_plane.scheduler.seq import MTP, NONE
 from control_plane.text.tokenizer import HFTokenizer, load_tokenizer
-from gpu_service.config import ModelConfig, ServiceConfig
-from gpu_service.engine import Engine
+from gpu_service.engine.facade import Engine
+from gpu_service.model.config import ModelConfig, ServiceConfig
 from gpu_service.model.weights import WEIGHTS_FILE
 from protos.defaults import DEFAULT_MODEL_DIR
 from tests.conftest import TRAINED

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_service.device import (
+from gpu_service.engine.device import (
     DeviceError,
     default_forward,
     describe_device,
     resolve_device,
 )
-from gpu_service.engine import Engine
+from gpu_service.engine.facade import Engine
 from kernels import configure_interpreter
 from tests.conftest import TINY_SERVICE
 
@@ -99,7 +99,7 @@ def test_imports_leave_the_interpreter_undecided() -> None:
     # import triton (whose kernels read the variable as they are decorated).
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = (
-        "import os, sys, kernels, gpu_service.server; "
+        "import os, sys, kernels, gpu_service.rpc.server; "
         "print(os.environ.get('TRITON_INTERPRET'), 'triton' in sys.modules)"
     )
     done = subprocess.run(

@@ -18,8 +18,8 @@ from control_plane.scheduler.env import Env
 from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.options import SchedulerOptions
 from control_plane.text.tokenizer import ByteTokenizer
-from gpu_service.engine import Engine
-from gpu_service.options import Access
+from gpu_service.engine.facade import Engine
+from gpu_service.rpc.options import Access
 from protos.met.v1 import generate_pb2 as gpb
 from protos.met.v1 import generate_pb2_grpc as gpb_grpc
 from protos.model import ResourceExhausted, SequenceHandle

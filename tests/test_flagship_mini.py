@@ -12,8 +12,8 @@ import grpc
 import pytest
 
 from control_plane.cli.launch import start_control_plane, start_gpu_service, stop
-from gpu_service.config import ServiceConfig
-from gpu_service.engine import Engine
+from gpu_service.engine.facade import Engine
+from gpu_service.model.config import ServiceConfig
 from gpu_service.moe_bench import DenseOps
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc

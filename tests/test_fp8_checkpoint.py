@@ -1,4 +1,4 @@
-"""Block-FP8 checkpoints as Qwen publishes them (gpu_service/quantization.py): written by
+"""Block-FP8 checkpoints as Qwen publishes them (gpu_service/model/quantization.py): written by
 `met quantize` from the default model and from the flagship in miniature, or by hand in the
 published layout; held as FP8 with their scales; their logits within FP8's error of the same
 weights dequantized, and of transformers' dequantized load; lossless speculation through both
@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from control_plane.cli.main import main as met
-from gpu_service.config import ServiceConfig
-from gpu_service.engine import Engine
+from gpu_service.engine.facade import Engine
+from gpu_service.model.config import ServiceConfig
 from gpu_service.model.hybrid import held_bytes
 from gpu_service.model.weights import WEIGHTS_FILE, checkpoint_index
 from kernels.fp8.naive import FP8, BlockFp8, dequantize_blocks

@@ -28,7 +28,7 @@ from google.protobuf.message_factory import GetMessageClass
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from control_plane.cli.launch import start_control_plane, start_gpu_service, stop
-from gpu_service.costs import MAX_REPEATS
+from gpu_service.engine.costs import MAX_REPEATS
 from protos.met.v1 import generate_pb2, model_pb2
 from protos.model import ADMIN_KEY_ENV, ADMIN_KEY_METADATA, SESSION_METADATA
 from tests.conftest import SERVE_ARGS

@@ -20,8 +20,8 @@ from control_plane.scheduler.seq import MTP, GenRequest
 from control_plane.scheduler.step import step_mtp
 from control_plane.text.grammar import GrammarCompiler
 from control_plane.text.tokenizer import ByteTokenizer
-from gpu_service.config import ServiceConfig
-from gpu_service.engine import Engine
+from gpu_service.engine.facade import Engine
+from gpu_service.model.config import ServiceConfig
 from protos.met.v1 import generate_pb2 as pb
 from tests.collect import run_all
 from tests.fake_model import FakeModel

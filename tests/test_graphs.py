@@ -1,5 +1,5 @@
-"""Captured graphs (gpu_service/graphs.py) as far as the CPU runs them: buckets and key lengths,
-the padding on the pad slot, persistent buffers reused replay after replay, the eager
+"""Captured graphs (gpu_service/engine/graphs.py) as far as the CPU runs them: buckets and key
+lengths, the padding on the pad slot, persistent buffers reused replay after replay, the eager
 fallback, the switches, and bytes equal to the eager forward's. `replay_eagerly` stands in for
 the capture, which only a CUDA device has."""
 
@@ -12,11 +12,11 @@ import torch
 
 from control_plane.scheduler.seq import MTP, GenRequest
 from control_plane.text.tokenizer import ByteTokenizer
-from gpu_service import graphs
-from gpu_service.config import ModelConfig, ServiceConfig
-from gpu_service.engine import Engine
-from gpu_service.graphs import NO_GRAPHS_ENV, bucket_for, buckets, key_bucket, replay_eagerly
-from gpu_service.options import add_serve_args, service_config
+from gpu_service.engine import graphs
+from gpu_service.engine.facade import Engine
+from gpu_service.engine.graphs import NO_GRAPHS_ENV, bucket_for, buckets, key_bucket, replay_eagerly
+from gpu_service.model.config import ModelConfig, ServiceConfig
+from gpu_service.rpc.options import add_serve_args, service_config
 from protos.model import Sampling, StepResult
 from tests.collect import run_all
 

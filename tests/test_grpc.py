@@ -14,7 +14,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 )
 
 from control_plane.replicas.client import GrpcModel
-from gpu_service.engine import Engine
+from gpu_service.engine.facade import Engine
 from protos.met.v1 import model_pb2 as pb
 from protos.met.v1 import model_pb2_grpc as pb_grpc
 from protos.model import SESSION_METADATA, CircuitModel

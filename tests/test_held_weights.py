@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_service.config import ModelConfig
-from gpu_service.engine import Engine
+from gpu_service.engine.facade import Engine
+from gpu_service.model.config import ModelConfig
 from gpu_service.model.hybrid import held_bytes
 from gpu_service.model.weights import weight_shapes
 from protos.defaults import DEFAULT_MODEL_DIR
@@ -48,7 +48,7 @@ _PEAK = """
 import json, sys
 from pathlib import Path
 import torch
-from gpu_service.config import ModelConfig
+from gpu_service.model.config import ModelConfig
 from gpu_service.model.hybrid import HybridModel, held_bytes
 from gpu_service.model.weights import load_weights, stream_weights
 

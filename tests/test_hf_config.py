@@ -1,5 +1,5 @@
-"""config.json read as transformers reads it (gpu_service/hf_config.py): the committed published
-configs, and configs with every optional field removed, against transformers' own config
+"""config.json read as transformers reads it (gpu_service/model/hf_config.py): the committed
+published configs, and configs with every optional field removed, against transformers' own config
 objects; what the engine does not implement refused by name."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoConfig
 
-from gpu_service.config import ModelConfig
+from gpu_service.model.config import ModelConfig
 
 MODELS = Path(__file__).resolve().parents[1] / "gpu_service/models"
 PUBLISHED = ["qwen3-next-80b-a3b", "qwen3-next-80b-a3b-fp8", "qwen3.5-27b", "qwen3.5-35b-a3b"]

@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
-from gpu_service.config import ServiceConfig
-from gpu_service.engine import Engine
+from gpu_service.engine.facade import Engine
+from gpu_service.model.config import ServiceConfig
 from gpu_service.model.hybrid import PREFILL, Segment
 from tests.hf_checkpoint import BASE
 from tests.steps import logit_rows

@@ -15,8 +15,8 @@ from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.seq import MTP, GenRequest
 from control_plane.text.grammar import GrammarCompiler
 from control_plane.text.tokenizer import ByteTokenizer
-from gpu_service.config import ServiceConfig
-from gpu_service.engine import Engine
+from gpu_service.engine.facade import Engine
+from gpu_service.model.config import ServiceConfig
 from protos.model import FailedPrecondition, ResourceExhausted
 from tests.collect import Outcome, run_all
 from tests.fake_model import FakeModel

@@ -19,7 +19,7 @@ from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.pressure import Pool
 from control_plane.scheduler.seq import MTP, NONE, ActiveSeq, GenRequest
 from control_plane.text.tokenizer import ByteTokenizer
-from gpu_service.config import ServiceConfig
+from gpu_service.model.config import ServiceConfig
 from protos.handles import SequenceHandle
 from tests.collect import Outcome, run_all, serving
 from tests.servers import capability_within

@@ -20,8 +20,8 @@ from control_plane.scheduler.prompt_lookup import find_copy
 from control_plane.scheduler.seq import MTP, NONE, PROMPT_LOOKUP, ActiveSeq, GenRequest
 from control_plane.scheduler.step import step_mtp
 from control_plane.text.tokenizer import ByteTokenizer
-from gpu_service.config import ServiceConfig
-from gpu_service.engine import Engine
+from gpu_service.engine.facade import Engine
+from gpu_service.model.config import ServiceConfig
 from tests.collect import run_all
 from tests.fake_model import FakeModel, counting_oracle
 from tests.test_step_mtp import NO_ENV, seqs

@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import save_file
 
 from control_plane.replicas.client import GrpcModel
-from gpu_service import engine as engine_module
-from gpu_service.engine import Engine
+from gpu_service.engine import facade as engine_module
+from gpu_service.engine.facade import Engine
 from gpu_service.model.digest import SAMPLE_BYTES, checkpoint_digest, sampled_runs
 from tests.conftest import TINY_SERVICE
 from tests.servers import model_server

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from gpu_service import moe_bench
-from gpu_service.engine import Engine
+from gpu_service.engine.facade import Engine
 from tests.steps import logit_rows, verify
 
 

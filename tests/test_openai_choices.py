@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from gpu_service.config import ServiceConfig
-from gpu_service.engine import Engine
+from gpu_service.engine.facade import Engine
+from gpu_service.model.config import ServiceConfig
 from tests.test_openai_http import PROMPT, Fronts, serving
 
 

@@ -34,8 +34,8 @@ from control_plane.fronts.api import GenerationServicer
 from control_plane.replicas.client import GrpcModel
 from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.options import SchedulerOptions
-from gpu_service.config import ServiceConfig
-from gpu_service.engine import Engine
+from gpu_service.engine.facade import Engine
+from gpu_service.model.config import ServiceConfig
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
 from tests.servers import free_slots_within

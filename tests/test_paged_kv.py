@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_service.engine import Engine
-from gpu_service.kv_blocks import blocks_for
+from gpu_service.engine.facade import Engine
+from gpu_service.memory.kv_blocks import blocks_for
 from protos.defaults import DEFAULT_MODEL_DIR
 from protos.model import ResourceExhausted, SequenceHandle
 from tests.conftest import TINY_SERVICE

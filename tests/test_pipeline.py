@@ -21,8 +21,8 @@ from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.seq import MTP, NONE, PROMPT_LOOKUP, Delta, GenRequest
 from control_plane.text.grammar import GrammarCompiler
 from control_plane.text.tokenizer import ByteTokenizer
-from gpu_service.config import ServiceConfig
-from gpu_service.engine import Engine
+from gpu_service.engine.facade import Engine
+from gpu_service.model.config import ServiceConfig
 from protos.steps import StepPlan
 from tests.collect import Outcome
 

@@ -1,4 +1,4 @@
-"""The memory plan (gpu_service/plan.py): its parts against what the engine allocates, the
+"""The memory plan (gpu_service/memory/plan.py): its parts against what the engine allocates, the
 flagship's weights against its checkpoint, `--num-slots`, and `met gpu-service plan`/`serve`."""
 
 from __future__ import annotations
@@ -16,13 +16,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from control_plane.cli.main import build_parser, main
-from gpu_service import plan, plan_graphs, plan_report, server
-from gpu_service.config import ModelConfig, ServiceConfig
-from gpu_service.engine import Engine
+from gpu_service.engine.facade import Engine
+from gpu_service.memory import plan, plan_graphs, plan_report
+from gpu_service.model.config import ModelConfig, ServiceConfig
 from gpu_service.model.hybrid import held_bytes
+from gpu_service.model.quantization import fp8_names
 from gpu_service.model.weights import weight_shapes
-from gpu_service.options import parse_bytes
-from gpu_service.quantization import fp8_names
+from gpu_service.rpc import server
+from gpu_service.rpc.options import parse_bytes
 from gpu_service.tp import shard
 from gpu_service.tp.ranks import Launch, launch
 from protos.defaults import DEFAULT_MODEL_DIR
@@ -42,7 +43,9 @@ STATE = {
 NO_MEMORY = plan.Memory(None)
 
 
-def _plan(model: Path, *flags: str, device: torch.device = CPU, graphs: bool = False) -> plan.Plan:
+def _plan(
+    model: Path, *flags: str, device: torch.device = CPU, graphs: bool = False
+) -> plan.MemoryPlan:
     args = build_parser().parse_args(["gpu-service", "plan", str(model), *flags])
     return plan.from_args(args, device, graphs)
 

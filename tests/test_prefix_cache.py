@@ -25,8 +25,8 @@ from control_plane.scheduler.seq import (
     GenRequest,
 )
 from control_plane.text.tokenizer import ByteTokenizer
-from gpu_service.config import ServiceConfig
-from gpu_service.engine import Engine
+from gpu_service.engine.facade import Engine
+from gpu_service.model.config import ServiceConfig
 from tests.collect import Outcome, run_all, serving
 
 TOK = ByteTokenizer.default()

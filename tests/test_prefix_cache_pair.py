@@ -20,8 +20,8 @@ from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.seq import MTP, NONE, PROMPT_LOOKUP, Delta, Event, GenRequest
 from control_plane.text.tokenizer import ByteTokenizer
-from gpu_service.config import ServiceConfig
-from gpu_service.engine import Engine
+from gpu_service.engine.facade import Engine
+from gpu_service.model.config import ServiceConfig
 from protos.model import CircuitModel
 from tests.collect import Outcome
 from tests.servers import capability_within

@@ -14,7 +14,7 @@ import torch
 
 from control_plane.cli.launch import start_gpu_service, stop
 from control_plane.replicas.client import GrpcModel
-from gpu_service.engine import Engine
+from gpu_service.engine.facade import Engine
 from protos.model import (
     FailedPrecondition,
     InvalidArgument,

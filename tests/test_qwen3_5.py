@@ -16,8 +16,8 @@ from transformers import PreTrainedModel, Qwen3NextConfig, Qwen3NextForCausalLM
 
 from control_plane.cli.launch import start_control_plane, start_gpu_service, stop
 from control_plane.cli.main import main as met
-from gpu_service.config import ServiceConfig
-from gpu_service.engine import Engine
+from gpu_service.engine.facade import Engine
+from gpu_service.model.config import ServiceConfig
 from gpu_service.model.hybrid import PREFILL, Segment
 from gpu_service.model.ops import rope_table
 from gpu_service.model.weights import checkpoint_index, vision_tensors
@@ -249,7 +249,7 @@ def test_the_plan_names_the_tower_and_the_tensor_parallel_size_that_holds_it(cap
     body = json.loads(capsys.readouterr().out)
     assert body["fits"] is False and body["tensor_parallel_size_that_fits"] == 2
     vision = json.loads(config.read_text())["vision_config"]
-    from gpu_service.hf_config import vision_params
+    from gpu_service.model.hf_config import vision_params
 
     assert body["vision_tower_bytes_not_loaded"] == 2 * vision_params(vision)
 

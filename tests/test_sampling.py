@@ -14,9 +14,9 @@ from control_plane.scheduler.env import Env
 from control_plane.scheduler.loop import Scheduler, SchedulerOptions
 from control_plane.scheduler.seq import MTP, NONE, GenRequest
 from control_plane.text.tokenizer import ByteTokenizer
-from gpu_service.config import ServiceConfig
-from gpu_service.engine import Engine
-from gpu_service.sampling import distribution, draw, row_draws
+from gpu_service.engine.facade import Engine
+from gpu_service.engine.sampling import distribution, draw, row_draws
+from gpu_service.model.config import ServiceConfig
 from protos.model import Sampling
 from tests.collect import run_all
 

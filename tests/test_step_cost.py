@@ -13,12 +13,12 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gpu_service.config import ModelConfig
-from gpu_service.engine import Engine
+from gpu_service.engine.facade import Engine
+from gpu_service.engine.state import DeviceState
 from gpu_service.model.batch import Segment
+from gpu_service.model.config import ModelConfig
 from gpu_service.model.hybrid import PREFILL, VERIFY, HybridModel
 from gpu_service.model.weights import load_weights
-from gpu_service.state import DeviceState
 from protos.defaults import DEFAULT_MODEL_DIR
 from protos.model import SequenceHandle
 from tests.conftest import TINY_SERVICE, TRAINED
@@ -111,7 +111,7 @@ def default_engine() -> Engine:
 
 @contextmanager
 def _one_thread() -> Iterator[None]:
-    """As the service runs its engine (see gpu_service/server.py)."""
+    """As the service runs its engine (see gpu_service/rpc/server.py)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -16,8 +16,8 @@ import pytest
 
 from control_plane.cli.launch import start_gpu_service
 from control_plane.replicas.client import GrpcModel
-from gpu_service.engine import Engine
-from gpu_service.pipeline import PlanClock
+from gpu_service.engine.facade import Engine
+from gpu_service.engine.plans import PlanClock
 from protos import convert as cv
 from protos.met.v1 import model_pb2 as pb
 from protos.model import SESSION_METADATA, Proposal, SequenceHandle, StepResult

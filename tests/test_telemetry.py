@@ -26,8 +26,8 @@ from control_plane.scheduler.loop import Scheduler, SchedulerOptions
 from control_plane.scheduler.metrics import Metrics
 from control_plane.scheduler.seq import MTP, GenRequest
 from control_plane.text.tokenizer import ByteTokenizer
-from gpu_service.config import ServiceConfig
-from gpu_service.engine import Engine
+from gpu_service.engine.facade import Engine
+from gpu_service.model.config import ServiceConfig
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
 from tests.collect import Outcome

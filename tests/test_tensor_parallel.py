@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from control_plane.cli.launch import start_control_plane, start_gpu_service, stop
-from gpu_service.config import ModelConfig, ServiceConfig
-from gpu_service.engine import Engine
+from gpu_service.engine.facade import Engine
+from gpu_service.model.config import ModelConfig, ServiceConfig
 from gpu_service.model.weights import weight_shapes
 from gpu_service.tp import shard
 from gpu_service.tp.ranks import Launch, TpEngine, launch
@@ -76,7 +76,7 @@ def test_what_does_not_divide_is_refused_by_name() -> None:
         shard.check(ModelConfig(), 0)
     from dataclasses import replace
 
-    from gpu_service.quantization import parse
+    from gpu_service.model.quantization import parse
 
     fp8 = replace(
         ModelConfig(),

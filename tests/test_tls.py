@@ -32,10 +32,10 @@ from control_plane.fronts.api import GenerationServicer
 from control_plane.replicas.client import GrpcModel
 from control_plane.scheduler.loop import Scheduler
 from control_plane.text.tokenizer import ByteTokenizer
-from gpu_service.engine import Engine
-from gpu_service.options import Access
-from gpu_service.server import build_server as build_gpu_server
-from gpu_service.servicer import ModelServicer
+from gpu_service.engine.facade import Engine
+from gpu_service.rpc.options import Access
+from gpu_service.rpc.server import build_server as build_gpu_server
+from gpu_service.rpc.servicer import ModelServicer
 from protos import tls
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc

@@ -23,10 +23,10 @@ from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.seq import GenRequest
 from control_plane.text.grammar import GrammarCompiler
 from control_plane.text.tokenizer import TOKENIZER_FILE, ByteTokenizer, Tokenization
-from gpu_service.engine import Engine
-from gpu_service.options import Access
-from gpu_service.server import build_server
-from gpu_service.servicer import TOKENIZER_CHUNK_BYTES, ModelServicer
+from gpu_service.engine.facade import Engine
+from gpu_service.rpc.options import Access
+from gpu_service.rpc.server import build_server
+from gpu_service.rpc.servicer import TOKENIZER_CHUNK_BYTES, ModelServicer
 from protos.met.v1 import generate_pb2, generate_pb2_grpc
 from protos.met.v1 import model_pb2 as pb
 from protos.met.v1 import model_pb2_grpc as pb_grpc

@@ -9,8 +9,8 @@ import torch
 
 from control_plane.circuit.report import run_diff
 from control_plane.replicas.client import GrpcModel
-from gpu_service.config import ServiceConfig
-from gpu_service.engine import Engine
+from gpu_service.engine.facade import Engine
+from gpu_service.model.config import ServiceConfig
 from protos.model import InvalidArgument
 from tests.conftest import random_tokens
 from tests.steps import logit_rows

@@ -17,8 +17,8 @@ from control_plane.cli.server import admission
 from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.seq import MTP
 from control_plane.text.tokenizer import ByteTokenizer
-from gpu_service.config import ServiceConfig
-from gpu_service.engine import Engine
+from gpu_service.engine.facade import Engine
+from gpu_service.model.config import ServiceConfig
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
 from tests.servers import serving

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_service.engine import Engine
+from gpu_service.engine.facade import Engine
 from tests.conftest import random_tokens
 from tests.steps import decode, logit_rows, verify
 

@@ -47,8 +47,8 @@ def depth(
 ) -> dict:
     """The section's report: the tiers, and per concurrency and arm the median tokens per
     second, its ratio to plain decoding, the mean accepted length and drafts per verify."""
-    from gpu_service.config import ServiceConfig
-    from gpu_service.engine import Engine
+    from gpu_service.engine.facade import Engine
+    from gpu_service.model.config import ServiceConfig
 
     engine = Engine(model_dir, ServiceConfig(verify_tiers=DEEP_TIERS))
     labels = arms([3, DEEP] if quick else list(range(1, DEEP + 1)))

@@ -82,8 +82,8 @@ def measure(
 def main() -> None:
     import torch
 
-    from gpu_service.config import ServiceConfig
-    from gpu_service.engine import Engine
+    from gpu_service.engine.facade import Engine
+    from gpu_service.model.config import ServiceConfig
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--concurrency", type=int, default=8)

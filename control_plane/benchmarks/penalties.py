@@ -7,7 +7,7 @@ in-process engine, once with `none` and once with `mtp`, for each set of penalti
 Qwen3's advice against endless repetition (presence 1.5), frequency 0.5, repetition 1.1, and a
 logit bias. Per set and method: output tokens per second; for `mtp` the mean accepted length
 and its speedup over `none`; whether `mtp` made the tokens `none` made (the lossless rule: the
-drafts are judged with the penalties of their place, `gpu_service/penalties.py`); and whether
+drafts are judged with the penalties of their place, `gpu_service/engine/penalties.py`); and whether
 the set changed any token from the run without penalties."""
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ def requests(prompts: list[tuple[int, ...]], tokens: int, method: str, pen: Pena
 def run(model_dir: Path, args: argparse.Namespace) -> dict[str, dict]:
     """Each set's figures: tok/s of `none` and `mtp`, `mtp`'s accepted length, and whether the
     two made the same tokens."""
-    from gpu_service.config import ServiceConfig
-    from gpu_service.engine import Engine
+    from gpu_service.engine.facade import Engine
+    from gpu_service.model.config import ServiceConfig
 
     work = Workload(model_dir)
     text = Windows(work)

@@ -47,8 +47,8 @@ def needed_blocks(reqs: list[GenRequest]) -> int:
 def run(model_dir: Path, args: argparse.Namespace) -> dict:
     """Each pool's figures (blocks -> figures; 0: every slot's context), and the blocks the
     requests need."""
-    from gpu_service.config import ServiceConfig
-    from gpu_service.engine import Engine
+    from gpu_service.engine.facade import Engine
+    from gpu_service.model.config import ServiceConfig
 
     work = Workload(model_dir)
     reqs = requests(work, args.requests, args.prompt, args.tokens)

@@ -1,7 +1,7 @@
 """`met bench`'s figures at one request: a draft's measured cost against a target step, and
 the mtp / none speedup that the accepted length predicts from them, against the measured one.
 
-From `Engine.measure_costs` at width 1 (gpu_service/costs.py), per depth j (drafts verified):
+From `Engine.measure_costs` at width 1 (gpu_service/engine/costs.py), per depth j (drafts verified):
 `verify_ms(j)` is a verify of j + 1 rows of one sequence; `propose_ms(j)` its verdict: fold
 and commit, and for j > 0 also the stash, j chained MTP drafts and the trim (at j = 0 no
 drafter runs).
@@ -32,7 +32,7 @@ from control_plane.scheduler.seq import MTP, NONE
 from protos.model import CostEntry
 
 if TYPE_CHECKING:
-    from gpu_service.engine import Engine
+    from gpu_service.engine.facade import Engine
 
 
 def by_depth(entries: list[CostEntry]) -> dict[int, CostEntry]:

@@ -92,8 +92,8 @@ class Served:
 def prefix(model_dir: Path, work: Workload, sizes: Sizes = Sizes()) -> dict:
     """The section's report: each workload's arms, and failures where the arms' tokens
     differ."""
-    from gpu_service.config import ServiceConfig
-    from gpu_service.engine import Engine
+    from gpu_service.engine.facade import Engine
+    from gpu_service.model.config import ServiceConfig
 
     longest = max(
         sizes.system + sizes.suffix,

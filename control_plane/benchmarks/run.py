@@ -98,8 +98,8 @@ def _measure(args: argparse.Namespace) -> dict:
     `auto` cost model reads: as a service that has measured its costs runs."""
     import torch
 
-    from gpu_service.config import ServiceConfig
-    from gpu_service.engine import Engine
+    from gpu_service.engine.facade import Engine
+    from gpu_service.model.config import ServiceConfig
 
     torch.set_num_threads(1)  # as the GPU service runs its engine
     engine = Engine(args.model, ServiceConfig())

@@ -156,15 +156,15 @@ def main() -> None:
     import torch
 
     from control_plane.benchmarks.report import split_lines
-    from gpu_service.config import ServiceConfig
-    from gpu_service.engine import Engine
+    from gpu_service.engine.facade import Engine
+    from gpu_service.model.config import ServiceConfig
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=REPEATS)
     args = parser.parse_args()
-    torch.set_num_threads(1)  # as the GPU service runs its engine (see gpu_service/server.py)
+    torch.set_num_threads(1)  # as the GPU service runs its engine (see gpu_service/rpc/server.py)
     engine = Engine(DEFAULT_MODEL_DIR, ServiceConfig())
     work = Workload(DEFAULT_MODEL_DIR)
     rows = split(

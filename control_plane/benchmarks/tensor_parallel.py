@@ -28,7 +28,7 @@ from control_plane.replicas.client import GrpcModel
 from control_plane.scheduler.env import Env
 from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.seq import MTP
-from gpu_service.config import ModelConfig
+from gpu_service.model.config import ModelConfig
 from gpu_service.tp import REDUCES
 from protos.defaults import DEFAULT_MODEL_DIR
 

@@ -235,7 +235,7 @@ def _connect(args: argparse.Namespace) -> CircuitModel:
         from control_plane.replicas.client import GrpcModel
 
         return GrpcModel(args.gpu_service, admin_key=args.gpu_service_admin_key)
-    from gpu_service.engine import Engine
+    from gpu_service.engine.facade import Engine
 
     return Engine(args.model)
 

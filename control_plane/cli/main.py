@@ -20,13 +20,13 @@ def _gpu_service(args: argparse.Namespace) -> None:
 
     # Before torch loads: a busy port is refused in a blink.
     tls.or_exit(GPU_SERVE, lambda a: ports.check_free(a.host, {"--port": a.port}), args)
-    from gpu_service.server import run
+    from gpu_service.rpc.server import run
 
     run(args)
 
 
 def _gpu_service_plan(args: argparse.Namespace) -> None:
-    from gpu_service.plan_report import run
+    from gpu_service.memory.plan_report import run
 
     sys.exit(run(args))
 
@@ -44,7 +44,7 @@ def _init_model(args: argparse.Namespace) -> None:
 
 
 def _quantize(args: argparse.Namespace) -> None:
-    from gpu_service.quantize import quantize_checkpoint
+    from gpu_service.model.quantize import quantize_checkpoint
 
     try:
         names = quantize_checkpoint(args.src, args.dst, args.fp8_block)
@@ -71,8 +71,8 @@ def _in_process_engine(args: argparse.Namespace) -> None:
     """For a command that builds an engine in this process: the Triton interpreter decision,
     made for the device the engine picks, before anything imports a kernel; the service's
     `--threads`."""
-    from gpu_service.device import choose_device
-    from gpu_service.options import use_threads
+    from gpu_service.engine.device import choose_device
+    from gpu_service.rpc.options import use_threads
 
     choose_device()
     use_threads(args.threads)
@@ -111,7 +111,7 @@ def _add_up_args(parser: argparse.ArgumentParser) -> None:
     """`met up`'s own arguments, the GPU service's that shape its serving, then the control
     plane's."""
     from control_plane.cli import server
-    from gpu_service.options import UP_PREFIX_SNAPSHOTS, add_shape_args
+    from gpu_service.rpc.options import UP_PREFIX_SNAPSHOTS, add_shape_args
 
     parser.add_argument("--model", type=model_path, default=DEFAULT_MODEL_DIR)
     parser.add_argument(
@@ -169,7 +169,7 @@ def _commands(parser: argparse.ArgumentParser, dest: str) -> _Commands:
 
 def _fill_gpu_service(gpu: argparse.ArgumentParser) -> None:
     """`met gpu-service serve` and `met gpu-service plan`."""
-    from gpu_service import options
+    from gpu_service.rpc import options
 
     gpu_sub = _commands(gpu, "action")
     gpu_sub.add("serve", options.add_serve_args, help="serve met.v1.ModelService over gRPC")
@@ -187,7 +187,7 @@ def _fill_gpu_service(gpu: argparse.ArgumentParser) -> None:
 
 
 def _fill_plan(gpu_plan: argparse.ArgumentParser) -> None:
-    from gpu_service.options import add_plan_args
+    from gpu_service.rpc.options import add_plan_args
 
     gpu_plan.add_argument(
         "model",
@@ -220,7 +220,7 @@ def _fill_generate(gen: argparse.ArgumentParser) -> None:
 def _fill_circuit(circuit: argparse.ArgumentParser) -> None:
     def fill_diff(diff: argparse.ArgumentParser) -> None:
         from control_plane.circuit import report
-        from gpu_service.options import add_threads_arg
+        from gpu_service.rpc.options import add_threads_arg
 
         report.add_args(diff)
         add_threads_arg(diff)
@@ -232,7 +232,7 @@ def _fill_circuit(circuit: argparse.ArgumentParser) -> None:
 
 def _fill_bench(bench_cmd: argparse.ArgumentParser) -> None:
     from control_plane.benchmarks import run as bench
-    from gpu_service.options import add_threads_arg
+    from gpu_service.rpc.options import add_threads_arg
 
     bench.add_args(bench_cmd)
     add_threads_arg(bench_cmd)

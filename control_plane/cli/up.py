@@ -2,7 +2,7 @@
 serving the default model until SIGTERM or Ctrl-C, over gRPC and, on 8000 unless `--http-port`
 says otherwise, OpenAI-compatible HTTP. The TLS and key flags secure the control plane's own
 ports; the children listen on loopback, in plaintext, shaped by the service's flags `met up`
-takes (`gpu_service.options.SHAPE_FLAGS`), with prefix snapshots by default.
+takes (`gpu_service.rpc.options.SHAPE_FLAGS`), with prefix snapshots by default.
 
 A port in use, a model a child refuses, a child that dies: one sentence and an exit status,
 checked before anything loads where it can be."""
@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from control_plane.cli.launch import ChildExited, set_admin_key, start_gpu_service, stop
 from control_plane.cli.server import check_ports, read_security, serve
-from gpu_service.options import shape_argv
+from gpu_service.rpc.options import shape_argv
 from protos import tls
 
 Child = tuple[subprocess.Popen, str]  # the process and the address it serves on

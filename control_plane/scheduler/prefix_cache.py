@@ -1,5 +1,5 @@
 """The prefix cache's policy: which prompt prefixes the GPU service keeps snapshots of, and
-which one a new prompt goes on from. The service owns the bytes (`gpu_service/prefixes.py`);
+which one a new prompt goes on from. The service owns the bytes (`gpu_service/memory/prefixes.py`);
 this owns the names.
 
 Prompts are seen as chains of KV blocks (the service's `kv_block_size` tokens): a node is a

@@ -13,12 +13,12 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from gpu_service.config import FULL, ModelConfig
+from gpu_service.engine.state import DeviceState
 from gpu_service.model.backend import EAGER, Cache, Ops
 from gpu_service.model.batch import Batch, Layout, Segment, build
+from gpu_service.model.config import FULL, ModelConfig
 from gpu_service.model.ops import ROW_TILE, apply_rope, pad_rows, rope_table
 from gpu_service.model.packing import fold_norms, head_norms, norm_weights, pack
-from gpu_service.state import DeviceState
 from gpu_service.tp.group import TpGroup
 from gpu_service.tp.shard import Shard, vocab_range
 from kernels.attention.naive import KEY_BLOCK, pool_index

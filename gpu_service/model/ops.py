@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from gpu_service.config import ModelConfig, Yarn
+from gpu_service.model.config import ModelConfig, Yarn
 from kernels.common import ROW_TILE, pad_rows, padded_rows
 from kernels.fp8.naive import BlockFp8, fp8_linear
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gpu_service.config import ModelConfig
-from gpu_service.quantization import SCALE_SUFFIX
+from gpu_service.model.config import ModelConfig
+from gpu_service.model.quantization import SCALE_SUFFIX
 from kernels.fp8.naive import BLOCK, FP8, BlockFp8
 
 Index = tuple[int | slice, ...]

@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from gpu_service.config import FULL, ModelConfig
-from gpu_service.quantization import SCALE_SUFFIX, quantizable, scale_name, scale_shape
+from gpu_service.model.config import FULL, ModelConfig
+from gpu_service.model.quantization import SCALE_SUFFIX, quantizable, scale_name, scale_shape
 from gpu_service.tp import shard as tp_shard
 from gpu_service.tp.shard import Shard
 

@@ -1,6 +1,6 @@
 """Tensor parallelism: one model over several ranks (`met gpu-service serve --tp N`).
 
-The torch-free facts the flags need live here: `gpu_service/options.py` parses them without
+The torch-free facts the flags need live here: `gpu_service/rpc/options.py` parses them without
 importing torch."""
 
 # How a row-parallel output is summed over ranks (gpu_service/tp/group.py says what each does).

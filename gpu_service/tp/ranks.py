@@ -26,8 +26,8 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from gpu_service.config import ServiceConfig
-from gpu_service.engine import Engine
+from gpu_service.engine.facade import Engine
+from gpu_service.model.config import ServiceConfig
 from gpu_service.tp import DEFAULT_REDUCE, DEFAULT_TIMEOUT_S
 from gpu_service.tp.group import START_TIMEOUT, Rendezvous, TpGroup
 from kernels import configure_interpreter

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from gpu_service.config import ModelConfig
+from gpu_service.model.config import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,7 @@ _MIN_AMAX = tl.constexpr(MIN_AMAX)
 
 
 @dataclass(frozen=True)
-class Plan:
+class Fp8MatmulPlan:
     """How `fp8_matmul` runs an [M, K] @ [K, N] product. `splits` and `split_blocks` fix the
     arithmetic (from N and K alone); the rest follow from them and M."""
 
@@ -86,7 +86,7 @@ def split_k(n: int, k: int) -> tuple[int, int]:
     return triton.cdiv(k_blocks, split_blocks), split_blocks
 
 
-def plan(m: int, n: int, k: int) -> Plan:
+def plan(m: int, n: int, k: int) -> Fp8MatmulPlan:
     """The launches `fp8_matmul` makes for x: [M, K] and a [K, N] weight, without making them."""
     bm, bn, bk = TILE
     splits, split_blocks = split_k(n, k)
@@ -94,9 +94,9 @@ def plan(m: int, n: int, k: int) -> Plan:
     fused = m <= bm
     quantize = 0 if fused else triton.cdiv(m, QUANTIZE_ROWS) * triton.cdiv(k, bk)
     if not fused or splits == 1:
-        return Plan(splits, split_blocks, fused, quantize, tiles, tiles, 0, 0)
+        return Fp8MatmulPlan(splits, split_blocks, fused, quantize, tiles, tiles, 0, 0)
     sums = triton.cdiv(m * n, bf16_gemm.SUM_BLOCK)
-    return Plan(
+    return Fp8MatmulPlan(
         splits, split_blocks, fused, quantize, tiles, tiles * splits, sums, splits * m * n * 4
     )
 

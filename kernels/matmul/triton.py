@@ -47,7 +47,7 @@ SUM_BLOCK = 4096
 
 
 @dataclass(frozen=True)
-class Plan:
+class MatmulPlan:
     """How `matmul` runs an [M, K] @ [K, N] product. `splits` and `split_blocks` fix the
     arithmetic (from N, K and the dtype alone); the rest follow from them and M."""
 
@@ -69,16 +69,16 @@ def split_k(n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> tuple[int, i
     return triton.cdiv(k_blocks, split_blocks), split_blocks
 
 
-def plan(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> Plan:
+def plan(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> MatmulPlan:
     """The launch `matmul` makes for x: [M, K], weight_t: [K, N] of `dtype`, without making
     it."""
     bm, bn, _ = TILES[dtype]
     splits, split_blocks = split_k(n, k, dtype)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     if m > bm or splits == 1:
-        return Plan(splits, split_blocks, tiles, tiles, 0, 0)
+        return MatmulPlan(splits, split_blocks, tiles, tiles, 0, 0)
     sums = triton.cdiv(m * n, SUM_BLOCK)
-    return Plan(splits, split_blocks, tiles, tiles * splits, sums, splits * m * n * 4)
+    return MatmulPlan(splits, split_blocks, tiles, tiles * splits, sums, splits * m * n * 4)
 
 
 # M and the splits per program vary with the row count: a value of 1 must not compile a

@@ -103,7 +103,7 @@ def _stage(names: tuple[str, ...], run: Callable[[], dict[str, dict]]) -> dict[s
 
 def run_checks(settings: Settings, device: torch.device, save: Callable[[dict], None]) -> dict:
     """Every stage in turn, the report saved after each: a run cut short keeps what it did."""
-    from gpu_service.device import describe_device
+    from gpu_service.engine.device import describe_device
 
     t0 = time.perf_counter()
     report: dict = {
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     if settings.device == "cuda" and not torch.cuda.is_available():
         print(NO_GPU)
         return 0
-    from gpu_service.device import choose_device, default_forward
+    from gpu_service.engine.device import choose_device, default_forward
 
     # Before anything imports a kernel: the Triton interpreter decision for this process and
     # its children (the kernel tests).

@@ -16,7 +16,7 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
-from gpu_service.graphs import cuda_capture, replay_eagerly
+from gpu_service.engine.graphs import cuda_capture, replay_eagerly
 from scripts.gpu_check.report import guarded
 from scripts.gpu_check.settings import ROOT, Settings
 from scripts.gpu_check.step import build_engine, one_step, profile_batch
@@ -153,7 +153,7 @@ def check_references(settings: Settings, device: torch.device) -> dict:
     and the time ratio, at the default model's shapes and a Qwen3-Next layer's."""
     if device.type != "cuda":
         return {"ok": True, "summary": "timed on a GPU only (their Triton kernels)", "gdn": None}
-    from gpu_service.config import ModelConfig
+    from gpu_service.model.config import ModelConfig
 
     cfg = ModelConfig.load(settings.model)
     gdn_shapes = {

@@ -17,8 +17,8 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from gpu_service.config import ServiceConfig
-from gpu_service.engine import Engine
+from gpu_service.engine.facade import Engine
+from gpu_service.model.config import ServiceConfig
 from scripts.gpu_check.report import guarded
 from scripts.gpu_check.settings import ROOT, Settings
 

@@ -1,4 +1,4 @@
-"""How a memory plan (`gpu_service/plan.py`) reads: `met gpu-service plan`'s report and JSON,
+"""How a memory plan (`gpu_service/memory/plan.py`) reads: `met gpu-service plan`'s report and JSON,
 and the summary and the refusal `serve` prints before it loads a weight."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import json
 import os
 import sys
 
-from gpu_service.device import DeviceError, resolve_device
-from gpu_service.graphs import NO_GRAPHS_ENV
-from gpu_service.plan import PARTS, Memory, Plan, from_args
+from gpu_service.engine.device import DeviceError, resolve_device
+from gpu_service.engine.graphs import NO_GRAPHS_ENV
+from gpu_service.memory.plan import PARTS, Memory, MemoryPlan, from_args
 from kernels.attention.format import KEY_BLOCK
 
 
@@ -26,13 +26,13 @@ def _slots(n: int) -> str:
     return f"{n} slot" if n == 1 else f"{n} slots"
 
 
-def _per_rank(plan: Plan) -> str:
+def _per_rank(plan: MemoryPlan) -> str:
     """What follows a byte count under tensor parallelism: every byte of the plan is one
     rank's."""
     return "" if plan.tensor_parallel_size == 1 else " per rank"
 
 
-def _settings(plan: Plan) -> str:
+def _settings(plan: MemoryPlan) -> str:
     svc, n = plan.svc, plan.tensor_parallel_size
     dtype = str(plan.dtype).removeprefix("torch.")
     if plan.quantization:
@@ -47,13 +47,13 @@ def _settings(plan: Plan) -> str:
     )
 
 
-def _lowered(plan: Plan) -> str:
+def _lowered(plan: MemoryPlan) -> str:
     if not plan.model_context:
         return ""
     return f" (the model's {plan.model_context}, lowered to what the memory holds)"
 
 
-def _notes(plan: Plan) -> dict[str, str]:
+def _notes(plan: MemoryPlan) -> dict[str, str]:
     svc = plan.svc
     weights = ", ".join(f"{k} {human(v)}" for k, v in plan.weights_by_dtype.items())
     positions = svc.num_kv_blocks * KEY_BLOCK
@@ -68,7 +68,7 @@ def _notes(plan: Plan) -> dict[str, str]:
     }
 
 
-def verdict(plan: Plan, why: bool = True) -> str:
+def verdict(plan: MemoryPlan, why: bool = True) -> str:
     """Whether the plan fits, and by how much; with `why`, what to lower when it does not."""
     if plan.fits is None:
         return "no device memory to check against (no CUDA device; --device-memory gives one)"
@@ -78,7 +78,7 @@ def verdict(plan: Plan, why: bool = True) -> str:
     return f"does not fit: {refusal(plan)}" if why else f"does not fit: {_memory(plan.memory)}"
 
 
-def report(plan: Plan) -> str:
+def report(plan: MemoryPlan) -> str:
     """The plan as `met gpu-service plan` prints it: a line a part, the total, the verdict."""
     notes = _notes(plan)
     lines = [_settings(plan)]
@@ -93,7 +93,7 @@ def report(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def summary(plan: Plan) -> str:
+def summary(plan: MemoryPlan) -> str:
     """The few lines `serve` prints before it loads a weight."""
     p = plan.parts
     gdn = p["gdn_state_bytes"] + p["conv_state_bytes"]
@@ -107,7 +107,7 @@ def summary(plan: Plan) -> str:
     )
 
 
-def refusal(plan: Plan) -> str:
+def refusal(plan: MemoryPlan) -> str:
     """Why the plan does not fit, and what to lower, in one sentence."""
     svc, weights = plan.svc, plan.parts["weights_bytes"]
     head = f"the plan needs {human(plan.total)}{_per_rank(plan)} but {_memory(plan.memory)}"
@@ -121,7 +121,7 @@ def refusal(plan: Plan) -> str:
     return f"{head}: the weights take {human(weights)}; {lower}{f', or {bf16}' if bf16 else ''}"
 
 
-def to_json(plan: Plan) -> dict:
+def to_json(plan: MemoryPlan) -> dict:
     svc = plan.svc
     return {
         "model": plan.model,
@@ -173,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
 _SIZES = (2, 4, 8, 16)
 
 
-def holding_size(args: argparse.Namespace, plan: Plan, graphs: bool) -> Plan | None:
+def holding_size(args: argparse.Namespace, plan: MemoryPlan, graphs: bool) -> MemoryPlan | None:
     """The plan at the smallest tensor-parallel size above `plan`'s whose every rank fits, with
     the same flags; None when none does or the model splits at none."""
     for size in (n for n in _SIZES if n > plan.tensor_parallel_size):

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from gpu_service.state import DeviceState
+from gpu_service.engine.state import DeviceState
 from kernels.attention.format import KEY_BLOCK
 from protos.model import ResourceExhausted
 
@@ -32,7 +32,7 @@ class KvBlocks:
         self._held: dict[int, list[int]] = {}  # slot -> its blocks, by position
         # Holders of each block: the slots whose tables name it and the prefix snapshots that
         # keep it. A block goes back to the pool when its last holder lets it go; a block with
-        # more than one holder is never written (`gpu_service/prefixes.py` sees to it).
+        # more than one holder is never written (`gpu_service/memory/prefixes.py` sees to it).
         self._refs = [0] * self.num_blocks
 
     @property

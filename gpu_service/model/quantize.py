@@ -1,5 +1,5 @@
 """`met quantize --fp8-block 128 SRC DST`: a bf16/fp32 checkpoint rewritten in the block-FP8
-layout Qwen publishes (gpu_service/quantization.py), one shard at a time.
+layout Qwen publishes (gpu_service/model/quantization.py), one shard at a time.
 
 Every linear weight except those Qwen keeps in bf16 (`PUBLISHED_NOT_CONVERTED`) becomes
 float8_e4m3fn with its `weight_scale_inv` beside it; every other tensor is written as read.
@@ -12,7 +12,8 @@ import json
 import shutil
 from pathlib import Path
 
-from gpu_service.config import ModelConfig, read_json
+from gpu_service.model.config import ModelConfig, read_json
+from gpu_service.model.quantization import PUBLISHED_NOT_CONVERTED, Fp8Blocks, fp8_names, scale_name
 from gpu_service.model.weights import (
     _read_tensors,
     checkpoint_index,
@@ -21,7 +22,6 @@ from gpu_service.model.weights import (
     shard_paths,
     vision_tensors,
 )
-from gpu_service.quantization import PUBLISHED_NOT_CONVERTED, Fp8Blocks, fp8_names, scale_name
 from kernels.fp8.naive import BLOCK, quantize_blocks
 
 INDEX_FILE = "model.safetensors.index.json"

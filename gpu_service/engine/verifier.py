@@ -9,16 +9,16 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from gpu_service.choice import Choice
-from gpu_service.config import ModelConfig, ServiceConfig
+from gpu_service.engine.choice import Choice
+from gpu_service.engine.penalties import penalize
+from gpu_service.engine.sampling import check_sampling, distribution, draw, row_draws
+from gpu_service.engine.sequence import FOLDED, IDLE, VERIFIED, SeqState
+from gpu_service.engine.state import DeviceState
+from gpu_service.memory.slots import SlotTable, mirror
 from gpu_service.model.backend import download, ints, upload
 from gpu_service.model.batch import Segment
+from gpu_service.model.config import ModelConfig, ServiceConfig
 from gpu_service.model.hybrid import PREFILL, VERIFY, HybridModel
-from gpu_service.penalties import penalize
-from gpu_service.sampling import check_sampling, distribution, draw, row_draws
-from gpu_service.sequence import FOLDED, IDLE, VERIFIED, SeqState
-from gpu_service.slots import SlotTable, mirror
-from gpu_service.state import DeviceState
 from protos import checks
 from protos.handles import RowDraws
 from protos.model import (

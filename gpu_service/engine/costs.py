@@ -30,11 +30,11 @@ from typing import Protocol
 
 import torch
 
-from gpu_service.config import ModelConfig, ServiceConfig
+from gpu_service.model.config import ModelConfig, ServiceConfig
 from protos.model import CircuitModel, CostEntry, InvalidArgument, ResourceExhausted, SequenceHandle
 
 
-class Engine(CircuitModel, Protocol):
+class MeasuredEngine(CircuitModel, Protocol):
     """What a measurement needs of the engine: the `CircuitModel` operations, and what keys its
     table (the service's settings, the checkpoint's directory and config, the forward)."""
 
@@ -123,7 +123,7 @@ def load(path: Path, widths: list[int], max_depth: int) -> list[CostEntry] | Non
 
 
 def measurement(
-    engine: Engine,
+    engine: MeasuredEngine,
     widths: list[int],
     max_depth: int,
     repeats: int,
@@ -174,7 +174,7 @@ def run(job: Job) -> tuple[list[CostEntry], bool]:
     return result
 
 
-def _check_free(engine: Engine, width: int) -> None:
+def _check_free(engine: MeasuredEngine, width: int) -> None:
     free = engine.capabilities().free_slots
     if width > free:
         raise ResourceExhausted(
@@ -183,7 +183,7 @@ def _check_free(engine: Engine, width: int) -> None:
 
 
 def _cells(
-    engine: Engine,
+    engine: MeasuredEngine,
     seqs: list[SequenceHandle],
     widths: list[int],
     max_depth: int,
@@ -214,7 +214,7 @@ def _cells(
 
 
 def _rounds(
-    engine: Engine,
+    engine: MeasuredEngine,
     seqs: list[SequenceHandle],
     cells: list[tuple[int, int]],
     repeats: int,
@@ -255,7 +255,7 @@ def bounded(entries: list[CostEntry]) -> list[CostEntry]:
 
 
 def _time_once(
-    engine: Engine, group: list[SequenceHandle], depth: int, clock: Clock
+    engine: MeasuredEngine, group: list[SequenceHandle], depth: int, clock: Clock
 ) -> tuple[float, float]:
     """A verify of depth + 1 rows per sequence, then its verdict (fold, commit and, for
     depth > 0, a propose of depth drafts). -> (verify ms, verdict ms)"""

@@ -6,8 +6,8 @@ from __future__ import annotations
 import secrets
 from collections.abc import Callable, Iterable, Sequence
 
-from gpu_service.kv_blocks import KvBlocks
-from gpu_service.sequence import SeqState
+from gpu_service.engine.sequence import SeqState
+from gpu_service.memory.kv_blocks import KvBlocks
 from protos import checks
 from protos.model import NotFound, Penalties, ResourceExhausted, SequenceHandle
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from gpu_service.graphs import Graphs
+from gpu_service.engine.graphs import Graphs
+from gpu_service.engine.state import DeviceState
 from gpu_service.model.backend import EAGER, EagerOps
-from gpu_service.state import DeviceState
 
 
 class Choice:
@@ -21,5 +21,5 @@ class Choice:
         self.ops: EagerOps = EAGER
         self.serial = False
         self.after_fold: Callable[[DeviceState, list[int]], None] | None = None
-        # The captured graphs (gpu_service/graphs.py) the batched forwards replay; None: eager.
+        # The captured graphs (engine/graphs.py) the batched forwards replay; None: eager.
         self.graphs: Graphs | None = None

@@ -10,7 +10,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from concurrent.futures import Executor
 
-from gpu_service.pipeline import PlanClock, Refusal, plan_steps
+from gpu_service.engine.plans import PlanClock, Refusal, plan_steps
 from protos import convert as cv
 from protos.met.v1 import model_pb2 as pb
 from protos.model import ModelError

@@ -1,5 +1,5 @@
 """Model configuration with HF `Qwen3NextConfig` field names, and the service's own settings.
-A `config.json` is read as transformers reads it (`gpu_service/hf_config.py`)."""
+A `config.json` is read as transformers reads it (`gpu_service/model/hf_config.py`)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from dataclasses import asdict, dataclass, replace
 from dataclasses import fields as dataclass_fields
 from pathlib import Path
 
-from gpu_service import hf_config
-from gpu_service.quantization import Fp8Blocks
-from gpu_service.quantization import parse as parse_quantization
+from gpu_service.model import hf_config
+from gpu_service.model.quantization import Fp8Blocks
+from gpu_service.model.quantization import parse as parse_quantization
 from kernels.attention.format import KEY_BLOCK
 from protos import checks
 
@@ -104,7 +104,7 @@ class ModelConfig:
     attention_bias: bool = False  # not supported: no checkpoint of this family uses it
     rope_type: str = "default"  # or "yarn", with its parameters in `yarn`
     yarn: Yarn | None = None
-    # config.json's `quantization_config`: block FP8 (gpu_service/quantization.py) or none.
+    # config.json's `quantization_config`: block FP8 (gpu_service/model/quantization.py) or none.
     quantization: Fp8Blocks | None = None
     # Where the text model's tensors sit in the checkpoint: `model.`, or Qwen3.5's
     # `model.language_model.` beside its vision tower (`model.visual.`).
@@ -242,7 +242,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> ModelConfig:
-        """config.json's object, read as transformers reads it (`gpu_service/hf_config.py`):
+        """config.json's object, read as transformers reads it (`gpu_service/model/hf_config.py`):
         what it leaves out takes transformers' default for its model type."""
         fields, prefix = hf_config.text_fields(d)
         fields.setdefault("vision_params", 0)
@@ -316,7 +316,9 @@ class ServiceConfig:
     max_rows: int = 64  # row budget of one batched call
     max_batch: int = 32  # sequences in one batched verify or propose (stash width)
     max_prefill_tokens: int = 4096  # tokens in one prefill call, over all sequences
-    cuda_graphs: bool = True  # replay captured graphs on a CUDA device (gpu_service/graphs.py)
+    cuda_graphs: bool = (
+        True  # replay captured graphs on a CUDA device (gpu_service/engine/graphs.py)
+    )
     # --num-slots: None gives one slot per tier entry; N gives the tiers' capacities to the
     # first N slots and the last tier's to any beyond them.
     num_slots_override: int | None = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from gpu_service.config import ModelConfig, ServiceConfig
+from gpu_service.model.config import ModelConfig, ServiceConfig
 from kernels.attention.format import KEY_BLOCK
 from kernels.attention.naive import pool_index
 

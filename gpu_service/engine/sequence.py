@@ -15,7 +15,7 @@ IDLE, VERIFIED, FOLDED = "idle", "verified", "folded"
 
 @dataclass
 class Counts:
-    """A penalized sequence's tokens as its penalties read them (`gpu_service/penalties.py`),
+    """A penalized sequence's tokens as its penalties read them (`gpu_service/engine/penalties.py`),
     over the held columns."""
 
     synced: int  # the sequence's first tokens counted here
@@ -40,7 +40,7 @@ class SeqState:
     # The rows its last `decode_step` leaves to verify next (its bonus token, then the drafts
     # it proposed), for a step plan that continues it; any other call naming it drops them.
     continuation: list[int] | None = None
-    penalties: Penalties | None = None  # applied to its rows (`gpu_service/penalties.py`)
+    penalties: Penalties | None = None  # applied to its rows (`gpu_service/engine/penalties.py`)
     counts: Counts | None = None  # what its penalties read, kept on the device
 
     @property

@@ -17,26 +17,26 @@ import torch
 from opentelemetry import propagate
 from opentelemetry.trace import SpanKind
 
-from gpu_service import costs, graphs
-from gpu_service.choice import Choice
-from gpu_service.config import ModelConfig, ServiceConfig
-from gpu_service.device import describe_device, resolve_device
-from gpu_service.drafter import Drafter
-from gpu_service.graphs import Capture, Graphs
-from gpu_service.kv_blocks import KvBlocks
+from gpu_service.engine import costs, graphs
+from gpu_service.engine.choice import Choice
+from gpu_service.engine.device import describe_device, resolve_device
+from gpu_service.engine.drafter import Drafter
+from gpu_service.engine.fused import Steps
+from gpu_service.engine.graphs import Capture, Graphs
+from gpu_service.engine.plans import EngineSteps, run_plan
+from gpu_service.engine.sequence import SeqState
+from gpu_service.engine.state import DeviceState
+from gpu_service.engine.verifier import Verifier
+from gpu_service.memory.kv_blocks import KvBlocks
+from gpu_service.memory.prefixes import Prefixes
+from gpu_service.memory.slots import SlotTable, mirror
 from gpu_service.model.backend import EAGER, EagerOps
+from gpu_service.model.config import ModelConfig, ServiceConfig
 from gpu_service.model.digest import checkpoint_digest
 from gpu_service.model.hybrid import HybridModel, held_bytes
 from gpu_service.model.weights import serving_dtype, stream_weights
-from gpu_service.pipeline import EngineSteps, run_plan
-from gpu_service.prefixes import Prefixes
-from gpu_service.sequence import SeqState
-from gpu_service.slots import SlotTable, mirror
-from gpu_service.state import DeviceState
-from gpu_service.step import Steps
 from gpu_service.tp.group import TpGroup
 from gpu_service.tp.shard import Shard, rank_config
-from gpu_service.verifier import Verifier
 from kernels.attention.format import KEY_BLOCK
 from protos import checks
 from protos.hub import model_name
@@ -207,7 +207,7 @@ class Engine:
 
     def snapshot_prefixes(self, seqs: Sequence[SequenceHandle]) -> list[int]:
         """A snapshot of each sequence as it stands, right after a prefill to a whole number of
-        KV blocks (`gpu_service/prefixes.py`) -> their ids. All or none: a refused one lets
+        KV blocks (`gpu_service/memory/prefixes.py`) -> their ids. All or none: a refused one lets
         the others taken go."""
         with self._hold():
             states = self.slots.lookup("snapshot_prefixes", seqs)
@@ -375,7 +375,7 @@ class Engine:
         refresh: bool = False,
         cached_only: bool = False,
     ) -> tuple[list[costs.CostEntry], bool]:
-        """Verify and propose costs by width and depth (see gpu_service/costs.py), from the
+        """Verify and propose costs by width and depth (see gpu_service/engine/costs.py), from the
         cache unless `refresh` or the cache falls short. -> (entries, cached)"""
         with self._hold():
             job = costs.measurement(self, list(widths), max_depth, repeats, refresh, cached_only)

@@ -17,12 +17,12 @@ from typing import Any
 
 import grpc
 
-from gpu_service import costs
-from gpu_service.engine import Engine
-from gpu_service.options import Access
-from gpu_service.pipeline import Refusal
-from gpu_service.slots import SessionTable
-from gpu_service.step_stream import serve_plans
+from gpu_service.engine import costs
+from gpu_service.engine.facade import Engine
+from gpu_service.engine.plans import Refusal
+from gpu_service.memory.slots import SessionTable
+from gpu_service.rpc.options import Access
+from gpu_service.rpc.step_stream import serve_plans
 from protos import convert as cv
 from protos.met.v1 import model_pb2 as pb
 from protos.met.v1 import model_pb2_grpc as pb_grpc

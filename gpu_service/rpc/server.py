@@ -15,12 +15,13 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from gpu_service import graphs, plan, plan_report
-from gpu_service.config import ServiceConfig
-from gpu_service.device import DeviceError, choose_device, default_forward
-from gpu_service.engine import Engine
-from gpu_service.options import access, use_threads
-from gpu_service.servicer import ErrorInterceptor, ModelServicer
+from gpu_service.engine import graphs
+from gpu_service.engine.device import DeviceError, choose_device, default_forward
+from gpu_service.engine.facade import Engine
+from gpu_service.memory import plan, plan_report
+from gpu_service.model.config import ServiceConfig
+from gpu_service.rpc.options import access, use_threads
+from gpu_service.rpc.servicer import ErrorInterceptor, ModelServicer
 from gpu_service.tp import ranks
 from protos import ports, tls
 from protos.bodies import RejectUndecodable
@@ -163,7 +164,7 @@ def _ranks_or_exit(size: int, device: torch.device) -> None:
 
 
 def _planned(args: argparse.Namespace, device: torch.device) -> ServiceConfig:
-    """The memory plan (gpu_service/plan.py), made before anything loads and summed up on
+    """The memory plan (gpu_service/memory/plan.py), made before anything loads and summed up on
     stdout; a plan that does not fit the device ends the process. -> the settings planned
     (`--num-slots auto` settled)."""
     try:

@@ -20,9 +20,18 @@ from pathlib import Path
 
 import torch
 
-from gpu_service.config import ModelConfig, ServiceConfig, read_json
+from gpu_service.engine.penalties import device_bytes
+from gpu_service.engine.state import DeviceState
+from gpu_service.memory.plan_graphs import (
+    META,
+    activation_bytes,
+    graph_parts,
+    split_workspace_bytes,
+)
+from gpu_service.model.config import ModelConfig, ServiceConfig, read_json
 from gpu_service.model.hybrid import HybridModel, held_bytes
 from gpu_service.model.ops import padded_rows
+from gpu_service.model.quantization import fp8_names, scale_name, scale_shape
 from gpu_service.model.weights import (
     checkpoint_index,
     expected_tensors,
@@ -30,11 +39,7 @@ from gpu_service.model.weights import (
     serving_dtype,
     weight_shapes,
 )
-from gpu_service.options import MAX_AUTO_SLOTS, service_config
-from gpu_service.penalties import device_bytes
-from gpu_service.plan_graphs import META, activation_bytes, graph_parts, split_workspace_bytes
-from gpu_service.quantization import fp8_names, scale_name, scale_shape
-from gpu_service.state import DeviceState
+from gpu_service.rpc.options import MAX_AUTO_SLOTS, service_config
 from gpu_service.tp.group import TpGroup
 from gpu_service.tp.shard import Shard, part, rank_config
 from kernels.attention.format import KEY_BLOCK
@@ -93,7 +98,7 @@ class Memory:
 
 
 @dataclass(frozen=True)
-class Plan:
+class MemoryPlan:
     model: str
     dtype: torch.dtype
     svc: ServiceConfig
@@ -308,7 +313,7 @@ def make_plan(
     size: int = 1,
     auto_blocks: bool = False,
     auto_context: bool = False,
-) -> Plan:
+) -> MemoryPlan:
     """The plan of serving `cfg` with `svc` in `dtype` over `size` ranks (one rank's); with
     `auto` and a known memory, at the most slots whose plan fits it; with `auto_blocks`, the KV
     pool as large as the rest leaves room for (`most_blocks`); with `auto_context`, the
@@ -338,7 +343,7 @@ def make_plan(
         svc = _settled(model, svc, graphs, memory.bytes, sum(fixed.values()), settle)
     parts, num_graphs = slot_parts(model, svc, graphs)
     parts |= fixed
-    return Plan(
+    return MemoryPlan(
         name,
         dtype,
         svc,
@@ -355,7 +360,7 @@ def make_plan(
     )
 
 
-def from_args(args: argparse.Namespace, device: torch.device, graphs: bool) -> Plan:
+def from_args(args: argparse.Namespace, device: torch.device, graphs: bool) -> MemoryPlan:
     """The plan of what `serve`'s flags (or `plan`'s, the same) ask for on `device`. Raises
     ValueError or OSError with a sentence: a bad flag, an unreadable config, a
     `--tensor-parallel-size` that does not split the model."""

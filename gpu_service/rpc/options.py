@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal
 
-from gpu_service.config import ModelConfig, ServiceConfig, parse_tiers
+from gpu_service.model.config import ModelConfig, ServiceConfig, parse_tiers
 from gpu_service.tp import DEFAULT_REDUCE, DEFAULT_TIMEOUT_S, REDUCES
 from kernels.attention.format import KEY_BLOCK
 from protos import tls
