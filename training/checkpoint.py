@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from control_plane.text.tokenizer import TOKENIZER_FILE, write_byte_level
-from gpu_service.config import ModelConfig
+from gpu_service.model.config import ModelConfig
 from gpu_service.model.weights import WEIGHTS_FILE, init_weights, save_weights
 from protos.defaults import DEFAULT_SEED
 

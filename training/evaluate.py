@@ -68,7 +68,7 @@ def looks_like_python(prompt: str, continuation: str, lines: int = 8) -> bool:
 def perplexity(model_dir: Path, stream: torch.Tensor, seq_len: int, windows: int) -> dict:
     """exp of the mean cross-entropy over non-overlapping held-out windows, bf16 weights as
     exported."""
-    from gpu_service.config import ModelConfig
+    from gpu_service.model.config import ModelConfig
     from gpu_service.model.weights import load_weights
     from training.forward import TrainForward
 
@@ -91,8 +91,8 @@ def acceptance(model_dir: Path, prompts: list[str], tokens: int, concurrency: in
     at each draft position, over all prompts."""
     from control_plane.benchmarks.workload import FIXED_DRAFTS, serve_texts
     from control_plane.scheduler.seq import MTP
-    from gpu_service.config import ServiceConfig
-    from gpu_service.engine import Engine
+    from gpu_service.engine.facade import Engine
+    from gpu_service.model.config import ServiceConfig
 
     torch.set_num_threads(1)
     engine = Engine(model_dir, ServiceConfig())

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gpu_service.config import FULL, ModelConfig
+from gpu_service.model.config import FULL, ModelConfig
 from gpu_service.model.ops import rope_table
 from kernels.gated_delta_rule.train import chunk_gated_delta_rule_batched
 

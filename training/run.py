@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from control_plane.text.chat import write_default_template
-from gpu_service.config import LAYER_PATTERN, ModelConfig
+from gpu_service.model.config import LAYER_PATTERN, ModelConfig
 from gpu_service.model.weights import init_weights, save_weights
 from training.corpus import Corpus, encode_files, special_ids, train_tokenizer
 from training.forward import TrainForward
