@@ -96,6 +96,7 @@ class FakeModel:
         self.seqs: dict[int, _Seq] = {}
         self.slots: dict[int, int] = {}
         self.next_id = 1
+        self.snapshots: dict[int, list[int]] = {}  # snapshot id -> the tokens it holds
         self.calls: list[tuple] = []  # (name, details)
 
     def capabilities(self) -> Capabilities:
@@ -270,6 +271,38 @@ class FakeModel:
         if s is None:
             raise NotFound(f"sequence {h.seq_id} is not allocated")
         return None if s.continuation is None else list(s.continuation)
+
+    def snapshot_prefixes(self, seqs) -> list[int]:
+        """A snapshot is the sequence's tokens (the fake serves no prefix cache by its
+        capabilities, but a test may take one)."""
+        self.calls.append(("snapshot", len(seqs)))
+        self._moved(seqs)
+        ids = []
+        for h in seqs:
+            self.snapshots[self.next_id] = list(self.seqs[h.seq_id].tokens)
+            ids.append(self.next_id)
+            self.next_id += 1
+        return ids
+
+    def restore_prefixes(self, seqs, snapshots) -> None:
+        self.calls.append(("restore", len(seqs)))
+        self._moved(seqs)
+        for h, snap in zip(seqs, snapshots, strict=True):
+            if snap not in self.snapshots:
+                raise NotFound(f"snapshot {snap} is unknown or dropped")
+            if self.seqs[h.seq_id].tokens:
+                raise FailedPrecondition(f"sequence {h.seq_id} is not fresh")
+        for h, snap in zip(seqs, snapshots, strict=True):
+            self.seqs[h.seq_id].tokens = list(self.snapshots[snap])
+            h.seq_len = len(self.snapshots[snap])
+
+    def drop_prefixes(self, snapshots) -> None:
+        self.calls.append(("drop", len(snapshots)))
+        missing = [s for s in snapshots if s not in self.snapshots]
+        if missing:
+            raise NotFound(f"snapshot {missing[0]} is unknown or dropped")
+        for s in snapshots:
+            del self.snapshots[s]
 
     def measure_costs(self, widths, max_depth, repeats=5, refresh=False, cached_only=False):
         """A chosen table: verifies cost 1 ms + 0.1 per row, proposes 0.5 ms per draft. Like a

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import queue
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -43,16 +43,21 @@ class GrpcModel:
         admin_key: str | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         authority: str | None = None,
+        interceptors: Sequence[grpc.UnaryUnaryClientInterceptor] = (),
     ) -> None:
         """Connects (over TLS with `credentials`) and opens the session: a `grpc.RpcError`
         when the service is unreachable. `admin_key`, sent on admin calls only, defaults to
         env `ADMIN_KEY_ENV`. `authority`: the name the service's certificate must carry
-        when `target` is one of the addresses that name resolved to."""
+        when `target` is one of the addresses that name resolved to. `interceptors` see
+        every call of the session after the tracing one (gRPC's client interceptors, which
+        may also intercept streams)."""
         self.target = target
         self.timeout = timeout
         named = (("grpc.ssl_target_name_override", authority),) if authority and credentials else ()
         self._channel = tls.open_channel(target, credentials, named)
-        self._traced = grpc.intercept_channel(self._channel, ClientTracing("met.control_plane"))
+        self._traced = grpc.intercept_channel(
+            self._channel, ClientTracing("met.control_plane"), *interceptors
+        )
         self._stub = pb_grpc.ModelServiceStub(self._traced)
         # No deadline: the stream lives as long as the session.
         self._session = pb_grpc.ModelServiceStub(self._channel).OpenSession(pb.OpenSessionRequest())
