@@ -22,6 +22,9 @@ from protos.model import ADMIN_KEY_METADATA, SESSION_METADATA
 from tests.conftest import TINY_SERVICE
 from tests.protos.test_bodies import ADMIN_KEY, serving
 
+# Slow: measurements slowed to seconds on purpose.
+pytestmark = pytest.mark.slow
+
 ADMIN = ((ADMIN_KEY_METADATA, ADMIN_KEY),)
 WIDTHS, MAX_DEPTH, REPEATS = [1, 6], 1, 25
 CELLS = [(w, d) for w in WIDTHS for d in range(MAX_DEPTH + 1)]  # TINY_SERVICE allows them all

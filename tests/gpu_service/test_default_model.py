@@ -20,6 +20,9 @@ from protos.defaults import DEFAULT_MODEL_DIR
 from tests.conftest import TRAINED
 from training.evaluate import PROMPTS_FILE, load_prompts, looks_like_python
 
+# Slow: serves the bundled checkpoint end to end.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:

@@ -57,6 +57,8 @@ def _tiny_flags(*more: str) -> tuple[str, ...]:
     )
 
 
+# Slow: builds Qwen3-Next-80B's 76k weight tensors on the meta device.
+@pytest.mark.slow
 def test_flagship_weights_are_its_checkpoints_bytes() -> None:
     cfg = ModelConfig.from_dict(QWEN3_NEXT_80B)
     svc = ServiceConfig(prefix_snapshots=4)
@@ -75,6 +77,8 @@ def test_flagship_weights_are_its_checkpoints_bytes() -> None:
     assert made.parts["snapshot_bytes"] == 4 * snapshot
 
 
+# Slow: builds the FP8 flagship on the meta device.
+@pytest.mark.slow
 def test_flagship_fp8_counts_a_byte_a_weight_and_fits_one_h200() -> None:
     """The FP8 checkpoint Qwen publishes: its quantized linears at one byte a weight, their
     scales and column groups, the rest in bf16; on one H200 (141 GB) it leaves slots at the
@@ -300,6 +304,8 @@ def test_serve_plans_before_it_loads(tiny_dir: Path, capsys: pytest.CaptureFixtu
     assert "lower --num-slots (8), --kv-blocks (32) or --verify-tiers" in err
 
 
+# Slow: starts a GPU service process.
+@pytest.mark.slow
 def test_serve_refuses_a_plan_that_does_not_fit(tiny_dir: Path) -> None:
     cmd = [sys.executable, "-m", "control_plane.cli.main", "gpu-service", "serve", "--port", "0"]
     args = ["--model", str(tiny_dir), "--device", "cpu", "--device-memory", "2MB"]
@@ -328,6 +334,8 @@ def _rank_bytes(cfg: ModelConfig, size: int, itemsize: int) -> int:
     return total
 
 
+# Slow: builds Qwen3-Next-80B's rank-0 shard on the meta device.
+@pytest.mark.slow
 def test_flagship_bf16_at_tp2_fits_h200s_with_room_for_slots() -> None:
     """The flagship in bf16 (163 GB) fits no single H200; at TP 2 each rank holds half its
     weights, plus the replicated norms and routers, and leaves a 141 GB H200 room for slots at
@@ -348,6 +356,8 @@ def test_flagship_bf16_at_tp2_fits_h200s_with_room_for_slots() -> None:
     print(report)
 
 
+# Slow: starts a tensor-parallel rank process.
+@pytest.mark.slow
 def test_tp2_plan_is_each_ranks_allocations(mini_dir: Path) -> None:
     """The flagship in miniature (MoE, one KV head: replicated at TP 2) over two CPU
     processes: every rank holds what the plan counts for one rank (and no captured graphs:

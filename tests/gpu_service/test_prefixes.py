@@ -151,6 +151,8 @@ def test_refusals_leave_nothing_behind(tiny_dir: Path) -> None:
     assert blocks.num_used == 0
 
 
+# Slow: starts a GPU service process.
+@pytest.mark.slow
 def test_over_grpc_a_snapshot_is_its_sessions(tiny_dir: Path) -> None:
     """Another session's snapshot is not found; a session's end drops its snapshots, and the
     blocks they held go back to the pool."""

@@ -159,6 +159,8 @@ def test_moe_logits_match_the_dequantized_weights(tmp_path: Path) -> None:
     assert _relative_error(got, _logits(Engine(src, SERVICE, "fp32"))) > 1e-3
 
 
+# Slow: starts both processes on each FP8 checkpoint.
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["default", "moe"])
 def test_mtp_equals_none_through_both_processes(checkpoints: dict[str, Path], name: str) -> None:
     assert_mtp_equals_none(checkpoints[name])
@@ -224,6 +226,8 @@ def _published(tmp: Path) -> tuple[Path, torch.nn.Module]:
     return dst, reference
 
 
+# Slow: loads the checkpoint in transformers.
+@pytest.mark.slow
 def test_the_published_layout_loads_and_matches_transformers(tmp_path: Path) -> None:
     """transformers loads the same FP8 checkpoint on a CPU by dequantizing it: our FP8 forward
     stays within FP8's error of it, and of the dequantized weights in our own forward."""
@@ -347,6 +351,8 @@ def test_what_the_engine_would_not_read_is_refused(
         Engine(directory, SERVICE, "fp32")
 
 
+# Slow: starts a GPU service process.
+@pytest.mark.slow
 def test_serve_refuses_at_start_up_with_status_2(
     checkpoints: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -364,6 +370,8 @@ def test_serve_refuses_at_start_up_with_status_2(
     assert exit_.value.code == 2 and "'gptq'" in err and "[64, 64]" in err, err
 
 
+# Slow: verify batches through a forward and its serial form.
+@pytest.mark.slow
 def test_circuit_diff_passes(checkpoints: dict[str, Path]) -> None:
     """The miniature flagship in FP8: batched verification against one sequence at a time,
     with the drafter, byte for byte, on one shape. On the CPU the triton forward multiplies FP8

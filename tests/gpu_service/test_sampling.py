@@ -8,6 +8,7 @@ import random
 from collections import Counter
 from pathlib import Path
 
+import pytest
 import torch
 
 from control_plane.scheduler.env import Env
@@ -107,6 +108,8 @@ def _first_tokens(engine: Engine, method: str, n: int) -> list[list[int]]:
         s.stop()
 
 
+# Slow: two full sampled generations.
+@pytest.mark.slow
 def test_seeded_sampling_with_and_without_speculation(tiny_dir: Path) -> None:
     engine = Engine(tiny_dir, ServiceConfig(verify_tiers="8:3,8:2", max_context=256))
     n = 240

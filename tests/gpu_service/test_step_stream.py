@@ -262,6 +262,8 @@ def test_a_closed_stream_stops_its_plans(client: GrpcModel) -> None:
     client.free_sequence(seq)
 
 
+# Slow: starts and kills a GPU service.
+@pytest.mark.slow
 def test_recv_raises_unavailable_soon_after_the_service_dies(tiny_dir: Path) -> None:
     proc, target = start_gpu_service(tiny_dir, *SERVE_ARGS)
     model = GrpcModel(target)

@@ -10,6 +10,8 @@ from tests.conftest import random_tokens
 from tests.steps import decode, logit_rows, verify
 
 
+# Slow: one verify per token, for every depth and write mode.
+@pytest.mark.slow
 @pytest.mark.parametrize("write_on_accept", [True, False], ids=["woa", "live"])
 @pytest.mark.parametrize("k", [2, 3, 4])
 def test_verify_fold_commit_equals_one_at_a_time(
@@ -54,6 +56,8 @@ def test_write_on_accept_values_agree(engine: Engine, rng: torch.Generator) -> N
     assert runs[0] == runs[1]
 
 
+# Slow: both prefills.
+@pytest.mark.slow
 def test_recurrent_and_chunked_prefill_agree(engine: Engine, rng: torch.Generator) -> None:
     """A prompt prefilled (chunked GDN) and the same prompt decoded row by row (recurrent)
     reach the same next-token logits within fp32 rounding. The two forms sum in different

@@ -26,6 +26,9 @@ from tests.conftest import SERVE_ARGS
 from tests.gpu_service.test_costs import OUT_OF_RANGE
 from tests.protos.test_bodies import GARBAGE
 
+# Slow: starts both processes beside live streams.
+pytestmark = pytest.mark.slow
+
 PROMPTS = [[5, 6, 7], [40, 41, 42, 43, 44, 45, 46, 47], [200] * 13, list(range(60, 78))]
 MAX_NEW = 24
 TIMEOUT_S = 30.0

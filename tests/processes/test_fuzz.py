@@ -33,6 +33,9 @@ from protos.met.v1 import generate_pb2, model_pb2
 from protos.model import ADMIN_KEY_ENV, ADMIN_KEY_METADATA, SESSION_METADATA
 from tests.conftest import SERVE_ARGS
 
+# Slow: 3,000 malformed RPCs against both processes.
+pytestmark = pytest.mark.slow
+
 # Starts both service processes, as the `served` and `control_plane` fixtures do.
 
 SEED = 20_151

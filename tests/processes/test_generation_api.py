@@ -178,6 +178,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# Slow: restarts a service.
+@pytest.mark.slow
 def test_gpu_service_death_ends_streams_and_recovery(tiny_dir: Path) -> None:
     port = str(_free_port())
     args = (*SERVE_ARGS, "--port", port)
@@ -234,6 +236,8 @@ def test_gpu_service_death_ends_streams_and_recovery(tiny_dir: Path) -> None:
         stop(gpu)
 
 
+# Slow: starts both processes with `met up`.
+@pytest.mark.slow
 def test_met_up_then_generate() -> None:
     """The README's first command, then a client streaming from it."""
     up = subprocess.Popen(

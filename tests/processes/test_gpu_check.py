@@ -32,6 +32,8 @@ def _run(*args: str, timeout: float, **env: str) -> subprocess.CompletedProcess:
     )
 
 
+# Slow: runs the device check.
+@pytest.mark.slow
 def test_cpu_run_writes_a_passing_report(tmp_path: Path) -> None:
     out = tmp_path / "report.json"
     done = _run("--no-wheels", "--cpu", "--out", str(out), timeout=300)

@@ -23,6 +23,9 @@ from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
 from tests.servers import free_slots_within
 
+# Slow: kills and freezes control plane processes.
+pytestmark = pytest.mark.slow
+
 SESSION_TIMEOUT = 2.0
 SLACK = 1.5  # scheduling noise on a loaded machine, on top of the bound under test
 TIERS = "8:3,8:2,16:1"  # 32 slots

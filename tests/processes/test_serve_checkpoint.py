@@ -21,6 +21,9 @@ from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
 from tests.hf_checkpoint import MESSAGES, PROMPT, Checkpoint, greedy, make_checkpoint
 
+# Slow: serves a transformers checkpoint with both processes.
+pytestmark = pytest.mark.slow
+
 
 @dataclass
 class Pair:

@@ -22,6 +22,9 @@ from protos.model import SESSION_METADATA, NotFound, PermissionDenied
 from tests.conftest import SERVE_ARGS
 from tests.servers import free_slots_within
 
+# Slow: starts service processes, kills and freezes clients.
+pytestmark = pytest.mark.slow
+
 KEY = "test-admin-key"
 SESSION_TIMEOUT = 1.0
 SLACK = 1.0  # scheduling noise on a loaded machine, on top of the bound under test

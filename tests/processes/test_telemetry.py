@@ -35,6 +35,9 @@ from tests.conftest import SERVE_ARGS
 from tests.otlp_receiver import Receiver
 from tests.servers import serving
 
+# Slow: starts both processes with an OTLP receiver.
+pytestmark = pytest.mark.slow
+
 _EXPORTER = InMemorySpanExporter()
 
 

@@ -136,6 +136,8 @@ def test_plan_names_the_hub_id(offline: Path) -> None:
     assert plan.from_args(args, torch.device("cpu"), graphs=False).model == "org/name"
 
 
+# Slow: starts a GPU service process for each id.
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["org/name", f"org/name@{REV}"])
 def test_serve_serves_a_cached_hub_id(offline: Path, model: str) -> None:
     proc, target = start_gpu_service(model, *SERVE_ARGS)

@@ -262,6 +262,8 @@ def test_inconsistent_flags_exit_2(
     assert err.startswith(f"{PROG}: error: ") and words in err and err.count("\n") == 1
 
 
+# Slow: starts each process.
+@pytest.mark.slow
 @pytest.mark.parametrize("process", ["control-plane", "gpu-service"])
 def test_processes_refuse_a_cert_without_its_key(certs: Certs, process: str) -> None:
     """Both servers end with status 2 and the sentence, before they load anything."""
@@ -279,6 +281,8 @@ def test_processes_refuse_a_cert_without_its_key(certs: Certs, process: str) -> 
     assert result.stderr == f"met {process} serve: error: {sentence}\n"
 
 
+# Slow: both processes under mTLS.
+@pytest.mark.slow
 def test_mutual_tls_between_the_processes(certs: Certs, tiny_dir: Path) -> None:
     """The GPU service requires the control plane's client certificate; the control plane
     serves TLS with an API key. A client without a certificate cannot reach the GPU service."""

@@ -56,6 +56,8 @@ def _perturbed(cfg: ModelConfig) -> dict[str, torch.Tensor]:
     }
 
 
+# Slow: two forwards.
+@pytest.mark.slow
 def test_training_forward_matches_the_service_forward() -> None:
     """Main hidden, the MTP head's first pass and its second pass (on its own output, seeing
     the first pass's cache up to its row) against HybridModel: fp32, atol 2e-4."""
@@ -117,6 +119,8 @@ def _weights_bytes(weights: dict[str, torch.Tensor]) -> dict[str, bytes]:
     return {n: w.numpy().tobytes() for n, w in weights.items()}
 
 
+# Slow: trains twice.
+@pytest.mark.slow
 def test_training_is_deterministic_and_resumes_exactly(
     corpus: Corpus, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -43,6 +43,9 @@ from gpu_service import costs
 from gpu_service.engine import Engine
 from protos.model import CostEntry
 
+# Slow: runs `met bench`.
+pytestmark = pytest.mark.slow
+
 
 def test_bench_quick(tmp_path: Path) -> None:
     """On the bundled checkpoint and its held-out prompts, as a user runs it; the output

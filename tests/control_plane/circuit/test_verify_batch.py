@@ -36,6 +36,9 @@ from gpu_service.state import DeviceState
 from protos.defaults import DEFAULT_MODEL_DIR
 from protos.model import Logits
 
+# Slow: runs whole verify batches through both forwards.
+pytestmark = pytest.mark.slow
+
 
 def args(*extra: str) -> argparse.Namespace:
     return build_parser().parse_args(["circuit", "diff", "--verify-batch", *extra])
@@ -352,7 +355,14 @@ def test_a_propose_only_mismatch_names_row_minus_one(tiny_dir: Path) -> None:
     assert "(first at 0, sequence 1, row -1)" in report["reasons"][0]
 
 
-@pytest.mark.parametrize("forwards", [("eager-serial", "eager"), ("triton-serial", "triton")])
+@pytest.mark.parametrize(
+    "forwards",
+    [
+        ("eager-serial", "eager"),
+        # Slow: interprets the Triton forward through five runs of the diff.
+        pytest.param(("triton-serial", "triton"), marks=pytest.mark.slow),
+    ],
+)
 def test_a_prefix_restored_from_a_snapshot_gives_the_whole_prefills_bytes(
     tiny_dir: Path, forwards: tuple[str, str]
 ) -> None:

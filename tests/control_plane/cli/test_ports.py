@@ -67,6 +67,8 @@ def test_a_grpc_server_shares_no_port() -> None:
     asyncio.run(bind_twice())
 
 
+# Slow: starts each server process on a busy port.
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("argv", "flag"),
     [
@@ -93,6 +95,8 @@ def test_a_second_server_on_a_busy_port_exits_2_before_loading(
     assert done.stdout == ""
 
 
+# Slow: starts met up and its GPU service process.
+@pytest.mark.slow
 def test_up_on_a_bad_path_says_one_sentence() -> None:
     done = _met("up", "--model", "/nonexistent", "--port", "0", "--http-port", "0")
     assert done.returncode == 2
@@ -100,6 +104,8 @@ def test_up_on_a_bad_path_says_one_sentence() -> None:
     assert "Traceback" not in done.stderr
 
 
+# Slow: starts met up, both processes.
+@pytest.mark.slow
 def test_up_serves_a_repeated_prefix_from_the_cache() -> None:
     """`met up` as the README runs it (on free ports): the second of two requests with one
     600-token prompt is given its prefix by the prefix cache (whole blocks of 64). A Ctrl-C,

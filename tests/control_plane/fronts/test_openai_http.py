@@ -132,6 +132,8 @@ def test_models_names_the_served_model(fronts: Fronts) -> None:
     assert httpx2.get(f"{fronts.http[: -len('/v1')]}/health", timeout=30).status_code == 200
 
 
+# Slow: three generations over both fronts.
+@pytest.mark.slow
 def test_greedy_text_is_the_grpc_apis_whole_and_streamed(fronts: Fronts) -> None:
     want = grpc_text(fronts.stub, pb.GenerateRequest(prompt=PROMPT, max_new_tokens=16))
     whole = fronts.client.completions.create(
@@ -160,6 +162,8 @@ def test_greedy_text_is_the_grpc_apis_whole_and_streamed(fronts: Fronts) -> None
     assert chunks[-1].usage == whole.usage
 
 
+# Slow: three chats.
+@pytest.mark.slow
 def test_chat_is_the_grpc_apis_whole_and_streamed(fronts: Fronts) -> None:
     turn = {"role": "user", "content": "hi"}
     want = grpc_text(
@@ -182,6 +186,8 @@ def test_chat_is_the_grpc_apis_whole_and_streamed(fronts: Fronts) -> None:
     assert chunks[-1].choices[0].finish_reason == choice.finish_reason
 
 
+# Slow: builds the grammar engine.
+@pytest.mark.slow
 def test_json_schema_output_validates(fronts: Fronts) -> None:
     done = fronts.client.chat.completions.create(
         model="",

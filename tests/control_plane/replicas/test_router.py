@@ -54,6 +54,8 @@ def test_a_dns_name_is_every_address_it_resolves_to() -> None:
     assert Target("no-such-host.invalid", 7, True).addresses() == []
 
 
+# Slow: starts a control plane process.
+@pytest.mark.slow
 def test_a_bad_list_ends_the_process_with_a_sentence() -> None:
     import subprocess
     import sys

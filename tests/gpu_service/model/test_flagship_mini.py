@@ -91,6 +91,8 @@ def _generate(stub: pb_grpc.GenerationServiceStub, prompt: list[int], method: in
     return tokens, last.speculative_stats.drafted
 
 
+# Slow: starts both processes on the miniature flagship.
+@pytest.mark.slow
 def test_mtp_equals_none_through_both_processes(mini_dir: Path) -> None:
     assert_mtp_equals_none(mini_dir)
 
@@ -126,6 +128,8 @@ DIFF_FLAGS = {
 }
 
 
+# Slow: verify batches through a forward and its serial form (the triton one interpreted).
+@pytest.mark.slow
 @pytest.mark.parametrize("forward", ["eager", "triton"])
 def test_circuit_diff_passes(mini_dir: Path, forward: str) -> None:
     """With the drafter: every step's verify logits, and the propose's logits, drafts and

@@ -82,6 +82,8 @@ def _peak(directory: Path, dtype: torch.dtype, whole: bool = False) -> dict[str,
     return json.loads(done.stdout)
 
 
+# Slow: loads each checkpoint four times in processes of their own.
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["default", "mini-flagship"])
 def test_peak_while_loading(mini_dir: Path, model: str) -> None:
     directory = DEFAULT_MODEL_DIR if model == "default" else mini_dir

@@ -16,6 +16,9 @@ from gpu_service.model.hybrid import PREFILL, Segment
 from tests.hf_checkpoint import BASE
 from tests.steps import logit_rows
 
+# Slow: builds transformers' reference model for every comparison.
+pytestmark = pytest.mark.slow
+
 CONFIGS = {
     "dense-untied": {},
     "moe-shared": dict(

@@ -31,6 +31,9 @@ from tests.hf_checkpoint import BASE, greedy
 from tests.qwen3_5_checkpoint import KINDS, make, stack_experts
 from tests.steps import logit_rows
 
+# Slow: transformers' Qwen3.5 models, both processes, TP ranks, the interpreted diff.
+pytestmark = pytest.mark.slow
+
 SERVICE = ServiceConfig(verify_tiers="4:3,4:1", max_context=256, max_rows=24, max_batch=8)
 TOKENS = torch.randint(0, 500, (30,), generator=torch.Generator().manual_seed(1)).tolist()
 

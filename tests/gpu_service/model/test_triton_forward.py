@@ -17,6 +17,9 @@ from tests.control_plane.circuit.test_verify_batch import args
 from tests.gpu_service.test_batch_invariance import _batched_run
 from tests.steps import logit_rows
 
+# Slow: whole forwards under the Triton interpreter.
+pytestmark = pytest.mark.slow
+
 # fp32 logits of the tiny model: kernels reassociate sums (online softmax, chunked GDN).
 ATOL = 5e-4
 

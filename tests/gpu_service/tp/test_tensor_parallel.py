@@ -223,6 +223,8 @@ def test_each_rank_holds_a_share_plus_what_is_replicated(
             assert got == full, name  # per-row and per-slot tables
 
 
+# Slow: starts tensor-parallel rank processes.
+@pytest.mark.slow
 def test_transformers_parity_at_tp_2_and_a_hung_rank_ends_it(tmp_path: Path) -> None:
     """transformers' logits of a sharded HF checkpoint (MoE with a shared expert) against our
     TP 2's, prefill and verify. Then rank 1 is stopped (SIGSTOP) while rank 0 runs a verify:
@@ -298,6 +300,8 @@ def _rank_processes(service: subprocess.Popen) -> list[psutil.Process]:
     return [c for c in children if "resource_tracker" not in " ".join(c.cmdline())]
 
 
+# Slow: starts tensor-parallel services.
+@pytest.mark.slow
 @pytest.mark.parametrize(("model", "size"), [("default", 2), ("mini", 4)])
 def test_through_the_pair(mini_dir: Path, tmp_path: Path, model: str, size: int) -> None:
     """A TP service and a control plane: greedy `mtp` streams `none`'s tokens, on the bundled
