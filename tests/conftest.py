@@ -32,86 +32,9 @@ def _cache_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 
 
 # Tests marked `slow`, which `pytest -m "not slow"` (the fast tier) leaves out: seconds each on
-# a 2-core CPU. A key is a module, a test function (all its parameters) or one node id.
-SLOW_TESTS = {
-    "tests/test_tensor_parallel.py::test_transformers_parity_at_tp_2_and_a_hung_rank_ends_it": (
-        "starts tensor-parallel rank processes"
-    ),
-    "tests/test_tensor_parallel.py::test_through_the_pair": "starts tensor-parallel services",
-    "tests/test_plan.py::test_flagship_bf16_at_tp2_fits_h200s_with_room_for_slots": "builds "
-    "Qwen3-Next-80B's rank-0 shard on the meta device",
-    "tests/test_plan.py::test_tp2_plan_is_each_ranks_allocations": "starts a tensor-parallel "
-    "rank process",
-    "tests/test_costs_fair.py": "measurements slowed to seconds on purpose",
-    "tests/test_beside.py": "starts both processes beside live streams",
-    "tests/test_fuzz.py": "3,000 malformed RPCs against both processes",
-    "tests/test_restart.py": "kills and freezes control plane processes",
-    "tests/test_hub.py::test_serve_serves_a_cached_hub_id": "starts a GPU service process for "
-    "each id",
-    "tests/test_prefix_snapshots.py::test_over_grpc_a_snapshot_is_its_sessions": "starts a GPU "
-    "service process",
-    "tests/test_circuit_diff.py::test_a_prefix_restored_from_a_snapshot_gives_the_whole_prefills"
-    "_bytes[forwards1]": "interprets the Triton forward through five runs of the diff",
-    "tests/test_sessions.py": "starts service processes, kills and freezes clients",
-    "tests/test_step_stream.py::test_recv_raises_unavailable_soon_after_the_service_dies": "starts "
-    "and kills a GPU service",
-    "tests/test_tls.py::test_mutual_tls_between_the_processes": "both processes under mTLS",
-    "tests/test_tls.py::test_processes_refuse_a_cert_without_its_key": "starts each process",
-    "tests/test_hf_parity.py": "builds transformers' reference model for every comparison",
-    "tests/test_cli_ports.py::test_a_second_server_on_a_busy_port_exits_2_before_loading": "starts "
-    "each server process on a busy port",
-    "tests/test_cli_ports.py::test_up_on_a_bad_path_says_one_sentence": "starts met up and its GPU "
-    "service process",
-    "tests/test_cli_ports.py::test_up_serves_a_repeated_prefix_from_the_cache": "starts met up, "
-    "both processes",
-    "tests/test_qwen3_5.py": "transformers' Qwen3.5 models, both processes, TP ranks, the "
-    "interpreted diff",
-    "tests/test_serve_checkpoint.py": "serves a transformers checkpoint with both processes",
-    "tests/test_training.py::test_training_is_deterministic_and_resumes_exactly": "trains twice",
-    "tests/test_training.py::test_training_forward_matches_the_service_forward": "two forwards",
-    "tests/test_circuit_diff.py": "runs whole verify batches through both forwards",
-    "tests/test_default_model.py": "serves the bundled checkpoint end to end",
-    "tests/test_bench.py": "runs `met bench`",
-    "tests/test_telemetry.py": "starts both processes with an OTLP receiver",
-    "tests/test_openai_http.py::test_greedy_text_is_the_grpc_apis_whole_and_streamed": "three "
-    "generations over both fronts",
-    "tests/test_openai_http.py::test_chat_is_the_grpc_apis_whole_and_streamed": "three chats",
-    "tests/test_openai_http.py::test_json_schema_output_validates": "builds the grammar engine",
-    "tests/kernels/test_gated_delta_rule.py": "the chunked kernel under the Triton interpreter",
-    "tests/test_triton_forward.py": "whole forwards under the Triton interpreter",
-    "tests/test_gpu_check.py::test_cpu_run_writes_a_passing_report": "runs the device check",
-    "tests/test_api.py::test_gpu_service_death_ends_streams_and_recovery": "restarts a service",
-    "tests/test_api.py::test_met_up_then_generate": "starts both processes with `met up`",
-    "tests/test_replicas.py::test_a_bad_list_ends_the_process_with_a_sentence": "starts a "
-    "control plane process",
-    "tests/test_verify_semantics.py::test_verify_fold_commit_equals_one_at_a_time": "one "
-    "verify per token, for every depth and write mode",
-    "tests/test_verify_semantics.py::test_recurrent_and_chunked_prefill_agree": "both prefills",
-    "tests/test_sampling.py::test_seeded_sampling_with_and_without_speculation": "two full "
-    "sampled generations",
-    "tests/test_flagship_mini.py::test_mtp_equals_none_through_both_processes": "starts both "
-    "processes on the miniature flagship",
-    "tests/test_flagship_mini.py::test_circuit_diff_passes": "verify batches through a forward "
-    "and its serial form (the triton one interpreted)",
-    "tests/test_held_weights.py::test_peak_while_loading": "loads each checkpoint four times in "
-    "processes of their own",
-    "tests/test_plan.py::test_flagship_weights_are_its_checkpoints_bytes": "builds "
-    "Qwen3-Next-80B's 76k weight tensors on the meta device",
-    "tests/test_plan.py::test_serve_refuses_a_plan_that_does_not_fit": "starts a GPU service "
-    "process",
-    "tests/test_plan.py::test_flagship_fp8_counts_a_byte_a_weight_and_fits_one_h200": "builds "
-    "the FP8 flagship on the meta device",
-    "tests/test_fp8_checkpoint.py::test_mtp_equals_none_through_both_processes": "starts both "
-    "processes on each FP8 checkpoint",
-    "tests/test_fp8_checkpoint.py::test_serve_refuses_at_start_up_with_status_2": "starts a GPU "
-    "service process",
-    "tests/test_fp8_checkpoint.py::test_the_published_layout_loads_and_matches_transformers": (
-        "loads the checkpoint in transformers"
-    ),
-    "tests/test_fp8_checkpoint.py::test_circuit_diff_passes": "verify batches through a forward "
-    "and its serial form",
-}
-# Any test that uses one of these fixtures is slow: it waits on a process starting.
+# a 2-core CPU. A test module marks its own where they live (`pytestmark = pytest.mark.slow`,
+# `@pytest.mark.slow`, or `pytest.param(..., marks=pytest.mark.slow)`, each with its reason).
+# Beside those, any test that uses one of these fixtures is slow: it waits on a process starting.
 SLOW_FIXTURES = {
     "served": "starts a GPU service process",
     "two_services": "starts two GPU service processes",
@@ -122,18 +45,8 @@ SLOW_FIXTURES = {
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if _slow_reason(item) is not None:
+        if any(f in SLOW_FIXTURES for f in getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
-
-
-def _slow_reason(item: pytest.Item) -> str | None:
-    module, _, name = item.nodeid.partition("::")
-    function = f"{module}::{name.partition('[')[0]}"
-    for key in (item.nodeid, function, module):
-        if key in SLOW_TESTS:
-            return SLOW_TESTS[key]
-    fixtures = getattr(item, "fixturenames", ())
-    return next((SLOW_FIXTURES[f] for f in fixtures if f in SLOW_FIXTURES), None)
 
 
 TINY = ModelConfig.tiny()

@@ -24,15 +24,11 @@ so one width, clamped, serves the whole step.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from control_plane.scheduler.ladder import Ladder
+from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.seq import ActiveSeq
 from control_plane.scheduler.verdict import verify_and_settle
 from protos.model import Capabilities, ServingModel, fits_batch
-
-if TYPE_CHECKING:  # the context holds the gamma resolver of this module
-    from control_plane.scheduler.context import StepContext
 
 GAMMA_LADDER = "4:8,8:6,16:4,32:3"
 
@@ -77,15 +73,15 @@ def step_dflash(
     active: list[ActiveSeq],
     verify: list[int],
     num_drafts: int,
-    ctx: StepContext,
+    opts: SchedulerOptions,
+    caps: Capabilities,
     report,
 ) -> None:
     """The verify half of the DFlash arm (the bootstrap ran before it)."""
-    opts = ctx.opts
     serial: list[int] = []
     if len(verify) >= 2 and opts.dflash_batch_verify and opts.batch_verify:
         batchable, serial, gamma = plan_batch(active, verify)
-        m_max = widest_chunk(ctx.caps, gamma, len(batchable))
+        m_max = widest_chunk(caps, gamma, len(batchable))
         if len(batchable) >= 2 and m_max >= 2:
             by_slot = sorted(batchable, key=lambda i: (active[i].slot, i))
             for lo in range(0, len(by_slot), m_max):

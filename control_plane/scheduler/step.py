@@ -198,7 +198,7 @@ def _step_dflash(
     boot, verify = split(active)
     if boot:
         report.bootstrap = bootstrap(model, [active[i] for i in boot], ctx, width)
-    step_dflash(model, active, verify, width, ctx, report)
+    step_dflash(model, active, verify, width, ctx.opts, ctx.caps, report)
     return report
 
 

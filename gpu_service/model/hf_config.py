@@ -1,9 +1,9 @@
 """A `config.json` read as transformers 5 reads it, for the model types this engine serves.
 
 - A field the file leaves out takes transformers' default for its model type (`DEFAULTS`, held
-  against transformers' own config classes by tests/test_hf_config.py), never the bundled
-  model's: `layer_types` from `full_attention_interval`, RoPE from `rope_parameters` or the old
-  `rope_scaling` / `rope_theta` / `partial_rotary_factor`, and so on.
+  against transformers' own config classes by tests/gpu_service/test_hf_config.py), never the
+  bundled model's: `layer_types` from `full_attention_interval`, RoPE from `rope_parameters` or
+  the old `rope_scaling` / `rope_theta` / `partial_rotary_factor`, and so on.
 - Qwen3.5 / Qwen3.6 (`qwen3_5`, `qwen3_5_moe`) nest the text model under `text_config` beside a
   `vision_config`; their weights sit under `model.language_model.` and the top config decides
   whether the embedding is tied, as transformers' `...ForConditionalGeneration` does.

@@ -279,7 +279,11 @@ def _attention_vs_sdpa(
 def check_bench(settings: Settings, device: torch.device) -> dict:
     """`met bench --quick` in a process of its own on the device: mtp against none."""
     if device.type != "cuda":
-        return {"ok": True, "summary": "run on a GPU only (tests/test_bench.py runs it on the CPU)"}
+        return {
+            "ok": True,
+            "summary": "run on a GPU only "
+            "(tests/control_plane/benchmarks/test_bench.py runs it on the CPU)",
+        }
     out = settings.out.parent / "bench_quick.json"
     done = subprocess.run(
         [sys.executable, "-m", "control_plane.cli.main", "bench", "--quick", "--out", str(out)],

@@ -1,7 +1,7 @@
-"""One greedy `decode_step` (verify k = 4, settle, 3 drafts), as tests/test_step_cost.py
-counts it, on an engine in this process on the check's device: its kernel launches under
-`torch.profiler` and its time at each batch size, and its host syncs under CUDA's sync debug
-mode."""
+"""One greedy `decode_step` (verify k = 4, settle, 3 drafts), as
+tests/gpu_service/test_step_cost.py counts it, on an engine in this process on the check's
+device: its kernel launches under `torch.profiler` and its time at each batch size, and its
+host syncs under CUDA's sync debug mode."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 (`--tensor-parallel-size 2`: cuda:0 and cuda:1); greedy `none` against `mtp` through it, the
 circuit diff against it, and the tokens a second each method streams. A machine with fewer than
 two CUDA devices, or a `--cpu` run, skips it and says so: on CPU processes the same checks run in
-tests/test_tensor_parallel.py."""
+tests/gpu_service/tp/test_tensor_parallel.py."""
 
 from __future__ import annotations
 

@@ -13,6 +13,9 @@ import torch
 from kernels.gated_delta_rule import chunk, naive, recurrent
 from tests.kernels.device import on
 
+# Slow: the chunked kernel under the Triton interpreter.
+pytestmark = pytest.mark.slow
+
 SHAPES = [
     (1, 2, 2, 16, 8),
     (7, 1, 2, 16, 16),
