@@ -21,6 +21,13 @@ from protos.met.v1 import generate_pb2_grpc as pb_grpc
 Start = Callable[[], Awaitable[tuple[grpc.aio.Server, int]]]
 
 
+async def _cancel_the_rest() -> None:
+    others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in others:
+        task.cancel()
+    await asyncio.gather(*others, return_exceptions=True)
+
+
 @contextmanager
 def aio_server_in_thread(start: Start) -> Iterator[str]:
     """A grpc.aio server on an event loop of its own thread, for tests that call it through
@@ -35,7 +42,13 @@ def aio_server_in_thread(start: Start) -> Iterator[str]:
         await box["stop"].wait()
         await server.stop(1)
 
-    thread = threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True)
+    def run() -> None:
+        loop.run_until_complete(main())
+        # Streams the stop left open (a session's) end here, not when the loop is collected,
+        # where asyncio would log them as destroyed while pending into a later test's log.
+        loop.run_until_complete(_cancel_the_rest())
+
+    thread = threading.Thread(target=run, daemon=True)
     thread.start()
     assert ready.wait(30), "the server did not start"
     try:

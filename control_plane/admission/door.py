@@ -1,6 +1,7 @@
-"""The one way in for every front (the gRPC API, the HTTP one): a `GenerateRequest` checked
-and converted against the served model, handed to the scheduler, its events on a queue. A
-request that cannot be taken raises `BadRequest` with its status and a sentence."""
+"""The one way in for every front (the gRPC API, the HTTP one): a request's parameters
+(`protos.params`) checked and converted against the served model, handed to the scheduler, its
+events on a queue. A request that cannot be taken raises `BadRequest` with its status and a
+sentence."""
 
 from __future__ import annotations
 
@@ -13,20 +14,15 @@ from opentelemetry.trace import Span
 
 from control_plane.replicas.router import Drives
 from control_plane.scheduler.metrics import REPLICA_ATTRIBUTE
-from control_plane.scheduler.seq import MTP, NONE, PROMPT_LOOKUP, Event, GenRequest, Queued
+from control_plane.scheduler.seq import Event, GenRequest, Queued
 from control_plane.text.chat import KWARGS, ChatTemplate, parse_kwargs
 from control_plane.text.detok import Tokenizer
 from control_plane.text.grammar import Grammar, GrammarCompiler
 from control_plane.text.tokenizer import Tokenization
 from protos import checks
-from protos.met.v1 import generate_pb2 as pb
 from protos.model import Capabilities, ModelError, Penalties
+from protos.params import MTP, RequestParams, penalties
 
-METHODS = {
-    pb.SPECULATIVE_METHOD_NONE: NONE,
-    pb.SPECULATIVE_METHOD_MTP: MTP,
-    pb.SPECULATIVE_METHOD_PROMPT_LOOKUP: PROMPT_LOOKUP,
-}
 DEFAULT_METHOD = MTP  # for requests that leave the speculative method unspecified
 DEFAULT_MAX_NEW_TOKENS = 256  # for requests that leave max_new_tokens unset
 # UTF-8 bytes of a text prompt or a rendered chat, checked before tokenizing: a tokenizer's ids
@@ -57,7 +53,7 @@ class BadRequest(Exception):
 
 
 def to_request(
-    r: pb.GenerateRequest,
+    r: RequestParams,
     tokenizer: Tokenizer,
     caps: Capabilities,
     admission: Admission,
@@ -79,7 +75,7 @@ def to_request(
             INVALID,
             f"min_new_tokens is {r.min_new_tokens}; it must not exceed max_new_tokens ({max_new})",
         )
-    penalties = _penalties(r, len(ids), caps)
+    pen = _penalties(r, len(ids), caps)
     return GenRequest(
         request_id=request_id,
         prompt_ids=tuple(ids),
@@ -88,30 +84,18 @@ def to_request(
         stop=tuple(r.stop),
         stop_token_ids=tuple(r.stop_token_ids),
         ignore_eos=r.ignore_eos,
-        method=METHODS.get(r.speculative_method, admission.default_method),
-        num_drafts=r.num_drafts if r.HasField("num_drafts") else None,
+        method=r.method or admission.default_method,
+        num_drafts=r.num_drafts,
         logprobs=r.logprobs,
         grammar=_grammar(r, compiler),
-        temperature=r.temperature,
-        top_k=max(r.top_k, 0),  # -1, vLLM's no limit, is 0's
-        top_p=r.top_p or 1.0,  # proto3 cannot tell an unset top_p from 0
-        min_p=r.min_p,
-        seed=r.seed if r.HasField("seed") else None,
-        penalties=penalties,
+        sampling=r.sampling,
+        penalties=pen,
     )
 
 
-def _penalties(r: pb.GenerateRequest, prompt_len: int, caps: Capabilities) -> Penalties | None:
+def _penalties(r: RequestParams, prompt_len: int, caps: Capabilities) -> Penalties | None:
     """The request's penalties and logit bias, checked; None when they change nothing."""
-    bias = sorted(r.logit_bias.items())
-    p = Penalties(
-        presence=r.presence_penalty,
-        frequency=r.frequency_penalty,
-        repetition=r.repetition_penalty if r.HasField("repetition_penalty") else 1.0,
-        prompt_tokens=prompt_len,
-        bias_ids=tuple(t for t, _ in bias),
-        bias_values=tuple(b for _, b in bias),
-    )
+    p = penalties(r.sampling, prompt_len)
     problem = checks.penalties_problem(p, caps.vocab_size)
     if problem is not None:
         raise BadRequest(INVALID, problem)
@@ -119,7 +103,7 @@ def _penalties(r: pb.GenerateRequest, prompt_len: int, caps: Capabilities) -> Pe
 
 
 def _prompt_ids(
-    r: pb.GenerateRequest,
+    r: RequestParams,
     tokenizer: Tokenizer,
     caps: Capabilities,
     max_bytes: int,
@@ -149,7 +133,7 @@ def _prompt_ids(
     return ids
 
 
-def _render(r: pb.GenerateRequest, chat: ChatTemplate | None) -> str:
+def _render(r: RequestParams, chat: ChatTemplate | None) -> str:
     """The request's messages as prompt text, by the model's chat template."""
     if chat is None:
         raise BadRequest(
@@ -159,7 +143,7 @@ def _render(r: pb.GenerateRequest, chat: ChatTemplate | None) -> str:
     if empty is not None:
         raise BadRequest(INVALID, f"messages[{empty}] has an empty role")
     messages = [{"role": m.role, "content": m.content} for m in r.messages]
-    generation_prompt = not r.HasField("add_generation_prompt") or r.add_generation_prompt
+    generation_prompt = r.add_generation_prompt is None or r.add_generation_prompt
     try:
         return chat.render(messages, generation_prompt, parse_kwargs(r.chat_template_kwargs))
     except ValueError as e:
@@ -188,11 +172,11 @@ def _check_vocab(field: str, ids: Iterable[int], caps: Capabilities) -> None:
 
 
 def _max_new_tokens(
-    r: pb.GenerateRequest, prompt_len: int, caps: Capabilities, default_max_new: int
+    r: RequestParams, prompt_len: int, caps: Capabilities, default_max_new: int
 ) -> int:
     """The request's token budget: its own, or the server's default cut to the context."""
     room = _room(prompt_len, caps)
-    max_new = r.max_new_tokens if r.HasField("max_new_tokens") else min(default_max_new, room)
+    max_new = r.max_new_tokens if r.max_new_tokens is not None else min(default_max_new, room)
     if max_new == 0:
         raise BadRequest(INVALID, "max_new_tokens is 0; ask for at least one token")
     if max_new > room:
@@ -204,15 +188,10 @@ def _max_new_tokens(
     return max_new
 
 
-def _check_method(r: pb.GenerateRequest, caps: Capabilities) -> None:
-    """The speculative method and the draft count."""
-    if r.speculative_method not in (pb.SPECULATIVE_METHOD_UNSPECIFIED, *METHODS):
-        raise BadRequest(
-            INVALID,
-            f"speculative_method {r.speculative_method} is unknown; use NONE, MTP or PROMPT_LOOKUP",
-        )
+def _check_method(r: RequestParams, caps: Capabilities) -> None:
+    """The draft count (a method's name is the fronts' to check)."""
     most = max(caps.slot_verify_drafts)
-    if r.HasField("num_drafts") and not 1 <= r.num_drafts <= most:
+    if r.num_drafts is not None and not 1 <= r.num_drafts <= most:
         raise BadRequest(
             INVALID,
             f"num_drafts is {r.num_drafts}; it must be from 1 to {most}, the most drafts the "
@@ -220,28 +199,29 @@ def _check_method(r: pb.GenerateRequest, caps: Capabilities) -> None:
         )
 
 
-def _check_sampling(r: pb.GenerateRequest, caps: Capabilities) -> None:
+def _check_sampling(r: RequestParams, caps: Capabilities) -> None:
     """temperature, top_p, min_p (their ranges: `checks.FLOATS`) and top_k."""
+    s = r.sampling
     for name in ("temperature", "top_p", "min_p"):
-        if (problem := checks.number_problem(name, getattr(r, name))) is not None:
+        if (problem := checks.number_problem(name, getattr(s, name))) is not None:
             raise BadRequest(INVALID, problem)
-    if not -1 <= r.top_k <= caps.vocab_size:
+    if not -1 <= s.top_k <= caps.vocab_size:
         raise BadRequest(
             INVALID,
-            f"top_k is {r.top_k}; it must be at most the vocabulary size {caps.vocab_size} "
+            f"top_k is {s.top_k}; it must be at most the vocabulary size {caps.vocab_size} "
             "(0 or -1: no limit)",
         )
 
 
-def _grammar(r: pb.GenerateRequest, compiler: GrammarCompiler | None) -> Grammar | None:
+def _grammar(r: RequestParams, compiler: GrammarCompiler | None) -> Grammar | None:
     """The compiled `response_format`, or None when the request has none."""
-    kind = r.response_format.WhichOneof("format") if r.HasField("response_format") else None
-    if kind is None:
+    if r.response_format is None:
         return None
     if compiler is None:
         raise BadRequest(grpc.StatusCode.UNIMPLEMENTED, "this server has no grammar engine")
+    kind, text = r.response_format
     try:
-        return compiler.compile(kind, getattr(r.response_format, kind))
+        return compiler.compile(kind, text)
     except ValueError as e:
         raise BadRequest(INVALID, f"response_format: {e}") from None
 
@@ -258,7 +238,7 @@ class Door:
         self._chat: ChatTemplate | None = None
         self._chat_for: Tokenization | None = None  # the files `_chat` was read from
 
-    async def enter(self, request: pb.GenerateRequest, key: str, span: Span) -> asyncio.Queue:
+    async def enter(self, request: RequestParams, key: str, span: Span) -> asyncio.Queue:
         """Check, convert and submit the request under `key`; its events (and `Queued`
         notices) arrive on the returned queue. Raises `BadRequest` for a request this server
         will not take, the GPU service out of reach included."""
@@ -300,17 +280,17 @@ class Door:
         self.scheduler.cancel(key)
 
     def _grammar_compiler(
-        self, request: pb.GenerateRequest, tokenizer: Tokenizer, caps: Capabilities
+        self, request: RequestParams, tokenizer: Tokenizer, caps: Capabilities
     ) -> GrammarCompiler | None:
         """Requests without a `response_format` never touch the grammar engine."""
-        if not request.HasField("response_format"):
+        if request.response_format is None:
             return None
         if self._compiler is None or self._compiled_for is not tokenizer:
             self._compiler = GrammarCompiler(tokenizer, caps.vocab_size, caps.eos_token_ids)
             self._compiled_for = tokenizer
         return self._compiler
 
-    def _chat_template(self, request: pb.GenerateRequest) -> ChatTemplate | None:
+    def _chat_template(self, request: RequestParams) -> ChatTemplate | None:
         """Requests without messages never read the template."""
         if not request.messages:
             return None

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from control_plane.benchmarks.workload import Workload
-from control_plane.scheduler.seq import MTP, NONE
+from protos.params import MTP, NONE
 
 
 def transformers_baselines(

@@ -25,7 +25,7 @@ from control_plane.benchmarks.workload import (
     serve,
 )
 from control_plane.scheduler.cost_model import cost_widths
-from control_plane.scheduler.seq import MTP, NONE
+from protos.params import MTP, NONE
 
 DEEP = 7
 # The default tiers' 32 slots, four of them deepened to DEEP drafts.

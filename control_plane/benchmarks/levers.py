@@ -13,9 +13,10 @@ import time
 from control_plane.benchmarks.workload import Workload
 from control_plane.scheduler.env import Env
 from control_plane.scheduler.loop import Scheduler, SchedulerOptions
-from control_plane.scheduler.seq import MTP, NONE, PROMPT_LOOKUP, GenRequest
+from control_plane.scheduler.seq import GenRequest
 from protos.defaults import DEFAULT_MODEL_DIR
 from protos.model import ServingModel
+from protos.params import MTP, NONE, PROMPT_LOOKUP
 
 CONFIGS: dict[str, tuple[str, dict[str, object], dict[str, object]]] = {
     "none": (NONE, {}, {}),

@@ -7,7 +7,8 @@ import statistics
 from collections.abc import Callable
 
 from control_plane.benchmarks.workload import Workload, identical_to_none, median, serve
-from control_plane.scheduler.seq import MTP, NONE, PROMPT_LOOKUP, SpecStats
+from control_plane.scheduler.seq import SpecStats
+from protos.params import MTP, NONE, PROMPT_LOOKUP
 
 # label -> (method, scheduler options): the methods under the default options (the K ladder
 # sets each step's width), and mtp with the `auto` cost model over the table `met bench`

@@ -17,8 +17,9 @@ import dataclasses
 from pathlib import Path
 
 from control_plane.benchmarks.workload import Windows, Workload, load_parser, parse_load, serve
-from control_plane.scheduler.seq import MTP, NONE, GenRequest
+from control_plane.scheduler.seq import GenRequest
 from protos.model import Penalties, ServingModel
+from protos.params import MTP, NONE
 
 SETS = {
     "off": None,

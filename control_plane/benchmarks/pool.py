@@ -25,8 +25,9 @@ from control_plane.benchmarks.workload import (
 )
 from control_plane.scheduler.env import Env
 from control_plane.scheduler.loop import Scheduler
-from control_plane.scheduler.seq import MTP, GenRequest
+from control_plane.scheduler.seq import GenRequest
 from protos.model import ServingModel
+from protos.params import MTP
 
 BLOCK = 64  # positions a KV block backs (`Capabilities.kv_block_size`)
 

@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING
 from unittest import mock
 
 from control_plane.scheduler.options import SchedulerOptions
-from control_plane.scheduler.seq import MTP, NONE
 from protos.model import CostEntry
+from protos.params import MTP, NONE
 
 if TYPE_CHECKING:
     from gpu_service.engine.facade import Engine

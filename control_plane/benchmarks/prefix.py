@@ -39,10 +39,11 @@ from pathlib import Path
 from control_plane.benchmarks.workload import Windows, Workload
 from control_plane.scheduler.env import Env
 from control_plane.scheduler.loop import Scheduler, SchedulerOptions
-from control_plane.scheduler.seq import MTP, Delta, Event, Failure, GenRequest
+from control_plane.scheduler.seq import Delta, Event, Failure, GenRequest
 from protos.defaults import DEFAULT_MODEL_DIR
 from protos.hub import model_path
 from protos.model import ServingModel
+from protos.params import MTP
 
 SEEDS = 2  # requests that seed the shared system prompt's snapshots, left out of its figures
 TARGET = 0.3  # time to first token with the cache over without, at most

@@ -9,7 +9,7 @@ from pathlib import Path
 from control_plane.benchmarks.depth import depth_lines, depth_table
 from control_plane.benchmarks.methods import MTP_AUTO
 from control_plane.benchmarks.prefix import prefix_lines, prefix_table
-from control_plane.scheduler.seq import MTP, NONE, PROMPT_LOOKUP
+from protos.params import MTP, NONE, PROMPT_LOOKUP
 
 
 def markdown(report: dict) -> str:

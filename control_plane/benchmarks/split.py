@@ -17,8 +17,8 @@ from control_plane.benchmarks.baseline import same_rounds
 from control_plane.benchmarks.workload import Workload, median, serve
 from control_plane.cli.launch import start_gpu_service, stop
 from control_plane.replicas.client import GrpcModel
-from control_plane.scheduler.seq import MTP, NONE
 from protos.defaults import DEFAULT_MODEL_DIR
+from protos.params import MTP, NONE
 
 # The section's repeats in a full run: its ratios compare arms within a few percent, on a
 # shared machine whose speed moves more than that between runs a second apart, so it takes

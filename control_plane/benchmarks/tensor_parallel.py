@@ -27,10 +27,10 @@ from control_plane.cli.launch import start_gpu_service, stop
 from control_plane.replicas.client import GrpcModel
 from control_plane.scheduler.env import Env
 from control_plane.scheduler.loop import Scheduler
-from control_plane.scheduler.seq import MTP
 from gpu_service.model.config import ModelConfig
 from gpu_service.tp import REDUCES
 from protos.defaults import DEFAULT_MODEL_DIR
+from protos.params import MTP
 
 if TYPE_CHECKING:  # torch, which this module's callers need not import to parse flags
     import torch.distributed as dist

@@ -14,10 +14,11 @@ from pathlib import Path
 from control_plane.replicas.router import Drives, Router
 from control_plane.scheduler.env import Env
 from control_plane.scheduler.loop import Scheduler, SchedulerOptions
-from control_plane.scheduler.seq import NONE, Finish, GenRequest
+from control_plane.scheduler.seq import Finish, GenRequest
 from protos.defaults import DEFAULT_MODEL_DIR
 from protos.hub import model_path
 from protos.model import ServingModel
+from protos.params import NONE
 
 # A serving bench's load: requests sent at once, each a window of the prompts and tokens out.
 LOAD_FLAGS = {

@@ -32,7 +32,6 @@ from control_plane.scheduler.env import Env
 from control_plane.scheduler.loop import Joins, Scheduler
 from control_plane.scheduler.metrics import Metrics
 from control_plane.scheduler.options import SchedulerOptions
-from control_plane.scheduler.seq import MTP, NONE
 from control_plane.text.detok import Tokenizer
 from control_plane.text.tokenizer import Tokenization
 from protos import ports, tls
@@ -40,6 +39,7 @@ from protos.bodies import RejectUndecodable
 from protos.defaults import CONTROL_PLANE_PORT
 from protos.met.v1 import generate_pb2, generate_pb2_grpc
 from protos.model import ADMIN_KEY_ENV
+from protos.params import MTP, NONE
 from protos.telemetry import setup_tracing
 
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

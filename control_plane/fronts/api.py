@@ -15,6 +15,7 @@ from control_plane.replicas.router import Drives
 from control_plane.scheduler.seq import Delta, Failure, Finish, Queued, SpecStats
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
+from protos.params import RequestParams, from_pb
 from protos.telemetry import incoming_context, tracer
 
 TRACER = tracer("met.control_plane")
@@ -59,7 +60,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             "generate",
             context=incoming_context(context),
             kind=SpanKind.SERVER,
-            attributes=request_attributes(request, rid),
+            attributes={"met.request_id": rid},
         )
         try:
             async for msg in self._generate(request, context, rid, gen):
@@ -74,7 +75,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         # while it waits for a slot.
         await context.send_initial_metadata(())
         try:
-            events = await self.door.enter(request, key, gen)
+            params = self._params(request, gen, rid)
+            events = await self.door.enter(params, key, gen)
         except BadRequest as e:
             failed(gen, e.code.name, str(e))
             await context.abort(e.code, str(e))
@@ -104,6 +106,16 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             if not done:
                 gen.set_attribute("gen_ai.response.finish_reasons", ["cancelled"])
                 self.door.leave(key)
+
+    @staticmethod
+    def _params(request: pb.GenerateRequest, gen: Span, rid: str) -> RequestParams:
+        """The wire request as the Door's parameters, the span told what was asked."""
+        try:
+            params = from_pb(request)
+        except ValueError as e:
+            raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        gen.set_attributes(request_attributes(params, rid))
+        return params
 
     async def GetStats(self, request, context):
         snap = self.scheduler.snapshot()
@@ -155,18 +167,18 @@ def replica_stats(r: dict) -> pb.ReplicaStats:
     )
 
 
-def request_attributes(r: pb.GenerateRequest, rid: str) -> dict:
+def request_attributes(r: RequestParams, rid: str) -> dict:
     """GenAI semantic-convention attributes, written out (the semconv package marks them
     moved)."""
     attrs = {
         "gen_ai.operation.name": "text_completion",
-        "gen_ai.request.temperature": r.temperature,
+        "gen_ai.request.temperature": r.sampling.temperature,
         "met.request_id": rid,
     }
-    if r.HasField("max_new_tokens"):
+    if r.max_new_tokens is not None:
         attrs["gen_ai.request.max_tokens"] = r.max_new_tokens
     for name in ("presence_penalty", "frequency_penalty"):
-        if value := getattr(r, name):
+        if value := getattr(r.sampling, name):
             attrs[f"gen_ai.request.{name}"] = value
     return attrs
 

@@ -1,4 +1,5 @@
-"""OpenAI request bodies as `GenerateRequest`s: what the HTTP front takes, what it refuses.
+"""OpenAI request bodies as `RequestParams` (`protos.params`): what the HTTP front takes, what
+it refuses.
 
 A known parameter this server cannot honour (tools, `top_logprobs`, `best_of`, ...)
 is refused with a sentence naming it, never dropped. Unknown fields are ignored, as vLLM
@@ -10,7 +11,8 @@ the wire's float; the ranges that depend on the served model are the `Door`'s to
 Beyond OpenAI's parameters it takes `speculative` ({"method": "none" | "mtp" |
 "prompt_lookup", "num_drafts": N}), `add_generation_prompt` (chat), and vLLM's `top_k`,
 `min_p`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `repetition_penalty` and
-`chat_template_kwargs` (chat); `top_k: -1` is vLLM's no limit. Left unset, `temperature` is 1
+`chat_template_kwargs` (chat): every field of `SamplingParams` is read by its name and
+type; `top_k: -1` is vLLM's no limit. Left unset, `temperature` is 1
 as in OpenAI's API, and `max_tokens` the server's `--max-new-tokens`. A message's content is
 text, or text parts (joined with newlines, as vLLM joins them); an image, audio or video part is
 refused: this server serves text only."""
@@ -20,17 +22,17 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import Any, get_type_hints
 
 import grpc
 
-from control_plane.admission.door import INVALID, METHODS, BadRequest
+from control_plane.admission.door import INVALID, BadRequest
 from control_plane.text.chat import KWARGS
 from protos import checks
 from protos.checks import INT32, UINT32, UINT64
-from protos.met.v1 import generate_pb2 as pb
+from protos.params import METHODS, ChatMessage, RequestParams, SamplingParams
 
-METHOD_NAMES = {name: method for method, name in METHODS.items()}
+METHOD_NAMES = tuple(METHODS.values())
 FORMATS = "text, json_object or json_schema"
 SPECULATIVE_KEYS = ("method", "num_drafts")
 # OpenAI's bound on `n`; each choice is a request of its own to the scheduler.
@@ -81,23 +83,22 @@ class InvalidParam(BadRequest):
 
 @dataclasses.dataclass(frozen=True)
 class Ask:
-    """One OpenAI request: the `GenerateRequest` and what shapes its response."""
+    """One OpenAI request: its parameters and what shapes its response."""
 
-    request: pb.GenerateRequest
+    request: RequestParams
     model: str | None  # None: the served one
     stream: bool
     include_usage: bool  # a last streamed chunk carries the usage
     n: int = 1  # choices: requests that differ only in their seed (`choice_request`)
 
-    def choice_request(self, index: int) -> pb.GenerateRequest:
+    def choice_request(self, index: int) -> RequestParams:
         """Choice `index`'s request: a seeded one draws with seed + index, as vLLM's do, so
         that its choices differ and each replays."""
-        if index == 0 or not self.request.HasField("seed"):
+        s = self.request.sampling
+        if index == 0 or s.seed is None:
             return self.request
-        r = pb.GenerateRequest()
-        r.CopyFrom(self.request)
-        r.seed = (r.seed + index) % (UINT64 + 1)
-        return r
+        seeded = dataclasses.replace(s, seed=(s.seed + index) % (UINT64 + 1))
+        return dataclasses.replace(self.request, sampling=seeded)
 
 
 def completion_request(body: Any) -> Ask:
@@ -112,20 +113,21 @@ def chat_request(body: Any) -> Ask:
 
 def _ask(
     body: Any,
-    prompt: Callable[[dict, pb.GenerateRequest], None],
+    prompt: Callable[[dict], dict[str, Any]],
     logprobs: Callable[[dict], bool],
 ) -> Ask:
     if not isinstance(body, dict):
         raise InvalidParam(None, "the body must be a JSON object")
     _refuse_unsupported(body)
-    try:
-        r = _sampling(body)
-        prompt(body, r)
-        r.logprobs = logprobs(body)
-        _response_format(body, r)
-        _speculative(body, r)
-    except UnicodeEncodeError as e:  # JSON can carry lone surrogates; protobuf strings cannot
-        raise InvalidParam(None, f"the body holds text that is not valid Unicode: {e}") from None
+    r = RequestParams(
+        **_budget(body),
+        **prompt(body),
+        **_speculative(body),
+        logprobs=logprobs(body),
+        response_format=_response_format(body),
+        sampling=_sampling(body),
+    )
+    _check_text(r)
     options = _object(body, "stream_options") or {}
     return Ask(
         r,
@@ -150,28 +152,39 @@ def _refuse_unsupported(body: dict) -> None:
             raise InvalidParam(name, f"{name} is {_shown(value)}; this server {instead}")
 
 
-def _sampling(body: dict) -> pb.GenerateRequest:
-    """The budget, the sampler and the stops."""
-    r = pb.GenerateRequest(stop=_stop(body))
-    if (max_new := _max_tokens(body)) is not None:
-        r.max_new_tokens = max_new
-    temperature = _number(body, "temperature")
-    r.temperature = 1.0 if temperature is None else temperature
-    r.top_p = _number(body, "top_p") or 0.0  # 0: no cut
-    r.min_p = _number(body, "min_p") or 0.0
-    if (seed := _int(body, "seed", most=UINT64)) is not None:
-        r.seed = seed
-    r.top_k = _int(body, "top_k", least=-1, most=INT32) or 0
-    r.min_new_tokens = _int(body, "min_tokens") or 0
-    r.ignore_eos = bool(_bool(body, "ignore_eos"))
-    r.stop_token_ids.extend(_ids(_list(body, "stop_token_ids"), "stop_token_ids"))
-    r.presence_penalty = _number(body, "presence_penalty") or 0.0
-    r.frequency_penalty = _number(body, "frequency_penalty") or 0.0
-    if (repetition := _number(body, "repetition_penalty")) is not None:
-        r.repetition_penalty = repetition
-    for token, bias in _logit_bias(body).items():
-        r.logit_bias[token] = bias
-    return r
+def _budget(body: dict) -> dict[str, Any]:
+    """The budget and the stops."""
+    return {
+        "max_new_tokens": _max_tokens(body),
+        "min_new_tokens": _int(body, "min_tokens") or 0,
+        "stop": tuple(_stop(body)),
+        "stop_token_ids": tuple(_ids(_list(body, "stop_token_ids"), "stop_token_ids")),
+        "ignore_eos": bool(_bool(body, "ignore_eos")),
+    }
+
+
+def _sampling(body: dict) -> SamplingParams:
+    """Every field of `SamplingParams` the body gives, read by its name and type (the special
+    ones by `SAMPLING_READERS`); left unset, its default, but the temperature: 1 in OpenAI's
+    API."""
+    hints = get_type_hints(SamplingParams)
+    given = {}
+    for f in dataclasses.fields(SamplingParams):
+        read = SAMPLING_READERS.get(f.name) or TYPE_READERS[hints[f.name]]
+        if (value := read(body, f.name)) is not None:
+            given[f.name] = value
+    return SamplingParams(**{"temperature": 1.0, **given})
+
+
+def _check_text(r: RequestParams) -> None:
+    """JSON can carry lone surrogates; no tokenizer or chat template takes them."""
+    texts = [r.prompt, r.chat_template_kwargs, *r.stop, *(r.response_format or ())]
+    texts += [t for m in r.messages for t in (m.role, m.content)]
+    try:
+        for text in texts:
+            text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidParam(None, f"the body holds text that is not valid Unicode: {e}") from None
 
 
 def _logit_bias(body: dict) -> dict[int, float]:
@@ -219,39 +232,43 @@ def _stop(body: dict) -> list[str]:
     raise InvalidParam("stop", f"stop is {_shown(stop)}; it must be a string or a list of them")
 
 
-def _prompt(body: dict, r: pb.GenerateRequest) -> None:
+def _prompt(body: dict) -> dict[str, Any]:
     """Text, or token ids; a batch of one prompt is that prompt."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        r.prompt = prompt
-    elif isinstance(prompt, list) and all(_is_int(t) for t in prompt):
-        r.prompt_token_ids.extend(_ids(prompt, "prompt"))
-    elif isinstance(prompt, list) and all(isinstance(p, str | list) for p in prompt):
+        return {"prompt": prompt}
+    if isinstance(prompt, list) and all(_is_int(t) for t in prompt):
+        return {"prompt_token_ids": tuple(_ids(prompt, "prompt"))}
+    if isinstance(prompt, list) and all(isinstance(p, str | list) for p in prompt):
         raise InvalidParam("prompt", f"prompt holds {len(prompt)} prompts; send one a request")
-    else:
-        raise InvalidParam(
-            "prompt", f"prompt is {_shown(prompt)}; it must be text or a list of token ids"
-        )
+    raise InvalidParam(
+        "prompt", f"prompt is {_shown(prompt)}; it must be text or a list of token ids"
+    )
 
 
-def _messages(body: dict, r: pb.GenerateRequest) -> None:
+def _messages(body: dict) -> dict[str, Any]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidParam("messages", "messages must be a non-empty list of {role, content}")
+    out = []
     for i, m in enumerate(messages):
         role = m.get("role") if isinstance(m, dict) else None
         if not isinstance(role, str):
             raise InvalidParam("messages", f"messages[{i}] has no role; each needs one")
-        r.messages.add(role=role, content=_content(m.get("content"), i))
-    if (add := _bool(body, "add_generation_prompt")) is not None:
-        r.add_generation_prompt = add
-    if (kwargs := _object(body, KWARGS)) is not None:
+        out.append(ChatMessage(role, _content(m.get("content"), i)))
+    kwargs, text = _object(body, KWARGS), ""
+    if kwargs is not None:
         try:
-            r.chat_template_kwargs = json.dumps(kwargs, ensure_ascii=False)
+            text = json.dumps(kwargs, ensure_ascii=False)
         except RecursionError:
             raise InvalidParam(KWARGS, f"{KWARGS} nests too deep") from None
+    return {
+        "messages": tuple(out),
+        "add_generation_prompt": _bool(body, "add_generation_prompt"),
+        "chat_template_kwargs": text,
+    }
 
 
 def _content(content: Any, i: int) -> str:
@@ -295,30 +312,29 @@ def _chat_logprobs(body: dict) -> bool:
     return bool(_bool(body, "logprobs"))
 
 
-def _response_format(body: dict, r: pb.GenerateRequest) -> None:
+def _response_format(body: dict) -> tuple[str, str] | None:
     form = _object(body, "response_format")
     kind = None if form is None else form.get("type")
     if form is None or kind == "text":
-        return
+        return None
     if kind == "json_object":
-        r.response_format.json_schema = "{}"  # any JSON value
-    elif kind == "json_schema":
+        return ("json_schema", "{}")  # any JSON value
+    if kind == "json_schema":
         schema = (_object(form, "json_schema", "response_format.json_schema") or {}).get("schema")
         if not isinstance(schema, dict | bool):
             raise InvalidParam(
                 "response_format", "response_format.json_schema.schema must be a JSON schema"
             )
-        r.response_format.json_schema = json.dumps(schema)
-    else:
-        raise InvalidParam(
-            "response_format", f"response_format type {_shown(kind)} is unknown; use {FORMATS}"
-        )
+        return ("json_schema", json.dumps(schema))
+    raise InvalidParam(
+        "response_format", f"response_format type {_shown(kind)} is unknown; use {FORMATS}"
+    )
 
 
-def _speculative(body: dict, r: pb.GenerateRequest) -> None:
+def _speculative(body: dict) -> dict[str, Any]:
     spec = _object(body, "speculative")
     if spec is None:
-        return
+        return {}
     unknown = sorted(set(spec) - set(SPECULATIVE_KEYS))
     if unknown:
         raise InvalidParam(
@@ -332,9 +348,7 @@ def _speculative(body: dict, r: pb.GenerateRequest) -> None:
             raise InvalidParam(
                 "speculative", f"speculative.method is {_shown(method)}; use one of {names}"
             )
-        r.speculative_method = METHOD_NAMES[method]
-    if (n := _int(spec, "num_drafts", "speculative.num_drafts")) is not None:
-        r.num_drafts = n
+    return {"method": method, "num_drafts": _int(spec, "num_drafts", "speculative.num_drafts")}
 
 
 def _is_int(value: Any) -> bool:
@@ -417,3 +431,23 @@ def _shown(value: Any) -> str:
     """A value as JSON, cut short: sentences quote what the client sent."""
     text = json.dumps(value)
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _token_ids(obj: dict, key: str) -> tuple[int, ...] | None:
+    return tuple(_ids(_list(obj, key), key)) or None
+
+
+# How a `SamplingParams` field is read from a body: by its type, or, where its range or form
+# is its own, by its name.
+TYPE_READERS: dict[Any, Callable[[dict, str], Any]] = {
+    float: _number,
+    float | None: _number,
+    int: _int,
+    int | None: _int,
+    tuple[int, ...]: _token_ids,
+}
+SAMPLING_READERS: dict[str, Callable[[dict, str], Any]] = {
+    "top_k": lambda body, key: _int(body, key, least=-1, most=INT32),
+    "seed": lambda body, key: _int(body, key, most=UINT64),
+    "logit_bias": lambda body, key: _logit_bias(body) or None,
+}

@@ -32,10 +32,11 @@ from opentelemetry.trace import Link, Span, set_span_in_context
 from control_plane.scheduler import dcut
 from control_plane.scheduler.context import StepContext
 from control_plane.scheduler.metrics import REPLICA_ATTRIBUTE
-from control_plane.scheduler.seq import MTP, NONE, ActiveSeq
+from control_plane.scheduler.seq import ActiveSeq
 from control_plane.scheduler.step import step_mtp, step_width
 from control_plane.scheduler.verdict import apply_step, offsets
 from protos.model import Proposal, SequenceHandle, ServingModel, StepResult
+from protos.params import MTP, NONE
 from protos.steps import PlanResult, StepPlan, StepStream
 from protos.telemetry import tracer
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Protocol
 
 from opentelemetry.trace import SpanContext
@@ -13,11 +13,11 @@ from opentelemetry.trace import SpanContext
 from control_plane.text.detok import Detokenizer, Tokenizer
 from protos import checks
 from protos.model import FailedPrecondition, ModelError, Penalties, Sampling, SequenceHandle
+from protos.params import MTP, SamplingParams
 
 if TYPE_CHECKING:  # llguidance is imported only where grammars are compiled
     from control_plane.text.grammar import Grammar
 
-NONE, MTP, PROMPT_LOOKUP = "none", "mtp", "prompt_lookup"
 QUEUED_UPDATE_S = 0.25  # the least time between two `Queued` notices to one request
 
 
@@ -37,11 +37,7 @@ class GenRequest:
     logprobs: bool = False
     span_context: SpanContext | None = None  # the request's `generate` span, steps link to it
     grammar: Grammar | None = None  # a compiled grammar its tokens must follow
-    temperature: float = 0.0  # 0: greedy
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0  # 0: no cut
-    seed: int | None = None  # the uniforms' generator; None: an unseeded one
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     penalties: Penalties | None = None  # applied by the service to every row it judges
 
 
@@ -157,7 +153,7 @@ class ActiveSeq:
         self.grammar = req.grammar
         self.vocab_size = 0  # set at admission, from the service's capabilities
         self.drafter = True  # the model has an MTP head (a checkpoint may lack one)
-        self.rng = random.Random(req.seed)
+        self.rng = random.Random(req.sampling.seed)
         self.generated: list[int] = []
         self.finished: str | None = None
         self.failure: Failure | None = None  # a refusal that ends this request alone
@@ -172,13 +168,14 @@ class ActiveSeq:
 
     @property
     def samples(self) -> bool:
-        return self.req.temperature > 0
+        return self.req.sampling.temperature > 0
 
     def sampling(self, draws: int) -> Sampling:
-        """This request's sampling parameters with `draws` fresh uniforms."""
-        r = self.req
-        uniforms = tuple(self.rng.random() for _ in range(draws))
-        return Sampling(r.temperature, r.top_k, r.top_p, uniforms, r.min_p)
+        """This request's sampling parameters with `draws` fresh uniforms: the wire's
+        `Sampling` takes the request's knobs by name."""
+        params = self.req.sampling
+        shared = {f.name: getattr(params, f.name) for f in fields(Sampling) if f.name != "uniforms"}
+        return Sampling(**shared, uniforms=tuple(self.rng.random() for _ in range(draws)))
 
     def tell_place(self, position: int, queue_length: int, now: float) -> None:
         """Send a `Queued` notice: the first at once, later ones only as the request moves

@@ -31,9 +31,10 @@ from control_plane.scheduler.dflash import step_dflash
 from control_plane.scheduler.ladder import clamp_drafts_to_slot_capacity
 from control_plane.scheduler.metrics import REPLICA_ATTRIBUTE
 from control_plane.scheduler.prompt_lookup import offer_copy, settle_copies
-from control_plane.scheduler.seq import MTP, PROMPT_LOOKUP, ActiveSeq
+from control_plane.scheduler.seq import ActiveSeq
 from control_plane.scheduler.serial_verify import serial_verify_plan, step_verify_serial
 from protos.model import ServingModel
+from protos.params import MTP, PROMPT_LOOKUP
 from protos.telemetry import span, tracer
 
 TRACER = tracer("met.control_plane")

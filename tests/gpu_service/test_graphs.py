@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from control_plane.scheduler.seq import MTP, GenRequest
+from control_plane.scheduler.seq import GenRequest
 from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.engine import graphs
 from gpu_service.engine.facade import Engine
@@ -18,6 +18,7 @@ from gpu_service.engine.graphs import NO_GRAPHS_ENV, bucket_for, buckets, key_bu
 from gpu_service.model.config import ModelConfig, ServiceConfig
 from gpu_service.rpc.options import add_serve_args, service_config
 from protos.model import Sampling, StepResult
+from protos.params import MTP
 from tests.collect import run_all
 
 SVC = ServiceConfig(verify_tiers="8:3,4:2", max_context=256)

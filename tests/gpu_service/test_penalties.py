@@ -17,7 +17,7 @@ from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
 from control_plane.cli import generate
 from control_plane.cli.main import build_parser
-from control_plane.scheduler.seq import MTP, NONE, PROMPT_LOOKUP, GenRequest
+from control_plane.scheduler.seq import GenRequest
 from gpu_service.engine.facade import Engine
 from gpu_service.engine.penalties import penalize
 from gpu_service.engine.sequence import SeqState
@@ -27,6 +27,7 @@ from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import model_pb2 as model_pb
 from protos.met.v1.model_pb2 import AllocSequenceRequest
 from protos.model import InvalidArgument, Penalties
+from protos.params import MTP, NONE, PROMPT_LOOKUP, SamplingParams
 from tests.collect import run_all, serving
 from tests.conftest import TINY_SERVICE, random_tokens
 from tests.hf_checkpoint import BASE
@@ -230,7 +231,12 @@ def test_a_sampled_request_never_draws_a_banned_token(tiny_dir: Path, rng: torch
     prompt = random_tokens(rng, 20, vocab=60)
     with serving(tiny_dir, TINY_SERVICE) as s:
         (free,) = run_all(
-            s, [GenRequest("free", tuple(prompt), 32, ignore_eos=True, temperature=0.7, seed=3)]
+            s,
+            [
+                GenRequest(
+                    "free", tuple(prompt), 32, ignore_eos=True, sampling=SamplingParams(0.7, seed=3)
+                )
+            ],
         )
         common = Counter(free.tokens).most_common(2)
         banned = tuple(sorted(t for t, _ in common))
@@ -243,8 +249,7 @@ def test_a_sampled_request_never_draws_a_banned_token(tiny_dir: Path, rng: torch
                 tuple(prompt),
                 32,
                 ignore_eos=True,
-                temperature=0.7,
-                seed=seed,
+                sampling=SamplingParams(0.7, seed=seed),
                 penalties=pen,
             )
             for seed in range(3)

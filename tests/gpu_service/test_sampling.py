@@ -13,12 +13,13 @@ import torch
 
 from control_plane.scheduler.env import Env
 from control_plane.scheduler.loop import Scheduler, SchedulerOptions
-from control_plane.scheduler.seq import MTP, NONE, GenRequest
+from control_plane.scheduler.seq import GenRequest
 from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.engine.facade import Engine
 from gpu_service.engine.sampling import distribution, draw, row_draws
 from gpu_service.model.config import ServiceConfig
 from protos.model import Sampling
+from protos.params import MTP, NONE, SamplingParams
 from tests.collect import run_all
 
 TOK = ByteTokenizer.default()
@@ -60,7 +61,13 @@ def test_min_p_of_one_samples_the_greedy_tokens(tiny_dir: Path) -> None:
         prompt = (72, 105, 33, 10, 100)
         greedy = GenRequest("g", prompt, 24, method=NONE, ignore_eos=True)
         cut = [
-            GenRequest(f"c{i}", prompt, 24, temperature=0.9, min_p=1.0, seed=i, ignore_eos=True)
+            GenRequest(
+                f"c{i}",
+                prompt,
+                24,
+                ignore_eos=True,
+                sampling=SamplingParams(0.9, min_p=1.0, seed=i),
+            )
             for i in range(2)
         ]
         want, *got = (o.tokens for o in run_all(s, [greedy, *cut]))
@@ -94,9 +101,7 @@ def _first_tokens(engine: Engine, method: str, n: int) -> list[list[int]]:
                 (72, 105, 33),
                 4,
                 method=method,
-                temperature=0.7,
-                top_k=3,
-                seed=i,
+                sampling=SamplingParams(0.7, top_k=3, seed=i),
                 ignore_eos=True,
             )
             for i in range(n)
@@ -148,7 +153,11 @@ def test_rejection_verdict_accepts_and_falls() -> None:
     from protos.handles import RowDraws
 
     a = ActiveSeq(
-        GenRequest("x", (1,), 5, temperature=1.0, seed=0), lambda ev: None, TOK, (257,), 64
+        GenRequest("x", (1,), 5, sampling=SamplingParams(1.0, seed=0)),
+        lambda ev: None,
+        TOK,
+        (257,),
+        64,
     )
     sure = [RowDraws(1.0, 7, 8), RowDraws(1.0, 9, 10), RowDraws(0.0, 11, 12)]
     assert _rejection(a, [1, 2, 3], [0.5, 0.5], sure) == (2, 12), "p/q >= 1: all stand"

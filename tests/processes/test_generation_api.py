@@ -22,11 +22,11 @@ from control_plane.replicas.client import GrpcModel
 from control_plane.scheduler.env import Env
 from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.options import SchedulerOptions
-from control_plane.scheduler.seq import MTP, NONE
 from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.engine.facade import Engine
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
+from protos.params import MTP, NONE
 from tests.collect import run_all
 from tests.conftest import SERVE_ARGS, TINY_SERVICE
 from tests.control_plane.scheduler.test_loop import mixed_requests

@@ -24,12 +24,13 @@ from control_plane.cli.launch import start_control_plane, start_gpu_service, sto
 from control_plane.scheduler.env import Env
 from control_plane.scheduler.loop import Scheduler, SchedulerOptions
 from control_plane.scheduler.metrics import Metrics
-from control_plane.scheduler.seq import MTP, GenRequest
+from control_plane.scheduler.seq import GenRequest
 from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.engine.facade import Engine
 from gpu_service.model.config import ServiceConfig
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
+from protos.params import MTP
 from tests.collect import Outcome
 from tests.conftest import SERVE_ARGS
 from tests.otlp_receiver import Receiver

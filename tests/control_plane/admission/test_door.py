@@ -15,12 +15,12 @@ from control_plane.admission.door import Admission, BadRequest, to_request
 from control_plane.cli.main import build_parser
 from control_plane.cli.server import admission
 from control_plane.scheduler.loop import Scheduler
-from control_plane.scheduler.seq import MTP
 from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.engine.facade import Engine
 from gpu_service.model.config import ServiceConfig
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
+from protos.params import MTP, RequestParams
 from tests.servers import serving
 
 SERVICE = ServiceConfig(verify_tiers="4:3", max_context=256)  # drafts 1..3; tiny vocab: 320
@@ -171,10 +171,10 @@ def test_the_prompt_bound_counts_utf8_bytes(api: Api) -> None:
     caps, tokenizer = api.scheduler.capabilities(), ByteTokenizer.default()
     door = Admission(max_prompt_bytes=4)
     for prompt in ("abcd", "éé"):
-        assert to_request(pb.GenerateRequest(prompt=prompt), tokenizer, caps, door, "r")
+        assert to_request(RequestParams(prompt=prompt), tokenizer, caps, door, "r")
     for prompt in ("abcde", "ééa"):
         with pytest.raises(BadRequest, match="bytes; this server takes at most 4"):
-            to_request(pb.GenerateRequest(prompt=prompt), tokenizer, caps, door, "r")
+            to_request(RequestParams(prompt=prompt), tokenizer, caps, door, "r")
 
 
 def test_a_healthy_stream_runs_on_beside_bad_requests(api: Api) -> None:

@@ -14,10 +14,11 @@ from control_plane.benchmarks.workload import Workload
 from control_plane.scheduler.env import Env
 from control_plane.scheduler.loop import Scheduler, SchedulerOptions
 from control_plane.scheduler.prefix_cache import PrefixCache
-from control_plane.scheduler.seq import MTP, GenRequest
+from control_plane.scheduler.seq import GenRequest
 from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.engine.facade import Engine
 from gpu_service.model.config import ServiceConfig
+from protos.params import MTP
 
 # Two whole blocks of system prompt, two measured requests sent together, two chats of two
 # turns whose first prompt leaves a whole block to snapshot.

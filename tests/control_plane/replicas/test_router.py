@@ -24,12 +24,13 @@ from control_plane.scheduler.loop import Joins, Scheduler
 from control_plane.scheduler.metrics import Metrics
 from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.prefix_cache import PrefixCache
-from control_plane.scheduler.seq import NONE, GenRequest
+from control_plane.scheduler.seq import GenRequest
 from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.engine.facade import Engine
 from gpu_service.model.config import ServiceConfig
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
+from protos.params import NONE
 from tests.collect import Outcome
 from tests.conftest import SERVE_ARGS
 from tests.fake_model import FakeModel

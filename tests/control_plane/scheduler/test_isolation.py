@@ -12,12 +12,13 @@ import grpc
 from control_plane.scheduler.env import Env
 from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.options import SchedulerOptions
-from control_plane.scheduler.seq import MTP, GenRequest
+from control_plane.scheduler.seq import GenRequest
 from control_plane.text.grammar import GrammarCompiler
 from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.engine.facade import Engine
 from gpu_service.model.config import ServiceConfig
 from protos.model import FailedPrecondition, ResourceExhausted
+from protos.params import MTP
 from tests.collect import Outcome, run_all
 from tests.fake_model import FakeModel
 

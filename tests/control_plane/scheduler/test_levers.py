@@ -17,11 +17,12 @@ from control_plane.scheduler.ladder import Ladder
 from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.prompt_lookup import find_copy
-from control_plane.scheduler.seq import MTP, NONE, PROMPT_LOOKUP, ActiveSeq, GenRequest
+from control_plane.scheduler.seq import ActiveSeq, GenRequest
 from control_plane.scheduler.step import step_mtp
 from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.engine.facade import Engine
 from gpu_service.model.config import ServiceConfig
+from protos.params import MTP, NONE, PROMPT_LOOKUP
 from tests.collect import run_all
 from tests.control_plane.scheduler.test_step import NO_ENV, seqs
 from tests.fake_model import FakeModel, counting_oracle

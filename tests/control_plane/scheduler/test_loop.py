@@ -12,11 +12,12 @@ import pytest
 from control_plane.scheduler.env import Env
 from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.options import SchedulerOptions
-from control_plane.scheduler.seq import MTP, NONE, GenRequest
+from control_plane.scheduler.seq import GenRequest
 from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.engine.facade import Engine
 from gpu_service.model.config import ServiceConfig
 from protos.model import ResourceExhausted
+from protos.params import MTP, NONE
 from tests.collect import Outcome, run_all
 from tests.fake_model import FakeModel, counting_oracle, perfect_drafter
 

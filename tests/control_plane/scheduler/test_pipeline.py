@@ -18,11 +18,12 @@ import pytest
 from control_plane.scheduler.env import Env
 from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.options import SchedulerOptions
-from control_plane.scheduler.seq import MTP, NONE, PROMPT_LOOKUP, Delta, GenRequest
+from control_plane.scheduler.seq import Delta, GenRequest
 from control_plane.text.grammar import GrammarCompiler
 from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.engine.facade import Engine
 from gpu_service.model.config import ServiceConfig
+from protos.params import MTP, NONE, PROMPT_LOOKUP, SamplingParams
 from protos.steps import StepPlan
 from tests.collect import Outcome
 
@@ -150,7 +151,9 @@ def test_grammars_mixed_in_keep_every_output(engine: Engine, tiny_dir: Path) -> 
 
 def test_a_seeded_sampled_request_repeats(engine: Engine) -> None:
     def reqs() -> list[GenRequest]:
-        sampled = GenRequest("s", (70, 71, 72), 24, method=MTP, temperature=0.8, seed=5)
+        sampled = GenRequest(
+            "s", (70, 71, 72), 24, method=MTP, sampling=SamplingParams(0.8, seed=5)
+        )
         return [sampled, *requests(6, seed=4)]
 
     first, second = serve(engine, reqs(), True), serve(engine, reqs(), True)

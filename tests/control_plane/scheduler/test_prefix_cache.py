@@ -15,18 +15,11 @@ from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.prefill import chunk_length
 from control_plane.scheduler.prefix_cache import PrefixCache
-from control_plane.scheduler.seq import (
-    MTP,
-    NONE,
-    PROMPT_LOOKUP,
-    ActiveSeq,
-    Event,
-    Finish,
-    GenRequest,
-)
+from control_plane.scheduler.seq import ActiveSeq, Event, Finish, GenRequest
 from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.engine.facade import Engine
 from gpu_service.model.config import ServiceConfig
+from protos.params import MTP, NONE, PROMPT_LOOKUP
 from tests.collect import Outcome, run_all, serving
 
 TOK = ByteTokenizer.default()

@@ -18,11 +18,12 @@ from control_plane.replicas.client import GrpcModel
 from control_plane.scheduler.env import Env
 from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.options import SchedulerOptions
-from control_plane.scheduler.seq import MTP, NONE, PROMPT_LOOKUP, Delta, Event, GenRequest
+from control_plane.scheduler.seq import Delta, Event, GenRequest
 from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.engine.facade import Engine
 from gpu_service.model.config import ServiceConfig
 from protos.model import CircuitModel
+from protos.params import MTP, NONE, PROMPT_LOOKUP
 from tests.collect import Outcome
 from tests.servers import capability_within
 

@@ -17,10 +17,11 @@ from control_plane.scheduler.env import Env
 from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.pressure import Pool
-from control_plane.scheduler.seq import MTP, NONE, ActiveSeq, GenRequest
+from control_plane.scheduler.seq import ActiveSeq, GenRequest
 from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.model.config import ServiceConfig
 from protos.handles import SequenceHandle
+from protos.params import MTP, NONE
 from tests.collect import Outcome, run_all, serving
 from tests.servers import capability_within
 

@@ -17,11 +17,12 @@ from control_plane.scheduler.cost_model import CostTable
 from control_plane.scheduler.env import Env
 from control_plane.scheduler.ladder import Ladder, clamp_drafts_to_slot_capacity
 from control_plane.scheduler.options import SchedulerOptions
-from control_plane.scheduler.seq import MTP, NONE, ActiveSeq, GenRequest
+from control_plane.scheduler.seq import ActiveSeq, GenRequest
 from control_plane.scheduler.serial_verify import serial_verify_plan
 from control_plane.scheduler.step import step_mtp
 from control_plane.scheduler.verdict import accepted
 from control_plane.text.tokenizer import ByteTokenizer
+from protos.params import MTP, NONE
 from tests.fake_model import FakeModel, counting_oracle
 
 NO_ENV = SchedulerOptions()  # the defaults, untouched by any METRALE_* switch

@@ -14,9 +14,10 @@ from control_plane.replicas.client import GrpcModel
 from control_plane.scheduler.env import Env
 from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.options import SchedulerOptions
-from control_plane.scheduler.seq import MTP, GenRequest
+from control_plane.scheduler.seq import GenRequest
 from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.engine.facade import Engine
+from protos.params import MTP
 from tests.collect import run_all
 from tests.conftest import TINY_SERVICE
 from tests.servers import model_server

@@ -26,6 +26,7 @@ from gpu_service.engine.facade import Engine
 from protos.defaults import DEFAULT_MODEL_DIR
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
+from protos.params import from_pb
 from tests.conftest import TINY_SERVICE
 from tests.servers import serving
 
@@ -274,7 +275,7 @@ def test_chat_tokens_match_transformers(api: Api, tiny_dir: Path) -> None:
     caps = api.scheduler.capabilities()
     request = pb.GenerateRequest(messages=messages(CHAT[:2]))
     chat = ChatTemplate.from_files(tokenization.files)
-    req = to_request(request, tokenization.tokenizer, caps, Admission(), "r", chat=chat)
+    req = to_request(from_pb(request), tokenization.tokenizer, caps, Admission(), "r", chat=chat)
     hf = PreTrainedTokenizerFast.from_pretrained(tiny_dir)
     want = hf.apply_chat_template(CHAT[:2], add_generation_prompt=True)["input_ids"]
     assert list(req.prompt_ids) == want and want[0] == hf.bos_token_id
@@ -289,10 +290,12 @@ def test_the_rendered_chat_is_held_to_the_prompt_bound(api: Api, tiny_dir: Path)
     for bound in (size, size - 1):
         admission = Admission(max_prompt_bytes=bound)
         if bound == size:
-            assert to_request(request, tokenization.tokenizer, caps, admission, "r", chat=chat)
+            assert to_request(
+                from_pb(request), tokenization.tokenizer, caps, admission, "r", chat=chat
+            )
             continue
         with pytest.raises(BadRequest) as caught:
-            to_request(request, tokenization.tokenizer, caps, admission, "r", chat=chat)
+            to_request(from_pb(request), tokenization.tokenizer, caps, admission, "r", chat=chat)
         assert str(caught.value) == (
             f"the rendered chat is {size} bytes; this server takes at most {size - 1}"
         )

@@ -26,6 +26,7 @@ from control_plane.text.chat import SERVER_SET, TEMPLATE_FILE, ChatTemplate, par
 from control_plane.text.tokenizer import Tokenization
 from gpu_service.engine.facade import Engine
 from protos.met.v1 import generate_pb2 as pb
+from protos.params import from_pb
 from tests.control_plane.fronts.test_openai_http import KEY, ONE_SLOT, Fronts, serving
 from tests.control_plane.text.test_chat import CHAT, QWEN3, both, messages, save_checkpoint
 
@@ -115,7 +116,7 @@ def test_the_door_tokenizes_transformers_rendering(fronts: Fronts, qwen3_dir: Pa
     )
     chat = ChatTemplate.from_files(tokenization.files)
     caps = fronts.engine.capabilities()
-    req = to_request(request, tokenization.tokenizer, caps, Admission(), "r", chat=chat)
+    req = to_request(from_pb(request), tokenization.tokenizer, caps, Admission(), "r", chat=chat)
     assert list(req.prompt_ids) == hf_ids(qwen3_dir, TURN, **OFF) != hf_ids(qwen3_dir, TURN)
 
 

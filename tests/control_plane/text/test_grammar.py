@@ -16,13 +16,14 @@ from control_plane.admission.door import BadRequest, Door
 from control_plane.scheduler.context import StepContext
 from control_plane.scheduler.env import Env
 from control_plane.scheduler.loop import Scheduler, SchedulerOptions
-from control_plane.scheduler.seq import MTP, GenRequest
+from control_plane.scheduler.seq import GenRequest
 from control_plane.scheduler.step import step_mtp
 from control_plane.text.grammar import GrammarCompiler
 from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.engine.facade import Engine
 from gpu_service.model.config import ServiceConfig
 from protos.met.v1 import generate_pb2 as pb
+from protos.params import MTP, from_pb
 from tests.collect import run_all
 from tests.control_plane.scheduler.test_step import seqs
 from tests.fake_model import FakeModel
@@ -150,7 +151,7 @@ class Submitted:
 
 
 def convert(door: Door, request: pb.GenerateRequest) -> GenRequest:
-    asyncio.run(door.enter(request, "k", INVALID_SPAN))
+    asyncio.run(door.enter(from_pb(request), "k", INVALID_SPAN))
     return door.scheduler.got[-1]  # type: ignore[attr-defined]
 
 

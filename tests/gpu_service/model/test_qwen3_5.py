@@ -175,7 +175,7 @@ def _served_tokens(engine: Engine, method: str) -> tuple[list[list[int]], int]:
 
 
 def test_the_fp8_copy_loads_and_mtp_is_none(made: dict, tmp_path: Path) -> None:
-    from control_plane.scheduler.seq import MTP, NONE
+    from protos.params import MTP, NONE
 
     src, dst = made["moe"][0], tmp_path / "fp8"
     met(["quantize", "--fp8-block", "128", str(src), str(dst)])
@@ -265,9 +265,10 @@ def test_prefix_cache_paged_kv_and_penalties_change_no_greedy_token(made: dict) 
     from control_plane.scheduler.env import Env
     from control_plane.scheduler.loop import Scheduler
     from control_plane.scheduler.options import SchedulerOptions
-    from control_plane.scheduler.seq import MTP, NONE, GenRequest
+    from control_plane.scheduler.seq import GenRequest
     from control_plane.text.tokenizer import ByteTokenizer
     from protos.model import Penalties
+    from protos.params import MTP, NONE
     from tests.collect import run_all
 
     svc = replace(SERVICE, kv_blocks=12, prefix_snapshots=4)
