@@ -90,9 +90,9 @@ def acceptance(model_dir: Path, prompts: list[str], tokens: int, concurrency: in
     ladder, no D-Cut): mean accepted length per verify (bonus token included) and acceptance
     at each draft position, over all prompts."""
     from control_plane.benchmarks.workload import FIXED_DRAFTS, serve_texts
-    from control_plane.scheduler.seq import MTP
     from gpu_service.engine.facade import Engine
     from gpu_service.model.config import ServiceConfig
+    from protos.params import MTP
 
     torch.set_num_threads(1)
     engine = Engine(model_dir, ServiceConfig())
