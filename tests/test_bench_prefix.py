@@ -8,9 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from control_plane.benchmarks import prefix as bench
-from control_plane.benchmarks.prefix import Sizes, prefix, prefix_lines, prefix_table, serve
-from control_plane.benchmarks.workload import Workload
 from control_plane.scheduler.env import Env
 from control_plane.scheduler.loop import Scheduler, SchedulerOptions
 from control_plane.scheduler.prefix_cache import PrefixCache
@@ -18,6 +15,9 @@ from control_plane.scheduler.seq import MTP, GenRequest
 from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.config import ServiceConfig
 from gpu_service.engine import Engine
+from tools.bench import prefix as bench
+from tools.bench.prefix import Sizes, prefix, prefix_lines, prefix_table, serve
+from tools.bench.workload import Workload
 
 # Two whole blocks of system prompt, two measured requests sent together, two chats of two
 # turns whose first prompt leaves a whole block to snapshot.

@@ -16,12 +16,12 @@ import torch
 from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
 from control_plane.cli import generate
-from control_plane.cli.main import build_parser
 from control_plane.scheduler.seq import MTP, NONE, PROMPT_LOOKUP, GenRequest
 from gpu_service.config import ServiceConfig
 from gpu_service.engine import Engine
 from gpu_service.penalties import penalize
 from gpu_service.sequence import SeqState
+from met.main import build_parser
 from protos.convert import penalties_from_pb
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import model_pb2 as model_pb

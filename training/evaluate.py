@@ -89,10 +89,10 @@ def acceptance(model_dir: Path, prompts: list[str], tokens: int, concurrency: in
     """The MTP drafter under the real scheduler, in process, 3 drafts at every verify (no
     ladder, no D-Cut): mean accepted length per verify (bonus token included) and acceptance
     at each draft position, over all prompts."""
-    from control_plane.benchmarks.workload import FIXED_DRAFTS, serve_texts
     from control_plane.scheduler.seq import MTP
     from gpu_service.config import ServiceConfig
     from gpu_service.engine import Engine
+    from tools.bench.workload import FIXED_DRAFTS, serve_texts
 
     torch.set_num_threads(1)
     engine = Engine(model_dir, ServiceConfig())
