@@ -16,6 +16,8 @@ COPY gpu_service gpu_service
 COPY control_plane control_plane
 COPY kernels kernels
 COPY training training
+COPY tools tools
+COPY met met
 RUN python3 -m venv .venv && .venv/bin/pip install --no-cache-dir \
         --extra-index-url "$TORCH_INDEX_URL" -e .
 ENV PATH=/app/.venv/bin:$PATH

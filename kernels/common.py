@@ -20,7 +20,7 @@ ROW_TILE = 4
 
 def interpreted(x: torch.Tensor) -> bool:
     """Whether a kernel given `x` runs in Triton's interpreter: on CPU tensors. A GPU's tensors
-    (and `meta` ones, which kernels.report compiles for a GPU) take the compiled path, where a
+    (and `meta` ones, which tools.kernel_report compiles for a GPU) take the compiled path, where a
     low-precision `tl.dot` is exact; the interpreter's is not, so kernels upcast there first."""
     return x.device.type == "cpu"
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from gpu_service.model.config import LAYER_PATTERN, ModelConfig
 
 # Qwen/Qwen3-Next-80B-A3B-Instruct's config.json, the fields a plan or a loader reads; the
-# committed copy is what `met gpu-service plan` and `python -m kernels.report` read too.
+# committed copy is what `met gpu-service plan` and `python -m tools.kernel_report` read too.
 FLAGSHIP_CONFIG = (
     Path(__file__).resolve().parents[1] / "gpu_service/models/qwen3-next-80b-a3b/config.json"
 )

@@ -89,10 +89,10 @@ def acceptance(model_dir: Path, prompts: list[str], tokens: int, concurrency: in
     """The MTP drafter under the real scheduler, in process, 3 drafts at every verify (no
     ladder, no D-Cut): mean accepted length per verify (bonus token included) and acceptance
     at each draft position, over all prompts."""
-    from control_plane.benchmarks.workload import FIXED_DRAFTS, serve_texts
     from gpu_service.engine.facade import Engine
     from gpu_service.model.config import ServiceConfig
     from protos.params import MTP
+    from tools.bench.workload import FIXED_DRAFTS, serve_texts
 
     torch.set_num_threads(1)
     engine = Engine(model_dir, ServiceConfig())

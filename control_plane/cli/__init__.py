@@ -1,3 +1,3 @@
-"""The command line: `met` and its subcommands (`main`), the processes it starts and stops
-(`launch`, `up`), the control plane's server (`server`) and the generation client
-(`generate`)."""
+"""The control plane's commands, which `met` (the top-level `met` package) dispatches to: the
+processes they start and stop (`launch`, `up`), the control plane's server (`server`) and the
+generation client (`generate`)."""

@@ -70,7 +70,7 @@ def start(
 ) -> tuple[subprocess.Popen, str]:
     """The child and its gRPC address; the lines it printed before that one go to `seen`
     (other addresses it announces: metrics, the HTTP API)."""
-    cmd = [sys.executable, "-m", "control_plane.cli.main", process, "serve", *args]
+    cmd = [sys.executable, "-m", "met", process, "serve", *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     for line in proc.stdout:

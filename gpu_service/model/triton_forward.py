@@ -79,7 +79,7 @@ class TritonOps(EagerOps):
         """The batch-invariant GEMM on a GPU, where cuBLAS picks its kernel by the row count.
         On the CPU the tiled torch product stays: it is batch invariant there already (see
         `gpu_service/model/ops.py`), and the interpreted GEMM would cost the suite minutes.
-        `meta` takes the GPU's path: `kernels.report` catches the launches there. FP8 weights
+        `meta` takes the GPU's path: `tools.kernel_report` catches the launches there. FP8 weights
         go to the block-scaled FP8 GEMM (`kernels/fp8/triton.py`)."""
         if x.device.type == "cpu":
             return super().linear(x, weight_t, tile)

@@ -23,7 +23,7 @@ order and the runs added in order, by the program itself past one row tile and b
 GEMM's split-summing kernel (from a fp32 workspace) within one.
 
 The product runs on the FP8 tensor cores where there are some (sm_89 and later; also on `meta`
-tensors, which `kernels.report` compiles for sm_90 and sm_100). sm_80 has neither FP8 MMA nor
+tensors, which `tools.kernel_report` compiles for sm_90 and sm_100). sm_80 has neither FP8 MMA nor
 e4m3 conversions: there the bytes are decoded by integer arithmetic into fp16, exactly (every
 e4m3 value is a normal fp16 one), the activations rounded to e4m3 by fp32 arithmetic, and the
 tensor cores multiply fp16. The interpreter does the same in fp32, whose `tl.dot` is exact there
@@ -106,14 +106,14 @@ def dot_for(capability: tuple[int, int]) -> str:
     return "fp8" if capability >= (8, 9) else "fp16"
 
 
-# What a launch binds by the GPU it runs on, for `kernels.compiling` to compile a launch caught
+# What a launch binds by the GPU it runs on, for `tools.compiling` to compile a launch caught
 # on `meta` for each target: an sm_80 multiplies in fp16.
 ARCH_CONSTEXPRS = {"DOT": lambda arch: dot_for(divmod(arch, 10))}
 
 
 def dot_of(x: torch.Tensor) -> str:
     """What `tl.dot` multiplies for a kernel given `x`: fp32 interpreted, and on `meta` (which
-    `kernels.report` compiles for sm_90 and sm_100) what an sm_90 multiplies."""
+    `tools.kernel_report` compiles for sm_90 and sm_100) what an sm_90 multiplies."""
     if interpreted(x):
         return "fp32"
     if x.device.type == "cuda":

@@ -26,7 +26,7 @@ from kernels.moe.naive import Aligned
 FP8_GATE_UP_TILE = (64, BLOCK)
 FP8_DOWN_TILE = (128, BLOCK)
 FP8_NUM_WARPS = 8
-# What a launch binds by the GPU it runs on (`kernels.compiling` compiles a launch caught on
+# What a launch binds by the GPU it runs on (`tools.compiling` compiles a launch caught on
 # `meta` for each target with it): the FP8 GEMM's, whose quantizing and operands these share.
 ARCH_CONSTEXPRS = fp8_gemm.ARCH_CONSTEXPRS
 

@@ -1,4 +1,4 @@
-"""What the kernels compile to, beside what they measured: `kernels.report` for this device's
+"""What the kernels compile to, beside what they measured: `tools.kernel_report` for this device's
 own architecture at the flagship's shapes (the figures the CPU-only machines commit in
 docs/kernel_report.json), and, on a GPU, the registers and spills of every kernel this check
 actually loaded, read from Triton's caches, with the times the speed and MoE sections
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from kernels.report import KERNEL_MODULES
 from scripts.gpu_check.settings import ROOT, Settings
+from tools.kernel_report import KERNEL_MODULES
 
 # The figures of the report's other sections that time each kernel (section, key).
 MEASURED = {
@@ -82,7 +82,7 @@ def check_compiled(settings: Settings, device: torch.device, report: dict) -> di
             [
                 sys.executable,
                 "-m",
-                "kernels.report",
+                "tools.kernel_report",
                 "--target",
                 target,
                 "--shapes",
@@ -98,7 +98,7 @@ def check_compiled(settings: Settings, device: torch.device, report: dict) -> di
             timeout=900,
         )
         if run.returncode != 0:
-            raise RuntimeError(f"kernels.report exited {run.returncode}: {run.stderr[-2000:]}")
+            raise RuntimeError(f"tools.kernel_report exited {run.returncode}: {run.stderr[-2000:]}")
         compiled = json.loads(out.read_text())
     shape = compiled["shapes"]["qwen3-next-80b"]
     loaded = loaded_kernels() if device.type == "cuda" else {}

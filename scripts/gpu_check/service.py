@@ -174,7 +174,7 @@ def _diff(gpu: str, settings: Settings, mtp: bool) -> dict:
     ]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "diff.json"
-        cmd = [sys.executable, "-m", "control_plane.cli.main", "circuit", "diff", *flags]
+        cmd = [sys.executable, "-m", "met", "circuit", "diff", *flags]
         cmd += ["--gpu-service", gpu, "--out", str(out)]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=DIFF_TIMEOUT_S)
         if not out.exists():

@@ -286,7 +286,7 @@ def check_bench(settings: Settings, device: torch.device) -> dict:
         }
     out = settings.out.parent / "bench_quick.json"
     done = subprocess.run(
-        [sys.executable, "-m", "control_plane.cli.main", "bench", "--quick", "--out", str(out)],
+        [sys.executable, "-m", "met", "bench", "--quick", "--out", str(out)],
         capture_output=True,
         text=True,
         cwd=ROOT,

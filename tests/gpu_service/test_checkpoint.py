@@ -10,11 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from control_plane.cli.main import main
 from control_plane.text.tokenizer import ByteTokenizer, load_tokenizer
 from gpu_service.engine.facade import Engine
 from gpu_service.model.config import ModelConfig, ServiceConfig, parse_tiers
 from gpu_service.model.weights import init_weights, load_weights, weight_shapes
+from met.main import main
 from protos.defaults import DEFAULT_MODEL_DIR
 from tests.conftest import TINY
 from training.checkpoint import init_model

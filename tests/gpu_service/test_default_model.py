@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from control_plane.benchmarks.workload import FIXED_DRAFTS, serve_texts
 from control_plane.text.tokenizer import HFTokenizer, load_tokenizer
 from gpu_service.engine.facade import Engine
 from gpu_service.model.config import ModelConfig, ServiceConfig
@@ -18,6 +17,7 @@ from gpu_service.model.weights import WEIGHTS_FILE
 from protos.defaults import DEFAULT_MODEL_DIR
 from protos.params import MTP, NONE
 from tests.conftest import TRAINED
+from tools.bench.workload import FIXED_DRAFTS, serve_texts
 from training.evaluate import PROMPTS_FILE, load_prompts, looks_like_python
 
 # Slow: serves the bundled checkpoint end to end.

@@ -78,7 +78,7 @@ def test_serve_refuses_a_missing_device_before_loading() -> None:
     # No CUDA for the child even on a GPU machine; a model directory that does not exist
     # shows that nothing was loaded before the refusal.
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [sys.executable, "-m", "control_plane.cli.main", "gpu-service", "serve"]
+    cmd = [sys.executable, "-m", "met", "gpu-service", "serve"]
     args = ["--device", "cuda", "--port", "0", "--model", "/nonexistent/model"]
     done = subprocess.run(cmd + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2

@@ -1,4 +1,4 @@
-"""`python -m gpu_service.moe_bench` at tiny sizes: every figure in its JSON, and the dense path
+"""`python -m tools.moe_bench` at tiny sizes: every figure in its JSON, and the dense path
 it swaps in giving the routed path's logits byte for byte."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from gpu_service import moe_bench
 from gpu_service.engine.facade import Engine
 from tests.steps import logit_rows, verify
+from tools import moe_bench
 
 
 def test_json_has_every_figure(capsys: pytest.CaptureFixture[str]) -> None:

@@ -16,12 +16,12 @@ import torch
 from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
 from control_plane.cli import generate
-from control_plane.cli.main import build_parser
 from control_plane.scheduler.seq import GenRequest
 from gpu_service.engine.facade import Engine
 from gpu_service.engine.penalties import penalize
 from gpu_service.engine.sequence import SeqState
 from gpu_service.model.config import ServiceConfig
+from met.main import build_parser
 from protos.convert import penalties_from_pb
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import model_pb2 as model_pb

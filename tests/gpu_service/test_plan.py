@@ -15,7 +15,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from control_plane.cli.main import build_parser, main
 from gpu_service.engine.facade import Engine
 from gpu_service.memory import plan, plan_graphs, plan_report
 from gpu_service.model.config import ModelConfig, ServiceConfig
@@ -26,6 +25,7 @@ from gpu_service.rpc import server
 from gpu_service.rpc.options import parse_bytes
 from gpu_service.tp import shard
 from gpu_service.tp.ranks import Launch, launch
+from met.main import build_parser, main
 from protos.defaults import DEFAULT_MODEL_DIR
 from tests.conftest import TINY_SERVICE
 from tests.flagship import QWEN3_NEXT_80B
@@ -310,7 +310,7 @@ def test_serve_plans_before_it_loads(tiny_dir: Path, capsys: pytest.CaptureFixtu
 # Slow: starts a GPU service process.
 @pytest.mark.slow
 def test_serve_refuses_a_plan_that_does_not_fit(tiny_dir: Path) -> None:
-    cmd = [sys.executable, "-m", "control_plane.cli.main", "gpu-service", "serve", "--port", "0"]
+    cmd = [sys.executable, "-m", "met", "gpu-service", "serve", "--port", "0"]
     args = ["--model", str(tiny_dir), "--device", "cpu", "--device-memory", "2MB"]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     done = subprocess.run(

@@ -15,12 +15,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from control_plane.cli.main import main as met
 from gpu_service.engine.facade import Engine
 from gpu_service.model.config import ServiceConfig
 from gpu_service.model.hybrid import held_bytes
 from gpu_service.model.weights import WEIGHTS_FILE, checkpoint_index
 from kernels.fp8.naive import FP8, BlockFp8, dequantize_blocks
+from met.main import main as met
 from protos.defaults import DEFAULT_MODEL_DIR
 from tests.control_plane.circuit.test_verify_batch import args
 from tests.flagship import MINI_FLAGSHIP
@@ -266,7 +266,7 @@ def _serve_status(directory: Path) -> tuple[int, str]:
         [
             sys.executable,
             "-m",
-            "control_plane.cli.main",
+            "met",
             "gpu-service",
             "serve",
             "--model",

@@ -1,4 +1,5 @@
-"""Every kernel of the triton forward compiled for a GPU on this CPU (`python -m kernels.report`):
+"""Every kernel of the triton forward compiled for a GPU on this CPU
+(`python -m tools.kernel_report`):
 no spills and shared memory within a block's (227 KB on sm_90 and sm_100, 163 KB on sm_80) at
 the flagship's shapes for sm_90 (its FP8 checkpoint's own kernels for sm_90 and sm_100) and at
 the default model's for sm_80, sm_90 and sm_100, and enough programs at one sequence to fill an
@@ -14,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from kernels.attention import splits
-from kernels.report import ROOT, problems
 from tests.flagship import QWEN3_NEXT_80B
+from tools.kernel_report import ROOT, problems
 
 SMS = 132  # an H100's or H200's streaming multiprocessors
 # The FP8 checkpoint's own kernels: the block-scaled GEMM, its activation quantizer (past one
@@ -24,7 +25,7 @@ FP8_KERNELS = ("_fp8_matmul_kernel", "_quantize_kernel", "_gate_up_fp8_kernel", 
 
 
 def _report(tmp: Path, name: str, *args: str) -> subprocess.Popen[str]:
-    cmd = [sys.executable, "-m", "kernels.report", "--jobs", "1", "--json", str(tmp / name)]
+    cmd = [sys.executable, "-m", "tools.kernel_report", "--jobs", "1", "--json", str(tmp / name)]
     return subprocess.Popen(
         [*cmd, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )

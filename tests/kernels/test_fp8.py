@@ -281,7 +281,7 @@ def test_bad_inputs_are_refused() -> None:
 
 
 def test_what_the_dot_multiplies() -> None:
-    """e4m3 on sm_89 and later and on `meta` (compiled for sm_90 and sm_100 by kernels.report),
+    """e4m3 on sm_89 and later and on `meta` (compiled for sm_90 and sm_100 by tools.kernel_report),
     fp16 before (sm_80), fp32 in the interpreter."""
     assert [kt.dot_for(c) for c in ((8, 0), (8, 6), (8, 9), (9, 0), (10, 0))] == [
         "fp16",

@@ -17,13 +17,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from control_plane.cli.launch import start_control_plane, start_gpu_service, stop, wait_serving
-from control_plane.cli.main import build_parser
 from control_plane.replicas.client import GrpcModel
 from control_plane.scheduler.env import Env
 from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.options import SchedulerOptions
 from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.engine.facade import Engine
+from met.main import build_parser
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
 from protos.params import MTP, NONE
@@ -241,7 +241,7 @@ def test_gpu_service_death_ends_streams_and_recovery(tiny_dir: Path) -> None:
 def test_met_up_then_generate() -> None:
     """The README's first command, then a client streaming from it."""
     up = subprocess.Popen(
-        [sys.executable, "-m", "control_plane.cli.main", "up", "--port", "0", "--http-port", "0"],
+        [sys.executable, "-m", "met", "up", "--port", "0", "--http-port", "0"],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -256,7 +256,7 @@ def test_met_up_then_generate() -> None:
             [
                 sys.executable,
                 "-m",
-                "control_plane.cli.main",
+                "met",
                 "generate",
                 "def fib(n):",
                 "--target",

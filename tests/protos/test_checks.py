@@ -22,10 +22,10 @@ from google.protobuf.message import Message
 
 from control_plane.admission import auth
 from control_plane.cli import generate
-from control_plane.cli.main import build_parser
 from control_plane.fronts.openai_body import InvalidParam, chat_request, completion_request
 from gpu_service.engine.facade import Engine
 from gpu_service.model.config import ServiceConfig
+from met.main import build_parser
 from protos import checks
 from protos.met.v1 import generate_pb2 as pb
 from protos.model import InvalidArgument, Penalties, Sampling

@@ -16,9 +16,9 @@ import torch
 from huggingface_hub import constants
 
 from control_plane.cli.launch import start_gpu_service, stop
-from control_plane.cli.main import build_parser
 from control_plane.replicas.client import GrpcModel
 from gpu_service.memory import plan
+from met.main import build_parser
 from protos.hub import hub_id, model_name, model_path
 from tests.conftest import SERVE_ARGS
 
@@ -151,7 +151,7 @@ def test_serve_serves_a_cached_hub_id(offline: Path, model: str) -> None:
 
 @pytest.mark.parametrize("command", [["gpu-service", "serve", "--model"], ["gpu-service", "plan"]])
 def test_a_missing_id_ends_the_process_with_status_2(offline: Path, command: list[str]) -> None:
-    cmd = [sys.executable, "-m", "control_plane.cli.main", *command, "org/missing"]
+    cmd = [sys.executable, "-m", "met", *command, "org/missing"]
     done = subprocess.run(cmd, cwd=ROOT, env=os.environ, capture_output=True, timeout=60, text=True)
     assert done.returncode == 2
     assert "Traceback" not in done.stderr and done.stdout == ""

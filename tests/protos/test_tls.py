@@ -26,7 +26,6 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 from control_plane.admission.auth import bearer
 from control_plane.cli import generate as generate_command
 from control_plane.cli.launch import start_control_plane, start_gpu_service, stop
-from control_plane.cli.main import build_parser
 from control_plane.cli.server import PROG, build_server, read_security
 from control_plane.fronts.api import GenerationServicer
 from control_plane.replicas.client import GrpcModel
@@ -36,6 +35,7 @@ from gpu_service.engine.facade import Engine
 from gpu_service.rpc.options import Access
 from gpu_service.rpc.server import build_server as build_gpu_server
 from gpu_service.rpc.servicer import ModelServicer
+from met.main import build_parser
 from protos import tls
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
@@ -271,7 +271,7 @@ def test_processes_refuse_a_cert_without_its_key(certs: Certs, process: str) -> 
     if process == "control-plane":
         argv += ["--gpu-service", "127.0.0.1:1"]
     result = subprocess.run(
-        [sys.executable, "-m", "control_plane.cli.main", *argv],
+        [sys.executable, "-m", "met", *argv],
         capture_output=True,
         text=True,
         timeout=60,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = ROOT / "tests"
-PACKAGES = ("control_plane", "gpu_service", "kernels", "protos", "training")
+PACKAGES = ("control_plane", "gpu_service", "kernels", "protos", "training", "tools", "met")
 FOLDERS = (*PACKAGES, "processes", "repository")
 # A string that names a test: a node id, or a test module's file.
 TEST_ID = re.compile(r"::|(^|/)test_\w*\.py\b")

@@ -12,12 +12,12 @@ import grpc
 import pytest
 
 from control_plane.admission.door import Admission, BadRequest, to_request
-from control_plane.cli.main import build_parser
 from control_plane.cli.server import admission
 from control_plane.scheduler.loop import Scheduler
 from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.engine.facade import Engine
 from gpu_service.model.config import ServiceConfig
+from met.main import build_parser
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
 from protos.params import MTP, RequestParams

@@ -30,7 +30,7 @@ def test_refused_arguments_exit_2(tmp_path: Path, flags: tuple[str, ...], senten
     out = tmp_path / "report.json"
     command = ["circuit", "diff", "--verify-batch", *flags, "--out", str(out)]
     result = subprocess.run(
-        [sys.executable, "-m", "control_plane.cli.main", *command],
+        [sys.executable, "-m", "met", *command],
         capture_output=True,
         text=True,
         timeout=120,

@@ -27,12 +27,12 @@ from control_plane.circuit.shapes import (
 )
 from control_plane.circuit.verify_batch import DiffError, ShapeReport, verify_batch_failures
 from control_plane.cli.launch import start_gpu_service, stop
-from control_plane.cli.main import build_parser
 from control_plane.scheduler.verdict import offsets
 from gpu_service.engine.facade import Engine
 from gpu_service.engine.graphs import replay_eagerly
 from gpu_service.engine.state import DeviceState
 from gpu_service.model.config import ServiceConfig
+from met.main import build_parser
 from protos.defaults import DEFAULT_MODEL_DIR
 from protos.model import Logits
 
@@ -179,7 +179,7 @@ def test_default_model_in_process_and_served(
         [
             sys.executable,
             "-m",
-            "control_plane.cli.main",
+            "met",
             "circuit",
             "diff",
             "--verify-batch",

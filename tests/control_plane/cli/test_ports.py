@@ -18,8 +18,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from control_plane.cli.main import build_parser
 from gpu_service.rpc.options import SHAPE_FLAGS, UP_PREFIX_SNAPSHOTS, shape_argv
+from met.main import build_parser
 from protos import ports, tls
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
@@ -38,7 +38,7 @@ def busy_port() -> Iterator[int]:
 
 def _met(*argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "control_plane.cli.main", *argv],
+        [sys.executable, "-m", "met", *argv],
         capture_output=True,
         text=True,
         timeout=120,
@@ -111,7 +111,7 @@ def test_up_serves_a_repeated_prefix_from_the_cache() -> None:
     600-token prompt is given its prefix by the prefix cache (whole blocks of 64). A Ctrl-C,
     which reaches the whole process group, then stops both processes cleanly."""
     argv = ["up", "--port", "0", "--http-port", "0"]
-    cmd = [sys.executable, "-m", "control_plane.cli.main", *argv]
+    cmd = [sys.executable, "-m", "met", *argv]
     pipe, quiet = subprocess.PIPE, subprocess.DEVNULL
     up = subprocess.Popen(
         cmd, stdout=pipe, stderr=quiet, text=True, cwd=ROOT, start_new_session=True
@@ -169,7 +169,7 @@ def test_help_imports_no_command(argv: list[str], heavy: set[str]) -> None:
     """`met --help` imports no command's module; the client imports no server."""
     probe = (
         "import sys, contextlib, io\n"
-        "from control_plane.cli.main import main\n"
+        "from met.main import main\n"
         "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
         f"    main({argv!r})\n"
         f"print(sorted({heavy!r} & set(sys.modules)))\n"

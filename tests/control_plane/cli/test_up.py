@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from control_plane.cli import up
-from control_plane.cli.main import build_parser
+from met.main import build_parser
 from protos.model import ADMIN_KEY_ENV
 
 

@@ -61,7 +61,7 @@ def test_a_bad_list_ends_the_process_with_a_sentence() -> None:
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "control_plane.cli.main", "control-plane", "serve"]
+    cmd = [sys.executable, "-m", "met", "control-plane", "serve"]
     done = subprocess.run([*cmd, "--gpu-service", "a:1,b"], capture_output=True, text=True)
     assert done.returncode == 2
     assert "--gpu-service 'a:1,b': 'b' is not HOST:PORT" in done.stderr

@@ -18,11 +18,11 @@ from transformers import PreTrainedTokenizerFast
 
 from control_plane.admission.door import Admission, BadRequest, to_request
 from control_plane.cli import generate
-from control_plane.cli.main import build_parser
 from control_plane.scheduler.loop import Scheduler
 from control_plane.text.chat import CONFIG_FILE, TEMPLATE_FILE, ChatTemplate
 from control_plane.text.tokenizer import Tokenization
 from gpu_service.engine.facade import Engine
+from met.main import build_parser
 from protos.defaults import DEFAULT_MODEL_DIR
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc

@@ -20,11 +20,11 @@ from transformers import PreTrainedTokenizerFast
 from control_plane.admission import auth
 from control_plane.admission.door import Admission, to_request
 from control_plane.cli import generate
-from control_plane.cli.main import build_parser
 from control_plane.fronts.openai_body import InvalidParam, chat_request
 from control_plane.text.chat import SERVER_SET, TEMPLATE_FILE, ChatTemplate, parse_kwargs
 from control_plane.text.tokenizer import Tokenization
 from gpu_service.engine.facade import Engine
+from met.main import build_parser
 from protos.met.v1 import generate_pb2 as pb
 from protos.params import from_pb
 from tests.control_plane.fronts.test_openai_http import KEY, ONE_SLOT, Fronts, serving

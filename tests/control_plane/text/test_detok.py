@@ -156,9 +156,9 @@ def test_the_window_fallback_decodes_a_bounded_window(tokenizer: Tokenizer) -> N
 
 
 def test_the_detokenization_benchmark_streams_exactly() -> None:
-    """`python -m control_plane.benchmarks.detok` at small lengths: it checks each stream
+    """`python -m tools.bench.detok` at small lengths: it checks each stream
     against the whole decode before it times anything."""
-    from control_plane.benchmarks.detok import measure
+    from tools.bench.detok import measure
 
     rows = measure(HF, lengths=(50, 100), repeats=1)
     assert [r["tokens"] for r in rows] == [50, 100]

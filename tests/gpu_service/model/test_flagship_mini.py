@@ -14,12 +14,12 @@ import pytest
 from control_plane.cli.launch import start_control_plane, start_gpu_service, stop
 from gpu_service.engine.facade import Engine
 from gpu_service.model.config import ServiceConfig
-from gpu_service.moe_bench import DenseOps
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
 from tests.control_plane.circuit.test_verify_batch import args
 from tests.flagship import MINI_FLAGSHIP
 from tests.steps import logit_rows
+from tools.moe_bench import DenseOps
 from training.checkpoint import init_model
 
 SERVICE = ServiceConfig(verify_tiers="4:3,4:1", max_context=256, max_rows=24, max_batch=8)

@@ -15,13 +15,13 @@ import torch
 from transformers import PreTrainedModel, Qwen3NextConfig, Qwen3NextForCausalLM
 
 from control_plane.cli.launch import start_control_plane, start_gpu_service, stop
-from control_plane.cli.main import main as met
 from gpu_service.engine.facade import Engine
 from gpu_service.model.config import ServiceConfig
 from gpu_service.model.hybrid import PREFILL, Segment
 from gpu_service.model.ops import rope_table
 from gpu_service.model.weights import checkpoint_index, vision_tensors
 from kernels.fp8.naive import BlockFp8
+from met.main import main as met
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
 from tests.control_plane.circuit.test_verify_batch import args

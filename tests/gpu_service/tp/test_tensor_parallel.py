@@ -271,7 +271,7 @@ def _diff_passes(target: str, out: Path) -> None:
     a time, a fragmented slot table, the drafter's propose."""
     diff = subprocess.run(
         [
-            *(sys.executable, "-m", "control_plane.cli.main", "circuit", "diff", "--verify-batch"),
+            *(sys.executable, "-m", "met", "circuit", "diff", "--verify-batch"),
             *("--gpu-service", target, "--widths", "2,3", "--ks", "2,3", "--steps", "2"),
             *("--fragment", "--mtp", "--out", str(out)),
         ],

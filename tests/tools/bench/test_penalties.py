@@ -1,4 +1,4 @@
-"""`python -m control_plane.benchmarks.penalties` on the tiny checkpoint: every set of penalties
+"""`python -m tools.bench.penalties` on the tiny checkpoint: every set of penalties
 keeps `mtp`'s tokens those of `none`, and each one changes the output."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from control_plane.benchmarks.penalties import SETS, lines, parse_args, run
+from tools.bench.penalties import SETS, lines, parse_args, run
 
 
 def test_every_set_is_lossless_and_changes_the_output(tiny_dir: Path) -> None:

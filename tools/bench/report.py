@@ -1,15 +1,15 @@
 """`met bench`'s report: the printed table, the markdown tables of docs/benchmarks.md and the
-PNG chart, all from the report dict `control_plane.benchmarks.run.measure` builds."""
+PNG chart, all from the report dict `tools.bench.run.measure` builds."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-from control_plane.benchmarks.depth import depth_lines, depth_table
-from control_plane.benchmarks.methods import MTP_AUTO
-from control_plane.benchmarks.prefix import prefix_lines, prefix_table
 from protos.params import MTP, NONE, PROMPT_LOOKUP
+from tools.bench.depth import depth_lines, depth_table
+from tools.bench.methods import MTP_AUTO
+from tools.bench.prefix import prefix_lines, prefix_table
 
 
 def markdown(report: dict) -> str:
@@ -217,7 +217,7 @@ def split_lines(rows: list[dict]) -> list[str]:
 
 def figure_lines(report: dict) -> list[str]:
     """A draft's cost against a target step, the speedup the accepted length predicts against
-    the measured one (`control_plane.benchmarks.predict`), and transformers' static batch
+    the measured one (`tools.bench.predict`), and transformers' static batch
     against ours, where measured: lines printed and in the markdown alike."""
     lines = [_draft_line(report["draft_cost"]), _prediction_line(report["prediction"])]
     if "transformers_generate_batch" in report:

@@ -1,6 +1,6 @@
 """What streaming detokenization costs per token as an output grows: the `Detokenizer` (each
 token decoded once by the tokenizer's stream) beside decoding the whole output again at every
-token, the method it replaced. `python -m control_plane.benchmarks.detok [--model DIR]`
+token, the method it replaced. `python -m tools.bench.detok [--model DIR]`
 prints microseconds per token at each output length; the first column stays flat, the second
 grows with the length."""
 

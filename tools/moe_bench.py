@@ -1,4 +1,4 @@
-"""What routing buys the MoE layers: `python -m gpu_service.moe_bench`.
+"""What routing buys the MoE layers: `python -m tools.moe_bench`.
 
 Prefill and verify time against the expert count at a fixed routed count. Each count gets a
 seeded checkpoint of the tiny model's layer pattern (hidden 128; every layer and the MTP head an
@@ -295,7 +295,7 @@ def _counts(text: str) -> tuple[int, ...]:
 
 
 def parse_args(argv: list[str] | None = None) -> Options:
-    parser = argparse.ArgumentParser(prog="python -m gpu_service.moe_bench", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m tools.moe_bench", description=__doc__)
     for f in fields(Options):
         default = getattr(Options, f.name)
         flag, text = f"--{f.name}", f.metadata["help"]

@@ -1,5 +1,5 @@
 """What every Triton kernel of the `triton` forward compiles to on a GPU, built on a CPU:
-`python -m kernels.report --target sm_80,sm_90,sm_100 --shapes default,qwen3-next-80b`.
+`python -m tools.kernel_report --target sm_80,sm_90,sm_100 --shapes default,qwen3-next-80b`.
 
 At each shape set (a model's config.json) the forward runs on the `meta` device with the triton
 ops: a prefill, a verify, a decode and the drafter's pass, with logits, argmax and fold, at
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from kernels.compiling import Catcher, Launch, catching, compile_all, compiler_mode
+from tools.compiling import Catcher, Launch, catching, compile_all, compiler_mode
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "gpu_service" / "models"
@@ -127,7 +127,7 @@ def shape_path(name: str) -> Path:
         path = path / "config.json"
     if not path.is_file():
         raise SystemExit(
-            f"kernels.report: --shapes {name!r} is neither a known set "
+            f"tools.kernel_report: --shapes {name!r} is neither a known set "
             f"({', '.join(SHAPE_SETS)}) nor a config.json or a directory holding one"
         )
     return path
@@ -284,7 +284,7 @@ def _names(known: dict[str, Any] | None) -> Callable[[str], list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kernels.report", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m tools.kernel_report", description=__doc__)
     parser.add_argument("--target", type=_names(TARGETS), default=list(TARGETS))
     parser.add_argument(
         "--shapes",

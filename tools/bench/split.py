@@ -1,5 +1,5 @@
 """What the process split costs: `met bench`'s split section, and alone as
-`python -m control_plane.benchmarks.split`.
+`python -m tools.bench.split`.
 
 The same requests through the scheduler, in one run: driving the engine in process, then
 driving a GPU service process over gRPC on loopback, each with greedy steps pipelined (the
@@ -13,12 +13,12 @@ import statistics
 from collections.abc import Callable
 from pathlib import Path
 
-from control_plane.benchmarks.baseline import same_rounds
-from control_plane.benchmarks.workload import Workload, median, serve
 from control_plane.cli.launch import start_gpu_service, stop
 from control_plane.replicas.client import GrpcModel
 from protos.defaults import DEFAULT_MODEL_DIR
 from protos.params import MTP, NONE
+from tools.bench.baseline import same_rounds
+from tools.bench.workload import Workload, median, serve
 
 # The section's repeats in a full run: its ratios compare arms within a few percent, on a
 # shared machine whose speed moves more than that between runs a second apart, so it takes
@@ -155,9 +155,9 @@ def speedups(split_rows: list[dict]) -> list[dict]:
 def main() -> None:
     import torch
 
-    from control_plane.benchmarks.report import split_lines
     from gpu_service.engine.facade import Engine
     from gpu_service.model.config import ServiceConfig
+    from tools.bench.report import split_lines
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])

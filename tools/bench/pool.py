@@ -1,4 +1,4 @@
-"""What a KV pool smaller than the load costs: `python -m control_plane.benchmarks.pool`.
+"""What a KV pool smaller than the load costs: `python -m tools.bench.pool`.
 
 `--requests` greedy `mtp` requests sent at once, each a distinct window of `--prompt` tokens
 of the checkpoint's prompts and `--tokens` tokens out (EOS ignored), through a scheduler over
@@ -15,7 +15,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from control_plane.benchmarks.workload import (
+from control_plane.scheduler.env import Env
+from control_plane.scheduler.loop import Scheduler
+from control_plane.scheduler.seq import GenRequest
+from protos.model import ServingModel
+from protos.params import MTP
+from tools.bench.workload import (
     Windows,
     Workload,
     drive,
@@ -23,11 +28,6 @@ from control_plane.benchmarks.workload import (
     options_for,
     parse_load,
 )
-from control_plane.scheduler.env import Env
-from control_plane.scheduler.loop import Scheduler
-from control_plane.scheduler.seq import GenRequest
-from protos.model import ServingModel
-from protos.params import MTP
 
 BLOCK = 64  # positions a KV block backs (`Capabilities.kv_block_size`)
 
@@ -110,7 +110,7 @@ def _fractions(text: str) -> list[float]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = load_parser("control_plane.benchmarks.pool", __doc__)
+    parser = load_parser("tools.bench.pool", __doc__)
     parser.add_argument(
         "--fractions",
         type=_fractions,

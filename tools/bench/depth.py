@@ -17,15 +17,15 @@ import tempfile
 from pathlib import Path
 from unittest import mock
 
-from control_plane.benchmarks.workload import (
+from control_plane.scheduler.cost_model import cost_widths
+from protos.params import MTP, NONE
+from tools.bench.workload import (
     FIXED_DRAFTS,
     Workload,
     identical_to_none,
     median,
     serve,
 )
-from control_plane.scheduler.cost_model import cost_widths
-from protos.params import MTP, NONE
 
 DEEP = 7
 # The default tiers' 32 slots, four of them deepened to DEEP drafts.

@@ -88,7 +88,7 @@ def _circuit_diff(args: argparse.Namespace) -> None:
 
 def _bench(args: argparse.Namespace) -> None:
     _in_process_engine(args)
-    from control_plane.benchmarks.run import run
+    from tools.bench.run import run
 
     sys.exit(run(args))
 
@@ -231,8 +231,8 @@ def _fill_circuit(circuit: argparse.ArgumentParser) -> None:
 
 
 def _fill_bench(bench_cmd: argparse.ArgumentParser) -> None:
-    from control_plane.benchmarks import run as bench
     from gpu_service.rpc.options import add_threads_arg
+    from tools.bench import run as bench
 
     bench.add_args(bench_cmd)
     add_threads_arg(bench_cmd)

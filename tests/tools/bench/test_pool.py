@@ -1,4 +1,4 @@
-"""`python -m control_plane.benchmarks.pool` on the tiny checkpoint: four requests in half the
+"""`python -m tools.bench.pool` on the tiny checkpoint: four requests in half the
 blocks they need all finish, with preemptions, where the full pool needs none. (The requests
 that finish first are freed only once the step in flight beside them is back: until then their
 blocks are not free, and the preempted requests' prefills waited for them.)"""
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from control_plane.benchmarks.pool import lines, parse_args, run
+from tools.bench.pool import lines, parse_args, run
 
 
 def test_four_requests_finish_in_half_their_blocks(tiny_dir: Path) -> None:

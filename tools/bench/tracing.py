@@ -1,5 +1,5 @@
 """What tracing costs: `met bench`'s tracing section, and alone as
-`python -m control_plane.benchmarks.tracing`.
+`python -m tools.bench.tracing`.
 
 Both processes started twice on the default model, once with no exporter (the default: no
 SDK installed) and once exporting every span over OTLP/gRPC to a local sink that keeps only
@@ -172,7 +172,7 @@ def tracing(concurrency: int, tokens: int) -> dict:
 
 
 def main() -> None:
-    from control_plane.benchmarks.report import overlap_line
+    from tools.bench.report import overlap_line
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--concurrency", type=int, default=4)

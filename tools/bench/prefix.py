@@ -1,4 +1,4 @@
-"""`met bench`'s prefix-cache section, and alone as `python -m control_plane.benchmarks.prefix`:
+"""`met bench`'s prefix-cache section, and alone as `python -m tools.bench.prefix`:
 what going on from a cached prompt prefix buys the time to first token.
 
 Two workloads of greedy `mtp` requests through a scheduler driving one in-process engine that
@@ -36,7 +36,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from control_plane.benchmarks.workload import Windows, Workload
 from control_plane.scheduler.env import Env
 from control_plane.scheduler.loop import Scheduler, SchedulerOptions
 from control_plane.scheduler.seq import Delta, Event, Failure, GenRequest
@@ -44,6 +43,7 @@ from protos.defaults import DEFAULT_MODEL_DIR
 from protos.hub import model_path
 from protos.model import ServingModel
 from protos.params import MTP
+from tools.bench.workload import Windows, Workload
 
 SEEDS = 2  # requests that seed the shared system prompt's snapshots, left out of its figures
 TARGET = 0.3  # time to first token with the cache over without, at most

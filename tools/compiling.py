@@ -1,4 +1,4 @@
-"""Compiling the triton forward's kernels for a GPU on a CPU, for `kernels.report`: each launch
+"""Compiling the triton forward's kernels for a GPU on a CPU, for `tools.kernel_report`: each launch
 caught at `JITFunction.run` and bound as Triton's launcher binds it (`Catcher`), and each
 distinct compile built with `triton.compile` for a target and read with the wheel's
 `cuobjdump` (`compile_all`, in worker processes)."""
@@ -33,8 +33,8 @@ def compiler_mode() -> None:
     runs before any is imported (a process that imported them interpreted cannot report)."""
     if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET"):
         raise RuntimeError(
-            "kernels.report compiles in a process of its own (python -m kernels.report): this "
-            "one imported triton for its interpreter"
+            "tools.kernel_report compiles in a process of its own "
+            "(python -m tools.kernel_report): this one imported triton for its interpreter"
         )
     os.environ.pop("TRITON_INTERPRET", None)
     # Triton 3.9 warns when it is unset; its default (fusion on) is what a GPU's launch compiles.
@@ -241,7 +241,7 @@ def compile_all(jobs: list[tuple[Variant, int]], processes: int) -> list[dict[st
     select) breaks the pool: the compiles it left undone then run each in a process of its
     own, so that the one that aborts fails alone, with its last line."""
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["kernels.compiling"])
+    context.set_forkserver_preload(["tools.compiling"])
     specs: list[Job] = [
         (v.fn.module, v.kernel, v.signature, v.constexprs, v.attrs, v.options, arch)
         for v, arch in jobs

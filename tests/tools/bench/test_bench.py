@@ -11,14 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from control_plane.benchmarks.baseline import (
+from gpu_service.engine import costs
+from gpu_service.engine.facade import Engine
+from protos.model import CostEntry
+from tools.bench.baseline import (
     batch_against_transformers,
     grpc_against_transformers,
     same_rounds,
     transformers_baselines,
 )
-from control_plane.benchmarks.depth import DEEP, DEEP_TIERS, depth, depth_lines, depth_table
-from control_plane.benchmarks.predict import (
+from tools.bench.depth import DEEP, DEEP_TIERS, depth, depth_lines, depth_table
+from tools.bench.predict import (
     cost_figures,
     deviation,
     draft_cost,
@@ -29,19 +32,16 @@ from control_plane.benchmarks.predict import (
     target_step_ms,
     verify_at,
 )
-from control_plane.benchmarks.replicas import replicas
-from control_plane.benchmarks.report import (
+from tools.bench.replicas import replicas
+from tools.bench.report import (
     figure_lines,
     replicas_lines,
     tensor_parallel_lines,
     tensor_parallel_table,
 )
-from control_plane.benchmarks.split import pair
-from control_plane.benchmarks.tensor_parallel import ARMS, tensor_parallel
-from control_plane.benchmarks.workload import Workload
-from gpu_service.engine import costs
-from gpu_service.engine.facade import Engine
-from protos.model import CostEntry
+from tools.bench.split import pair
+from tools.bench.tensor_parallel import ARMS, tensor_parallel
+from tools.bench.workload import Workload
 
 # Slow: runs `met bench`.
 pytestmark = pytest.mark.slow
@@ -55,7 +55,7 @@ def test_bench_quick(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "control_plane.cli.main",
+            "met",
             "bench",
             "--quick",
             "--out",
@@ -357,8 +357,8 @@ def test_overlapping_steps_as_they_cross_the_wire() -> None:
     from opentelemetry.proto.resource.v1 import resource_pb2
     from opentelemetry.proto.trace.v1 import trace_pb2
 
-    from control_plane.benchmarks.report import overlap_line
-    from control_plane.benchmarks.tracing import Sink, overlaps
+    from tools.bench.report import overlap_line
+    from tools.bench.tracing import Sink, overlaps
 
     def resource_spans(service: str, spans: list) -> trace_pb2.ResourceSpans:
         name = common_pb2.KeyValue(

@@ -1,4 +1,4 @@
-"""What batch invariance by construction costs: `python -m gpu_service.bench`.
+"""What batch invariance by construction costs: `python -m tools.batch_invariance`.
 
 Prints the tiled linear against a plain `F.linear` at the default model's widest projection,
 one batched verify step of the default model at a few batch shapes, and a speculative step's
@@ -100,13 +100,18 @@ def profile_step(drafts: int = 3, steps: int = 30) -> None:
 
 
 if __name__ == "__main__":
-    import sys
+    import argparse
 
     from gpu_service.engine.device import choose_device
 
+    parser = argparse.ArgumentParser(prog="python -m tools.batch_invariance", description=__doc__)
+    parser.add_argument(
+        "--profile", action="store_true", help="torch.profiler's table of speculative steps"
+    )
+    args = parser.parse_args()
     choose_device()
     torch.manual_seed(0)
-    if "--profile" in sys.argv:
+    if args.profile:
         profile_step()
     else:
         bench_linear()

@@ -8,9 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from control_plane.benchmarks import prefix as bench
-from control_plane.benchmarks.prefix import Sizes, prefix, prefix_lines, prefix_table, serve
-from control_plane.benchmarks.workload import Workload
 from control_plane.scheduler.env import Env
 from control_plane.scheduler.loop import Scheduler, SchedulerOptions
 from control_plane.scheduler.prefix_cache import PrefixCache
@@ -19,6 +16,9 @@ from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.engine.facade import Engine
 from gpu_service.model.config import ServiceConfig
 from protos.params import MTP
+from tools.bench import prefix as bench
+from tools.bench.prefix import Sizes, prefix, prefix_lines, prefix_table, serve
+from tools.bench.workload import Workload
 
 # Two whole blocks of system prompt, two measured requests sent together, two chats of two
 # turns whose first prompt leaves a whole block to snapshot.

@@ -15,12 +15,12 @@ On one checkpoint (default: the bundled one), each figure a median over repeats:
   and a static batch of 16 against ours at 16 concurrent requests, in process and through
   the pair (a GPU service child over gRPC);
 - drafting deeper: an engine with deeper verify slots, fixed depths and the measured cost
-  model up to them (`control_plane.benchmarks.depth`);
+  model up to them (`tools.bench.depth`);
 - at one request: a draft's measured cost against a plain decode step, and the mtp / none
   speedup the accepted length predicts from them against the measured one
-  (`control_plane.benchmarks.predict`);
+  (`tools.bench.predict`);
 - the prefix cache on and off: time to first token and hit rate over a shared system prompt
-  and over multi-turn chats (`control_plane.benchmarks.prefix`);
+  and over multi-turn chats (`tools.bench.prefix`);
 - with `--replicas N`: greedy `mtp` through one GPU service child under a plain scheduler,
   the same child through a router, and N children through a router: what routing costs,
   and the requests each replica took; all must produce identical tokens;
@@ -42,26 +42,26 @@ from collections.abc import Callable
 from pathlib import Path
 from unittest import mock
 
-from control_plane.benchmarks.baseline import (
+from control_plane.scheduler.cost_model import cost_widths
+from protos.defaults import DEFAULT_MODEL_DIR
+from protos.hub import model_path
+from tools.bench.baseline import (
     against_transformers,
     batch_against_transformers,
     grpc_against_transformers,
     transformers_baselines,
 )
-from control_plane.benchmarks.depth import depth
-from control_plane.benchmarks.methods import batch_vs_serial, batched_over_serial, methods
-from control_plane.benchmarks.predict import configured_depth, draft_cost, prediction
-from control_plane.benchmarks.prefix import QUICK, Sizes, prefix
-from control_plane.benchmarks.replicas import replicas
-from control_plane.benchmarks.report import draw_chart, markdown, print_table
-from control_plane.benchmarks.split import REPEATS as SPLIT_REPEATS
-from control_plane.benchmarks.split import pair, speedups, split
-from control_plane.benchmarks.tensor_parallel import tensor_parallel
-from control_plane.benchmarks.tracing import tracing
-from control_plane.benchmarks.workload import Workload
-from control_plane.scheduler.cost_model import cost_widths
-from protos.defaults import DEFAULT_MODEL_DIR
-from protos.hub import model_path
+from tools.bench.depth import depth
+from tools.bench.methods import batch_vs_serial, batched_over_serial, methods
+from tools.bench.predict import configured_depth, draft_cost, prediction
+from tools.bench.prefix import QUICK, Sizes, prefix
+from tools.bench.replicas import replicas
+from tools.bench.report import draw_chart, markdown, print_table
+from tools.bench.split import REPEATS as SPLIT_REPEATS
+from tools.bench.split import pair, speedups, split
+from tools.bench.tensor_parallel import tensor_parallel
+from tools.bench.tracing import tracing
+from tools.bench.workload import Workload
 
 # transformers' static batch, against ours at as many concurrent requests.
 BATCH = 16

@@ -1,5 +1,5 @@
 """What penalties cost, and what they do to speculation:
-`python -m control_plane.benchmarks.penalties`.
+`python -m tools.bench.penalties`.
 
 `--requests` greedy requests sent at once, each a distinct window of `--prompt` tokens of the
 checkpoint's prompts and `--tokens` tokens out (EOS ignored), through a scheduler over an
@@ -16,10 +16,10 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from control_plane.benchmarks.workload import Windows, Workload, load_parser, parse_load, serve
 from control_plane.scheduler.seq import GenRequest
 from protos.model import Penalties, ServingModel
 from protos.params import MTP, NONE
+from tools.bench.workload import Windows, Workload, load_parser, parse_load, serve
 
 SETS = {
     "off": None,
@@ -89,7 +89,7 @@ def lines(report: dict[str, dict]) -> list[str]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    return parse_load(load_parser("control_plane.benchmarks.penalties", __doc__), argv)
+    return parse_load(load_parser("tools.bench.penalties", __doc__), argv)
 
 
 def main(argv: list[str] | None = None) -> int:

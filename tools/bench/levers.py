@@ -1,5 +1,5 @@
 """Each lever on and off, on the default model, in one run:
-`python -m control_plane.benchmarks.levers`.
+`python -m tools.bench.levers`.
 
 The same concurrent greedy requests through the scheduler driving an in-process engine (one
 torch thread, as the service runs it); prints output tokens per second, mean accepted length
@@ -10,13 +10,13 @@ from __future__ import annotations
 import argparse
 import time
 
-from control_plane.benchmarks.workload import Workload
 from control_plane.scheduler.env import Env
 from control_plane.scheduler.loop import Scheduler, SchedulerOptions
 from control_plane.scheduler.seq import GenRequest
 from protos.defaults import DEFAULT_MODEL_DIR
 from protos.model import ServingModel
 from protos.params import MTP, NONE, PROMPT_LOOKUP
+from tools.bench.workload import Workload
 
 CONFIGS: dict[str, tuple[str, dict[str, object], dict[str, object]]] = {
     "none": (NONE, {}, {}),

@@ -1,5 +1,5 @@
 """What tensor parallelism and its ordered reduction cost: `met bench --tensor-parallel N`'s
-section, and alone as `python -m control_plane.benchmarks.tensor_parallel`.
+section, and alone as `python -m tools.bench.tensor_parallel`.
 
 The same greedy `mtp` requests (the default method) through one GPU service child at a time:
 - `tp_1`: one rank, the single-device service;
@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from control_plane.benchmarks.workload import Workload, drive, median, options_for
 from control_plane.cli.launch import start_gpu_service, stop
 from control_plane.replicas.client import GrpcModel
 from control_plane.scheduler.env import Env
@@ -31,6 +30,7 @@ from gpu_service.model.config import ModelConfig
 from gpu_service.tp import REDUCES
 from protos.defaults import DEFAULT_MODEL_DIR
 from protos.params import MTP
+from tools.bench.workload import Workload, drive, median, options_for
 
 if TYPE_CHECKING:  # torch, which this module's callers need not import to parse flags
     import torch.distributed as dist
@@ -165,7 +165,7 @@ def _time_rank(
 
 
 def main() -> None:
-    from control_plane.benchmarks.report import tensor_parallel_lines
+    from tools.bench.report import tensor_parallel_lines
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)

@@ -8,8 +8,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from control_plane.benchmarks.workload import Workload
 from protos.params import MTP, NONE
+from tools.bench.workload import Workload
 
 
 def transformers_baselines(

@@ -6,9 +6,9 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 
-from control_plane.benchmarks.workload import Workload, identical_to_none, median, serve
 from control_plane.scheduler.seq import SpecStats
 from protos.params import MTP, NONE, PROMPT_LOOKUP
+from tools.bench.workload import Workload, identical_to_none, median, serve
 
 # label -> (method, scheduler options): the methods under the default options (the K ladder
 # sets each step's width), and mtp with the `auto` cost model over the table `met bench`

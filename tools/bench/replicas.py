@@ -1,5 +1,5 @@
 """What routing over GPU-service replicas costs: `met bench --replicas N`'s section, and alone
-as `python -m control_plane.benchmarks.replicas`.
+as `python -m tools.bench.replicas`.
 
 The same greedy `mtp` requests (the default method) three ways, interleaved over repeats so
 that the machine's drift falls on all alike:
@@ -19,7 +19,6 @@ import os
 import statistics
 from pathlib import Path
 
-from control_plane.benchmarks.workload import Workload, drive, median, options_for
 from control_plane.cli.launch import set_admin_key, start_gpu_service, stop
 from control_plane.cli.server import grpc_router
 from control_plane.cli.up import start_all
@@ -30,6 +29,7 @@ from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.seq import GenRequest
 from protos.defaults import DEFAULT_MODEL_DIR
 from protos.params import MTP
+from tools.bench.workload import Workload, drive, median, options_for
 
 ARMS = ("single", "router_1", "router_n")
 
@@ -116,7 +116,7 @@ def _paired(over: list[dict], under: list[dict]) -> float:
 
 
 def main() -> None:
-    from control_plane.benchmarks.report import replicas_lines
+    from tools.bench.report import replicas_lines
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
