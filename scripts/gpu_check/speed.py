@@ -281,8 +281,7 @@ def check_bench(settings: Settings, device: torch.device) -> dict:
     if device.type != "cuda":
         return {
             "ok": True,
-            "summary": "run on a GPU only "
-            "(tests/control_plane/benchmarks/test_bench.py runs it on the CPU)",
+            "summary": "run on a GPU only (tests/tools/bench/test_bench.py runs it on the CPU)",
         }
     out = settings.out.parent / "bench_quick.json"
     done = subprocess.run(
