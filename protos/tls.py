@@ -1,5 +1,5 @@
 """TLS for both servers and for their clients: the flags, the credentials built from them,
-and channels and ports opened with them. Torch-free; no flag set means plaintext, as before.
+and channels and ports opened with them. Torch-free; no flag set means plaintext.
 
 A server takes `--tls-cert`/`--tls-key` (PEM) and, for mutual TLS, `--tls-client-ca`: it then
 requires a client certificate and verifies it against that CA. A client takes three flags

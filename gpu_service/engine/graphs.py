@@ -39,7 +39,8 @@ from kernels.attention.naive import KEY_BLOCK
 
 # Sequences per graph: multiples of ROW_TILE, so a chain's rows need no padding of their own.
 BUCKETS = (4, 8, 16, 32, 64, 128, 256)
-# What turns the graphs off, as the seed's engine names it; `--no-cuda-graphs` does the same.
+# What turns the graphs off (the name users of the METRALE_* switches know); `--no-cuda-graphs`
+# does the same.
 NO_GRAPHS_ENV = "METRALE_NO_MTP_VERIFY_GRAPHS"
 
 Run = Callable[[], None]
@@ -48,8 +49,8 @@ Capture = Callable[[Run], Run]
 
 
 def wanted(cuda_graphs: bool, device: torch.device, environ: Mapping[str, str]) -> bool:
-    """Whether a service captures graphs: on a CUDA device, unless `--no-cuda-graphs` or the
-    seed's switch says no."""
+    """Whether a service captures graphs: on a CUDA device, unless `--no-cuda-graphs` or
+    `NO_GRAPHS_ENV` says no."""
     return cuda_graphs and device.type == "cuda" and NO_GRAPHS_ENV not in environ
 
 
