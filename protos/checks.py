@@ -176,6 +176,10 @@ def penalties_problem(p: Penalties, vocab_size: int) -> str | None:
         return f"logit_bias has {len(p.bias_ids)} token ids but {len(p.bias_values)} values"
     if len(set(p.bias_ids)) != len(p.bias_ids):
         return "logit_bias names a token id more than once"
+    bad = next((t for t in p.allowed_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        outside = f"outside the vocabulary (0 .. {vocab_size - 1})"
+        return f"allowed_token_ids holds token id {bad}, {outside}"
     for t, b in zip(p.bias_ids, p.bias_values, strict=True):
         if not 0 <= t < vocab_size:
             return f"logit_bias names token id {t}, outside the vocabulary (0 .. {vocab_size - 1})"

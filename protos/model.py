@@ -192,11 +192,18 @@ class Penalties:
     prompt_tokens: int = 0  # the sequence's first tokens that are its prompt, not its output
     bias_ids: tuple[int, ...] = ()
     bias_values: tuple[float, ...] = ()  # added to the logits of bias_ids
+    allowed_ids: tuple[int, ...] = ()  # when given, every other id's logit is -inf
 
     @property
     def active(self) -> bool:
         """Whether applying them changes any logit."""
-        return bool(self.presence or self.frequency or self.bias_ids or self.repetition != 1.0)
+        return bool(
+            self.presence
+            or self.frequency
+            or self.bias_ids
+            or self.allowed_ids
+            or self.repetition != 1.0
+        )
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float | None = None  # None: none (1)
     logit_bias: Mapping[int, float] = field(default_factory=dict)  # token id -> bias
+    allowed_token_ids: tuple[int, ...] = ()  # when given, the only ids it may generate
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "top_p", self.top_p or 1.0)
@@ -80,6 +81,7 @@ def penalties(s: SamplingParams, prompt_tokens: int) -> Penalties:
         prompt_tokens=prompt_tokens,
         bias_ids=tuple(t for t, _ in bias),
         bias_values=tuple(b for _, b in bias),
+        allowed_ids=s.allowed_token_ids,
     )
 
 

@@ -259,6 +259,43 @@ def test_a_sampled_request_never_draws_a_banned_token(tiny_dir: Path, rng: torch
             assert not set(banned) & set(out.tokens)
 
 
+@pytest.mark.parametrize("method", [NONE, MTP, PROMPT_LOOKUP])
+def test_allowed_ids_hold_every_token_greedy_and_sampled(
+    tiny_dir: Path, rng: torch.Generator, method: str
+) -> None:
+    """vLLM's allowed_token_ids: whatever the method and the sampler, every token is one of
+    them, drafts the target would not take included; without them the output leaves the set."""
+    prompt = random_tokens(rng, 20, vocab=60)
+    allowed = (3, 17, 40, 41)
+    pen = Penalties(prompt_tokens=len(prompt), allowed_ids=allowed)
+    samplers = [SamplingParams(), SamplingParams(0.9, seed=1)]
+    with serving(tiny_dir, TINY_SERVICE) as s:
+        reqs = [
+            GenRequest(
+                f"a{i}",
+                tuple(prompt),
+                24,
+                ignore_eos=True,
+                method=method,
+                sampling=smp,
+                penalties=pen,
+            )
+            for i, smp in enumerate(samplers)
+        ]
+        reqs.append(GenRequest("free", tuple(prompt), 24, ignore_eos=True, method=method))
+        *held, free = run_all(s, reqs)
+    for out in held:
+        assert out.failure is None and len(out.tokens) == 24
+        assert set(out.tokens) <= set(allowed), out.tokens
+    assert not set(free.tokens) <= set(allowed), "the set binds nothing on this prompt"
+
+
+def test_allowed_ids_outside_the_vocabulary_are_refused(engine: Engine) -> None:
+    with pytest.raises(InvalidArgument, match="allowed_token_ids holds token id 320"):
+        engine.alloc_sequence(Penalties(allowed_ids=(5, 320)))
+    assert engine.slots.num_free == engine.svc.num_slots
+
+
 def test_repetition_penalty_matches_transformers(tmp_path: Path) -> None:
     """transformers' RepetitionPenaltyLogitsProcessor over prompt and output, greedy."""
     torch.manual_seed(0)

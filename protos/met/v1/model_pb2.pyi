@@ -93,20 +93,22 @@ class AllocSequenceRequest(_message.Message):
     def __init__(self, penalties: _Optional[_Union[Penalties, _Mapping]] = ...) -> None: ...
 
 class Penalties(_message.Message):
-    __slots__ = ("presence", "frequency", "repetition", "prompt_tokens", "bias_ids", "bias_values")
+    __slots__ = ("presence", "frequency", "repetition", "prompt_tokens", "bias_ids", "bias_values", "allowed_ids")
     PRESENCE_FIELD_NUMBER: _ClassVar[int]
     FREQUENCY_FIELD_NUMBER: _ClassVar[int]
     REPETITION_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BIAS_IDS_FIELD_NUMBER: _ClassVar[int]
     BIAS_VALUES_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_IDS_FIELD_NUMBER: _ClassVar[int]
     presence: float
     frequency: float
     repetition: float
     prompt_tokens: int
     bias_ids: _containers.RepeatedScalarFieldContainer[int]
     bias_values: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, presence: _Optional[float] = ..., frequency: _Optional[float] = ..., repetition: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., bias_ids: _Optional[_Iterable[int]] = ..., bias_values: _Optional[_Iterable[float]] = ...) -> None: ...
+    allowed_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, presence: _Optional[float] = ..., frequency: _Optional[float] = ..., repetition: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., bias_ids: _Optional[_Iterable[int]] = ..., bias_values: _Optional[_Iterable[float]] = ..., allowed_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SequenceHandle(_message.Message):
     __slots__ = ("seq_id", "slot", "seq_len")

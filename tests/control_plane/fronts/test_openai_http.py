@@ -226,6 +226,29 @@ def test_penalties_and_logit_bias_are_the_grpc_apis(fronts: Fronts) -> None:
     assert span.attributes["gen_ai.request.frequency_penalty"] == 0.5
 
 
+def test_allowed_token_ids_are_the_grpc_apis_and_bind_sampling(fronts: Fronts) -> None:
+    """vLLM's `allowed_token_ids` through the official client's `extra_body`: the gRPC API's
+    text with the same field, greedy, and only those characters when sampled."""
+    allowed = [ord(c) for c in "ab c"]
+    want = grpc_text(
+        fronts.stub,
+        pb.GenerateRequest(prompt=PROMPT, max_new_tokens=12, allowed_token_ids=allowed),
+    )
+    assert set(want) <= set("ab c") and len(want) == 12
+    for temperature in (0, 1):
+        done = fronts.client.completions.create(
+            model="",
+            prompt=PROMPT,
+            max_tokens=12,
+            temperature=temperature,
+            seed=4,
+            extra_body={"allowed_token_ids": allowed, "ignore_eos": True},
+        )
+        text = done.choices[0].text
+        assert set(text) <= set("ab c") and len(text) == 12
+        assert temperature or text == want
+
+
 BAD = {
     "n": ({"n": 0}, 400, "n", "n is 0; it must be from 1 to 128"),
     "best_of": (
