@@ -24,8 +24,8 @@ from control_plane.benchmarks.workload import (
     median,
     serve,
 )
-from control_plane.scheduler.cost_model import cost_widths
 from control_plane.scheduler.seq import MTP, NONE
+from control_plane.scheduler.widths import cost_widths
 
 DEEP = 7
 # The default tiers' 32 slots, four of them deepened to DEEP drafts.

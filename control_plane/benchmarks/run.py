@@ -59,7 +59,7 @@ from control_plane.benchmarks.split import pair, speedups, split
 from control_plane.benchmarks.tensor_parallel import tensor_parallel
 from control_plane.benchmarks.tracing import tracing
 from control_plane.benchmarks.workload import Workload
-from control_plane.scheduler.cost_model import cost_widths
+from control_plane.scheduler.widths import cost_widths
 from protos.defaults import DEFAULT_MODEL_DIR
 from protos.hub import model_path
 
