@@ -100,7 +100,7 @@ def _refused(e: BadRequest) -> JSONResponse:
 
 
 @dataclass
-class Flight:
+class AdmittedRequest:
     """One admitted request, from the Door's queue to the end of its response."""
 
     door: Door
@@ -222,10 +222,10 @@ class Front:
             attributes={"met.request_id": rid, "met.choice_index": index},
         )
 
-    async def _enter(self, ask: Ask, rid: str, span: Span) -> list[Flight]:
+    async def _enter(self, ask: Ask, rid: str, span: Span) -> list[AdmittedRequest]:
         """Each choice's request submitted, under the request's span (one choice) or a span
         of its own beneath it; a refusal of any leaves those already in."""
-        flights: list[Flight] = []
+        flights: list[AdmittedRequest] = []
         try:
             for i in range(ask.n):
                 # Clients may reuse ids; the scheduler must not.
@@ -238,7 +238,7 @@ class Front:
                         failed(own, e.code.name, str(e))
                         own.end()
                     raise
-                flights.append(Flight(self.door, key, events, own))
+                flights.append(AdmittedRequest(self.door, key, events, own))
         except BadRequest:
             for f in flights:
                 f.end()
@@ -286,7 +286,7 @@ async def _json(request: Request) -> Any:
         raise InvalidParam(None, f"the body is not JSON: {e}") from None
 
 
-async def _whole(flight: Flight) -> Whole:
+async def _whole(flight: AdmittedRequest) -> Whole:
     text: list[str] = []
     ids: list[int] = []
     logprobs: list[float] = []
@@ -300,7 +300,7 @@ async def _whole(flight: Flight) -> Whole:
             return Whole("".join(text), ids, logprobs, ev)
 
 
-async def _wholes(reply: Reply, flights: list[Flight]) -> dict:
+async def _wholes(reply: Reply, flights: list[AdmittedRequest]) -> dict:
     """Every choice gathered; the first refusal ends them all."""
     tasks = [asyncio.ensure_future(_whole(f)) for f in flights]
     try:
@@ -310,12 +310,14 @@ async def _wholes(reply: Reply, flights: list[Flight]) -> dict:
             t.cancel()
 
 
-async def _merged(flights: list[Flight]) -> AsyncIterator[tuple[int, Delta | Queued | Finish]]:
+async def _merged(
+    flights: list[AdmittedRequest],
+) -> AsyncIterator[tuple[int, Delta | Queued | Finish]]:
     """Every flight's events as they come, each with its choice's index, until each has
     finished; a refusal of any is raised."""
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(i: int, f: Flight) -> None:
+    async def pump(i: int, f: AdmittedRequest) -> None:
         try:
             while not isinstance(ev := await f.next(), Finish):
                 queue.put_nowait((i, ev))
@@ -337,7 +339,9 @@ async def _merged(flights: list[Flight]) -> AsyncIterator[tuple[int, Delta | Que
             t.cancel()
 
 
-async def _events(reply: Reply, flights: list[Flight], include_usage: bool) -> AsyncIterator[str]:
+async def _events(
+    reply: Reply, flights: list[AdmittedRequest], include_usage: bool
+) -> AsyncIterator[str]:
     """The stream's chunks, then `[DONE]`; a request waiting for a slot hears its place as
     SSE comments, which clients skip."""
     done: dict[int, Finish] = {}

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from control_plane.scheduler.adaptive import AdaptiveRung
-from control_plane.scheduler.cost_model import Calibration, CostTable, StepOverhead
-from control_plane.scheduler.dflash import DFlashRung
 from control_plane.scheduler.options import SchedulerOptions
+from control_plane.scheduler.widths import (
+    AdaptiveRung,
+    Calibration,
+    CostTable,
+    DFlashRung,
+    StepOverhead,
+)
 from protos.model import Capabilities
 
 

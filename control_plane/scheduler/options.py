@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from control_plane.scheduler.env import Env
-from control_plane.scheduler.ladder import Ladder
+from control_plane.scheduler.widths import Ladder
 from protos.steps import MAX_PLAN_REPEAT
 
 

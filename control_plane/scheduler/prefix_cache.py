@@ -182,18 +182,18 @@ class PrefixCache:
         """Each snapshot's prefix length."""
         return [len(n.tokens) for n in self._nodes.values() if n.snapshot is not None]
 
-    def room(self, wanted: int) -> list[int]:
+    def evict_for(self, wanted: int) -> list[int]:
         """Snapshots to drop before `wanted` more are taken (at most the budget): the service
-        holds no more than the budget, so the room is made first, by `_evict`'s order."""
+        holds no more than the budget, so the space is made first, by `_evict`'s order."""
         return self._evict(min(wanted, self.budget))
 
-    def _evict(self, room: int = 0) -> list[int]:
-        """Past the budget less `room`, snapshots go least recently used first, those where
+    def _evict(self, spare: int = 0) -> list[int]:
+        """Past the budget less `spare`, snapshots go least recently used first, those where
         prompts diverge last (where the next prompt sharing a start will resume)."""
         dropped = []
         held = [(n.diverges, k) for k, n in self._nodes.items() if n.snapshot is not None]
         with_snapshot = [k for _, k in sorted(held, key=lambda dk: dk[0])]  # stable: LRU kept
-        for key in with_snapshot[: max(0, len(with_snapshot) - self.budget + room)]:
+        for key in with_snapshot[: max(0, len(with_snapshot) - self.budget + spare)]:
             node = self._nodes[key]
             assert node.snapshot is not None
             dropped.append(node.snapshot)

@@ -98,7 +98,7 @@ def snapshot(model: ServingModel, cache: PrefixCache, seqs: list[ActiveSeq]) -> 
     # One per prefix: requests admitted together with one start want the same snapshot.
     firsts = {id(a) for a in {a.context[: a.prefilled]: a for a in due}.values()}
     due = [a for a in due if id(a) in firsts][: cache.budget]
-    drop(model, cache.room(len(due)))
+    drop(model, cache.evict_for(len(due)))
     try:
         ids = model.snapshot_prefixes([a.live_handle for a in due])
     except ModelError as e:
@@ -164,7 +164,7 @@ def answer(model: ServingModel, cache: PrefixCache, budget: int, replica: str) -
                 model.restore_prefixes([seq], [hit.snapshot])
             for at in range(start, end, step):
                 model.prefill([seq], [list(tokens[at : min(at + step, end)])])
-            drop(model, cache.room(1))
+            drop(model, cache.evict_for(1))
             (snap,) = model.snapshot_prefixes([seq])
             drop(model, cache.taken(tokens, end, snap))
         except ModelError as e:

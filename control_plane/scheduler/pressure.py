@@ -18,8 +18,8 @@ prefilling ones in theirs. When the pool may fall short:
 While nothing waits or sits out, new requests are admitted; otherwise they wait, since a new
 one would only sit out or push out an older one.
 
-This costs no call while the pool surely has room: its blocks against an upper bound of what
-the live sequences and the snapshots hold once the iteration's calls and the steps in flight
+This costs no call while the pool surely has blocks to spare: its blocks against an upper bound
+of what the live sequences and the snapshots hold once the iteration's calls and the steps in flight
 have run. Past that bound the service is asked its free count; only when that falls short are
 the flights read back (a request sitting out must not be in one) and the count asked again."""
 
@@ -106,7 +106,7 @@ class Pool:
         active: Sequence[ActiveSeq],
         free: int,
         in_flight: int = 0,
-    ) -> Plan:
+    ) -> PoolPlan:
         """Who goes on with `free` blocks, oldest work first: each request whose blocks for the
         iteration (and the `in_flight` steps before it) are free goes on and takes them; the
         others sit out."""
@@ -128,7 +128,7 @@ class Pool:
             else:
                 paused.add(id(a))
         order = [*active, *prefilling]
-        return Plan(paused, need, bool(order) and id(order[0]) in paused)
+        return PoolPlan(paused, need, bool(order) and id(order[0]) in paused)
 
     def alone(self, active: Sequence[ActiveSeq], free: int) -> bool:
         """Whether the oldest request, decoding with no other left to preempt, may still go on:
@@ -161,7 +161,7 @@ class Pool:
 
 
 @dataclass(frozen=True)
-class Plan:
+class PoolPlan:
     paused: set[int]  # id() of the requests that sit this iteration out
     need: int  # blocks every request would take, had each its way
     head_waits: bool  # the oldest cannot go on: someone must be preempted

@@ -12,7 +12,14 @@ from opentelemetry.trace import SpanContext
 
 from control_plane.text.detok import Detokenizer, Tokenizer
 from protos import checks
-from protos.model import FailedPrecondition, ModelError, Penalties, Sampling, SequenceHandle
+from protos.model import (
+    Capabilities,
+    FailedPrecondition,
+    ModelError,
+    Penalties,
+    Sampling,
+    SequenceHandle,
+)
 from protos.params import MTP, SamplingParams
 
 if TYPE_CHECKING:  # llguidance is imported only where grammars are compiled
@@ -124,18 +131,36 @@ class Observer(Protocol):
     def record_tokens(self, count: int, first: bool, seconds: float) -> None: ...
 
 
+@dataclass(frozen=True)
+class ModelFacts:
+    """What a sequence needs to know of the served model, from its capabilities, once per
+    connection; the defaults stand until the first."""
+
+    max_context: int = 1 << 30  # positions a sequence may hold
+    vocab_size: int = 0  # 0: unknown, and `row_mask` masks no EOS by vocabulary
+    eos_ids: tuple[int, ...] = ()
+    has_mtp: bool = True  # the model has an MTP head (a checkpoint may lack one)
+
+    @classmethod
+    def of(cls, caps: Capabilities) -> ModelFacts:
+        return cls(caps.max_context, caps.vocab_size, caps.eos_token_ids, caps.has_mtp)
+
+
 class ActiveSeq:
-    """One admitted request: its handle on the service, its drafts, its output so far."""
+    """One request from submission on: its handle on the service, its drafts, its output so
+    far. `facts` is the served model's, replaced whole when a connection brings others."""
 
     def __init__(
         self,
         req: GenRequest,
         sink: Sink,
         tokenizer: Tokenizer,
-        eos_ids: tuple[int, ...],
-        max_context: int,
+        facts: ModelFacts,
+        observer: Observer | None = None,
+        draft_stop: float | None = None,
+        on_queued: QueueSink | None = None,
     ) -> None:
-        self.req, self.sink, self.max_context = req, sink, max_context
+        self.req, self.sink, self.facts = req, sink, facts
         self.tokenizer = tokenizer  # the one its prompt was tokenized with
         self.handle: SequenceHandle | None = None
         # What a prefill puts in the service's cache: the prompt; after a preemption, the
@@ -149,21 +174,18 @@ class ActiveSeq:
         self.pending_drafts: list[int] = []
         self.pending_conf: list[float] = []
         self.copy = 0  # drafts of this step copied by prompt lookup (0: none)
-        self.draft_stop: float | None = None  # --draft-confidence-stop, as a log-probability
+        self.draft_stop = draft_stop  # --draft-confidence-stop, as a log-probability
         self.grammar = req.grammar
-        self.vocab_size = 0  # set at admission, from the service's capabilities
-        self.drafter = True  # the model has an MTP head (a checkpoint may lack one)
         self.rng = random.Random(req.sampling.seed)
         self.generated: list[int] = []
         self.finished: str | None = None
         self.failure: Failure | None = None  # a refusal that ends this request alone
         self.stats = SpecStats()
         self.detok = Detokenizer(tokenizer, req.stop)
-        self._eos = () if req.ignore_eos else eos_ids
-        self.observer: Observer | None = None
+        self.observer = observer
         self.submitted = time.monotonic()
         self.last_emit: float | None = None
-        self.on_queued: QueueSink | None = None
+        self.on_queued = on_queued
         self.told: tuple[int, float] | None = None  # the last (position, time) sent on_queued
 
     @property
@@ -189,8 +211,21 @@ class ActiveSeq:
         self.told = (position, now)
         self.on_queued(Queued(position, queue_length))
 
-    def set_eos(self, eos_ids: tuple[int, ...]) -> None:
-        self._eos = () if self.req.ignore_eos else eos_ids
+    @property
+    def max_context(self) -> int:
+        return self.facts.max_context
+
+    @property
+    def vocab_size(self) -> int:
+        return self.facts.vocab_size
+
+    @property
+    def drafter(self) -> bool:
+        return self.facts.has_mtp
+
+    @property
+    def _eos(self) -> tuple[int, ...]:
+        return () if self.req.ignore_eos else self.facts.eos_ids
 
     def row_mask(self, drafts: list[int]) -> bytes:
         """Allowed tokens for the row after `drafts` (uncommitted tokens after the last one):

@@ -148,7 +148,7 @@ def _chi_square(a: list[int], b: list[int]) -> tuple[float, int, float]:
 
 
 def test_rejection_verdict_accepts_and_falls() -> None:
-    from control_plane.scheduler.seq import ActiveSeq
+    from control_plane.scheduler.seq import ActiveSeq, ModelFacts
     from control_plane.scheduler.verdict import _rejection
     from protos.handles import RowDraws
 
@@ -158,6 +158,8 @@ def test_rejection_verdict_accepts_and_falls() -> None:
         TOK,
         (257,),
         64,
+        GenRequest("x", (1,), 5, temperature=1.0, seed=0),
+        ModelFacts(64, eos_ids=(257,)),
     )
     sure = [RowDraws(1.0, 7, 8), RowDraws(1.0, 9, 10), RowDraws(0.0, 11, 12)]
     assert _rejection(a, [1, 2, 3], [0.5, 0.5], sure) == (2, 12), "p/q >= 1: all stand"

@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from unittest import mock
 
-from control_plane.scheduler.cost_model import cost_widths
+from control_plane.scheduler.widths import cost_widths
 from protos.params import MTP, NONE
 from tools.bench.workload import (
     FIXED_DRAFTS,

@@ -42,7 +42,7 @@ from collections.abc import Callable
 from pathlib import Path
 from unittest import mock
 
-from control_plane.scheduler.cost_model import cost_widths
+from control_plane.scheduler.widths import cost_widths
 from protos.defaults import DEFAULT_MODEL_DIR
 from protos.hub import model_path
 from tools.bench.baseline import (

@@ -13,7 +13,7 @@ import pytest
 
 from control_plane.cli.generate import add_args, run
 from control_plane.scheduler.loop import Scheduler
-from control_plane.scheduler.seq import QUEUED_UPDATE_S, ActiveSeq, GenRequest, Queued
+from control_plane.scheduler.seq import QUEUED_UPDATE_S, ActiveSeq, GenRequest, ModelFacts, Queued
 from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.engine.facade import Engine
 from gpu_service.model.config import ServiceConfig
@@ -98,7 +98,7 @@ def test_met_generate_prints_its_place(one_slot: str, capsys: pytest.CaptureFixt
 
 def test_places_are_told_once_then_only_forward_and_throttled() -> None:
     told: list[Queued] = []
-    a = ActiveSeq(GenRequest("w", PROMPT, 4), lambda ev: None, TOK, (), 256)
+    a = ActiveSeq(GenRequest("w", PROMPT, 4), lambda ev: None, TOK, ModelFacts(256))
     a.on_queued = told.append
     a.tell_place(2, 2, now=0.0)
     a.tell_place(2, 3, now=1.0)  # others queued behind: not news

@@ -8,9 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from control_plane.scheduler import cost_model
+from control_plane.scheduler import widths
+from control_plane.scheduler.arms import step_mtp
 from control_plane.scheduler.context import StepContext
-from control_plane.scheduler.cost_model import (
+from control_plane.scheduler.env import Env
+from control_plane.scheduler.loop import Scheduler
+from control_plane.scheduler.options import SchedulerOptions
+from control_plane.scheduler.seq import GenRequest
+from control_plane.scheduler.widths import (
     PRIOR,
     Calibration,
     CostTable,
@@ -18,11 +23,6 @@ from control_plane.scheduler.cost_model import (
     drafted_line,
     propose_depth,
 )
-from control_plane.scheduler.env import Env
-from control_plane.scheduler.loop import Scheduler
-from control_plane.scheduler.options import SchedulerOptions
-from control_plane.scheduler.seq import GenRequest
-from control_plane.scheduler.step import step_mtp
 from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.engine import costs as cost_tables
 from gpu_service.engine.facade import Engine
@@ -96,7 +96,7 @@ def test_a_noisy_cell_does_not_move_the_depth(monkeypatch: pytest.MonkeyPatch) -
         return propose_depth(t, sure, 1, 0.0, 32, 3)
 
     assert (pick(clean), pick(noisy)) == (3, 3)
-    monkeypatch.setattr(cost_model, "drafted_line", dict)
+    monkeypatch.setattr(widths, "drafted_line", dict)
     assert pick(noisy) == 2, "unsmoothed, the noisy cell ranks depth 2 first"
 
 

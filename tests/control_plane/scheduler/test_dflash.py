@@ -6,10 +6,10 @@ from dataclasses import replace
 
 import pytest
 
+from control_plane.scheduler.arms import step_mtp
 from control_plane.scheduler.context import StepContext
-from control_plane.scheduler.dflash import DFlashRung
 from control_plane.scheduler.env import Env
-from control_plane.scheduler.step import step_mtp
+from control_plane.scheduler.widths import DFlashRung
 from tests.control_plane.scheduler.test_step import NO_ENV, seqs
 from tests.fake_model import FakeModel
 

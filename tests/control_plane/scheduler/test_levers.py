@@ -9,16 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from control_plane.scheduler import dcut
-from control_plane.scheduler.adaptive import LOW, AdaptiveRung
+from control_plane.scheduler.arms import find_copy, step_mtp
 from control_plane.scheduler.context import StepContext
 from control_plane.scheduler.env import Env
-from control_plane.scheduler.ladder import Ladder
 from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.options import SchedulerOptions
-from control_plane.scheduler.prompt_lookup import find_copy
-from control_plane.scheduler.seq import ActiveSeq, GenRequest
-from control_plane.scheduler.step import step_mtp
+from control_plane.scheduler.seq import ActiveSeq, GenRequest, ModelFacts
+from control_plane.scheduler.widths import LOW, AdaptiveRung, Ladder, dcut_depth
 from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.engine.facade import Engine
 from gpu_service.model.config import ServiceConfig
@@ -80,9 +77,9 @@ def test_adaptive_rung_moves_with_what_step_mtp_observes() -> None:
 
 
 def test_dcut_depth() -> None:
-    assert dcut.depth([0.9, 0.9, 0.9], 0.3) == 3
-    assert dcut.depth([0.9, 0.5, 0.5], 0.3) == 2
-    assert dcut.depth([0.1, 0.9], 0.3) == 1, "at least one draft"
+    assert dcut_depth([0.9, 0.9, 0.9], 0.3) == 3
+    assert dcut_depth([0.9, 0.5, 0.5], 0.3) == 2
+    assert dcut_depth([0.1, 0.9], 0.3) == 1, "at least one draft"
 
 
 def test_dcut_cuts_and_orders_the_batch() -> None:
@@ -145,7 +142,10 @@ def _repeating(model: FakeModel, method: str, n: int) -> list[ActiveSeq]:
     for i in range(n):
         prompt = (7, 8, 9, 10 + i, 7, 8)
         a = ActiveSeq(
-            GenRequest(str(i), prompt, 50, method=method), lambda ev: None, TOK, (257,), 512
+            GenRequest(str(i), prompt, 50, method=method),
+            lambda ev: None,
+            TOK,
+            ModelFacts(512, eos_ids=(257,)),
         )
         a.handle = model.alloc_sequence()
         model.prefill([a.handle], [list(prompt)])

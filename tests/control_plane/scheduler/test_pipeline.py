@@ -270,9 +270,9 @@ def test_a_sequence_cancelled_with_its_next_plan_in_flight_is_freed_after_it(
 def test_a_plan_is_cut_to_the_rows_it_gets_at_its_own_width() -> None:
     """Eight sequences get one draft each (16 rows); eight rows hold four of them, but four get
     three drafts from the ladder (16 rows again): the cut is taken again at that width."""
+    from control_plane.scheduler.ahead import Pipeline
+    from control_plane.scheduler.arms import step_width
     from control_plane.scheduler.context import StepContext
-    from control_plane.scheduler.pipeline import Pipeline
-    from control_plane.scheduler.step import step_width
     from tests.control_plane.scheduler.test_step import seqs
     from tests.fake_model import FakeModel
 

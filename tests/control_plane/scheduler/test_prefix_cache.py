@@ -15,7 +15,7 @@ from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.prefill import chunk_length
 from control_plane.scheduler.prefix_cache import PrefixCache
-from control_plane.scheduler.seq import ActiveSeq, Event, Finish, GenRequest
+from control_plane.scheduler.seq import ActiveSeq, Event, Finish, GenRequest, ModelFacts
 from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.engine.facade import Engine
 from gpu_service.model.config import ServiceConfig
@@ -71,7 +71,7 @@ def test_eviction_is_least_recently_used_and_a_taken_twice_snapshot_is_dropped()
 
 
 def test_chunks_end_on_block_boundaries_and_snapshot_points() -> None:
-    a = ActiveSeq(GenRequest("r", tuple(range(200)), 1), lambda ev: None, TOK, (), 1024)
+    a = ActiveSeq(GenRequest("r", tuple(range(200)), 1), lambda ev: None, TOK, ModelFacts(1024))
     assert chunk_length(a, 512, 100, 64) == 64, "a budget of 100 ends on the block at 64"
     assert chunk_length(a, 512, 1000, 64) == 200, "the prompt's end needs no boundary"
     a.snap_points = [128]
@@ -189,9 +189,9 @@ def test_room_is_made_before_a_snapshot_is_taken() -> None:
     cache.seen(fork + _p((1, 5)))
     assert cache.points(fork + _p((2, 5)), 0) == [8, 12]  # 8: where the two diverge
     assert cache.taken(fork, 8, 10) == [] and cache.taken(other, 8, 20) == []
-    assert cache.room(0) == []
-    assert cache.room(1) == [20], "the fork's snapshot stays"
-    assert cache.room(5) == [10], "at most the budget is made room for"
+    assert cache.evict_for(0) == []
+    assert cache.evict_for(1) == [20], "the fork's snapshot stays"
+    assert cache.evict_for(5) == [10], "at most the budget is made room for"
     assert cache.num_snapshots == 0
 
 

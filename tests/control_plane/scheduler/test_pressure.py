@@ -17,7 +17,7 @@ from control_plane.scheduler.env import Env
 from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.pressure import Pool
-from control_plane.scheduler.seq import ActiveSeq, GenRequest
+from control_plane.scheduler.seq import ActiveSeq, GenRequest, ModelFacts
 from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.model.config import ServiceConfig
 from protos.handles import SequenceHandle
@@ -36,7 +36,7 @@ def _seq(
 ) -> ActiveSeq:
     """A request with a `prompt`-token prompt, `generated` tokens out of `new` so far, and
     `prefilled` of its prompt in the cache (all of it once it generates)."""
-    a = ActiveSeq(GenRequest("r", (5,) * prompt, new), lambda ev: None, TOK, (), 1024)
+    a = ActiveSeq(GenRequest("r", (5,) * prompt, new), lambda ev: None, TOK, ModelFacts(1024))
     a.generated = [7] * generated
     a.prefilled = prompt if prefilled is None else prefilled
     a.handle = SequenceHandle(0, 0, a.prefilled)

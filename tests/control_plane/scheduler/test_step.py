@@ -6,21 +6,19 @@ from dataclasses import fields, replace
 
 import pytest
 
-from control_plane.scheduler.adaptive import LOW
-from control_plane.scheduler.batch_verify import (
+from control_plane.scheduler.arms import (
     canonical_assignment,
     chunk_ranges,
+    serial_verify_plan,
+    step_mtp,
     verify_batch_permutation,
 )
 from control_plane.scheduler.context import StepContext
-from control_plane.scheduler.cost_model import CostTable
 from control_plane.scheduler.env import Env
-from control_plane.scheduler.ladder import Ladder, clamp_drafts_to_slot_capacity
 from control_plane.scheduler.options import SchedulerOptions
-from control_plane.scheduler.seq import ActiveSeq, GenRequest
-from control_plane.scheduler.serial_verify import serial_verify_plan
-from control_plane.scheduler.step import step_mtp
+from control_plane.scheduler.seq import ActiveSeq, GenRequest, ModelFacts
 from control_plane.scheduler.verdict import accepted
+from control_plane.scheduler.widths import LOW, CostTable, Ladder, clamp_drafts_to_slot_capacity
 from control_plane.text.tokenizer import ByteTokenizer
 from protos.params import MTP, NONE
 from tests.fake_model import FakeModel, counting_oracle
@@ -35,7 +33,12 @@ def seqs(
     out = []
     for i in range(n):
         req = GenRequest(str(i), (10 * i,), max_new, method=method)
-        a = ActiveSeq(req, lambda ev: None, ByteTokenizer.default(), (257,), model.max_context)
+        a = ActiveSeq(
+            req,
+            lambda ev: None,
+            ByteTokenizer.default(),
+            ModelFacts(model.max_context, eos_ids=(257,)),
+        )
         a.handle = model.alloc_sequence()
         a.last = model.prefill([a.handle], [[10 * i]]).argmax[0]
         a.generated.append(a.last)

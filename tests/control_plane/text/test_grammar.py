@@ -13,11 +13,11 @@ from opentelemetry.trace import INVALID_SPAN
 
 from control_plane.admission import door as door_module
 from control_plane.admission.door import BadRequest, Door
+from control_plane.scheduler.arms import step_mtp
 from control_plane.scheduler.context import StepContext
 from control_plane.scheduler.env import Env
 from control_plane.scheduler.loop import Scheduler, SchedulerOptions
 from control_plane.scheduler.seq import GenRequest
-from control_plane.scheduler.step import step_mtp
 from control_plane.text.grammar import GrammarCompiler
 from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.engine.facade import Engine

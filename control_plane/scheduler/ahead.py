@@ -29,12 +29,12 @@ from dataclasses import dataclass, field
 from opentelemetry import propagate
 from opentelemetry.trace import Link, Span, set_span_in_context
 
-from control_plane.scheduler import dcut
+from control_plane.scheduler.arms import step_mtp, step_width
 from control_plane.scheduler.context import StepContext
 from control_plane.scheduler.metrics import REPLICA_ATTRIBUTE
 from control_plane.scheduler.seq import ActiveSeq
-from control_plane.scheduler.step import step_mtp, step_width
 from control_plane.scheduler.verdict import apply_step, offsets
+from control_plane.scheduler.widths import dcut_depth
 from protos.model import Proposal, SequenceHandle, ServingModel, StepResult
 from protos.params import MTP, NONE
 from protos.steps import PlanResult, StepPlan, StepStream
@@ -59,7 +59,7 @@ def runs_ahead(a: ActiveSeq, ctx: StepContext) -> bool:
 
 
 @dataclass
-class Flight:
+class SentStep:
     """One step sent and not yet read back (a plan that repeats sends several)."""
 
     seqs: list[ActiveSeq]
@@ -73,7 +73,7 @@ class Flight:
         return any(s is a for s in self.seqs)
 
 
-def room(a: ActiveSeq) -> int:
+def context_left(a: ActiveSeq) -> int:
     """Tokens a sequence's context may still take."""
     return a.max_context - len(a.req.prompt_ids) - len(a.generated)
 
@@ -85,7 +85,7 @@ class Pipeline:
     release: Callable[[SequenceHandle], None]  # frees a sequence on the service
     read_back: Callable[[float], None]  # each result's `waited_s`, for the counters
     stream: StepStream | None = None
-    flights: deque[Flight] = field(default_factory=deque)
+    flights: deque[SentStep] = field(default_factory=deque)
     deferred: list[tuple[ActiveSeq, SequenceHandle]] = field(default_factory=list)
     last_read: float = 0.0  # when the last result came back
 
@@ -93,8 +93,16 @@ class Pipeline:
         """A plan in flight names the sequence: freeing it must wait for that result."""
         return any(f.holds(a) for f in self.flights)
 
-    def defer_free(self, a: ActiveSeq, handle: SequenceHandle) -> None:
-        self.deferred.append((a, handle))
+    def free(self, a: ActiveSeq) -> None:
+        """Release the request's sequence, or, while a plan in flight still runs it, once
+        that plan's result is back."""
+        handle, a.handle = a.handle, None
+        if handle is None:
+            return
+        if self.holds(a):
+            self.deferred.append((a, handle))
+        else:
+            self.release(handle)
 
     def fits(self, seqs: list[ActiveSeq], ctx: StepContext, num_drafts: int) -> list[ActiveSeq]:
         """The longest prefix of `seqs` one plan can carry at the width it would get (rows
@@ -199,14 +207,14 @@ class Pipeline:
             steps = 1
         if steps > 1:
             need = (len(self.flights) + steps) * (step_nd + 1)
-            steps = steps if all(room(a) >= need for a in seqs) else 1
+            steps = steps if all(context_left(a) >= need for a in seqs) else 1
         tokens, ks = [], []
         o = ctx.opts
         cut = o.dcut and step_nd >= 2 and len(seqs) <= o.dcut_width_cap
         for a, cont in zip(seqs, continues, strict=True):
             cap = min(step_nd, a.req.num_drafts if a.req.num_drafts is not None else step_nd)
             if cut and a.pending_conf:  # a continuing sequence's: those of the step before
-                cap = min(cap, dcut.depth(a.pending_conf[:step_nd], o.dcut_threshold))
+                cap = min(cap, dcut_depth(a.pending_conf[:step_nd], o.dcut_threshold))
             if cont:
                 ks.append(cap + 1)
             else:
@@ -237,7 +245,7 @@ class Pipeline:
             a.stats.steps += steps
         sent = time.perf_counter()
         for j, sp in enumerate(spans):
-            self.flights.append(Flight(list(seqs), step_nd, sp, sent, steps, j == steps - 1))
+            self.flights.append(SentStep(list(seqs), step_nd, sp, sent, steps, j == steps - 1))
 
     def _read(self, ctx: StepContext | None) -> tuple[int, int]:
         assert self.stream is not None
@@ -284,7 +292,7 @@ def _select(result: PlanResult, keep: list[int]) -> StepResult:
     )
 
 
-def _apply(flight: Flight, result: PlanResult, ctx: StepContext | None) -> None:
+def _apply(flight: SentStep, result: PlanResult, ctx: StepContext | None) -> None:
     """The result on the sequences still running; a finished one's part is dropped."""
     refused = {i: (code, message) for i, code, message in result.refused}
     for i, (code, message) in refused.items():
