@@ -12,7 +12,7 @@ import grpc
 
 from control_plane.fronts.api import GenerationServicer
 from control_plane.replicas.client import GrpcModel
-from control_plane.scheduler.loop import Scheduler
+from control_plane.scheduler.scheduler import Scheduler
 from gpu_service.engine.facade import Engine
 from gpu_service.rpc.options import Access
 from protos.met.v1 import generate_pb2_grpc as pb_grpc

@@ -29,9 +29,9 @@ from control_plane.fronts.api import GenerationServicer
 from control_plane.replicas.client import GrpcModel
 from control_plane.replicas.router import Router, Target, TargetError, parse_targets
 from control_plane.scheduler.env import Env
-from control_plane.scheduler.loop import Joins, Scheduler
 from control_plane.scheduler.metrics import Metrics
 from control_plane.scheduler.options import SchedulerOptions
+from control_plane.scheduler.scheduler import Joins, Scheduler
 from control_plane.text.detok import Tokenizer
 from control_plane.text.tokenizer import Tokenization
 from protos import ports, tls

@@ -41,8 +41,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from control_plane.scheduler.loop import Joins, Scheduler
 from control_plane.scheduler.metrics import Metrics
+from control_plane.scheduler.scheduler import Joins, Scheduler
 from control_plane.scheduler.seq import ActiveSeq, GenRequest, QueueSink, Sink, SpecStats
 from control_plane.scheduler.tally import Counters, merge_counters
 from control_plane.text.detok import Tokenizer

@@ -142,8 +142,8 @@ def test_calls_no_graph_fits_run_eagerly(tiny_dir: Path) -> None:
 
 def test_scheduler_outputs_match_and_capabilities_say_so(tiny_dir: Path) -> None:
     from control_plane.scheduler.env import Env
-    from control_plane.scheduler.loop import Scheduler
     from control_plane.scheduler.options import SchedulerOptions
+    from control_plane.scheduler.scheduler import Scheduler
 
     eager, graphed = engines(tiny_dir)
     reqs = [GenRequest(f"r{i}", (i + 3, 4, 5, 6), 12, method=MTP) for i in range(6)]

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from control_plane.scheduler.env import Env
-from control_plane.scheduler.loop import Scheduler, SchedulerOptions
+from control_plane.scheduler.options import SchedulerOptions
+from control_plane.scheduler.scheduler import Scheduler
 from control_plane.scheduler.seq import GenRequest
 from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.engine.facade import Engine
@@ -156,9 +157,6 @@ def test_rejection_verdict_accepts_and_falls() -> None:
         GenRequest("x", (1,), 5, sampling=SamplingParams(1.0, seed=0)),
         lambda ev: None,
         TOK,
-        (257,),
-        64,
-        GenRequest("x", (1,), 5, temperature=1.0, seed=0),
         ModelFacts(64, eos_ids=(257,)),
     )
     sure = [RowDraws(1.0, 7, 8), RowDraws(1.0, 9, 10), RowDraws(0.0, 11, 12)]

@@ -22,8 +22,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from control_plane.cli.launch import start_control_plane, start_gpu_service, stop
 from control_plane.scheduler.env import Env
-from control_plane.scheduler.loop import Scheduler, SchedulerOptions
 from control_plane.scheduler.metrics import Metrics
+from control_plane.scheduler.options import SchedulerOptions
+from control_plane.scheduler.scheduler import Scheduler
 from control_plane.scheduler.seq import GenRequest
 from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.engine.facade import Engine

@@ -18,8 +18,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from control_plane.fronts.api import GenerationServicer
 from control_plane.scheduler.env import Env
-from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.options import SchedulerOptions
+from control_plane.scheduler.scheduler import Scheduler
 from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.engine.facade import Engine
 from gpu_service.rpc.options import Access

@@ -29,7 +29,7 @@ from control_plane.cli.launch import start_control_plane, start_gpu_service, sto
 from control_plane.cli.server import PROG, build_server, read_security
 from control_plane.fronts.api import GenerationServicer
 from control_plane.replicas.client import GrpcModel
-from control_plane.scheduler.loop import Scheduler
+from control_plane.scheduler.scheduler import Scheduler
 from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.engine.facade import Engine
 from gpu_service.rpc.options import Access

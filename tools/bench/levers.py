@@ -11,7 +11,8 @@ import argparse
 import time
 
 from control_plane.scheduler.env import Env
-from control_plane.scheduler.loop import Scheduler, SchedulerOptions
+from control_plane.scheduler.options import SchedulerOptions
+from control_plane.scheduler.scheduler import Scheduler
 from control_plane.scheduler.seq import GenRequest
 from protos.defaults import DEFAULT_MODEL_DIR
 from protos.model import ServingModel

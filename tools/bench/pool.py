@@ -16,7 +16,7 @@ import argparse
 from pathlib import Path
 
 from control_plane.scheduler.env import Env
-from control_plane.scheduler.loop import Scheduler
+from control_plane.scheduler.scheduler import Scheduler
 from control_plane.scheduler.seq import GenRequest
 from protos.model import ServingModel
 from protos.params import MTP

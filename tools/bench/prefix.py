@@ -37,7 +37,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from control_plane.scheduler.env import Env
-from control_plane.scheduler.loop import Scheduler, SchedulerOptions
+from control_plane.scheduler.options import SchedulerOptions
+from control_plane.scheduler.scheduler import Scheduler
 from control_plane.scheduler.seq import Delta, Event, Failure, GenRequest
 from protos.defaults import DEFAULT_MODEL_DIR
 from protos.hub import model_path

@@ -25,7 +25,7 @@ from control_plane.cli.up import start_all
 from control_plane.replicas.client import GrpcModel
 from control_plane.replicas.router import Router, parse_targets
 from control_plane.scheduler.env import Env
-from control_plane.scheduler.loop import Scheduler
+from control_plane.scheduler.scheduler import Scheduler
 from control_plane.scheduler.seq import GenRequest
 from protos.defaults import DEFAULT_MODEL_DIR
 from protos.params import MTP

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from control_plane.cli.launch import start_gpu_service, stop
 from control_plane.replicas.client import GrpcModel
 from control_plane.scheduler.env import Env
-from control_plane.scheduler.loop import Scheduler
+from control_plane.scheduler.scheduler import Scheduler
 from gpu_service.model.config import ModelConfig
 from gpu_service.tp import REDUCES
 from protos.defaults import DEFAULT_MODEL_DIR

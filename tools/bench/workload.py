@@ -13,7 +13,8 @@ from pathlib import Path
 
 from control_plane.replicas.router import Drives, Router
 from control_plane.scheduler.env import Env
-from control_plane.scheduler.loop import Scheduler, SchedulerOptions
+from control_plane.scheduler.options import SchedulerOptions
+from control_plane.scheduler.scheduler import Scheduler
 from control_plane.scheduler.seq import Finish, GenRequest
 from protos.defaults import DEFAULT_MODEL_DIR
 from protos.hub import model_path

@@ -13,7 +13,7 @@ import pytest
 
 from control_plane.admission.door import Admission, BadRequest, to_request
 from control_plane.cli.server import admission
-from control_plane.scheduler.loop import Scheduler
+from control_plane.scheduler.scheduler import Scheduler
 from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.engine.facade import Engine
 from gpu_service.model.config import ServiceConfig

@@ -32,8 +32,8 @@ from control_plane.cli.server import build_server
 from control_plane.fronts import openai_http
 from control_plane.fronts.api import GenerationServicer
 from control_plane.replicas.client import GrpcModel
-from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.options import SchedulerOptions
+from control_plane.scheduler.scheduler import Scheduler
 from gpu_service.engine.facade import Engine
 from gpu_service.model.config import ServiceConfig
 from protos.met.v1 import generate_pb2 as pb

@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from control_plane.cli.generate import add_args, run
-from control_plane.scheduler.loop import Scheduler
+from control_plane.scheduler.scheduler import Scheduler
 from control_plane.scheduler.seq import QUEUED_UPDATE_S, ActiveSeq, GenRequest, ModelFacts, Queued
 from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.engine.facade import Engine

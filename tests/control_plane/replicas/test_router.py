@@ -20,10 +20,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from control_plane.cli.launch import start_control_plane, start_gpu_service, stop, wait_serving
 from control_plane.replicas.router import Router, Target, TargetError, parse_targets
 from control_plane.scheduler.env import Env
-from control_plane.scheduler.loop import Joins, Scheduler
 from control_plane.scheduler.metrics import Metrics
 from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.prefix_cache import PrefixCache
+from control_plane.scheduler.scheduler import Joins, Scheduler
 from control_plane.scheduler.seq import GenRequest
 from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.engine.facade import Engine

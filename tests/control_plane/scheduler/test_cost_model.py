@@ -12,8 +12,8 @@ from control_plane.scheduler import widths
 from control_plane.scheduler.arms import step_mtp
 from control_plane.scheduler.context import StepContext
 from control_plane.scheduler.env import Env
-from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.options import SchedulerOptions
+from control_plane.scheduler.scheduler import Scheduler
 from control_plane.scheduler.seq import GenRequest
 from control_plane.scheduler.widths import (
     PRIOR,

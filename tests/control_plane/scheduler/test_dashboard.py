@@ -19,9 +19,9 @@ from prometheus_client.parser import text_string_to_metric_families as text_fami
 
 from control_plane.replicas.router import Router, parse_targets
 from control_plane.scheduler.env import Env
-from control_plane.scheduler.loop import Joins, Scheduler
 from control_plane.scheduler.metrics import Metrics
 from control_plane.scheduler.options import SchedulerOptions
+from control_plane.scheduler.scheduler import Joins, Scheduler
 from control_plane.scheduler.seq import GenRequest
 from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.engine.facade import Engine

@@ -12,8 +12,8 @@ import pytest
 from control_plane.scheduler.arms import find_copy, step_mtp
 from control_plane.scheduler.context import StepContext
 from control_plane.scheduler.env import Env
-from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.options import SchedulerOptions
+from control_plane.scheduler.scheduler import Scheduler
 from control_plane.scheduler.seq import ActiveSeq, GenRequest, ModelFacts
 from control_plane.scheduler.widths import LOW, AdaptiveRung, Ladder, dcut_depth
 from control_plane.text.tokenizer import ByteTokenizer

@@ -10,8 +10,8 @@ import grpc
 import pytest
 
 from control_plane.scheduler.env import Env
-from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.options import SchedulerOptions
+from control_plane.scheduler.scheduler import Scheduler
 from control_plane.scheduler.seq import GenRequest
 from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.engine.facade import Engine

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from control_plane.scheduler.env import Env
-from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.prefill import chunk_length
 from control_plane.scheduler.prefix_cache import PrefixCache
+from control_plane.scheduler.scheduler import Scheduler
 from control_plane.scheduler.seq import ActiveSeq, Event, Finish, GenRequest, ModelFacts
 from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.engine.facade import Engine

@@ -14,9 +14,9 @@ import pytest
 from control_plane.cli.launch import start_gpu_service, stop
 from control_plane.replicas.client import GrpcModel
 from control_plane.scheduler.env import Env
-from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.pressure import Pool
+from control_plane.scheduler.scheduler import Scheduler
 from control_plane.scheduler.seq import ActiveSeq, GenRequest, ModelFacts
 from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.model.config import ServiceConfig

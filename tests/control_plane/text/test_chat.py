@@ -18,7 +18,7 @@ from transformers import PreTrainedTokenizerFast
 
 from control_plane.admission.door import Admission, BadRequest, to_request
 from control_plane.cli import generate
-from control_plane.scheduler.loop import Scheduler
+from control_plane.scheduler.scheduler import Scheduler
 from control_plane.text.chat import CONFIG_FILE, TEMPLATE_FILE, ChatTemplate
 from control_plane.text.tokenizer import Tokenization
 from gpu_service.engine.facade import Engine

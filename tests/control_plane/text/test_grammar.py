@@ -16,7 +16,8 @@ from control_plane.admission.door import BadRequest, Door
 from control_plane.scheduler.arms import step_mtp
 from control_plane.scheduler.context import StepContext
 from control_plane.scheduler.env import Env
-from control_plane.scheduler.loop import Scheduler, SchedulerOptions
+from control_plane.scheduler.options import SchedulerOptions
+from control_plane.scheduler.scheduler import Scheduler
 from control_plane.scheduler.seq import GenRequest
 from control_plane.text.grammar import GrammarCompiler
 from control_plane.text.tokenizer import ByteTokenizer

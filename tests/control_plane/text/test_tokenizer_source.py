@@ -18,8 +18,8 @@ from grpc_health.v1 import health
 from control_plane.fronts.api import GenerationServicer
 from control_plane.replicas.client import GrpcModel
 from control_plane.scheduler.env import Env
-from control_plane.scheduler.loop import Scheduler
 from control_plane.scheduler.options import SchedulerOptions
+from control_plane.scheduler.scheduler import Scheduler
 from control_plane.scheduler.seq import GenRequest
 from control_plane.text.grammar import GrammarCompiler
 from control_plane.text.tokenizer import TOKENIZER_FILE, ByteTokenizer, Tokenization

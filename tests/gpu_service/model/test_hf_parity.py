@@ -117,7 +117,7 @@ def test_missing_and_reshaped_tensors_are_named(tmp_path: Path) -> None:
 
 def test_no_mtp_checkpoint_serves_with_speculation_off(tmp_path: Path) -> None:
     from control_plane.scheduler.env import Env
-    from control_plane.scheduler.loop import Scheduler
+    from control_plane.scheduler.scheduler import Scheduler
     from control_plane.scheduler.seq import GenRequest
     from control_plane.text.tokenizer import ByteTokenizer
     from protos.params import MTP, NONE

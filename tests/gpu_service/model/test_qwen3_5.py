@@ -159,7 +159,7 @@ def test_circuit_diff_passes(
 
 def _served_tokens(engine: Engine, method: str) -> tuple[list[list[int]], int]:
     from control_plane.scheduler.env import Env
-    from control_plane.scheduler.loop import Scheduler
+    from control_plane.scheduler.scheduler import Scheduler
     from control_plane.scheduler.seq import GenRequest
     from control_plane.text.tokenizer import ByteTokenizer
     from tests.collect import run_all
@@ -263,8 +263,8 @@ def test_prefix_cache_paged_kv_and_penalties_change_no_greedy_token(made: dict) 
     cache and with `mtp`, the tokens of plain decoding without the cache, and the second turn
     takes its prefix from the cache."""
     from control_plane.scheduler.env import Env
-    from control_plane.scheduler.loop import Scheduler
     from control_plane.scheduler.options import SchedulerOptions
+    from control_plane.scheduler.scheduler import Scheduler
     from control_plane.scheduler.seq import GenRequest
     from control_plane.text.tokenizer import ByteTokenizer
     from protos.model import Penalties

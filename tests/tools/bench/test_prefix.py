@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from control_plane.scheduler.env import Env
-from control_plane.scheduler.loop import Scheduler, SchedulerOptions
+from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.prefix_cache import PrefixCache
+from control_plane.scheduler.scheduler import Scheduler
 from control_plane.scheduler.seq import GenRequest
 from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.engine.facade import Engine
