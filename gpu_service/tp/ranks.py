@@ -151,21 +151,22 @@ class TpEngine(Engine):
     def add_forward(self, name: str, after_fold: Callable[..., None]) -> None:
         raise ValueError("add_forward: a hook runs in one process; not under tensor parallelism")
 
-    def _mirror(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        method = getattr(Engine, name)
+    def _mirror(self, operation: str, /, *args: Any, **kwargs: Any) -> Any:
+        # Positional only: an operation's own arguments may be called `name` (`set_forward`).
+        method = getattr(Engine, operation)
         with self._lock:
             outer = not getattr(self._depth, "n", 0)
             self._depth.n = getattr(self._depth, "n", 0) + 1
             try:
                 if outer:
                     assert self.tp is not None
-                    self.tp.send((name, args, kwargs))
+                    self.tp.send((operation, args, kwargs))
                 return method(self, *args, **kwargs)
             except ModelError:
                 raise
             except Exception as e:
                 if outer and not self._closing and _failed_collective(e):
-                    self._on_fault(f"a tensor-parallel collective failed in {name}: {e}")
+                    self._on_fault(f"a tensor-parallel collective failed in {operation}: {e}")
                 raise
             finally:
                 self._depth.n -= 1
