@@ -12,6 +12,7 @@ torch."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -53,9 +54,10 @@ class Operation:
     # the table still names them.
     stream: bool = False
 
-    @property
+    @functools.cached_property
     def signature(self) -> inspect.Signature:
-        """The contract's signature of the operation, with `self`."""
+        """The contract's signature of the operation, with `self` (read once: every call of
+        the generated client binds its arguments by it)."""
         protocol = ServingModel if self.layer == SERVING else CircuitModel
         return inspect.signature(getattr(protocol, self.name))
 
