@@ -47,6 +47,10 @@ class SamplingParams:
 class ChatMessage:
     role: str
     content: str
+    tool_calls: str = ""  # an assistant's calls: OpenAI's tool_calls as JSON text
+    tool_call_id: str = ""  # a tool's result: the call it answers
+    name: str = ""  # a tool's result: the tool's name
+    reasoning_content: str = ""  # an assistant's reasoning
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,9 @@ class RequestParams:
     method: str | None = None  # NONE, MTP or PROMPT_LOOKUP; None: the server's
     num_drafts: int | None = None  # None: the server's
     response_format: tuple[str, str] | None = None  # (one of FORMATS, its text)
+    tools: str = ""  # with messages: OpenAI's tool definitions, a JSON array as text
+    tool_choice: str = ""  # "", auto, none, required, or a tool's name
+    parallel_tool_calls: bool | None = None  # with required or a name: False, one call
     sampling: SamplingParams = field(default_factory=SamplingParams)
 
 
@@ -118,7 +125,7 @@ def from_pb(r: pb.GenerateRequest) -> RequestParams:
     sampling = {k: v for k, v in _plain(SamplingParams, r).items() if v is not None}
     return RequestParams(
         **_plain(RequestParams, r, _SPECIAL),
-        messages=tuple(ChatMessage(m.role, m.content) for m in r.messages),
+        messages=tuple(ChatMessage(**_plain(ChatMessage, m)) for m in r.messages),
         method=METHODS.get(r.speculative_method),
         response_format=None if kind is None else (kind, getattr(r.response_format, kind)),
         sampling=SamplingParams(**sampling),
@@ -133,7 +140,7 @@ def to_pb(p: RequestParams) -> pb.GenerateRequest:
         **{f.name: getattr(p, f.name) for f in fields(p) if f.name not in _SPECIAL},
     }
     r = pb.GenerateRequest(**{k: v for k, v in plain.items() if v is not None})
-    r.messages.extend(pb.ChatMessage(role=m.role, content=m.content) for m in p.messages)
+    r.messages.extend(pb.ChatMessage(**dataclasses.asdict(m)) for m in p.messages)
     if p.method is not None:
         r.speculative_method = codes[p.method]
     if p.response_format is not None:

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 from collections.abc import Iterable
+from typing import Any
 
 import grpc
 from opentelemetry.trace import Span
@@ -19,12 +21,20 @@ from control_plane.text.chat import KWARGS, ChatTemplate, parse_kwargs
 from control_plane.text.detok import Tokenizer
 from control_plane.text.grammar import Grammar, GrammarCompiler
 from control_plane.text.tokenizer import Tokenization
+from control_plane.text.tools import (
+    THINK_OPEN,
+    call_grammar,
+    check_choice,
+    read_tools,
+    template_form,
+)
 from protos import checks
 from protos.model import Capabilities, ModelError, Penalties
-from protos.params import MTP, RequestParams, penalties
+from protos.params import MTP, ChatMessage, RequestParams, penalties
 
 DEFAULT_METHOD = MTP  # for requests that leave the speculative method unspecified
-DEFAULT_MAX_NEW_TOKENS = 256  # for requests that leave max_new_tokens unset
+# For requests that leave max_new_tokens unset: None, the rest of the context (vLLM's).
+DEFAULT_MAX_NEW_TOKENS: int | None = None
 # UTF-8 bytes of a text prompt or a rendered chat, checked before tokenizing: a tokenizer's ids
 # and offsets take hundreds of bytes per token, so an unbounded prompt grows the process before
 # it is refused.
@@ -42,7 +52,7 @@ class Admission:
     flag."""
 
     default_method: str = DEFAULT_METHOD
-    default_max_new: int = DEFAULT_MAX_NEW_TOKENS
+    default_max_new: int | None = DEFAULT_MAX_NEW_TOKENS
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES
 
 
@@ -50,6 +60,26 @@ class BadRequest(Exception):
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatShape:
+    """What a chat's output may hold beside text, for the fronts that split it (the OpenAI
+    one): calls of `tools` (None: calls stay text), reasoning, already opened by the prompt."""
+
+    tools: dict[str, dict[str, Any]] | None = None
+    reasoning: bool = False
+    opened: bool = False
+    parallel: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Entered:
+    """A request taken: its events (and `Queued` notices) on `events`, what it became."""
+
+    events: asyncio.Queue
+    request: GenRequest
+    shape: ChatShape = ChatShape()
 
 
 def to_request(
@@ -61,14 +91,29 @@ def to_request(
     compiler: GrammarCompiler | None = None,
     chat: ChatTemplate | None = None,
 ) -> GenRequest:
-    """The wire request as the scheduler's `GenRequest`, or `BadRequest` with a sentence.
-    The fields that need no tokenizer are checked first, the prompt's size before it is
-    tokenized, and the grammar compiled last. `chat` is the model's template, for a request
-    with messages (None: the model has none)."""
+    """The wire request as the scheduler's `GenRequest`, or `BadRequest` with a sentence
+    (`admit` says what its chat's output may hold too)."""
+    return admit(r, tokenizer, caps, admission, request_id, compiler, chat)[0]
+
+
+def admit(
+    r: RequestParams,
+    tokenizer: Tokenizer,
+    caps: Capabilities,
+    admission: Admission,
+    request_id: str,
+    compiler: GrammarCompiler | None = None,
+    chat: ChatTemplate | None = None,
+) -> tuple[GenRequest, ChatShape]:
+    """The wire request as the scheduler's `GenRequest` and its chat's `ChatShape`, or
+    `BadRequest` with a sentence. The fields that need no tokenizer are checked first, the
+    prompt's size before it is tokenized, and the grammar compiled last. `chat` is the
+    model's template, for a request with messages (None: the model has none)."""
     _check_method(r, caps)
     _check_sampling(r, caps)
     _check_vocab("stop_token_ids", r.stop_token_ids, caps)
-    ids = _prompt_ids(r, tokenizer, caps, admission.max_prompt_bytes, chat)
+    tools = _tools(r)
+    ids, opened = _prompt_ids(r, tokenizer, caps, admission.max_prompt_bytes, chat, tools)
     max_new = _max_new_tokens(r, len(ids), caps, admission.default_max_new)
     if r.min_new_tokens > max_new:
         raise BadRequest(
@@ -76,6 +121,13 @@ def to_request(
             f"min_new_tokens is {r.min_new_tokens}; it must not exceed max_new_tokens ({max_new})",
         )
     pen = _penalties(r, len(ids), caps)
+    form = _response_format(r, tools, chat)
+    shape = ChatShape(
+        tools if tools and r.tool_choice != "none" else None,
+        chat is not None and chat.thinks,
+        opened,
+        r.parallel_tool_calls is not False,
+    )
     return GenRequest(
         request_id=request_id,
         prompt_ids=tuple(ids),
@@ -87,10 +139,42 @@ def to_request(
         method=r.method or admission.default_method,
         num_drafts=r.num_drafts,
         logprobs=r.logprobs,
-        grammar=_grammar(r, compiler),
+        grammar=_grammar(form, compiler),
         sampling=r.sampling,
         penalties=pen,
-    )
+    ), shape
+
+
+def _tools(r: RequestParams) -> dict[str, dict[str, Any]]:
+    """The request's tools by name, checked with its `tool_choice`."""
+    if (r.tools or r.tool_choice) and not r.messages:
+        raise BadRequest(INVALID, "tools and tool_choice go with messages; this request has none")
+    try:
+        tools = read_tools(r.tools)
+        check_choice(r.tool_choice, tools)
+    except ValueError as e:
+        raise BadRequest(INVALID, str(e)) from None
+    return tools
+
+
+def _response_format(
+    r: RequestParams, tools: dict[str, dict[str, Any]], chat: ChatTemplate | None
+) -> tuple[str, str] | None:
+    """The grammar the output follows: the request's `response_format`, or the calls its
+    `tool_choice` asks for, in the template's form (never both)."""
+    calls = None
+    if tools and chat is not None:
+        parallel = r.parallel_tool_calls is not False
+        calls = call_grammar(tools, r.tool_choice, template_form(chat.source), parallel)
+    if calls is None:
+        return r.response_format
+    if r.response_format is not None:
+        raise BadRequest(
+            INVALID,
+            f"tool_choice {r.tool_choice!r} constrains the output to calls; it cannot also "
+            "follow response_format",
+        )
+    return ("lark", calls)
 
 
 def _penalties(r: RequestParams, prompt_len: int, caps: Capabilities) -> Penalties | None:
@@ -108,7 +192,9 @@ def _prompt_ids(
     caps: Capabilities,
     max_bytes: int,
     chat: ChatTemplate | None,
-) -> list[int]:
+    tools: dict[str, dict[str, Any]],
+) -> tuple[list[int], bool]:
+    """The prompt's ids, and whether it ends inside an opened reasoning block."""
     given = [name for name in PROMPT_FIELDS if getattr(r, name)]
     if len(given) > 1:
         raise BadRequest(
@@ -121,6 +207,7 @@ def _prompt_ids(
             INVALID, f"{KWARGS} are variables of the chat template; this request has no messages"
         )
     text, field = (_render(r, chat), "the rendered chat") if r.messages else (r.prompt, "prompt")
+    opened = bool(r.messages) and text.rstrip().endswith(THINK_OPEN)
     size = len(text.encode("utf-8"))
     if size > max_bytes:
         raise BadRequest(INVALID, f"{field} is {size} bytes; this server takes at most {max_bytes}")
@@ -128,9 +215,10 @@ def _prompt_ids(
     ids = list(r.prompt_token_ids) or tokenizer.encode(text)
     if not ids:
         raise BadRequest(INVALID, "the prompt is empty")
-    _room(len(ids), caps)  # before the vocabulary scan: a context's worth at most
+    # Before the vocabulary scan: a context's worth at most.
+    _room(len(ids), caps, "messages" if r.messages else "prompt")
     _check_vocab("prompt_token_ids" if r.prompt_token_ids else "the tokenized prompt", ids, caps)
-    return ids
+    return ids, opened
 
 
 def _render(r: RequestParams, chat: ChatTemplate | None) -> str:
@@ -142,23 +230,76 @@ def _render(r: RequestParams, chat: ChatTemplate | None) -> str:
     empty = next((i for i, m in enumerate(r.messages) if not m.role), None)
     if empty is not None:
         raise BadRequest(INVALID, f"messages[{empty}] has an empty role")
-    messages = [{"role": m.role, "content": m.content} for m in r.messages]
     generation_prompt = r.add_generation_prompt is None or r.add_generation_prompt
     try:
-        return chat.render(messages, generation_prompt, parse_kwargs(r.chat_template_kwargs))
+        messages = [_message(m, i) for i, m in enumerate(r.messages)]
+        tools = json.loads(r.tools) if r.tools else None
+        kwargs = parse_kwargs(r.chat_template_kwargs)
+        return chat.render(messages, generation_prompt, kwargs, tools)
     except ValueError as e:
         raise BadRequest(INVALID, str(e)) from None
 
 
-def _room(prompt_len: int, caps: Capabilities) -> int:
+def _message(m: ChatMessage, i: int) -> dict[str, Any]:
+    """A message as templates read it: its calls' arguments as objects (vLLM hands them so:
+    Qwen3.5's template iterates them), the optional fields only when given."""
+    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        out["tool_calls"] = _calls(m.tool_calls, i)
+    for name in ("tool_call_id", "name", "reasoning_content"):
+        if value := getattr(m, name):
+            out[name] = value
+    return out
+
+
+def _calls(text: str, i: int) -> list[dict[str, Any]]:
+    where = f"messages[{i}].tool_calls"
+    try:
+        calls = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"{where} is not JSON text: {e}") from None
+    if not isinstance(calls, list):
+        raise ValueError(f"{where} must be a list of calls")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ValueError(f"{where}[{j}] must be {{id, type, function: {{name, arguments}}}}")
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                raise ValueError(f"{where}[{j}].function.arguments is not JSON text") from None
+        out.append({**call, "function": {**fn, "arguments": args}})
+    return out
+
+
+class ContextOverflow(BadRequest):
+    """A request past the context, in vLLM's words (which clients such as litellm match to
+    raise their context-window error); `param` names the field to shorten."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(INVALID, message)
+        self.param = param
+
+
+def overflow_sentence(max_context: int, asked: int, prompt_len: int, new: int) -> str:
+    """vLLM's sentence for a request of `asked` tokens in all past a context of
+    `max_context`, `prompt_len` of them the prompt's."""
+    return (
+        f"This model's maximum context length is {max_context} tokens. However, you requested "
+        f"{asked} tokens ({prompt_len} in the messages, {new} in the completion). Please reduce "
+        "the length of the messages or completion."
+    )
+
+
+def _room(prompt_len: int, caps: Capabilities, param: str = "messages") -> int:
     """Context positions left after the prompt, at least one."""
     room = caps.max_context - prompt_len
     if room < 1:
-        raise BadRequest(
-            INVALID,
-            f"the prompt has {prompt_len} tokens; the context holds "
-            f"{caps.max_context} with room for at least one more",
-        )
+        sentence = overflow_sentence(caps.max_context, prompt_len + 1, prompt_len, 1)
+        raise ContextOverflow(sentence, param)
     return room
 
 
@@ -172,19 +313,18 @@ def _check_vocab(field: str, ids: Iterable[int], caps: Capabilities) -> None:
 
 
 def _max_new_tokens(
-    r: RequestParams, prompt_len: int, caps: Capabilities, default_max_new: int
+    r: RequestParams, prompt_len: int, caps: Capabilities, default_max_new: int | None
 ) -> int:
-    """The request's token budget: its own, or the server's default cut to the context."""
+    """The request's token budget: its own, or the server's default (None: the rest of the
+    context) cut to the context."""
     room = _room(prompt_len, caps)
-    max_new = r.max_new_tokens if r.max_new_tokens is not None else min(default_max_new, room)
+    default = room if default_max_new is None else min(default_max_new, room)
+    max_new = r.max_new_tokens if r.max_new_tokens is not None else default
     if max_new == 0:
         raise BadRequest(INVALID, "max_new_tokens is 0; ask for at least one token")
     if max_new > room:
-        raise BadRequest(
-            INVALID,
-            f"max_new_tokens is {max_new}; after {prompt_len} prompt tokens "
-            f"the context of {caps.max_context} has room for {room}",
-        )
+        sentence = overflow_sentence(caps.max_context, prompt_len + max_new, prompt_len, max_new)
+        raise ContextOverflow(sentence, "max_tokens")
     return max_new
 
 
@@ -213,13 +353,13 @@ def _check_sampling(r: RequestParams, caps: Capabilities) -> None:
         )
 
 
-def _grammar(r: RequestParams, compiler: GrammarCompiler | None) -> Grammar | None:
-    """The compiled `response_format`, or None when the request has none."""
-    if r.response_format is None:
+def _grammar(form: tuple[str, str] | None, compiler: GrammarCompiler | None) -> Grammar | None:
+    """The compiled grammar, or None when the request has none."""
+    if form is None:
         return None
     if compiler is None:
         raise BadRequest(grpc.StatusCode.UNIMPLEMENTED, "this server has no grammar engine")
-    kind, text = r.response_format
+    kind, text = form
     try:
         return compiler.compile(kind, text)
     except ValueError as e:
@@ -238,7 +378,7 @@ class Door:
         self._chat: ChatTemplate | None = None
         self._chat_for: Tokenization | None = None  # the files `_chat` was read from
 
-    async def enter(self, request: RequestParams, key: str, span: Span) -> asyncio.Queue:
+    async def enter(self, request: RequestParams, key: str, span: Span) -> Entered:
         """Check, convert and submit the request under `key`; its events (and `Queued`
         notices) arrive on the returned queue. Raises `BadRequest` for a request this server
         will not take, the GPU service out of reach included."""
@@ -247,7 +387,7 @@ class Door:
         tokenizer = self.scheduler.tokenizer
         compiler = self._grammar_compiler(request, tokenizer, caps)
         chat = self._chat_template(request)
-        req = to_request(request, tokenizer, caps, self.admission, key, compiler, chat)
+        req, shape = admit(request, tokenizer, caps, self.admission, key, compiler, chat)
         req = dataclasses.replace(req, span_context=span.get_span_context())
         events: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
@@ -260,7 +400,7 @@ class Door:
         except ModelError as e:
             raise BadRequest(getattr(grpc.StatusCode, e.code), str(e)) from None
         span.set_attribute(REPLICA_ATTRIBUTE, replica)
-        return events
+        return Entered(events, req, shape)
 
     async def capabilities(self) -> Capabilities:
         """The served model's, connecting first if need be; `BadRequest` with UNAVAILABLE when
@@ -282,8 +422,9 @@ class Door:
     def _grammar_compiler(
         self, request: RequestParams, tokenizer: Tokenizer, caps: Capabilities
     ) -> GrammarCompiler | None:
-        """Requests without a `response_format` never touch the grammar engine."""
-        if request.response_format is None:
+        """Requests without a `response_format` or a `tool_choice` that constrains never touch
+        the grammar engine."""
+        if request.response_format is None and request.tool_choice in ("", "auto", "none"):
             return None
         if self._compiler is None or self._compiled_for is not tokenizer:
             self._compiler = GrammarCompiler(tokenizer, caps.vocab_size, caps.eos_token_ids)

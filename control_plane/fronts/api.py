@@ -76,7 +76,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         await context.send_initial_metadata(())
         try:
             params = self._params(request, gen, rid)
-            events = await self.door.enter(params, key, gen)
+            events = (await self.door.enter(params, key, gen)).events
         except BadRequest as e:
             failed(gen, e.code.name, str(e))
             await context.abort(e.code, str(e))

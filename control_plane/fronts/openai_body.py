@@ -35,8 +35,10 @@ from protos.params import METHODS, ChatMessage, RequestParams, SamplingParams
 METHOD_NAMES = tuple(METHODS.values())
 FORMATS = "text, json_object or json_schema"
 SPECULATIVE_KEYS = ("method", "num_drafts")
-# OpenAI's bound on `n`; each choice is a request of its own to the scheduler.
+# OpenAI's bounds on `n` and on a completions batch's prompts; each choice of each prompt is
+# a request of its own to the scheduler.
 MAX_CHOICES = 128
+MAX_PROMPTS = 2048
 # Content parts of other media than text, and why none is taken.
 MEDIA_PARTS = {
     "image_url": "the checkpoint's vision tower is not loaded",
@@ -52,10 +54,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "suffix": (("",), "inserts no suffix"),
     "use_beam_search": ((False,), "has no beam search"),
     "top_logprobs": ((0,), "returns the chosen token's log-probability only (top_logprobs: 0)"),
-    "tools": (([],), "has no tool calling"),
-    "tool_choice": (("none",), "has no tool calling"),
-    "functions": (([],), "has no tool calling"),
-    "function_call": (("none",), "has no tool calling"),
     "audio": ((), "generates text only"),
     "modalities": ((["text"],), "generates text only"),
     "prediction": ((), "takes no predicted output (see `speculative` for its own drafts)"),
@@ -89,26 +87,84 @@ class Ask:
     model: str | None  # None: the served one
     stream: bool
     include_usage: bool  # a last streamed chunk carries the usage
-    n: int = 1  # choices: requests that differ only in their seed (`choice_request`)
+    n: int = 1  # choices per prompt: requests that differ only in their seed
+    # A completions batch: each prompt's request after the first (`request`'s prompt).
+    more: tuple[RequestParams, ...] = ()
+
+    @property
+    def choices(self) -> int:
+        """Choices in all: n for each prompt, prompt by prompt, as OpenAI orders them."""
+        return self.n * (1 + len(self.more))
 
     def choice_request(self, index: int) -> RequestParams:
-        """Choice `index`'s request: a seeded one draws with seed + index, as vLLM's do, so
-        that its choices differ and each replays."""
-        s = self.request.sampling
-        if index == 0 or s.seed is None:
-            return self.request
-        seeded = dataclasses.replace(s, seed=(s.seed + index) % (UINT64 + 1))
-        return dataclasses.replace(self.request, sampling=seeded)
+        """Choice `index`'s request: that of its prompt, a seeded one drawing with seed +
+        (its place among its prompt's n), as vLLM's do, so that the n differ and each
+        replays."""
+        prompt, j = divmod(index, self.n)
+        r = (self.request, *self.more)[prompt]
+        s = r.sampling
+        if j == 0 or s.seed is None:
+            return r
+        seeded = dataclasses.replace(s, seed=(s.seed + j) % (UINT64 + 1))
+        return dataclasses.replace(r, sampling=seeded)
 
 
 def completion_request(body: Any) -> Ask:
-    """A `/v1/completions` body; `InvalidParam` with a sentence when it cannot be taken."""
-    return _ask(body, _prompt, _completion_logprobs)
+    """A `/v1/completions` body, one prompt or a batch of them; `InvalidParam` with a sentence
+    when it cannot be taken."""
+    ask = _ask(body, _prompt, _completion_logprobs)
+    prompts = _prompts(body)
+    requests = [dataclasses.replace(ask.request, **p) for p in prompts]
+    for r in requests:
+        _check_text(r)
+    return dataclasses.replace(ask, request=requests[0], more=tuple(requests[1:]))
 
 
 def chat_request(body: Any) -> Ask:
     """A `/v1/chat/completions` body; `InvalidParam` with a sentence when it cannot be taken."""
-    return _ask(body, _messages, _chat_logprobs)
+    ask = _ask(body, _messages, _chat_logprobs)
+    request = dataclasses.replace(ask.request, **_tools(body))
+    _check_text(request)
+    return dataclasses.replace(ask, request=request)
+
+
+def _tools(body: dict) -> dict[str, Any]:
+    """`tools`, `tool_choice` and `parallel_tool_calls`, or OpenAI's older `functions` and
+    `function_call`, as the wire carries them (the `Door` checks them against each other)."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    old_tools, old_choice = body.get("functions"), body.get("function_call")
+    if old_tools is not None or old_choice is not None:
+        if tools is not None or choice is not None:
+            raise InvalidParam(
+                "functions", "functions and function_call are tools' older names; give one pair"
+            )
+        tools = [{"type": "function", "function": f} for f in _list(body, "functions")]
+        choice = old_choice
+    if tools is not None and not isinstance(tools, list):
+        raise InvalidParam("tools", f"tools is {_shown(tools)}; it must be a list of tools")
+    return {
+        "tools": json.dumps(tools, ensure_ascii=False) if tools else "",
+        "tool_choice": _tool_choice(choice),
+        "parallel_tool_calls": _bool(body, "parallel_tool_calls"),
+    }
+
+
+def _tool_choice(choice: Any) -> str:
+    """ "auto", "none", "required" or a tool's name (given as {"type": "function",
+    "function": {"name": ...}}, or {"name": ...} as `function_call` gives it)."""
+    if choice is None:
+        return ""
+    if isinstance(choice, str) and choice in ("auto", "none", "required"):
+        return choice
+    fn = choice.get("function", choice) if isinstance(choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str) or not name:
+        raise InvalidParam(
+            "tool_choice",
+            f"tool_choice is {_shown(choice)}; use auto, none, required or "
+            '{"type": "function", "function": {"name": ...}}',
+        )
+    return name
 
 
 def _ask(
@@ -178,8 +234,8 @@ def _sampling(body: dict) -> SamplingParams:
 
 def _check_text(r: RequestParams) -> None:
     """JSON can carry lone surrogates; no tokenizer or chat template takes them."""
-    texts = [r.prompt, r.chat_template_kwargs, *r.stop, *(r.response_format or ())]
-    texts += [t for m in r.messages for t in (m.role, m.content)]
+    texts = [r.prompt, r.chat_template_kwargs, r.tools, *r.stop, *(r.response_format or ())]
+    texts += [t for m in r.messages for t in dataclasses.astuple(m)]
     try:
         for text in texts:
             text.encode("utf-8")
@@ -213,11 +269,9 @@ def _logit_bias(body: dict) -> dict[int, float]:
 
 
 def _max_tokens(body: dict) -> int | None:
+    """`max_completion_tokens` where given, else `max_tokens` (vLLM's order; SDKs may send
+    both); neither: the server's default."""
     old, new = _int(body, "max_tokens"), _int(body, "max_completion_tokens")
-    if old is not None and new is not None and old != new:
-        raise InvalidParam(
-            "max_tokens", f"max_tokens ({old}) and max_completion_tokens ({new}) differ; give one"
-        )
     return new if new is not None else old
 
 
@@ -233,18 +287,39 @@ def _stop(body: dict) -> list[str]:
 
 
 def _prompt(body: dict) -> dict[str, Any]:
-    """Text, or token ids; a batch of one prompt is that prompt."""
+    """The first prompt (`_prompts` reads them all)."""
+    return _prompts(body)[0]
+
+
+def _prompts(body: dict) -> list[dict[str, Any]]:
+    """Text, token ids, or a batch of either (each a prompt of its own)."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and _is_ids(prompt)):
+        return [_one_prompt(prompt, "prompt")]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+        if len(prompt) > MAX_PROMPTS:
+            raise InvalidParam(
+                "prompt", f"prompt holds {len(prompt)} prompts; this server takes {MAX_PROMPTS}"
+            )
+        return [_one_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+    raise InvalidParam(
+        "prompt",
+        f"prompt is {_shown(prompt)}; it must be text, a list of token ids, or a non-empty "
+        "list of either",
+    )
+
+
+def _is_ids(values: list) -> bool:
+    return all(_is_int(t) for t in values)
+
+
+def _one_prompt(prompt: str | list, where: str) -> dict[str, Any]:
     if isinstance(prompt, str):
         return {"prompt": prompt}
-    if isinstance(prompt, list) and all(_is_int(t) for t in prompt):
+    if _is_ids(prompt):
         return {"prompt_token_ids": tuple(_ids(prompt, "prompt"))}
-    if isinstance(prompt, list) and all(isinstance(p, str | list) for p in prompt):
-        raise InvalidParam("prompt", f"prompt holds {len(prompt)} prompts; send one a request")
     raise InvalidParam(
-        "prompt", f"prompt is {_shown(prompt)}; it must be text or a list of token ids"
+        "prompt", f"{where} is {_shown(prompt)}; it must be text or a list of token ids"
     )
 
 
@@ -252,12 +327,7 @@ def _messages(body: dict) -> dict[str, Any]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidParam("messages", "messages must be a non-empty list of {role, content}")
-    out = []
-    for i, m in enumerate(messages):
-        role = m.get("role") if isinstance(m, dict) else None
-        if not isinstance(role, str):
-            raise InvalidParam("messages", f"messages[{i}] has no role; each needs one")
-        out.append(ChatMessage(role, _content(m.get("content"), i)))
+    out = [_message(m, i) for i, m in enumerate(messages)]
     kwargs, text = _object(body, KWARGS), ""
     if kwargs is not None:
         try:
@@ -269,6 +339,31 @@ def _messages(body: dict) -> dict[str, Any]:
         "add_generation_prompt": _bool(body, "add_generation_prompt"),
         "chat_template_kwargs": text,
     }
+
+
+def _message(m: Any, i: int) -> ChatMessage:
+    """One message: its role and text, an assistant's calls and reasoning, a tool result's
+    call id and name."""
+    role = m.get("role") if isinstance(m, dict) else None
+    if not isinstance(role, str):
+        raise InvalidParam("messages", f"messages[{i}] has no role; each needs one")
+    calls = m.get("tool_calls")
+    if calls is not None and not isinstance(calls, list):
+        raise InvalidParam(
+            "messages", f"messages[{i}].tool_calls is {_shown(calls)}; it must be a list"
+        )
+    where = f"messages[{i}]."
+    return ChatMessage(
+        role,
+        _content(m.get("content"), i),
+        tool_calls=json.dumps(calls, ensure_ascii=False) if calls else "",
+        tool_call_id=_str(m, "tool_call_id", where + "tool_call_id") or "",
+        name=_str(m, "name", where + "name") or "",
+        # vLLM takes `reasoning` too.
+        reasoning_content=_str(m, "reasoning_content", where + "reasoning_content")
+        or _str(m, "reasoning", where + "reasoning")
+        or "",
+    )
 
 
 def _content(content: Any, i: int) -> str:
@@ -318,7 +413,7 @@ def _response_format(body: dict) -> tuple[str, str] | None:
     if form is None or kind == "text":
         return None
     if kind == "json_object":
-        return ("json_schema", "{}")  # any JSON value
+        return ("json_schema", json.dumps({"type": "object"}))  # OpenAI's: an object
     if kind == "json_schema":
         schema = (_object(form, "json_schema", "response_format.json_schema") or {}).get("schema")
         if not isinstance(schema, dict | bool):

@@ -35,7 +35,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from control_plane.admission import auth
-from control_plane.admission.door import BadRequest, Door
+from control_plane.admission.door import BadRequest, Door, Entered
 from control_plane.fronts.api import TRACER, failed, finished, request_attributes
 from control_plane.fronts.openai_body import Ask, InvalidParam, chat_request, completion_request
 from control_plane.fronts.openai_reply import DONE, Reply, Whole, error, grpc_error, sse
@@ -105,7 +105,7 @@ class AdmittedRequest:
 
     door: Door
     key: str
-    events: asyncio.Queue
+    entered: Entered
     span: Span
     done: bool = False
     started: float = field(default_factory=time.monotonic)
@@ -113,7 +113,7 @@ class AdmittedRequest:
 
     async def next(self) -> Delta | Queued | Finish:
         """The next event; a `Failure` is raised as `BadRequest`."""
-        ev = await self.events.get()
+        ev = await self.entered.events.get()
         if isinstance(ev, Delta) and ev.token_ids and self.first:
             self.first = False
             self.span.set_attribute("met.time_to_first_token_s", time.monotonic() - self.started)
@@ -197,12 +197,12 @@ class Front:
             span.end()
             return _refused(e)
         prefix = "chatcmpl-" if chat else "cmpl-"
-        reply = Reply(chat, prefix + rid, caps.model_name, self.door.scheduler.tokenizer)
+        reply = Reply(chat, prefix + rid, caps.model_name, self.door.scheduler.tokenizer, ask.n)
 
         def end() -> None:
             for f in flights:
                 f.end()
-            if ask.n > 1:
+            if ask.choices > 1:
                 span.end()
 
         if ask.stream:
@@ -227,18 +227,18 @@ class Front:
         of its own beneath it; a refusal of any leaves those already in."""
         flights: list[AdmittedRequest] = []
         try:
-            for i in range(ask.n):
+            for i in range(ask.choices):
                 # Clients may reuse ids; the scheduler must not.
                 key = f"{rid}#{next(self._ids)}"
-                own = span if ask.n == 1 else self._choice_span(span, rid, i)
+                own = span if ask.choices == 1 else self._choice_span(span, rid, i)
                 try:
-                    events = await self.door.enter(ask.choice_request(i), key, own)
+                    entered = await self.door.enter(ask.choice_request(i), key, own)
                 except BadRequest as e:
                     if own is not span:
                         failed(own, e.code.name, str(e))
                         own.end()
                     raise
-                flights.append(AdmittedRequest(self.door, key, events, own))
+                flights.append(AdmittedRequest(self.door, key, entered, own))
         except BadRequest:
             for f in flights:
                 f.end()
@@ -251,8 +251,8 @@ class Front:
         """The request read and checked against the served model, or `BadRequest`."""
         ask = (chat_request if chat else completion_request)(await _json(request))
         span.set_attributes(request_attributes(ask.request, rid))
-        if ask.n > 1:
-            span.set_attribute("gen_ai.request.choice.count", ask.n)
+        if ask.choices > 1:
+            span.set_attribute("gen_ai.request.choice.count", ask.choices)
         if chat:
             span.set_attribute("gen_ai.operation.name", "chat")
         caps = await self.door.capabilities()
@@ -286,7 +286,7 @@ async def _json(request: Request) -> Any:
         raise InvalidParam(None, f"the body is not JSON: {e}") from None
 
 
-async def _whole(flight: AdmittedRequest) -> Whole:
+async def _whole(flight: AdmittedRequest, reply: Reply) -> Whole:
     text: list[str] = []
     ids: list[int] = []
     logprobs: list[float] = []
@@ -297,12 +297,12 @@ async def _whole(flight: AdmittedRequest) -> Whole:
             ids += ev.token_ids
             logprobs += ev.logprobs
         elif isinstance(ev, Finish):
-            return Whole("".join(text), ids, logprobs, ev)
+            return Whole("".join(text), ids, logprobs, ev, reply.output(flight.entered.shape))
 
 
 async def _wholes(reply: Reply, flights: list[AdmittedRequest]) -> dict:
     """Every choice gathered; the first refusal ends them all."""
-    tasks = [asyncio.ensure_future(_whole(f)) for f in flights]
+    tasks = [asyncio.ensure_future(_whole(f, reply)) for f in flights]
     try:
         return reply.whole(await asyncio.gather(*tasks))
     finally:
@@ -345,18 +345,25 @@ async def _events(
     """The stream's chunks, then `[DONE]`; a request waiting for a slot hears its place as
     SSE comments, which clients skip."""
     done: dict[int, Finish] = {}
+    opened: set[int] = set()  # choices whose role chunk went out
+    outputs = [reply.output(f.entered.shape) for f in flights]
     try:
-        if reply.chat:
-            for i in range(len(flights)):
-                yield sse(reply.opening(i))
         async for i, ev in _merged(flights):
             if isinstance(ev, Queued):
                 yield f": queued {ev.position} of {ev.queue_length}\n\n"
-            elif isinstance(ev, Delta):
-                yield sse(reply.chunk(ev, i))
+                continue
+            # A chat's role goes with its first token, not before: clients stamp the time to
+            # first token on the first chunk with choices.
+            if reply.chat and i not in opened:
+                opened.add(i)
+                yield sse(reply.opening(i))
+            if isinstance(ev, Delta):
+                for chunk in reply.chunks(ev, i, outputs[i]):
+                    yield sse(chunk)
             else:
                 done[i] = ev
-                yield sse(reply.closing(ev, i))
+                for chunk in reply.closings(ev, i, outputs[i]):
+                    yield sse(chunk)
         if include_usage:
             yield sse(reply.usage_chunk([done[i] for i in sorted(done)]))
     except BadRequest as e:  # the status line is gone: the error travels as an event

@@ -13,8 +13,10 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from control_plane.fronts.api import stats_message
+from control_plane.admission.door import ChatShape
 from control_plane.scheduler.seq import Delta, Finish, SpecStats
 from control_plane.text.detok import Tokenizer
+from control_plane.text.tools import ChatOutput, merge
 
 STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
@@ -55,17 +57,28 @@ def grpc_error(
     return status, error(status, message, code.name.lower(), param)
 
 
+def _reason(ev: Finish, output: ChatOutput | None) -> str:
+    """OpenAI's finish reason: "tool_calls" for a choice that ended on its calls."""
+    return (
+        "tool_calls" if output is not None and output.calls and ev.reason == "stop" else ev.reason
+    )
+
+
 def sse(body: dict) -> str:
     return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
 
 
-def usage(done: Sequence[Finish]) -> dict:
-    """One response's usage: the prompt once, every choice's completion."""
-    prompt, completion = done[0].prompt_tokens, sum(ev.completion_tokens for ev in done)
+def usage(done: Sequence[Finish], n: int = 1) -> dict:
+    """One response's usage: each prompt once (its n choices follow one another), every
+    choice's completion."""
+    prompt = sum(ev.prompt_tokens for ev in done[::n])
+    completion = sum(ev.completion_tokens for ev in done)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        # What the prefix cache gave of each prompt.
+        "prompt_tokens_details": {"cached_tokens": sum(ev.cached_tokens for ev in done[::n])},
     }
 
 
@@ -89,6 +102,7 @@ class Whole:
     ids: list[int]
     logprobs: list[float]
     finish: Finish
+    output: ChatOutput | None = None  # a chat's parser of reasoning and calls
 
 
 @dataclass(frozen=True)
@@ -99,38 +113,61 @@ class Reply:
     id: str
     model: str
     tokenizer: Tokenizer  # spells each token of a logprobs list
+    n: int = 1  # choices per prompt
     created: int = field(default_factory=lambda: int(time.time()))
 
     def opening(self, index: int = 0) -> dict:
         """The first chunk of a choice's chat stream: the assistant's role."""
         return self._body(True, self._choice(True, index, {"role": "assistant", "content": ""}))
 
-    def chunk(self, ev: Delta, index: int = 0) -> dict:
-        delta = {"content": ev.text} if self.chat else ev.text
-        logprobs = self._logprobs(ev.token_ids, ev.logprobs)
-        return self._body(True, self._choice(True, index, delta, logprobs))
+    def output(self, shape: ChatShape) -> ChatOutput | None:
+        """A chat choice's parser of reasoning and tool calls, when its output may hold them."""
+        if not self.chat or (shape.tools is None and not shape.reasoning):
+            return None
+        return ChatOutput(shape.tools, shape.reasoning, shape.opened, shape.parallel)
 
-    def closing(self, ev: Finish, index: int = 0) -> dict:
-        """The last chunk of a choice: its finish reason, and its speculative statistics."""
-        body = self._body(True, self._choice(True, index, {} if self.chat else "", None, ev.reason))
-        return {**body, "speculative": speculative([ev])}
+    def chunks(self, ev: Delta, index: int, output: ChatOutput | None = None) -> list[dict]:
+        """A delta's chunks: one, or with `output`, one per part it decided (its logprobs on
+        the first, and an empty content chunk to carry them when it decided none)."""
+        logprobs = self._logprobs(ev.token_ids, ev.logprobs)
+        if output is None:
+            delta = {"content": ev.text} if self.chat else ev.text
+            return [self._body(True, self._choice(True, index, delta, logprobs))]
+        parts = output.push(ev.text) or ([{"content": ""}] if logprobs else [])
+        return [
+            self._body(True, self._choice(True, index, part, logprobs if k == 0 else None))
+            for k, part in enumerate(parts)
+        ]
+
+    def closings(self, ev: Finish, index: int, output: ChatOutput | None = None) -> list[dict]:
+        """A choice's last chunks: what its parser held back, then its finish reason and its
+        speculative statistics."""
+        parts = [] if output is None else output.close()
+        out = [self._body(True, self._choice(True, index, part)) for part in parts]
+        reason = _reason(ev, output)
+        body = self._body(True, self._choice(True, index, {} if self.chat else "", None, reason))
+        return [*out, {**body, "speculative": speculative([ev])}]
 
     def usage_chunk(self, done: Sequence[Finish]) -> dict:
-        return {**self._head(True), "choices": [], "usage": usage(done)}
+        return {**self._head(True), "choices": [], "usage": usage(done, self.n)}
 
     def whole(self, choices: Sequence[Whole]) -> dict:
         """The response of every choice: each one's text, the usage and the speculative
         statistics of them all."""
         bodies = []
         for i, c in enumerate(choices):
-            message = {"role": "assistant", "content": c.text} if self.chat else c.text
+            message: dict | str = c.text
+            if self.chat:
+                parts = [] if c.output is None else c.output.push(c.text) + c.output.close()
+                message = {"role": "assistant", **(merge(parts) if parts else {"content": c.text})}
             logprobs = self._logprobs(c.ids, c.logprobs)
-            bodies.append(self._choice(False, i, message, logprobs, c.finish.reason))
+            reason = _reason(c.finish, c.output)
+            bodies.append(self._choice(False, i, message, logprobs, reason))
         done = [c.finish for c in choices]
         return {
             **self._head(False),
             "choices": bodies,
-            "usage": usage(done),
+            "usage": usage(done, self.n),
             "speculative": speculative(done),
         }
 

@@ -105,6 +105,7 @@ class Finish:
     prompt_tokens: int
     completion_tokens: int
     stats: SpecStats
+    cached_tokens: int = 0  # of the prompt's, those a cached prefix gave
 
 
 @dataclass(frozen=True)
@@ -353,7 +354,15 @@ class ActiveSeq:
             return
         if self.finished is None:
             self.finished = reason
-        self.sink(Finish(self.finished, len(self.req.prompt_ids), len(self.generated), self.stats))
+        self.sink(
+            Finish(
+                self.finished,
+                len(self.req.prompt_ids),
+                len(self.generated),
+                self.stats,
+                self.prefix_hit,
+            )
+        )
 
     def fail(self, code: str, message: str) -> None:
         self.finished = "error"

@@ -29,7 +29,7 @@ KWARGS = "chat_template_kwargs"  # the request field of a template's own variabl
 SERVER_SET = {
     "messages": "the request's messages",
     "add_generation_prompt": "the request's add_generation_prompt field",
-    "tools": "none: this server has no tool calling",
+    "tools": "the request's tools field",
     "documents": "none: this server takes no documents",
 }
 
@@ -131,6 +131,7 @@ class ChatTemplate:
         except jinja2.TemplateSyntaxError as e:
             raise ValueError(f"the chat template does not compile (line {e.lineno}): {e}") from None
         self.special_tokens = dict(special_tokens)
+        self.source = source
 
     @classmethod
     def from_files(cls, files: Mapping[str, bytes]) -> ChatTemplate | None:
@@ -144,16 +145,22 @@ class ChatTemplate:
             source = _config_template(config)
         return None if source is None else cls(source, _special_tokens(config))
 
+    @property
+    def thinks(self) -> bool:
+        """Whether the template knows reasoning blocks (`<think>`), so that output may hold one."""
+        return "</think>" in self.source
+
     def render(
         self,
-        messages: list[dict[str, str]],
+        messages: list[dict[str, Any]],
         add_generation_prompt: bool,
         kwargs: Mapping[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         """The chat as the prompt text, `kwargs` the request's own template variables (they
-        override special tokens of their name, as in transformers); `ValueError` with a
-        sentence when one names what the server sets, or the template refuses the chat or
-        fails on it."""
+        override special tokens of their name, as in transformers), `tools` OpenAI's tool
+        definitions; `ValueError` with a sentence when one names what the server sets, or the
+        template refuses the chat or fails on it."""
         kwargs = kwargs or {}
         taken = next((k for k in SERVER_SET if k in kwargs), None)
         if taken is not None:
@@ -164,7 +171,7 @@ class ChatTemplate:
             **self.special_tokens,
             **kwargs,
             "messages": messages,
-            "tools": None,
+            "tools": tools or None,
             "documents": None,
             "add_generation_prompt": add_generation_prompt,
         }

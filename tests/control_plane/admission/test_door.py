@@ -136,11 +136,15 @@ BAD = {
     ),
     "max_new_tokens-past-context": (
         pb.GenerateRequest(prompt_token_ids=[1] * 200, max_new_tokens=57),
-        "max_new_tokens is 57; after 200 prompt tokens the context of 256 has room for 56",
+        "This model's maximum context length is 256 tokens. However, you requested 257 tokens "
+        "(200 in the messages, 57 in the completion). Please reduce the length of the messages "
+        "or completion.",
     ),
     "prompt-past-context": (
         pb.GenerateRequest(prompt_token_ids=[1] * 256),
-        "the prompt has 256 tokens; the context holds 256 with room for at least one more",
+        "This model's maximum context length is 256 tokens. However, you requested 257 tokens "
+        "(256 in the messages, 1 in the completion). Please reduce the length of the messages "
+        "or completion.",
     ),
 }
 

@@ -323,11 +323,11 @@ BAD = {
         "logprobs",
         "logprobs is 2; this server returns the chosen token's log-probability only (logprobs: 0)",
     ),
-    "two-prompts": (
-        {"prompt": ["a", "b"]},
+    "prompt-of-text-and-ids": (
+        {"prompt": ["a", 3]},
         400,
         "prompt",
-        "prompt holds 2 prompts; send one a request",
+        'prompt is ["a", 3]; it must be text, a list of token ids, or a non-empty list of either',
     ),
     "model": (
         {"model": "gpt-9"},
