@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from control_plane.fronts.api import stats_message
 from control_plane.admission.door import ChatShape
+from control_plane.fronts.api import stats_message
 from control_plane.scheduler.seq import Delta, Finish, SpecStats
 from control_plane.text.detok import Tokenizer
 from control_plane.text.tools import ChatOutput, merge

@@ -95,9 +95,8 @@ def call_grammar(
             f'call: "{_lark(TOOL_OPEN)}\\n" %json {json.dumps(schema)} "\\n{_lark(TOOL_CLOSE)}"'
         )
         return "\n".join(rules) + "\n"
-    rules.append(
-        f'call: "{_lark(TOOL_OPEN)}\\n" ({" | ".join(f"f{i}" for i in range(len(names)))}) "{_lark(TOOL_CLOSE)}"'
-    )
+    functions = " | ".join(f"f{i}" for i in range(len(names)))
+    rules.append(f'call: "{_lark(TOOL_OPEN)}\\n" ({functions}) "{_lark(TOOL_CLOSE)}"')
     rules.append(r"TEXT: /([^<]|<[^\/])*/")
     for i, n in enumerate(names):
         rules.append(f'f{i}: "<function={n}>\\n" {_xml_parameters(tools[n])} "</function>\\n"')
