@@ -57,10 +57,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "audio": ((), "generates text only"),
     "modalities": ((["text"],), "generates text only"),
     "prediction": ((), "takes no predicted output (see `speculative` for its own drafts)"),
-    "guided_json": ((), "takes structured output as response_format"),
-    "guided_regex": ((), "takes structured output as response_format"),
-    "guided_choice": ((), "takes structured output as response_format"),
-    "guided_grammar": ((), "takes structured output as response_format"),
 }
 
 
@@ -407,7 +403,70 @@ def _chat_logprobs(body: dict) -> bool:
     return bool(_bool(body, "logprobs"))
 
 
+# vLLM's structured outputs: each key as (the wire's grammar kind, how its value becomes its
+# text); the older top-level `guided_*` names take the same values.
+STRUCTURED = {
+    "json": ("json_schema", lambda v: v if isinstance(v, str) else json.dumps(v)),
+    "regex": ("regex", lambda v: v),
+    "choice": ("regex", lambda v: "|".join(regex_literal(c) for c in v)),
+    "grammar": ("lark", lambda v: v),
+    "json_object": ("json_schema", lambda v: json.dumps({"type": "object"})),
+}
+STRUCTURED_TYPES = {"json": (dict, str, bool), "regex": str, "choice": list, "grammar": str}
+REGEX_META = set("\\.^$|?*+()[]{}-&~#")
+
+
+def regex_literal(text: Any) -> str:
+    if not isinstance(text, str):
+        raise InvalidParam("structured_outputs", f"a choice is {_shown(text)}; each is text")
+    return "".join("\\" + c if c in REGEX_META else c for c in text)
+
+
+def _structured(body: dict) -> tuple[str, str] | None:
+    """vLLM's `structured_outputs` (or its `guided_*` fields): json, regex, choice,
+    grammar (llguidance's Lark) or json_object, one of them; any other key refused."""
+    given = _object(body, "structured_outputs") or {}
+    old = {k[len("guided_") :]: body[k] for k in body if k.startswith("guided_")}
+    if old and given:
+        raise InvalidParam("structured_outputs", "give structured_outputs or guided_*, not both")
+    prefix = "guided_" if old else "structured_outputs."
+    given = {k: v for k, v in (given or old).items() if v is not None and v is not False}
+    unknown = sorted(set(given) - set(STRUCTURED))
+    if unknown:
+        name = prefix + unknown[0]
+        raise InvalidParam(
+            name.rstrip("."),
+            f"{name} is not taken here; this server takes "
+            f"{', '.join(prefix + k for k in STRUCTURED)}",
+        )
+    if len(given) > 1:
+        raise InvalidParam(
+            "structured_outputs",
+            f"structured_outputs gives {' and '.join(sorted(given))}; give one",
+        )
+    if not given:
+        return None
+    ((key, value),) = given.items()
+    kind, text = STRUCTURED[key]
+    want = STRUCTURED_TYPES.get(key)
+    if want is not None and not isinstance(value, want):
+        raise InvalidParam("structured_outputs", f"structured_outputs.{key} is {_shown(value)}")
+    if key == "choice" and not value:
+        raise InvalidParam("structured_outputs", "structured_outputs.choice is empty")
+    return (kind, text(value))
+
+
 def _response_format(body: dict) -> tuple[str, str] | None:
+    """OpenAI's `response_format`, or vLLM's structured outputs (never both)."""
+    structured, form = _structured(body), _openai_format(body)
+    if structured is not None and form is not None:
+        raise InvalidParam(
+            "response_format", "give response_format or structured_outputs, not both"
+        )
+    return structured or form
+
+
+def _openai_format(body: dict) -> tuple[str, str] | None:
     form = _object(body, "response_format")
     kind = None if form is None else form.get("type")
     if form is None or kind == "text":
