@@ -26,6 +26,8 @@ TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 JSON_FORM, XML_FORM = "json", "xml"
 CHOICES = ("auto", "none", "required")  # beside a tool's name
+# A parameter's text in the XML form: anything that does not close it.
+ANY_TEXT = r"([^<]|<[^\/])*"
 _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
 
@@ -97,7 +99,7 @@ def call_grammar(
         return "\n".join(rules) + "\n"
     functions = " | ".join(f"f{i}" for i in range(len(names)))
     rules.append(f'call: "{_lark(TOOL_OPEN)}\\n" ({functions}) "{_lark(TOOL_CLOSE)}"')
-    rules.append(r"TEXT: /([^<]|<[^\/])*/")
+    rules.append(f"TEXT: /{ANY_TEXT}/")
     for i, n in enumerate(names):
         rules.append(f'f{i}: "<function={n}>\\n" {_xml_parameters(tools[n])} "</function>\\n"')
     return "\n".join(rules) + "\n"
@@ -106,10 +108,25 @@ def call_grammar(
 def _json_call_schema(name: str, params: dict[str, Any]) -> dict[str, Any]:
     return {
         "type": "object",
-        "properties": {"name": {"const": name}, "arguments": params},
+        "properties": {"name": {"const": name}, "arguments": _closed(params)},
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }
+
+
+def _closed(schema: Any) -> Any:
+    """`schema` with every object that lists its properties closed to others where it does
+    not say: a call names the parameters its tool declares (OpenAI's strict mode does the
+    same), and a sampled call cannot run on through invented ones."""
+    if isinstance(schema, list):
+        return [_closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _closed(v) for k, v in schema.items()}
+    if "properties" in schema:
+        out["properties"] = {k: _closed(v) for k, v in schema["properties"].items()}
+        out.setdefault("additionalProperties", False)
+    return out
 
 
 def _xml_parameters(params: dict[str, Any]) -> str:
@@ -119,7 +136,7 @@ def _xml_parameters(params: dict[str, Any]) -> str:
     required = set(params.get("required") or ())
     parts = []
     for key, schema in props.items():
-        value = "TEXT" if _is_string(schema) else f"%json {json.dumps(schema)}"
+        value = _xml_text(schema) if _is_text(schema) else f"%json {json.dumps(_closed(schema))}"
         part = f'("<parameter={_lark(key)}>\\n" {value} "\\n</parameter>\\n")'
         parts.append(part if key in required else part + "?")
     return " ".join(parts) or '""'
@@ -127,6 +144,24 @@ def _xml_parameters(params: dict[str, Any]) -> str:
 
 def _is_string(schema: Any) -> bool:
     return isinstance(schema, dict) and schema.get("type") == "string" and "enum" not in schema
+
+
+def _is_text(schema: Any) -> bool:
+    """Whether the XML form writes the value as bare text: a string, or one of strings."""
+    enum = schema.get("enum") if isinstance(schema, dict) else None
+    return _is_string(schema) or (bool(enum) and all(isinstance(v, str) for v in enum))
+
+
+def _xml_text(schema: dict[str, Any]) -> str:
+    """A bare-text value's rule: one of its strings, its pattern, its lengths, or any text."""
+    if "enum" in schema:
+        return "(" + " | ".join(f'"{_lark(v)}"' for v in schema["enum"]) + ")"
+    if isinstance(schema.get("pattern"), str):
+        return "/" + schema["pattern"].removeprefix("^").removesuffix("$").replace("/", "\\/") + "/"
+    if "maxLength" in schema or "minLength" in schema:
+        least, most = int(schema.get("minLength", 0)), schema.get("maxLength")
+        return f"/[^<]{{{least},{'' if most is None else int(most)}}}/"
+    return "TEXT"
 
 
 def _lark(text: str) -> str:
@@ -188,7 +223,7 @@ def _trim_newlines(raw: str) -> str:
 def _xml_value(raw: str, schema: Any) -> Any:
     """A value as its schema types it: text for a string (or no schema), else JSON, else the
     text as written (as vLLM's qwen3_coder parser falls back)."""
-    if schema is None or _is_string(schema):
+    if schema is None or _is_text(schema):
         return raw
     try:
         return json.loads(raw)
