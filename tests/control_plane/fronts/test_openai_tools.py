@@ -12,9 +12,9 @@ import jsonschema
 import openai
 import pytest
 
+from control_plane.fronts.openai_body import regex_literal
 from gpu_service.engine.facade import Engine
 from gpu_service.model.config import ServiceConfig
-from control_plane.fronts.openai_body import regex_literal
 from tests.control_plane.fronts.test_openai_http import Fronts, serving
 
 # Every value bounded, so that a call the grammar writes always ends within its budget.
