@@ -74,6 +74,10 @@ class RequestParams:
     tools: str = ""  # with messages: OpenAI's tool definitions, a JSON array as text
     tool_choice: str = ""  # "", auto, none, required, or a tool's name
     parallel_tool_calls: bool | None = None  # with required or a name: False, one call
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last this many tokens
+    include_stop_str_in_output: bool = False
+    chat_template: str = ""  # with messages: in place of the model's
+    continue_final_message: bool = False  # with messages: the last one goes on
     sampling: SamplingParams = field(default_factory=SamplingParams)
 
 

@@ -40,6 +40,7 @@ DEFAULT_MAX_NEW_TOKENS: int | None = None
 # it is refused.
 DEFAULT_MAX_PROMPT_BYTES = 1 << 20
 PROMPT_FIELDS = ("prompt", "prompt_token_ids", "messages")  # a request gives exactly one
+OWN_TEMPLATES = 16  # requests' own chat templates kept compiled, the oldest dropped first
 
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -134,6 +135,7 @@ def admit(
         max_new_tokens=max_new,
         min_new_tokens=r.min_new_tokens,
         stop=tuple(r.stop),
+        include_stop=r.include_stop_str_in_output,
         stop_token_ids=tuple(r.stop_token_ids),
         ignore_eos=r.ignore_eos,
         method=r.method or admission.default_method,
@@ -215,6 +217,10 @@ def _prompt_ids(
     ids = list(r.prompt_token_ids) or tokenizer.encode(text)
     if not ids:
         raise BadRequest(INVALID, "the prompt is empty")
+    if r.truncate_prompt_tokens is not None:
+        # 0: as many as the context holds with room for one more (vLLM's -1).
+        keep = r.truncate_prompt_tokens or caps.max_context - 1
+        ids = ids[-keep:]
     # Before the vocabulary scan: a context's worth at most.
     _room(len(ids), caps, "messages" if r.messages else "prompt")
     _check_vocab("prompt_token_ids" if r.prompt_token_ids else "the tokenized prompt", ids, caps)
@@ -230,12 +236,22 @@ def _render(r: RequestParams, chat: ChatTemplate | None) -> str:
     empty = next((i for i, m in enumerate(r.messages) if not m.role), None)
     if empty is not None:
         raise BadRequest(INVALID, f"messages[{empty}] has an empty role")
-    generation_prompt = r.add_generation_prompt is None or r.add_generation_prompt
+    if r.continue_final_message and r.add_generation_prompt:
+        raise BadRequest(
+            INVALID,
+            "continue_final_message goes on with the last message; add_generation_prompt opens "
+            "a new one: set one of them",
+        )
+    if r.continue_final_message and r.messages[-1].role != "assistant":
+        raise BadRequest(
+            INVALID, "continue_final_message goes on with an assistant's message; the last is not"
+        )
+    generation_prompt = not r.continue_final_message and r.add_generation_prompt is not False
     try:
         messages = [_message(m, i) for i, m in enumerate(r.messages)]
         tools = json.loads(r.tools) if r.tools else None
         kwargs = parse_kwargs(r.chat_template_kwargs)
-        return chat.render(messages, generation_prompt, kwargs, tools)
+        return chat.render(messages, generation_prompt, kwargs, tools, r.continue_final_message)
     except ValueError as e:
         raise BadRequest(INVALID, str(e)) from None
 
@@ -377,6 +393,7 @@ class Door:
         self._compiled_for: Tokenizer | None = None  # the tokenizer `_compiler` was built for
         self._chat: ChatTemplate | None = None
         self._chat_for: Tokenization | None = None  # the files `_chat` was read from
+        self._own_templates: dict[str, ChatTemplate] = {}  # requests' own, by source
 
     async def enter(self, request: RequestParams, key: str, span: Span) -> Entered:
         """Check, convert and submit the request under `key`; its events (and `Queued`
@@ -432,9 +449,31 @@ class Door:
         return self._compiler
 
     def _chat_template(self, request: RequestParams) -> ChatTemplate | None:
-        """Requests without messages never read the template."""
+        """Requests without messages never read the template; a request's own (vLLM's
+        `chat_template`) takes the model's special tokens."""
         if not request.messages:
+            if request.chat_template or request.continue_final_message:
+                raise BadRequest(
+                    INVALID,
+                    "chat_template and continue_final_message go with messages; this request "
+                    "has none",
+                )
             return None
+        model = self._model_template()
+        if not request.chat_template:
+            return model
+        own = self._own_templates.get(request.chat_template)
+        if own is None:
+            try:
+                own = (model or ChatTemplate("", {})).with_source(request.chat_template)
+            except ValueError as e:
+                raise BadRequest(INVALID, f"chat_template: {e}") from None
+            if len(self._own_templates) >= OWN_TEMPLATES:
+                self._own_templates.pop(next(iter(self._own_templates)))
+            self._own_templates[request.chat_template] = own
+        return own
+
+    def _model_template(self) -> ChatTemplate | None:
         tokenization = self.scheduler.tokenization
         if tokenization is None:  # not connected: `enter` asked for capabilities first
             return None

@@ -57,7 +57,78 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "audio": ((), "generates text only"),
     "modalities": ((["text"],), "generates text only"),
     "prediction": ((), "takes no predicted output (see `speculative` for its own drafts)"),
+    "reasoning_effort": (
+        (),
+        "has no reasoning effort (chat_template_kwargs sets a template's "
+        "own switches, such as enable_thinking)",
+    ),
+    "web_search_options": ((), "has no web search"),
+    "verbosity": ((), "has no verbosity setting"),
+    # vLLM's, beside those it honours.
+    "prompt_logprobs": ((), "returns no prompt log-probabilities"),
+    "bad_words": (([],), "bans no words (logit_bias or allowed_token_ids ban tokens)"),
+    "priority": ((0,), "schedules first come, first served (priority: 0)"),
+    "cache_salt": ((), "keeps one prefix cache for every request"),
+    "skip_special_tokens": ((True,), "always leaves special tokens out of the text"),
+    "spaces_between_special_tokens": ((True,), "always leaves special tokens out of the text"),
+    "add_special_tokens": ((False,), "tokenizes prompts as given, adding no special tokens"),
+    "length_penalty": ((1, 1.0), "has no beam search"),
+    "return_tokens_as_token_ids": ((False,), "spells tokens as their text"),
+    "documents": ((), "takes no documents"),
+    "mm_processor_kwargs": ((), "serves text only"),
+    "logits_processors": ((), "takes no logits processors (see logit_bias)"),
+    "vllm_xargs": ((), "takes no extra arguments"),
+    "kv_transfer_params": ((), "transfers no KV cache"),
+    "guided_decoding_backend": ((), "decodes every grammar with llguidance"),
+    "guided_whitespace_pattern": ((), "writes JSON without free whitespace"),
 }
+# Parameters that change no output, taken and set aside: OpenAI's bookkeeping and routing
+# hints, and the SDKs' own.
+INERT = frozenset(
+    {"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"}
+)
+# Every parameter each endpoint reads; any other is refused, naming it.
+READ = frozenset(
+    {
+        "model",
+        "stream",
+        "stream_options",
+        "n",
+        "max_tokens",
+        "max_completion_tokens",
+        "min_tokens",
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+        "logprobs",
+        "top_logprobs",
+        "response_format",
+        "structured_outputs",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+        "speculative",
+        "truncate_prompt_tokens",
+        "include_stop_str_in_output",
+        "return_token_ids",
+        "request_id",
+        *(f.name for f in dataclasses.fields(SamplingParams)),
+    }
+)
+CHAT_READ = READ | {
+    "messages",
+    "add_generation_prompt",
+    KWARGS,
+    "chat_template",
+    "continue_final_message",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "functions",
+    "function_call",
+}
+COMPLETION_READ = READ | {"prompt"}
 
 
 class InvalidParam(BadRequest):
@@ -83,6 +154,8 @@ class Ask:
     model: str | None  # None: the served one
     stream: bool
     include_usage: bool  # a last streamed chunk carries the usage
+    continuous_usage: bool = False  # every streamed chunk carries the usage so far
+    return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids
     n: int = 1  # choices per prompt: requests that differ only in their seed
     # A completions batch: each prompt's request after the first (`request`'s prompt).
     more: tuple[RequestParams, ...] = ()
@@ -108,7 +181,7 @@ class Ask:
 def completion_request(body: Any) -> Ask:
     """A `/v1/completions` body, one prompt or a batch of them; `InvalidParam` with a sentence
     when it cannot be taken."""
-    ask = _ask(body, _prompt, _completion_logprobs)
+    ask = _ask(body, _prompt, _completion_logprobs, COMPLETION_READ)
     prompts = _prompts(body)
     requests = [dataclasses.replace(ask.request, **p) for p in prompts]
     for r in requests:
@@ -118,7 +191,7 @@ def completion_request(body: Any) -> Ask:
 
 def chat_request(body: Any) -> Ask:
     """A `/v1/chat/completions` body; `InvalidParam` with a sentence when it cannot be taken."""
-    ask = _ask(body, _messages, _chat_logprobs)
+    ask = _ask(body, _messages, _chat_logprobs, CHAT_READ)
     request = dataclasses.replace(ask.request, **_tools(body))
     _check_text(request)
     return dataclasses.replace(ask, request=request)
@@ -167,13 +240,16 @@ def _ask(
     body: Any,
     prompt: Callable[[dict], dict[str, Any]],
     logprobs: Callable[[dict], bool],
+    read: frozenset[str],
 ) -> Ask:
     if not isinstance(body, dict):
         raise InvalidParam(None, "the body must be a JSON object")
-    _refuse_unsupported(body)
+    _refuse_unsupported(body, read)
     r = RequestParams(
         **_budget(body),
         **prompt(body),
+        **_vllm(body),
+        request_id=_str(body, "request_id") or "",
         **_speculative(body),
         logprobs=logprobs(body),
         response_format=_response_format(body),
@@ -181,11 +257,20 @@ def _ask(
     )
     _check_text(r)
     options = _object(body, "stream_options") or {}
+    unknown = sorted(set(options) - {"include_usage", "continuous_usage_stats"})
+    if unknown:
+        raise InvalidParam(
+            "stream_options",
+            f"stream_options.{unknown[0]} is not taken here; it takes include_usage and "
+            "continuous_usage_stats",
+        )
     return Ask(
         r,
         _str(body, "model") or None,  # "" too: the served one
         bool(_bool(body, "stream")),
         bool(_bool(options, "include_usage", "stream_options.include_usage")),
+        bool(_bool(options, "continuous_usage_stats", "stream_options.continuous_usage_stats")),
+        bool(_bool(body, "return_token_ids")),
         _choices(body),
     )
 
@@ -197,11 +282,33 @@ def _choices(body: dict) -> int:
     return 1 if n is None else n
 
 
-def _refuse_unsupported(body: dict) -> None:
-    for name, (takes, instead) in REFUSED.items():
-        value = body.get(name)
-        if value is not None and value not in takes:
-            raise InvalidParam(name, f"{name} is {_shown(value)}; this server {instead}")
+def _refuse_unsupported(body: dict, read: frozenset[str]) -> None:
+    """Every parameter is read, set aside as inert, or taken at a value that changes nothing;
+    any other is refused, naming it."""
+    for name, value in body.items():
+        if name in REFUSED:
+            takes, instead = REFUSED[name]
+            if value is not None and value not in takes:
+                raise InvalidParam(name, f"{name} is {_shown(value)}; this server {instead}")
+        elif name not in read and name not in INERT:
+            raise InvalidParam(
+                name, f"{name} is not a parameter of this endpoint; this server does not take it"
+            )
+
+
+def _vllm(body: dict) -> dict[str, Any]:
+    """vLLM's prompt and stop parameters it honours: `truncate_prompt_tokens` (-1: as many
+    as the context holds), `include_stop_str_in_output`."""
+    truncate = _int(body, "truncate_prompt_tokens", least=-1)
+    if truncate == 0:
+        raise InvalidParam(
+            "truncate_prompt_tokens",
+            "truncate_prompt_tokens is 0; keep at least 1 token, or -1 for the context's most",
+        )
+    return {
+        "truncate_prompt_tokens": None if truncate is None else max(truncate, 0),
+        "include_stop_str_in_output": bool(_bool(body, "include_stop_str_in_output")),
+    }
 
 
 def _budget(body: dict) -> dict[str, Any]:
@@ -230,7 +337,8 @@ def _sampling(body: dict) -> SamplingParams:
 
 def _check_text(r: RequestParams) -> None:
     """JSON can carry lone surrogates; no tokenizer or chat template takes them."""
-    texts = [r.prompt, r.chat_template_kwargs, r.tools, *r.stop, *(r.response_format or ())]
+    texts = [r.prompt, r.chat_template_kwargs, r.chat_template, r.tools, r.request_id, *r.stop]
+    texts += r.response_format or ()
     texts += [t for m in r.messages for t in dataclasses.astuple(m)]
     try:
         for text in texts:
@@ -334,6 +442,8 @@ def _messages(body: dict) -> dict[str, Any]:
         "messages": tuple(out),
         "add_generation_prompt": _bool(body, "add_generation_prompt"),
         "chat_template_kwargs": text,
+        "chat_template": _str(body, "chat_template") or "",
+        "continue_final_message": bool(_bool(body, "continue_final_message")),
     }
 
 
@@ -412,7 +522,12 @@ STRUCTURED = {
     "grammar": ("lark", lambda v: v),
     "json_object": ("json_schema", lambda v: json.dumps({"type": "object"})),
 }
-STRUCTURED_TYPES = {"json": (dict, str, bool), "regex": str, "choice": list, "grammar": str}
+STRUCTURED_TYPES: dict[str, type | tuple[type, ...]] = {
+    "json": (dict, str, bool),
+    "regex": str,
+    "choice": list,
+    "grammar": str,
+}
 REGEX_META = set("\\.^$|?*+()[]{}-&~#")
 
 

@@ -38,7 +38,15 @@ from control_plane.admission import auth
 from control_plane.admission.door import BadRequest, Door, Entered
 from control_plane.fronts.api import TRACER, failed, finished, request_attributes
 from control_plane.fronts.openai_body import Ask, InvalidParam, chat_request, completion_request
-from control_plane.fronts.openai_reply import DONE, Reply, Whole, error, grpc_error, sse
+from control_plane.fronts.openai_reply import (
+    DONE,
+    Reply,
+    Stream,
+    Whole,
+    error,
+    grpc_error,
+    sse,
+)
 from control_plane.scheduler.seq import Delta, Failure, Finish, Queued
 from protos import ports
 from protos.model import Capabilities
@@ -197,7 +205,9 @@ class Front:
             span.end()
             return _refused(e)
         prefix = "chatcmpl-" if chat else "cmpl-"
-        reply = Reply(chat, prefix + rid, caps.model_name, self.door.scheduler.tokenizer, ask.n)
+        own = request.headers.get("x-request-id") or ask.request.request_id or rid
+        tokenizer = self.door.scheduler.tokenizer
+        reply = Reply(chat, prefix + own, caps.model_name, tokenizer, ask.n, ask.return_token_ids)
 
         def end() -> None:
             for f in flights:
@@ -206,7 +216,13 @@ class Front:
                 span.end()
 
         if ask.stream:
-            return EventStream(_events(reply, flights, ask.include_usage), end, rid)
+            stream = Stream(
+                reply,
+                [f.entered.shape for f in flights],
+                [f.entered.request.prompt_ids for f in flights],
+                ask.continuous_usage,
+            )
+            return EventStream(_events(stream, flights, ask.include_usage), end, rid)
         try:
             body = await _or_gone(request, _wholes(reply, flights))
         except BadRequest as e:
@@ -297,7 +313,9 @@ async def _whole(flight: AdmittedRequest, reply: Reply) -> Whole:
             ids += ev.token_ids
             logprobs += ev.logprobs
         elif isinstance(ev, Finish):
-            return Whole("".join(text), ids, logprobs, ev, reply.output(flight.entered.shape))
+            output = reply.output(flight.entered.shape)
+            prompt = flight.entered.request.prompt_ids
+            return Whole("".join(text), ids, logprobs, ev, output, prompt)
 
 
 async def _wholes(reply: Reply, flights: list[AdmittedRequest]) -> dict:
@@ -340,32 +358,22 @@ async def _merged(
 
 
 async def _events(
-    reply: Reply, flights: list[AdmittedRequest], include_usage: bool
+    stream: Stream, flights: list[AdmittedRequest], include_usage: bool
 ) -> AsyncIterator[str]:
     """The stream's chunks, then `[DONE]`; a request waiting for a slot hears its place as
     SSE comments, which clients skip."""
     done: dict[int, Finish] = {}
-    opened: set[int] = set()  # choices whose role chunk went out
-    outputs = [reply.output(f.entered.shape) for f in flights]
     try:
         async for i, ev in _merged(flights):
             if isinstance(ev, Queued):
                 yield f": queued {ev.position} of {ev.queue_length}\n\n"
                 continue
-            # A chat's role goes with its first token, not before: clients stamp the time to
-            # first token on the first chunk with choices.
-            if reply.chat and i not in opened:
-                opened.add(i)
-                yield sse(reply.opening(i))
-            if isinstance(ev, Delta):
-                for chunk in reply.chunks(ev, i, outputs[i]):
-                    yield sse(chunk)
-            else:
+            if isinstance(ev, Finish):
                 done[i] = ev
-                for chunk in reply.closings(ev, i, outputs[i]):
-                    yield sse(chunk)
+            for chunk in stream.chunks(i, ev):
+                yield sse(chunk)
         if include_usage:
-            yield sse(reply.usage_chunk([done[i] for i in sorted(done)]))
+            yield sse(stream.reply.usage_chunk([done[i] for i in sorted(done)]))
     except BadRequest as e:  # the status line is gone: the error travels as an event
         yield sse(grpc_error(e.code, str(e))[1])
     yield DONE

@@ -57,6 +57,57 @@ def grpc_error(
     return status, error(status, message, code.name.lower(), param)
 
 
+class Stream:
+    """One streamed response's chunks, choice by choice: a chat's role with its first token,
+    its reasoning and calls split as they are decided, vLLM's token ids and running usage
+    where asked."""
+
+    def __init__(
+        self,
+        reply: Reply,
+        shapes: Sequence[ChatShape],
+        prompts: Sequence[tuple[int, ...]],
+        continuous_usage: bool = False,
+    ) -> None:
+        self.reply, self.prompts, self.continuous = reply, prompts, continuous_usage
+        self.outputs = [reply.output(shape) for shape in shapes]
+        self.opened: set[int] = set()
+        self.generated = [0] * len(shapes)
+
+    def chunks(self, i: int, ev: Delta | Finish) -> list[dict]:
+        out = []
+        first = i not in self.opened
+        self.opened.add(i)
+        # A chat's role goes with its first token, not before: clients stamp the time to
+        # first token on the first chunk with choices.
+        if first and self.reply.chat:
+            out.append(self.reply.opening(i))
+        if isinstance(ev, Delta):
+            self.generated[i] += len(ev.token_ids)
+            made = self.reply.chunks(ev, i, self.outputs[i])
+            if self.reply.token_ids and made:
+                made[0]["choices"][0]["token_ids"] = ev.token_ids
+        else:
+            made = self.reply.closings(ev, i, self.outputs[i])
+        out += made
+        if self.reply.token_ids and first and out:
+            where = out[0] if self.reply.chat else out[0]["choices"][0]
+            where["prompt_token_ids"] = list(self.prompts[i])
+        if self.continuous:
+            for chunk in out:
+                chunk["usage"] = self._usage()
+        return out
+
+    def _usage(self) -> dict:
+        prompt = sum(len(p) for p in self.prompts[:: self.reply.n])
+        completion = sum(self.generated)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+
+
 def _reason(ev: Finish, output: ChatOutput | None) -> str:
     """OpenAI's finish reason: "tool_calls" for a choice that ended on its calls."""
     return (
@@ -103,6 +154,7 @@ class Whole:
     logprobs: list[float]
     finish: Finish
     output: ChatOutput | None = None  # a chat's parser of reasoning and calls
+    prompt_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -114,6 +166,7 @@ class Reply:
     model: str
     tokenizer: Tokenizer  # spells each token of a logprobs list
     n: int = 1  # choices per prompt
+    token_ids: bool = False  # vLLM's return_token_ids: the prompt's and each choice's ids
     created: int = field(default_factory=lambda: int(time.time()))
 
     def opening(self, index: int = 0) -> dict:
@@ -162,10 +215,18 @@ class Reply:
                 message = {"role": "assistant", **(merge(parts) if parts else {"content": c.text})}
             logprobs = self._logprobs(c.ids, c.logprobs)
             reason = _reason(c.finish, c.output)
-            bodies.append(self._choice(False, i, message, logprobs, reason))
+            body = self._choice(False, i, message, logprobs, reason)
+            if self.token_ids:
+                body["token_ids"] = c.ids
+                if not self.chat:
+                    body["prompt_token_ids"] = list(c.prompt_ids)
+            bodies.append(body)
         done = [c.finish for c in choices]
+        head = self._head(False)
+        if self.token_ids and self.chat:
+            head["prompt_token_ids"] = list(choices[0].prompt_ids)
         return {
-            **self._head(False),
+            **head,
             "choices": bodies,
             "usage": usage(done, self.n),
             "speculative": speculative(done),

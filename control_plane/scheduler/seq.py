@@ -37,6 +37,7 @@ class GenRequest:
     max_new_tokens: int
     min_new_tokens: int = 0
     stop: tuple[str, ...] = ()
+    include_stop: bool = False  # the stop string that ends the text stays in it
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     method: str = MTP  # NONE, MTP or PROMPT_LOOKUP
@@ -182,7 +183,7 @@ class ActiveSeq:
         self.finished: str | None = None
         self.failure: Failure | None = None  # a refusal that ends this request alone
         self.stats = SpecStats()
-        self.detok = Detokenizer(tokenizer, req.stop)
+        self.detok = Detokenizer(tokenizer, req.stop, req.include_stop)
         self.observer = observer
         self.submitted = time.monotonic()
         self.last_emit: float | None = None

@@ -133,6 +133,10 @@ class ChatTemplate:
         self.special_tokens = dict(special_tokens)
         self.source = source
 
+    def with_source(self, source: str) -> ChatTemplate:
+        """Another template (a request's own) with this one's special tokens."""
+        return ChatTemplate(source, self.special_tokens)
+
     @classmethod
     def from_files(cls, files: Mapping[str, bytes]) -> ChatTemplate | None:
         """The template of a checkpoint's tokenizer files (by name), or None when it has none:
@@ -156,11 +160,13 @@ class ChatTemplate:
         add_generation_prompt: bool,
         kwargs: Mapping[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        continue_final: bool = False,
     ) -> str:
         """The chat as the prompt text, `kwargs` the request's own template variables (they
         override special tokens of their name, as in transformers), `tools` OpenAI's tool
-        definitions; `ValueError` with a sentence when one names what the server sets, or the
-        template refuses the chat or fails on it."""
+        definitions; `continue_final`: the text ends where the last message does, as
+        transformers' `continue_final_message` cuts it. `ValueError` with a sentence when one
+        names what the server sets, or the template refuses the chat or fails on it."""
         kwargs = kwargs or {}
         taken = next((k for k in SERVER_SET if k in kwargs), None)
         if taken is not None:
@@ -176,12 +182,30 @@ class ChatTemplate:
             "add_generation_prompt": add_generation_prompt,
         }
         try:
-            return self._template.render(context)
+            text = self._template.render(context)
         except Refusal as e:
             raise ValueError(f"the chat template refuses these messages: {e}") from None
         # A template is a program: whatever it raises concerns this chat alone.
         except Exception as e:
             raise ValueError(f"the chat template failed on these messages: {e}") from None
+        return _cut_after_final(text, messages[-1]) if continue_final else text
+
+
+def _cut_after_final(text: str, final: Mapping[str, Any]) -> str:
+    """The rendered chat up to the end of its last message's content (what follows is the
+    template's end of turn), found as transformers finds it: the content stripped, searched
+    from the end, kept with its leading space where the template kept it."""
+    content = final.get("content") or ""
+    at = text.rfind(content.strip())
+    if not content.strip() or at < 0:
+        raise ValueError(
+            "continue_final_message is set, but the last message's content does not appear "
+            "in the rendered chat"
+        )
+    kept = content.lstrip()
+    if text[at : at + len(kept)] == content:
+        return text[: at + len(kept)]
+    return text[: at + len(content.strip())]
 
 
 def parse_kwargs(text: str) -> dict[str, Any]:

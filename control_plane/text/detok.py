@@ -63,9 +63,12 @@ class Detokenizer:
     """Released text lives in `parts`; `pending` is decoded text not yet released. Stop
     strings are searched in `pending` and the last `longest` released characters."""
 
-    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), include_stop: bool = False
+    ) -> None:
         self.stream = text_stream(tokenizer)
         self.stop = tuple(s for s in stop if s)
+        self.include_stop = include_stop  # the text ends after the stop string, not before
         self.longest = max((len(s) for s in self.stop), default=0)
         self.ids: list[int] = []
         self.parts: list[str] = []
@@ -86,9 +89,11 @@ class Detokenizer:
         if not check_stop or not self.stop or self.stopped:
             return self.stopped
         window = self.tail + self.pending
-        hits = [i for i in (window.find(s) for s in self.stop) if i >= 0]
+        hits = [(i, i + len(s)) for s in self.stop if (i := window.find(s)) >= 0]
         if hits:
-            self.pending = window[len(self.tail) : max(min(hits), len(self.tail))]
+            start, end = min(hits)
+            cut = end if self.include_stop else start
+            self.pending = window[len(self.tail) : max(cut, len(self.tail))]
             self.stopped = True
         return self.stopped
 

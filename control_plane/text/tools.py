@@ -149,7 +149,8 @@ def _is_string(schema: Any) -> bool:
 def _is_text(schema: Any) -> bool:
     """Whether the XML form writes the value as bare text: a string, or one of strings."""
     enum = schema.get("enum") if isinstance(schema, dict) else None
-    return _is_string(schema) or (bool(enum) and all(isinstance(v, str) for v in enum))
+    strings = isinstance(enum, list) and bool(enum) and all(isinstance(v, str) for v in enum)
+    return _is_string(schema) or strings
 
 
 def _xml_text(schema: dict[str, Any]) -> str:
