@@ -419,6 +419,17 @@ class Door:
         span.set_attribute(REPLICA_ATTRIBUTE, replica)
         return Entered(events, req, shape)
 
+    async def tokenize(self, request: RequestParams) -> list[int]:
+        """The prompt's ids as a generation would see them (a chat rendered by its template);
+        `BadRequest` with a sentence."""
+        caps = await self.capabilities()
+        chat = self._chat_template(request)
+        tokenizer = self.scheduler.tokenizer
+        tools = _tools(request)
+        return _prompt_ids(request, tokenizer, caps, self.admission.max_prompt_bytes, chat, tools)[
+            0
+        ]
+
     async def capabilities(self) -> Capabilities:
         """The served model's, connecting first if need be; `BadRequest` with UNAVAILABLE when
         the GPU service is out of reach, or the status of its refusal."""

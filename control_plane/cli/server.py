@@ -261,7 +261,9 @@ async def serve(args: argparse.Namespace, security: Security) -> None:
         loop.add_signal_handler(sig, stop.set)
     await server.start()
     http = (
-        serve_http(args, servicer.door, security, http_socket) if http_socket is not None else None
+        serve_http(args, servicer.door, security, http_socket, router.metrics)
+        if http_socket is not None
+        else None
     )
     print(
         f"control-plane listening on {args.host}:{port} ({describe(security)}, "
@@ -301,14 +303,18 @@ def serve_metrics(metrics: Metrics, host: str, port: int) -> int:
 
 
 def serve_http(
-    args: argparse.Namespace, door: Door, security: Security, sock: socket.socket
+    args: argparse.Namespace,
+    door: Door,
+    security: Security,
+    sock: socket.socket,
+    metrics: Metrics | None = None,
 ) -> openai_http.HttpServer:
     """The OpenAI-compatible front on `door` and the bound `sock`, under the gRPC port's
-    certificate and keys."""
+    certificate and keys; `/metrics` too, as vLLM serves it on its API port."""
     tls: dict = {"ssl_certfile": args.tls_cert, "ssl_keyfile": args.tls_key}
     if args.tls_client_ca is not None:
         tls |= {"ssl_ca_certs": str(args.tls_client_ca), "ssl_cert_reqs": ssl.CERT_REQUIRED}
-    app = openai_http.build_app(door, security.api_keys)
+    app = openai_http.build_app(door, security.api_keys, metrics=metrics)
     http = openai_http.serve(app, args.host, args.http_port, args.grace, sock, **tls)
     scheme = "https" if security.server else "http"
     print(f"control-plane OpenAI API on {scheme}://{args.host}:{http.port}/v1", flush=True)

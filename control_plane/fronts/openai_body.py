@@ -197,6 +197,47 @@ def chat_request(body: Any) -> Ask:
     return dataclasses.replace(ask, request=request)
 
 
+TOKENIZE_READ = frozenset(
+    {
+        "model",
+        "prompt",
+        "messages",
+        "add_generation_prompt",
+        KWARGS,
+        "chat_template",
+        "continue_final_message",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "functions",
+        "function_call",
+        "return_token_strs",
+    }
+)
+
+
+def tokenize_request(body: Any) -> tuple[RequestParams, bool]:
+    """A `/tokenize` body (vLLM's: a prompt, or messages rendered as a chat would be) and
+    whether it asks for each token's text; `InvalidParam` with a sentence."""
+    if not isinstance(body, dict):
+        raise InvalidParam(None, "the body must be a JSON object")
+    _refuse_unsupported(body, TOKENIZE_READ)
+    if "messages" in body:
+        r = RequestParams(**_messages(body), **_tools(body))
+    else:
+        r = RequestParams(**_prompt(body))
+    _check_text(r)
+    return r, bool(_bool(body, "return_token_strs"))
+
+
+def detokenize_request(body: Any) -> tuple[int, ...]:
+    """A `/detokenize` body's token ids."""
+    if not isinstance(body, dict):
+        raise InvalidParam(None, "the body must be a JSON object")
+    _refuse_unsupported(body, frozenset({"model", "tokens"}))
+    return tuple(_ids(_list(body, "tokens"), "tokens"))
+
+
 def _tools(body: dict) -> dict[str, Any]:
     """`tools`, `tool_choice` and `parallel_tool_calls`, or OpenAI's older `functions` and
     `function_call`, as the wire carries them (the `Door` checks them against each other)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import itertools
 import json
 import math
@@ -27,6 +28,7 @@ import grpc
 import uvicorn
 from opentelemetry import propagate
 from opentelemetry.trace import Span, SpanKind, Tracer, set_span_in_context
+from prometheus_client.exposition import choose_encoder
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -37,7 +39,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from control_plane.admission import auth
 from control_plane.admission.door import BadRequest, Door, Entered
 from control_plane.fronts.api import TRACER, failed, finished, request_attributes
-from control_plane.fronts.openai_body import Ask, InvalidParam, chat_request, completion_request
+from control_plane.fronts.openai_body import (
+    Ask,
+    InvalidParam,
+    chat_request,
+    completion_request,
+    detokenize_request,
+    tokenize_request,
+)
 from control_plane.fronts.openai_reply import (
     DONE,
     Reply,
@@ -47,43 +56,68 @@ from control_plane.fronts.openai_reply import (
     grpc_error,
     sse,
 )
+from control_plane.scheduler.metrics import Metrics
 from control_plane.scheduler.seq import Delta, Failure, Finish, Queued
 from protos import ports
 from protos.model import Capabilities
 
 T = TypeVar("T")
+VERSION = importlib.metadata.version("met")
 OWNER = "met"
+OPEN_ROUTES = frozenset({"/health", "/ping", "/version", "/metrics"})
 # As gRPC bounds a message: a JSON body is read whole before any of it is checked.
 MAX_BODY_BYTES = 4 << 20
 
 
 def build_app(
-    door: Door, api_keys: frozenset[str] = frozenset(), tracer: Tracer = TRACER
+    door: Door,
+    api_keys: frozenset[str] = frozenset(),
+    tracer: Tracer = TRACER,
+    metrics: Metrics | None = None,
 ) -> ASGIApp:
-    """The Starlette app over `door`; with `api_keys`, each request must carry one."""
+    """The Starlette app over `door`; with `api_keys`, each request must carry one. With
+    `metrics`, `/metrics` serves them (vLLM serves its own on its API port)."""
     front = Front(door, tracer)
+    routes = [
+        Route("/health", front.health, methods=["GET"]),
+        Route("/ping", front.health, methods=["GET", "POST"]),
+        Route("/version", front.version, methods=["GET"]),
+        Route("/v1/models", front.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", front.model, methods=["GET"]),
+        Route("/v1/completions", front.completions, methods=["POST"]),
+        Route("/v1/chat/completions", front.chat, methods=["POST"]),
+        Route("/tokenize", front.tokenize, methods=["POST"]),
+        Route("/detokenize", front.detokenize, methods=["POST"]),
+    ]
+    if metrics is not None:
+        routes.append(Route("/metrics", _metrics_route(metrics), methods=["GET"]))
     app: ASGIApp = Starlette(
-        routes=[
-            Route("/health", front.health, methods=["GET"]),
-            Route("/v1/models", front.models, methods=["GET"]),
-            Route("/v1/completions", front.completions, methods=["POST"]),
-            Route("/v1/chat/completions", front.chat, methods=["POST"]),
-        ],
+        routes=routes,
         exception_handlers={HTTPException: _http_error},
     )
     return RequireKey(app, api_keys) if api_keys else app
 
 
+def _metrics_route(metrics: Metrics) -> Callable[[Request], Awaitable[Response]]:
+    async def route(request: Request) -> Response:
+        # As prometheus_client's own server answers: the format the scraper's Accept asks.
+        encode, kind = choose_encoder(request.headers.get("accept", ""))
+        return Response(encode(metrics.registry), headers={"content-type": kind})
+
+    return route
+
+
 class RequireKey:
     """401 in OpenAI's shape for a request without one of `keys`, before its body is read;
-    `/health` is open, as gRPC's health service is."""
+    `/health`, `/ping`, `/version` and `/metrics` are open, as gRPC's health service and vLLM's
+    are."""
 
     def __init__(self, app: ASGIApp, keys: frozenset[str]) -> None:
         self.app, self.keys = app, keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # Probes carry no key, and the health route tells nothing a key would guard.
-        if scope["type"] == "http" and scope["path"] != "/health":
+        if scope["type"] == "http" and scope["path"] not in OPEN_ROUTES:
             headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]
             sentence = auth.refusal(headers, self.keys, "header")
             if sentence is not None:
@@ -175,13 +209,58 @@ class Front:
             return _refused(e)
         return JSONResponse({})
 
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": VERSION})
+
     async def models(self, request: Request) -> Response:
         try:
             caps = await self.door.capabilities()
         except BadRequest as e:
             return _refused(e)
-        model = {"id": caps.model_name, "object": "model", "created": 0, "owned_by": OWNER}
-        return JSONResponse({"object": "list", "data": [model]})
+        return JSONResponse({"object": "list", "data": [_model(caps)]})
+
+    async def model(self, request: Request) -> Response:
+        """One model by its id (the SDK's `models.retrieve`); 404 for any other."""
+        try:
+            caps = await self.door.capabilities()
+            name = request.path_params["model"]
+            if name != caps.model_name:
+                raise InvalidParam(
+                    "model",
+                    f"model {name!r} is not served here; this server serves {caps.model_name!r}",
+                    grpc.StatusCode.NOT_FOUND,
+                )
+        except BadRequest as e:
+            return _refused(e)
+        return JSONResponse(_model(caps))
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's `/tokenize`: a prompt's ids, or a chat's as its template renders it."""
+        try:
+            params, strs = tokenize_request(await _json(request))
+            ids = await self.door.tokenize(params)
+            caps = await self.door.capabilities()
+        except BadRequest as e:
+            return _refused(e)
+        body: dict[str, Any] = {"count": len(ids), "max_model_len": caps.max_context, "tokens": ids}
+        tokenizer = self.door.scheduler.tokenizer
+        body["token_strs"] = [tokenizer.decode([t]) for t in ids] if strs else None
+        return JSONResponse(body)
+
+    async def detokenize(self, request: Request) -> Response:
+        try:
+            ids = detokenize_request(await _json(request))
+            caps = await self.door.capabilities()
+            bad = next((t for t in ids if t >= caps.vocab_size), None)
+            if bad is not None:
+                raise InvalidParam(
+                    "tokens",
+                    f"tokens holds token id {bad}, outside the vocabulary "
+                    f"(0 .. {caps.vocab_size - 1})",
+                )
+        except BadRequest as e:
+            return _refused(e)
+        return JSONResponse({"prompt": self.door.scheduler.tokenizer.decode(list(ids))})
 
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, chat=False)
@@ -280,6 +359,18 @@ class Front:
                 grpc.StatusCode.NOT_FOUND,
             )
         return ask, caps
+
+
+def _model(caps: Capabilities) -> dict[str, Any]:
+    """The served model as OpenAI lists one, with vLLM's `max_model_len`."""
+    return {
+        "id": caps.model_name,
+        "object": "model",
+        "created": 0,
+        "owned_by": OWNER,
+        "root": caps.model_name,
+        "max_model_len": caps.max_context,
+    }
 
 
 async def _json(request: Request) -> Any:

@@ -1,9 +1,6 @@
 """Prometheus metrics of the control plane, named as vLLM names them (`met:` for `vllm:`)
-where vLLM has one: `spec_decode_num_drafts`, `spec_decode_num_draft_tokens`,
-`spec_decode_num_accepted_tokens`, `spec_decode_num_accepted_tokens_per_pos`,
-`num_requests_running`, `num_requests_waiting`, `time_to_first_token_seconds`,
-`inter_token_latency_seconds`, `prompt_tokens`, `generation_tokens`, `request_success`,
-`prefix_cache_queries`, `prefix_cache_hits`, `num_preemptions`.
+where vLLM has one (`VLLM_FAMILIES`), and served under vLLM's own prefix beside ours, so that
+dashboards and load tools made for vLLM (aiperf's server metrics) read them unchanged.
 
 Every series carries a `replica` label: the GPU service (its address) whose scheduler counted
 it, as vLLM's carry `engine`. A scheduler writes through its replica's view
@@ -12,11 +9,31 @@ it, as vLLM's carry `engine`. A scheduler writes through its replica's view
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.metrics_core import Metric
 
 REPLICA = "replica"  # the label
+MET, VLLM = "met:", "vllm:"
+# The families vLLM exports under the same name, served as `vllm:` too.
+VLLM_FAMILIES = (
+    "spec_decode_num_drafts",
+    "spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens",
+    "spec_decode_num_accepted_tokens_per_pos",
+    "num_requests_running",
+    "num_requests_waiting",
+    "time_to_first_token_seconds",
+    "inter_token_latency_seconds",
+    "prompt_tokens",
+    "generation_tokens",
+    "request_success",
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+    "num_preemptions",
+)
 REPLICA_ATTRIBUTE = "met.replica"  # the span attribute, on a request's span and each step's
 _LATENCY_BUCKETS = (
     0.001,
@@ -44,6 +61,12 @@ class Metrics:
         self._add_draft_counters()
         self._add_gauges()
         self._add_latency_histograms()
+        self.registry.register(_VllmNames(self._families()))
+
+    def _families(self) -> list[Counter | Gauge | Histogram]:
+        named = {MET + name for name in VLLM_FAMILIES}
+        out = [m for m in vars(self).values() if isinstance(m, Counter | Gauge | Histogram)]
+        return [m for m in out if m._name in named]
 
     def _counter(self, name: str, doc: str, *labels: str) -> Counter:
         return Counter(name, doc, [REPLICA, *labels], registry=self.registry)
@@ -121,6 +144,20 @@ class Metrics:
     def replica(self, name: str) -> ReplicaMetrics:
         """The series of one replica, under the same attribute names."""
         return ReplicaMetrics(self, name)
+
+
+class _VllmNames:
+    """Each of `families` again under vLLM's prefix, sample for sample."""
+
+    def __init__(self, families: list[Counter | Gauge | Histogram]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.families:
+            for m in family.collect():
+                copy = Metric(VLLM + m.name.removeprefix(MET), m.documentation, m.type, m.unit)
+                copy.samples = [s._replace(name=VLLM + s.name.removeprefix(MET)) for s in m.samples]
+                yield copy
 
 
 class ReplicaMetrics:

@@ -32,6 +32,7 @@ from control_plane.cli.server import build_server
 from control_plane.fronts import openai_http
 from control_plane.fronts.api import GenerationServicer
 from control_plane.replicas.client import GrpcModel
+from control_plane.scheduler.metrics import Metrics
 from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.scheduler import Scheduler
 from gpu_service.engine.facade import Engine
@@ -84,9 +85,12 @@ def client(base_url: str, key: str = KEY) -> openai.OpenAI:
 
 
 @contextmanager
-def serving(engine: Engine, max_queue: int) -> Iterator[Fronts]:
-    """Both fronts, keys required, on one scheduler over `engine`."""
-    scheduler = Scheduler(lambda: engine, opts=SchedulerOptions(max_queue=max_queue))
+def serving(engine: Engine, max_queue: int, metrics: Metrics | None = None) -> Iterator[Fronts]:
+    """Both fronts, keys required, on one scheduler over `engine` (counting into `metrics`,
+    which the HTTP front serves)."""
+    scheduler = Scheduler(
+        lambda: engine, opts=SchedulerOptions(max_queue=max_queue), metrics=metrics
+    )
     scheduler.start()
     spans, provider = InMemorySpanExporter(), TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(spans))
@@ -100,7 +104,7 @@ def serving(engine: Engine, max_queue: int) -> Iterator[Fronts]:
         server = build_server(servicer, health.aio.HealthServicer(), keys)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
-        app = openai_http.build_app(servicer.door, keys, provider.get_tracer("test"))
+        app = openai_http.build_app(servicer.door, keys, provider.get_tracer("test"), metrics)
         return server, port, openai_http.serve(app, "127.0.0.1", 0, grace=1)
 
     with loop_in_thread() as loop:

@@ -44,19 +44,19 @@ PROMETHEUS_3_ACCEPT = (
 # The series the dashboard is for: serving, speculation, replicas, the KV pool and the prefix
 # cache.
 REQUIRED = {
-    "met:generation_tokens_total",
-    "met:time_to_first_token_seconds_bucket",
-    "met:inter_token_latency_seconds_bucket",
-    "met:num_requests_waiting",
-    "met:num_requests_running",
-    "met:spec_decode_num_accepted_tokens_per_pos_total",
-    "met:spec_decode_num_drafts_total",
+    "vllm:generation_tokens_total",
+    "vllm:time_to_first_token_seconds_bucket",
+    "vllm:inter_token_latency_seconds_bucket",
+    "vllm:num_requests_waiting",
+    "vllm:num_requests_running",
+    "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+    "vllm:spec_decode_num_drafts_total",
     "met:spec_decode_mean_accepted_length",
     "met:spec_decode_step_width",
     "met:replica_up",
-    "met:prefix_cache_queries_total",
-    "met:prefix_cache_hits_total",
-    "met:num_preemptions_total",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:num_preemptions_total",
 }
 
 # PromQL, enough of it for the dashboard's queries: what names a label (matchers, grouping
@@ -200,11 +200,11 @@ def test_the_run_gave_speculation_and_prefix_cache_series(scrapes: dict[str, Scr
     """What the queries are checked against has data behind every panel: accepted drafts by
     position, prefix hits, finished requests by reason, the replica up."""
     for scrape in scrapes.values():
-        accepted = "met:spec_decode_num_accepted_tokens_per_pos_total"
+        accepted = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
         assert _total(scrape, accepted, position="0") > 0
-        assert _total(scrape, "met:prefix_cache_hits_total") > 0
-        assert _total(scrape, "met:request_success_total", finished_reason="length") == 4
-        assert _total(scrape, "met:time_to_first_token_seconds_count") == 4
+        assert _total(scrape, "vllm:prefix_cache_hits_total") > 0
+        assert _total(scrape, "vllm:request_success_total", finished_reason="length") == 4
+        assert _total(scrape, "vllm:time_to_first_token_seconds_count") == 4
         assert _total(scrape, "met:replica_up", replica="gpu-service-0:50051") == 1
 
 
