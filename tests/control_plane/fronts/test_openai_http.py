@@ -450,3 +450,23 @@ def test_gpu_service_gone_is_503() -> None:
     assert caught.value.status_code == 503 and caught.value.body["code"] == "unavailable"
     assert caught.value.body["message"].startswith("the GPU service is not reachable")
     assert health.status_code == 503 and health.json()["error"]["code"] == "unavailable"
+
+
+def test_the_role_chunk_waits_for_the_first_token(fronts: Fronts) -> None:
+    """A chat stream queued behind a request holding the one slot hears only its place until
+    the holder leaves; its first chunk with choices (the role) then comes with its first
+    token, never before its prefill: clients stamp the time to first token on it."""
+    holder = fronts.client.completions.create(model="", prompt="a", stream=True, extra_body=LONG)
+    next(iter(holder))
+    body = {"messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 3}
+    headers = {"authorization": f"Bearer {KEY}"}
+    url = f"{fronts.http}/chat/completions"
+    with httpx2.stream("POST", url, json=body, headers=headers) as waiter:
+        lines = (line for line in waiter.iter_lines() if line)
+        assert next(lines) == ": queued 1 of 1"
+        holder.close()
+        after = [line for line in lines if not line.startswith(":")]
+    chunks = [json.loads(line[len("data: ") :]) for line in after if line != "data: [DONE]"]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert any(c["choices"][0]["delta"].get("content") for c in chunks[1:])
+    free_slots_within(fronts.engine, 1, 10)  # type: ignore[arg-type]
