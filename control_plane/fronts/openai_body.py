@@ -1,21 +1,16 @@
 """OpenAI request bodies as `RequestParams` (`protos.params`): what the HTTP front takes, what
 it refuses.
 
-A known parameter this server cannot honour (tools, `top_logprobs`, `best_of`, ...)
-is refused with a sentence naming it, never dropped. Unknown fields are ignored, as vLLM
-ignores them: SDKs add their own (`user`, `metadata`, `store`), and none of those changes the
-output. Types, and what the wire types cannot hold, are checked here, and every number's range
-(`protos.checks`, the ranges the `Door` holds too) on the value as sent, before it is rounded to
-the wire's float; the ranges that depend on the served model are the `Door`'s to check.
-
-Beyond OpenAI's parameters it takes `speculative` ({"method": "none" | "mtp" |
-"prompt_lookup", "num_drafts": N}), `add_generation_prompt` (chat), and vLLM's `top_k`,
-`min_p`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `repetition_penalty` and
-`chat_template_kwargs` (chat): every field of `SamplingParams` is read by its name and
-type; `top_k: -1` is vLLM's no limit. Left unset, `temperature` is 1
-as in OpenAI's API, and `max_tokens` the server's `--max-new-tokens`. A message's content is
-text, or text parts (joined with newlines, as vLLM joins them); an image, audio or video part is
-refused: this server serves text only."""
+Every parameter is read (OpenAI's, vLLM's it honours, `speculative`), set aside as one that
+changes no output (`INERT`), or refused with a sentence naming it (`REFUSED`: those taken only
+at a value that changes nothing; any unknown one): nothing is dropped. Types, and what the wire
+types cannot hold, are checked here, and every number's range (`protos.checks`, the ranges the
+`Door` holds too) on the value as sent, before it is rounded to the wire's float; the ranges
+that depend on the served model, and the tools against `tool_choice`, are the `Door`'s to
+check. Every field of `SamplingParams` is read by its name and type; `top_k: -1` is vLLM's no
+limit. Left unset, `temperature` is 1 as in OpenAI's API. A message's content is text, or text
+parts (joined with newlines, as vLLM joins them); an image, audio or video part is refused:
+this server serves text only."""
 
 from __future__ import annotations
 
