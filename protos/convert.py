@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 from google.protobuf.message import Message
 
-from protos.handles import RowDraws
+from protos.handles import RowDraws, ScoreAsk, Scores
 from protos.met.v1 import model_pb2 as pb
 from protos.model import (
     Capabilities,
@@ -124,25 +124,78 @@ def prefill_to_pb(
     prompts: Sequence[Sequence[int]],
     masks: Sequence[bytes],
     sampling: Sequence[Sampling | None],
+    scores: Sequence[ScoreAsk | None],
 ) -> pb.PrefillRequest:
-    """One item per sequence; an empty mask and an unset `sampling` mean none."""
+    """One item per sequence; an empty mask and an unset `sampling` or `score` mean none."""
     items = [
         pb.PrefillItem(
-            seq_id=s.seq_id, tokens=p, mask=m, sampling=to_pb(smp) if smp is not None else None
+            seq_id=s.seq_id,
+            tokens=p,
+            mask=m,
+            sampling=to_pb(smp) if smp is not None else None,
+            score=to_pb(ask) if ask is not None else None,
         )
-        for s, p, m, smp in zip(seqs, prompts, masks, sampling, strict=True)
+        for s, p, m, smp, ask in zip(seqs, prompts, masks, sampling, scores, strict=True)
     ]
     return pb.PrefillRequest(items=items)
 
 
 def prefill_from_pb(
     request: pb.PrefillRequest,
-) -> tuple[list[SequenceHandle], list[list[int]], list[bytes], list[Sampling | None]]:
-    """`prefill_to_pb` backwards: (handles, prompts, masks, sampling)."""
+) -> tuple[
+    list[SequenceHandle],
+    list[list[int]],
+    list[bytes],
+    list[Sampling | None],
+    list[ScoreAsk | None],
+]:
+    """`prefill_to_pb` backwards: (handles, prompts, masks, sampling, scores)."""
     items = request.items
     sampling = [from_pb(Sampling, i.sampling) if i.HasField("sampling") else None for i in items]
+    scores = [from_pb(ScoreAsk, i.score) if i.HasField("score") else None for i in items]
     prompts = [list(i.tokens) for i in items]
-    return handles(i.seq_id for i in items), prompts, [i.mask for i in items], sampling
+    masks = [i.mask for i in items]
+    return handles(i.seq_id for i in items), prompts, masks, sampling, scores
+
+
+def scores_to_pb(scores: Sequence[Scores | None], n: int) -> list[pb.Scores]:
+    """A prefill's scores, one message per item (`asked` false where none was asked)."""
+    out = []
+    for s in list(scores) or [None] * n:
+        if s is None:
+            out.append(pb.Scores())
+            continue
+        top = len(s.top_ids[0]) if s.top_ids else 0
+        out.append(
+            pb.Scores(
+                asked=True,
+                logprobs=s.logprobs,
+                top=top,
+                rows=len(s.top_ids),
+                ranks=s.ranks,
+                top_ids=[t for row in s.top_ids for t in row],
+                top_logprobs=[v for row in s.top_logprobs for v in row],
+            )
+        )
+    return out
+
+
+def scores_from_pb(replies: Sequence[pb.Scores]) -> list[Scores | None]:
+    out: list[Scores | None] = []
+    for r in replies:
+        if not r.asked:
+            out.append(None)
+            continue
+        ids, values, k = list(r.top_ids), list(r.top_logprobs), r.top
+        out.append(
+            Scores(
+                list(r.logprobs),
+                [ids[j * k : (j + 1) * k] for j in range(r.rows)],
+                [values[j * k : (j + 1) * k] for j in range(r.rows)],
+                list(r.ranks),
+            )
+        )
+    return out
 
 
 # -- per-row draws: three parallel lists, zeros on the rows of greedy sequences ------------

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -23,12 +23,39 @@ class RowDraws:
 
 
 @dataclass(frozen=True)
+class ScoreAsk:
+    """A prompt's rows to score in a prefill: `top` alternatives per row (0 to `MAX_TOP`);
+    `next_token`, the token after this chunk when the chunk does not end the prompt, which
+    its last row is scored against."""
+
+    top: int = 0
+    next_token: int | None = None
+
+
+MAX_TOP = 20  # alternatives a row's score may list, as vLLM and OpenAI bound them
+
+
+@dataclass(frozen=True)
+class Scores:
+    """A prompt chunk's rows scored, raw (the model's log-softmax: no penalty, no mask):
+    `logprobs[j]` is row j's log-probability of the token after it (the chunk's next one, or
+    `next_token`), one per row but the last when no `next_token` was given; `top_ids[j]` and
+    `top_logprobs[j]` are row j's most probable tokens, every row, the last included."""
+
+    logprobs: list[float]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+    ranks: list[int] = field(default_factory=list)  # each of `logprobs`' tokens' (1: the first)
+
+
+@dataclass(frozen=True)
 class Prefilled:
     """What a prefill returns: per prompt, its last row's argmax and that token's
-    log-probability."""
+    log-probability, and the scores of the prompts asked for them (None for the others)."""
 
     argmax: list[int]
     logprobs: list[float]
+    scores: list[Scores | None] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

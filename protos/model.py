@@ -45,7 +45,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from protos.handles import Prefilled, Proposal, SequenceHandle, StepResult, Verified
+from protos.handles import (
+    Prefilled,
+    Proposal,
+    ScoreAsk,
+    SequenceHandle,
+    StepResult,
+    Verified,
+)
 
 if TYPE_CHECKING:  # the step stream's types name this module's
     from protos.steps import StepStream
@@ -257,12 +264,15 @@ class ServingModel(Protocol):
         prompts: Sequence[Sequence[int]],
         masks: Sequence[bytes] | None = None,
         sampling: Sequence[Sampling | None] | None = None,
+        scores: Sequence[ScoreAsk | None] | None = None,
     ) -> Prefilled:
         """Append each prompt to its sequence's cache (a long prompt may come in chunks) and
         return each one's last-row argmax. The last rows' logits stay in the logits buffer;
         the drafter's cache is primed with the prompt's (token, hidden) pairs. `masks[i]`, when
         not empty, is an allowed-token bitmask (bit t of little-endian 32-bit words is token t)
-        applied to prompt i's last row before its argmax.
+        applied to prompt i's last row before its argmax. `scores[i]`, when given, asks for
+        prompt i's rows scored (`Scores`: prompt log-probabilities); a `top` past `MAX_TOP` or
+        a `next_token` outside the vocabulary is `InvalidArgument`.
         Empty prompts, ids outside the vocabulary and prompts past the context are
         `InvalidArgument`; a sequence with a verify pending is `FailedPrecondition`."""
 

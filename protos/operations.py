@@ -113,22 +113,32 @@ def _prefill_request(a: Args) -> pb.PrefillRequest:
     seqs = a["seqs"]
     masks = a["masks"] or [b""] * len(seqs)
     sampling = a["sampling"] or [None] * len(seqs)
-    checks.same_length("prefill", seqs=seqs, prompts=a["prompts"], masks=masks, sampling=sampling)
-    return cv.prefill_to_pb(seqs, a["prompts"], masks, sampling)
+    scores = a["scores"] or [None] * len(seqs)
+    checks.same_length(
+        "prefill", seqs=seqs, prompts=a["prompts"], masks=masks, sampling=sampling, scores=scores
+    )
+    return cv.prefill_to_pb(seqs, a["prompts"], masks, sampling, scores)
 
 
 def _prefill_arguments(r: pb.PrefillRequest) -> dict[str, Any]:
-    seqs, prompts, masks, sampling = cv.prefill_from_pb(r)
-    return {"seqs": seqs, "prompts": prompts, "masks": masks, "sampling": sampling}
+    seqs, prompts, masks, sampling, scores = cv.prefill_from_pb(r)
+    asked = scores if any(s is not None for s in scores) else None
+    return {"seqs": seqs, "prompts": prompts, "masks": masks, "sampling": sampling, "scores": asked}
 
 
 def _prefilled(r: pb.PrefillReply, a: Args) -> Prefilled:
     _lens(r, a)
-    return Prefilled(list(r.argmax), list(r.logprobs))
+    scores = cv.scores_from_pb(r.scores) if r.scores else []
+    return Prefilled(list(r.argmax), list(r.logprobs), scores)
 
 
 def _prefilled_pb(p: Prefilled, a: Args) -> pb.PrefillReply:
-    return pb.PrefillReply(argmax=p.argmax, seq_lens=cv.seq_lens(a["seqs"]), logprobs=p.logprobs)
+    return pb.PrefillReply(
+        argmax=p.argmax,
+        seq_lens=cv.seq_lens(a["seqs"]),
+        logprobs=p.logprobs,
+        scores=cv.scores_to_pb(p.scores, len(p.argmax)) if p.scores else [],
+    )
 
 
 def _verdict_request(a: Args) -> pb.VerdictRequest:

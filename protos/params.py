@@ -78,6 +78,7 @@ class RequestParams:
     include_stop_str_in_output: bool = False
     chat_template: str = ""  # with messages: in place of the model's
     continue_final_message: bool = False  # with messages: the last one goes on
+    prompt_logprobs: int | None = None  # score the prompt, this many alternatives a row
     sampling: SamplingParams = field(default_factory=SamplingParams)
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from control_plane.text.tokenizer import TOKENIZER_FILE, ByteTokenizer
 from gpu_service.engine.plans import PlanClock, plan_steps, run_plan
+from protos.handles import Scores
 from protos.model import (
     Capabilities,
     FailedPrecondition,
@@ -55,6 +56,19 @@ def _masked(token: int, bits: bytes) -> int:
         return token
     allowed = [t for t in range(len(bits) * 8) if bits[t // 8] >> (t % 8) & 1]
     return token if token in allowed else allowed[0]
+
+
+def _scores(prompts, asks) -> list[Scores | None]:
+    """A row's score in the fake: every token -1, ids from 0 its alternatives."""
+    out: list[Scores | None] = []
+    for p, ask in zip(prompts, asks or [None] * len(prompts), strict=True):
+        if ask is None:
+            out.append(None)
+            continue
+        after = len(p) - 1 + (ask.next_token is not None)
+        top = [list(range(ask.top)) for _ in p]
+        out.append(Scores([-1.0] * after, top, [[-1.0] * ask.top for _ in p], [1] * after))
+    return out if any(out) else []
 
 
 def _check_masks(masks: dict[int, bytes]) -> None:
@@ -149,7 +163,7 @@ class FakeModel:
         for h in seqs:
             self.seqs[h.seq_id].continuation = None
 
-    def prefill(self, seqs, prompts, masks=None, sampling=None) -> list[int]:
+    def prefill(self, seqs, prompts, masks=None, sampling=None, scores=None) -> list[int]:
         self.calls.append(("prefill", [len(p) for p in prompts]))
         self._moved(seqs)
         _check_masks(dict(enumerate(masks or ())))
@@ -161,7 +175,7 @@ class FakeModel:
             out.append(
                 _masked(self.oracle(tuple(s.tokens)), (masks or [b""] * len(seqs))[len(out)])
             )
-        return Prefilled(out, [-0.5] * len(out))
+        return Prefilled(out, [-0.5] * len(out), _scores(prompts, scores))
 
     def decode_verify_batched(
         self, tokens, ks, seqs, write_on_accept=True, masks=None, sampling=None

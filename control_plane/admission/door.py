@@ -29,6 +29,7 @@ from control_plane.text.tools import (
     template_form,
 )
 from protos import checks
+from protos.handles import MAX_TOP
 from protos.model import Capabilities, ModelError, Penalties
 from protos.params import MTP, ChatMessage, RequestParams, penalties
 
@@ -141,10 +142,19 @@ def admit(
         method=r.method or admission.default_method,
         num_drafts=r.num_drafts,
         logprobs=r.logprobs,
+        prompt_logprobs=_prompt_logprobs(r),
         grammar=_grammar(form, compiler),
         sampling=r.sampling,
         penalties=pen,
     ), shape
+
+
+def _prompt_logprobs(r: RequestParams) -> int | None:
+    if r.prompt_logprobs is not None and not 0 <= r.prompt_logprobs <= MAX_TOP:
+        raise BadRequest(
+            INVALID, f"prompt_logprobs is {r.prompt_logprobs}; it must be from 0 to {MAX_TOP}"
+        )
+    return r.prompt_logprobs
 
 
 def _tools(r: RequestParams) -> dict[str, dict[str, Any]]:

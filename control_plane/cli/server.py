@@ -79,7 +79,7 @@ def add_serve_args(parser: argparse.ArgumentParser, gpu_service_required: bool =
         "--max-new-tokens",
         type=int,
         default=DEFAULT_MAX_NEW_TOKENS,
-        help="default for requests that leave it unset",
+        help="default for requests that leave it unset (default: the rest of the context)",
     )
     parser.add_argument(
         "--max-prompt-bytes",

@@ -1,6 +1,8 @@
-"""The OpenAI-compatible HTTP front: `GET /health`, `GET /v1/models`, `POST /v1/completions` and
-`POST /v1/chat/completions`, streamed as server-sent events or whole, through the same `Door`
-(and so the same scheduler) as the gRPC API. `openai_body` says which parameters it takes.
+"""The OpenAI-compatible HTTP front: `POST /v1/completions` and `POST /v1/chat/completions`,
+streamed as server-sent events or whole, through the same `Door` (and so the same scheduler) as
+the gRPC API; beside them `GET /v1/models` (and one by its id), vLLM's `/tokenize`,
+`/detokenize`, `/version`, `/ping` and `/metrics`, and `/health`. `openai_body` says which
+parameters it takes, `openai_reply` what it answers.
 
 A request is one OpenTelemetry SERVER span under the caller's `traceparent`, like a `Generate`
 call. `n` choices are n requests to the scheduler (a `choice` span each under it); the first

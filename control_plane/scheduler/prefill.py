@@ -6,6 +6,7 @@ from __future__ import annotations
 from opentelemetry.trace import Link
 
 from control_plane.scheduler.seq import ActiveSeq
+from protos.handles import ScoreAsk, Scores
 from protos.model import ModelError, Sampling, ServingModel
 from protos.telemetry import span, tracer
 
@@ -45,11 +46,14 @@ def prefill(
         sampling = [
             a.sampling(1) if a.samples and end else None for a, end in zip(batch, last, strict=True)
         ]
-        rows = _rows(model, batch, chunks, masks, sampling)
+        asks = [_score_ask(a, c) for a, c in zip(batch, chunks, strict=True)]
+        rows = _rows(model, batch, chunks, masks, sampling, asks)
     done = []
     for a, c, row in zip(batch, chunks, rows, strict=True):
         if row is None:
             continue
+        if a.scores is not None and row[2] is not None:
+            a.scores.extend(row[2])
         a.prefilled += len(c)
         if a.prefilled == len(a.context):
             done.append(a)
@@ -71,18 +75,33 @@ def chunk_length(a: ActiveSeq, chunk: int, budget: int, block: int) -> int:
     return n
 
 
+def _score_ask(a: ActiveSeq, chunk: list[int]) -> ScoreAsk | None:
+    """What a chunk of a prompt to be scored asks: its alternatives, and the token after it
+    when the prompt goes on past it (its last row is scored against that one)."""
+    if a.scores is None or a.generated:
+        return None
+    end = a.prefilled + len(chunk)
+    after = a.context[end] if end < len(a.context) else None
+    return ScoreAsk(a.req.prompt_logprobs or 0, after)
+
+
+Row = tuple[int, float, Scores | None]
+
+
 def _rows(
     model: ServingModel,
     batch: list[ActiveSeq],
     chunks: list[list[int]],
     masks: list[bytes],
     sampling: list[Sampling | None],
-) -> list[tuple[int, float] | None]:
-    """The prefill call -> each sequence's (argmax, log-probability), None for one the
+    asks: list[ScoreAsk | None],
+) -> list[Row | None]:
+    """The prefill call -> each sequence's (argmax, log-probability, scores), None for one the
     service refused. A refused batch is retried one sequence per call to find the one
     the refusal concerns (a call is checked whole before any of it runs)."""
+    scores = asks if any(s is not None for s in asks) else None
     try:
-        done = model.prefill([a.live_handle for a in batch], chunks, masks, sampling)
+        done = model.prefill([a.live_handle for a in batch], chunks, masks, sampling, scores)
     except ModelError as e:
         if len(batch) == 1:
             batch[0].refuse(e.code, str(e))
@@ -90,8 +109,8 @@ def _rows(
         return [
             row
             for i in range(len(batch))
-            for row in _rows(
-                model, batch[i : i + 1], chunks[i : i + 1], masks[i : i + 1], sampling[i : i + 1]
-            )
+            for one in [slice(i, i + 1)]
+            for row in _rows(model, batch[one], chunks[one], masks[one], sampling[one], asks[one])
         ]
-    return list(zip(done.argmax, done.logprobs, strict=True))
+    got = done.scores or [None] * len(batch)
+    return list(zip(done.argmax, done.logprobs, got, strict=True))

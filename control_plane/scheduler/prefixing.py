@@ -32,7 +32,8 @@ def restore(
     its prompt is to be snapshotted while it is prefilled."""
     hits = []
     for a in admitted:
-        hit = cache.lookup(a.context)
+        # A prompt to be scored is prefilled whole: a cached prefix has no rows to score.
+        hit = None if a.scores is not None else cache.lookup(a.context)
         if hit is not None:
             hits.append((a, hit))
     links = [Link(a.req.span_context) for a, _ in hits if a.req.span_context is not None]

@@ -12,6 +12,7 @@ from opentelemetry.trace import SpanContext
 
 from control_plane.text.detok import Detokenizer, Tokenizer
 from protos import checks
+from protos.handles import Scores
 from protos.model import (
     Capabilities,
     FailedPrecondition,
@@ -43,6 +44,9 @@ class GenRequest:
     method: str = MTP  # NONE, MTP or PROMPT_LOOKUP
     num_drafts: int | None = None  # cap on this request's drafts; None: the server's
     logprobs: bool = False
+    # The prompt's rows scored (vLLM's prompt_logprobs, OpenAI's echo): None, not scored; else
+    # the alternatives each row lists.
+    prompt_logprobs: int | None = None
     span_context: SpanContext | None = None  # the request's `generate` span, steps link to it
     grammar: Grammar | None = None  # a compiled grammar its tokens must follow
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -98,6 +102,26 @@ class Delta:
     token_ids: list[int]
     text: str
     logprobs: list[float]
+    # On a request's first delta, when it asked: its prompt's rows scored.
+    prompt: PromptScores | None = None
+
+
+@dataclass
+class PromptScores:
+    """A prompt's rows scored, raw: `logprobs[j]` of prompt token j + 1; `top_ids[j]` and
+    `top_logprobs[j]` row j's alternatives, the last row's those of the first generated
+    token."""
+
+    logprobs: list[float] = field(default_factory=list)
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=list)
+
+    def extend(self, s: Scores) -> None:
+        self.logprobs += s.logprobs
+        self.top_ids += s.top_ids
+        self.top_logprobs += s.top_logprobs
+        self.ranks += s.ranks
 
 
 @dataclass(frozen=True)
@@ -107,6 +131,7 @@ class Finish:
     completion_tokens: int
     stats: SpecStats
     cached_tokens: int = 0  # of the prompt's, those a cached prefix gave
+    prompt: PromptScores | None = None  # the prompt's scores, when no delta carried them
 
 
 @dataclass(frozen=True)
@@ -189,6 +214,8 @@ class ActiveSeq:
         self.last_emit: float | None = None
         self.on_queued = on_queued
         self.told: tuple[int, float] | None = None  # the last (position, time) sent on_queued
+        # The prompt's scores as its prefill gathers them, sent with the first delta.
+        self.scores = PromptScores() if req.prompt_logprobs is not None else None
 
     @property
     def samples(self) -> bool:
@@ -316,7 +343,8 @@ class ActiveSeq:
         lp = list(logprobs[: len(kept)]) if logprobs is not None and self.req.logprobs else []
         text = self.detok.delta(final=self.finished is not None)
         if kept or text:
-            self.sink(Delta(kept, text, lp))
+            self.sink(Delta(kept, text, lp, self.scores))
+            self.scores = None
 
     def record_verify(self, drafted: int, accepted: int) -> None:
         self.stats.record(drafted, accepted)
@@ -361,7 +389,8 @@ class ActiveSeq:
                 len(self.req.prompt_ids),
                 len(self.generated),
                 self.stats,
-                self.prefix_hit,
+                min(self.prefix_hit, len(self.req.prompt_ids)),
+                self.scores,
             )
         )
 

@@ -51,6 +51,7 @@ from protos.model import (
     Prefilled,
     Proposal,
     Sampling,
+    ScoreAsk,
     SequenceHandle,
     StepResult,
     Verified,
@@ -250,9 +251,10 @@ class Engine:
         prompts: Sequence[Sequence[int]],
         masks: Sequence[bytes] | None = None,
         sampling: Sequence[Sampling | None] | None = None,
+        scores: Sequence[ScoreAsk | None] | None = None,
     ) -> Prefilled:
         with self._hold():
-            return self.verifier.prefill(seqs, prompts, masks, sampling)
+            return self.verifier.prefill(seqs, prompts, masks, sampling, scores)
 
     def decode_verify_batched(
         self,

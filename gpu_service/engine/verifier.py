@@ -20,7 +20,7 @@ from gpu_service.model.batch import Segment
 from gpu_service.model.config import ModelConfig, ServiceConfig
 from gpu_service.model.hybrid import PREFILL, VERIFY, HybridModel
 from protos import checks
-from protos.handles import RowDraws
+from protos.handles import MAX_TOP, RowDraws, ScoreAsk, Scores
 from protos.model import (
     FailedPrecondition,
     InvalidArgument,
@@ -102,6 +102,7 @@ class Verifier:
         prompts: Sequence[Sequence[int]],
         masks: Sequence[bytes] | None = None,
         sampling: Sequence[Sampling | None] | None = None,
+        scores: Sequence[ScoreAsk | None] | None = None,
     ) -> Prefilled:
         checks.same_length("prefill", seqs=seqs, prompts=prompts)
         sampled = {i: s for i, s in enumerate(sampling or ()) if s is not None}
@@ -109,8 +110,10 @@ class Verifier:
         row_masks = self.masks(dict(enumerate(masks or ())), len(prompts))
         states = self.slots.lookup("prefill", seqs)
         self._check_prefill(states, prompts)
+        asks = self._check_scores(scores, len(prompts))
         rows = [list(p) for p in prompts]
         hidden = self._forward(states, rows, PREFILL)
+        scored = self._score(hidden, rows, asks) if asks else []
         (ends,) = upload(hidden.device, (np.cumsum([len(p) for p in rows]) - 1).tolist())
         for s, p in zip(states, rows, strict=True):
             s.tokens.extend(p)
@@ -123,7 +126,47 @@ class Verifier:
             row = self.model.full_logits(self.state.logits[i : i + 1])
             out[i] = draw(distribution(row, smp)[0], smp.uniforms[0])
         mirror(seqs, states)
-        return Prefilled(out, logprobs)
+        return Prefilled(out, logprobs, scored)
+
+    def _check_scores(
+        self, scores: Sequence[ScoreAsk | None] | None, n: int
+    ) -> dict[int, ScoreAsk]:
+        asks = {i: a for i, a in enumerate(scores or ()) if a is not None}
+        if scores is not None and len(scores) != n:
+            raise InvalidArgument(f"prefill got {len(scores)} score asks for {n} prompts")
+        for a in asks.values():
+            if not 0 <= a.top <= MAX_TOP:
+                raise InvalidArgument(f"a score's top is {a.top}; it must be from 0 to {MAX_TOP}")
+            if a.next_token is not None:
+                checks.tokens_in_vocab([a.next_token], self.cfg.vocab_size)
+        return asks
+
+    def _score(
+        self, hidden: torch.Tensor, rows: list[list[int]], asks: dict[int, ScoreAsk]
+    ) -> list[Scores | None]:
+        """Each asked prompt's rows scored: the model's raw log-softmax (fp32) of the token
+        after each row, and each row's top alternatives."""
+        starts = np.cumsum([0, *(len(r) for r in rows)]).tolist()
+        out: list[Scores | None] = [None] * len(rows)
+        for i, ask in asks.items():
+            logits = self.model.full_logits(self.model.logits(hidden[starts[i] : starts[i + 1]]))
+            logp = torch.log_softmax(logits.float(), -1)
+            after = rows[i][1:] + ([] if ask.next_token is None else [ask.next_token])
+            (index,) = upload(logp.device, after)
+            chosen = logp[: len(after)].gather(-1, index[:, None].long())[:, 0]
+            ranks = (logp[: len(after)] > chosen[:, None]).sum(-1) + 1
+            top_values, top_ids = logp.topk(ask.top, -1)
+            host_chosen, host_ranks, ids, values = download(
+                chosen, ranks.float(), top_ids.float(), top_values
+            )
+            k, n = ask.top, len(rows[i])
+            out[i] = Scores(
+                host_chosen,
+                [ints(ids[j * k : (j + 1) * k]) for j in range(n)],
+                [values[j * k : (j + 1) * k] for j in range(n)],
+                ints(host_ranks),
+            )
+        return out
 
     def _check_prefill(self, states: list[SeqState], prompts: Sequence[Sequence[int]]) -> None:
         total = 0

@@ -131,16 +131,44 @@ class FreeSequenceReply(_message.Message):
     def __init__(self) -> None: ...
 
 class PrefillItem(_message.Message):
-    __slots__ = ("seq_id", "tokens", "mask", "sampling")
+    __slots__ = ("seq_id", "tokens", "mask", "sampling", "score")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     MASK_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     mask: bytes
     sampling: SamplingParams
-    def __init__(self, seq_id: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., mask: _Optional[bytes] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    score: ScoreAsk
+    def __init__(self, seq_id: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., mask: _Optional[bytes] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., score: _Optional[_Union[ScoreAsk, _Mapping]] = ...) -> None: ...
+
+class ScoreAsk(_message.Message):
+    __slots__ = ("top", "next_token")
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    top: int
+    next_token: int
+    def __init__(self, top: _Optional[int] = ..., next_token: _Optional[int] = ...) -> None: ...
+
+class Scores(_message.Message):
+    __slots__ = ("asked", "logprobs", "top", "top_ids", "top_logprobs", "rows", "ranks")
+    ASKED_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    asked: bool
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    top: int
+    top_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    rows: int
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, asked: _Optional[bool] = ..., logprobs: _Optional[_Iterable[float]] = ..., top: _Optional[int] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., rows: _Optional[int] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "uniforms", "min_p")
@@ -171,14 +199,16 @@ class PrefillRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[PrefillItem, _Mapping]]] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
-    __slots__ = ("argmax", "seq_lens", "logprobs")
+    __slots__ = ("argmax", "seq_lens", "logprobs", "scores")
     ARGMAX_FIELD_NUMBER: _ClassVar[int]
     SEQ_LENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SCORES_FIELD_NUMBER: _ClassVar[int]
     argmax: _containers.RepeatedScalarFieldContainer[int]
     seq_lens: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, argmax: _Optional[_Iterable[int]] = ..., seq_lens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+    scores: _containers.RepeatedCompositeFieldContainer[Scores]
+    def __init__(self, argmax: _Optional[_Iterable[int]] = ..., seq_lens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., scores: _Optional[_Iterable[_Union[Scores, _Mapping]]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("seq_ids", "ks", "tokens", "write_on_accept", "masks", "sampling")
