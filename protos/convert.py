@@ -133,7 +133,7 @@ def prefill_to_pb(
             tokens=p,
             mask=m,
             sampling=to_pb(smp) if smp is not None else None,
-            score=to_pb(ask) if ask is not None else None,
+            score=None if ask is None else pb.ScoreAsk(top=ask.top, next_token=ask.next_token),
         )
         for s, p, m, smp, ask in zip(seqs, prompts, masks, sampling, scores, strict=True)
     ]
@@ -152,10 +152,14 @@ def prefill_from_pb(
     """`prefill_to_pb` backwards: (handles, prompts, masks, sampling, scores)."""
     items = request.items
     sampling = [from_pb(Sampling, i.sampling) if i.HasField("sampling") else None for i in items]
-    scores = [from_pb(ScoreAsk, i.score) if i.HasField("score") else None for i in items]
+    scores = [_score_ask(i.score) if i.HasField("score") else None for i in items]
     prompts = [list(i.tokens) for i in items]
     masks = [i.mask for i in items]
     return handles(i.seq_id for i in items), prompts, masks, sampling, scores
+
+
+def _score_ask(m: pb.ScoreAsk) -> ScoreAsk:
+    return ScoreAsk(m.top, m.next_token if m.HasField("next_token") else None)
 
 
 def scores_to_pb(scores: Sequence[Scores | None], n: int) -> list[pb.Scores]:

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from protos import convert as cv
-from protos.handles import RowDraws
+from protos.handles import RowDraws, ScoreAsk, Scores
 from protos.met.v1 import model_pb2 as pb
 from protos.model import (
     Capabilities,
@@ -127,8 +127,21 @@ def test_prefill_round_trip() -> None:
     prompts = [[1, 2, 3], [7], [0] * 5]
     masks = [b"", b"\x0f\x00\x00\x00", b""]
     sampling = [None, Sampling(0.5, uniforms=(0.5,)), Sampling(1.0, top_k=2)]
-    got = cv.prefill_from_pb(wire(cv.prefill_to_pb(seqs, prompts, masks, sampling)))
-    assert got == (cv.handles([1, 2, 3]), prompts, masks, sampling)
+    scores = [ScoreAsk(3, 9), None, ScoreAsk(0)]
+    got = cv.prefill_from_pb(wire(cv.prefill_to_pb(seqs, prompts, masks, sampling, scores)))
+    assert got == (cv.handles([1, 2, 3]), prompts, masks, sampling, scores)
+
+
+def test_scores_round_trip() -> None:
+    # Values a float holds exactly: the wire's logprobs are fp32.
+    scores = [
+        Scores([-0.5, -1.5], [[4, 5], [6, 7], [8, 9]], [[-0.25, -0.5], [-1, -2], [-4, -8]], [2, 1]),
+        None,
+        Scores([], [[]], [[]], []),  # one row, no alternatives, no next token
+    ]
+    assert (
+        cv.scores_from_pb(wire(pb.PrefillReply(scores=cv.scores_to_pb(scores, 3))).scores) == scores
+    )
 
 
 @pytest.mark.parametrize(
