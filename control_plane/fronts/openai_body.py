@@ -25,6 +25,7 @@ from control_plane.admission.door import INVALID, BadRequest
 from control_plane.text.chat import KWARGS
 from protos import checks
 from protos.checks import INT32, UINT32, UINT64
+from protos.handles import MAX_TOP
 from protos.params import METHODS, ChatMessage, RequestParams, SamplingParams
 
 METHOD_NAMES = tuple(METHODS.values())
@@ -45,10 +46,8 @@ MEDIA_PARTS = {
 # server does instead). An absent or null parameter is always taken.
 REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "best_of": ((1,), "returns the choices it samples (best_of: 1; use n)"),
-    "echo": ((False,), "does not echo the prompt"),
     "suffix": (("",), "inserts no suffix"),
     "use_beam_search": ((False,), "has no beam search"),
-    "top_logprobs": ((0,), "returns the chosen token's log-probability only (top_logprobs: 0)"),
     "audio": ((), "generates text only"),
     "modalities": ((["text"],), "generates text only"),
     "prediction": ((), "takes no predicted output (see `speculative` for its own drafts)"),
@@ -60,7 +59,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "web_search_options": ((), "has no web search"),
     "verbosity": ((), "has no verbosity setting"),
     # vLLM's, beside those it honours.
-    "prompt_logprobs": ((), "returns no prompt log-probabilities"),
     "bad_words": (([],), "bans no words (logit_bias or allowed_token_ids ban tokens)"),
     "priority": ((0,), "schedules first come, first served (priority: 0)"),
     "cache_salt": ((), "keeps one prefix cache for every request"),
@@ -108,6 +106,7 @@ READ = frozenset(
         "include_stop_str_in_output",
         "return_token_ids",
         "request_id",
+        "prompt_logprobs",
         *(f.name for f in dataclasses.fields(SamplingParams)),
     }
 )
@@ -123,7 +122,7 @@ CHAT_READ = READ | {
     "functions",
     "function_call",
 }
-COMPLETION_READ = READ | {"prompt"}
+COMPLETION_READ = READ | {"prompt", "echo"}
 
 
 class InvalidParam(BadRequest):
@@ -151,6 +150,9 @@ class Ask:
     include_usage: bool  # a last streamed chunk carries the usage
     continuous_usage: bool = False  # every streamed chunk carries the usage so far
     return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids
+    echo: bool = False  # completions: the prompt leads the text (and its logprobs, if asked)
+    top: int = 0  # alternatives listed beside each generated token's log-probability
+    prompt_logprobs: int | None = None  # vLLM's: the prompt's tokens scored, alternatives each
     n: int = 1  # choices per prompt: requests that differ only in their seed
     # A completions batch: each prompt's request after the first (`request`'s prompt).
     more: tuple[RequestParams, ...] = ()
@@ -177,6 +179,9 @@ def completion_request(body: Any) -> Ask:
     """A `/v1/completions` body, one prompt or a batch of them; `InvalidParam` with a sentence
     when it cannot be taken."""
     ask = _ask(body, _prompt, _completion_logprobs, COMPLETION_READ)
+    echo = bool(_bool(body, "echo"))
+    top = _int(body, "logprobs", most=MAX_TOP)
+    ask = _scored(ask, echo, top or 0, top if echo else None)
     prompts = _prompts(body)
     requests = [dataclasses.replace(ask.request, **p) for p in prompts]
     for r in requests:
@@ -187,9 +192,29 @@ def completion_request(body: Any) -> Ask:
 def chat_request(body: Any) -> Ask:
     """A `/v1/chat/completions` body; `InvalidParam` with a sentence when it cannot be taken."""
     ask = _ask(body, _messages, _chat_logprobs, CHAT_READ)
+    top = _int(body, "top_logprobs", most=MAX_TOP) or 0
+    if top and not ask.request.logprobs:
+        raise InvalidParam("top_logprobs", "top_logprobs needs logprobs: true")
+    ask = _scored(ask, False, top, None)
     request = dataclasses.replace(ask.request, **_tools(body))
     _check_text(request)
     return dataclasses.replace(ask, request=request)
+
+
+def _scored(ask: Ask, echo: bool, top: int, echoed: int | None) -> Ask:
+    """What the prompt's scores must hold for the response: the echoed prompt's
+    log-probabilities (`echoed` alternatives), vLLM's `prompt_logprobs`, and the first
+    generated token's alternatives (`top`), which its prompt's last row gives. Alternatives of
+    later generated tokens are not computed: `top` asks `max_tokens` 1."""
+    if top and ask.request.max_new_tokens != 1:
+        raise InvalidParam(
+            "top_logprobs" if ask.request.messages else "logprobs",
+            f"alternatives ({top} asked) are listed for the prompt's tokens and the first "
+            "generated token only: ask max_tokens 1, or none (0)",
+        )
+    wanted = [k for k in (echoed, ask.prompt_logprobs, top or None) if k is not None]
+    request = dataclasses.replace(ask.request, prompt_logprobs=max(wanted, default=None))
+    return dataclasses.replace(ask, request=request, echo=echo, top=top)
 
 
 TOKENIZE_READ = frozenset(
@@ -307,7 +332,8 @@ def _ask(
         bool(_bool(options, "include_usage", "stream_options.include_usage")),
         bool(_bool(options, "continuous_usage_stats", "stream_options.continuous_usage_stats")),
         bool(_bool(body, "return_token_ids")),
-        _choices(body),
+        n=_choices(body),
+        prompt_logprobs=_int(body, "prompt_logprobs", most=MAX_TOP),
     )
 
 
@@ -534,15 +560,8 @@ def _content(content: Any, i: int) -> str:
 
 
 def _completion_logprobs(body: dict) -> bool:
-    """`logprobs: 0`: each token's own log-probability, no alternatives."""
-    n = _int(body, "logprobs")
-    if n:
-        raise InvalidParam(
-            "logprobs",
-            f"logprobs is {n}; this server returns the chosen token's log-probability only "
-            "(logprobs: 0)",
-        )
-    return n == 0
+    """`logprobs: N`: each token's own log-probability, and N alternatives (`_scored`)."""
+    return _int(body, "logprobs", most=MAX_TOP) is not None
 
 
 def _chat_logprobs(body: dict) -> bool:

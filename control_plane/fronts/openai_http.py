@@ -288,7 +288,17 @@ class Front:
         prefix = "chatcmpl-" if chat else "cmpl-"
         own = request.headers.get("x-request-id") or ask.request.request_id or rid
         tokenizer = self.door.scheduler.tokenizer
-        reply = Reply(chat, prefix + own, caps.model_name, tokenizer, ask.n, ask.return_token_ids)
+        reply = Reply(
+            chat,
+            prefix + own,
+            caps.model_name,
+            tokenizer,
+            ask.n,
+            ask.return_token_ids,
+            ask.echo,
+            ask.top,
+            ask.prompt_logprobs,
+        )
 
         def end() -> None:
             for f in flights:
@@ -399,16 +409,19 @@ async def _whole(flight: AdmittedRequest, reply: Reply) -> Whole:
     text: list[str] = []
     ids: list[int] = []
     logprobs: list[float] = []
+    scores = None
     while True:
         ev = await flight.next()
         if isinstance(ev, Delta):
             text.append(ev.text)
             ids += ev.token_ids
             logprobs += ev.logprobs
+            scores = scores or ev.prompt
         elif isinstance(ev, Finish):
             output = reply.output(flight.entered.shape)
             prompt = flight.entered.request.prompt_ids
-            return Whole("".join(text), ids, logprobs, ev, output, prompt)
+            scores = scores or ev.prompt
+            return Whole("".join(text), ids, logprobs, ev, output, prompt, scores)
 
 
 async def _wholes(reply: Reply, flights: list[AdmittedRequest]) -> dict:

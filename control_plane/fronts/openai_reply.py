@@ -14,7 +14,7 @@ from google.protobuf.json_format import MessageToDict
 
 from control_plane.admission.door import ChatShape
 from control_plane.fronts.api import stats_message
-from control_plane.scheduler.seq import Delta, Finish, SpecStats
+from control_plane.scheduler.seq import Delta, Finish, PromptScores, SpecStats
 from control_plane.text.detok import Tokenizer
 from control_plane.text.tools import ChatOutput, merge
 
@@ -71,6 +71,7 @@ class Stream:
     ) -> None:
         self.reply, self.prompts, self.continuous = reply, prompts, continuous_usage
         self.outputs = [reply.output(shape) for shape in shapes]
+        self.spelled = [Spelled() for _ in shapes]
         self.opened: set[int] = set()
         self.generated = [0] * len(shapes)
 
@@ -78,20 +79,34 @@ class Stream:
         out = []
         first = i not in self.opened
         self.opened.add(i)
+        reply = self.reply
+        if first:
+            self.spelled[i].scores = ev.prompt
         # A chat's role goes with its first token, not before: clients stamp the time to
         # first token on the first chunk with choices.
-        if first and self.reply.chat:
-            out.append(self.reply.opening(i))
+        if first and reply.chat:
+            out.append(reply.opening(i))
+        if first and reply.echo:
+            text, logprobs = reply.echoed(self.prompts[i], self.spelled[i])
+            out.append(reply.piece(i, text, logprobs))
+        if first and reply.prompt_logprobs is not None:
+            scored = reply.scored_prompt(self.prompts[i], ev.prompt)
+            if out:
+                where = out[0] if reply.chat else out[0]["choices"][0]
+            else:
+                out.append(reply.piece(i, ""))
+                where = out[0]["choices"][0]
+            where["prompt_logprobs"] = scored
         if isinstance(ev, Delta):
             self.generated[i] += len(ev.token_ids)
-            made = self.reply.chunks(ev, i, self.outputs[i])
+            made = reply.chunks(ev, i, self.outputs[i], self.spelled[i])
             if self.reply.token_ids and made:
                 made[0]["choices"][0]["token_ids"] = ev.token_ids
         else:
-            made = self.reply.closings(ev, i, self.outputs[i])
+            made = reply.closings(ev, i, self.outputs[i])
         out += made
-        if self.reply.token_ids and first and out:
-            where = out[0] if self.reply.chat else out[0]["choices"][0]
+        if reply.token_ids and first and out:
+            where = out[0] if reply.chat else out[0]["choices"][0]
             where["prompt_token_ids"] = list(self.prompts[i])
         if self.continuous:
             for chunk in out:
@@ -155,6 +170,7 @@ class Whole:
     finish: Finish
     output: ChatOutput | None = None  # a chat's parser of reasoning and calls
     prompt_ids: tuple[int, ...] = ()
+    scores: PromptScores | None = None  # the prompt's, when the request asked
 
 
 @dataclass(frozen=True)
@@ -167,11 +183,18 @@ class Reply:
     tokenizer: Tokenizer  # spells each token of a logprobs list
     n: int = 1  # choices per prompt
     token_ids: bool = False  # vLLM's return_token_ids: the prompt's and each choice's ids
+    echo: bool = False  # completions: the prompt leads the text and its logprobs
+    top: int = 0  # alternatives listed beside the first generated token (and echoed ones)
+    prompt_logprobs: int | None = None  # vLLM's: the prompt's tokens scored, alternatives each
     created: int = field(default_factory=lambda: int(time.time()))
 
     def opening(self, index: int = 0) -> dict:
         """The first chunk of a choice's chat stream: the assistant's role."""
         return self._body(True, self._choice(True, index, {"role": "assistant", "content": ""}))
+
+    def piece(self, index: int, content: dict | str, logprobs: dict | None = None) -> dict:
+        """A stream's chunk of one choice."""
+        return self._body(True, self._choice(True, index, content, logprobs))
 
     def output(self, shape: ChatShape) -> ChatOutput | None:
         """A chat choice's parser of reasoning and tool calls, when its output may hold them."""
@@ -179,10 +202,16 @@ class Reply:
             return None
         return ChatOutput(shape.tools, shape.reasoning, shape.opened, shape.parallel)
 
-    def chunks(self, ev: Delta, index: int, output: ChatOutput | None = None) -> list[dict]:
+    def chunks(
+        self,
+        ev: Delta,
+        index: int,
+        output: ChatOutput | None = None,
+        spelled: Spelled | None = None,
+    ) -> list[dict]:
         """A delta's chunks: one, or with `output`, one per part it decided (its logprobs on
         the first, and an empty content chunk to carry them when it decided none)."""
-        logprobs = self._logprobs(ev.token_ids, ev.logprobs)
+        logprobs = self._logprobs(ev.token_ids, ev.logprobs, spelled or Spelled())
         if output is None:
             delta = {"content": ev.text} if self.chat else ev.text
             return [self._body(True, self._choice(True, index, delta, logprobs))]
@@ -210,12 +239,19 @@ class Reply:
         bodies = []
         for i, c in enumerate(choices):
             message: dict | str = c.text
+            spelled = Spelled(c.scores)
+            echoed: dict | None = None
             if self.chat:
                 parts = [] if c.output is None else c.output.push(c.text) + c.output.close()
                 message = {"role": "assistant", **(merge(parts) if parts else {"content": c.text})}
-            logprobs = self._logprobs(c.ids, c.logprobs)
+            elif self.echo:
+                prompt, echoed = self.echoed(c.prompt_ids, spelled)
+                message = prompt + c.text
+            logprobs = _joined(echoed, self._logprobs(c.ids, c.logprobs, spelled))
             reason = _reason(c.finish, c.output)
             body = self._choice(False, i, message, logprobs, reason)
+            if self.prompt_logprobs is not None and not self.chat:
+                body["prompt_logprobs"] = self.scored_prompt(c.prompt_ids, c.scores)
             if self.token_ids:
                 body["token_ids"] = c.ids
                 if not self.chat:
@@ -225,6 +261,8 @@ class Reply:
         head = self._head(False)
         if self.token_ids and self.chat:
             head["prompt_token_ids"] = list(choices[0].prompt_ids)
+        if self.prompt_logprobs is not None and self.chat:
+            head["prompt_logprobs"] = self.scored_prompt(choices[0].prompt_ids, choices[0].scores)
         return {
             **head,
             "choices": bodies,
@@ -252,15 +290,127 @@ class Reply:
         name = ("delta" if chunk else "message") if self.chat else "text"
         return {"index": index, name: content, "logprobs": logprobs, "finish_reason": finish}
 
-    def _logprobs(self, ids: list[int], logprobs: list[float]) -> dict | None:
-        """Each token's own log-probability (there are no alternatives: top_logprobs 0)."""
+    def _logprobs(self, ids: list[int], logprobs: list[float], spelled: Spelled) -> dict | None:
+        """Each token's log-probability; with `top`, the first generated token's alternatives
+        (its prompt's last row's, which `spelled` holds until they are spent)."""
         if not logprobs:
             return None
         tokens = [self.tokenizer.decode([t]) for t in ids]
+        alternatives = [self._alternatives(spelled.first_row()) for _ in ids[:1]]
+        alternatives += [[] for _ in ids[1:]]
         if self.chat:
             content = [
-                {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                for t, lp in zip(tokens, logprobs, strict=True)
+                {
+                    "token": t,
+                    "logprob": lp,
+                    "bytes": list(t.encode()),
+                    "top_logprobs": [
+                        {"token": a, "logprob": v, "bytes": list(a.encode())} for a, v in alts
+                    ],
+                }
+                for t, lp, alts in zip(tokens, logprobs, alternatives, strict=True)
             ]
             return {"content": content}
-        return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": None}
+        tops = None
+        if self.top:
+            tops = [
+                {**dict(alts), t: lp}
+                for t, lp, alts in zip(tokens, logprobs, alternatives, strict=True)
+            ]
+        offsets = spelled.offsets(tokens)
+        return {
+            "tokens": tokens,
+            "token_logprobs": logprobs,
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
+
+    def _alternatives(self, row: tuple[list[int], list[float]] | None) -> list[tuple[str, float]]:
+        if row is None or not self.top:
+            return []
+        ids, values = row
+        return [
+            (self.tokenizer.decode([t]), v) for t, v in zip(ids[: self.top], values, strict=False)
+        ]
+
+    def echoed(self, prompt_ids: Sequence[int], spelled: Spelled) -> tuple[str, dict | None]:
+        """A completion's echoed prompt: its text, and with logprobs asked its tokens' (the
+        first has none, as in OpenAI's and vLLM's)."""
+        tokens = [self.tokenizer.decode([t]) for t in prompt_ids]
+        text = self.tokenizer.decode(list(prompt_ids))
+        scores = spelled.scores
+        if scores is None:
+            return text, None
+        logprobs: list[float | None] = [None, *scores.logprobs[: len(tokens) - 1]]
+        tops = None
+        if self.top:
+            tops = [None] + [
+                {
+                    **dict(self._alternatives((scores.top_ids[j], scores.top_logprobs[j]))),
+                    tokens[j + 1]: lp,
+                }
+                for j, lp in enumerate(scores.logprobs[: len(tokens) - 1])
+            ]
+        offsets = spelled.offsets(tokens)
+        return text, {
+            "tokens": tokens,
+            "token_logprobs": logprobs,
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
+
+    def scored_prompt(self, prompt_ids: Sequence[int], scores: PromptScores | None) -> list | None:
+        """vLLM's `prompt_logprobs`: per prompt token (the first none), its own log-probability
+        and rank and its row's alternatives, by token id."""
+        if scores is None:
+            return None
+        out: list[dict | None] = [None]
+        k = self.prompt_logprobs or 0
+        for j, lp in enumerate(scores.logprobs[: len(prompt_ids) - 1]):
+            token = prompt_ids[j + 1]
+            row = {
+                str(t): {"logprob": v, "rank": r + 1, "decoded_token": self.tokenizer.decode([t])}
+                for r, (t, v) in enumerate(
+                    zip(scores.top_ids[j][:k], scores.top_logprobs[j][:k], strict=False)
+                )
+            }
+            rank = scores.ranks[j] if j < len(scores.ranks) else None
+            own = {"logprob": lp, "rank": rank, "decoded_token": self.tokenizer.decode([token])}
+            out.append({str(token): own, **{t: v for t, v in row.items() if t != str(token)}})
+        return out
+
+
+@dataclass
+class Spelled:
+    """A choice's logprobs as they are spelled out: where its text stands (`text_offset`),
+    and its prompt's scores, whose last row gives the first generated token's alternatives
+    once."""
+
+    scores: PromptScores | None = None
+    at: int = 0  # characters before the next token's
+    spent: bool = False  # the first generated token's alternatives given
+
+    def first_row(self) -> tuple[list[int], list[float]] | None:
+        if self.spent or self.scores is None or not self.scores.top_ids:
+            return None
+        self.spent = True
+        return self.scores.top_ids[-1], self.scores.top_logprobs[-1]
+
+    def offsets(self, tokens: list[str]) -> list[int]:
+        out = []
+        for t in tokens:
+            out.append(self.at)
+            self.at += len(t)
+        return out
+
+
+def _joined(first: dict | None, then: dict | None) -> dict | None:
+    """Two completions logprobs objects as one, list by list."""
+    if first is None or then is None:
+        return first or then
+    joined = {}
+    for key in ("tokens", "token_logprobs", "text_offset"):
+        joined[key] = first[key] + then[key]
+    tops = (first["top_logprobs"], then["top_logprobs"])
+    joined["top_logprobs"] = None if None in tops else tops[0] + tops[1]
+    return joined
