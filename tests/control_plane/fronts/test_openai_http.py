@@ -325,7 +325,8 @@ BAD = {
         {"logprobs": 2},
         400,
         "logprobs",
-        "logprobs is 2; this server returns the chosen token's log-probability only (logprobs: 0)",
+        "alternatives (2 asked) are listed for the prompt's tokens and the first generated token "
+        "only: ask max_tokens 1, or none (0)",
     ),
     "prompt-of-text-and-ids": (
         {"prompt": ["a", 3]},

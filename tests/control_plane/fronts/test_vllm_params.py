@@ -147,7 +147,7 @@ def test_inert_parameters_are_taken(fronts: Fronts) -> None:
 
 
 REFUSED = {
-    "prompt_logprobs": (1, "prompt_logprobs is 1; this server returns no prompt log-probabilities"),
+    "prompt_logprobs": (21, "prompt_logprobs is 21; it must be an integer, 0 to 20"),
     "bad_words": (
         ["x"],
         'bad_words is ["x"]; this server bans no words (logit_bias or '
