@@ -12,13 +12,27 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from control_plane.admission.door import Admission, BadRequest, Door
 from control_plane.replicas.router import Drives
-from control_plane.scheduler.seq import Delta, Failure, Finish, Queued, SpecStats
+from control_plane.scheduler.seq import Delta, Failure, Finish, PromptScores, Queued, SpecStats
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
 from protos.params import RequestParams, from_pb
 from protos.telemetry import incoming_context, tracer
 
 TRACER = tracer("met.control_plane")
+
+
+def prompt_message(scores: PromptScores | None) -> pb.PromptLogprobs | None:
+    """A prompt's scores as the wire carries them (None: not asked, or sent already)."""
+    if scores is None:
+        return None
+    top = len(scores.top_ids[0]) if scores.top_ids else 0
+    return pb.PromptLogprobs(
+        logprobs=scores.logprobs,
+        ranks=scores.ranks,
+        top=top,
+        top_ids=[t for row in scores.top_ids for t in row],
+        top_logprobs=[v for row in scores.top_logprobs for v in row],
+    )
 
 
 def stats_message(s: SpecStats) -> pb.SpeculativeStats:
@@ -89,14 +103,21 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                         first = time.monotonic() - started
                         gen.set_attribute("met.time_to_first_token_s", first)
                     yield pb.GenerateResponse(
-                        token_ids=ev.token_ids, text=ev.text, logprobs=ev.logprobs, request_id=rid
+                        token_ids=ev.token_ids,
+                        text=ev.text,
+                        logprobs=ev.logprobs,
+                        request_id=rid,
+                        prompt_logprobs=prompt_message(ev.prompt),
                     )
                 elif isinstance(ev, Queued):
                     yield queued_message(ev, rid)
                 elif isinstance(ev, Finish):
                     done = True
                     finished(gen, ev)
-                    yield finish_message(ev, rid)
+                    last = finish_message(ev, rid)
+                    if ev.prompt is not None:
+                        last.prompt_logprobs.CopyFrom(prompt_message(ev.prompt))
+                    yield last
                     return
                 elif isinstance(ev, Failure):
                     done = True

@@ -13,8 +13,10 @@ import openai
 import pytest
 import torch
 
+from control_plane.admission import auth
 from gpu_service.engine.facade import Engine
 from gpu_service.model.config import ServiceConfig
+from protos.met.v1 import generate_pb2 as pb
 from tests.control_plane.fronts.test_openai_http import KEY, Fronts, serving
 from tests.gpu_service.model.test_hf_parity import ATOL
 from tests.hf_checkpoint import Checkpoint, make_checkpoint
@@ -117,3 +119,17 @@ def test_alternatives_past_the_first_token_are_refused(pair: tuple[Fronts, Check
     (token,) = done.choices[0].logprobs.content
     assert len(token.top_logprobs) == 2
     assert token.top_logprobs[0].logprob >= token.logprob - ATOL
+
+
+def test_the_grpc_api_sends_the_prompts_scores_first(pair: tuple[Fronts, Checkpoint]) -> None:
+    fronts, ckpt = pair
+    ids, logp = reference(ckpt, PROMPTS[1])
+    request = pb.GenerateRequest(prompt=PROMPTS[1], max_new_tokens=3, prompt_logprobs=2)
+    messages = list(fronts.stub.Generate(request, metadata=auth.bearer(KEY), timeout=60))
+    first = messages[0].prompt_logprobs
+    assert all(not m.HasField("prompt_logprobs") for m in messages[1:])
+    want = logp[:-1].gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(list(first.logprobs)), want, atol=ATOL, rtol=0)
+    assert (
+        first.top == 2 and len(first.top_ids) == 2 * len(ids) and len(first.ranks) == len(ids) - 1
+    )
