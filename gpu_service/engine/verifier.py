@@ -32,6 +32,10 @@ from protos.model import (
 )
 from protos.telemetry import traced
 
+# Prompt rows scored at a time: their logits [rows, vocab] and fp32 log-softmax are what
+# scoring holds beside the prefill (`memory.plan` counts them).
+SCORE_ROWS = 64
+
 # (sequences, their prompt chunks, their segments, the hidden rows) -> None
 Prime = Callable[[list[SeqState], list[list[int]], list[Segment], torch.Tensor], None]
 
@@ -145,28 +149,34 @@ class Verifier:
         self, hidden: torch.Tensor, rows: list[list[int]], asks: dict[int, ScoreAsk]
     ) -> list[Scores | None]:
         """Each asked prompt's rows scored: the model's raw log-softmax (fp32) of the token
-        after each row, and each row's top alternatives."""
+        after each row, its rank, and each row's top alternatives; `SCORE_ROWS` rows at a
+        time, so that a long prompt's scores cost a tile's logits, not the prompt's."""
         starts = np.cumsum([0, *(len(r) for r in rows)]).tolist()
         out: list[Scores | None] = [None] * len(rows)
         for i, ask in asks.items():
-            logits = self.model.full_logits(self.model.logits(hidden[starts[i] : starts[i + 1]]))
-            logp = torch.log_softmax(logits.float(), -1)
             after = rows[i][1:] + ([] if ask.next_token is None else [ask.next_token])
-            (index,) = upload(logp.device, after)
-            chosen = logp[: len(after)].gather(-1, index[:, None].long())[:, 0]
-            ranks = (logp[: len(after)] > chosen[:, None]).sum(-1) + 1
-            top_values, top_ids = logp.topk(ask.top, -1)
-            host_chosen, host_ranks, ids, values = download(
-                chosen, ranks.float(), top_ids.float(), top_values
-            )
-            k, n = ask.top, len(rows[i])
-            out[i] = Scores(
-                host_chosen,
-                [ints(ids[j * k : (j + 1) * k]) for j in range(n)],
-                [values[j * k : (j + 1) * k] for j in range(n)],
-                ints(host_ranks),
-            )
+            got = Scores([], [], [], [])
+            for a in range(0, len(rows[i]), SCORE_ROWS):
+                b = min(a + SCORE_ROWS, len(rows[i]))
+                tile = hidden[starts[i] + a : starts[i] + b]
+                self._score_tile(tile, after[a:b], ask.top, got)
+            out[i] = got
         return out
+
+    def _score_tile(self, hidden: torch.Tensor, after: list[int], top: int, into: Scores) -> None:
+        logits = self.model.full_logits(self.model.logits(hidden))
+        logp = torch.log_softmax(logits, -1, dtype=torch.float32)
+        (index,) = upload(logp.device, after)
+        chosen = logp[: len(after)].gather(-1, index[:, None])[:, 0]
+        ranks = (logp[: len(after)] > chosen[:, None]).sum(-1) + 1
+        top_values, top_ids = logp.topk(top, -1)
+        host_chosen, host_ranks, ids, values = download(
+            chosen, ranks.float(), top_ids.float(), top_values
+        )
+        into.logprobs.extend(host_chosen)
+        into.ranks.extend(ints(host_ranks))
+        into.top_ids.extend(ints(ids[j * top : (j + 1) * top]) for j in range(len(hidden)))
+        into.top_logprobs.extend(values[j * top : (j + 1) * top] for j in range(len(hidden)))
 
     def _check_prefill(self, states: list[SeqState], prompts: Sequence[Sequence[int]]) -> None:
         total = 0

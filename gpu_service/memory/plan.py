@@ -22,6 +22,7 @@ import torch
 
 from gpu_service.engine.penalties import device_bytes
 from gpu_service.engine.state import DeviceState
+from gpu_service.engine.verifier import SCORE_ROWS
 from gpu_service.memory.plan_graphs import (
     META,
     activation_bytes,
@@ -59,6 +60,7 @@ PARTS = {
     "drafter_kv_bytes": "drafter KV",
     "snapshot_bytes": "prefix snapshots",
     "logits_bytes": "logits",
+    "score_bytes": "prompt scoring",
     "penalty_bytes": "penalty counts",
     "stash_bytes": "stash, verify hiddens, carry",
     "rope_bytes": "RoPE table",
@@ -223,6 +225,12 @@ def slot_parts(model: HybridModel, svc: ServiceConfig, graphs: bool) -> tuple[di
     ranks = 1 if model.tp is None else model.tp.size
     gathered = 0 if ranks == 1 else ranks * kept + logits_rows * cfg.vocab_size * size
     out["logits_bytes"] += kept + max(kept, gathered)
+    # A prompt's scores (prompt logprobs) beside a prefill: a tile's logits, gathered whole
+    # under tensor parallelism, then their fp32 log-softmax and its comparison with the
+    # scored tokens'.
+    shard = SCORE_ROWS * (model.vocab[1] - model.vocab[0]) * size
+    tile = SCORE_ROWS * cfg.vocab_size
+    out["score_bytes"] = tile * (size + 4 + 1) + (0 if ranks == 1 else shard)
     out["stash_bytes"] += padded_rows(svc.max_rows) * cfg.hidden_size * size
     out["penalty_bytes"], _ = device_bytes(model.vocab[1] - model.vocab[0], svc.num_slots, 0)
     num_graphs, out["graphs_bytes"] = graph_parts(model, state, svc) if graphs else (0, 0)

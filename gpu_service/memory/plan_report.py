@@ -10,6 +10,7 @@ import sys
 
 from gpu_service.engine.device import DeviceError, resolve_device
 from gpu_service.engine.graphs import NO_GRAPHS_ENV
+from gpu_service.engine.verifier import SCORE_ROWS
 from gpu_service.memory.plan import PARTS, Memory, MemoryPlan, from_args
 from kernels.attention.format import KEY_BLOCK
 
@@ -63,6 +64,7 @@ def _notes(plan: MemoryPlan) -> dict[str, str]:
         f"positions, {positions / svc.max_context:.2f}x the max context",
         "graphs_bytes": f"{plan.num_graphs} graphs at most, with their capture pool",
         "penalty_bytes": "every slot penalized",
+        "score_bytes": f"{SCORE_ROWS} prompt rows scored at a time (prompt logprobs)",
         "workspace_bytes": f"the most of {svc.max_prefill_tokens} prefill rows, {svc.max_rows} "
         "verify rows with their split partials, or their penalties",
     }
