@@ -20,7 +20,9 @@ TOP = 5
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Engine, torch.Tensor]:
     directory, reference = _checkpoint(tmp_path_factory.mktemp("ckpt"), {})
-    tokens = torch.randint(0, 300, (24,), generator=torch.Generator().manual_seed(3))
+    tokens = torch.randint(
+        0, 300, (150,), generator=torch.Generator().manual_seed(3)
+    )  # past two tiles
     with torch.no_grad():
         want = torch.log_softmax(reference(tokens[None]).logits[0].float(), -1)
     return Engine(directory, ServiceConfig(verify_tiers="4:3", max_context=256)), (tokens, want)
@@ -56,11 +58,11 @@ def test_a_prompt_scored_in_chunks(pair) -> None:  # type: ignore[no-untyped-def
     engine, (tokens, want) = pair
     ids = tokens.tolist()
     seq = engine.alloc_sequence()
-    first = engine.prefill([seq], [ids[:10]], scores=[ScoreAsk(TOP, ids[10])]).scores[0]
-    rest = engine.prefill([seq], [ids[10:]], scores=[ScoreAsk(TOP)]).scores[0]
-    assert len(first.logprobs) == 10 and len(rest.logprobs) == len(ids) - 11
-    check(first, tokens, want, range(0, 10))
-    check(rest, tokens, want, range(10, len(ids)))
+    first = engine.prefill([seq], [ids[:70]], scores=[ScoreAsk(TOP, ids[70])]).scores[0]
+    rest = engine.prefill([seq], [ids[70:]], scores=[ScoreAsk(TOP)]).scores[0]
+    assert len(first.logprobs) == 70 and len(rest.logprobs) == len(ids) - 71
+    check(first, tokens, want, range(0, 70))
+    check(rest, tokens, want, range(70, len(ids)))
     engine.free_sequence(seq)
 
 
