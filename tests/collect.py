@@ -11,7 +11,7 @@ from pathlib import Path
 from control_plane.scheduler.env import Env
 from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.scheduler import Scheduler
-from control_plane.scheduler.seq import Delta, Event, Failure, Finish, GenRequest
+from control_plane.scheduler.seq import Delta, Event, Failure, Finish, GenRequest, PromptScores
 from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.engine.facade import Engine
 from gpu_service.model.config import ServiceConfig
@@ -24,9 +24,13 @@ class Outcome:
     logprobs: list[float] = field(default_factory=list)
     finish: Finish | None = None
     failure: Failure | None = None
+    prompt: PromptScores | None = None  # the prompt's scores, once, with its first event
     done: threading.Event = field(default_factory=threading.Event)
 
     def __call__(self, ev: Event) -> None:
+        if isinstance(ev, Delta | Finish) and ev.prompt is not None:
+            assert self.prompt is None, "the prompt's scores came twice"
+            self.prompt = ev.prompt
         if isinstance(ev, Delta):
             self.tokens += ev.token_ids
             self.text += ev.text

@@ -68,6 +68,8 @@ def held(cache: PrefixCache, a: ActiveSeq, ahead: list[ActiveSeq]) -> bool:
     than prefill the same tokens beside it (SGLang's in-batch prefix caching). It waits no
     longer than that one's prefill up to the point, which it would have spent on the same
     tokens; a snapshot refused ends the wait too, the point being behind."""
+    if a.scores is not None:  # a prompt to be scored is prefilled whole: it restores nothing
+        return False
     prompt, block = a.context, cache.block
     cached = cache.peek(prompt)
     for b in ahead:

@@ -191,6 +191,28 @@ def test_logprobs_when_asked() -> None:
     assert a.logprobs == [-0.5] * 5 and b.logprobs == []
 
 
+def test_prompt_scores_gathered_over_chunks() -> None:
+    """A scored prompt prefilled in chunks asks each chunk's rows scored, the chunk's last
+    against the next chunk's first token, and hears them whole, once, with its first token; a
+    request that asks none is not scored."""
+    model = FakeModel()
+    s = scheduler(model, prefill_chunk=16)
+    try:
+        scored, plain = run_all(
+            s,
+            [
+                GenRequest("scored", tuple(range(40)), 2, prompt_logprobs=3),
+                GenRequest("plain", tuple(range(5)), 2),
+            ],
+        )
+    finally:
+        s.stop()
+    assert plain.prompt is None and scored.prompt is not None
+    assert scored.prompt.logprobs == [-1.0] * 39  # one per token after the first
+    assert len(scored.prompt.top_ids) == 40 and scored.prompt.top_ids[-1] == [0, 1, 2]
+    assert scored.tokens == [40, 41]
+
+
 class _Down(grpc.RpcError):
     def code(self) -> grpc.StatusCode:
         return grpc.StatusCode.UNAVAILABLE

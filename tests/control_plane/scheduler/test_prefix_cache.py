@@ -282,3 +282,25 @@ def test_snapshots_give_their_blocks_back_before_a_request_would_fail(tiny_dir: 
             assert big.failure is None and len(big.tokens) == 8
             outs.append(big.tokens)
     assert outs[0] == outs[1]
+
+
+def test_a_prompt_to_be_scored_is_prefilled_whole(tiny_dir: Path) -> None:
+    """A prompt the cache holds is restored for a plain request, and prefilled whole for one
+    that asks its prompt scored (a cached prefix has no rows to score); the tokens are alike."""
+    prompt = tuple(_prompt(3, 150))
+    svc = ServiceConfig(verify_tiers="8:3", max_context=512, prefix_snapshots=4)
+    with serving(tiny_dir, svc) as s:
+        (first,) = run_all(s, [GenRequest("first", prompt, 4)])
+        hits = s.prefix.hits if s.prefix is not None else 0
+        plain, scored = run_all(
+            s,
+            [
+                GenRequest("plain", prompt, 4),
+                GenRequest("scored", prompt, 4, prompt_logprobs=1),
+            ],
+        )
+        restored = (s.prefix.hits if s.prefix is not None else 0) - hits
+    assert plain.finish is not None and plain.finish.cached_tokens == 128 == restored
+    assert scored.finish is not None and scored.finish.cached_tokens == 0
+    assert scored.prompt is not None and len(scored.prompt.logprobs) == len(prompt) - 1
+    assert first.tokens == plain.tokens == scored.tokens

@@ -20,9 +20,8 @@ TOP = 5
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Engine, torch.Tensor]:
     directory, reference = _checkpoint(tmp_path_factory.mktemp("ckpt"), {})
-    tokens = torch.randint(
-        0, 300, (150,), generator=torch.Generator().manual_seed(3)
-    )  # past two tiles
+    # Past two tiles of scored rows.
+    tokens = torch.randint(0, 300, (150,), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         want = torch.log_softmax(reference(tokens[None]).logits[0].float(), -1)
     return Engine(directory, ServiceConfig(verify_tiers="4:3", max_context=256)), (tokens, want)
