@@ -84,20 +84,6 @@ class Entered:
     shape: ChatShape = ChatShape()
 
 
-def to_request(
-    r: RequestParams,
-    tokenizer: Tokenizer,
-    caps: Capabilities,
-    admission: Admission,
-    request_id: str,
-    compiler: GrammarCompiler | None = None,
-    chat: ChatTemplate | None = None,
-) -> GenRequest:
-    """The wire request as the scheduler's `GenRequest`, or `BadRequest` with a sentence
-    (`admit` says what its chat's output may hold too)."""
-    return admit(r, tokenizer, caps, admission, request_id, compiler, chat)[0]
-
-
 def admit(
     r: RequestParams,
     tokenizer: Tokenizer,

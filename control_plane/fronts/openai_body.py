@@ -110,18 +110,22 @@ READ = frozenset(
         *(f.name for f in dataclasses.fields(SamplingParams)),
     }
 )
-CHAT_READ = READ | {
-    "messages",
-    "add_generation_prompt",
-    KWARGS,
-    "chat_template",
-    "continue_final_message",
-    "tools",
-    "tool_choice",
-    "parallel_tool_calls",
-    "functions",
-    "function_call",
-}
+# A chat's own parameters, which `/tokenize` reads too.
+CHAT_FIELDS = frozenset(
+    {
+        "messages",
+        "add_generation_prompt",
+        KWARGS,
+        "chat_template",
+        "continue_final_message",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "functions",
+        "function_call",
+    }
+)
+CHAT_READ = READ | CHAT_FIELDS
 COMPLETION_READ = READ | {"prompt", "echo"}
 
 
@@ -217,23 +221,7 @@ def _scored(ask: Ask, echo: bool, top: int, echoed: int | None) -> Ask:
     return dataclasses.replace(ask, request=request, echo=echo, top=top)
 
 
-TOKENIZE_READ = frozenset(
-    {
-        "model",
-        "prompt",
-        "messages",
-        "add_generation_prompt",
-        KWARGS,
-        "chat_template",
-        "continue_final_message",
-        "tools",
-        "tool_choice",
-        "parallel_tool_calls",
-        "functions",
-        "function_call",
-        "return_token_strs",
-    }
-)
+TOKENIZE_READ = CHAT_FIELDS | {"model", "prompt", "return_token_strs"}
 
 
 def tokenize_request(body: Any) -> tuple[RequestParams, bool]:

@@ -11,7 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from control_plane.admission.door import Admission, BadRequest, to_request
+from control_plane.admission.door import Admission, BadRequest, admit
 from control_plane.cli.server import admission
 from control_plane.scheduler.scheduler import Scheduler
 from control_plane.text.tokenizer import ByteTokenizer
@@ -175,10 +175,10 @@ def test_the_prompt_bound_counts_utf8_bytes(api: Api) -> None:
     caps, tokenizer = api.scheduler.capabilities(), ByteTokenizer.default()
     door = Admission(max_prompt_bytes=4)
     for prompt in ("abcd", "éé"):
-        assert to_request(RequestParams(prompt=prompt), tokenizer, caps, door, "r")
+        assert admit(RequestParams(prompt=prompt), tokenizer, caps, door, "r")
     for prompt in ("abcde", "ééa"):
         with pytest.raises(BadRequest, match="bytes; this server takes at most 4"):
-            to_request(RequestParams(prompt=prompt), tokenizer, caps, door, "r")
+            admit(RequestParams(prompt=prompt), tokenizer, caps, door, "r")
 
 
 def test_a_healthy_stream_runs_on_beside_bad_requests(api: Api) -> None:

@@ -16,7 +16,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from control_plane.admission.door import Admission, BadRequest, to_request
+from control_plane.admission.door import Admission, BadRequest, admit
 from control_plane.cli import generate
 from control_plane.scheduler.scheduler import Scheduler
 from control_plane.text.chat import CONFIG_FILE, TEMPLATE_FILE, ChatTemplate
@@ -275,7 +275,7 @@ def test_chat_tokens_match_transformers(api: Api, tiny_dir: Path) -> None:
     caps = api.scheduler.capabilities()
     request = pb.GenerateRequest(messages=messages(CHAT[:2]))
     chat = ChatTemplate.from_files(tokenization.files)
-    req = to_request(from_pb(request), tokenization.tokenizer, caps, Admission(), "r", chat=chat)
+    req, _ = admit(from_pb(request), tokenization.tokenizer, caps, Admission(), "r", chat=chat)
     hf = PreTrainedTokenizerFast.from_pretrained(tiny_dir)
     want = hf.apply_chat_template(CHAT[:2], add_generation_prompt=True)["input_ids"]
     assert list(req.prompt_ids) == want and want[0] == hf.bos_token_id
@@ -290,12 +290,10 @@ def test_the_rendered_chat_is_held_to_the_prompt_bound(api: Api, tiny_dir: Path)
     for bound in (size, size - 1):
         admission = Admission(max_prompt_bytes=bound)
         if bound == size:
-            assert to_request(
-                from_pb(request), tokenization.tokenizer, caps, admission, "r", chat=chat
-            )
+            assert admit(from_pb(request), tokenization.tokenizer, caps, admission, "r", chat=chat)
             continue
         with pytest.raises(BadRequest) as caught:
-            to_request(from_pb(request), tokenization.tokenizer, caps, admission, "r", chat=chat)
+            admit(from_pb(request), tokenization.tokenizer, caps, admission, "r", chat=chat)
         assert str(caught.value) == (
             f"the rendered chat is {size} bytes; this server takes at most {size - 1}"
         )

@@ -18,7 +18,7 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from control_plane.admission import auth
-from control_plane.admission.door import Admission, to_request
+from control_plane.admission.door import Admission, admit
 from control_plane.cli import generate
 from control_plane.fronts.openai_body import InvalidParam, chat_request
 from control_plane.text.chat import SERVER_SET, TEMPLATE_FILE, ChatTemplate, parse_kwargs
@@ -116,7 +116,7 @@ def test_the_door_tokenizes_transformers_rendering(fronts: Fronts, qwen3_dir: Pa
     )
     chat = ChatTemplate.from_files(tokenization.files)
     caps = fronts.engine.capabilities()
-    req = to_request(from_pb(request), tokenization.tokenizer, caps, Admission(), "r", chat=chat)
+    req, _ = admit(from_pb(request), tokenization.tokenizer, caps, Admission(), "r", chat=chat)
     assert list(req.prompt_ids) == hf_ids(qwen3_dir, TURN, **OFF) != hf_ids(qwen3_dir, TURN)
 
 
