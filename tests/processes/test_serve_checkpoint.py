@@ -155,3 +155,56 @@ def test_with_the_gpu_service_stopped_requests_are_503(pair: Pair) -> None:
     assert (
         caught.value.body["code"] == "unavailable" and "GPU service" in caught.value.body["message"]
     )
+
+
+def test_echoed_prompt_logprobs_are_transformers(pair: Pair) -> None:
+    """lm-eval's loglikelihood request through both processes: the prompt's scores cross the
+    GPU service's wire and equal transformers' log-softmax."""
+    ck = pair.checkpoint
+    ids = ck.tokenizer.encode(PROMPT, add_special_tokens=False)
+    with torch.no_grad():
+        logp = torch.log_softmax(ck.model(torch.tensor([ids])).logits[0].float(), -1)
+    done = pair.openai.completions.create(
+        model="", prompt=[PROMPT], max_tokens=1, logprobs=1, echo=True, temperature=0
+    )
+    got = done.choices[0].logprobs
+    assert got is not None and got.token_logprobs is not None
+    want = logp[:-1].gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+    torch.testing.assert_close(
+        torch.tensor(got.token_logprobs[1 : len(ids)]), want, atol=4e-4, rtol=0
+    )
+
+
+def test_a_required_tool_call_through_both_processes(pair: Pair) -> None:
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "parameters": {
+                "type": "object",
+                "properties": {"key": {"enum": ["a", "b"]}},
+                "required": ["key"],
+            },
+        },
+    }
+    fields = dict(
+        model="",
+        messages=MESSAGES,
+        tools=[tool],
+        tool_choice="required",
+        max_tokens=200,
+        parallel_tool_calls=False,
+    )
+    for stream in (False, True):
+        if stream:
+            args = "".join(
+                t.function.arguments or ""
+                for c in pair.openai.chat.completions.create(**fields, stream=True)
+                for ch in c.choices
+                for t in ch.delta.tool_calls or []
+            )
+        else:
+            done = pair.openai.chat.completions.create(**fields)
+            (call,) = done.choices[0].message.tool_calls or []
+            args = call.function.arguments
+        jsonschema.validate(json.loads(args), tool["function"]["parameters"])
