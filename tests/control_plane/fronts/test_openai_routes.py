@@ -1,6 +1,7 @@
 """The OpenAI front's routes beside generation, as vLLM serves them: one model by its id
 (the SDK's `models.retrieve`) with `max_model_len`, `/tokenize` and `/detokenize`,
-`/version`, `/ping`, and `/metrics` with vLLM's names beside ours, open without a key."""
+`/version`, `/ping`, and `/metrics` with vLLM's names beside ours, open without a key; and
+the usage's `cached_tokens`, what the prefix cache gave."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ AUTH = {"authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def fronts(tiny_dir: Path) -> Iterator[Fronts]:
-    engine = Engine(tiny_dir, ServiceConfig(verify_tiers="2:3", max_context=512))
+    svc = ServiceConfig(verify_tiers="2:3", max_context=512, prefix_snapshots=2)
+    engine = Engine(tiny_dir, svc)
     with serving(engine, 4, Metrics()) as f:
         yield f
 
@@ -72,3 +74,12 @@ def test_version_ping_and_metrics_are_open(fronts: Fronts) -> None:
     }
     assert counts["vllm:generation_tokens_total"] == counts["met:generation_tokens_total"] >= 3
     assert httpx2.get(f"{root(fronts)}/tokenize").status_code == 401
+
+
+def test_cached_tokens_count_what_the_prefix_cache_gave(fronts: Fronts) -> None:
+    prompt = "".join(chr(97 + i % 26) for i in range(150))
+    cold = fronts.client.completions.create(model="", prompt=prompt, max_tokens=2)
+    warm = fronts.client.completions.create(model="", prompt=prompt, max_tokens=2)
+    assert cold.usage is not None and warm.usage is not None
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    assert warm.usage.prompt_tokens_details.cached_tokens == 128  # two 64-token blocks
