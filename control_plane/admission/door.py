@@ -59,9 +59,12 @@ class Admission:
 
 
 class BadRequest(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    """A request refused: its status, a sentence, and the field to blame in OpenAI's or vLLM's
+    name (what the HTTP front reports as `param`; None: the request as a whole)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, param: str | None = None) -> None:
         super().__init__(message)
-        self.code = code
+        self.code, self.param = code, param
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +110,7 @@ def admit(
         raise BadRequest(
             INVALID,
             f"min_new_tokens is {r.min_new_tokens}; it must not exceed max_new_tokens ({max_new})",
+            "min_tokens",
         )
     pen = _penalties(r, len(ids), caps)
     form = _response_format(r, tools, chat)
@@ -138,7 +142,9 @@ def admit(
 def _prompt_logprobs(r: RequestParams) -> int | None:
     if r.prompt_logprobs is not None and not 0 <= r.prompt_logprobs <= MAX_TOP:
         raise BadRequest(
-            INVALID, f"prompt_logprobs is {r.prompt_logprobs}; it must be from 0 to {MAX_TOP}"
+            INVALID,
+            f"prompt_logprobs is {r.prompt_logprobs}; it must be from 0 to {MAX_TOP}",
+            "prompt_logprobs",
         )
     return r.prompt_logprobs
 
@@ -146,12 +152,16 @@ def _prompt_logprobs(r: RequestParams) -> int | None:
 def _tools(r: RequestParams) -> dict[str, dict[str, Any]]:
     """The request's tools by name, checked with its `tool_choice`."""
     if (r.tools or r.tool_choice) and not r.messages:
-        raise BadRequest(INVALID, "tools and tool_choice go with messages; this request has none")
+        raise BadRequest(
+            INVALID, "tools and tool_choice go with messages; this request has none", "tools"
+        )
     try:
         tools = read_tools(r.tools)
         check_choice(r.tool_choice, tools)
     except ValueError as e:
-        raise BadRequest(INVALID, str(e)) from None
+        # The sentence opens with the field it is about.
+        field = "tool_choice" if str(e).startswith("tool_choice") else "tools"
+        raise BadRequest(INVALID, str(e), field) from None
     return tools
 
 
@@ -171,6 +181,7 @@ def _response_format(
             INVALID,
             f"tool_choice {r.tool_choice!r} constrains the output to calls; it cannot also "
             "follow response_format",
+            "tool_choice",
         )
     return ("lark", calls)
 
@@ -180,7 +191,8 @@ def _penalties(r: RequestParams, prompt_len: int, caps: Capabilities) -> Penalti
     p = penalties(r.sampling, prompt_len)
     problem = checks.penalties_problem(p, caps.vocab_size)
     if problem is not None:
-        raise BadRequest(INVALID, problem)
+        # The sentence opens with the field it is about.
+        raise BadRequest(INVALID, problem, problem.split(" ", 1)[0])
     return p if p.active else None
 
 
@@ -199,27 +211,36 @@ def _prompt_ids(
             INVALID,
             f"give one of prompt, prompt_token_ids and messages; this request has "
             f"{' and '.join(given)}",
+            "prompt",
         )
     if r.chat_template_kwargs and not r.messages:
         raise BadRequest(
-            INVALID, f"{KWARGS} are variables of the chat template; this request has no messages"
+            INVALID,
+            f"{KWARGS} are variables of the chat template; this request has no messages",
+            KWARGS,
         )
     text, field = (_render(r, chat), "the rendered chat") if r.messages else (r.prompt, "prompt")
     opened = bool(r.messages) and text.rstrip().endswith(THINK_OPEN)
     size = len(text.encode("utf-8"))
     if size > max_bytes:
-        raise BadRequest(INVALID, f"{field} is {size} bytes; this server takes at most {max_bytes}")
+        raise BadRequest(
+            INVALID,
+            f"{field} is {size} bytes; this server takes at most {max_bytes}",
+            "messages" if r.messages else "prompt",
+        )
     # A chat is tokenized as transformers tokenizes one: its template wrote the special tokens.
     ids = list(r.prompt_token_ids) or tokenizer.encode(text)
     if not ids:
-        raise BadRequest(INVALID, "the prompt is empty")
+        raise BadRequest(INVALID, "the prompt is empty", "prompt")
     if r.truncate_prompt_tokens is not None:
         # 0: as many as the context holds with room for one more (vLLM's -1).
         keep = r.truncate_prompt_tokens or caps.max_context - 1
         ids = ids[-keep:]
     # Before the vocabulary scan: a context's worth at most.
     _room(len(ids), caps, "messages" if r.messages else "prompt")
-    _check_vocab("prompt_token_ids" if r.prompt_token_ids else "the tokenized prompt", ids, caps)
+    _check_vocab(
+        "prompt_token_ids" if r.prompt_token_ids else "the tokenized prompt", ids, caps, "prompt"
+    )
     return ids, opened
 
 
@@ -227,20 +248,25 @@ def _render(r: RequestParams, chat: ChatTemplate | None) -> str:
     """The request's messages as prompt text, by the model's chat template."""
     if chat is None:
         raise BadRequest(
-            INVALID, "the model has no chat template, so it cannot take messages; send a prompt"
+            INVALID,
+            "the model has no chat template, so it cannot take messages; send a prompt",
+            "messages",
         )
     empty = next((i for i, m in enumerate(r.messages) if not m.role), None)
     if empty is not None:
-        raise BadRequest(INVALID, f"messages[{empty}] has an empty role")
+        raise BadRequest(INVALID, f"messages[{empty}] has an empty role", "messages")
     if r.continue_final_message and r.add_generation_prompt:
         raise BadRequest(
             INVALID,
             "continue_final_message goes on with the last message; add_generation_prompt opens "
             "a new one: set one of them",
+            "continue_final_message",
         )
     if r.continue_final_message and r.messages[-1].role != "assistant":
         raise BadRequest(
-            INVALID, "continue_final_message goes on with an assistant's message; the last is not"
+            INVALID,
+            "continue_final_message goes on with an assistant's message; the last is not",
+            "continue_final_message",
         )
     generation_prompt = not r.continue_final_message and r.add_generation_prompt is not False
     try:
@@ -249,7 +275,7 @@ def _render(r: RequestParams, chat: ChatTemplate | None) -> str:
         kwargs = parse_kwargs(r.chat_template_kwargs)
         return chat.render(messages, generation_prompt, kwargs, tools, r.continue_final_message)
     except ValueError as e:
-        raise BadRequest(INVALID, str(e)) from None
+        raise BadRequest(INVALID, str(e), "messages") from None
 
 
 def _message(m: ChatMessage, i: int) -> dict[str, Any]:
@@ -287,15 +313,6 @@ def _calls(text: str, i: int) -> list[dict[str, Any]]:
     return out
 
 
-class ContextOverflow(BadRequest):
-    """A request past the context, in vLLM's words (which clients such as litellm match to
-    raise their context-window error); `param` names the field to shorten."""
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(INVALID, message)
-        self.param = param
-
-
 def overflow_sentence(max_context: int, asked: int, prompt_len: int, new: int) -> str:
     """vLLM's sentence for a request of `asked` tokens in all past a context of
     `max_context`, `prompt_len` of them the prompt's."""
@@ -311,16 +328,19 @@ def _room(prompt_len: int, caps: Capabilities, param: str = "messages") -> int:
     room = caps.max_context - prompt_len
     if room < 1:
         sentence = overflow_sentence(caps.max_context, prompt_len + 1, prompt_len, 1)
-        raise ContextOverflow(sentence, param)
+        raise BadRequest(INVALID, sentence, param)
     return room
 
 
-def _check_vocab(field: str, ids: Iterable[int], caps: Capabilities) -> None:
+def _check_vocab(
+    field: str, ids: Iterable[int], caps: Capabilities, param: str | None = None
+) -> None:
     bad = next((t for t in ids if t >= caps.vocab_size), None)
     if bad is not None:
         raise BadRequest(
             INVALID,
             f"{field} holds token id {bad}, outside the vocabulary (0 .. {caps.vocab_size - 1})",
+            param or field,
         )
 
 
@@ -333,10 +353,10 @@ def _max_new_tokens(
     default = room if default_max_new is None else min(default_max_new, room)
     max_new = r.max_new_tokens if r.max_new_tokens is not None else default
     if max_new == 0:
-        raise BadRequest(INVALID, "max_new_tokens is 0; ask for at least one token")
+        raise BadRequest(INVALID, "max_new_tokens is 0; ask for at least one token", "max_tokens")
     if max_new > room:
         sentence = overflow_sentence(caps.max_context, prompt_len + max_new, prompt_len, max_new)
-        raise ContextOverflow(sentence, "max_tokens")
+        raise BadRequest(INVALID, sentence, "max_tokens")
     return max_new
 
 
@@ -348,6 +368,7 @@ def _check_method(r: RequestParams, caps: Capabilities) -> None:
             INVALID,
             f"num_drafts is {r.num_drafts}; it must be from 1 to {most}, the most drafts the "
             "GPU service verifies (leave it unset for the server's, or use NONE for no drafts)",
+            "speculative",
         )
 
 
@@ -356,12 +377,13 @@ def _check_sampling(r: RequestParams, caps: Capabilities) -> None:
     s = r.sampling
     for name in ("temperature", "top_p", "min_p"):
         if (problem := checks.number_problem(name, getattr(s, name))) is not None:
-            raise BadRequest(INVALID, problem)
+            raise BadRequest(INVALID, problem, name)
     if not -1 <= s.top_k <= caps.vocab_size:
         raise BadRequest(
             INVALID,
             f"top_k is {s.top_k}; it must be at most the vocabulary size {caps.vocab_size} "
             "(0 or -1: no limit)",
+            "top_k",
         )
 
 
@@ -375,7 +397,7 @@ def _grammar(form: tuple[str, str] | None, compiler: GrammarCompiler | None) -> 
     try:
         return compiler.compile(kind, text)
     except ValueError as e:
-        raise BadRequest(INVALID, f"response_format: {e}") from None
+        raise BadRequest(INVALID, f"response_format: {e}", "response_format") from None
 
 
 class Door:
@@ -464,6 +486,7 @@ class Door:
                     INVALID,
                     "chat_template and continue_final_message go with messages; this request "
                     "has none",
+                    "chat_template" if request.chat_template else "continue_final_message",
                 )
             return None
         model = self._model_template()
@@ -474,7 +497,7 @@ class Door:
             try:
                 own = (model or ChatTemplate("", {})).with_source(request.chat_template)
             except ValueError as e:
-                raise BadRequest(INVALID, f"chat_template: {e}") from None
+                raise BadRequest(INVALID, f"chat_template: {e}", "chat_template") from None
             if len(self._own_templates) >= OWN_TEMPLATES:
                 self._own_templates.pop(next(iter(self._own_templates)))
             self._own_templates[request.chat_template] = own

@@ -140,8 +140,8 @@ class InvalidParam(BadRequest):
         code: grpc.StatusCode = INVALID,
         status: int | None = None,
     ) -> None:
-        super().__init__(code, message)
-        self.param, self.status = param, status
+        super().__init__(code, message, param)
+        self.status = status
 
 
 @dataclasses.dataclass(frozen=True)

@@ -138,7 +138,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 def _refused(e: BadRequest) -> JSONResponse:
-    param, status = getattr(e, "param", None), getattr(e, "status", None)
+    param, status = e.param, getattr(e, "status", None)
     status, body = grpc_error(e.code, str(e), param, status)
     return JSONResponse(body, status)
 

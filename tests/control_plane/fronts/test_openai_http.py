@@ -334,6 +334,25 @@ BAD = {
         "prompt",
         'prompt is ["a", 3]; it must be text, a list of token ids, or a non-empty list of either',
     ),
+    # The Door's refusals name the field the client sent, in OpenAI's or vLLM's name.
+    "min_tokens-over-max": (
+        {"max_tokens": 4, "extra_body": {"min_tokens": 10}},
+        400,
+        "min_tokens",
+        "min_new_tokens is 10; it must not exceed max_new_tokens (4)",
+    ),
+    "top_k-past-the-vocabulary": (
+        {"extra_body": {"top_k": 100000}},
+        400,
+        "top_k",
+        "top_k is 100000; it must be at most the vocabulary size 320 (0 or -1: no limit)",
+    ),
+    "stop-token-outside": (
+        {"extra_body": {"stop_token_ids": [999]}},
+        400,
+        "stop_token_ids",
+        "stop_token_ids holds token id 999, outside the vocabulary (0 .. 319)",
+    ),
     "model": (
         {"model": "gpt-9"},
         404,
