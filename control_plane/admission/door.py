@@ -275,7 +275,9 @@ def _render(r: RequestParams, chat: ChatTemplate | None) -> str:
         kwargs = parse_kwargs(r.chat_template_kwargs)
         return chat.render(messages, generation_prompt, kwargs, tools, r.continue_final_message)
     except ValueError as e:
-        raise BadRequest(INVALID, str(e), "messages") from None
+        # The sentence opens with the field it is about, when it is not the messages.
+        field = next((f for f in (KWARGS, "continue_final_message") if str(e).startswith(f)), None)
+        raise BadRequest(INVALID, str(e), field or "messages") from None
 
 
 def _message(m: ChatMessage, i: int) -> dict[str, Any]:

@@ -191,7 +191,7 @@ HTTP_REFUSED = {
     ),
     "kwargs-server-set": (
         {"messages": TURN, "extra_body": {"chat_template_kwargs": {"messages": []}}},
-        None,
+        "chat_template_kwargs",
         "chat_template_kwargs may not set messages; the server sets it to the request's messages",
     ),
 }
