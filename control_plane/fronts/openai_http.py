@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.metadata
 import itertools
-import json
 import math
 import socket
 import time
@@ -30,10 +28,9 @@ import grpc
 import uvicorn
 from opentelemetry import propagate
 from opentelemetry.trace import Span, SpanKind, Tracer, set_span_in_context
-from prometheus_client.exposition import choose_encoder
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -46,8 +43,6 @@ from control_plane.fronts.openai_body import (
     InvalidParam,
     chat_request,
     completion_request,
-    detokenize_request,
-    tokenize_request,
 )
 from control_plane.fronts.openai_reply import (
     DONE,
@@ -58,17 +53,14 @@ from control_plane.fronts.openai_reply import (
     grpc_error,
     sse,
 )
+from control_plane.fronts.openai_routes import Catalog, metrics_route, read_body, refused
 from control_plane.scheduler.metrics import Metrics
 from control_plane.scheduler.seq import Delta, Failure, Finish, Queued
 from protos import ports
 from protos.model import Capabilities
 
 T = TypeVar("T")
-VERSION = importlib.metadata.version("met")
-OWNER = "met"
 OPEN_ROUTES = frozenset({"/health", "/ping", "/version", "/metrics"})
-# As gRPC bounds a message: a JSON body is read whole before any of it is checked.
-MAX_BODY_BYTES = 4 << 20
 
 
 def build_app(
@@ -79,34 +71,25 @@ def build_app(
 ) -> ASGIApp:
     """The Starlette app over `door`; with `api_keys`, each request must carry one. With
     `metrics`, `/metrics` serves them (vLLM serves its own on its API port)."""
-    front = Front(door, tracer)
+    front, catalog = Front(door, tracer), Catalog(door)
     routes = [
-        Route("/health", front.health, methods=["GET"]),
-        Route("/ping", front.health, methods=["GET", "POST"]),
-        Route("/version", front.version, methods=["GET"]),
-        Route("/v1/models", front.models, methods=["GET"]),
-        Route("/v1/models/{model:path}", front.model, methods=["GET"]),
+        Route("/health", catalog.health, methods=["GET"]),
+        Route("/ping", catalog.health, methods=["GET", "POST"]),
+        Route("/version", catalog.version, methods=["GET"]),
+        Route("/v1/models", catalog.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", catalog.model, methods=["GET"]),
         Route("/v1/completions", front.completions, methods=["POST"]),
         Route("/v1/chat/completions", front.chat, methods=["POST"]),
-        Route("/tokenize", front.tokenize, methods=["POST"]),
-        Route("/detokenize", front.detokenize, methods=["POST"]),
+        Route("/tokenize", catalog.tokenize, methods=["POST"]),
+        Route("/detokenize", catalog.detokenize, methods=["POST"]),
     ]
     if metrics is not None:
-        routes.append(Route("/metrics", _metrics_route(metrics), methods=["GET"]))
+        routes.append(Route("/metrics", metrics_route(metrics), methods=["GET"]))
     app: ASGIApp = Starlette(
         routes=routes,
         exception_handlers={HTTPException: _http_error},
     )
     return RequireKey(app, api_keys) if api_keys else app
-
-
-def _metrics_route(metrics: Metrics) -> Callable[[Request], Awaitable[Response]]:
-    async def route(request: Request) -> Response:
-        # As prometheus_client's own server answers: the format the scraper's Accept asks.
-        encode, kind = choose_encoder(request.headers.get("accept", ""))
-        return Response(encode(metrics.registry), headers={"content-type": kind})
-
-    return route
 
 
 class RequireKey:
@@ -135,12 +118,6 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     code = HTTPStatus(exc.status_code).phrase.lower().replace(" ", "_")
     body = error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code)
     return JSONResponse(body, exc.status_code, headers=exc.headers)
-
-
-def _refused(e: BadRequest) -> JSONResponse:
-    param, status = e.param, getattr(e, "status", None)
-    status, body = grpc_error(e.code, str(e), param, status)
-    return JSONResponse(body, status)
 
 
 @dataclass
@@ -202,68 +179,6 @@ class Front:
         self.door, self.tracer = door, tracer
         self._ids = itertools.count()
 
-    async def health(self, request: Request) -> Response:
-        """200 while the GPU service answers, 503 in OpenAI's error shape otherwise (what a
-        load balancer or an orchestrator's probe reads, as vLLM's `/health`)."""
-        try:
-            await self.door.capabilities()
-        except BadRequest as e:
-            return _refused(e)
-        return JSONResponse({})
-
-    async def version(self, request: Request) -> Response:
-        return JSONResponse({"version": VERSION})
-
-    async def models(self, request: Request) -> Response:
-        try:
-            caps = await self.door.capabilities()
-        except BadRequest as e:
-            return _refused(e)
-        return JSONResponse({"object": "list", "data": [_model(caps)]})
-
-    async def model(self, request: Request) -> Response:
-        """One model by its id (the SDK's `models.retrieve`); 404 for any other."""
-        try:
-            caps = await self.door.capabilities()
-            name = request.path_params["model"]
-            if name != caps.model_name:
-                raise InvalidParam(
-                    "model",
-                    f"model {name!r} is not served here; this server serves {caps.model_name!r}",
-                    grpc.StatusCode.NOT_FOUND,
-                )
-        except BadRequest as e:
-            return _refused(e)
-        return JSONResponse(_model(caps))
-
-    async def tokenize(self, request: Request) -> Response:
-        """vLLM's `/tokenize`: a prompt's ids, or a chat's as its template renders it."""
-        try:
-            params, strs = tokenize_request(await _json(request))
-            ids = await self.door.tokenize(params)
-            caps = await self.door.capabilities()
-        except BadRequest as e:
-            return _refused(e)
-        body: dict[str, Any] = {"count": len(ids), "max_model_len": caps.max_context, "tokens": ids}
-        tokenizer = self.door.scheduler.tokenizer
-        body["token_strs"] = [tokenizer.decode([t]) for t in ids] if strs else None
-        return JSONResponse(body)
-
-    async def detokenize(self, request: Request) -> Response:
-        try:
-            ids = detokenize_request(await _json(request))
-            caps = await self.door.capabilities()
-            bad = next((t for t in ids if t >= caps.vocab_size), None)
-            if bad is not None:
-                raise InvalidParam(
-                    "tokens",
-                    f"tokens holds token id {bad}, outside the vocabulary "
-                    f"(0 .. {caps.vocab_size - 1})",
-                )
-        except BadRequest as e:
-            return _refused(e)
-        return JSONResponse({"prompt": self.door.scheduler.tokenizer.decode(list(ids))})
-
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, chat=False)
 
@@ -284,7 +199,7 @@ class Front:
         except BadRequest as e:
             failed(span, e.code.name, str(e))
             span.end()
-            return _refused(e)
+            return refused(e)
         prefix = "chatcmpl-" if chat else "cmpl-"
         own = request.headers.get("x-request-id") or ask.request.request_id or rid
         tokenizer = self.door.scheduler.tokenizer
@@ -317,7 +232,7 @@ class Front:
         try:
             body = await _or_gone(request, _wholes(reply, flights))
         except BadRequest as e:
-            return _refused(e)
+            return refused(e)
         finally:
             end()
         return JSONResponse(body, headers={"x-request-id": rid})
@@ -356,7 +271,7 @@ class Front:
         self, request: Request, chat: bool, rid: str, span: Span
     ) -> tuple[Ask, Capabilities]:
         """The request read and checked against the served model, or `BadRequest`."""
-        ask = (chat_request if chat else completion_request)(await _json(request))
+        ask = (chat_request if chat else completion_request)(await read_body(request))
         span.set_attributes(request_attributes(ask.request, rid))
         if ask.choices > 1:
             span.set_attribute("gen_ai.request.choice.count", ask.choices)
@@ -371,38 +286,6 @@ class Front:
                 grpc.StatusCode.NOT_FOUND,
             )
         return ask, caps
-
-
-def _model(caps: Capabilities) -> dict[str, Any]:
-    """The served model as OpenAI lists one, with vLLM's `max_model_len`."""
-    return {
-        "id": caps.model_name,
-        "object": "model",
-        "created": 0,
-        "owned_by": OWNER,
-        "root": caps.model_name,
-        "max_model_len": caps.max_context,
-    }
-
-
-async def _json(request: Request) -> Any:
-    """The body, read up to MAX_BODY_BYTES and parsed."""
-    data = bytearray()
-    try:
-        async for chunk in request.stream():
-            data += chunk
-            if len(data) > MAX_BODY_BYTES:
-                raise InvalidParam(
-                    None,
-                    f"the body is over {MAX_BODY_BYTES} bytes, this server's bound",
-                    status=413,
-                )
-    except ClientDisconnect:
-        raise BadRequest(grpc.StatusCode.CANCELLED, "the client left before its body") from None
-    try:
-        return json.loads(data)
-    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError
-        raise InvalidParam(None, f"the body is not JSON: {e}") from None
 
 
 async def _whole(flight: AdmittedRequest, reply: Reply) -> Whole:

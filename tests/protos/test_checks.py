@@ -22,7 +22,8 @@ from google.protobuf.message import Message
 
 from control_plane.admission import auth
 from control_plane.cli import generate
-from control_plane.fronts.openai_body import InvalidParam, chat_request, completion_request
+from control_plane.fronts.openai_body import chat_request, completion_request
+from control_plane.fronts.openai_fields import InvalidParam
 from gpu_service.engine.facade import Engine
 from gpu_service.model.config import ServiceConfig
 from met.main import build_parser

@@ -12,7 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from control_plane.fronts.openai_body import regex_literal
+from control_plane.fronts.openai_formats import regex_literal
 from gpu_service.engine.facade import Engine
 from gpu_service.model.config import ServiceConfig
 from tests.control_plane.fronts.test_openai_http import Fronts, serving

@@ -20,7 +20,8 @@ from transformers import PreTrainedTokenizerFast
 from control_plane.admission import auth
 from control_plane.admission.door import Admission, admit
 from control_plane.cli import generate
-from control_plane.fronts.openai_body import InvalidParam, chat_request
+from control_plane.fronts.openai_body import chat_request
+from control_plane.fronts.openai_fields import InvalidParam
 from control_plane.text.chat import SERVER_SET, TEMPLATE_FILE, ChatTemplate, parse_kwargs
 from control_plane.text.tokenizer import Tokenization
 from gpu_service.engine.facade import Engine
