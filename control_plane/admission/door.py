@@ -7,31 +7,28 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 from collections.abc import Iterable
 from typing import Any
 
 import grpc
 from opentelemetry.trace import Span
 
+from control_plane.admission.chats import check_tools, output_format, render
+from control_plane.admission.refusal import INVALID, BadRequest
 from control_plane.replicas.router import Drives
 from control_plane.scheduler.metrics import REPLICA_ATTRIBUTE
 from control_plane.scheduler.seq import Event, GenRequest, Queued
-from control_plane.text.chat import KWARGS, ChatTemplate, parse_kwargs
+from control_plane.text.chat import KWARGS, ChatTemplate
 from control_plane.text.detok import Tokenizer
 from control_plane.text.grammar import Grammar, GrammarCompiler
 from control_plane.text.tokenizer import Tokenization
 from control_plane.text.tools import (
     THINK_OPEN,
-    call_grammar,
-    check_choice,
-    read_tools,
-    template_form,
 )
 from protos import checks
 from protos.handles import MAX_TOP
 from protos.model import Capabilities, ModelError, Penalties
-from protos.params import MTP, ChatMessage, RequestParams, penalties
+from protos.params import MTP, RequestParams, penalties
 
 DEFAULT_METHOD = MTP  # for requests that leave the speculative method unspecified
 # For requests that leave max_new_tokens unset: None, the rest of the context (vLLM's).
@@ -44,9 +41,6 @@ PROMPT_FIELDS = ("prompt", "prompt_token_ids", "messages")  # a request gives ex
 OWN_TEMPLATES = 16  # requests' own chat templates kept compiled, the oldest dropped first
 
 
-INVALID = grpc.StatusCode.INVALID_ARGUMENT
-
-
 @dataclasses.dataclass(frozen=True)
 class Admission:
     """What the server fills in for a request that leaves it unset, and the bound it holds
@@ -56,15 +50,6 @@ class Admission:
     default_method: str = DEFAULT_METHOD
     default_max_new: int | None = DEFAULT_MAX_NEW_TOKENS
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES
-
-
-class BadRequest(Exception):
-    """A request refused: its status, a sentence, and the field to blame in OpenAI's or vLLM's
-    name (what the HTTP front reports as `param`; None: the request as a whole)."""
-
-    def __init__(self, code: grpc.StatusCode, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.code, self.param = code, param
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +88,7 @@ def admit(
     _check_method(r, caps)
     _check_sampling(r, caps)
     _check_vocab("stop_token_ids", r.stop_token_ids, caps)
-    tools = _tools(r)
+    tools = check_tools(r)
     ids, opened = _prompt_ids(r, tokenizer, caps, admission.max_prompt_bytes, chat, tools)
     max_new = _max_new_tokens(r, len(ids), caps, admission.default_max_new)
     if r.min_new_tokens > max_new:
@@ -113,7 +98,7 @@ def admit(
             "min_tokens",
         )
     pen = _penalties(r, len(ids), caps)
-    form = _response_format(r, tools, chat)
+    form = output_format(r, tools, chat)
     shape = ChatShape(
         tools if tools and r.tool_choice != "none" else None,
         chat is not None and chat.thinks,
@@ -149,43 +134,6 @@ def _prompt_logprobs(r: RequestParams) -> int | None:
     return r.prompt_logprobs
 
 
-def _tools(r: RequestParams) -> dict[str, dict[str, Any]]:
-    """The request's tools by name, checked with its `tool_choice`."""
-    if (r.tools or r.tool_choice) and not r.messages:
-        raise BadRequest(
-            INVALID, "tools and tool_choice go with messages; this request has none", "tools"
-        )
-    try:
-        tools = read_tools(r.tools)
-        check_choice(r.tool_choice, tools)
-    except ValueError as e:
-        # The sentence opens with the field it is about.
-        field = "tool_choice" if str(e).startswith("tool_choice") else "tools"
-        raise BadRequest(INVALID, str(e), field) from None
-    return tools
-
-
-def _response_format(
-    r: RequestParams, tools: dict[str, dict[str, Any]], chat: ChatTemplate | None
-) -> tuple[str, str] | None:
-    """The grammar the output follows: the request's `response_format`, or the calls its
-    `tool_choice` asks for, in the template's form (never both)."""
-    calls = None
-    if tools and chat is not None:
-        parallel = r.parallel_tool_calls is not False
-        calls = call_grammar(tools, r.tool_choice, template_form(chat.source), parallel)
-    if calls is None:
-        return r.response_format
-    if r.response_format is not None:
-        raise BadRequest(
-            INVALID,
-            f"tool_choice {r.tool_choice!r} constrains the output to calls; it cannot also "
-            "follow response_format",
-            "tool_choice",
-        )
-    return ("lark", calls)
-
-
 def _penalties(r: RequestParams, prompt_len: int, caps: Capabilities) -> Penalties | None:
     """The request's penalties and logit bias, checked; None when they change nothing."""
     p = penalties(r.sampling, prompt_len)
@@ -219,7 +167,7 @@ def _prompt_ids(
             f"{KWARGS} are variables of the chat template; this request has no messages",
             KWARGS,
         )
-    text, field = (_render(r, chat), "the rendered chat") if r.messages else (r.prompt, "prompt")
+    text, field = (render(r, chat), "the rendered chat") if r.messages else (r.prompt, "prompt")
     opened = bool(r.messages) and text.rstrip().endswith(THINK_OPEN)
     size = len(text.encode("utf-8"))
     if size > max_bytes:
@@ -242,77 +190,6 @@ def _prompt_ids(
         "prompt_token_ids" if r.prompt_token_ids else "the tokenized prompt", ids, caps, "prompt"
     )
     return ids, opened
-
-
-def _render(r: RequestParams, chat: ChatTemplate | None) -> str:
-    """The request's messages as prompt text, by the model's chat template."""
-    if chat is None:
-        raise BadRequest(
-            INVALID,
-            "the model has no chat template, so it cannot take messages; send a prompt",
-            "messages",
-        )
-    empty = next((i for i, m in enumerate(r.messages) if not m.role), None)
-    if empty is not None:
-        raise BadRequest(INVALID, f"messages[{empty}] has an empty role", "messages")
-    if r.continue_final_message and r.add_generation_prompt:
-        raise BadRequest(
-            INVALID,
-            "continue_final_message goes on with the last message; add_generation_prompt opens "
-            "a new one: set one of them",
-            "continue_final_message",
-        )
-    if r.continue_final_message and r.messages[-1].role != "assistant":
-        raise BadRequest(
-            INVALID,
-            "continue_final_message goes on with an assistant's message; the last is not",
-            "continue_final_message",
-        )
-    generation_prompt = not r.continue_final_message and r.add_generation_prompt is not False
-    try:
-        messages = [_message(m, i) for i, m in enumerate(r.messages)]
-        tools = json.loads(r.tools) if r.tools else None
-        kwargs = parse_kwargs(r.chat_template_kwargs)
-        return chat.render(messages, generation_prompt, kwargs, tools, r.continue_final_message)
-    except ValueError as e:
-        # The sentence opens with the field it is about, when it is not the messages.
-        field = next((f for f in (KWARGS, "continue_final_message") if str(e).startswith(f)), None)
-        raise BadRequest(INVALID, str(e), field or "messages") from None
-
-
-def _message(m: ChatMessage, i: int) -> dict[str, Any]:
-    """A message as templates read it: its calls' arguments as objects (vLLM hands them so:
-    Qwen3.5's template iterates them), the optional fields only when given."""
-    out: dict[str, Any] = {"role": m.role, "content": m.content}
-    if m.tool_calls:
-        out["tool_calls"] = _calls(m.tool_calls, i)
-    for name in ("tool_call_id", "name", "reasoning_content"):
-        if value := getattr(m, name):
-            out[name] = value
-    return out
-
-
-def _calls(text: str, i: int) -> list[dict[str, Any]]:
-    where = f"messages[{i}].tool_calls"
-    try:
-        calls = json.loads(text)
-    except (ValueError, RecursionError) as e:
-        raise ValueError(f"{where} is not JSON text: {e}") from None
-    if not isinstance(calls, list):
-        raise ValueError(f"{where} must be a list of calls")
-    out = []
-    for j, call in enumerate(calls):
-        fn = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise ValueError(f"{where}[{j}] must be {{id, type, function: {{name, arguments}}}}")
-        args = fn.get("arguments", {})
-        if isinstance(args, str):
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except ValueError:
-                raise ValueError(f"{where}[{j}].function.arguments is not JSON text") from None
-        out.append({**call, "function": {**fn, "arguments": args}})
-    return out
 
 
 def overflow_sentence(max_context: int, asked: int, prompt_len: int, new: int) -> str:
@@ -445,7 +322,7 @@ class Door:
         caps = await self.capabilities()
         chat = self._chat_template(request)
         tokenizer = self.scheduler.tokenizer
-        tools = _tools(request)
+        tools = check_tools(request)
         return _prompt_ids(request, tokenizer, caps, self.admission.max_prompt_bytes, chat, tools)[
             0
         ]
