@@ -146,17 +146,6 @@ def test_a_bad_request_is_400_in_openais_shape(pair: Pair) -> None:
     assert caught.value.body["message"] == "n is 0; it must be from 1 to 128"
 
 
-def test_with_the_gpu_service_stopped_requests_are_503(pair: Pair) -> None:
-    """Last in this module: it stops the GPU service."""
-    stop(pair.gpu)
-    with pytest.raises(openai.APIStatusError) as caught:
-        pair.openai.completions.create(model="", prompt=PROMPT, max_tokens=2)
-    assert caught.value.status_code == 503
-    assert (
-        caught.value.body["code"] == "unavailable" and "GPU service" in caught.value.body["message"]
-    )
-
-
 def test_echoed_prompt_logprobs_are_transformers(pair: Pair) -> None:
     """lm-eval's loglikelihood request through both processes: the prompt's scores cross the
     GPU service's wire and equal transformers' log-softmax."""
@@ -208,3 +197,14 @@ def test_a_required_tool_call_through_both_processes(pair: Pair) -> None:
             (call,) = done.choices[0].message.tool_calls or []
             args = call.function.arguments
         jsonschema.validate(json.loads(args), tool["function"]["parameters"])
+
+
+def test_with_the_gpu_service_stopped_requests_are_503(pair: Pair) -> None:
+    """Last in this module: it stops the GPU service."""
+    stop(pair.gpu)
+    with pytest.raises(openai.APIStatusError) as caught:
+        pair.openai.completions.create(model="", prompt=PROMPT, max_tokens=2)
+    assert caught.value.status_code == 503
+    assert (
+        caught.value.body["code"] == "unavailable" and "GPU service" in caught.value.body["message"]
+    )

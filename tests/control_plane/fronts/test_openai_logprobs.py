@@ -115,6 +115,7 @@ def test_alternatives_past_the_first_token_are_refused(pair: tuple[Fronts, Check
         logprobs=True,
         top_logprobs=2,
         max_tokens=1,
+        extra_body={"ignore_eos": True},
     )
     (token,) = done.choices[0].logprobs.content
     assert len(token.top_logprobs) == 2

@@ -59,7 +59,9 @@ def test_tokenize_and_detokenize(fronts: Fronts) -> None:
 
 
 def test_version_ping_and_metrics_are_open(fronts: Fronts) -> None:
-    fronts.client.completions.create(model="", prompt=PROMPT, max_tokens=3)
+    fronts.client.completions.create(
+        model="", prompt=PROMPT, max_tokens=3, extra_body={"ignore_eos": True}
+    )
     assert httpx2.get(f"{root(fronts)}/version").json()["version"]
     assert httpx2.get(f"{root(fronts)}/ping").status_code == 200
     text = httpx2.get(f"{root(fronts)}/metrics").text

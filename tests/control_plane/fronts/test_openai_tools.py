@@ -110,7 +110,12 @@ def test_a_tool_result_goes_back_in(wide: Fronts) -> None:
     """The assistant's call and the tool's answer, as the SDK sends them back: rendered, so
     the prompt grows by them."""
     first = wide.client.chat.completions.create(
-        model="", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=120
+        model="",
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=120,
     )
     message = first.choices[0].message
     (call,) = message.tool_calls or []

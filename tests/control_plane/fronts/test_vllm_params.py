@@ -119,6 +119,7 @@ def test_return_token_ids_and_request_id(fronts: Fronts) -> None:
     assert len(choice["token_ids"]) == done.usage.completion_tokens
     assert done.id == "cmpl-mine"
     body = {"model": "", "messages": CHAT, "max_tokens": 4, "return_token_ids": True}
+    body |= {"temperature": 0, "ignore_eos": True}  # four tokens, whatever the model draws
     body |= {"stream": True, "stream_options": {"continuous_usage_stats": True}}
     headers = {"authorization": f"Bearer {KEY}"}
     with httpx2.stream("POST", f"{fronts.http}/chat/completions", json=body, headers=headers) as r:
