@@ -162,26 +162,24 @@ def _score_ask(m: pb.ScoreAsk) -> ScoreAsk:
     return ScoreAsk(m.top, m.next_token if m.HasField("next_token") else None)
 
 
+def scores_fields(s: Any) -> dict[str, Any]:
+    """A prompt's scores (`Scores`, or anything with its fields) as the wire's fields, the
+    alternatives flattened row by row: `Scores` here, the API's `PromptLogprobs`."""
+    return {
+        "logprobs": s.logprobs,
+        "ranks": s.ranks,
+        "top": len(s.top_ids[0]) if s.top_ids else 0,
+        "top_ids": [t for row in s.top_ids for t in row],
+        "top_logprobs": [v for row in s.top_logprobs for v in row],
+    }
+
+
 def scores_to_pb(scores: Sequence[Scores | None], n: int) -> list[pb.Scores]:
     """A prefill's scores, one message per item (`asked` false where none was asked)."""
-    out = []
-    for s in list(scores) or [None] * n:
-        if s is None:
-            out.append(pb.Scores())
-            continue
-        top = len(s.top_ids[0]) if s.top_ids else 0
-        out.append(
-            pb.Scores(
-                asked=True,
-                logprobs=s.logprobs,
-                top=top,
-                rows=len(s.top_ids),
-                ranks=s.ranks,
-                top_ids=[t for row in s.top_ids for t in row],
-                top_logprobs=[v for row in s.top_logprobs for v in row],
-            )
-        )
-    return out
+    return [
+        pb.Scores() if s is None else pb.Scores(asked=True, rows=len(s.top_ids), **scores_fields(s))
+        for s in list(scores) or [None] * n
+    ]
 
 
 def scores_from_pb(replies: Sequence[pb.Scores]) -> list[Scores | None]:

@@ -13,6 +13,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from control_plane.admission.door import Admission, BadRequest, Door
 from control_plane.replicas.router import Drives
 from control_plane.scheduler.seq import Delta, Failure, Finish, PromptScores, Queued, SpecStats
+from protos.convert import scores_fields
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
 from protos.params import RequestParams, from_pb
@@ -22,17 +23,8 @@ TRACER = tracer("met.control_plane")
 
 
 def prompt_message(scores: PromptScores | None) -> pb.PromptLogprobs | None:
-    """A prompt's scores as the wire carries them (None: not asked, or sent already)."""
-    if scores is None:
-        return None
-    top = len(scores.top_ids[0]) if scores.top_ids else 0
-    return pb.PromptLogprobs(
-        logprobs=scores.logprobs,
-        ranks=scores.ranks,
-        top=top,
-        top_ids=[t for row in scores.top_ids for t in row],
-        top_logprobs=[v for row in scores.top_logprobs for v in row],
-    )
+    """A prompt's scores as the API carries them (None: not asked, or sent already)."""
+    return None if scores is None else pb.PromptLogprobs(**scores_fields(scores))
 
 
 def stats_message(s: SpecStats) -> pb.SpeculativeStats:
