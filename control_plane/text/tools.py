@@ -191,13 +191,13 @@ def parse_call(body: str, tools: Mapping[str, dict[str, Any]]) -> ToolCall | Non
     if body.startswith("{"):
         try:
             obj = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):  # JSON nested past the stack too
             return None
         args = obj.get("arguments", obj.get("parameters", {})) if isinstance(obj, dict) else None
         if isinstance(args, str):
             try:
                 args = json.loads(args)
-            except ValueError:
+            except (ValueError, RecursionError):
                 return None
         name = obj.get("name") if isinstance(obj, dict) else None
         if not isinstance(name, str) or not isinstance(args, dict):
@@ -228,7 +228,7 @@ def _xml_value(raw: str, schema: Any) -> Any:
         return raw
     try:
         return json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         return raw
 
 

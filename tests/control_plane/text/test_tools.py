@@ -108,6 +108,11 @@ def test_every_cut_gives_the_whole_parse(text: str, want: dict[str, Any]) -> Non
             assert run(text, (i, j)) == want, (i, j)
 
 
+def test_a_call_nested_past_the_stack_stays_text() -> None:
+    text = '<tool_call>{"name": "ping", "arguments": ' + "[" * 100000 + "</tool_call>"
+    assert run(text, ()) == {"content": text, "calls": []}
+
+
 def test_a_prompt_that_opened_the_reasoning() -> None:
     out = ChatOutput(None, reasoning=True, opened=True)
     message = merge(out.push("plan</think>\n\nanswer") + out.close())
