@@ -107,8 +107,21 @@ def object_field(obj: dict, key: str, param: str | None = None) -> dict | None:
 
 def shown(value: Any) -> str:
     """A value as JSON, cut short: sentences quote what the client sent."""
-    text = json.dumps(value)
+    try:
+        text = json.dumps(value)
+    except RecursionError:
+        return "a value nested past what this server reads"
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+def json_text(value: Any, param: str) -> str:
+    """A parsed value as JSON text again, for the wire; a value the body held nested near
+    the parser's bound can nest past the encoder's once wrapped, and is refused naming
+    `param`."""
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except RecursionError:
+        raise InvalidParam(param, f"{param} nests too deep") from None
 
 
 def token_ids_field(obj: dict, key: str) -> tuple[int, ...] | None:

@@ -10,6 +10,7 @@ from typing import Any
 from control_plane.fronts.openai_fields import (
     InvalidParam,
     bool_field,
+    json_text,
     list_field,
     object_field,
     shown,
@@ -21,7 +22,10 @@ FORMATS = "text, json_object or json_schema"
 # vLLM's structured outputs: each key as (the wire's grammar kind, how its value becomes its
 # text); the older top-level `guided_*` names take the same values.
 STRUCTURED = {
-    "json": ("json_schema", lambda v: v if isinstance(v, str) else json.dumps(v)),
+    "json": (
+        "json_schema",
+        lambda v: v if isinstance(v, str) else json_text(v, "structured_outputs"),
+    ),
     "regex": ("regex", lambda v: v),
     "choice": ("regex", lambda v: "|".join(regex_literal(c) for c in v)),
     "grammar": ("lark", lambda v: v),
@@ -101,7 +105,7 @@ def _openai_format(body: dict) -> tuple[str, str] | None:
             raise InvalidParam(
                 "response_format", "response_format.json_schema.schema must be a JSON schema"
             )
-        return ("json_schema", json.dumps(schema))
+        return ("json_schema", json_text(schema, "response_format"))
     raise InvalidParam(
         "response_format", f"response_format type {shown(kind)} is unknown; use {FORMATS}"
     )
@@ -122,7 +126,7 @@ def tools_fields(body: dict) -> dict[str, Any]:
     if tools is not None and not isinstance(tools, list):
         raise InvalidParam("tools", f"tools is {shown(tools)}; it must be a list of tools")
     return {
-        "tools": json.dumps(tools, ensure_ascii=False) if tools else "",
+        "tools": json_text(tools, "tools") if tools else "",
         "tool_choice": _tool_choice(choice),
         "parallel_tool_calls": bool_field(body, "parallel_tool_calls"),
     }

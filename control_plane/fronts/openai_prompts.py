@@ -3,7 +3,6 @@ messages with their parts, calls and tool results (chat), as `RequestParams` fie
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from control_plane.fronts.openai_fields import (
@@ -11,6 +10,7 @@ from control_plane.fronts.openai_fields import (
     bool_field,
     ids_field,
     is_int,
+    json_text,
     object_field,
     shown,
     str_field,
@@ -70,12 +70,8 @@ def messages_fields(body: dict) -> dict[str, Any]:
     if not isinstance(messages, list) or not messages:
         raise InvalidParam("messages", "messages must be a non-empty list of {role, content}")
     out = [_message(m, i) for i, m in enumerate(messages)]
-    kwargs, text = object_field(body, KWARGS), ""
-    if kwargs is not None:
-        try:
-            text = json.dumps(kwargs, ensure_ascii=False)
-        except RecursionError:
-            raise InvalidParam(KWARGS, f"{KWARGS} nests too deep") from None
+    kwargs = object_field(body, KWARGS)
+    text = "" if kwargs is None else json_text(kwargs, KWARGS)
     return {
         "messages": tuple(out),
         "add_generation_prompt": bool_field(body, "add_generation_prompt"),
@@ -100,7 +96,7 @@ def _message(m: Any, i: int) -> ChatMessage:
     return ChatMessage(
         role,
         _content(m.get("content"), i),
-        tool_calls=json.dumps(calls, ensure_ascii=False) if calls else "",
+        tool_calls=json_text(calls, f"messages[{i}].tool_calls") if calls else "",
         tool_call_id=str_field(m, "tool_call_id", where + "tool_call_id") or "",
         name=str_field(m, "name", where + "name") or "",
         # vLLM takes `reasoning` too.

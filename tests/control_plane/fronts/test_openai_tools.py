@@ -12,6 +12,8 @@ import jsonschema
 import openai
 import pytest
 
+from control_plane.fronts.openai_body import chat_request
+from control_plane.fronts.openai_fields import InvalidParam
 from control_plane.fronts.openai_formats import regex_literal
 from gpu_service.engine.facade import Engine
 from gpu_service.model.config import ServiceConfig
@@ -199,3 +201,18 @@ def test_bad_tools_are_refused_with_a_sentence(wide: Fronts, fields: dict, sente
     with pytest.raises(openai.BadRequestError) as caught:
         wide.client.chat.completions.create(model="", messages=ASK, max_tokens=4, **fields)
     assert caught.value.body["message"] == sentence
+
+
+def test_tools_nested_past_the_encoder_are_a_400_naming_them() -> None:
+    """A body's value can nest near the JSON parser's bound and past the encoder's once
+    wrapped (OpenAI's `functions` become `tools`): refused naming the field, never a 500."""
+    deep: list = []
+    for _ in range(5000):
+        deep = [deep]
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "functions": [{"name": "f", "parameters": deep}],
+    }
+    with pytest.raises(InvalidParam) as caught:
+        chat_request(body)
+    assert caught.value.param == "tools" and str(caught.value) == "tools nests too deep"
