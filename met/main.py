@@ -239,9 +239,22 @@ def _fill_bench(bench_cmd: argparse.ArgumentParser) -> None:
 
 
 def _fill_train(train_cmd: argparse.ArgumentParser) -> None:
+    from training import dflash_options
     from training import options as train_options
 
     train_options.add_args(train_cmd)
+    stages = train_cmd.add_subparsers(dest="stage", metavar="{dflash}")
+    dflash = stages.add_parser(
+        "dflash", help="train a DFlash block drafter for a trained checkpoint (MODEL/dflash)"
+    )
+    dflash_options.add_args(dflash)
+    dflash.set_defaults(fn=_train_dflash)
+
+
+def _train_dflash(args: argparse.Namespace) -> None:
+    from training.dflash_run import run
+
+    sys.exit(run(args))
 
 
 def _fill_quantize(quantize: argparse.ArgumentParser) -> None:

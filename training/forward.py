@@ -110,9 +110,22 @@ class TrainForward:
 
     def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens: [B, T] -> the final hidden after the model's norm: [B, T, H]"""
+        return self.norm(self.residuals(tokens)[-1], "model.norm")
+
+    def taps(self, tokens: torch.Tensor, layer_ids: tuple[int, ...]) -> torch.Tensor:
+        """A DFlash drafter's context: the outputs of decoder layers `layer_ids` (id i is the
+        residual stream after layer i, before the final norm), concatenated in that order:
+        [B, T, K * H]."""
+        outs = self.residuals(tokens, max(layer_ids) + 1)
+        return torch.cat([outs[i] for i in layer_ids], -1)
+
+    def residuals(self, tokens: torch.Tensor, layers: int | None = None) -> list[torch.Tensor]:
+        """tokens: [B, T] -> the residual stream after each of the first `layers` decoder
+        layers (all by default): each [B, T, H]."""
         x = self.p["model.embed_tokens.weight"][tokens]
         positions = torch.arange(tokens.shape[1])
-        for n, kind in enumerate(self.cfg.layer_types):
+        outs = []
+        for n, kind in enumerate(self.cfg.layer_types[:layers]):
             p = f"model.layers.{n}"
             h = self.norm(x, f"{p}.input_layernorm")
             if kind == FULL:
@@ -121,7 +134,8 @@ class TrainForward:
                 h = self.gdn(f"{p}.linear_attn", h)
             x = x + h
             x = x + self.mlp(f"{p}.mlp", self.norm(x, f"{p}.post_attention_layernorm"))
-        return self.norm(x, "model.norm")
+            outs.append(x)
+        return outs
 
     def _mtp_input(self, tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         emb = self.norm(self.p["model.embed_tokens.weight"][tokens], "mtp.pre_fc_norm_embedding")

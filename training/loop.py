@@ -8,6 +8,7 @@ import math
 import sys
 from dataclasses import asdict
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -16,7 +17,22 @@ from training.options import TrainConfig
 _NO_DECAY = ("norm.weight", "A_log", "dt_bias", "layernorm.weight")
 
 
-def lr_at(tc: TrainConfig, step: int) -> float:
+class Schedule(Protocol):
+    """The settings the schedule and the optimizer read (`TrainConfig`, `DFlashTrainConfig`)."""
+
+    @property
+    def steps(self) -> int: ...
+    @property
+    def warmup(self) -> int: ...
+    @property
+    def lr(self) -> float: ...
+    @property
+    def min_lr_ratio(self) -> float: ...
+    @property
+    def weight_decay(self) -> float: ...
+
+
+def lr_at(tc: Schedule, step: int) -> float:
     if step < tc.warmup:
         return tc.lr * (step + 1) / tc.warmup
     done = (step - tc.warmup) / max(1, tc.steps - tc.warmup)
@@ -31,7 +47,7 @@ def batch_at(tokens: torch.Tensor, tc: TrainConfig, step: int) -> torch.Tensor:
     return torch.stack([tokens[s : s + tc.seq_len + 1] for s in starts.tolist()]).long()
 
 
-def make_optimizer(params: dict[str, torch.Tensor], tc: TrainConfig) -> torch.optim.Optimizer:
+def make_optimizer(params: dict[str, torch.Tensor], tc: Schedule) -> torch.optim.Optimizer:
     decay = [w for n, w in params.items() if w.dim() >= 2 and not n.endswith(_NO_DECAY)]
     rest = [w for n, w in params.items() if not (w.dim() >= 2 and not n.endswith(_NO_DECAY))]
     return torch.optim.AdamW(
