@@ -58,6 +58,12 @@ if TYPE_CHECKING:  # the step stream's types name this module's
     from protos.steps import StepStream
 
 
+# The drafters a sequence may propose with (`alloc_sequence`): the target's MTP head, or a
+# DFlash block drafter loaded beside it (`Capabilities.dflash_block`).
+MTP_HEAD, DFLASH = "mtp", "dflash"
+DRAFTERS = (MTP_HEAD, DFLASH)
+
+
 class ModelError(Exception):
     """A request the service refused; `code` names the gRPC status it travels as."""
 
@@ -148,6 +154,9 @@ class Capabilities:
     kv_block_size: int = 0
     kv_blocks_free: int = 0
     prefix_snapshots: int = 0  # prefix snapshots it can hold (0: no prefix cache)
+    # The DFlash drafter's block (rows of one block forward; it gives one fewer drafts), 0
+    # when the service has none (`--drafter`).
+    dflash_block: int = 0
 
 
 def batch_fits(ks: Sequence[int], max_batch: int, max_rows: int) -> bool:
@@ -249,10 +258,17 @@ class ServingModel(Protocol):
         (`TokenizerFiles`), each file's in order, so files past the 4 MiB message bound pass;
         no session needed."""
 
-    def alloc_sequence(self, penalties: Penalties | None = None) -> SequenceHandle:
+    def alloc_sequence(
+        self, penalties: Penalties | None = None, drafter: str = MTP_HEAD
+    ) -> SequenceHandle:
         """A new sequence (id never reused) on the lowest free slot, with an empty cache.
         `ResourceExhausted` when every slot is taken. `penalties` (`checks.penalties_problem`:
-        `InvalidArgument`) apply to every row of its prefills and verifies, before masks."""
+        `InvalidArgument`) apply to every row of its prefills and verifies, before masks.
+        `drafter` (one of `DRAFTERS`) proposes its drafts: `DFLASH` needs a service with a
+        DFlash drafter (`FailedPrecondition` otherwise); its proposals are one block forward
+        each, `num_drafts` at most the block's rows less one, and need the whole block inside
+        the context (`InvalidArgument`). `decode_step` and step plans propose with the MTP
+        head only: they refuse a DFlash sequence with `FailedPrecondition`."""
 
     def free_sequence(self, seq: SequenceHandle) -> None:
         """Release the sequence and its slot. An unknown or freed id, or another session's,

@@ -23,6 +23,7 @@ from protos import convert as cv
 from protos.handles import Prefilled, SequenceHandle, Verified
 from protos.met.v1 import model_pb2 as pb
 from protos.model import (
+    MTP_HEAD,
     Capabilities,
     CircuitModel,
     Logits,
@@ -239,7 +240,9 @@ def _costs_arguments(r: pb.CostRequest) -> dict[str, Any]:
 
 def _alloc_request(a: Args) -> pb.AllocSequenceRequest:
     penalties: Penalties | None = a["penalties"]
-    return pb.AllocSequenceRequest(penalties=cv.to_pb(penalties) if penalties else None)
+    return pb.AllocSequenceRequest(
+        penalties=cv.to_pb(penalties) if penalties else None, drafter=a["drafter"]
+    )
 
 
 def _committed(r: pb.CommitReply, a: Args) -> list[int]:
@@ -271,7 +274,10 @@ OPERATIONS: tuple[Operation, ...] = (
         "AllocSequence",
         SERVING,
         request=_alloc_request,
-        arguments=lambda r: {"penalties": cv.penalties_from_pb(r)},
+        arguments=lambda r: {
+            "penalties": cv.penalties_from_pb(r),
+            "drafter": r.drafter or MTP_HEAD,
+        },
         reply=lambda v, a: cv.to_pb(v),
         result=lambda r, a: cv.from_pb(SequenceHandle, r),
         # With the admin key (the control plane's), the session is not held to the service's

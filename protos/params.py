@@ -15,9 +15,9 @@ from typing import Any
 from google.protobuf.message import Message
 
 from protos.met.v1 import generate_pb2 as pb
-from protos.model import Penalties
+from protos.model import MTP_HEAD, Penalties
 
-NONE, MTP, PROMPT_LOOKUP = "none", "mtp", "prompt_lookup"
+NONE, MTP, PROMPT_LOOKUP = "none", MTP_HEAD, "prompt_lookup"
 METHODS = {
     pb.SPECULATIVE_METHOD_NONE: NONE,
     pb.SPECULATIVE_METHOD_MTP: MTP,

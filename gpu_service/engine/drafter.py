@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from gpu_service.engine.block_drafter import BlockDrafter
 from gpu_service.engine.choice import Choice
 from gpu_service.engine.sampling import check_sampling, distribution, draw
 from gpu_service.engine.sequence import IDLE, SeqState
@@ -22,6 +23,7 @@ from gpu_service.model.ops import ROW_TILE, padded_rows
 from kernels.attention.naive import KEY_BLOCK
 from protos import checks
 from protos.model import (
+    DFLASH,
     FailedPrecondition,
     InvalidArgument,
     Proposal,
@@ -41,9 +43,12 @@ class Drafter:
         state: DeviceState,
         slots: SlotTable,
         choice: Choice,
+        blocks: BlockDrafter | None = None,
     ) -> None:
+        """`blocks`: the DFlash drafter, where one is loaded; it proposes for the sequences
+        allocated to it, the MTP head for the rest."""
         self.cfg, self.svc, self.model, self.state = cfg, svc, model, state
-        self.slots, self.choice = slots, choice
+        self.slots, self.choice, self.blocks = slots, choice, blocks
 
     # -- priming -------------------------------------------------------------------------
 
@@ -92,6 +97,59 @@ class Drafter:
         states = self.check_propose(last, stash, num_drafts, seqs)
         sampled = {i: s for i, s in enumerate(sampling or ()) if s is not None}
         check_sampling(sampled, {i: num_drafts for i in sampled}, len(states))
+        block = [i for i, s in enumerate(states) if s.drafter == DFLASH]
+        if not block:
+            return self._propose_mtp(last, stash, num_drafts, states, sampled)
+        head = [i for i in range(len(states)) if i not in set(block)]
+        rows: list[list[int]] = [[] for _ in states]
+        confs: list[list[float]] = [[] for _ in states]
+        logits = []
+        for group, run in ((head, self._propose_mtp), (block, self._propose_blocks)):
+            if not group:
+                continue
+            sub = {j: sampled[i] for j, i in enumerate(group) if i in sampled}
+            part = run(
+                [last[i] for i in group],
+                [stash[i] for i in group],
+                num_drafts,
+                [states[i] for i in group],
+                sub,
+            )
+            logits.append(self.state.logits)
+            for j, i in enumerate(group):
+                rows[i], confs[i] = part.drafts[j], part.confidences[j]
+        # The buffer's rows in the sequences' order, as one group's would be.
+        order = [*head, *block]
+        self.state.logits = torch.cat(logits)[
+            torch.tensor([order.index(i) for i in range(len(states))])
+        ]
+        return Proposal(rows, confs)
+
+    def _propose_blocks(
+        self,
+        last: Sequence[int],
+        stash: Sequence[int],
+        num_drafts: int,
+        states: list[SeqState],
+        sampled: dict[int, Sampling],
+    ) -> Proposal:
+        assert self.blocks is not None  # check_propose refuses a DFlash sequence without one
+        self.slots.cover(states, [s.seq_len + self.blocks.block_size for s in states])
+        drafts, confs, self.state.logits = self.blocks.propose(
+            states, list(last), num_drafts, sampled
+        )
+        for s in states:
+            s.own_drafts = []  # the block's keys are rewritten by the verify: nothing to trim
+        return Proposal(drafts, confs)
+
+    def _propose_mtp(
+        self,
+        last: Sequence[int],
+        stash: Sequence[int],
+        num_drafts: int,
+        states: list[SeqState],
+        sampled: dict[int, Sampling],
+    ) -> Proposal:
         device = self.model.device
         self.slots.cover(states, [s.seq_len - 1 + num_drafts for s in states])
         tok, slots, pos, rows = upload(
@@ -216,22 +274,33 @@ class Drafter:
         num_drafts: int,
         seqs: Sequence[SequenceHandle],
     ) -> list[SeqState]:
-        if not self.cfg.has_mtp:
-            raise FailedPrecondition("this model has no MTP head; it cannot propose drafts")
         checks.same_length("run_mtp_propose_batched", seqs=seqs, last=last, stash=stash)
         states = self.slots.lookup("run_mtp_propose_batched", seqs)
         checks.within("the number of sequences", len(states), 1, self.svc.max_batch)
         checks.tokens_in_vocab(last, self.cfg.vocab_size)
         self.check_num_drafts(num_drafts)
         for s, slot in zip(states, stash, strict=True):
-            checks.within("a stash slot", slot, 0, self.svc.max_batch - 1)
-            if not self.state.stash_valid[slot]:
-                raise FailedPrecondition(f"stash slot {slot} holds no hidden yet")
             checks.phase(s.seq_id, s.phase, IDLE, "propose for")
             if s.seq_len == 0:
                 raise FailedPrecondition(f"sequence {s.seq_id} is empty; prefill it first")
+            if s.drafter == DFLASH:
+                self.check_block(s, s.seq_len, num_drafts)
+                continue
+            if not self.cfg.has_mtp:
+                raise FailedPrecondition("this model has no MTP head; it cannot propose drafts")
+            checks.within("a stash slot", slot, 0, self.svc.max_batch - 1)
+            if not self.state.stash_valid[slot]:
+                raise FailedPrecondition(f"stash slot {slot} holds no hidden yet")
             self.check_room(s.seq_id, s.seq_len, num_drafts)
         return states
+
+    def check_block(self, s: SeqState, seq_len: int, num_drafts: int) -> None:
+        """A DFlash sequence's propose from `seq_len` committed tokens."""
+        if self.blocks is None:
+            raise FailedPrecondition(
+                f"sequence {s.seq_id} drafts with DFlash; this service has no DFlash drafter"
+            )
+        self.blocks.check(s.seq_id, seq_len, num_drafts)
 
     def check_num_drafts(self, num_drafts: int) -> None:
         checks.within("num_drafts", num_drafts, 1, max(self.svc.slot_verify_drafts) + 1)

@@ -18,6 +18,7 @@ from opentelemetry import propagate
 from opentelemetry.trace import SpanKind
 
 from gpu_service.engine import costs, graphs
+from gpu_service.engine.block_drafter import BlockDrafter
 from gpu_service.engine.choice import Choice
 from gpu_service.engine.device import describe_device, resolve_device
 from gpu_service.engine.drafter import Drafter
@@ -41,8 +42,12 @@ from kernels.attention.format import KEY_BLOCK
 from protos import checks
 from protos.hub import model_name
 from protos.model import (
+    DFLASH,
+    DRAFTERS,
     FORWARDS,
+    MTP_HEAD,
     Capabilities,
+    FailedPrecondition,
     InvalidArgument,
     Logits,
     ModelError,
@@ -79,10 +84,14 @@ class Engine:
         dtype: str | None = None,
         device: str | torch.device | None = None,
         tp: TpGroup | None = None,
+        drafter: Path | None = None,
     ) -> None:
         """With `tp`, this process is one rank of a tensor-parallel group: it loads and holds
         only its part of the weights and state (`gpu_service/tp/`), and every operation must be
-        run by every rank in the same order (`gpu_service/tp/ranks.py` sees to it)."""
+        run by every rank in the same order (`gpu_service/tp/ranks.py` sees to it). `drafter`:
+        a DFlash drafter's directory (z-lab's layout), loaded beside the MTP head."""
+        if drafter is not None and tp is not None:
+            raise ValueError("a DFlash drafter is not served under tensor parallelism yet")
         self.cfg = ModelConfig.load(model_dir)
         self.tp = tp
         self.svc = svc or ServiceConfig()
@@ -110,7 +119,12 @@ class Engine:
             self.state, self.slots, self.svc.prefix_snapshots, self.cfg.has_mtp
         )
         parts = (self.cfg, self.svc, self.model, self.state, self.slots, self.choice)
-        self.drafter = Drafter(*parts)
+        self.blocks = (
+            None
+            if drafter is None
+            else BlockDrafter(drafter, held, self.svc, self.model, self.state, self.choice)
+        )
+        self.drafter = Drafter(*parts, blocks=self.blocks)
         self.verifier = Verifier(*parts, prime=self.drafter.prime)
         self.steps = Steps(self.svc, self.verifier, self.drafter)
         # Reentrant: measuring costs runs the single operations under the same hold.
@@ -175,20 +189,31 @@ class Engine:
             kv_block_size=KEY_BLOCK,
             kv_blocks_free=self.slots.blocks.num_free,
             prefix_snapshots=self.svc.prefix_snapshots,
+            dflash_block=0 if self.blocks is None else self.blocks.block_size,
         )
 
     def tokenizer_files(self) -> dict[str, bytes]:
         return dict(self._tokenizer_files)
 
-    def alloc_sequence(self, penalties: Penalties | None = None) -> SequenceHandle:
+    def alloc_sequence(
+        self, penalties: Penalties | None = None, drafter: str = MTP_HEAD
+    ) -> SequenceHandle:
         problem = (
             None if penalties is None else checks.penalties_problem(penalties, self.cfg.vocab_size)
         )
         if problem:
             raise InvalidArgument(problem)
+        if drafter not in DRAFTERS:
+            raise InvalidArgument(
+                f"drafter {drafter!r} is unknown; use one of {', '.join(DRAFTERS)}"
+            )
+        if drafter == DFLASH and self.blocks is None:
+            raise FailedPrecondition(
+                "this service has no DFlash drafter (start it with --drafter PATH)"
+            )
         with self._hold():
             seq = self.slots.alloc(
-                penalties if penalties is not None and penalties.active else None
+                penalties if penalties is not None and penalties.active else None, drafter
             )
             return SequenceHandle(seq.seq_id, seq.slot, 0)
 

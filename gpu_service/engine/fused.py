@@ -18,6 +18,7 @@ from gpu_service.model.backend import download, ints, upload
 from gpu_service.model.config import ServiceConfig
 from protos import checks
 from protos.model import (
+    DFLASH,
     FailedPrecondition,
     Proposal,
     Sampling,
@@ -88,7 +89,8 @@ class Steps:
             checks.within(f"kept_rows of sequence {s.seq_id}", kept, 1, k)
         if not proposers:
             return states
-        if not self.verifier.cfg.has_mtp:
+        head = any(states[p].drafter != DFLASH for p in proposers if 0 <= p < len(states))
+        if head and not self.verifier.cfg.has_mtp:
             raise FailedPrecondition("this model has no MTP head; it cannot propose drafts")
         checks.within("the number of proposers", len(proposers), 1, self.svc.max_batch)
         checks.tokens_in_vocab(last, self.verifier.cfg.vocab_size)
@@ -101,7 +103,11 @@ class Steps:
                     f"sequence {s.seq_id}'s verify is no longer the last one, so its hidden "
                     "rows are gone; settle each verify before the next"
                 )
-            self.drafter.check_room(s.seq_id, s.seq_len - (s.pending_k - kept_rows[p]), num_drafts)
+            committed = s.seq_len - (s.pending_k - kept_rows[p])
+            if s.drafter == DFLASH:
+                self.drafter.check_block(s, committed, num_drafts)
+            else:
+                self.drafter.check_room(s.seq_id, committed, num_drafts)
         return states
 
     @traced("engine.step")
@@ -119,6 +125,12 @@ class Steps:
         if any(want_drafts):
             d.check_num_drafts(num_drafts)
         states = v.check_verify(tokens, ks, seqs)
+        for i in wanted:
+            if states[i].drafter == DFLASH:
+                raise FailedPrecondition(
+                    f"sequence {states[i].seq_id} drafts with DFlash; decode_step proposes with "
+                    f"the MTP head only (verify, then settle_verdict)"
+                )
         tokens, ks = list(tokens), list(ks)
         before = [s.seq_len for s in states]
         # The drafts start from the last accepted row, at most the last verified one.

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from protos.model import Penalties
+from protos.model import MTP_HEAD, Penalties
 
 if TYPE_CHECKING:
     import torch
@@ -42,6 +42,7 @@ class SeqState:
     continuation: list[int] | None = None
     penalties: Penalties | None = None  # applied to its rows (`gpu_service/engine/penalties.py`)
     counts: Counts | None = None  # what its penalties read, kept on the device
+    drafter: str = MTP_HEAD  # what proposes its drafts (`protos.model.DRAFTERS`)
 
     @property
     def seq_len(self) -> int:

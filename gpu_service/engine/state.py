@@ -85,6 +85,18 @@ class DeviceState:
         self.mtp_k = torch.zeros(kv, dtype=dtype, device=device)
         self.mtp_v = torch.zeros(kv, dtype=dtype, device=device)
         self.mtp_valid = torch.zeros(kv[:2], dtype=torch.bool, device=device)
+        # A DFlash drafter's context KV (`add_dflash_pool`): none until one is loaded.
+        self.dflash_k = torch.zeros(0, dtype=dtype, device=device)
+        self.dflash_v = torch.zeros(0, dtype=dtype, device=device)
+
+    def add_dflash_pool(self, layers: int, kv_heads: int, head_dim: int) -> None:
+        """A DFlash drafter's context KV per drafter layer: [layer, block, offset, kv_head,
+        head_dim], the target's blocks: entry p of a slot is committed token p's context (and,
+        past the committed length, whatever the last verify or block wrote, never read)."""
+        kv = (layers, self.num_blocks + 1, KEY_BLOCK, kv_heads, head_dim)
+        like = self.mtp_k
+        self.dflash_k = torch.zeros(kv, dtype=like.dtype, device=like.device)
+        self.dflash_v = torch.zeros(kv, dtype=like.dtype, device=like.device)
 
     def verify_slice(self, slot: int, rows: int) -> slice:
         start = self.verify_offset[slot]

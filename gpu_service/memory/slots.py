@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable, Sequence
 from gpu_service.engine.sequence import SeqState
 from gpu_service.memory.kv_blocks import KvBlocks
 from protos import checks
-from protos.model import NotFound, Penalties, ResourceExhausted, SequenceHandle
+from protos.model import MTP_HEAD, NotFound, Penalties, ResourceExhausted, SequenceHandle
 
 
 class SlotTable:
@@ -25,13 +25,13 @@ class SlotTable:
     def num_free(self) -> int:
         return len(self._free)
 
-    def alloc(self, penalties: Penalties | None = None) -> SeqState:
+    def alloc(self, penalties: Penalties | None = None, drafter: str = MTP_HEAD) -> SeqState:
         """A new sequence (its id never reused) on the lowest free slot."""
         if not self._free:
             raise ResourceExhausted(f"all {self.num_slots} slots are taken")
         slot = min(self._free)
         self._free.remove(slot)
-        seq = SeqState(self._next_id, slot, penalties=penalties)
+        seq = SeqState(self._next_id, slot, penalties=penalties, drafter=drafter)
         self._next_id += 1
         self._seqs[seq.seq_id] = seq
         self._reset(slot)

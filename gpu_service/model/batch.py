@@ -32,6 +32,9 @@ class Layout:
     chunk: int  # GDN chunk length of the chunked (prefill) form; 0: the recurrent form
     verify_offset: tuple[int, ...] = ()  # per slot, its first row in the verify pool
     pad_vrow: int = 0  # a verify-pool row no slot owns, where padding entries write
+    # False: each sequence's rows form one block that sees itself whole (a DFlash block):
+    # every row sees the keys up to its sequence's last row, not only up to its own.
+    causal: bool = True
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,7 @@ class Batch:
     grid_last: torch.Tensor  # [B] each sequence's last real grid entry
     grid_vrow: torch.Tensor  # [T * B] verify-pool row of each grid entry (pad_vrow: padding)
     key_block: int
+    causal: bool = True  # `Layout.causal`
     # For the Triton kernels (None in a draft batch: one row per sequence, see `draft_batch`)
     cu_seqlens: torch.Tensor | None = None  # [B + 1] int32
     seq_slot32: torch.Tensor | None = None  # [B] int32
@@ -95,6 +99,7 @@ class HostBatch:
     key_block: int
     parts: dict[str, list[int]]
     small: dict[str, list[int]]
+    causal: bool = True
 
 
 def host_batch(segs: list[Segment], layout: Layout, row_tile: int) -> HostBatch:
@@ -112,7 +117,7 @@ def host_batch(segs: list[Segment], layout: Layout, row_tile: int) -> HostBatch:
         "row_pos": _row_pos(segs, padded),
         "seq_slot": [s.slot for s in segs],
         "last_row": [s.row + s.count - 1 for s in segs],
-        **_tiles(segs, padded, layout.query_tile),
+        **_tiles(segs, padded, layout.query_tile, layout.causal),
         "conv_src": _conv_src(segs, padded, layout.conv_width),
         **_grid(segs, padded, steps, layout),
     }
@@ -132,6 +137,7 @@ def host_batch(segs: list[Segment], layout: Layout, row_tile: int) -> HostBatch:
         key_block=layout.key_block,
         parts=parts,
         small=small,
+        causal=layout.causal,
     )
 
 
@@ -148,6 +154,7 @@ def on_device(host: HostBatch, flat: torch.Tensor, small: torch.Tensor) -> Batch
         chunk=host.chunk,
         key_len=host.key_len,
         key_block=host.key_block,
+        causal=host.causal,
         **views,
         **smalls,
     )
@@ -170,8 +177,9 @@ def _row_pos(segs: list[Segment], padded: int) -> list[int]:
     return pos + [0] * (padded - len(pos))
 
 
-def _tiles(segs: list[Segment], padded: int, tile: int) -> dict[str, list[int]]:
-    """Each sequence's rows in query tiles of its own: a tile attends to one slot's keys."""
+def _tiles(segs: list[Segment], padded: int, tile: int, causal: bool) -> dict[str, list[int]]:
+    """Each sequence's rows in query tiles of its own: a tile attends to one slot's keys, each
+    entry up to its position (`causal`) or up to its sequence's last row's."""
     tile_row: list[int] = []
     tile_pos: list[int] = []
     tile_slot: list[int] = []
@@ -184,7 +192,8 @@ def _tiles(segs: list[Segment], padded: int, tile: int) -> dict[str, list[int]]:
                 if t < s.count:
                     row_tile[s.row + t] = len(tile_row)
                 tile_row.append(s.row + t if t < s.count else 0)
-                tile_pos.append(s.start + t if t < s.count else -1)
+                seen = t if causal else s.count - 1
+                tile_pos.append(s.start + seen if t < s.count else -1)
     return {
         "tile_row": tile_row,
         "tile_pos": tile_pos,

@@ -9,7 +9,7 @@ the GDN mix, argmax, fold) sit behind an ops object (`gpu_service.model.backend`
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
@@ -89,6 +89,17 @@ class HybridModel:
             for b in [self.vectors.pop(f"model.layers.{n}.linear_attn.dt_bias")]
         }
         self.ops: Ops = EAGER
+        # A DFlash drafter's context (`attach_taps`): these layers' outputs, concatenated in
+        # this order, go to `tap_sink` after the last of them, in every prefill and verify.
+        self.taps: tuple[int, ...] = ()
+        self.tap_sink: Callable[[torch.Tensor, Batch, DeviceState], None] | None = None
+
+    def attach_taps(
+        self, taps: tuple[int, ...], sink: Callable[[torch.Tensor, Batch, DeviceState], None]
+    ) -> None:
+        """Id i is the residual stream after decoder layer i, before the final norm (z-lab's
+        `extract_context_feature`: `hidden_states[i + 1]`)."""
+        self.taps, self.tap_sink = taps, sink
 
     def embed_rows(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens: [R] -> their embeddings [R, H], contiguous: a transposed view would reach
@@ -178,6 +189,7 @@ class HybridModel:
         x = pad_rows(self.embed_rows(tokens), ROW_TILE)
         rope = self.rope.index_select(0, batch.row_pos)
         writes, reads = self._kv_rows(batch, state)
+        tapped: dict[int, torch.Tensor] = {}
         for n, kind in enumerate(self.cfg.layer_types):
             p = f"model.layers.{n}"
             h = self._norm(x, f"{p}.input_layernorm")
@@ -190,6 +202,10 @@ class HybridModel:
                 h = self._gdn(n, h, batch, state, mode, write_live)
             x = x + h
             x = x + self._mlp(f"{p}.mlp", self._norm(x, f"{p}.post_attention_layernorm"))
+            if n in self.taps:
+                tapped[n] = x
+                if len(tapped) == len(self.taps) and self.tap_sink is not None:
+                    self.tap_sink(torch.cat([tapped[i] for i in self.taps], -1), batch, state)
         return self._norm(x, "model.norm")
 
     def _kv_rows(

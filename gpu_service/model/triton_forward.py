@@ -135,6 +135,7 @@ class TritonOps(EagerOps):
             1.0,
             split_keys=split,
             table=cache.table,
+            causal=batch.causal,
         )
         padded = q.new_zeros(q.shape)
         padded[: batch.rows] = out

@@ -28,6 +28,7 @@ from protos.met.v1 import model_pb2 as pb
 from protos.met.v1 import model_pb2_grpc as pb_grpc
 from protos.model import (
     ADMIN_KEY_METADATA,
+    MTP_HEAD,
     SESSION_METADATA,
     ModelError,
     NotFound,
@@ -189,12 +190,13 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
     async def AllocSequence(self, request, context):
         session = self._session(context)
         penalties = cv.penalties_from_pb(request)
+        drafter = request.drafter or MTP_HEAD
         # The operator's sessions (the control plane's, with the admin key) may hold every slot.
         slots = self.loaded.svc.num_slots
         most = slots if self._holds_key(context) else self.access.session_slots(slots)
         self.sessions.claim(session, most)
         try:
-            seq = await self._call(context, lambda: self.loaded.alloc_sequence(penalties))
+            seq = await self._call(context, lambda: self.loaded.alloc_sequence(penalties, drafter))
             if not self.sessions.is_live(session):  # it ended while the engine allocated
                 await self._call(context, lambda: self.loaded.free_sequences([seq.seq_id]))
                 raise NoSession("the call's session ended while it ran; open a new one")

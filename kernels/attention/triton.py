@@ -46,6 +46,15 @@ def _fold(b_max, b_sum, b_acc, p_max, p_sum, p_acc):
 
 
 @triton.jit
+def _row_pos(start, o_m, m_m, count, CAUSAL: tl.constexpr):
+    """The last key position each row sees (-1: a padding row): its own (`CAUSAL`), or its
+    sequence's last row's (a block that sees itself whole)."""
+    if CAUSAL:
+        return tl.where(m_m, start + o_m, -1)
+    return tl.where(m_m, start + count - 1, -1)
+
+
+@triton.jit
 def _splits(q_pos, MIN_KEYS: tl.constexpr, MAX_SPLITS: tl.constexpr, BN: tl.constexpr):
     """q_pos: [BM] positions (-1: a padding row) -> (keys a row sees n, its split size, its
     split count), each [BM]: see `split_size`."""
@@ -143,6 +152,7 @@ def _attention_kernel(
     scale,
     HAS_VALID: tl.constexpr,
     LOW: tl.constexpr,
+    CAUSAL: tl.constexpr,
     MIN_KEYS: tl.constexpr,
     MAX_SPLITS: tl.constexpr,
     BM: tl.constexpr,
@@ -164,7 +174,9 @@ def _attention_kernel(
         b_q = tl.load(q_ptr + p_q, mask=m_m[:, None] & m_d[None, :], other=0.0)
         if not LOW:
             b_q = b_q.to(tl.float32)
-        n, size, count = _splits(tl.where(m_m, start + o_m, -1), MIN_KEYS, MAX_SPLITS, BN)
+        n, size, count = _splits(
+            _row_pos(start, o_m, m_m, hi - lo, CAUSAL), MIN_KEYS, MAX_SPLITS, BN
+        )
         b_acc = tl.zeros([BM, BD], tl.float32)
         b_max = tl.full([BM], float("-inf"), tl.float32)
         b_sum = tl.zeros([BM], tl.float32)
@@ -215,6 +227,7 @@ def _split_kernel(
     scale,
     HAS_VALID: tl.constexpr,
     LOW: tl.constexpr,
+    CAUSAL: tl.constexpr,
     MIN_KEYS: tl.constexpr,
     MAX_SPLITS: tl.constexpr,
     BM: tl.constexpr,
@@ -234,7 +247,9 @@ def _split_kernel(
     for m0 in range(0, hi - lo, BM):
         o_m = m0 + tl.arange(0, BM)
         m_m = o_m < hi - lo
-        n, size, count = _splits(tl.where(m_m, start + o_m, -1), MIN_KEYS, MAX_SPLITS, BN)
+        n, size, count = _splits(
+            _row_pos(start, o_m, m_m, hi - lo, CAUSAL), MIN_KEYS, MAX_SPLITS, BN
+        )
         if j < tl.max(count):
             p_q = ((lo + o_m[:, None]) * HQ + h) * D + o_d[None, :]
             b_q = tl.load(q_ptr + p_q, mask=m_m[:, None] & m_d[None, :], other=0.0)
@@ -281,6 +296,7 @@ def _combine_kernel(
     start_ptr,
     HQ,
     D,
+    CAUSAL: tl.constexpr,
     MIN_KEYS: tl.constexpr,
     MAX_SPLITS: tl.constexpr,
     BM: tl.constexpr,
@@ -296,7 +312,7 @@ def _combine_kernel(
     for m0 in range(0, hi - lo, BM):
         o_m = m0 + tl.arange(0, BM)
         m_m = o_m < hi - lo
-        _, _, count = _splits(tl.where(m_m, start + o_m, -1), MIN_KEYS, MAX_SPLITS, BN)
+        _, _, count = _splits(_row_pos(start, o_m, m_m, hi - lo, CAUSAL), MIN_KEYS, MAX_SPLITS, BN)
         b_acc = tl.zeros([BM, BD], tl.float32)
         b_max = tl.full([BM], float("-inf"), tl.float32)
         b_sum = tl.zeros([BM], tl.float32)
@@ -360,6 +376,7 @@ def split_partials(
     scale: float,
     workspace: torch.Tensor,
     table: torch.Tensor | None = None,
+    causal: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The first kernel of the `split_keys` path, into `workspace`: fp32, at least
     `workspace_bytes(T, Hq, d) / 4` elements. -> (acc [T, Hq, MAX_SPLITS, d], stat [T, Hq,
@@ -389,6 +406,7 @@ def split_partials(
         scale,
         HAS_VALID=valid is not None,
         LOW=_low(q),
+        CAUSAL=causal,
         **_constants(dim),
     )
     return acc, stat
@@ -405,6 +423,7 @@ def attention(
     scale: float | None = None,
     split_keys: bool = True,
     table: torch.Tensor | None = None,
+    causal: bool = True,
 ) -> torch.Tensor:
     """q: [T, Hq, d], rows of sequence i at positions `starts[i] ..`; caches: paged pools
     [blocks, page, Hkv, d] read through `table` [slots, blocks a sequence] int32 (position j of
@@ -414,7 +433,9 @@ def attention(
     scores, `d ** -0.5` unless given (1 when q comes scaled); split_keys: a program per split
     and a workspace of `workspace_bytes(T, Hq, d)` (calls of few rows a sequence), else a
     program per query block (prefill). Both run the same arithmetic, in the same order (the
-    interpreted tests pin equal bytes). T * Hq * d < 2**31. -> [T, Hq, d]"""
+    interpreted tests pin equal bytes). `causal` False: every row of a sequence sees the keys
+    up to its last row (a DFlash block, non-causal inside itself).
+    T * Hq * d < 2**31. -> [T, Hq, d]"""
     rows, hq, dim = q.shape
     if k_cache.shape != v_cache.shape or k_cache.shape[-1] != dim or hq % k_cache.shape[2]:
         raise ValueError(
@@ -429,9 +450,10 @@ def attention(
             workspace_bytes(rows, hq, dim) // 4, device=q.device, dtype=torch.float32
         )
         acc, stat = split_partials(
-            q, k_cache, v_cache, cu, slots, starts, valid, scale, workspace, table
+            q, k_cache, v_cache, cu, slots, starts, valid, scale, workspace, table, causal
         )
-        _combine_kernel[(len(slots), hq)](acc, stat, out, cu, starts, hq, dim, **_constants(dim))
+        grid = (len(slots), hq)
+        _combine_kernel[grid](acc, stat, out, cu, starts, hq, dim, causal, **_constants(dim))
         return out
     mask = valid.to(torch.int8).contiguous() if valid is not None else q
     table = _table(k_cache, table)
@@ -453,6 +475,7 @@ def attention(
         scale,
         HAS_VALID=valid is not None,
         LOW=_low(q),
+        CAUSAL=causal,
         **_constants(dim),
     )
     return out

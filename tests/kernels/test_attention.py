@@ -88,6 +88,7 @@ def _run(
     rows: list[int],
     masked: bool = True,
     split_keys: bool = True,
+    causal: bool = True,
 ) -> torch.Tensor:
     """The kernels over `seqs`, whose query rows are `c["q"][rows]`, in that order."""
     counts = torch.tensor([0] + [r for _, _, r in seqs])
@@ -98,7 +99,8 @@ def _run(
     q, k, v, valid, cu, slots, starts = on(
         c["q"][rows], c["k"], c["v"], c["valid"], cu, slots, starts
     )
-    out = kt.attention(q, k, v, cu, slots, starts, valid if masked else None, None, split_keys)
+    valid = valid if masked else None
+    out = kt.attention(q, k, v, cu, slots, starts, valid, None, split_keys, causal=causal)
     return out.cpu()
 
 
@@ -190,3 +192,22 @@ def test_one_long_sequence_fills_an_h200() -> None:
     Qwen3-Next's 16 query heads runs a working program per SM of an H200 (132)."""
     assert 16 * splits.num_splits(32768) >= 132
     assert min(16 * splits.num_splits(n) for n in range(2049, 300_000, 97)) >= 132
+
+
+@pytest.mark.usefixtures("small_splits")
+@pytest.mark.parametrize("split_keys", [True, False], ids=["split", "prefill"])
+def test_block_mode_sees_the_whole_block(split_keys: bool) -> None:
+    """A DFlash block (`causal=False`): every row of a sequence sees the keys up to its last
+    row, as the softmax reference with that mask computes (fp32, 1e-5)."""
+    c = _case(4, 2, torch.float32, seed=5)
+    out = _run(c, SEQS, list(range(len(c["q"]))), False, split_keys, causal=False)
+    for (slot, start, rows), lo in zip(SEQS, _first_rows(), strict=False):
+        last = torch.full((rows,), start + rows - 1)
+        ref = _reference(
+            c["q"][lo : lo + rows],
+            c["k"][slot],
+            c["v"][slot],
+            last,
+            torch.ones(CTX, dtype=torch.bool),
+        )
+        torch.testing.assert_close(out[lo : lo + rows], ref, atol=1e-5, rtol=1e-5)
