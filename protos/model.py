@@ -189,6 +189,13 @@ def room_to_propose(seq_len: int, num_drafts: int, max_context: int) -> bool:
     return seq_len - 1 + num_drafts <= max_context
 
 
+def room_for_block(seq_len: int, block: int, max_context: int) -> bool:
+    """Whether a DFlash block of `block` rows fits after `seq_len` committed tokens: its rows
+    sit at positions `seq_len .. seq_len + block - 1`, all inside the context (the service
+    refuses a propose past it, and the scheduler asks for none)."""
+    return seq_len + block <= max_context
+
+
 @dataclass(frozen=True)
 class Logits:
     data: bytes  # row-major, little-endian, in `dtype`

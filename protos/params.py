@@ -15,6 +15,7 @@ from typing import Any
 from google.protobuf.message import Message
 
 from protos.met.v1 import generate_pb2 as pb
+from protos.model import DFLASH as DFLASH  # a method's name as the drafter's
 from protos.model import MTP_HEAD, Penalties
 
 NONE, MTP, PROMPT_LOOKUP = "none", MTP_HEAD, "prompt_lookup"
@@ -22,6 +23,7 @@ METHODS = {
     pb.SPECULATIVE_METHOD_NONE: NONE,
     pb.SPECULATIVE_METHOD_MTP: MTP,
     pb.SPECULATIVE_METHOD_PROMPT_LOOKUP: PROMPT_LOOKUP,
+    pb.SPECULATIVE_METHOD_DFLASH: DFLASH,
 }
 FORMATS = ("json_schema", "regex", "lark")  # `ResponseFormat`'s kinds
 
@@ -68,7 +70,7 @@ class RequestParams:
     ignore_eos: bool = False
     logprobs: bool = False
     request_id: str = ""
-    method: str | None = None  # NONE, MTP or PROMPT_LOOKUP; None: the server's
+    method: str | None = None  # NONE, MTP, PROMPT_LOOKUP or DFLASH; None: the server's
     num_drafts: int | None = None  # None: the server's
     response_format: tuple[str, str] | None = None  # (one of FORMATS, its text)
     tools: str = ""  # with messages: OpenAI's tool definitions, a JSON array as text
@@ -124,7 +126,8 @@ def from_pb(r: pb.GenerateRequest) -> RequestParams:
     speculative method this server does not know."""
     if r.speculative_method not in (pb.SPECULATIVE_METHOD_UNSPECIFIED, *METHODS):
         raise ValueError(
-            f"speculative_method {r.speculative_method} is unknown; use NONE, MTP or PROMPT_LOOKUP"
+            f"speculative_method {r.speculative_method} is unknown; use NONE, MTP, "
+            "PROMPT_LOOKUP or DFLASH"
         )
     kind = r.response_format.WhichOneof("format") if r.HasField("response_format") else None
     sampling = {k: v for k, v in _plain(SamplingParams, r).items() if v is not None}

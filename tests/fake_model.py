@@ -13,6 +13,8 @@ from control_plane.text.tokenizer import TOKENIZER_FILE, ByteTokenizer
 from gpu_service.engine.plans import PlanClock, plan_steps, run_plan
 from protos.handles import Scores
 from protos.model import (
+    DFLASH,
+    MTP_HEAD,
     Capabilities,
     FailedPrecondition,
     InvalidArgument,
@@ -85,6 +87,7 @@ class _Seq:
     folded: int = 0
     row: int = 0  # first row in the last verify
     continuation: list[int] | None = None  # as the engine's `SeqState.continuation`
+    drafter: str = MTP_HEAD
 
 
 class FakeModel:
@@ -99,12 +102,14 @@ class FakeModel:
         files: dict[str, bytes] | None = None,
         name: str = "fake",
         digest: str = "fake",
+        dflash_block: int = 0,
     ) -> None:
         self.caps, self.max_rows, self.max_batch = tuple(caps), max_rows, max_batch
         # The checkpoint's tokenizer files: the byte tokenizer unless the test chooses.
         self.files = BYTE_FILES if files is None else files
         self.name, self.digest = name, digest
         self.max_context = max_context
+        self.dflash_block = dflash_block  # a DFlash drafter's block; its drafts are `drafter`'s
         self.oracle = oracle
         self.drafter = drafter or perfect_drafter(oracle)
         self.seqs: dict[int, _Seq] = {}
@@ -132,21 +137,26 @@ class FakeModel:
             max_batch=self.max_batch,
             max_prefill_tokens=4096,
             model_digest=self.digest,
+            dflash_block=self.dflash_block,
         )
 
     def tokenizer_files(self) -> dict[str, bytes]:
         self.calls.append(("tokenizer_files",))
         return dict(self.files)
 
-    def alloc_sequence(self, penalties: Penalties | None = None) -> SequenceHandle:
+    def alloc_sequence(
+        self, penalties: Penalties | None = None, drafter: str = MTP_HEAD
+    ) -> SequenceHandle:
         if penalties is not None:
             raise InvalidArgument("the fake model applies no penalties")
+        if drafter == DFLASH and not self.dflash_block:
+            raise FailedPrecondition("this service has no DFlash drafter")
         free = set(range(len(self.caps))) - set(self.slots.values())
         if not free:
             raise ResourceExhausted(f"all {len(self.caps)} slots are taken")
         h = SequenceHandle(self.next_id, min(free))
         self.next_id += 1
-        self.seqs[h.seq_id], self.slots[h.seq_id] = _Seq(), h.slot
+        self.seqs[h.seq_id], self.slots[h.seq_id] = _Seq(drafter=drafter), h.slot
         return h
 
     def free_sequence(self, seq: SequenceHandle) -> None:
@@ -253,6 +263,9 @@ class FakeModel:
         """The engine's greedy step, made of this fake's own calls so a test sees the same
         verify, stash, fold, commit, propose and trim either way; `step` marks the one call."""
         self.calls.append(("step", list(ks), [h.slot for h in seqs]))
+        for h, want in zip(seqs, want_drafts, strict=True):
+            if want and h.seq_id in self.seqs and self.seqs[h.seq_id].drafter == DFLASH:
+                raise FailedPrecondition("decode_step proposes with the MTP head only")
         before = [h.seq_len for h in seqs]
         verified = self.decode_verify_batched(tokens, ks, seqs)
         argmax = verified.argmax

@@ -28,7 +28,7 @@ from control_plane.text.tools import (
 from protos import checks
 from protos.handles import MAX_TOP
 from protos.model import Capabilities, ModelError, Penalties
-from protos.params import MTP, RequestParams, penalties
+from protos.params import DFLASH, MTP, RequestParams, penalties
 
 DEFAULT_METHOD = MTP  # for requests that leave the speculative method unspecified
 # For requests that leave max_new_tokens unset: None, the rest of the context (vLLM's).
@@ -240,8 +240,17 @@ def _max_new_tokens(
 
 
 def _check_method(r: RequestParams, caps: Capabilities) -> None:
-    """The draft count (a method's name is the fronts' to check)."""
+    """DFlash's drafter, and the draft count (a method's name is the fronts' to check)."""
     most = max(caps.slot_verify_drafts)
+    if r.method == DFLASH:
+        if not caps.dflash_block:
+            raise BadRequest(
+                INVALID,
+                "speculative method dflash needs a GPU service with a DFlash drafter (met "
+                "gpu-service serve --drafter PATH); this one has none",
+                "speculative",
+            )
+        most = min(most, caps.dflash_block - 1)
     if r.num_drafts is not None and not 1 <= r.num_drafts <= most:
         raise BadRequest(
             INVALID,

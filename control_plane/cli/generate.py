@@ -12,16 +12,12 @@ import grpc
 
 from control_plane.admission.auth import bearer
 from control_plane.text.chat import parse_kwargs
-from protos import checks, tls
+from protos import checks, params, tls
 from protos.defaults import CONTROL_PLANE_PORT
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
 
-METHODS = {
-    "none": pb.SPECULATIVE_METHOD_NONE,
-    "mtp": pb.SPECULATIVE_METHOD_MTP,
-    "prompt_lookup": pb.SPECULATIVE_METHOD_PROMPT_LOOKUP,
-}
+METHODS = {name: value for value, name in params.METHODS.items()}
 
 
 def _whole(name: str, shown: str | None = None) -> Callable[[str], int]:

@@ -5,8 +5,9 @@ for the requests that draft only those; the bootstrap of the sequences with no d
 (a one-token verify, its verdict and their first drafts); copies for MTP sequences whose
 history repeats (`--prompt-lookup`); the batched verify of those that batch; the serial verify
 of the rest. Every arm ends in `verdict.verify_and_settle`: one verify call, its verdict (the
-tokens that stand), and the drafts for the next step at the step's width. With a DFlash
-drafter the step takes the DFlash arm instead (`_step_dflash`).
+tokens that stand), and the drafts for the next step at the step's width. Requests with method
+`dflash` (every speculative one with `--dflash`) take the DFlash arm (`arm_dflash.py`) in the
+same step; the bootstrap is `bootstrap.py`'s.
 
 Invariants:
 - on entry every sequence is either bootstrap (no drafts pending) or verify (drafts pending);
@@ -16,10 +17,6 @@ Invariants:
   plainly, whichever source (static ladder, adaptive rung, cost model) sets it otherwise:
   the cap bounds the cost of a step, so no width source may step over it (the DFlash arm
   resolves its gamma by its own ladder and is not capped).
-
-Bootstrap: batched when at least two sequences bootstrap, the `batch_bootstrap` lever is on
-and one call of that many one-row sequences fits the service's budget (`fits_batch`);
-otherwise each sequence bootstraps alone.
 
 Prompt lookup: drafts copied from the sequence's own history. The last `n` tokens of the
 history (prompt, then generated, ending with the token about to be verified) are looked up at
@@ -45,28 +42,17 @@ Serial verify: one call per sequence. `serial_verify_plan(held, step_nd)` keeps
 `k = kept + 1` rows. The arm is named by its row count (K2, K3, K4 for 1, 2, 3 drafts, KN for
 more) in stats and traces; every arm is the same verify with one sequence.
 
-The DFlash arm (planning only; the block drafter itself comes later): every sequence proposes
-`gamma` drafts at once (`widths.DFlashRung`) and the verify keeps the raw argmax; no prompt
-lookup, no D-Cut (its drafts come as one block, so there is no chain to copy into or to cut).
-Batched verify: two or more sequences with drafts, the `dflash_batch_verify` and
-`batch_verify` levers on. The batch is every sequence without a grammar whose draft count
-equals the first such sequence's (gamma); the rest go serial. `m_max` is the widest group the
-service's budget (`fits_batch`) takes at `gamma + 1` rows, shrinking from the whole group; the
-group, in slot order, is verified in chunks of `m_max`; a trailing single goes serial. A group
-the budget cannot take two of goes serial whole. The verify (and the propose after its
-verdict) runs at the resolver's gamma clamped to the smallest verify-slot capacity, as the
-bootstrap's is: an unclamped gamma could give a sequence more drafts than its slot can verify
-next step, a verify the service refuses, so one width, clamped, serves the whole step.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 from opentelemetry.trace import Link
 from opentelemetry.util.types import AttributeValue
 
+from control_plane.scheduler.arm_dflash import step_dflash
+from control_plane.scheduler.bootstrap import StepReport, bootstrap, bootstrap_serial, split
 from control_plane.scheduler.context import StepContext
 from control_plane.scheduler.metrics import REPLICA_ATTRIBUTE
 from control_plane.scheduler.seq import ActiveSeq
@@ -76,26 +62,13 @@ from control_plane.scheduler.widths import (
     dcut_plan,
     propose_depth,
 )
-from protos.model import Capabilities, ServingModel, fits_batch
-from protos.params import MTP, PROMPT_LOOKUP
+from protos.model import ServingModel
+from protos.params import DFLASH, MTP, PROMPT_LOOKUP
 from protos.telemetry import span, tracer
 
 TRACER = tracer("met.control_plane")
 NGRAM_SIZES = (3, 2)
 MAX_COPY = 3
-
-
-@dataclass
-class StepReport:
-    """What a step did, for stats and traces."""
-
-    ladder_nd: int = 0
-    bootstrap: str = ""  # "batched", "serial" or ""
-    batched_calls: list[list[int]] = field(default_factory=list)  # ks of each batched call
-    serial_arms: list[str] = field(default_factory=list)
-    copied: list[bool] = field(default_factory=list)  # per active sequence: a copy verified
-    dcut: bool = False  # D-Cut planned the batch's depths
-    dflash_declined: bool = False  # the service refused the DFlash batch: all went serial
 
 
 def step_mtp(
@@ -109,32 +82,46 @@ def step_mtp(
     before = [(a.stats.drafted, a.stats.accepted) for a in active]
     attrs = {REPLICA_ATTRIBUTE: ctx.replica}
     with TRACER.start_as_current_span("step_mtp", links=links, attributes=attrs) as sp:
-        started = time.perf_counter()
         for a in active:
             a.stats.steps += 1
-        if ctx.opts.dflash:
-            report = _step_dflash(model, active, ctx, num_drafts)
-        else:
-            report = StepReport(ladder_nd=step_width(active, ctx, num_drafts))
-            nd, fused = report.ladder_nd, ctx.opts.fused_step
-            # Prompt-lookup requests draft only copies: with one they verify it, else they
-            # decode plainly.
-            _copies(active, ctx, [i for i, a in enumerate(active) if a.req.method == PROMPT_LOOKUP])
-            boot, verify = split(active)
-            if boot:
-                report.bootstrap = bootstrap(model, [active[i] for i in boot], ctx, nd)
-            if ctx.opts.prompt_lookup:  # a repeat in its history stands in for the MTP chain
-                _copies(active, ctx, [i for i in verify if active[i].req.method == MTP])
-            report.copied = [a.copy > 0 for a in active]
-            serial, batchable, copies = _partition(active, verify, ctx, nd)
-            serial += _verify_batched(model, active, batchable, copies, ctx, report)
-            for i in serial:
-                _verify_serial(model, active[i], nd, fused, report)
-            for a in active:
-                a.copy = 0  # a copy serves one step
-            served_ms = (time.perf_counter() - started) * 1e3
-            ctx.overhead.observe(ctx.costs, len(active), nd, served_ms)
+        blocks = [i for i, a in enumerate(active) if ctx.opts.dflash or a.req.method == DFLASH]
+        heads = [i for i in range(len(active)) if i not in set(blocks)]
+        report = StepReport(copied=[False] * len(active))
+        if heads:
+            part = _step_heads(model, [active[i] for i in heads], ctx, num_drafts)
+            report.merge(part)
+            for j, i in enumerate(heads):
+                report.copied[i] = part.copied[j]
+        if blocks:
+            report.merge(step_dflash(model, [active[i] for i in blocks], ctx, num_drafts))
         sp.set_attributes(_learn(active, before, report, ctx))
+    return report
+
+
+def _step_heads(
+    model: ServingModel, active: list[ActiveSeq], ctx: StepContext, num_drafts: int
+) -> StepReport:
+    """The sequences the MTP head (or prompt lookup) drafts for, or that decode plainly."""
+    started = time.perf_counter()
+    report = StepReport(ladder_nd=step_width(active, ctx, num_drafts))
+    nd, fused = report.ladder_nd, ctx.opts.fused_step
+    # Prompt-lookup requests draft only copies: with one they verify it, else they
+    # decode plainly.
+    _copies(active, ctx, [i for i, a in enumerate(active) if a.req.method == PROMPT_LOOKUP])
+    boot, verify = split(active)
+    if boot:
+        report.bootstrap = bootstrap(model, [active[i] for i in boot], ctx, nd)
+    if ctx.opts.prompt_lookup:  # a repeat in its history stands in for the MTP chain
+        _copies(active, ctx, [i for i in verify if active[i].req.method == MTP])
+    report.copied = [a.copy > 0 for a in active]
+    serial, batchable, copies = _partition(active, verify, ctx, nd)
+    serial += _verify_batched(model, active, batchable, copies, ctx, report)
+    for i in serial:
+        _verify_serial(model, active[i], nd, fused, report)
+    for a in active:
+        a.copy = 0  # a copy serves one step
+    served_ms = (time.perf_counter() - started) * 1e3
+    ctx.overhead.observe(ctx.costs, len(active), nd, served_ms)
     return report
 
 
@@ -146,7 +133,7 @@ def _learn(
     drafted = accepted = 0
     for a, (d, n), copied in zip(active, before, report.copied, strict=True):
         drafted, accepted = drafted + a.stats.drafted - d, accepted + a.stats.accepted - n
-        if not copied:
+        if not copied and a.req.method != DFLASH:  # the MTP widths learn the MTP head's
             ctx.rung.observe(a.stats.drafted - d, a.stats.accepted - n)
             ctx.calibration.observe(a.stats.drafted - d, a.stats.accepted - n)
     return {
@@ -159,13 +146,6 @@ def _learn(
         "met.copies": sum(report.copied),
         "met.dcut": report.dcut,
     }
-
-
-def split(active: list[ActiveSeq]) -> tuple[list[int], list[int]]:
-    """(bootstrap, verify) indices: no drafts pending, drafts pending."""
-    boot = [i for i, a in enumerate(active) if not a.pending_drafts]
-    verify = [i for i, a in enumerate(active) if a.pending_drafts]
-    return boot, verify
 
 
 # -- the width -----------------------------------------------------------------------------
@@ -201,34 +181,6 @@ def _measured_width(n: int, ctx: StepContext, num_drafts: int) -> int:
         )
         sp.set_attribute("met.depth", depth)
     return min(max(depth, 1), num_drafts)
-
-
-# -- bootstrap -----------------------------------------------------------------------------
-
-
-def can_batch_bootstrap(ctx: StepContext, count: int) -> bool:
-    return count >= 2 and ctx.opts.batch_bootstrap and fits_batch(ctx.caps, [1] * count)
-
-
-def bootstrap(model: ServingModel, seqs: list[ActiveSeq], ctx: StepContext, ladder_nd: int) -> str:
-    """Bootstrap `seqs`, proposing `ladder_nd` drafts each. -> "batched" or "serial"."""
-    batched = can_batch_bootstrap(ctx, len(seqs))
-    mode = "batched" if batched else "serial"
-    fused = ctx.opts.fused_step
-    attrs: dict[str, AttributeValue] = {"met.bootstrap.mode": mode, "met.sequences": len(seqs)}
-    with span(TRACER, "bootstrap", **attrs):
-        if batched:
-            verify_and_settle(
-                model, seqs, [[a.last_token] for a in seqs], ladder_nd, "bootstrap", fused
-            )
-        else:
-            for a in seqs:
-                bootstrap_serial(model, a, ladder_nd, fused)
-    return mode
-
-
-def bootstrap_serial(model: ServingModel, seq: ActiveSeq, ladder_nd: int, fused: bool) -> None:
-    verify_and_settle(model, [seq], [[seq.last_token]], ladder_nd, "bootstrap", fused)
 
 
 # -- prompt-lookup copies ------------------------------------------------------------------
@@ -389,85 +341,3 @@ def _verify_serial(
         return
     report.serial_arms.append(arm)
     verify_and_settle(model, [a], [[a.last_token, *a.pending_drafts]], ladder_nd, "serial", fused)
-
-
-# -- the DFlash arm ------------------------------------------------------------------------
-
-
-def _step_dflash(
-    model: ServingModel, active: list[ActiveSeq], ctx: StepContext, num_drafts: int
-) -> StepReport:
-    """Gamma from the resolver (it shadows the serve-wide count), clamped; the bootstrap;
-    then the DFlash verify, batched where the group and the budget allow."""
-    gamma = ctx.dflash_rung.drafts_for(len(active), num_drafts)
-    width = clamp_drafts_to_slot_capacity(gamma, (ctx.capacity(a.slot) for a in active))
-    report = StepReport(ladder_nd=width, copied=[False] * len(active))
-    boot, verify = split(active)
-    if boot:
-        report.bootstrap = bootstrap(model, [active[i] for i in boot], ctx, width)
-    opts = ctx.opts
-    serial: list[int] = []
-    if len(verify) >= 2 and opts.dflash_batch_verify and opts.batch_verify:
-        batchable, serial, gamma = plan_batch(active, verify)
-        m_max = widest_chunk(ctx.caps, gamma, len(batchable))
-        if len(batchable) >= 2 and m_max >= 2:
-            by_slot = sorted(batchable, key=lambda i: (active[i].slot, i))
-            for lo in range(0, len(by_slot), m_max):
-                chunk = by_slot[lo : lo + m_max]
-                if len(chunk) < 2:
-                    serial.extend(chunk)
-                    continue
-                report.batched_calls.append([gamma + 1] * len(chunk))
-                rows = [[active[i].last_token, *active[i].pending_drafts] for i in chunk]
-                seqs = [active[i] for i in chunk]
-                verify_and_settle(model, seqs, rows, width, "dflash-batched", opts.fused_step)
-        else:
-            report.dflash_declined = bool(batchable)
-            serial.extend(batchable)
-    else:
-        serial = list(verify)
-    for i in serial:
-        _dflash_serial(model, active[i], width, opts.fused_step, report)
-    return report
-
-
-def plan_batch(active: list[ActiveSeq], verify: list[int]) -> tuple[list[int], list[int], int]:
-    """(batchable, serial, gamma): the sequences without a grammar whose draft count equals
-    the first such sequence's."""
-    batchable, serial, gamma = [], [], 0
-    for i in verify:
-        a = active[i]
-        g = len(a.pending_drafts)
-        if a.grammar is not None or g < 1:
-            serial.append(i)
-        elif gamma in (0, g):
-            gamma = g
-            batchable.append(i)
-        else:
-            serial.append(i)
-    return batchable, serial, gamma
-
-
-def widest_chunk(caps: Capabilities, gamma: int, count: int) -> int:
-    """`m_max`: the widest group of `gamma + 1`-row verifies the service accepts."""
-    m_max = count
-    while m_max >= 2 and not fits_batch(caps, [gamma + 1] * m_max):
-        m_max -= 1
-    return m_max
-
-
-def _dflash_serial(
-    model: ServingModel, a: ActiveSeq, num_drafts: int, fused: bool, report: StepReport
-) -> None:
-    """One sequence's drafts, cut before the first one its grammar rejects."""
-    drafts = a.pending_drafts
-    if a.grammar is not None:
-        kept = a.grammar.valid_prefix(drafts)
-        if kept < len(drafts):
-            a.stats.grammar_truncations += 1
-        drafts = drafts[:kept]
-    a.pending_drafts, a.pending_conf = drafts, a.pending_conf[: len(drafts)]
-    if not drafts:
-        return
-    report.serial_arms.append("DFlash")
-    verify_and_settle(model, [a], [[a.last_token, *drafts]], num_drafts, "dflash-serial", fused)

@@ -21,7 +21,7 @@ from protos.model import (
     Sampling,
     SequenceHandle,
 )
-from protos.params import MTP, SamplingParams
+from protos.params import DFLASH, MTP, SamplingParams
 
 if TYPE_CHECKING:  # llguidance is imported only where grammars are compiled
     from control_plane.text.grammar import Grammar
@@ -41,7 +41,7 @@ class GenRequest:
     include_stop: bool = False  # the stop string that ends the text stays in it
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    method: str = MTP  # NONE, MTP or PROMPT_LOOKUP
+    method: str = MTP  # NONE, MTP, PROMPT_LOOKUP or DFLASH
     num_drafts: int | None = None  # cap on this request's drafts; None: the server's
     logprobs: bool = False
     # The prompt's rows scored (vLLM's prompt_logprobs, OpenAI's echo): None, not scored; else
@@ -167,10 +167,13 @@ class ModelFacts:
     vocab_size: int = 0  # 0: unknown, and `row_mask` masks no EOS by vocabulary
     eos_ids: tuple[int, ...] = ()
     has_mtp: bool = True  # the model has an MTP head (a checkpoint may lack one)
+    dflash_block: int = 0  # the service's DFlash block (0: it has no DFlash drafter)
 
     @classmethod
     def of(cls, caps: Capabilities) -> ModelFacts:
-        return cls(caps.max_context, caps.vocab_size, caps.eos_token_ids, caps.has_mtp)
+        return cls(
+            caps.max_context, caps.vocab_size, caps.eos_token_ids, caps.has_mtp, caps.dflash_block
+        )
 
 
 class ActiveSeq:
@@ -250,6 +253,9 @@ class ActiveSeq:
 
     @property
     def drafter(self) -> bool:
+        """Whether the service has the drafter its method drafts with."""
+        if self.req.method == DFLASH:
+            return self.facts.dflash_block > 0
         return self.facts.has_mtp
 
     @property
@@ -299,7 +305,10 @@ class ActiveSeq:
     @property
     def wants_drafts(self) -> bool:
         return (
-            self.req.method == MTP and self.drafter and self.finished is None and self.remaining > 1
+            self.req.method in (MTP, DFLASH)
+            and self.drafter
+            and self.finished is None
+            and self.remaining > 1
         )
 
     def gain(self, tokens: list[int], logprobs: list[float] | None = None) -> None:

@@ -9,8 +9,17 @@ import math
 from opentelemetry.util.types import AttributeValue
 
 from control_plane.scheduler.seq import ActiveSeq
-from protos.model import ModelError, Proposal, Sampling, ServingModel, StepResult, room_to_propose
+from protos.model import (
+    ModelError,
+    Proposal,
+    Sampling,
+    ServingModel,
+    StepResult,
+    room_for_block,
+    room_to_propose,
+)
 from protos.model import greedy_accepted as accepted
+from protos.params import DFLASH
 from protos.telemetry import span, tracer
 
 TRACER = tracer("met.control_plane")
@@ -62,7 +71,9 @@ def _verify(
     sampling = {
         i: a.sampling(len(r)) for i, (a, r) in enumerate(zip(seqs, rows, strict=True)) if a.samples
     }
-    if fused and not masks and not sampling:
+    # `decode_step` proposes with the MTP head only.
+    blocks = any(a.req.method == DFLASH for a in seqs)
+    if fused and not masks and not sampling and not blocks:
         _fused_step(model, seqs, rows, step_nd, mode)
     else:
         _two_calls(model, seqs, rows, step_nd, mode, masks, sampling)
@@ -205,4 +216,6 @@ def _can_propose(a: ActiveSeq, rejected: int, step_nd: int) -> bool:
     if step_nd < 1 or not a.wants_drafts:
         return False
     assert a.handle is not None
+    if a.req.method == DFLASH:
+        return room_for_block(a.handle.seq_len - rejected, a.facts.dflash_block, a.max_context)
     return room_to_propose(a.handle.seq_len - rejected, step_nd, a.max_context)

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 
-from gpu_service.dflash.config import MASK_EMBEDDING, WEIGHTS_FILE, DFlashConfig
+from gpu_service.dflash.config import MASK_EMBEDDING, WEIGHTS_FILE, DFlashConfig, read_config
+from gpu_service.model.config import ModelConfig
 
 
 def expected_tensors(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
@@ -58,6 +59,21 @@ def check_tensors(cfg: DFlashConfig, shapes: dict[str, tuple[int, ...]], where: 
             raise ValueError(
                 f"{where}: {name} has shape {list(shapes[name])}; the config gives {list(shape)}"
             )
+
+
+def check_drafter(directory: Path, target: ModelConfig) -> DFlashConfig:
+    """The drafter's config and its tensors' names and shapes, checked without reading a
+    weight (what a service refuses before it loads anything)."""
+    from safetensors import safe_open
+
+    cfg = read_config(directory, target)
+    path = directory / WEIGHTS_FILE
+    if not path.is_file():
+        raise ValueError(f"{directory} holds no {WEIGHTS_FILE}")
+    with safe_open(str(path), framework="pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+    check_tensors(cfg, shapes, str(path))
+    return cfg
 
 
 def load_tensors(

@@ -23,15 +23,10 @@ from gpu_service.model.config import ModelConfig, ServiceConfig
 from gpu_service.model.hybrid import HybridModel
 from gpu_service.model.ops import ROW_TILE
 from kernels.attention.naive import KEY_BLOCK
-from protos.model import InvalidArgument, Sampling
+from protos.model import InvalidArgument, Sampling, room_for_block
 
 # The block's rows per attention tile: a whole block of 16 in one.
 BLOCK_TILE = 16
-
-
-def room_for_block(seq_len: int, block: int, max_context: int) -> bool:
-    """Whether a block of `block` rows fits after `seq_len` committed tokens."""
-    return seq_len + block <= max_context
 
 
 class BlockDrafter:

@@ -303,9 +303,15 @@ def parse_tiers(spec: str) -> tuple[int, ...]:
     return tuple(drafts for count, drafts in pairs for _ in range(count))
 
 
+# The verify tiers a service with a DFlash drafter takes unless told otherwise: a whole block's
+# drafts (15) on the low slots, which serve the few-request steps the gamma resolver drafts
+# widest at; every row a slot can verify holds its GDN state (the plan counts them).
+DFLASH_VERIFY_TIERS = "4:15,4:7,8:3,16:1"
+
+
 @dataclass(frozen=True)
 class ServiceConfig:
-    verify_tiers: str = "8:3,8:2,16:1"
+    verify_tiers: str = "8:3,8:2,16:1"  # DFLASH_VERIFY_TIERS when a DFlash drafter serves
     max_context: int = 1024  # a multiple of the attention key block (64); a per-sequence limit
     # Blocks of the paged attention KV pool (target and drafter), each KEY_BLOCK positions of
     # every attention layer; 0: enough for every slot's whole context.

@@ -9,8 +9,14 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal
+from pathlib import Path
 
-from gpu_service.model.config import ModelConfig, ServiceConfig, parse_tiers
+from gpu_service.model.config import (
+    DFLASH_VERIFY_TIERS,
+    ModelConfig,
+    ServiceConfig,
+    parse_tiers,
+)
 from gpu_service.tp import DEFAULT_REDUCE, DEFAULT_TIMEOUT_S, REDUCES
 from kernels.attention.format import KEY_BLOCK
 from protos import tls
@@ -25,6 +31,7 @@ MAX_AUTO_SLOTS = 1024
 UP_PREFIX_SNAPSHOTS = 32
 # The flags that shape a model's serving, which `met up` takes and passes to its GPU services.
 SHAPE_FLAGS = (
+    "--drafter",
     "--device",
     "--tensor-parallel-size",
     "--max-context",
@@ -142,8 +149,9 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--verify-tiers",
-        default=ServiceConfig.verify_tiers,
-        help="verify buffers by slot, SLOTS:DRAFTS,... (default %(default)s)",
+        default=None,
+        help=f"verify buffers by slot, SLOTS:DRAFTS,... (default {ServiceConfig.verify_tiers}; "
+        f"with --drafter {DFLASH_VERIFY_TIERS})",
     )
     _add_slots_arg(parser)
     parser.add_argument("--max-rows", type=int, default=ServiceConfig.max_rows)
@@ -165,6 +173,14 @@ def add_shape_args(
 ) -> None:
     """`SHAPE_FLAGS` (`--prefix-snapshots` defaulting to `prefix_snapshots`): where the model
     runs and what each sequence, the KV pool and the prefix cache may hold."""
+    parser.add_argument(
+        "--drafter",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="a DFlash block drafter's directory (z-lab's published layout) served beside the "
+        "MTP head, for requests with method dflash (default: none)",
+    )
     parser.add_argument(
         "--device",
         default="auto",
@@ -272,9 +288,12 @@ def service_config(args: argparse.Namespace, cfg: ModelConfig) -> ServiceConfig:
     """The service's settings from its flags (`--num-slots auto` is the plan's to settle, and
     so is the context when `--max-context` is not given: `cfg`'s, then what memory holds);
     ValueError with a sentence on a bad one."""
-    parse_tiers(args.verify_tiers)
+    tiers = args.verify_tiers or (
+        DFLASH_VERIFY_TIERS if getattr(args, "drafter", None) else ServiceConfig.verify_tiers
+    )
+    parse_tiers(tiers)
     return ServiceConfig(
-        verify_tiers=args.verify_tiers,
+        verify_tiers=tiers,
         max_context=args.max_context or model_context(cfg),
         kv_blocks=args.kv_blocks if isinstance(args.kv_blocks, int) else 0,
         prefix_snapshots=args.prefix_snapshots,

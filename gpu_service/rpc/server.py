@@ -15,11 +15,12 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from gpu_service.dflash.weights import check_drafter
 from gpu_service.engine import graphs
 from gpu_service.engine.device import DeviceError, choose_device, default_forward
 from gpu_service.engine.facade import Engine
 from gpu_service.memory import plan, plan_report
-from gpu_service.model.config import ServiceConfig
+from gpu_service.model.config import ModelConfig, ServiceConfig
 from gpu_service.rpc.options import access, use_threads
 from gpu_service.rpc.servicer import ErrorInterceptor, ModelServicer
 from gpu_service.tp import ranks
@@ -76,7 +77,7 @@ def _load(args: argparse.Namespace, svc: ServiceConfig, device: torch.device) ->
             )
         )
     else:
-        engine = Engine(args.model, svc, args.dtype, device)
+        engine = Engine(args.model, svc, args.dtype, device, drafter=args.drafter)
     engine.set_forward(default_forward(device))
     return engine
 
@@ -163,6 +164,19 @@ def _ranks_or_exit(size: int, device: torch.device) -> None:
         )
 
 
+def _drafter_or_exit(args: argparse.Namespace) -> None:
+    """A `--drafter` the engine cannot serve ends the process with a sentence, before any
+    weight loads."""
+    if args.drafter is None:
+        return
+    if args.tensor_parallel_size > 1:
+        _refuse("--drafter is not served under --tensor-parallel-size above 1 yet")
+    try:
+        check_drafter(args.drafter, ModelConfig.load(args.model))
+    except (OSError, ValueError) as e:
+        _refuse(e)
+
+
 def _planned(args: argparse.Namespace, device: torch.device) -> ServiceConfig:
     """The memory plan (gpu_service/memory/plan.py), made before anything loads and summed up on
     stdout; a plan that does not fit the device ends the process. -> the settings planned
@@ -181,6 +195,7 @@ def run(args: argparse.Namespace) -> None:
     credentials = tls.or_exit(PROG, tls.server_credentials, args)
     device = _device_or_exit(args.device)
     _ranks_or_exit(args.tensor_parallel_size, device)
+    _drafter_or_exit(args)
     svc = _planned(args, device)
     logging.basicConfig(level=logging.INFO)
     tls.or_exit(PROG, lambda a: asyncio.run(serve(a, svc, device, credentials)), args)

@@ -13,10 +13,12 @@ class SpeculativeMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SPECULATIVE_METHOD_NONE: _ClassVar[SpeculativeMethod]
     SPECULATIVE_METHOD_MTP: _ClassVar[SpeculativeMethod]
     SPECULATIVE_METHOD_PROMPT_LOOKUP: _ClassVar[SpeculativeMethod]
+    SPECULATIVE_METHOD_DFLASH: _ClassVar[SpeculativeMethod]
 SPECULATIVE_METHOD_UNSPECIFIED: SpeculativeMethod
 SPECULATIVE_METHOD_NONE: SpeculativeMethod
 SPECULATIVE_METHOD_MTP: SpeculativeMethod
 SPECULATIVE_METHOD_PROMPT_LOOKUP: SpeculativeMethod
+SPECULATIVE_METHOD_DFLASH: SpeculativeMethod
 
 class GenerateRequest(_message.Message):
     __slots__ = ("prompt", "prompt_token_ids", "max_new_tokens", "min_new_tokens", "stop", "stop_token_ids", "ignore_eos", "temperature", "top_p", "top_k", "seed", "logprobs", "request_id", "speculative_method", "num_drafts", "response_format", "messages", "add_generation_prompt", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p", "chat_template_kwargs", "allowed_token_ids", "tools", "tool_choice", "parallel_tool_calls", "truncate_prompt_tokens", "include_stop_str_in_output", "chat_template", "continue_final_message", "prompt_logprobs")

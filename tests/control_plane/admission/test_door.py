@@ -132,7 +132,7 @@ BAD = {
     ),
     "unknown-method": (
         pb.GenerateRequest(prompt="a", speculative_method=9),  # type: ignore[arg-type]
-        "speculative_method 9 is unknown; use NONE, MTP or PROMPT_LOOKUP",
+        "speculative_method 9 is unknown; use NONE, MTP, PROMPT_LOOKUP or DFLASH",
     ),
     "max_new_tokens-past-context": (
         pb.GenerateRequest(prompt_token_ids=[1] * 200, max_new_tokens=57),

@@ -140,10 +140,13 @@ def test_up_passes_the_shaping_flags_with_prefix_snapshots_as_compose() -> None:
     default = shape_argv(build_parser().parse_args(["up"]))
     assert default[default.index("--prefix-snapshots") + 1] == str(UP_PREFIX_SNAPSHOTS)
     shaped = ["--device", "cpu", "--tp", "2", "--max-context", "2048", "--kv-blocks", "auto"]
-    argv = shape_argv(build_parser().parse_args(["up", *shaped, "--prefix-snapshots", "4"]))
+    drafter = ["--drafter", "some/dflash"]
+    argv = shape_argv(
+        build_parser().parse_args(["up", *drafter, *shaped, "--prefix-snapshots", "4"])
+    )
     assert argv == [
-        "--device", "cpu", "--tensor-parallel-size", "2", "--max-context", "2048",
-        "--kv-blocks", "auto", "--prefix-snapshots", "4",
+        "--drafter", "some/dflash", "--device", "cpu", "--tensor-parallel-size", "2",
+        "--max-context", "2048", "--kv-blocks", "auto", "--prefix-snapshots", "4",
     ]  # fmt: skip
     assert argv[::2] == list(SHAPE_FLAGS)
     serve = build_parser().parse_args(["gpu-service", "serve", *argv])

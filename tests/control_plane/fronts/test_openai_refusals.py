@@ -64,13 +64,13 @@ BAD = {
         {"extra_body": {"speculative": {"method": ["mtp"]}}},
         400,
         "speculative",
-        'speculative.method is ["mtp"]; use one of none, mtp, prompt_lookup',
+        'speculative.method is ["mtp"]; use one of none, mtp, prompt_lookup, dflash',
     ),
     "speculative-method-object": (
         {"extra_body": {"speculative": {"method": {}}}},
         400,
         "speculative",
-        "speculative.method is {{}}; use one of none, mtp, prompt_lookup",  # str.format's
+        "speculative.method is {{}}; use one of none, mtp, prompt_lookup, dflash",  # str.format's
     ),
     "logit_bias-key-past-int": (  # past int()'s 4,300 digits
         {"logit_bias": {"9" * 5000: 1}},

@@ -90,7 +90,29 @@ def test_batched_bootstrap_and_grammar_in_the_dflash_arm() -> None:
     active[1].pending_drafts = []  # nothing pending: it bootstraps
     report = step_mtp(model, active, ctx(model), 8)
     assert active[0].stats.grammar_truncations == 1
-    assert active[0].generated == [1], "every draft fell to the grammar: no verify this step"
+    # Every draft fell to the grammar: it verifies its last token alone, as a bootstrap does.
+    assert len(active[0].generated) == 2 and active[0].stats.drafted == 0
     assert report.dflash_declined, "one batchable sequence cannot batch"
-    assert report.serial_arms == ["DFlash"], "only sequence 2 verified serially"
+    assert report.serial_arms == ["K1", "DFlash"]
     assert report.bootstrap == "serial" and len(active[1].generated) == 2
+
+
+def test_dflash_requests_take_the_arm_beside_mtp_ones() -> None:
+    """Without --dflash, requests with method dflash take the DFlash arm at the block's gamma
+    (the resolver's 8 for four sequences, not the serve-wide 3) and mtp requests the MTP
+    arms, in one step; the MTP widths learn nothing from the DFlash drafts."""
+    from control_plane.scheduler.seq import ModelFacts
+    from protos.params import DFLASH
+
+    model = FakeModel(caps=(8,) * 8, dflash_block=16)
+    blocks = seqs(model, 2, drafts=[8, 8], method=DFLASH)
+    heads = seqs(model, 2, drafts=[3, 3])
+    facts = ModelFacts.of(model.capabilities())
+    for a in blocks:
+        a.facts = facts
+    c = StepContext.build(model.capabilities(), NO_ENV)
+    report = step_mtp(model, [heads[0], blocks[0], heads[1], blocks[1]], c, 3)
+    assert [9, 9] in report.batched_calls and [4, 4] in report.batched_calls
+    assert all(len(a.pending_drafts) == 8 for a in blocks)
+    assert all(len(a.pending_drafts) == 3 for a in heads)
+    assert c.calibration.by_position and len(c.calibration.by_position) == 3

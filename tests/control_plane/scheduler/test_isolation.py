@@ -17,7 +17,7 @@ from control_plane.text.grammar import GrammarCompiler
 from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.engine.facade import Engine
 from gpu_service.model.config import ServiceConfig
-from protos.model import FailedPrecondition, ResourceExhausted
+from protos.model import MTP_HEAD, FailedPrecondition, ResourceExhausted
 from protos.params import MTP
 from tests.collect import Outcome, run_all
 from tests.fake_model import FakeModel
@@ -95,9 +95,9 @@ def test_a_slot_held_elsewhere_keeps_the_request_waiting() -> None:
         held = [model.alloc_sequence() for _ in range(4)]  # all taken by another client
         alloc, capabilities, refusals, polls = model.alloc_sequence, model.capabilities, [], []
 
-        def counted_alloc(penalties=None):
+        def counted_alloc(penalties=None, drafter=MTP_HEAD):
             try:
-                return alloc(penalties)
+                return alloc(penalties, drafter)
             except ResourceExhausted:
                 refusals.append(len(model.slots))
                 raise
