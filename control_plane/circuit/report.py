@@ -79,6 +79,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--mtp", action="store_true", help="also diff the batched propose")
     parser.add_argument(
+        "--dflash",
+        action="store_true",
+        help="the sequences draft with the service's DFlash drafter: also diff its batched "
+        "block propose (an in-process engine loads --drafter)",
+    )
+    parser.add_argument(
         "--long-prompt",
         default=0,
         type=lambda t: _int_at_least(t, "--long-prompt", 0),
@@ -130,6 +136,13 @@ def _add_target_args(parser: argparse.ArgumentParser) -> None:
         type=model_path,
         default=DEFAULT_MODEL_DIR,
         help="checkpoint of the in-process engine: a directory or a hub id ORG/NAME[@REVISION]",
+    )
+    parser.add_argument(
+        "--drafter",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="the in-process engine's DFlash drafter with --dflash (default: MODEL/dflash)",
     )
 
 
@@ -186,8 +199,23 @@ def validate_args(model: CircuitModel, args: argparse.Namespace) -> None:
         )
     if args.mtp and not caps.has_mtp:
         raise DiffError("--mtp: the model has no MTP head")
+    if args.dflash:
+        _check_dflash(caps, args, longest)
     if args.snapshot:
         _check_snapshot(caps, args)
+
+
+def _check_dflash(caps: Capabilities, args: argparse.Namespace, longest: int) -> None:
+    block = caps.dflash_block
+    if not block:
+        raise DiffError("--dflash: the service has no DFlash drafter (--drafter)")
+    if args.num_drafts > block - 1:
+        raise DiffError(f"--dflash: --num-drafts {args.num_drafts}; a block gives {block - 1}")
+    if longest + block > caps.max_context:
+        raise DiffError(
+            f"--dflash: a block of {block} after {longest} positions passes the service's "
+            f"{caps.max_context}"
+        )
 
 
 def _check_snapshot(caps: Capabilities, args: argparse.Namespace) -> None:
@@ -224,6 +252,7 @@ def run_diff(model: CircuitModel, args: argparse.Namespace) -> dict:
             progress=lambda line: print(line, file=sys.stderr),
             long_prompt=args.long_prompt,
             snapshot=args.snapshot,
+            dflash=args.dflash,
         )
     finally:
         model.set_forward(found)
@@ -237,7 +266,8 @@ def _connect(args: argparse.Namespace) -> CircuitModel:
         return GrpcModel(args.gpu_service, admin_key=args.gpu_service_admin_key)
     from gpu_service.engine.facade import Engine
 
-    return Engine(args.model)
+    drafter = args.drafter or (args.model / "dflash" if args.dflash else None)
+    return Engine(args.model, drafter=drafter)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -33,7 +33,7 @@ from control_plane.circuit.shapes import (
     slot_of,
 )
 from control_plane.scheduler.verdict import accepted, offsets
-from protos.model import CircuitModel, SequenceHandle, fits_batch
+from protos.model import DFLASH, MTP_HEAD, CircuitModel, SequenceHandle, fits_batch
 
 
 class DiffError(Exception):
@@ -54,6 +54,7 @@ class Setup:
     # Also run each forward with every prompt's start restored from a prefix snapshot, the
     # rest prefilled, and compare it with the same forward's run after a whole prefill.
     snapshot: bool = False
+    kind: str = MTP_HEAD  # the sequences' drafter (`alloc_sequence`): the MTP head or DFlash
 
 
 @dataclass
@@ -79,7 +80,7 @@ def _propose_all(
 
 
 def _alloc(
-    model: CircuitModel, n: int, fragment: bool
+    model: CircuitModel, n: int, fragment: bool, kind: str = MTP_HEAD
 ) -> tuple[list[SequenceHandle], SequenceHandle | None]:
     seqs: list[SequenceHandle] = []
     spare = None
@@ -87,7 +88,7 @@ def _alloc(
         for i in range(n):
             if fragment and i == n // 2:
                 spare = model.alloc_sequence()
-            seqs.append(model.alloc_sequence())
+            seqs.append(model.alloc_sequence(drafter=kind))
             if seqs[i].slot != slot_of(i, n, fragment):
                 raise DiffError(
                     f"sequence {i} took slot {seqs[i].slot}; the widths were "
@@ -266,7 +267,7 @@ def run_batch(
     `restored`, each prompt's start from a snapshot. -> (what each step fed, so that a replay
     can feed it again; the run's bytes)"""
     n = len(setup.prompts)
-    seqs, spare = _alloc(model, n, setup.fragment)
+    seqs, spare = _alloc(model, n, setup.fragment, setup.kind)
     try:
         prefill, first, dtype = _prefill_all(model, seqs, setup.prompts, restored)
         run = Run(prefill, first, [], ks, dtype, [], [])
@@ -303,11 +304,13 @@ def diff_verify_batch(
     progress: Callable[[str], None] = lambda line: None,
     long_prompt: int = 0,
     snapshot: bool = False,
+    dflash: bool = False,
 ) -> list[ShapeReport]:
     """The reference and every forward for every width at every shape; each sequence's width
     capped as the scheduler caps a step's drafts (`slot_caps`); with `long_prompt`, the first
     sequence's prompt that long (`batch_prompts`); with `snapshot`, each forward also from
-    prefix snapshots."""
+    prefix snapshots; with `dflash`, the sequences draft with the DFlash drafter and its
+    batched block propose is diffed (as `mtp` diffs the MTP head's)."""
     caps = model.capabilities()
     out = []
     for n in widths:
@@ -315,7 +318,8 @@ def diff_verify_batch(
         model.set_forward(reference)
         greedy = [continuation(model, p, steps * max(ks) + 1) for p in prompts]
         cap = slot_caps(caps.slot_verify_drafts, n, fragment, num_drafts)
-        setup = Setup(prompts, fragment, num_drafts if mtp else None, snapshot)
+        kind = DFLASH if dflash else MTP_HEAD
+        setup = Setup(prompts, fragment, num_drafts if mtp or dflash else None, snapshot, kind)
         feed = Drafted(greedy, caps.vocab_size)
         for shape in dedup([capped(s, cap) for s in batch_shapes(n, ks)]):
             progress(
