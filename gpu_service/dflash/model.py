@@ -29,8 +29,8 @@ from kernels.attention.naive import pool_index
 
 @dataclass(frozen=True)
 class LayerWeights:
-    qkv: torch.Tensor  # [H, (Hq + 2 Hkv) d]: q, k, v
-    kv: torch.Tensor  # [H, 2 Hkv d]: k, v (the context's projection)
+    q: torch.Tensor  # [H, Hq d]
+    kv: torch.Tensor  # [H, 2 Hkv d]: k, v (the block's, and the context's projection)
     o: torch.Tensor
     gate_up: torch.Tensor  # [H, 2 I]: gate, then up
     down: torch.Tensor
@@ -41,7 +41,7 @@ class LayerWeights:
 
     def tensors(self) -> list[torch.Tensor]:
         return [
-            self.qkv,
+            self.q,
             self.kv,
             self.o,
             self.gate_up,
@@ -84,7 +84,7 @@ class DFlashModel:
             qn, kn = weights[f"{a}.q_norm.weight"].float(), weights[f"{a}.k_norm.weight"].float()
             self.layers.append(
                 LayerWeights(
-                    qkv=t(f"{a}.q_proj.weight", f"{a}.k_proj.weight", f"{a}.v_proj.weight"),
+                    q=t(f"{a}.q_proj.weight"),
                     kv=t(f"{a}.k_proj.weight", f"{a}.v_proj.weight"),
                     o=t(f"{a}.o_proj.weight"),
                     gate_up=t(f"{m}.gate_proj.weight", f"{m}.up_proj.weight"),
@@ -146,10 +146,10 @@ class DFlashModel:
         hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         for i, w in enumerate(self.layers):
             h = self._norm(x, w.input)
-            qkv = ops.linear(h, w.qkv)
-            qk = qkv[:, : (hq + hkv) * d].reshape(-1, hq + hkv, d)
+            kv = ops.linear(h, w.kv)
+            qk = torch.cat([ops.linear(h, w.q), kv[:, : hkv * d]], 1).view(-1, hq + hkv, d)
             qk = apply_rope(ops.head_norm(qk, w.heads, w.heads, cfg.rms_norm_eps), rope)
-            v = qkv[:, (hq + hkv) * d :].reshape(-1, hkv, d)
+            v = kv[:, hkv * d :].reshape(-1, hkv, d)
             k_pool, v_pool = state.dflash_k[i], state.dflash_v[i]
             _write(k_pool, v_pool, writes, qk[:, hq:], v, batch.rows)
             cache = Cache(k_pool, v_pool, None, table, writes, reads)

@@ -20,6 +20,9 @@ from pathlib import Path
 
 import torch
 
+from gpu_service.dflash.config import DFlashConfig, read_config
+from gpu_service.dflash.model import DFlashModel
+from gpu_service.dflash.weights import expected_tensors as expected_tensors_dflash
 from gpu_service.engine.penalties import device_bytes
 from gpu_service.engine.state import DeviceState
 from gpu_service.engine.verifier import SCORE_ROWS
@@ -53,6 +56,7 @@ AUTO_BLOCKS_SHARE = 0.95
 # Each part's key (in `--json`) and its line in the report; `total_bytes` is their sum.
 PARTS = {
     "weights_bytes": "weights",
+    "dflash_weights_bytes": "DFlash drafter weights",
     "kv_cache_bytes": "attention KV cache",
     "gdn_state_bytes": "GDN live state",
     "conv_state_bytes": "GDN conv windows",
@@ -192,6 +196,15 @@ def meta_model(
     return HybridModel(held, weights, max_context, group)
 
 
+def meta_drafter(cfg: DFlashConfig, model: HybridModel, max_context: int) -> DFlashModel:
+    """The DFlash drafter on `meta` as the engine holds it beside `model`."""
+    weights = {
+        name: torch.empty(shape, dtype=model.dtype, device=META)
+        for name, shape in expected_tensors_dflash(cfg).items()
+    }
+    return DFlashModel(cfg, weights, model.embed_rows, model.dtype, META, max_context)
+
+
 def by_dtype(tensors: list[torch.Tensor]) -> dict[str, int]:
     out: dict[str, int] = {}
     for t in tensors:
@@ -212,7 +225,9 @@ def state_bytes(state: DeviceState) -> dict[str, int]:
     return out
 
 
-def slot_parts(model: HybridModel, svc: ServiceConfig, graphs: bool) -> tuple[dict[str, int], int]:
+def slot_parts(
+    model: HybridModel, svc: ServiceConfig, graphs: bool, drafter: DFlashConfig | None = None
+) -> tuple[dict[str, int], int]:
     """The parts that grow with the slots -> (bytes by part, graphs): the device state's, the
     captured graphs' (when counted), and the buffers a call sizes beside them: the logits of
     the largest call [rows, vocab] (a verify's row budget, or a prefill's one row per
@@ -222,6 +237,10 @@ def slot_parts(model: HybridModel, svc: ServiceConfig, graphs: bool) -> tuple[di
     (padded to the widest) beside the kept ones."""
     cfg, size = model.cfg, model.dtype.itemsize
     state = DeviceState(cfg, svc, model.dtype, META)
+    if drafter is not None:
+        state.add_dflash_pool(
+            drafter.num_hidden_layers, drafter.num_key_value_heads, drafter.head_dim
+        )
     out = state_bytes(state)
     logits_rows = padded_rows(max(svc.max_rows, min(svc.num_slots, svc.max_prefill_tokens)))
     kept = logits_rows * (model.vocab[1] - model.vocab[0]) * size
@@ -253,24 +272,36 @@ def most_slots(fits: Callable[[int], bool]) -> int:
     return max(lo, 1)
 
 
-def most_blocks(model: HybridModel, svc: ServiceConfig, graphs: bool, room: int) -> int:
+def most_blocks(
+    model: HybridModel,
+    svc: ServiceConfig,
+    graphs: bool,
+    room: int,
+    drafter: DFlashConfig | None = None,
+) -> int:
     """The KV pool's blocks that fit `room` beside the other per-slot parts, up to every
     slot's whole context (a block more is of no use); 1 where none fits."""
-    one, _ = slot_parts(model, replace(svc, kv_blocks=1), graphs)
-    two, _ = slot_parts(model, replace(svc, kv_blocks=2), graphs)
+    one, _ = slot_parts(model, replace(svc, kv_blocks=1), graphs, drafter)
+    two, _ = slot_parts(model, replace(svc, kv_blocks=2), graphs, drafter)
     per_block = sum(two.values()) - sum(one.values())
     full = svc.num_slots * svc.blocks_per_sequence
     return max(1, min(full, 1 + (room - sum(one.values())) // per_block))
 
 
-def most_context(model: HybridModel, svc: ServiceConfig, graphs: bool, room: int) -> int:
+def most_context(
+    model: HybridModel,
+    svc: ServiceConfig,
+    graphs: bool,
+    room: int,
+    drafter: DFlashConfig | None = None,
+) -> int:
     """The largest context, in key blocks up to `svc.max_context`, at which the per-slot parts
     fit `room` (the KV pool holds every slot's whole context unless `--kv-blocks` sizes it);
     the model's RoPE table, built for `svc.max_context`, is counted whole. One block where none
     fits: the plan then says what does not."""
 
     def fits(blocks: int) -> bool:
-        parts, _ = slot_parts(model, replace(svc, max_context=blocks * KEY_BLOCK), graphs)
+        parts, _ = slot_parts(model, replace(svc, max_context=blocks * KEY_BLOCK), graphs, drafter)
         return sum(parts.values()) <= room
 
     lo, hi = 0, svc.max_context // KEY_BLOCK + 1
@@ -290,24 +321,30 @@ class Auto:
 
 
 def _settled(
-    model: HybridModel, svc: ServiceConfig, graphs: bool, memory: int, fixed: int, auto: Auto
+    model: HybridModel,
+    svc: ServiceConfig,
+    graphs: bool,
+    memory: int,
+    fixed: int,
+    auto: Auto,
+    drafter: DFlashConfig | None = None,
 ) -> ServiceConfig:
     """`svc` with what `auto` leaves to the memory settled against `memory` less the `fixed`
     parts: the context first (unless the KV pool is sized by memory, which then caps it), the
     slots, then the pool's blocks (in `AUTO_BLOCKS_SHARE` of the memory)."""
     room = memory - fixed
     if auto.context and not auto.blocks:
-        svc = replace(svc, max_context=most_context(model, svc, graphs, room))
+        svc = replace(svc, max_context=most_context(model, svc, graphs, room, drafter))
     if auto.slots:
 
         def fits(n: int) -> bool:
-            parts, _ = slot_parts(model, replace(svc, num_slots_override=n), graphs)
+            parts, _ = slot_parts(model, replace(svc, num_slots_override=n), graphs, drafter)
             return sum(parts.values()) <= room
 
         svc = replace(svc, num_slots_override=most_slots(fits))
     if auto.blocks:
         share = int(memory * AUTO_BLOCKS_SHARE) - fixed
-        svc = replace(svc, kv_blocks=most_blocks(model, svc, graphs, share))
+        svc = replace(svc, kv_blocks=most_blocks(model, svc, graphs, share, drafter))
         if auto.context:  # a sequence may reach no further than the pool holds
             svc = replace(svc, max_context=min(svc.max_context, svc.num_kv_blocks * KEY_BLOCK))
     return svc
@@ -324,11 +361,13 @@ def make_plan(
     size: int = 1,
     auto_blocks: bool = False,
     auto_context: bool = False,
+    drafter: DFlashConfig | None = None,
 ) -> MemoryPlan:
     """The plan of serving `cfg` with `svc` in `dtype` over `size` ranks (one rank's); with
     `auto` and a known memory, at the most slots whose plan fits it; with `auto_blocks`, the KV
     pool as large as the rest leaves room for (`most_blocks`); with `auto_context`, the
-    model's context (`svc.max_context`) lowered to what a known memory holds (`most_context`).
+    model's context (`svc.max_context`) lowered to what a known memory holds (`most_context`);
+    with `drafter`, a DFlash drafter's weights, its context KV and its block's activations.
     The model is built once, however many counts that tries. ValueError where `size` does not
     split `cfg`."""
     start = time.perf_counter()
@@ -347,12 +386,19 @@ def make_plan(
             activation_bytes(cfg, padded_rows(svc.max_rows), dtype.itemsize)
             + split_workspace_bytes(model, padded_rows(svc.max_rows)),
             device_bytes(model.vocab[1] - model.vocab[0], 0, svc.max_rows)[1],
+            # A block propose: a block of rows for each of a batch's sequences.
+            activation_bytes(cfg, padded_rows(svc.max_batch * drafter.block_size), dtype.itemsize)
+            if drafter is not None
+            else 0,
         ),
+        "dflash_weights_bytes": 0
+        if drafter is None
+        else held_bytes(meta_drafter(drafter, model, svc.max_context).held),
     }
     if memory.bytes is not None:
         settle = Auto(auto, auto_blocks, auto_context)
-        svc = _settled(model, svc, graphs, memory.bytes, sum(fixed.values()), settle)
-    parts, num_graphs = slot_parts(model, svc, graphs)
+        svc = _settled(model, svc, graphs, memory.bytes, sum(fixed.values()), settle, drafter)
+    parts, num_graphs = slot_parts(model, svc, graphs, drafter)
     parts |= fixed
     return MemoryPlan(
         name,
@@ -382,7 +428,9 @@ def from_args(args: argparse.Namespace, device: torch.device, graphs: bool) -> M
     memory = device_memory(args.device_memory, device)
     auto, size = args.num_slots == "auto", args.tensor_parallel_size
     blocks, context = args.kv_blocks == "auto", args.max_context is None
-    return make_plan(name, cfg, svc, dtype, graphs, memory, auto, size, blocks, context)
+    # The drafter's shapes: its config alone (a plan reads no weights).
+    drafter = None if args.drafter is None else read_config(args.drafter, cfg)
+    return make_plan(name, cfg, svc, dtype, graphs, memory, auto, size, blocks, context, drafter)
 
 
 def device_memory(given: int | None, device: torch.device) -> Memory:
