@@ -3,11 +3,14 @@
 
 At each shape set (a model's config.json) the forward runs on the `meta` device with the triton
 ops: a prefill, a verify, a decode and the drafter's pass, with logits, argmax and fold, at
-batches of 1, 8 and 32 sequences. Each kernel launch the real wrappers make is caught before it
-reaches a driver: its arguments bound and specialised as Triton's launcher binds them, its grid
-kept. Every distinct compile is built with `triton.compile` for each target, and the wheel's
-`cuobjdump` reads the cubin's registers, stack (spilled registers) and shared memory. Nothing
-runs on a GPU and nothing is downloaded; the compiles run in parallel processes."""
+batches of 1, 8 and 32 sequences; where a DFlash drafter's config sits beside the model's
+(`dflash/config.json`), its context writes ride the prefill and the verify, and its block
+propose (non-causal attention over the context) runs at each batch too. Each kernel launch the
+real wrappers make is caught before it reaches a driver: its arguments bound and specialised as
+Triton's launcher binds them, its grid kept. Every distinct compile is built with
+`triton.compile` for each target, and the wheel's `cuobjdump` reads the cubin's registers,
+stack (spilled registers) and shared memory. Nothing runs on a GPU and nothing is downloaded;
+the compiles run in parallel processes."""
 
 from __future__ import annotations
 
@@ -90,6 +93,7 @@ def drive(config: Path, batches: tuple[int, ...], catcher: Catcher) -> None:
     model = meta_model(cfg, torch.bfloat16, context)
     model.ops = TRITON
     state = DeviceState(cfg, svc, torch.bfloat16, META)
+    dflash = _meta_dflash(config.parent, model, state, context)
 
     def rows(n: int, start: int, count: int) -> tuple[torch.Tensor, list[Segment]]:
         segs = [Segment(i, start, count, i * count) for i in range(n)]
@@ -111,11 +115,48 @@ def drive(config: Path, batches: tuple[int, ...], catcher: Catcher) -> None:
                 drafted = model.mtp_forward(tokens, hidden[: n * count], segs, state)
                 assert drafted is not None
                 TRITON.draft_argmax(model.logits(drafted[: n * count]))
+        if dflash is not None:
+            catcher.phase = "dflash block"
+            _block(dflash, model, state, n)
         catcher.phase = "fold"
         picks = torch.zeros(n, dtype=torch.long, device=META)
         slots = torch.arange(n, device=META)
         TRITON.fold(state.gdn, state.verify_gdn, slots, picks)
         TRITON.fold(state.conv, state.verify_conv, slots, picks)
+
+
+def _meta_dflash(directory: Path, model: Any, state: Any, context: int) -> Any:
+    """The DFlash drafter whose config sits in `directory/dflash`, on `meta` with the triton
+    ops, its taps attached to `model` and its pool in `state`; None where there is none."""
+    from gpu_service.dflash.config import read_config
+    from gpu_service.memory.plan import meta_drafter
+    from gpu_service.model.triton_forward import TRITON
+
+    if not (directory / "dflash" / "config.json").is_file():
+        return None
+    dcfg = read_config(directory / "dflash", model.cfg)
+    dflash = meta_drafter(dcfg, model, context)
+    dflash.ops = TRITON
+    state.add_dflash_pool(dcfg.num_hidden_layers, dcfg.num_key_value_heads, dcfg.head_dim)
+    model.attach_taps(dcfg.target_layer_ids, dflash.write_context)
+    return dflash
+
+
+def _block(dflash: Any, model: Any, state: Any, n: int) -> None:
+    """One block propose of `n` sequences after CONTEXT committed tokens."""
+    from gpu_service.engine.block_drafter import BLOCK_TILE
+    from gpu_service.memory.plan import META
+    from gpu_service.model.batch import Layout, Segment, build
+    from gpu_service.model.ops import ROW_TILE
+    from gpu_service.model.triton_forward import TRITON
+    from kernels.attention.format import KEY_BLOCK
+
+    b = dflash.cfg.block_size
+    segs = [Segment(i, CONTEXT, b, i * b) for i in range(n)]
+    layout = Layout(BLOCK_TILE, KEY_BLOCK, model.cfg.linear_conv_kernel_dim, 0, causal=False)
+    batch = build(segs, layout, ROW_TILE, META)
+    hidden = dflash.block(torch.zeros(n, dtype=torch.long, device=META), batch, state)
+    TRITON.draft_argmax(model.logits(hidden[: n * b]))
 
 
 # -- the report ------------------------------------------------------------------------------
