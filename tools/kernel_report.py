@@ -131,10 +131,11 @@ def _meta_dflash(directory: Path, model: Any, state: Any, context: int) -> Any:
     from gpu_service.dflash.config import read_config
     from gpu_service.memory.plan import meta_drafter
     from gpu_service.model.triton_forward import TRITON
+    from protos.defaults import DRAFTER_DIR
 
-    if not (directory / "dflash" / "config.json").is_file():
+    if not (directory / DRAFTER_DIR / "config.json").is_file():
         return None
-    dcfg = read_config(directory / "dflash", model.cfg)
+    dcfg = read_config(directory / DRAFTER_DIR, model.cfg)
     dflash = meta_drafter(dcfg, model, context)
     dflash.ops = TRITON
     state.add_dflash_pool(dcfg.num_hidden_layers, dcfg.num_key_value_heads, dcfg.head_dim)

@@ -8,9 +8,7 @@ import argparse
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from protos.defaults import DEFAULT_MODEL_DIR
-
-DRAFTER_DIR = "dflash"  # where the trained drafter ships, inside the target's directory
+from protos.defaults import DEFAULT_MODEL_DIR, DRAFTER_DIR
 
 
 @dataclass(frozen=True)

@@ -18,10 +18,11 @@ from gpu_service.dflash.naive import NaiveDFlash
 from gpu_service.dflash.weights import load_tensors, save_tensors
 from gpu_service.model.config import ModelConfig
 from gpu_service.model.weights import load_weights
+from protos.defaults import DRAFTER_DIR
 from training.corpus import Corpus
 from training.dflash_data import build
 from training.dflash_eval import Acceptance, greedy, spec_loop
-from training.dflash_options import DRAFTER_DIR, DFlashTrainConfig, from_args
+from training.dflash_options import DFlashTrainConfig, from_args
 from training.dflash_train import drafter_config, train
 from training.forward import TrainForward
 

@@ -16,7 +16,7 @@ from control_plane.circuit.verify_batch import (
     verify_batch_failures,
 )
 from kernels.attention.format import KEY_BLOCK
-from protos.defaults import DEFAULT_MODEL_DIR
+from protos.defaults import DEFAULT_MODEL_DIR, DRAFTER_DIR
 from protos.hub import model_path
 from protos.model import ADMIN_KEY_ENV, Capabilities, CircuitModel, ModelError
 
@@ -266,7 +266,7 @@ def _connect(args: argparse.Namespace) -> CircuitModel:
         return GrpcModel(args.gpu_service, admin_key=args.gpu_service_admin_key)
     from gpu_service.engine.facade import Engine
 
-    drafter = args.drafter or (args.model / "dflash" if args.dflash else None)
+    drafter = args.drafter or (args.model / DRAFTER_DIR if args.dflash else None)
     return Engine(args.model, drafter=drafter)
 
 

@@ -442,9 +442,7 @@ def test_the_context_is_the_models_lowered_to_what_memory_holds(tiny_dir: Path) 
     assert given.svc.max_context == 512 and given.fits is False
 
 
-def test_a_dflash_drafter_is_planned_as_the_engine_holds_it(
-    tiny_dir: Path, tmp_path: Path
-) -> None:
+def test_a_dflash_drafter_is_planned_as_the_engine_holds_it(tiny_dir: Path, tmp_path: Path) -> None:
     """`--drafter`: its weights and its context KV, counted from its config alone, are what an
     engine that loads it holds; its block's activations join the workspace."""
     from gpu_service.model.config import ModelConfig

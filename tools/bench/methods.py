@@ -7,7 +7,7 @@ import statistics
 from collections.abc import Callable
 
 from control_plane.scheduler.seq import SpecStats
-from protos.params import MTP, NONE, PROMPT_LOOKUP
+from protos.params import DFLASH, MTP, NONE, PROMPT_LOOKUP
 from tools.bench.workload import Workload, identical_to_none, median, serve
 
 # label -> (method, scheduler options): the methods under the default options (the K ladder
@@ -20,6 +20,8 @@ VARIANTS = {
     MTP_AUTO: (MTP, {"spec_cost_model": "auto"}),
     PROMPT_LOOKUP: (PROMPT_LOOKUP, {}),
 }
+# With a DFlash drafter served beside the MTP head (the checkpoint's `dflash/`).
+DFLASH_VARIANT: dict[str, tuple[str, dict]] = {DFLASH: (DFLASH, {})}
 
 
 def methods(
@@ -29,19 +31,21 @@ def methods(
     tokens: int,
     repeats: int,
     baselines: dict[int, Callable[[], float]] | None = None,
+    dflash: bool = False,
 ) -> tuple[list, list, dict[int, float]]:
     """Every method at every concurrency, repeats interleaved so that drift spreads over the
     methods alike; `baselines` (by concurrency: tok/s of one outside generate of that batch)
-    run in the same rounds at their concurrency.
+    run in the same rounds at their concurrency; with `dflash`, method dflash too.
     -> (rows, failures, each baseline's median tok/s by concurrency)"""
     rows: list[dict] = []
     failures: list[str] = []
     outside: dict[int, list[float]] = {}
     baselines = baselines or {}
+    variants = {**VARIANTS, **(DFLASH_VARIANT if dflash else {})}
     for n in concurrency:
-        runs: dict[str, list[dict]] = {label: [] for label in VARIANTS}
+        runs: dict[str, list[dict]] = {label: [] for label in variants}
         for _ in range(repeats):
-            for label, (m, options) in VARIANTS.items():
+            for label, (m, options) in variants.items():
                 reqs = work.requests(m, n, tokens, label)
                 runs[label].append(serve(connect, reqs, work.tokenizer, options))
             if n in baselines:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from protos.params import MTP, NONE, PROMPT_LOOKUP
+from protos.params import DFLASH, MTP, NONE, PROMPT_LOOKUP
 from tools.bench.depth import depth_lines, depth_table
 from tools.bench.methods import MTP_AUTO
 from tools.bench.prefix import prefix_lines, prefix_table
@@ -312,7 +312,8 @@ def draw_chart(report: dict, path: Path) -> None:
 
     rows = report["methods"]
     concs = sorted({r["concurrency"] for r in rows})
-    names = [m for m in (NONE, MTP, MTP_AUTO, PROMPT_LOOKUP) if any(r["method"] == m for r in rows)]
+    every = (NONE, MTP, MTP_AUTO, PROMPT_LOOKUP, DFLASH)
+    names = [m for m in every if any(r["method"] == m for r in rows)]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     width = 0.8 / len(names)
     for j, m in enumerate(names):

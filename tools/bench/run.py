@@ -1,7 +1,8 @@
 """`met bench`: what speculation buys, in one run so the machine's drift cancels out.
 
 On one checkpoint (default: the bundled one), each figure a median over repeats:
-- `none` vs `mtp` vs `prompt_lookup` under the default options, and `mtp_auto` (the `auto`
+- `none` vs `mtp` vs `prompt_lookup` (and `dflash`, with a drafter: `MODEL/dflash` or
+  `--drafter`) under the default options, and `mtp_auto` (the `auto`
   cost model over the step-cost table the run measures first, as a service that has
   measured its costs runs it) at several concurrencies: output tokens per second, mean
   accepted length, acceptance per draft position; all must produce identical tokens (the run
@@ -43,7 +44,7 @@ from pathlib import Path
 from unittest import mock
 
 from control_plane.scheduler.widths import cost_widths
-from protos.defaults import DEFAULT_MODEL_DIR
+from protos.defaults import DEFAULT_MODEL_DIR, DRAFTER_DIR
 from protos.hub import model_path
 from tools.bench.baseline import (
     against_transformers,
@@ -99,10 +100,13 @@ def _measure(args: argparse.Namespace) -> dict:
     import torch
 
     from gpu_service.engine.facade import Engine
-    from gpu_service.model.config import ServiceConfig
+    from gpu_service.model.config import DFLASH_VERIFY_TIERS, ServiceConfig
 
     torch.set_num_threads(1)  # as the GPU service runs its engine
-    engine = Engine(args.model, ServiceConfig())
+    drafter = args.drafter or (args.model / DRAFTER_DIR)
+    dflash = (drafter / "config.json").is_file()
+    svc = ServiceConfig(verify_tiers=DFLASH_VERIFY_TIERS) if dflash else ServiceConfig()
+    engine = Engine(args.model, svc, drafter=drafter if dflash else None)
     work = Workload(args.model)
     quick = args.quick
     widths = cost_widths(engine.svc.num_slots)
@@ -111,7 +115,7 @@ def _measure(args: argparse.Namespace) -> dict:
     report: dict = {"model": engine.name, "quick": quick, "machine": machine()}
     local = lambda: engine  # noqa: E731
     hf = {} if quick else transformers_baselines(args.model, work, tokens, [1, BATCH])
-    report["methods"], failures, outside = methods(local, work, conc, tokens, repeats, hf)
+    report["methods"], failures, outside = methods(local, work, conc, tokens, repeats, hf, dflash)
     if 1 in outside:
         report["transformers_generate"] = against_transformers(report["methods"], outside[1])
     report["draft_cost"] = draft_cost(engine, configured_depth(engine), 10 if quick else 40)
@@ -223,6 +227,13 @@ def machine() -> dict:
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=model_path, default=DEFAULT_MODEL_DIR)
     parser.add_argument("--quick", action="store_true", help="the CI-sized smoke run")
+    parser.add_argument(
+        "--drafter",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="a DFlash drafter for the dflash method (default: MODEL/dflash when it exists)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the JSON report here")
     parser.add_argument(
         "--chart", type=Path, default=None, help="the PNG chart (default: --out with .png)"
