@@ -31,13 +31,13 @@ def drafter(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_drafter(tmp_path_factory.mktemp("dflash"), TARGET, taps=(1, 6, 11), scale=0.2)
 
 
-@pytest.fixture(scope="module")
-def reference(drafter: Path):
-    params, cfg = load_weights(TARGET, DEFAULT_MODEL_DIR, torch.float32)
+def _reference(model_dir: Path, drafter: Path) -> tuple[TrainForward, NaiveDFlash]:
+    params, cfg = load_weights(ModelConfig.load(model_dir), model_dir, torch.float32)
     target = TrainForward(cfg, params, 512)
     dcfg = read_config(drafter, cfg)
+    weights = load_tensors(dcfg, drafter, torch.float32)
     embed = params["model.embed_tokens.weight"]
-    return target, NaiveDFlash(load_tensors(dcfg, drafter, torch.float32), dcfg, embed, embed)
+    return target, NaiveDFlash(weights, dcfg, embed, target.lm_head)
 
 
 def _expected(reference, committed: list[int], last: int) -> torch.Tensor:
@@ -49,18 +49,29 @@ def _expected(reference, committed: list[int], last: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("forward", ["eager", "triton"])
-def test_a_batched_block_is_the_reference_block(drafter: Path, reference, forward: str):
-    engine = Engine(DEFAULT_MODEL_DIR, SVC, drafter=drafter)
+def test_a_batched_block_is_the_reference_block(
+    drafter: Path, tiny_dir: Path, tmp_path: Path, forward: str
+) -> None:
+    """Eager on the bundled model, three verifies deep; Triton, interpreted, on the tiny one,
+    after the prefill and one verify."""
+    if forward == "eager":
+        model_dir, steps, lengths, vocab = DEFAULT_MODEL_DIR, 3, (37, 70), TARGET.vocab_size
+    else:
+        tiny = ModelConfig.load(tiny_dir)
+        drafter = write_drafter(tmp_path / "d", tiny, taps=(0, 3), scale=0.2)
+        model_dir, steps, lengths, vocab = tiny_dir, 2, (21, 40), tiny.vocab_size
+    reference = _reference(model_dir, drafter)
+    engine = Engine(model_dir, SVC, "fp32", drafter=drafter)
     engine.set_forward(forward)
     assert engine.capabilities().dflash_block == 16
     seqs = [engine.alloc_sequence(drafter=DFLASH) for _ in range(2)]
     gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(2, 4000, (n,), generator=gen).tolist() for n in (37, 70)]
+    prompts = [torch.randint(2, vocab, (n,), generator=gen).tolist() for n in lengths]
     pre = engine.prefill(seqs, prompts)
     committed = [list(p) for p in prompts]
     last = list(pre.argmax)
-    drafts = [[] for _ in seqs]
-    for step in range(3):
+    drafts: list[list[int]] = [[] for _ in seqs]
+    for step in range(steps):
         rows = [[t, *d] for t, d in zip(last, drafts, strict=True)]
         ks = [len(r) for r in rows]
         v = engine.decode_verify_batched([t for r in rows for t in r], ks, seqs)
@@ -75,11 +86,11 @@ def test_a_batched_block_is_the_reference_block(drafter: Path, reference, forwar
         prop = engine.settle_verdict(seqs, kept, ks, [0, 1], nxt, 15 if step < 2 else 3)
         logits = engine.read_logits()
         last, drafts = nxt, [d[:3] for d in prop.drafts]
+        got = torch.frombuffer(bytearray(logits.data), dtype=torch.float32).view(logits.shape)
         for i in range(2):
             want = _expected(reference, committed[i], last[i])
             n = len(prop.drafts[i])
             assert prop.drafts[i] == want[:n].argmax(-1).tolist()
-            got = torch.frombuffer(bytearray(logits.data), dtype=torch.float32).view(logits.shape)
             torch.testing.assert_close(got[i], want[n - 1], atol=TOL, rtol=TOL)
 
 
