@@ -413,10 +413,12 @@ class Engine:
         model keeps each) and its device state (`state`, by `DeviceState` attribute)."""
         with self._hold():
             state = {n: v for n, v in vars(self.state).items() if isinstance(v, torch.Tensor)}
-            return {
-                "weights": {n: held_bytes([t]) for n, t in self.model.named_held().items()},
-                "state": {n: held_bytes([t]) for n, t in state.items()},
-            }
+            weights = {n: held_bytes([t]) for n, t in self.model.named_held().items()}
+            if self.blocks is not None:  # the DFlash drafter's, beside the target's
+                weights |= {
+                    f"dflash.{i}": held_bytes([t]) for i, t in enumerate(self.blocks.net.held)
+                }
+            return {"weights": weights, "state": {n: held_bytes([t]) for n, t in state.items()}}
 
     def held_bytes_by_rank(self) -> list[dict[str, dict[str, int]]]:
         """`held_bytes` of every rank, in rank order (one entry on one device)."""
