@@ -77,13 +77,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--fragment", action="store_true", help="hold a spare slot before sequence n/2"
     )
-    parser.add_argument("--mtp", action="store_true", help="also diff the batched propose")
-    parser.add_argument(
-        "--dflash",
-        action="store_true",
-        help="the sequences draft with the service's DFlash drafter: also diff its batched "
-        "block propose (an in-process engine loads --drafter)",
-    )
+    _add_drafter_args(parser)
     parser.add_argument(
         "--long-prompt",
         default=0,
@@ -108,6 +102,17 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "propose with --mtp (default %(default)s)",
     )
     _add_target_args(parser)
+
+
+def _add_drafter_args(parser: argparse.ArgumentParser) -> None:
+    """Which drafter's batched propose the diff takes too."""
+    parser.add_argument("--mtp", action="store_true", help="also diff the batched propose")
+    parser.add_argument(
+        "--dflash",
+        action="store_true",
+        help="the sequences draft with the service's DFlash drafter: also diff its batched "
+        "block propose (an in-process engine loads --drafter)",
+    )
 
 
 def _add_target_args(parser: argparse.ArgumentParser) -> None:

@@ -350,6 +350,37 @@ def _settled(
     return svc
 
 
+def _fixed_parts(
+    model: HybridModel,
+    svc: ServiceConfig,
+    dtype: torch.dtype,
+    weights: dict[str, int],
+    drafter: DFlashConfig | None,
+) -> dict[str, int]:
+    """The parts that do not grow with the slots: the weights (and a DFlash drafter's), the
+    RoPE table, and the workspace of the largest call."""
+    cfg = model.cfg
+    return {
+        "weights_bytes": sum(weights.values()),
+        "rope_bytes": held_bytes([model.rope]),
+        # A prefill's activations, or a verify's with its split kernels' partials, or the
+        # penalties of its rows once its logits are made: never two at once.
+        "workspace_bytes": max(
+            activation_bytes(cfg, padded_rows(svc.max_prefill_tokens), dtype.itemsize),
+            activation_bytes(cfg, padded_rows(svc.max_rows), dtype.itemsize)
+            + split_workspace_bytes(model, padded_rows(svc.max_rows)),
+            device_bytes(model.vocab[1] - model.vocab[0], 0, svc.max_rows)[1],
+            # A block propose: a block of rows for each of a batch's sequences.
+            activation_bytes(cfg, padded_rows(svc.max_batch * drafter.block_size), dtype.itemsize)
+            if drafter is not None
+            else 0,
+        ),
+        "dflash_weights_bytes": 0
+        if drafter is None
+        else held_bytes(meta_drafter(drafter, model, svc.max_context).held),
+    }
+
+
 def make_plan(
     name: str,
     cfg: ModelConfig,
@@ -376,25 +407,7 @@ def make_plan(
     model = meta_model(cfg, dtype, svc.max_context, size)
     cfg = model.cfg
     weights = by_dtype(model.held_tensors())
-    fixed = {
-        "weights_bytes": sum(weights.values()),
-        "rope_bytes": held_bytes([model.rope]),
-        # A prefill's activations, or a verify's with its split kernels' partials, or the
-        # penalties of its rows once its logits are made: never two at once.
-        "workspace_bytes": max(
-            activation_bytes(cfg, padded_rows(svc.max_prefill_tokens), dtype.itemsize),
-            activation_bytes(cfg, padded_rows(svc.max_rows), dtype.itemsize)
-            + split_workspace_bytes(model, padded_rows(svc.max_rows)),
-            device_bytes(model.vocab[1] - model.vocab[0], 0, svc.max_rows)[1],
-            # A block propose: a block of rows for each of a batch's sequences.
-            activation_bytes(cfg, padded_rows(svc.max_batch * drafter.block_size), dtype.itemsize)
-            if drafter is not None
-            else 0,
-        ),
-        "dflash_weights_bytes": 0
-        if drafter is None
-        else held_bytes(meta_drafter(drafter, model, svc.max_context).held),
-    }
+    fixed = _fixed_parts(model, svc, dtype, weights, drafter)
     if memory.bytes is not None:
         settle = Auto(auto, auto_blocks, auto_context)
         svc = _settled(model, svc, graphs, memory.bytes, sum(fixed.values()), settle, drafter)
