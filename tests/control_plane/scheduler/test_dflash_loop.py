@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -81,3 +82,26 @@ def test_penalties_a_grammar_and_mtp_beside(engine: Engine) -> None:
         return out
 
     assert _serve(engine, reqs(DFLASH)) == _serve(engine, reqs(NONE))
+
+
+def test_sampled_dflash_keeps_the_targets_distribution(
+    tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Seeded sampled requests: a seed replays, and the tokens the DFlash verifies choose
+    (rejection sampling against the drafter's q) are distributed as plain sampling's (the
+    chi-square test of the MTP head's)."""
+    from tests.gpu_service.test_sampling import _chi_square, _first_tokens
+
+    target = ModelConfig.load(tiny_dir)
+    drafter = write_drafter(
+        tmp_path_factory.mktemp("dflash"), target, taps=(0, target.num_hidden_layers - 1)
+    )
+    engine = Engine(
+        tiny_dir, ServiceConfig(verify_tiers="8:3,8:2", max_context=256), drafter=drafter
+    )
+    n = 240
+    spec, plain = _first_tokens(engine, DFLASH, n), _first_tokens(engine, NONE, n)
+    assert _first_tokens(engine, DFLASH, n) == spec, "a seed gives the same tokens"
+    for position in (2, 3):
+        stat, df, critical = _chi_square([t[position] for t in spec], [t[position] for t in plain])
+        assert stat < critical, f"position {position}: chi-square {stat:.1f} on {df} df"
