@@ -17,6 +17,7 @@ import torch
 from opentelemetry import propagate
 from opentelemetry.trace import SpanKind
 
+from gpu_service.dflash.config import check_ranks
 from gpu_service.engine import costs, graphs
 from gpu_service.engine.block_drafter import BlockDrafter
 from gpu_service.engine.choice import Choice
@@ -91,7 +92,7 @@ class Engine:
         run by every rank in the same order (`gpu_service/tp/ranks.py` sees to it). `drafter`:
         a DFlash drafter's directory (z-lab's layout), loaded beside the MTP head."""
         if drafter is not None and tp is not None:
-            raise ValueError("a DFlash drafter is not served under tensor parallelism yet")
+            check_ranks(tp.size)
         self.cfg = ModelConfig.load(model_dir)
         self.tp = tp
         self.svc = svc or ServiceConfig()

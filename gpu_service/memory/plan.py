@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from gpu_service.dflash.config import DFlashConfig, read_config
+from gpu_service.dflash.config import DFlashConfig, check_ranks, read_config
 from gpu_service.dflash.model import DFlashModel
 from gpu_service.dflash.weights import expected_tensors as expected_tensors_dflash
 from gpu_service.engine.penalties import device_bytes
@@ -442,7 +442,10 @@ def from_args(args: argparse.Namespace, device: torch.device, graphs: bool) -> M
     auto, size = args.num_slots == "auto", args.tensor_parallel_size
     blocks, context = args.kv_blocks == "auto", args.max_context is None
     # The drafter's shapes: its config alone (a plan reads no weights).
-    drafter = None if args.drafter is None else read_config(args.drafter, cfg)
+    drafter = None
+    if args.drafter is not None:
+        check_ranks(size)
+        drafter = read_config(args.drafter, cfg)
     return make_plan(name, cfg, svc, dtype, graphs, memory, auto, size, blocks, context, drafter)
 
 

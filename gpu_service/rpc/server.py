@@ -15,6 +15,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from gpu_service.dflash.config import check_ranks
 from gpu_service.dflash.weights import check_drafter
 from gpu_service.engine import graphs
 from gpu_service.engine.device import DeviceError, choose_device, default_forward
@@ -169,9 +170,8 @@ def _drafter_or_exit(args: argparse.Namespace) -> None:
     weight loads."""
     if args.drafter is None:
         return
-    if args.tensor_parallel_size > 1:
-        _refuse("--drafter is not served under --tensor-parallel-size above 1 yet")
     try:
+        check_ranks(args.tensor_parallel_size)
         check_drafter(args.drafter, ModelConfig.load(args.model))
     except (OSError, ValueError) as e:
         _refuse(e)
