@@ -61,18 +61,24 @@ def check_tensors(cfg: DFlashConfig, shapes: dict[str, tuple[int, ...]], where: 
             )
 
 
-def check_drafter(directory: Path, target: ModelConfig) -> DFlashConfig:
-    """The drafter's config and its tensors' names and shapes, checked without reading a
-    weight (what a service refuses before it loads anything)."""
+def _checked_file(cfg: DFlashConfig, directory: Path) -> Path:
+    """The drafter's weights file, its tensors' names and shapes checked from its header."""
     from safetensors import safe_open
 
-    cfg = read_config(directory, target)
     path = directory / WEIGHTS_FILE
     if not path.is_file():
         raise ValueError(f"{directory} holds no {WEIGHTS_FILE}")
     with safe_open(str(path), framework="pt") as f:
         shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
     check_tensors(cfg, shapes, str(path))
+    return path
+
+
+def check_drafter(directory: Path, target: ModelConfig) -> DFlashConfig:
+    """The drafter's config and its tensors' names and shapes, checked without reading a
+    weight (what a service refuses before it loads anything)."""
+    cfg = read_config(directory, target)
+    _checked_file(cfg, directory)
     return cfg
 
 
@@ -80,15 +86,10 @@ def load_tensors(
     cfg: DFlashConfig, directory: Path, dtype: torch.dtype, device: torch.device | str = "cpu"
 ) -> dict[str, torch.Tensor]:
     """Every tensor of the drafter, checked before any is read."""
-    from safetensors import safe_open
+    from safetensors.torch import load_file
 
-    path = directory / WEIGHTS_FILE
-    if not path.is_file():
-        raise ValueError(f"{directory} holds no {WEIGHTS_FILE}")
-    with safe_open(str(path), framework="pt") as f:
-        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
-        check_tensors(cfg, shapes, str(path))
-        return {k: f.get_tensor(k).to(device=device, dtype=dtype) for k in shapes}
+    tensors = load_file(str(_checked_file(cfg, directory)))
+    return {k: t.to(device=device, dtype=dtype) for k, t in tensors.items()}
 
 
 def save_tensors(weights: dict[str, torch.Tensor], directory: Path) -> None:
