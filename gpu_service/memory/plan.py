@@ -21,8 +21,6 @@ from pathlib import Path
 import torch
 
 from gpu_service.dflash.config import DFlashConfig, check_ranks, read_config
-from gpu_service.dflash.model import DFlashModel
-from gpu_service.dflash.weights import expected_tensors as expected_tensors_dflash
 from gpu_service.engine.penalties import device_bytes
 from gpu_service.engine.state import DeviceState
 from gpu_service.engine.verifier import SCORE_ROWS
@@ -32,22 +30,18 @@ from gpu_service.memory.plan_graphs import (
     graph_parts,
     split_workspace_bytes,
 )
+from gpu_service.memory.plan_meta import by_dtype, meta_drafter, meta_model
 from gpu_service.model.config import ModelConfig, ServiceConfig, read_json
 from gpu_service.model.hybrid import HybridModel, held_bytes
 from gpu_service.model.ops import padded_rows
-from gpu_service.model.quantization import fp8_names, scale_name, scale_shape
 from gpu_service.model.weights import (
     checkpoint_index,
     expected_tensors,
     served_config,
     serving_dtype,
-    weight_shapes,
 )
 from gpu_service.rpc.options import MAX_AUTO_SLOTS, service_config
-from gpu_service.tp.group import TpGroup
-from gpu_service.tp.shard import Shard, part, rank_config
 from kernels.attention.format import KEY_BLOCK
-from kernels.fp8.naive import FP8
 from protos.hub import model_name
 
 # `--kv-blocks auto` plans this share of the device memory: the rest is the allocator's and
@@ -153,64 +147,6 @@ def load_config(path: Path) -> ModelConfig:
     cfg = served_config(cfg, index)
     expected_tensors(cfg, index)  # what the engine would refuse is refused before it loads
     return cfg
-
-
-class MetaGroup(TpGroup):
-    """Rank 0 of `size`, for a model on the meta device that the plan counts and never runs:
-    it tells the model which token ids it holds (`HybridModel.vocab`). It has no peers."""
-
-    def __init__(self, size: int) -> None:
-        self.rank, self.size, self.reduce_mode, self.device = 0, size, "ordered", META
-
-
-def rank_shapes(cfg: ModelConfig, size: int) -> dict[str, tuple[int, ...]]:
-    """Every checkpoint tensor of `cfg` as rank 0 of `size` reads it (`tp.shard.part`)."""
-    shard, out = Shard(0, size), {}
-    for name, shape in weight_shapes(cfg).items():
-        spec = part(cfg, shard, name, shape)
-        if spec is not None:
-            dim, indices = spec
-            shape = (*shape[:dim], len(indices), *shape[dim + 1 :])
-        out[name] = shape
-    return out
-
-
-def meta_model(
-    cfg: ModelConfig, dtype: torch.dtype, max_context: int, size: int = 1
-) -> HybridModel:
-    """Rank 0 of `size`'s model on `meta`, its weights as it reads them from a checkpoint of
-    `cfg`: in `dtype`, or in FP8 with their scales where the config quantizes them.
-    ValueError where `size` does not split `cfg` (`tp.shard.check`)."""
-    held = rank_config(cfg, size)
-    shapes = rank_shapes(cfg, size)
-    fp8 = fp8_names(cfg.quantization, shapes)
-    weights = {}
-    for name, shape in shapes.items():
-        if name in fp8:
-            weights[name] = torch.empty(shape, dtype=FP8, device=META)
-            scales = torch.empty(scale_shape(shape), dtype=torch.float32, device=META)
-            weights[scale_name(name)] = scales
-        else:
-            weights[name] = torch.empty(shape, dtype=dtype, device=META)
-    group = None if size == 1 else MetaGroup(size)
-    return HybridModel(held, weights, max_context, group)
-
-
-def meta_drafter(cfg: DFlashConfig, model: HybridModel, max_context: int) -> DFlashModel:
-    """The DFlash drafter on `meta` as the engine holds it beside `model`."""
-    weights = {
-        name: torch.empty(shape, dtype=model.dtype, device=META)
-        for name, shape in expected_tensors_dflash(cfg).items()
-    }
-    return DFlashModel(cfg, weights, model.embed_rows, model.dtype, META, max_context)
-
-
-def by_dtype(tensors: list[torch.Tensor]) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for t in tensors:
-        name = str(t.dtype).removeprefix("torch.")
-        out[name] = out.get(name, 0) + held_bytes([t])
-    return out
 
 
 # -- what the slots own ------------------------------------------------------------------

@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from gpu_service.engine.facade import Engine
 from gpu_service.memory import plan, plan_graphs, plan_report
+from gpu_service.memory.plan_meta import meta_model
 from gpu_service.model.config import ModelConfig, ServiceConfig
 from gpu_service.model.hybrid import held_bytes
 from gpu_service.model.quantization import fp8_names
@@ -108,7 +109,7 @@ def test_flagship_workspace_holds_the_split_kernels_partials() -> None:
 
     cfg = ModelConfig.from_dict(QWEN3_NEXT_80B)
     svc = ServiceConfig()
-    model = plan.meta_model(cfg, torch.bfloat16, svc.max_context)
+    model = meta_model(cfg, torch.bfloat16, svc.max_context)
     rows = svc.max_rows
     partials = rows * cfg.num_attention_heads * MAX_SPLITS * (cfg.head_dim + 2) * 4
     assert plan_graphs.split_workspace_bytes(model, rows) >= partials
@@ -440,23 +441,3 @@ def test_the_context_is_the_models_lowered_to_what_memory_holds(tiny_dir: Path) 
     assert "(the model's 512, lowered to what the memory holds)" in plan_report.report(lowered)
     given = _plan(tiny_dir, *flags, "--device-memory", tight, "--max-context", "512")
     assert given.svc.max_context == 512 and given.fits is False
-
-
-def test_a_dflash_drafter_is_planned_as_the_engine_holds_it(tiny_dir: Path, tmp_path: Path) -> None:
-    """`--drafter`: its weights and its context KV, counted from its config alone, are what an
-    engine that loads it holds; its block's activations join the workspace."""
-    from gpu_service.model.config import ModelConfig
-    from tests.gpu_service.dflash.drafter import write_drafter
-
-    target = ModelConfig.load(tiny_dir)
-    drafter = write_drafter(tmp_path / "d", target, taps=(0, target.num_hidden_layers - 1))
-    engine = Engine(tiny_dir, TINY_SERVICE, drafter=drafter)
-    made = _plan(tiny_dir, *_tiny_flags("--drafter", str(drafter)))
-    plain = _plan(tiny_dir, *_tiny_flags())
-    state = engine.state
-    context = sum(t.numel() * t.element_size() for t in (state.dflash_k, state.dflash_v))
-    assert made.parts["dflash_kv_bytes"] == context > 0
-    assert engine.blocks is not None
-    assert made.parts["dflash_weights_bytes"] == held_bytes(engine.blocks.net.held)
-    assert plain.parts["dflash_weights_bytes"] == plain.parts["dflash_kv_bytes"] == 0
-    assert made.parts["workspace_bytes"] >= plain.parts["workspace_bytes"]

@@ -1,0 +1,78 @@
+"""The model and a DFlash drafter built on the `meta` device as the engine builds them, for the
+memory plan and the kernels' report to count and drive (`plan.py`)."""
+
+from __future__ import annotations
+
+import torch
+
+from gpu_service.dflash.config import DFlashConfig
+from gpu_service.dflash.model import DFlashModel
+from gpu_service.dflash.weights import expected_tensors as expected_tensors_dflash
+from gpu_service.memory.plan_graphs import META
+from gpu_service.model.config import ModelConfig
+from gpu_service.model.hybrid import HybridModel, held_bytes
+from gpu_service.model.quantization import fp8_names, scale_name, scale_shape
+from gpu_service.model.weights import weight_shapes
+from gpu_service.tp.group import TpGroup
+from gpu_service.tp.shard import Shard, part, rank_config
+from kernels.fp8.naive import FP8
+
+__all__ = ["META", "by_dtype", "meta_drafter", "meta_model", "rank_shapes"]
+
+
+class MetaGroup(TpGroup):
+    """Rank 0 of `size`, for a model on the meta device that the plan counts and never runs:
+    it tells the model which token ids it holds (`HybridModel.vocab`). It has no peers."""
+
+    def __init__(self, size: int) -> None:
+        self.rank, self.size, self.reduce_mode, self.device = 0, size, "ordered", META
+
+
+def rank_shapes(cfg: ModelConfig, size: int) -> dict[str, tuple[int, ...]]:
+    """Every checkpoint tensor of `cfg` as rank 0 of `size` reads it (`tp.shard.part`)."""
+    shard, out = Shard(0, size), {}
+    for name, shape in weight_shapes(cfg).items():
+        spec = part(cfg, shard, name, shape)
+        if spec is not None:
+            dim, indices = spec
+            shape = (*shape[:dim], len(indices), *shape[dim + 1 :])
+        out[name] = shape
+    return out
+
+
+def meta_model(
+    cfg: ModelConfig, dtype: torch.dtype, max_context: int, size: int = 1
+) -> HybridModel:
+    """Rank 0 of `size`'s model on `meta`, its weights as it reads them from a checkpoint of
+    `cfg`: in `dtype`, or in FP8 with their scales where the config quantizes them.
+    ValueError where `size` does not split `cfg` (`tp.shard.check`)."""
+    held = rank_config(cfg, size)
+    shapes = rank_shapes(cfg, size)
+    fp8 = fp8_names(cfg.quantization, shapes)
+    weights = {}
+    for name, shape in shapes.items():
+        if name in fp8:
+            weights[name] = torch.empty(shape, dtype=FP8, device=META)
+            scales = torch.empty(scale_shape(shape), dtype=torch.float32, device=META)
+            weights[scale_name(name)] = scales
+        else:
+            weights[name] = torch.empty(shape, dtype=dtype, device=META)
+    group = None if size == 1 else MetaGroup(size)
+    return HybridModel(held, weights, max_context, group)
+
+
+def meta_drafter(cfg: DFlashConfig, model: HybridModel, max_context: int) -> DFlashModel:
+    """The DFlash drafter on `meta` as the engine holds it beside `model`."""
+    weights = {
+        name: torch.empty(shape, dtype=model.dtype, device=META)
+        for name, shape in expected_tensors_dflash(cfg).items()
+    }
+    return DFlashModel(cfg, weights, model.embed_rows, model.dtype, META, max_context)
+
+
+def by_dtype(tensors: list[torch.Tensor]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for t in tensors:
+        name = str(t.dtype).removeprefix("torch.")
+        out[name] = out.get(name, 0) + held_bytes([t])
+    return out
