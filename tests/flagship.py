@@ -16,6 +16,8 @@ FLAGSHIP_CONFIG = (
     Path(__file__).resolve().parents[1] / "gpu_service/models/qwen3-next-80b-a3b/config.json"
 )
 QWEN3_NEXT_80B = json.loads(FLAGSHIP_CONFIG.read_text())
+# A 5-layer DFlash drafter shaped for it (z-lab's layout, hidden 2048, taps 1, 12, 23, 34, 45).
+FLAGSHIP_DRAFTER = FLAGSHIP_CONFIG.parent / "dflash"
 
 MINI_FLAGSHIP = ModelConfig(
     vocab_size=320,

@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from gpu_service.dflash.config import read_config
 from gpu_service.engine.facade import Engine
 from gpu_service.memory import plan, plan_graphs, plan_report
 from gpu_service.memory.plan_meta import meta_model
@@ -29,7 +30,7 @@ from gpu_service.tp.ranks import Launch, launch
 from met.main import build_parser, main
 from protos.defaults import DEFAULT_MODEL_DIR
 from tests.conftest import TINY_SERVICE
-from tests.flagship import QWEN3_NEXT_80B
+from tests.flagship import FLAGSHIP_DRAFTER, QWEN3_NEXT_80B
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")
@@ -64,9 +65,11 @@ def _tiny_flags(*more: str) -> tuple[str, ...]:
 # Slow: builds Qwen3-Next-80B's 76k weight tensors on the meta device.
 @pytest.mark.slow
 def test_flagship_weights_are_its_checkpoints_bytes() -> None:
+    """With the 5-layer DFlash drafter shaped for it, so every part is there."""
     cfg = ModelConfig.from_dict(QWEN3_NEXT_80B)
     svc = ServiceConfig(prefix_snapshots=4)
-    made = plan.make_plan("flagship", cfg, svc, torch.bfloat16, True, NO_MEMORY)
+    drafter = read_config(FLAGSHIP_DRAFTER, cfg)
+    made = plan.make_plan("flagship", cfg, svc, torch.bfloat16, True, NO_MEMORY, drafter=drafter)
     checkpoint = sum(2 * math.prod(s) for s in weight_shapes(cfg).values())
     # The held layout may add fp32 norm multipliers; nothing more.
     assert checkpoint <= made.parts["weights_bytes"] <= 1.02 * checkpoint

@@ -75,6 +75,7 @@ def test_bench_quick(tmp_path: Path) -> None:
         "mtp",
         "mtp_auto",
         "prompt_lookup",
+        "dflash",  # the bundled model ships a drafter
     }
     assert all(r["identical"] for r in report["methods"])
     assert report["model"] == "default"
@@ -97,6 +98,7 @@ def test_bench_quick(tmp_path: Path) -> None:
     assert "split mtp  at 1: pipelined" in result.stdout
     table = (tmp_path / "tables" / "bench.md").read_text()
     assert "| mtp | 1 |" in table and "| prompt_lookup | 4 |" in table
+    assert "| dflash | 4 |" in table
     assert "service idle between steps (gRPC, pipelined)" in table
     _check_figures(report, result.stdout, table)
     depth_arms = {r["arm"] for r in report["depth"]["rows"]}
