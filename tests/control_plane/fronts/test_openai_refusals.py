@@ -72,6 +72,13 @@ BAD = {
         "speculative",
         "speculative.method is {{}}; use one of none, mtp, prompt_lookup, dflash",  # str.format's
     ),
+    "speculative-dflash-without-a-drafter": (
+        {"extra_body": {"speculative": {"method": "dflash"}}},
+        400,
+        "speculative",
+        "speculative method dflash needs a GPU service with a DFlash drafter (met gpu-service "
+        "serve --drafter PATH); this one has none",
+    ),
     "logit_bias-key-past-int": (  # past int()'s 4,300 digits
         {"logit_bias": {"9" * 5000: 1}},
         400,
