@@ -34,6 +34,9 @@ class DFlashTrainConfig:
     weight_decay: float = 0.0
     seed: int = 0
     save_every: int = 100
+    # A drafter directory (as `met train dflash` exports) whose weights start the run, in
+    # place of the seeded initialisation: more training on more text from where one stopped.
+    init_from: str = ""
 
     @property
     def seq_len(self) -> int:

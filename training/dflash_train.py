@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from gpu_service.dflash.config import MASK_EMBEDDING, DFlashConfig
 from gpu_service.dflash.naive import Params, keys_values, layer, project_context, rms_norm
-from gpu_service.dflash.weights import expected_tensors
+from gpu_service.dflash.weights import expected_tensors, load_tensors
 from gpu_service.model.config import ModelConfig
 from training.dflash_options import DFlashTrainConfig
 from training.loop import Progress, lr_at, make_optimizer
@@ -135,6 +135,8 @@ def train(
     embed = target_params["model.embed_tokens.weight"].detach()
     lm_head = target_params.get("lm_head.weight", embed).detach()
     params = init_drafter(cfg, tc.seed)
+    if tc.init_from:
+        _start_from(params, cfg, Path(tc.init_from))
     opt = make_optimizer(params, tc)
     path = work / STATE_FILE
     step, log, seconds = _load(path, params, opt, tc)
@@ -176,6 +178,14 @@ def train(
             _save(path, params, opt, step, tc, log, seconds + elapsed)
     progress.close()
     return {k: v.detach() for k, v in params.items()}, log, seconds + elapsed
+
+
+def _start_from(params: Params, cfg: DFlashConfig, directory: Path) -> None:
+    """The weights of an exported drafter of the same shapes (checked by name and shape)."""
+    loaded = load_tensors(cfg, directory, torch.float32)
+    with torch.no_grad():
+        for name, w in params.items():
+            w.copy_(loaded[name])
 
 
 def _save(

@@ -92,3 +92,14 @@ def test_the_loss_falls_and_a_stopped_run_resumes_to_the_same_weights(tmp_path):
     assert [e["loss"] for e in log_b] == [e["loss"] for e in log]
     for k, v in whole.items():
         assert torch.equal(v, resumed[k]), k
+
+
+def test_a_run_starts_from_an_exported_drafter(tmp_path):
+    from gpu_service.dflash.weights import save_tensors
+
+    cfg, p, embed, _, _ = _setup(seed=3)
+    save_tensors({k: v.detach() for k, v in p.items()}, tmp_path / "init")
+    tc = replace(TC, steps=1, save_every=1, lr=0.0, warmup=1, init_from=str(tmp_path / "init"))
+    weights, _, _ = train(_data(), {"model.embed_tokens.weight": embed}, cfg, tmp_path / "w", tc)
+    for k, v in p.items():
+        assert torch.equal(weights[k], v.detach()), k
