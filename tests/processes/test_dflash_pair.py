@@ -1,26 +1,25 @@
-"""DFlash through both processes: a GPU service started with --drafter and a control plane,
-talking gRPC over loopback. Greedy dflash equals none token for token, alone and 16 at once,
-with penalties and a grammar beside; a service without a drafter refuses the method."""
+"""DFlash through both processes: a GPU service serving the bundled model with its drafter
+(--drafter) and a control plane, talking gRPC over loopback. Greedy dflash equals none token
+for token on the held-out prompts, alone and 16 at once, with penalties and a grammar beside;
+a service without a drafter refuses the method."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import grpc
 import pytest
 
 from control_plane.cli.launch import start_control_plane, start_gpu_service, stop
-from gpu_service.model.config import ModelConfig
+from control_plane.scheduler.seq import GenRequest
+from protos.defaults import DEFAULT_MODEL_DIR, DRAFTER_DIR
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
 from protos.params import DFLASH, NONE
-from tests.conftest import SERVE_ARGS
-from tests.control_plane.scheduler.test_loop import mixed_requests
-from tests.gpu_service.dflash.drafter import write_drafter
 from tests.processes.test_generation_api import collect
+from tools.bench.workload import Workload
 
 # Slow: every test here waits on a GPU service and a control plane starting.
 pytestmark = pytest.mark.slow
@@ -28,19 +27,25 @@ METHOD = {DFLASH: pb.SPECULATIVE_METHOD_DFLASH, NONE: pb.SPECULATIVE_METHOD_NONE
 
 
 @pytest.fixture(scope="module")
-def pair(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    target = ModelConfig.load(tiny_dir)
-    taps = (0, target.num_hidden_layers - 1)
-    drafter = write_drafter(tmp_path_factory.mktemp("dflash"), target, taps=taps, scale=0.2)
-    gpu, served = start_gpu_service(tiny_dir, *SERVE_ARGS, "--drafter", str(drafter))
+def pair() -> Iterator[str]:
+    drafter = DEFAULT_MODEL_DIR / DRAFTER_DIR
+    gpu, served = start_gpu_service(
+        DEFAULT_MODEL_DIR, "--max-context", "512", "--drafter", str(drafter)
+    )
     try:
-        cp, target_addr = start_control_plane(served, "--tokenizer", str(tiny_dir))
+        cp, target_addr = start_control_plane(served)
         try:
             yield target_addr
         finally:
             assert stop(cp) == 0
     finally:
         assert stop(gpu) == 0
+
+
+def held_out(method: str, n: int) -> list[GenRequest]:
+    """The bundled model's held-out prompts, 24 tokens each."""
+    prompts = Workload(DEFAULT_MODEL_DIR).prompts
+    return [GenRequest(f"r{i}", prompts[i % len(prompts)], 24, method=method) for i in range(n)]
 
 
 def _wire(req, method: str, **extra) -> pb.GenerateRequest:
@@ -53,7 +58,7 @@ def _wire(req, method: str, **extra) -> pb.GenerateRequest:
 
 
 def _run(stub, method: str, n: int, **extra) -> list[tuple]:
-    reqs = mixed_requests(method, n)
+    reqs = held_out(method, n)
     with ThreadPoolExecutor(n) as pool:
         return list(pool.map(lambda r: collect(stub, _wire(r, method, **extra)), reqs))
 
@@ -81,6 +86,7 @@ def test_greedy_dflash_equals_none_over_grpc(pair: str, n: int) -> None:
     assert [d[0] for d in dflash] == [p[0] for p in none]
     assert grammar[0] == grammar[1]
     assert sum(d[2].speculative_stats.drafted for d in dflash) > 0
+    assert sum(d[2].speculative_stats.accepted for d in dflash) > 0, "drafts stood"
 
 
 def test_a_service_without_a_drafter_refuses_dflash(stub) -> None:
