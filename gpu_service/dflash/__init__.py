@@ -7,4 +7,7 @@ block of drafts in one non-causal forward.
 - `naive.py`: the published algorithm in plain torch, the reference the engine and the
   training forward are held to.
 
-May import `gpu_service.model` (the target's config) and torch; nothing of the engine."""
+- `model.py`: its batched forward over the target's ops, its context in the engine's paged pool.
+
+May import `gpu_service.model` (the target's config and ops), the engine's device state and
+torch; the engine's parts import it, never the reverse."""
