@@ -45,7 +45,7 @@ def pointwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> to
     """`fn(x)` for an elementwise `fn`, with every element taking the vector path. A strided
     view (a column slice) is not flattened: the loop then runs row by row, each row with the
     same body and tail whatever the number of rows, so it needs no padding."""
-    if not x.is_contiguous() and x.stride(-1) == 1:
+    if torch.compiler.is_compiling() or (not x.is_contiguous() and x.stride(-1) == 1):
         return fn(x)
     flat = x.reshape(-1)
     step = _VECTOR_STEP * max(1, torch.get_num_threads())

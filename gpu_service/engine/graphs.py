@@ -102,6 +102,14 @@ def _pool():
     return _POOL[0]
 
 
+def compile_capture(run: Run) -> Run:
+    """The CPU's counterpart of a capture: `run` compiled by inductor into one C++ function
+    (`compiled.py`), run once now (the compile happens there), and at every replay."""
+    from gpu_service.engine.compiled import compile_run
+
+    return compile_run(run)
+
+
 def replay_eagerly(run: Run) -> Run:
     """The CPU's stand-in for a capture: `run` once now, as the warm-up before a capture, and
     again at every replay."""

@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import torch
 
-from gpu_service.engine.state import DeviceState
+from gpu_service.engine.state import DeviceState, put_rows
 from gpu_service.model.batch import Batch
 from gpu_service.model.config import ModelConfig
 from gpu_service.model.ops import ROW_TILE, linear
@@ -38,6 +38,10 @@ class Cache(NamedTuple):
     table: torch.Tensor
     writes: torch.Tensor  # [R] where the call's rows go in the pool viewed as [blocks * KB, ..]
     reads: torch.Tensor | None  # the ops' `key_rows` of the call: where its tiles' keys lie
+    # The stacked pools [layer, ...] that k and v are layer `layer` of, where writes go
+    # (`put_rows`); None: k and v are whole pools.
+    stack: tuple[torch.Tensor, torch.Tensor] | None = None
+    layer: int = 0
 
 
 class EagerOps:
@@ -115,9 +119,9 @@ class EagerOps:
             mixed, state.conv[layer].index_select(0, batch.seq_slot), weight, batch.conv_src
         )
         if not prefill:
-            state.verify_conv[layer].index_put_((batch.row_vrow,), after[: batch.rows])
+            put_rows(state.verify_conv, layer, (batch.row_vrow,), after[: batch.rows])
         if prefill or write_live:
-            state.conv[layer].index_put_((batch.seq_slot,), after.index_select(0, batch.last_row))
+            put_rows(state.conv, layer, (batch.seq_slot,), after.index_select(0, batch.last_row))
         b, t = batch.num_seqs, batch.steps
         hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -132,15 +136,15 @@ class EagerOps:
             o, final = varlen_chunk_gated_delta_rule(
                 q, k, v, gb[0], gb[1], live.index_select(0, batch.seq_slot), batch.chunk
             )
-            live.index_put_((batch.seq_slot,), final)
+            put_rows(state.gdn, layer, (batch.seq_slot,), final)
         else:
             o, states = varlen_recurrent_gated_delta_rule(
                 q, k, v, gb[0], gb[1], live.index_select(0, batch.seq_slot)
             )
             states = states.flatten(0, 1)
-            state.verify_gdn[layer].index_put_((batch.grid_vrow,), states)
+            put_rows(state.verify_gdn, layer, (batch.grid_vrow,), states)
             if write_live:
-                live.index_put_((batch.seq_slot,), states.index_select(0, batch.grid_last))
+                put_rows(state.gdn, layer, (batch.seq_slot,), states.index_select(0, batch.grid_last))
         return o.flatten(0, 1).index_select(0, batch.row_grid)
 
     def argmax_logprob(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

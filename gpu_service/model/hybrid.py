@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
-from gpu_service.engine.state import DeviceState
+from gpu_service.engine.state import DeviceState, put_rows
 from gpu_service.model.backend import EAGER, Cache, Ops
 from gpu_service.model.batch import Batch, Layout, Segment, build
 from gpu_service.model.config import FULL, ModelConfig
@@ -196,7 +196,8 @@ class HybridModel:
             if kind == FULL:
                 i = self.full_index[n]
                 k, v = state.k_cache[i], state.v_cache[i]
-                cache = Cache(k, v, None, state.block_table, writes, reads)
+                stack = (state.k_cache, state.v_cache)
+                cache = Cache(k, v, None, state.block_table, writes, reads, stack, i)
                 h = self._attention(f"{p}.self_attn", h, batch, rope, cache)
             else:
                 h = self._gdn(n, h, batch, state, mode, write_live)
@@ -435,8 +436,13 @@ def _write_kv(
     """The new rows' keys and values into their slots at their positions (marked valid in the
     drafter's cache), before any row attends: one indexed write each."""
     where = (cache.writes,)
-    cache.k.view(-1, *cache.k.shape[2:]).index_put_(where, k[: batch.rows])
-    cache.v.view(-1, *cache.v.shape[2:]).index_put_(where, v[: batch.rows])
+    if cache.stack is not None:
+        block, offset = cache.writes // KEY_BLOCK, cache.writes % KEY_BLOCK
+        for pool, rows in zip(cache.stack, (k, v), strict=True):
+            put_rows(pool, cache.layer, (block, offset), rows[: batch.rows])
+    else:
+        cache.k.view(-1, *cache.k.shape[2:]).index_put_(where, k[: batch.rows])
+        cache.v.view(-1, *cache.v.shape[2:]).index_put_(where, v[: batch.rows])
     if cache.valid is not None:
         cache.valid.view(-1).index_put_(where, _true(cache.valid.device))
 
