@@ -12,6 +12,7 @@ import torch
 
 from control_plane.cli.launch import start_control_plane, start_gpu_service, stop
 from control_plane.replicas.client import GrpcModel
+from gpu_service.engine.compiled import NO_COMPILE_ENV
 from gpu_service.engine.device import choose_device
 from gpu_service.engine.facade import Engine
 from gpu_service.model.config import ModelConfig, ServiceConfig
@@ -24,10 +25,13 @@ choose_device()
 
 @pytest.fixture(scope="session", autouse=True)
 def _cache_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """Measured cost tables go under $XDG_CACHE_HOME: a directory of the run's own, set before
+    """Measured cost tables and compiled steps go under $XDG_CACHE_HOME: a directory of the run's own, set before
     any service process starts so that it inherits it, never the user's cache."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
+        # Services the tests start run the step eagerly unless a test passes --compile: a
+        # compile costs tens of seconds the other tests do not test.
+        mp.setenv(NO_COMPILE_ENV, "1")
         yield
 
 

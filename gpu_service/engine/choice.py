@@ -23,3 +23,12 @@ class Choice:
         self.after_fold: Callable[[DeviceState, list[int]], None] | None = None
         # The captured graphs (engine/graphs.py) the batched forwards replay; None: eager.
         self.graphs: Graphs | None = None
+
+    def replayed(self) -> Graphs | None:
+        """The graphs a forward replays: the serial forwards run eagerly against captured
+        graphs (a PASS holds the graphs to the eager bytes), but replay compiled ones, whose
+        fused arithmetic rounds otherwise: one sequence in the smallest bucket, so that the
+        circuit diff compares compiled against compiled-serial."""
+        if self.graphs is None or (self.serial and not self.graphs.compiled):
+            return None
+        return self.graphs

@@ -16,18 +16,52 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
+# torch itself is imported by `compile_run`: the service's flags read this module.
 
 Run = Callable[[], None]
 
 # Inductor's own switch for its cache directory, read when a compile starts.
 CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+# Set (to anything): a service left to choose runs the step eagerly (the test suite sets it for
+# the services it starts, which compile only when a test asks with --compile).
+NO_COMPILE_ENV = "METRALE_NO_COMPILE"
 _COMPILED = 0
+
+
+def cache_dir() -> Path:
+    """`$XDG_CACHE_HOME/met/compile`, by default `~/.cache/met/compile`: inductor keys each
+    entry by the graph, the compiler's flags and torch's version, so models share it."""
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "met" / "compile"
+
+
+def decide(
+    asked: bool | None, device: torch.device, tp_size: int, environ: Mapping[str, str]
+) -> tuple[bool, str]:
+    """Whether a service compiles its step -> (yes, why not when not). `asked`: --compile
+    (True), --no-compile (False), neither (None: on the CPU where a C++ compiler is, unless
+    NO_COMPILE_ENV is set). ValueError with a sentence where --compile cannot be honoured."""
+    why = None
+    if device.type != "cpu":
+        why = f"the step is compiled on the CPU only; on {device.type} captured graphs do it"
+    elif tp_size > 1:
+        why = "the step is not compiled under tensor parallelism"
+    else:
+        why = compiler_missing()
+    if asked and why:
+        raise ValueError(f"--compile: {why}")
+    if asked is None and not why and NO_COMPILE_ENV in environ:
+        why = f"{NO_COMPILE_ENV} is set"
+    if asked is False:
+        why = "--no-compile"
+    return why is None, why or ""
 
 
 def compiler_missing() -> str | None:
@@ -47,6 +81,8 @@ def use_cache(directory: Path) -> None:
 
 def compile_run(run: Run) -> Run:
     """`run` compiled and run once -> its replay."""
+    import torch
+
     global _COMPILED
     _COMPILED += 1
     # A code object of its own: dynamo keeps its cache entries on the code object.
@@ -67,5 +103,20 @@ def compile_run(run: Run) -> Run:
     return replay
 
 
-def interpreter_note() -> str:
-    return f"python {sys.version_info.major}.{sys.version_info.minor}, torch {torch.__version__}"
+def summary(built: list[tuple[tuple, float]], cache: str) -> str:
+    """The start-up line: what was compiled, in how long, where the cache is."""
+    verify = sorted(k[3] for k, _ in built if k[1] == "verify")
+    chain = sorted(k[3] for k, _ in built if k[1] == "chain")
+    (_, _, bucket, *_rest) = built[0][0]
+    parts = [f"the verify of {_span(verify)} rows"] if verify else []
+    parts += [f"the drafter's chain of {_span(chain)} drafts"] if chain else []
+    seconds = sum(t for _, t in built)
+    return (
+        f"gpu-service compiled the step for the CPU: {' and '.join(parts)} per sequence, "
+        f"{bucket} sequences, in {seconds:.1f} s (other buckets and key lengths compile at "
+        f"their first call); cache {cache or cache_dir()}"
+    )
+
+
+def _span(values: list[int]) -> str:
+    return str(values[0]) if len(values) == 1 else f"{values[0]} to {values[-1]}"

@@ -11,6 +11,7 @@ import torch
 
 from gpu_service.engine.block_drafter import BlockDrafter
 from gpu_service.engine.choice import Choice
+from gpu_service.engine.graphs import Graphs
 from gpu_service.engine.sampling import check_sampling, distribution, draw
 from gpu_service.engine.sequence import IDLE, SeqState
 from gpu_service.engine.state import DeviceState
@@ -183,9 +184,9 @@ class Drafter:
         at a time. -> drafts [n, nd] int64, confidences [n, nd] fp32 (the draft's softmax
         probability); the last draft's logits stay in the buffer."""
         n = tok.shape[0]
-        graphs = self.choice.graphs
-        if graphs is not None and not sampled and not self.choice.serial:
-            graphed = graphs.chain(tok, hidden, slots, pos, top, num_drafts)
+        graphs = self.choice.replayed()
+        if graphs is not None and not sampled:
+            graphed = self._graphed(graphs, tok, hidden, slots, pos, top, num_drafts)
             if graphed is not None:
                 drafts, confs, self.state.logits = graphed
                 if states is not None:
@@ -205,6 +206,30 @@ class Drafter:
             logits.append(lg)
         self.state.logits = torch.cat(logits)
         return torch.cat([d for d, _ in out]), torch.cat([c for _, c in out])
+
+    def _graphed(
+        self,
+        graphs: Graphs,
+        tok: torch.Tensor,
+        hidden: torch.Tensor,
+        slots: torch.Tensor,
+        pos: torch.Tensor,
+        top: int,
+        num_drafts: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The chain by a graph (`Graphs.chain`); `*-serial` replays it one sequence at a time,
+        each result copied out before the next replay overwrites it."""
+        if not self.choice.serial:
+            return graphs.chain(tok, hidden, slots, pos, top, num_drafts)
+        parts = []
+        for i in range(tok.shape[0]):
+            one = slice(i, i + 1)
+            got = graphs.chain(tok[one], hidden[one], slots[one], pos[one], top, num_drafts)
+            if got is None:
+                return None
+            parts.append([t.clone() for t in got])
+        drafts, confs, logits = (torch.cat(p) for p in zip(*parts, strict=True))
+        return drafts, confs, logits
 
     def _chain(
         self,

@@ -18,7 +18,7 @@ from opentelemetry import propagate
 from opentelemetry.trace import SpanKind
 
 from gpu_service.dflash.config import check_ranks
-from gpu_service.engine import costs, graphs
+from gpu_service.engine import compiled, costs, graphs
 from gpu_service.engine.block_drafter import BlockDrafter
 from gpu_service.engine.choice import Choice
 from gpu_service.engine.device import describe_device, resolve_device
@@ -133,8 +133,29 @@ class Engine:
         # Under tensor parallelism each replay would hold collectives; graphs stay off there.
         if tp is None and graphs.wanted(self.svc.cuda_graphs, self.device, os.environ):
             self.use_graphs(graphs.cuda_capture)
+        # (key, seconds) of each graph compiled at start-up (`compile_step`).
+        self.compiled_at_start: list[tuple[tuple, float]] = []
+        if self.svc.compile:
+            self.compile_step()
 
-    def use_graphs(self, capture: Capture | None) -> None:
+    def compile_step(self) -> None:
+        """The batched verify and the drafter's chain compiled per batch bucket on the CPU
+        (`engine/compiled.py`), inductor's caches in `svc.compile_cache`; one request's steps
+        at short contexts are compiled now (`Graphs.warm`), the other keys at their first call."""
+        if self.device.type != "cpu" or self.tp is not None:
+            raise ValueError("compile_step: the step is compiled on one CPU device only")
+        compiled.use_cache(
+            Path(self.svc.compile_cache) if self.svc.compile_cache else compiled.cache_dir()
+        )
+        self.use_graphs(graphs.compile_capture, compiled=True)
+        assert self.choice.graphs is not None
+        deepest = max(self.svc.slot_verify_drafts)
+        with self._hold():
+            self.compiled_at_start = self.choice.graphs.warm(
+                range(1, deepest + 2), range(1, deepest + 1) if self.cfg.has_mtp else range(0)
+            )
+
+    def use_graphs(self, capture: Capture | None, compiled: bool = False) -> None:
         """Replay the batched verify and the chain from graphs captured by `capture` (None:
         eager). The CPU has no graphs; tests pass `graphs.replay_eagerly` to run the same
         buffers, padding and fallbacks without a capture."""
@@ -147,7 +168,12 @@ class Engine:
                 None
                 if capture is None
                 else Graphs(
-                    self.model, self.state, self.svc.max_batch, self.svc.max_context, capture
+                    self.model,
+                    self.state,
+                    self.svc.max_batch,
+                    self.svc.max_context,
+                    capture,
+                    compiled,
                 )
             )
 

@@ -26,6 +26,8 @@ same buffers, which is how the tests exercise all but the capture itself."""
 
 from __future__ import annotations
 
+import functools
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
@@ -70,11 +72,13 @@ def bucket_for(n: int, sizes: tuple[int, ...]) -> int | None:
     return next((b for b in sizes if b >= n), None)
 
 
-def key_bucket(length: int, max_context: int) -> int:
-    """Keys a graph's attention reads to see `length` positions: a power of two of key blocks,
-    at most the context."""
-    blocks = -(-length // KEY_BLOCK)
-    return min(KEY_BLOCK * (1 << max(blocks - 1, 0).bit_length()), max_context)
+def key_bucket(length: int, max_context: int, first: int = 1, factor: int = 2) -> int:
+    """Keys a graph's attention reads to see `length` positions: `first` key blocks times a
+    power of `factor`, at most the context."""
+    blocks, bucket = -(-length // KEY_BLOCK), first
+    while bucket < blocks:
+        bucket *= factor
+    return min(KEY_BLOCK * bucket, max_context)
 
 
 def cuda_capture(run: Run) -> Run:
@@ -135,9 +139,16 @@ class Graphs:
         max_batch: int,
         max_context: int,
         capture: Capture,
+        compiled: bool = False,
     ) -> None:
         self.model, self.state, self.capture = model, state, capture
         self.sizes, self.max_context = buckets(max_batch), max_context
+        # A compiled key costs seconds to build where a CUDA capture costs milliseconds: key
+        # lengths grow fourfold from four blocks, so that a context passes through few keys.
+        # Its bytes differ from the eager forward's (fusion rounds otherwise), so the serial
+        # forwards replay the same graphs, one sequence in the smallest bucket.
+        self.compiled = compiled
+        self.key_steps = (4, 4) if compiled else (1, 2)
         self.graphs: dict[tuple, _Graph] = {}
         self.failed: dict[tuple, str] = {}  # keys whose capture raised, and what it raised
         self.fallbacks = 0
@@ -182,7 +193,7 @@ class Graphs:
             self.fallbacks += 1
             return None
         (k,) = counts
-        keys = key_bucket(max(s.start + s.count for s in segs), self.max_context)
+        keys = key_bucket(max(s.start + s.count for s in segs), self.max_context, *self.key_steps)
         key = (self.model.ops.name, "verify", b, k, keys, write_live)
         graph = self._get(key, lambda: self._capture_verify(key, b, k, keys, write_live))
         if graph is None:
@@ -260,7 +271,7 @@ class Graphs:
         if b is None:
             self.fallbacks += 1
             return None
-        keys = key_bucket(top + num_drafts, self.max_context)
+        keys = key_bucket(top + num_drafts, self.max_context, *self.key_steps)
         key = (self.model.ops.name, "chain", b, num_drafts, keys)
         graph = self._get(key, lambda: self._capture_chain(key, b, num_drafts, keys))
         if graph is None:
@@ -301,3 +312,29 @@ class Graphs:
         graph = _Graph(self.capture(run), [ints, hiddens], [drafts, confs, logits])
         self.graphs[key] = graph
         return graph
+
+    # -- ahead of the first call -------------------------------------------------------
+
+    def warm(self, rows: range, drafts: range) -> list[tuple[tuple, float]]:
+        """The smallest bucket's verify of each row count in `rows` and chain of each draft
+        count in `drafts`, at the first key length, built now -> (key, seconds) of each built:
+        what one request's steps replay until its context passes the first key length."""
+        b, keys, name = (
+            self.sizes[0],
+            key_bucket(1, self.max_context, *self.key_steps),
+            self.model.ops.name,
+        )
+        jobs: list[tuple[tuple, Callable[[], _Graph]]] = []
+        for k in rows:
+            key = (name, "verify", b, k, keys, False)
+            jobs.append((key, functools.partial(self._capture_verify, key, b, k, keys, False)))
+        for d in drafts:
+            key = (name, "chain", b, d, keys)
+            jobs.append((key, functools.partial(self._capture_chain, key, b, d, keys)))
+        out = []
+        for key, capture in jobs:
+            if key not in self.graphs and key not in self.failed:
+                start = time.perf_counter()
+                self._get(key, capture)
+                out.append((key, time.perf_counter() - start))
+        return out

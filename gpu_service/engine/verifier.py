@@ -80,7 +80,7 @@ class Verifier:
     ) -> torch.Tensor:
         """Every sequence's rows through the target -> their final hiddens [R, H]."""
 
-        graphs = self.choice.graphs if mode == VERIFY and not self.choice.serial else None
+        graphs = self.choice.replayed() if mode == VERIFY else None
         self.slots.cover(states, [s.seq_len + len(r) for s, r in zip(states, rows, strict=True)])
 
         def fn(idx: list[int]) -> torch.Tensor:

@@ -8,6 +8,7 @@ import json
 import os
 import sys
 
+from gpu_service.engine import compiled
 from gpu_service.engine.device import DeviceError, resolve_device
 from gpu_service.engine.graphs import NO_GRAPHS_ENV
 from gpu_service.engine.verifier import SCORE_ROWS
@@ -154,7 +155,11 @@ def run(args: argparse.Namespace) -> int:
     does not fit, 2 on a bad flag or config (one sentence on stderr)."""
     graphs = args.cuda_graphs and args.device != "cpu" and NO_GRAPHS_ENV not in os.environ
     try:
-        plan = from_args(args, resolve_device(args.device), graphs)
+        device = resolve_device(args.device)
+        # Compiled keys hold buffers as captured graphs do.
+        tp = args.tensor_parallel_size
+        graphs = graphs or compiled.decide(args.compile, device, tp, os.environ)[0]
+        plan = from_args(args, device, graphs)
     except (DeviceError, OSError, ValueError) as e:
         print(f"met gpu-service plan: error: {e}", file=sys.stderr)
         return 2

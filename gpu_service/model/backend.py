@@ -144,7 +144,9 @@ class EagerOps:
             states = states.flatten(0, 1)
             put_rows(state.verify_gdn, layer, (batch.grid_vrow,), states)
             if write_live:
-                put_rows(state.gdn, layer, (batch.seq_slot,), states.index_select(0, batch.grid_last))
+                put_rows(
+                    state.gdn, layer, (batch.seq_slot,), states.index_select(0, batch.grid_last)
+                )
         return o.flatten(0, 1).index_select(0, batch.row_grid)
 
     def argmax_logprob(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -325,6 +325,10 @@ class ServiceConfig:
     cuda_graphs: bool = (
         True  # replay captured graphs on a CUDA device (gpu_service/engine/graphs.py)
     )
+    # Compile the step on the CPU (gpu_service/engine/compiled.py): the library's engines stay
+    # eager unless asked; `met gpu-service serve` asks by default where a C++ compiler is.
+    compile: bool = False
+    compile_cache: str = ""  # inductor's cache directory ("": `compiled.cache_dir()`)
     # --num-slots: None gives one slot per tier entry; N gives the tiers' capacities to the
     # first N slots and the last tier's to any beyond them.
     num_slots_override: int | None = None

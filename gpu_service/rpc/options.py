@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
 
+from gpu_service.engine.compiled import NO_COMPILE_ENV
 from gpu_service.model.config import (
     DFLASH_VERIFY_TIERS,
     ModelConfig,
@@ -253,6 +254,22 @@ def _add_capacity_args(parser: argparse.ArgumentParser, prefix_snapshots: int) -
 
 def _add_graphs_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="on the CPU, compile the batched verify and the drafter's chain per batch bucket "
+        "with torch.compile (inductor, C++ wrapper); a start-up line says what it compiled and "
+        f"how long it took (default: on where a C++ compiler is, unless {NO_COMPILE_ENV} is set)",
+    )
+    parser.add_argument(
+        "--compile-cache",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="inductor's caches, so that a second start loads the compiled step "
+        "(default: $XDG_CACHE_HOME/met/compile)",
+    )
+    parser.add_argument(
         "--cuda-graphs",
         action=argparse.BooleanOptionalAction,
         default=ServiceConfig.cuda_graphs,
@@ -301,6 +318,7 @@ def service_config(args: argparse.Namespace, cfg: ModelConfig) -> ServiceConfig:
         max_batch=args.max_batch,
         max_prefill_tokens=args.max_prefill_tokens,
         cuda_graphs=args.cuda_graphs,
+        compile_cache=str(args.compile_cache or ""),
         num_slots_override=args.num_slots if isinstance(args.num_slots, int) else None,
     )
 

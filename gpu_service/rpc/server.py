@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+from dataclasses import replace
 from typing import NoReturn
 
 import grpc
@@ -17,7 +18,7 @@ from grpc_reflection.v1alpha import reflection
 
 from gpu_service.dflash.config import check_ranks
 from gpu_service.dflash.weights import check_drafter
-from gpu_service.engine import graphs
+from gpu_service.engine import compiled, graphs
 from gpu_service.engine.device import DeviceError, choose_device, default_forward
 from gpu_service.engine.facade import Engine
 from gpu_service.memory import plan, plan_report
@@ -116,9 +117,12 @@ async def serve(
         if caps.tensor_parallel_size > 1
         else ""
     )
+    if engine.compiled_at_start:
+        print(compiled.summary(engine.compiled_at_start, svc.compile_cache), flush=True)
     print(
         f"gpu-service serving {engine.name} ({svc.num_slots} slots{quantized}) on "
-        f"{caps.device}{split}, forward {engine.forward_name}",
+        f"{caps.device}{split}, forward {engine.forward_name}"
+        f"{' (compiled)' if engine.compiled_at_start else ''}",
         flush=True,
     )
 
@@ -177,12 +181,13 @@ def _drafter_or_exit(args: argparse.Namespace) -> None:
         _refuse(e)
 
 
-def _planned(args: argparse.Namespace, device: torch.device) -> ServiceConfig:
+def _planned(args: argparse.Namespace, device: torch.device, compiling: bool) -> ServiceConfig:
     """The memory plan (gpu_service/memory/plan.py), made before anything loads and summed up on
     stdout; a plan that does not fit the device ends the process. -> the settings planned
-    (`--num-slots auto` settled)."""
+    (`--num-slots auto` settled). Compiled keys hold buffers as captured graphs do."""
     try:
-        made = plan.from_args(args, device, graphs.wanted(args.cuda_graphs, device, os.environ))
+        wanted = graphs.wanted(args.cuda_graphs, device, os.environ) or compiling
+        made = plan.from_args(args, device, wanted)
     except (OSError, ValueError) as e:
         _refuse(e)
     print(plan_report.summary(made), flush=True)
@@ -196,6 +201,12 @@ def run(args: argparse.Namespace) -> None:
     device = _device_or_exit(args.device)
     _ranks_or_exit(args.tensor_parallel_size, device)
     _drafter_or_exit(args)
-    svc = _planned(args, device)
+    try:
+        on, why = compiled.decide(args.compile, device, args.tensor_parallel_size, os.environ)
+    except ValueError as e:
+        _refuse(e)
+    if not on:
+        print(f"gpu-service runs the step eagerly: {why}", flush=True)
+    svc = replace(_planned(args, device, on), compile=on)
     logging.basicConfig(level=logging.INFO)
     tls.or_exit(PROG, lambda a: asyncio.run(serve(a, svc, device, credentials)), args)
