@@ -13,11 +13,14 @@ from kernels.attention.naive import pool_index
 def put_rows(
     stack: torch.Tensor, layer: int, index: tuple[torch.Tensor, ...], values: torch.Tensor
 ) -> None:
-    """stack[layer][index] = values for a per-layer buffer [layer, ...], written as one indexed
+    """stack[layer][index] = values for a per-layer buffer [layer, ...]. Compiled, one indexed
     write of the whole buffer: a compiled forward writes a buffer in place only when every
     write names the buffer itself; one through a view (`stack[layer]`, or `stack.view(...)`
     for a second time) copies all of it at every call."""
-    stack.index_put_((torch.full_like(index[0], layer), *index), values)
+    if torch.compiler.is_compiling():
+        stack.index_put_((torch.full_like(index[0], layer), *index), values)
+    else:  # the same write in one op fewer
+        stack[layer].index_put_(index, values)
 
 
 class DeviceState:

@@ -436,7 +436,7 @@ def _write_kv(
     """The new rows' keys and values into their slots at their positions (marked valid in the
     drafter's cache), before any row attends: one indexed write each."""
     where = (cache.writes,)
-    if cache.stack is not None:
+    if cache.stack is not None and torch.compiler.is_compiling():
         block, offset = cache.writes // KEY_BLOCK, cache.writes % KEY_BLOCK
         for pool, rows in zip(cache.stack, (k, v), strict=True):
             put_rows(pool, cache.layer, (block, offset), rows[: batch.rows])

@@ -299,12 +299,12 @@ def _serve_args(tiny_dir: Path, *flags: str) -> argparse.Namespace:
 
 
 def test_serve_plans_before_it_loads(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    svc = server._planned(_serve_args(tiny_dir, "--num-slots", "auto"), CPU)
+    svc = server._planned(_serve_args(tiny_dir, "--num-slots", "auto"), CPU, False)
     assert svc.num_slots == TINY_SERVICE.num_slots
     out = capsys.readouterr().out
     assert out.startswith("gpu-service plan: weights ") and "no device memory" in out
     with pytest.raises(SystemExit) as done:
-        server._planned(_serve_args(tiny_dir, "--device-memory", "1.5MB"), CPU)
+        server._planned(_serve_args(tiny_dir, "--device-memory", "1.5MB"), CPU, False)
     assert done.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("met gpu-service serve: error: the plan needs ")
@@ -401,7 +401,7 @@ def test_a_size_that_does_not_split_the_model_is_refused(
         err = capsys.readouterr().err
         assert err.startswith("met gpu-service plan: error: ") and says in err, err
     with pytest.raises(SystemExit) as done:
-        server._planned(_serve_args(tiny_dir, "--tp", "3"), CPU)
+        server._planned(_serve_args(tiny_dir, "--tp", "3"), CPU, False)
     assert done.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("met gpu-service serve: error: --tensor-parallel-size 3 does not divide")
