@@ -157,6 +157,7 @@ class Capabilities:
     # The DFlash drafter's block (rows of one block forward; it gives one fewer drafts), 0
     # when the service has none (`--drafter`).
     dflash_block: int = 0
+    compiled: bool = False  # the graphs are compiled on the CPU (`--compile`)
 
 
 def batch_fits(ks: Sequence[int], max_batch: int, max_rows: int) -> bool:

@@ -25,8 +25,9 @@ choose_device()
 
 @pytest.fixture(scope="session", autouse=True)
 def _cache_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """Measured cost tables and compiled steps go under $XDG_CACHE_HOME: a directory of the run's own, set before
-    any service process starts so that it inherits it, never the user's cache."""
+    """Measured cost tables and compiled steps go under $XDG_CACHE_HOME: a directory of the
+    run's own, set before any service process starts so that it inherits it, never the
+    user's cache."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
         # Services the tests start run the step eagerly unless a test passes --compile: a

@@ -149,6 +149,12 @@ def _add_target_args(parser: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="the in-process engine's DFlash drafter with --dflash (default: MODEL/dflash)",
     )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="the in-process engine compiles its step (`met gpu-service serve --compile`): the "
+        "diff then compares compiled against compiled-serial",
+    )
 
 
 def build_report(model: CircuitModel, args: argparse.Namespace, shapes: list[ShapeReport]) -> dict:
@@ -156,8 +162,9 @@ def build_report(model: CircuitModel, args: argparse.Namespace, shapes: list[Sha
     reasons = verify_batch_failures(shapes)
     return {
         # Whether the service's batched verify replays captured graphs (the serial forwards
-        # never do, so a PASS against `-serial` holds the graphs to the eager bytes).
-        "graphs": "graphed" if caps.graphs else "eager",
+        # never do, so a PASS against `-serial` holds the graphs to the eager bytes), or
+        # compiled ones (the serial forwards replay them too: compiled against compiled-serial).
+        "graphs": "compiled" if caps.compiled else "graphed" if caps.graphs else "eager",
         "fragment_slots": args.fragment,
         "drafter": args.mtp,
         "steps": args.steps,
@@ -268,11 +275,19 @@ def _connect(args: argparse.Namespace) -> CircuitModel:
     if args.gpu_service:
         from control_plane.replicas.client import GrpcModel
 
+        if args.compile:
+            raise DiffError(
+                "--compile compiles the in-process engine; a running service compiles its "
+                "step with its own --compile"
+            )
+
         return GrpcModel(args.gpu_service, admin_key=args.gpu_service_admin_key)
     from gpu_service.engine.facade import Engine
+    from gpu_service.model.config import ServiceConfig
 
     drafter = args.drafter or (args.model / DRAFTER_DIR if args.dflash else None)
-    return Engine(args.model, drafter=drafter)
+    svc = ServiceConfig(prefix_snapshots=1 if args.snapshot else 0, compile=args.compile)
+    return Engine(args.model, svc, drafter=drafter)
 
 
 def main(args: argparse.Namespace) -> int:

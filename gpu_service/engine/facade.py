@@ -217,6 +217,7 @@ class Engine:
             kv_blocks_free=self.slots.blocks.num_free,
             prefix_snapshots=self.svc.prefix_snapshots,
             dflash_block=0 if self.blocks is None else self.blocks.block_size,
+            compiled=self.choice.graphs is not None and self.choice.graphs.compiled,
         )
 
     def tokenizer_files(self) -> dict[str, bytes]:

@@ -188,6 +188,8 @@ class Graphs:
         hiddens [R, H] (a view of the graph's output, valid until its next replay), or None
         where no graph fits and the caller runs it eagerly."""
         counts = {s.count for s in segs}
+        if len(counts) != 1 and self.compiled:
+            return self._ragged(segs, tokens, write_live, sorted(counts))
         b = bucket_for(len(segs), self.sizes)
         if len(counts) != 1 or b is None:
             self.fallbacks += 1
@@ -203,6 +205,37 @@ class Graphs:
         graph.replay()
         graph.replays += 1
         return graph.outputs[0][: len(segs) * k]
+
+    def _ragged(
+        self, segs: list[Segment], tokens: list[int], write_live: bool, counts: list[int]
+    ) -> torch.Tensor | None:
+        """A call of mixed row counts by compiled graphs: one replay per count, so that each
+        row gets the bytes of a call of its count alone (as the serial forwards give it; the
+        eager forward's differ in the last bits). A group no graph takes, once another has
+        run, runs eagerly by itself: the state it reads is the call's, not advanced twice."""
+        groups = [[s for s in segs if s.count == c] for c in counts]
+        if any(bucket_for(len(g), self.sizes) is None for g in groups):
+            self.fallbacks += 1
+            return None
+        out = torch.empty(
+            sum(s.count for s in segs),
+            self.model.cfg.hidden_size,
+            dtype=self.model.dtype,
+            device=self.model.device,
+        )
+        for n, group in enumerate(groups):
+            c = group[0].count
+            sub = [Segment(s.slot, s.start, c, i * c) for i, s in enumerate(group)]
+            toks = [t for s in group for t in tokens[s.row : s.row + c]]
+            hidden = self.verify(sub, toks, write_live)
+            if hidden is None:
+                if n == 0:
+                    return None
+                on = torch.tensor(toks, device=self.model.device)
+                hidden = self.model.forward(on, sub, self.state, VERIFY, write_live)
+            rows = torch.tensor([s.row + t for s in group for t in range(c)], device=out.device)
+            out.index_copy_(0, rows, hidden[: len(toks)])
+        return out
 
     def _padded(self, segs: list[Segment], b: int, k: int) -> list[Segment]:
         rows = len(segs) * k
@@ -326,11 +359,13 @@ class Graphs:
         )
         jobs: list[tuple[tuple, Callable[[], _Graph]]] = []
         for k in rows:
-            key = (name, "verify", b, k, keys, False)
-            jobs.append((key, functools.partial(self._capture_verify, key, b, k, keys, False)))
+            verify: tuple = (name, "verify", b, k, keys, False)
+            jobs.append(
+                (verify, functools.partial(self._capture_verify, verify, b, k, keys, False))
+            )
         for d in drafts:
-            key = (name, "chain", b, d, keys)
-            jobs.append((key, functools.partial(self._capture_chain, key, b, d, keys)))
+            chain: tuple = (name, "chain", b, d, keys)
+            jobs.append((chain, functools.partial(self._capture_chain, chain, b, d, keys)))
         out = []
         for key, capture in jobs:
             if key not in self.graphs and key not in self.failed:

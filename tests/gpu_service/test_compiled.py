@@ -1,0 +1,132 @@
+"""The step compiled on the CPU (gpu_service/engine/compiled.py): when a service compiles, what
+it compiles at start-up, tokens equal to the eager forward's, and a step of few torch ops."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch.profiler import profile
+
+from gpu_service.engine import compiled
+from gpu_service.engine.facade import Engine
+from gpu_service.model.config import ServiceConfig
+from met.main import build_parser
+from protos.model import StepResult
+from tests.conftest import TRAINED
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
+# One draft a step: the start-up compiles the verify of 1 and 2 rows and the chain of 1 draft,
+# at the one key length a 256-position context has.
+SVC = ServiceConfig(verify_tiers="4:1", max_context=256)
+
+
+def test_a_service_compiles_on_the_cpu_unless_told_or_unable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert compiled.decide(None, CPU, 1, {}) == (True, "")
+    assert compiled.decide(True, CPU, 1, {compiled.NO_COMPILE_ENV: "1"}) == (True, "")
+    assert compiled.decide(None, CPU, 1, {compiled.NO_COMPILE_ENV: ""}) == (
+        False,
+        f"{compiled.NO_COMPILE_ENV} is set",
+    )
+    assert compiled.decide(False, CPU, 1, {}) == (False, "--no-compile")
+    assert compiled.decide(None, CUDA, 1, {})[0] is False, "a GPU has captured graphs"
+    with pytest.raises(ValueError, match="--compile: the step is compiled on the CPU only"):
+        compiled.decide(True, CUDA, 1, {})
+    with pytest.raises(ValueError, match="not compiled under tensor parallelism"):
+        compiled.decide(True, CPU, 2, {})
+    monkeypatch.setenv("PATH", "")
+    monkeypatch.delenv("CXX", raising=False)
+    on, why = compiled.decide(None, CPU, 1, {})
+    assert not on and why.startswith("no C++ compiler (g++, clang++, c++) is on the PATH")
+    with pytest.raises(ValueError, match="--compile: no C\\+\\+ compiler"):
+        compiled.decide(True, CPU, 1, {})
+
+
+def test_the_flags() -> None:
+    parser = build_parser()
+    base = ["gpu-service", "serve"]
+    assert parser.parse_args(base).compile is None
+    assert parser.parse_args([*base, "--no-compile"]).compile is False
+    got = parser.parse_args([*base, "--compile", "--compile-cache", "/c"])
+    assert got.compile is True and str(got.compile_cache) == "/c"
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> tuple[Engine, Engine]:
+    """The 4-layer trained fixture, whose drafts stand, eager and compiled."""
+    cache = str(tmp_path_factory.mktemp("compile"))
+    eager = Engine(TRAINED, SVC, "fp32")
+    return eager, Engine(
+        TRAINED, ServiceConfig(**{**vars(SVC), "compile": True, "compile_cache": cache}), "fp32"
+    )
+
+
+def _greedy(
+    engine: Engine, n: int, rounds: int, step: Callable[[], None] | None = None
+) -> list[StepResult]:
+    """Greedy steps of `n` sequences, each verifying its last token and one draft."""
+    seqs = [engine.alloc_sequence() for _ in range(n)]
+    prompts = [[(5 * i + 3 * j) % 200 + 1 for i in range(9 + j)] for j in range(n)]
+    first = engine.prefill(seqs, prompts).argmax
+    out = [engine.decode_step(first, [1] * n, seqs, [True] * n, 1)]
+    for r in range(rounds):
+        last, rows = out[-1], []
+        width = 1 if len(out) == 1 else 2
+        for i in range(n):
+            rows += [last.argmax[i * width + last.accepted[i]], *last.proposal.drafts[i]]
+        if step is not None and r == rounds - 1:
+            step()
+        out.append(engine.decode_step(rows, [2] * n, seqs, [True] * n, 1))
+    for s in seqs:
+        engine.free_sequence(s)
+    return out
+
+
+@pytest.mark.slow
+def test_the_start_up_compiles_one_requests_steps(engines: tuple[Engine, Engine]) -> None:
+    _, engine = engines
+    keys = [k for k, _ in engine.compiled_at_start]
+    assert keys == [
+        ("eager", "verify", 4, 1, 256, False),
+        ("eager", "verify", 4, 2, 256, False),
+        ("eager", "chain", 4, 1, 256),
+    ]
+    line = compiled.summary(engine.compiled_at_start, engine.svc.compile_cache)
+    assert "the verify of 1 to 2 rows and the drafter's chain of 1 drafts" in line
+    assert engine.capabilities().compiled and engine.capabilities().graphs
+
+
+@pytest.mark.slow
+def test_greedy_tokens_equal_the_eager_forwards_with_no_fallback(
+    engines: tuple[Engine, Engine],
+) -> None:
+    eager, engine = engines
+    graphs = engine.choice.graphs
+    assert graphs is not None
+    for n in (1, 3):
+        want, got = _greedy(eager, n, 6), _greedy(engine, n, 6)
+        assert [(r.argmax, r.accepted) for r in got] == [(r.argmax, r.accepted) for r in want]
+        assert any(sum(r.accepted) for r in got[1:]), "drafts stood"
+    assert graphs.fallbacks == 0 and graphs.captures == 3 and not graphs.failed
+
+
+@pytest.mark.slow
+def test_a_compiled_step_is_few_torch_ops(engines: tuple[Engine, Engine]) -> None:
+    _, engine = engines
+    with profile() as prof:
+        _greedy(engine, 1, 3, step=lambda: None)
+    # The profile spans the prefill and steps; the last step alone is what the budget counts.
+    top = [e for e in prof.events() if e.cpu_parent is None]
+    regions = [e for e in top if e.name.startswith("Torch-Compiled Region")]
+    assert regions, "the steps replayed compiled graphs"
+    with profile() as prof:
+        _greedy(engine, 1, 1)
+    steps = [e for e in prof.events() if e.cpu_parent is None]
+    with profile() as prof:
+        _greedy(engine, 1, 2)
+    one_more = len([e for e in prof.events() if e.cpu_parent is None]) - len(steps)
+    print(f"top-level torch ops of one compiled greedy step at one sequence: {one_more}")
+    assert one_more <= 150
