@@ -119,6 +119,8 @@ async def serve(
     )
     if engine.compiled_at_start:
         print(compiled.summary(engine.compiled_at_start, svc.compile_cache), flush=True)
+    elif device.type == "cpu":
+        print(f"gpu-service runs the step eagerly: {args.compile_why}", flush=True)
     print(
         f"gpu-service serving {engine.name} ({svc.num_slots} slots{quantized}) on "
         f"{caps.device}{split}, forward {engine.forward_name}"
@@ -205,8 +207,7 @@ def run(args: argparse.Namespace) -> None:
         on, why = compiled.decide(args.compile, device, args.tensor_parallel_size, os.environ)
     except ValueError as e:
         _refuse(e)
-    if not on:
-        print(f"gpu-service runs the step eagerly: {why}", flush=True)
+    args.compile_why = why
     svc = replace(_planned(args, device, on), compile=on)
     logging.basicConfig(level=logging.INFO)
     tls.or_exit(PROG, lambda a: asyncio.run(serve(a, svc, device, credentials)), args)
