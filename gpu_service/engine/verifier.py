@@ -68,7 +68,8 @@ class Verifier:
     def run(self, fn: Callable[[list[int]], torch.Tensor], n: int) -> torch.Tensor:
         """fn(indices) -> hidden rows of those sequences; `*-serial` calls it one at a time."""
         if self.choice.serial:
-            return torch.cat([fn([i]) for i in range(n)])
+            # Copied out: a replayed graph's rows are a view its next replay overwrites.
+            return torch.cat([fn([i]).clone() for i in range(n)])
         return fn(list(range(n)))
 
     def _forward(

@@ -1,14 +1,14 @@
 """The step compiled on the CPU (gpu_service/engine/compiled.py): when a service compiles, what
-it compiles at start-up, tokens equal to the eager forward's, and a step of few torch ops."""
+it compiles at start-up, tokens equal to the eager forward's, a step of few torch ops, and the
+serial forwards replaying the compiled graphs (compiled against compiled-serial)."""
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import pytest
 import torch
 from torch.profiler import profile
 
+from control_plane.circuit.report import run_diff
 from gpu_service.engine import compiled
 from gpu_service.engine.facade import Engine
 from gpu_service.model.config import ServiceConfig
@@ -17,9 +17,9 @@ from protos.model import StepResult
 from tests.conftest import TRAINED
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
-# One draft a step: the start-up compiles the verify of 1 and 2 rows and the chain of 1 draft,
-# at the one key length a 256-position context has.
-SVC = ServiceConfig(verify_tiers="4:1", max_context=256)
+# Up to two drafts a step: the start-up compiles the verify of 1 to 3 rows and the chain of 1
+# and 2 drafts, at the one key length a 256-position context has.
+SVC = ServiceConfig(verify_tiers="4:2", max_context=256)
 
 
 def test_a_service_compiles_on_the_cpu_unless_told_or_unable(
@@ -67,21 +67,17 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> tuple[Engine, Engine]:
     )
 
 
-def _greedy(
-    engine: Engine, n: int, rounds: int, step: Callable[[], None] | None = None
-) -> list[StepResult]:
+def _greedy(engine: Engine, n: int, rounds: int) -> list[StepResult]:
     """Greedy steps of `n` sequences, each verifying its last token and one draft."""
     seqs = [engine.alloc_sequence() for _ in range(n)]
     prompts = [[(5 * i + 3 * j) % 200 + 1 for i in range(9 + j)] for j in range(n)]
     first = engine.prefill(seqs, prompts).argmax
     out = [engine.decode_step(first, [1] * n, seqs, [True] * n, 1)]
-    for r in range(rounds):
+    for _ in range(rounds):
         last, rows = out[-1], []
         width = 1 if len(out) == 1 else 2
         for i in range(n):
             rows += [last.argmax[i * width + last.accepted[i]], *last.proposal.drafts[i]]
-        if step is not None and r == rounds - 1:
-            step()
         out.append(engine.decode_step(rows, [2] * n, seqs, [True] * n, 1))
     for s in seqs:
         engine.free_sequence(s)
@@ -93,12 +89,11 @@ def test_the_start_up_compiles_one_requests_steps(engines: tuple[Engine, Engine]
     _, engine = engines
     keys = [k for k, _ in engine.compiled_at_start]
     assert keys == [
-        ("eager", "verify", 4, 1, 256, False),
-        ("eager", "verify", 4, 2, 256, False),
-        ("eager", "chain", 4, 1, 256),
+        *(("eager", "verify", 4, k, 256, False) for k in (1, 2, 3)),
+        *(("eager", "chain", 4, d, 256) for d in (1, 2)),
     ]
     line = compiled.summary(engine.compiled_at_start, engine.svc.compile_cache)
-    assert "the verify of 1 to 2 rows and the drafter's chain of 1 drafts" in line
+    assert "the verify of 1 to 3 rows and the drafter's chain of 1 to 2 drafts" in line
     assert engine.capabilities().compiled and engine.capabilities().graphs
 
 
@@ -113,23 +108,39 @@ def test_greedy_tokens_equal_the_eager_forwards_with_no_fallback(
         want, got = _greedy(eager, n, 6), _greedy(engine, n, 6)
         assert [(r.argmax, r.accepted) for r in got] == [(r.argmax, r.accepted) for r in want]
         assert any(sum(r.accepted) for r in got[1:]), "drafts stood"
-    assert graphs.fallbacks == 0 and graphs.captures == 3 and not graphs.failed
+    assert graphs.fallbacks == 0 and graphs.captures == 5 and not graphs.failed
 
 
 @pytest.mark.slow
 def test_a_compiled_step_is_few_torch_ops(engines: tuple[Engine, Engine]) -> None:
+    """One more greedy step at one sequence (verify, fold, chain): its top-level torch ops."""
     _, engine = engines
-    with profile() as prof:
-        _greedy(engine, 1, 3, step=lambda: None)
-    # The profile spans the prefill and steps; the last step alone is what the budget counts.
-    top = [e for e in prof.events() if e.cpu_parent is None]
-    regions = [e for e in top if e.name.startswith("Torch-Compiled Region")]
-    assert regions, "the steps replayed compiled graphs"
-    with profile() as prof:
-        _greedy(engine, 1, 1)
-    steps = [e for e in prof.events() if e.cpu_parent is None]
-    with profile() as prof:
-        _greedy(engine, 1, 2)
-    one_more = len([e for e in prof.events() if e.cpu_parent is None]) - len(steps)
+
+    def top_level(rounds: int) -> list[str]:
+        with profile() as prof:
+            _greedy(engine, 1, rounds)
+        return [e.name for e in prof.events() if e.cpu_parent is None]
+
+    once, twice = top_level(1), top_level(2)
+    assert any(n.startswith("Torch-Compiled Region") for n in twice)
+    one_more = len(twice) - len(once)
     print(f"top-level torch ops of one compiled greedy step at one sequence: {one_more}")
-    assert one_more <= 150
+    assert 0 < one_more <= 150
+
+
+@pytest.mark.slow
+def test_the_diff_compares_compiled_against_compiled_serial(
+    engines: tuple[Engine, Engine],
+) -> None:
+    """Widths 2 and 3 share the smallest bucket with the serial forward's one sequence; the
+    mixed width replays a graph per row count."""
+    _, engine = engines
+    args = build_parser().parse_args(
+        ["circuit", "diff", "--verify-batch", "--mtp", "--widths", "2,3", "--ks", "2,3"]
+        + ["--steps", "3", "--num-drafts", "2"]
+    )
+    report = run_diff(engine, args)
+    assert report["graphs"] == "compiled"
+    assert report["verdict"] == "PASS", report["reasons"]
+    graphs = engine.choice.graphs
+    assert graphs is not None and graphs.fallbacks == 0
