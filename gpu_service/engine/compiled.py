@@ -33,10 +33,6 @@ CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 # the services it starts, which compile only when a test asks with --compile).
 NO_COMPILE_ENV = "METRALE_NO_COMPILE"
 _COMPILED = 0
-# Off unless asked while two sequences replayed in one compiled graph can get other bytes than
-# each alone (README, "Batch invariance"): the circuit diff proves the eager forward.
-ON_BY_DEFAULT = False
-OPT_IN = "the compiled step is opt-in (--compile) until its batch invariance is proven"
 
 
 def cache_dir() -> Path:
@@ -51,8 +47,7 @@ def decide(
 ) -> tuple[bool, str]:
     """Whether a service compiles its step -> (yes, why not when not). `asked`: --compile
     (True), --no-compile (False), neither (None: on the CPU where a C++ compiler is, unless
-    NO_COMPILE_ENV is set, once ON_BY_DEFAULT). ValueError with a sentence where --compile
-    cannot be honoured."""
+    NO_COMPILE_ENV is set). ValueError with a sentence where --compile cannot be honoured."""
     why = None
     if device.type != "cpu":
         why = f"the step is compiled on the CPU only; on {device.type} captured graphs do it"
@@ -64,8 +59,6 @@ def decide(
         raise ValueError(f"--compile: {why}")
     if asked is None and not why and NO_COMPILE_ENV in environ:
         why = f"{NO_COMPILE_ENV} is set"
-    if asked is None and not why and not ON_BY_DEFAULT:
-        why = OPT_IN
     if asked is False:
         why = "--no-compile"
     return why is None, why or ""
@@ -80,8 +73,10 @@ def compiler_missing() -> str | None:
     return f"no C++ compiler ({', '.join(names)}) is on the PATH, which inductor needs"
 
 
-def use_cache(directory: Path) -> None:
-    """Inductor's caches in `directory` (made if missing), for every compile from now on."""
+def use_cache(path: str) -> None:
+    """Inductor's caches in `path` ("": `cache_dir()`), made if missing, for every compile from
+    now on."""
+    directory = Path(path) if path else cache_dir()
     directory.mkdir(parents=True, exist_ok=True)
     os.environ[CACHE_ENV] = str(directory)
 

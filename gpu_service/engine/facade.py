@@ -133,8 +133,7 @@ class Engine:
         # Under tensor parallelism each replay would hold collectives; graphs stay off there.
         if tp is None and graphs.wanted(self.svc.cuda_graphs, self.device, os.environ):
             self.use_graphs(graphs.cuda_capture)
-        # (key, seconds) of each graph compiled at start-up (`compile_step`).
-        self.compiled_at_start: list[tuple[tuple, float]] = []
+        self.compiled_at_start: list[tuple[tuple, float]] = []  # (key, seconds) each
         if self.svc.compile:
             self.compile_step()
 
@@ -144,38 +143,26 @@ class Engine:
         at short contexts are compiled now (`Graphs.warm`), the other keys at their first call."""
         if self.device.type != "cpu" or self.tp is not None:
             raise ValueError("compile_step: the step is compiled on one CPU device only")
-        compiled.use_cache(
-            Path(self.svc.compile_cache) if self.svc.compile_cache else compiled.cache_dir()
-        )
+        compiled.use_cache(self.svc.compile_cache)
         self.use_graphs(graphs.compile_capture, compiled=True)
         assert self.choice.graphs is not None
-        deepest = max(self.svc.slot_verify_drafts)
         with self._hold():
-            self.compiled_at_start = self.choice.graphs.warm(
-                range(1, deepest + 2), range(1, deepest + 1) if self.cfg.has_mtp else range(0)
-            )
+            drafts = max(self.svc.slot_verify_drafts)
+            self.compiled_at_start = self.choice.graphs.warm(drafts, self.cfg.has_mtp)
 
     def use_graphs(self, capture: Capture | None, compiled: bool = False) -> None:
         """Replay the batched verify and the chain from graphs captured by `capture` (None:
-        eager). The CPU has no graphs; tests pass `graphs.replay_eagerly` to run the same
+        eager; `compiled`: see `Graphs`). Tests pass `graphs.replay_eagerly` to run the same
         buffers, padding and fallbacks without a capture."""
         if capture is not None and self.tp is not None:
             raise ValueError(
                 "use_graphs: captured graphs are not replayed under tensor parallelism"
             )
         with self._lock:
-            self.choice.graphs = (
-                None
-                if capture is None
-                else Graphs(
-                    self.model,
-                    self.state,
-                    self.svc.max_batch,
-                    self.svc.max_context,
-                    capture,
-                    compiled,
-                )
-            )
+            self.choice.graphs = None
+            if capture is not None:
+                sizes = (self.svc.max_batch, self.svc.max_context)
+                self.choice.graphs = Graphs(self.model, self.state, *sizes, capture, compiled)
 
     @contextmanager
     def _hold(self) -> Iterator[None]:

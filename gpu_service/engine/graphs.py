@@ -348,24 +348,19 @@ class Graphs:
 
     # -- ahead of the first call -------------------------------------------------------
 
-    def warm(self, rows: range, drafts: range) -> list[tuple[tuple, float]]:
-        """The smallest bucket's verify of each row count in `rows` and chain of each draft
-        count in `drafts`, at the first key length, built now -> (key, seconds) of each built:
+    def warm(self, drafts: int, chain: bool) -> list[tuple[tuple, float]]:
+        """The smallest bucket's verify of 1 to `drafts` + 1 rows and (with `chain`) chain of 1
+        to `drafts` drafts, at the first key length, built now -> (key, seconds) of each built:
         what one request's steps replay until its context passes the first key length."""
-        b, keys, name = (
-            self.sizes[0],
-            key_bucket(1, self.max_context, *self.key_steps),
-            self.model.ops.name,
-        )
+        b, name = self.sizes[0], self.model.ops.name
+        keys = key_bucket(1, self.max_context, *self.key_steps)
         jobs: list[tuple[tuple, Callable[[], _Graph]]] = []
-        for k in rows:
-            verify: tuple = (name, "verify", b, k, keys, False)
-            jobs.append(
-                (verify, functools.partial(self._capture_verify, verify, b, k, keys, False))
-            )
-        for d in drafts:
-            chain: tuple = (name, "chain", b, d, keys)
-            jobs.append((chain, functools.partial(self._capture_chain, chain, b, d, keys)))
+        for k in range(1, drafts + 2):
+            key: tuple = (name, "verify", b, k, keys, False)
+            jobs.append((key, functools.partial(self._capture_verify, key, b, k, keys, False)))
+        for d in range(1, drafts + 1) if chain else ():
+            key = (name, "chain", b, d, keys)
+            jobs.append((key, functools.partial(self._capture_chain, key, b, d, keys)))
         out = []
         for key, capture in jobs:
             if key not in self.graphs and key not in self.failed:

@@ -14,7 +14,7 @@ from gpu_service.engine.state import DeviceState, put_rows
 from gpu_service.model.batch import Batch
 from gpu_service.model.config import ModelConfig
 from gpu_service.model.ops import ROW_TILE, linear
-from kernels.attention.naive import key_rows, varlen_attention
+from kernels.attention.naive import KEY_BLOCK, key_rows, varlen_attention
 from kernels.causal_conv1d.naive import varlen_causal_conv1d
 from kernels.common import rms_scaled
 from kernels.fp8.naive import BlockFp8
@@ -42,6 +42,19 @@ class Cache(NamedTuple):
     # (`put_rows`); None: k and v are whole pools.
     stack: tuple[torch.Tensor, torch.Tensor] | None = None
     layer: int = 0
+
+    def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The call's rows' keys and values [R, Hkv, d] at `writes` (marked valid in the
+        drafter's cache), before any row attends: one indexed write each."""
+        if self.stack is not None and torch.compiler.is_compiling():
+            block, offset = self.writes // KEY_BLOCK, self.writes % KEY_BLOCK
+            for pool, rows in zip(self.stack, (k, v), strict=True):
+                put_rows(pool, self.layer, (block, offset), rows)
+        else:
+            self.k.view(-1, *self.k.shape[2:]).index_put_((self.writes,), k)
+            self.v.view(-1, *self.v.shape[2:]).index_put_((self.writes,), v)
+        if self.valid is not None:
+            self.valid.view(-1).index_fill_(0, self.writes, True)
 
 
 class EagerOps:

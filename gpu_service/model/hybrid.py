@@ -8,12 +8,11 @@ the GDN mix, argmax, fold) sit behind an ops object (`gpu_service.model.backend`
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
-from gpu_service.engine.state import DeviceState, put_rows
+from gpu_service.engine.state import DeviceState
 from gpu_service.model.backend import EAGER, Cache, Ops
 from gpu_service.model.batch import Batch, Layout, Segment, build
 from gpu_service.model.config import FULL, ModelConfig
@@ -366,7 +365,7 @@ class HybridModel:
         cache: Cache,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         q, gate, k, v = self._qkv(p, x, rope)
-        _write_kv(k, v, batch, cache)
+        cache.write(k[: batch.rows], v[: batch.rows])
         return q, gate
 
     def _attention(
@@ -425,28 +424,3 @@ def held_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(
         t.numel() * t.element_size() if t.is_meta else t.untyped_storage().nbytes() for t in tensors
     )
-
-
-def _write_kv(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    batch: Batch,
-    cache: Cache,
-) -> None:
-    """The new rows' keys and values into their slots at their positions (marked valid in the
-    drafter's cache), before any row attends: one indexed write each."""
-    where = (cache.writes,)
-    if cache.stack is not None and torch.compiler.is_compiling():
-        block, offset = cache.writes // KEY_BLOCK, cache.writes % KEY_BLOCK
-        for pool, rows in zip(cache.stack, (k, v), strict=True):
-            put_rows(pool, cache.layer, (block, offset), rows[: batch.rows])
-    else:
-        cache.k.view(-1, *cache.k.shape[2:]).index_put_(where, k[: batch.rows])
-        cache.v.view(-1, *cache.v.shape[2:]).index_put_(where, v[: batch.rows])
-    if cache.valid is not None:
-        cache.valid.view(-1).index_put_(where, _true(cache.valid.device))
-
-
-@functools.cache
-def _true(device: torch.device) -> torch.Tensor:
-    return torch.ones((), dtype=torch.bool, device=device)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
 
+from gpu_service.engine.compiled import NO_COMPILE_ENV
 from gpu_service.model.config import (
     DFLASH_VERIFY_TIERS,
     ModelConfig,
@@ -258,7 +259,7 @@ def _add_graphs_flag(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="on the CPU, compile the batched verify and the drafter's chain per batch bucket "
         "with torch.compile (inductor, C++ wrapper); a start-up line says what it compiled and "
-        "how long it took (default: off until its batch invariance is proven; see README)",
+        f"how long it took (default: on where a C++ compiler is, unless {NO_COMPILE_ENV} is set)",
     )
     parser.add_argument(
         "--compile-cache",

@@ -25,9 +25,6 @@ SVC = ServiceConfig(verify_tiers="4:2", max_context=256)
 def test_a_service_compiles_on_the_cpu_unless_told_or_unable(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(compiled, "ON_BY_DEFAULT", False)
-    assert compiled.decide(None, CPU, 1, {}) == (False, compiled.OPT_IN)
-    monkeypatch.setattr(compiled, "ON_BY_DEFAULT", True)
     assert compiled.decide(None, CPU, 1, {}) == (True, "")
     assert compiled.decide(True, CPU, 1, {compiled.NO_COMPILE_ENV: "1"}) == (True, "")
     assert compiled.decide(None, CPU, 1, {compiled.NO_COMPILE_ENV: ""}) == (

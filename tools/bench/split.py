@@ -78,15 +78,21 @@ def pair(
     tokens: int,
     repeats: int,
     outside: Callable[[], float] | None = None,
+    service: tuple[str, ...] = (),
+    timeout: float = 120.0,
 ) -> list[dict]:
     """`none` and `mtp` at `n` concurrent requests through a GPU service child over gRPC,
     pipelined (the default): the pair as a user runs it, for the static-batch comparison, with
     `outside` (one run of transformers' generate over a batch of `n`) in the same rounds. One
-    row per method, with whether its tokens equal `none`'s in every repeat."""
-    proc, target = start_gpu_service(model_dir)
+    row per method, with whether its tokens equal `none`'s in every repeat. `service`: the
+    child's further flags (`--compile`), `timeout` its start's. A first round, not counted,
+    warms the service (a compiled one compiles the keys the work reaches)."""
+    proc, target = start_gpu_service(model_dir, *service, timeout=timeout)
     runs: dict[str, list[dict]] = {NONE: [], MTP: []}
     hf: list[float] = []
     try:
+        for m in runs:
+            serve(lambda: GrpcModel(target), work.requests(m, n, tokens), work.tokenizer)
         for _ in range(repeats):
             for m in runs:
                 reqs = work.requests(m, n, tokens)
@@ -163,14 +169,57 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=REPEATS)
+    parser.add_argument(
+        "--pair",
+        action="store_true",
+        help="only the served pair against transformers' generate (one request, and a static "
+        "batch at each other concurrency), as a user runs the service",
+    )
+    parser.add_argument(
+        "--service",
+        default="",
+        help="the GPU service child's further flags, e.g. '--compile' (default: none)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)  # as the GPU service runs its engine (see gpu_service/rpc/server.py)
+    if args.pair:
+        _pair_main(args)
+        return
     engine = Engine(DEFAULT_MODEL_DIR, ServiceConfig())
     work = Workload(DEFAULT_MODEL_DIR)
     rows = split(
         DEFAULT_MODEL_DIR, lambda: engine, work, args.concurrency, args.tokens, args.repeats
     )
     print("\n".join(split_lines(rows)))
+
+
+def _pair_main(args: argparse.Namespace) -> None:
+    """The pair against transformers, one thread each, interleaved; the machine's load beside."""
+    import json
+    import os
+
+    from tools.bench.baseline import transformers_baselines
+
+    work = Workload(DEFAULT_MODEL_DIR)
+    hf = transformers_baselines(DEFAULT_MODEL_DIR, work, args.tokens, args.concurrency)
+    for n in args.concurrency:
+        load = os.getloadavg()[0]
+        rows = pair(
+            DEFAULT_MODEL_DIR,
+            work,
+            n,
+            args.tokens,
+            args.repeats,
+            hf.get(n),
+            tuple(args.service.split()),
+            timeout=1200.0,
+        )
+        for r in rows:
+            print(
+                json.dumps(
+                    {**r, "load_before": round(load, 2), "load_after": round(os.getloadavg()[0], 2)}
+                )
+            )
 
 
 if __name__ == "__main__":
