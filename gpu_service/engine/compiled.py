@@ -94,7 +94,9 @@ def compile_run(run: Run) -> Run:
         own,
         fullgraph=True,
         dynamic=False,
-        options={"cpp_wrapper": True},
+        # Inductor's own kernels on one thread: split over several, a reduction's order would
+        # follow the bucket's shape (the products it calls still use torch's threads).
+        options={"cpp_wrapper": True, "cpp.threads": 1},
     )
     compiled()
 

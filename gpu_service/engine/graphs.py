@@ -149,6 +149,7 @@ class Graphs:
         # forwards replay the same graphs, one sequence in the smallest bucket.
         self.compiled = compiled
         self.key_steps = (4, 4) if compiled else (1, 2)
+
         self.graphs: dict[tuple, _Graph] = {}
         self.failed: dict[tuple, str] = {}  # keys whose capture raised, and what it raised
         self.fallbacks = 0

@@ -46,13 +46,18 @@ class Cache(NamedTuple):
     def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """The call's rows' keys and values [R, Hkv, d] at `writes` (marked valid in the
         drafter's cache), before any row attends: one indexed write each."""
-        if self.stack is not None and torch.compiler.is_compiling():
-            block, offset = self.writes // KEY_BLOCK, self.writes % KEY_BLOCK
-            for pool, rows in zip(self.stack, (k, v), strict=True):
-                put_rows(pool, self.layer, (block, offset), rows)
-        else:
-            self.k.view(-1, *self.k.shape[2:]).index_put_((self.writes,), k)
-            self.v.view(-1, *self.v.shape[2:]).index_put_((self.writes,), v)
+        if torch.compiler.is_compiling():  # each write names its pool (`put_rows`)
+            at = (self.writes // KEY_BLOCK, self.writes % KEY_BLOCK)
+            for pool, rows in zip(self.stack or (self.k, self.v), (k, v), strict=True):
+                if self.stack is None:
+                    pool.index_put_(at, rows)
+                else:
+                    put_rows(pool, self.layer, at, rows)
+            if self.valid is not None:
+                self.valid.index_put_(at, torch.ones((), dtype=torch.bool, device=k.device))
+            return
+        self.k.view(-1, *self.k.shape[2:]).index_put_((self.writes,), k)
+        self.v.view(-1, *self.v.shape[2:]).index_put_((self.writes,), v)
         if self.valid is not None:
             self.valid.view(-1).index_fill_(0, self.writes, True)
 
