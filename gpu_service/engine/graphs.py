@@ -352,7 +352,8 @@ class Graphs:
     def warm(self, drafts: int, chain: bool) -> list[tuple[tuple, float]]:
         """The smallest bucket's verify of 1 to `drafts` + 1 rows and (with `chain`) chain of 1
         to `drafts` drafts, at the first key length, built now -> (key, seconds) of each built:
-        what one request's steps replay until its context passes the first key length."""
+        what one request's steps replay until its context passes the first key length (a key
+        that fails is kept in `failed`, its calls eager)."""
         b, name = self.sizes[0], self.model.ops.name
         keys = key_bucket(1, self.max_context, *self.key_steps)
         jobs: list[tuple[tuple, Callable[[], _Graph]]] = []
@@ -366,6 +367,6 @@ class Graphs:
         for key, capture in jobs:
             if key not in self.graphs and key not in self.failed:
                 start = time.perf_counter()
-                self._get(key, capture)
-                out.append((key, time.perf_counter() - start))
+                if self._get(key, capture) is not None:
+                    out.append((key, time.perf_counter() - start))
         return out

@@ -117,6 +117,13 @@ async def serve(
         if caps.tensor_parallel_size > 1
         else ""
     )
+    failed = engine.choice.graphs.failed if engine.choice.graphs is not None else {}
+    if failed:  # the first reason stands for all: they are the same forward's
+        reason = next(iter(failed.values())).splitlines()[0]
+        print(
+            f"gpu-service could not compile {len(failed)} step graphs, which run eagerly: {reason}",
+            flush=True,
+        )
     if engine.compiled_at_start:
         print(compiled.summary(engine.compiled_at_start, svc.compile_cache), flush=True)
     elif device.type == "cpu":
