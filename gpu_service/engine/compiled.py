@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import shutil
 import types
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -98,7 +99,11 @@ def compile_run(run: Run) -> Run:
         # follow the bucket's shape (the products it calls still use torch's threads).
         options={"cpp_wrapper": True, "cpp.threads": 1},
     )
-    compiled()
+    with warnings.catch_warnings():
+        # The forward's cached index tables (`functools.cache`) are traced through: they hold
+        # constants of the shapes, which is what dynamo warns might not be so.
+        warnings.filterwarnings("ignore", message="Dynamo detected a call to a `functools")
+        compiled()
 
     def replay() -> None:
         with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
