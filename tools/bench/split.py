@@ -178,7 +178,7 @@ def main() -> None:
     parser.add_argument(
         "--service",
         default="",
-        help="the GPU service child's further flags, e.g. '--compile' (default: none)",
+        help="the GPU service child's further flags, given as --service=FLAGS (default: none)",
     )
     args = parser.parse_args()
     torch.set_num_threads(1)  # as the GPU service runs its engine (see gpu_service/rpc/server.py)
