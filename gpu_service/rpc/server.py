@@ -117,21 +117,12 @@ async def serve(
         if caps.tensor_parallel_size > 1
         else ""
     )
-    failed = engine.choice.graphs.failed if engine.choice.graphs is not None else {}
-    if failed:  # the first reason stands for all: they are the same forward's
-        reason = next(iter(failed.values())).splitlines()[0]
-        print(
-            f"gpu-service could not compile {len(failed)} step graphs, which run eagerly: {reason}",
-            flush=True,
-        )
-    if engine.compiled_at_start:
-        print(compiled.summary(engine.compiled_at_start, svc.compile_cache), flush=True)
-    elif device.type == "cpu":
-        print(f"gpu-service runs the step eagerly: {args.compile_why}", flush=True)
+    for line in _step_lines(engine, svc, args.compile_why, device):
+        print(line, flush=True)
     print(
         f"gpu-service serving {engine.name} ({svc.num_slots} slots{quantized}) on "
         f"{caps.device}{split}, forward {engine.forward_name}"
-        f"{' (compiled)' if engine.compiled_at_start else ''}",
+        f"{' (compiled)' if caps.compiled else ''}",
         flush=True,
     )
 
@@ -148,6 +139,24 @@ async def serve(
     if isinstance(engine, ranks.TpEngine):
         engine.close()
     flush_spans()
+
+
+def _step_lines(engine: Engine, svc: ServiceConfig, why: str, device: torch.device) -> list[str]:
+    """What the start-up says of the step: the keys that would not compile (the first reason
+    stands for all: they are one forward's), what compiled, or why the CPU's runs eagerly."""
+    lines = []
+    graphs = engine.choice.graphs if isinstance(engine, Engine) else None
+    if graphs is not None and graphs.failed:
+        reason = next(iter(graphs.failed.values())).splitlines()[0]
+        lines.append(
+            f"gpu-service could not compile {len(graphs.failed)} step graphs, which run "
+            f"eagerly: {reason}"
+        )
+    if isinstance(engine, Engine) and engine.compiled_at_start:
+        lines.append(compiled.summary(engine.compiled_at_start, svc.compile_cache))
+    elif device.type == "cpu":
+        lines.append(f"gpu-service runs the step eagerly: {why}")
+    return lines
 
 
 def _refuse(message: object) -> NoReturn:
