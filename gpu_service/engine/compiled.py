@@ -14,6 +14,7 @@ it again."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import types
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 # torch itself is imported by `compile_run`: the service's flags read this module.
 
 Run = Callable[[], None]
+_log = logging.getLogger(__name__)
 
 # Inductor's own switch for its cache directory, read when a compile starts.
 CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
@@ -105,9 +107,21 @@ def compile_run(run: Run) -> Run:
         warnings.filterwarnings("ignore", message="Dynamo detected a call to a `functools")
         compiled()
 
+    broken: list[str] = []
+
     def replay() -> None:
-        with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-            compiled()
+        """The compiled graph; should dynamo refuse it (its guards, skipped, are checked when
+        it would recompile), `run` itself from then on: the call, and every later one, gets the
+        eager forward over the same buffers, never an error."""
+        if not broken:
+            try:
+                with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                    compiled()
+                return
+            except RuntimeError as e:
+                broken.append(str(e))
+                _log.warning("a compiled step graph runs eagerly from now on: %s", e)
+        run()
 
     return replay
 

@@ -5,6 +5,7 @@ serial forwards replaying the compiled graphs (compiled against compiled-serial)
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -44,6 +45,27 @@ def test_a_service_compiles_on_the_cpu_unless_told_or_unable(
     assert compiled.decide(None, CPU, 1, {})[1].startswith("no C++ compiler (g++, clang++, c++)")
     with pytest.raises(ValueError, match="--compile: no C\\+\\+ compiler"):
         compiled.decide(True, CPU, 1, {})
+
+
+def test_a_graph_dynamo_refuses_runs_eagerly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replay whose skipped guards would have failed (here a buffer of another shape) runs
+    `run` itself, then and at every later call: never an error."""
+    monkeypatch.setenv(compiled.CACHE_ENV, str(tmp_path))
+    buf = [torch.zeros(4)]
+
+    def run() -> None:
+        buf[0].add_(1)
+
+    with torch.inference_mode():
+        replay = compiled.compile_run(run)
+        replay()
+        assert buf[0].tolist() == [2.0] * 4, "compiled once and replayed"
+        buf[0] = torch.zeros(8)
+        replay()
+        replay()
+    assert buf[0].tolist() == [2.0] * 8
 
 
 def test_the_flags() -> None:
