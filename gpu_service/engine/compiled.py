@@ -39,8 +39,11 @@ _COMPILED = 0
 
 
 def cache_dir() -> Path:
-    """`$XDG_CACHE_HOME/met/compile`, by default `~/.cache/met/compile`: inductor keys each
-    entry by the graph, the compiler's flags and torch's version, so models share it."""
+    """Inductor's own `CACHE_ENV` where set, else `$XDG_CACHE_HOME/met/compile` (by default
+    `~/.cache/met/compile`): inductor keys each entry by the graph, the compiler's flags and
+    torch's version, so models share it."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
     root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(root) / "met" / "compile"
 
@@ -128,17 +131,22 @@ def compile_run(run: Run) -> Run:
 
 def summary(built: list[tuple[tuple, float]], cache: str) -> str:
     """The start-up line: what was compiled, in how long, where the cache is."""
-    verify = sorted(k[3] for k, _ in built if k[1] == "verify")
-    chain = sorted(k[3] for k, _ in built if k[1] == "chain")
-    (_, _, bucket, *_rest) = built[0][0]
-    parts = [f"the verify of {_span(verify)} rows"] if verify else []
-    parts += [f"the drafter's chain of {_span(chain)} drafts"] if chain else []
+    parts = []
+    for kind, what, unit in (("verify", "the verify", "rows"), ("chain", "the chain", "drafts")):
+        keys = [k for k, _ in built if k[1] == kind]
+        if keys:
+            span, bucket = _span(sorted(k[3] for k in keys)), keys[0][2]
+            parts.append(f"{what} of {span} {unit} per sequence for {_count(bucket)}")
     seconds = sum(t for _, t in built)
     return (
-        f"gpu-service compiled the step for the CPU: {' and '.join(parts)} per sequence, "
-        f"{bucket} sequences, in {seconds:.1f} s (other buckets and key lengths compile at "
-        f"their first call); cache {cache or cache_dir()}"
+        f"gpu-service compiled the step for the CPU: {' and '.join(parts)}, in {seconds:.1f} s "
+        f"(other buckets and key lengths compile at their first call); "
+        f"cache {cache or cache_dir()}"
     )
+
+
+def _count(sequences: int) -> str:
+    return "one sequence" if sequences == 1 else f"{sequences} sequences"
 
 
 def _span(values: list[int]) -> str:

@@ -149,6 +149,10 @@ class Graphs:
         # forwards replay the same graphs, one sequence in the smallest bucket.
         self.compiled = compiled
         self.key_steps = (4, 4) if compiled else (1, 2)
+        # A compiled verify has buckets of one and two sequences too: on the CPU a verify's
+        # cost follows its rows (one request's 4 rows padded to a bucket of 4 cost 1.4x), and
+        # the GEMMs need only rows padded to ROW_TILE. The chain keeps the shared buckets.
+        self.verify_sizes = (1, 2, *self.sizes) if compiled else self.sizes
 
         self.graphs: dict[tuple, _Graph] = {}
         self.failed: dict[tuple, str] = {}  # keys whose capture raised, and what it raised
@@ -191,7 +195,7 @@ class Graphs:
         counts = {s.count for s in segs}
         if len(counts) != 1 and self.compiled:
             return self._ragged(segs, tokens, write_live, sorted(counts))
-        b = bucket_for(len(segs), self.sizes)
+        b = bucket_for(len(segs), self.verify_sizes)
         if len(counts) != 1 or b is None:
             self.fallbacks += 1
             return None
@@ -215,7 +219,7 @@ class Graphs:
         eager forward's differ in the last bits). A group no graph takes, once another has
         run, runs eagerly by itself: the state it reads is the call's, not advanced twice."""
         groups = [[s for s in segs if s.count == c] for c in counts]
-        if any(bucket_for(len(g), self.sizes) is None for g in groups):
+        if any(bucket_for(len(g), self.verify_sizes) is None for g in groups):
             self.fallbacks += 1
             return None
         out = torch.empty(
@@ -354,12 +358,13 @@ class Graphs:
         to `drafts` drafts, at the first key length, built now -> (key, seconds) of each built:
         what one request's steps replay until its context passes the first key length (a key
         that fails is kept in `failed`, its calls eager)."""
-        b, name = self.sizes[0], self.model.ops.name
+        b, name = self.verify_sizes[0], self.model.ops.name
         keys = key_bucket(1, self.max_context, *self.key_steps)
         jobs: list[tuple[tuple, Callable[[], _Graph]]] = []
         for k in range(1, drafts + 2):
             key: tuple = (name, "verify", b, k, keys, False)
             jobs.append((key, functools.partial(self._capture_verify, key, b, k, keys, False)))
+        b = self.sizes[0]
         for d in range(1, drafts + 1) if chain else ():
             key = (name, "chain", b, d, keys)
             jobs.append((key, functools.partial(self._capture_chain, key, b, d, keys)))

@@ -112,6 +112,15 @@ class HybridModel:
         rows = self._lookup(torch.where(held, local, 0))
         return self.tp.reduce(torch.where(held[:, None], rows, 0))
 
+    def embed_padded(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens: [R] -> `embed_rows` padded to [P, H]. Compiled, the tokens are padded
+        (padding rows embed token 0, never read) rather than the rows: inductor fuses the
+        lookup into the first norm, and a concatenation of zero rows, present or not by the row
+        count, changed which axis that norm's sum ran along, and so its bytes."""
+        if torch.compiler.is_compiling():
+            return self.embed_rows(pad_rows(tokens, ROW_TILE))
+        return pad_rows(self.embed_rows(tokens), ROW_TILE)
+
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self.embed is not None:
             return self.embed.index_select(0, ids)
@@ -185,7 +194,7 @@ class HybridModel:
         by row, keeping every row's state in the slot's verify buffer, and advances the live
         state only when `write_live`."""
         batch = segs if isinstance(segs, Batch) else self.batch(segs, state, mode)
-        x = pad_rows(self.embed_rows(tokens), ROW_TILE)
+        x = self.embed_padded(tokens)
         rope = self.rope.index_select(0, batch.row_pos)
         writes, reads = self._kv_rows(batch, state)
         tapped: dict[int, torch.Tensor] = {}
@@ -293,7 +302,7 @@ class HybridModel:
         `kv_only` (priming from a prompt) it stops once the KV is written."""
         batch = segs if isinstance(segs, Batch) else self.batch(segs, state, VERIFY)
         # norm_e(embed(t)) of each row's token: a row-wise norm, so the same bytes as a table.
-        emb = self.ops_norm(pad_rows(self.embed_rows(tokens), ROW_TILE), _MTP_EMBED_NORM, EAGER)
+        emb = self.ops_norm(self.embed_padded(tokens), _MTP_EMBED_NORM, EAGER)
         hid = self._norm(pad_rows(hidden, ROW_TILE), "mtp.pre_fc_norm_hidden")
         x = self.ops.linear(torch.cat([emb, hid], dim=-1), self.wt["mtp.fc"])
         p = "mtp.layers.0"
