@@ -26,10 +26,16 @@ class ChildExited(RuntimeError):
         self.status = status
 
 
+# How long a GPU service child may load before it serves: one compiling its step with a cold
+# compile cache loads for minutes (about 170 s for the bundled model on two quiet cores). A
+# child that ends is caught at once (`ChildExited`): the bound is only for a load that hangs.
+GPU_SERVICE_START_S = 1200.0
+
+
 def start_gpu_service(
     model_dir: Path | str,
     *extra: str,
-    timeout: float = 120.0,
+    timeout: float = GPU_SERVICE_START_S,
     credentials: grpc.ChannelCredentials | None = None,
 ) -> tuple[subprocess.Popen, str]:
     """A `met gpu-service serve` child (a free loopback port unless `extra` names one);

@@ -267,7 +267,7 @@ def _add_graphs_flag(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="DIR",
         help="inductor's caches, so that a second start loads the compiled step "
-        "(default: $XDG_CACHE_HOME/met/compile)",
+        "(default: $TORCHINDUCTOR_CACHE_DIR where set, else $XDG_CACHE_HOME/met/compile)",
     )
     parser.add_argument(
         "--cuda-graphs",

@@ -62,7 +62,7 @@ from tools.bench.split import REPEATS as SPLIT_REPEATS
 from tools.bench.split import pair, speedups, split
 from tools.bench.tensor_parallel import tensor_parallel
 from tools.bench.tracing import tracing
-from tools.bench.workload import Workload
+from tools.bench.workload import Workload, scratch_env, served
 
 # transformers' static batch, against ours at as many concurrent requests.
 BATCH = 16
@@ -86,10 +86,11 @@ def memory(engine) -> dict:
 
 def measure(args: argparse.Namespace) -> dict:
     """Every section: the report dict. It runs in a cache directory of its own (the GPU
-    service children inherit it), so no cost table of the user's is read or changed."""
+    service children inherit it), so no cost table of the user's is read or changed; compiled
+    steps come from and go to the user's compile cache (`scratch_env`)."""
     with (
         tempfile.TemporaryDirectory() as cache,
-        mock.patch.dict(os.environ, {"XDG_CACHE_HOME": cache}),
+        mock.patch.dict(os.environ, scratch_env(cache)),
     ):
         return _measure(args)
 
@@ -105,7 +106,7 @@ def _measure(args: argparse.Namespace) -> dict:
     torch.set_num_threads(1)  # as the GPU service runs its engine
     drafter = args.drafter or (args.model / DRAFTER_DIR)
     dflash = (drafter / "config.json").is_file()
-    svc = ServiceConfig(verify_tiers=DFLASH_VERIFY_TIERS) if dflash else ServiceConfig()
+    svc = served(ServiceConfig(verify_tiers=DFLASH_VERIFY_TIERS) if dflash else ServiceConfig())
     engine = Engine(args.model, svc, drafter=drafter if dflash else None)
     work = Workload(args.model)
     quick = args.quick

@@ -9,8 +9,12 @@ the run the service spent idle between pipelined steps."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import statistics
-from collections.abc import Callable
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from control_plane.cli.launch import start_gpu_service, stop
@@ -18,7 +22,7 @@ from control_plane.replicas.client import GrpcModel
 from protos.defaults import DEFAULT_MODEL_DIR
 from protos.params import MTP, NONE
 from tools.bench.baseline import same_rounds
-from tools.bench.workload import Workload, median, serve
+from tools.bench.workload import Workload, median, serve, served
 
 # The section's repeats in a full run: its ratios compare arms within a few percent, on a
 # shared machine whose speed moves more than that between runs a second apart, so it takes
@@ -46,7 +50,8 @@ def split(
 ) -> list[dict]:
     """Each method in process and through a GPU service child process over gRPC, with the
     pipelined step stream and without it (`--no-pipeline`); `outside` (by concurrency: one
-    run of transformers' generate, its tok/s) runs in the same rounds."""
+    run of transformers' generate, its tok/s) runs in the same rounds. A first round at each
+    concurrency is not counted: a compiled step compiles the keys the work reaches there."""
     proc, target = start_gpu_service(model_dir)
     rows = []
     outside = outside or {}
@@ -55,15 +60,16 @@ def split(
         for n in concurrency:
             runs: dict[tuple[str, str], list[dict]] = {}
             hf: list[float] = []
-            for _ in range(repeats):  # methods and arms interleaved: drift falls on all alike
-                for m in (NONE, MTP):
+            for counted in [False] + [True] * repeats:  # methods and arms interleaved: drift
+                for m in (NONE, MTP):  # falls on all alike
                     for arm, over_grpc, options in ARMS:
                         reqs = work.requests(m, n, tokens)
                         connect = remote if over_grpc else local_connect
                         got = serve(connect, reqs, work.tokenizer, options)
                         got["idle"] = got["engine_waited_s"] / got["seconds"]
-                        runs.setdefault((m, arm), []).append(got)
-                if n in outside:
+                        if counted:
+                            runs.setdefault((m, arm), []).append(got)
+                if counted and n in outside:
                     hf.append(outside[n]())
             rows += [_split_row(runs, m, n, hf) for m in (NONE, MTP)]
     finally:
@@ -79,15 +85,14 @@ def pair(
     repeats: int,
     outside: Callable[[], float] | None = None,
     service: tuple[str, ...] = (),
-    timeout: float = 120.0,
 ) -> list[dict]:
     """`none` and `mtp` at `n` concurrent requests through a GPU service child over gRPC,
     pipelined (the default): the pair as a user runs it, for the static-batch comparison, with
     `outside` (one run of transformers' generate over a batch of `n`) in the same rounds. One
     row per method, with whether its tokens equal `none`'s in every repeat. `service`: the
-    child's further flags (`--compile`), `timeout` its start's. A first round, not counted,
+    child's further flags (`--compile`). A first round, not counted,
     warms the service (a compiled one compiles the keys the work reaches)."""
-    proc, target = start_gpu_service(model_dir, *service, timeout=timeout)
+    proc, target = start_gpu_service(model_dir, *service)
     runs: dict[str, list[dict]] = {NONE: [], MTP: []}
     hf: list[float] = []
     try:
@@ -176,6 +181,15 @@ def main() -> None:
         "batch at each other concurrency), as a user runs the service",
     )
     parser.add_argument(
+        "--load",
+        type=int,
+        nargs="+",
+        default=[0],
+        metavar="N",
+        help="the split again beside N busy processes (one spinning core each) per value: "
+        "what the two processes lose against the engine alone on a busy machine",
+    )
+    parser.add_argument(
         "--service",
         default="",
         help="the GPU service child's further flags, given as --service=FLAGS (default: none)",
@@ -185,18 +199,35 @@ def main() -> None:
     if args.pair:
         _pair_main(args)
         return
-    engine = Engine(DEFAULT_MODEL_DIR, ServiceConfig())
+    if min(args.load) < 0:
+        parser.error("--load takes counts of 0 or more")
+    engine = Engine(DEFAULT_MODEL_DIR, served(ServiceConfig()))
     work = Workload(DEFAULT_MODEL_DIR)
-    rows = split(
-        DEFAULT_MODEL_DIR, lambda: engine, work, args.concurrency, args.tokens, args.repeats
-    )
-    print("\n".join(split_lines(rows)))
+    for n in args.load:
+        with busy(n):
+            load = os.getloadavg()[0]
+            rows = split(
+                DEFAULT_MODEL_DIR, lambda: engine, work, args.concurrency, args.tokens, args.repeats
+            )
+            print(f"beside {n} busy processes (load {load:.2f} to {os.getloadavg()[0]:.2f}):")
+        print("\n".join(split_lines(rows)))
+
+
+@contextlib.contextmanager
+def busy(n: int) -> Iterator[None]:
+    """`n` processes spinning a core each (a pure Python loop) for the block's time."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
 
 
 def _pair_main(args: argparse.Namespace) -> None:
     """The pair against transformers, one thread each, interleaved; the machine's load beside."""
     import json
-    import os
 
     from tools.bench.baseline import transformers_baselines
 
@@ -212,7 +243,6 @@ def _pair_main(args: argparse.Namespace) -> None:
             args.repeats,
             hf.get(n),
             tuple(args.service.split()),
-            timeout=1200.0,
         )
         for r in rows:
             print(

@@ -47,6 +47,30 @@ def parse_load(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
     return args
 
 
+def served(svc):
+    """`svc` (a `ServiceConfig`) compiled where `met gpu-service serve` given neither
+    `--compile` nor `--no-compile` compiles on this machine: an engine in process then steps as
+    the bench's GPU service children do, and the two arms of a comparison run one forward."""
+    import os
+    from dataclasses import replace
+
+    from gpu_service.engine import compiled
+    from gpu_service.engine.device import resolve_device
+
+    on, _ = compiled.decide(None, resolve_device("auto"), 1, os.environ)
+    return replace(svc, compile=on)
+
+
+def scratch_env(directory: str) -> dict[str, str]:
+    """The environment of a run whose cost tables live in `directory` alone (its GPU service
+    children inherit it) while compiles keep reading and filling the user's compile cache:
+    a compile costs minutes cold, and inductor keys its entries by graph and flags, so no
+    figure depends on which entries were there."""
+    from gpu_service.engine import compiled
+
+    return {"XDG_CACHE_HOME": directory, compiled.CACHE_ENV: str(compiled.cache_dir())}
+
+
 PROMPTS = [
     "def fibonacci(n):\n",
     "import os\nimport sys\n\n",
