@@ -214,11 +214,11 @@ def main() -> None:
 
 
 @contextlib.contextmanager
-def busy(n: int) -> Iterator[None]:
+def busy(n: int) -> Iterator[list[subprocess.Popen]]:
     """`n` processes spinning a core each (a pure Python loop) for the block's time."""
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
     try:
-        yield
+        yield spinners
     finally:
         for p in spinners:
             p.kill()
