@@ -286,8 +286,11 @@ def _connect(args: argparse.Namespace) -> CircuitModel:
     from gpu_service.model.config import ServiceConfig
 
     drafter = args.drafter or (args.model / DRAFTER_DIR if args.dflash else None)
-    svc = ServiceConfig(prefix_snapshots=1 if args.snapshot else 0, compile=args.compile)
-    return Engine(args.model, svc, drafter=drafter)
+    svc = ServiceConfig(prefix_snapshots=1 if args.snapshot else 0)
+    engine = Engine(args.model, svc, drafter=drafter)
+    if args.compile:  # every bucket's own graph, not a smaller one's while it compiles
+        engine.compile_step(later=False)
+    return engine
 
 
 def main(args: argparse.Namespace) -> int:

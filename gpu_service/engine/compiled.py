@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import shutil
+import threading
 import types
 import warnings
 from collections.abc import Callable, Mapping
@@ -118,8 +120,11 @@ def compile_run(run: Run) -> Run:
         eager forward over the same buffers, never an error."""
         if not broken:
             try:
-                with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                if Later.in_flight:
                     compiled()
+                else:
+                    with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                        compiled()
                 return
             except RuntimeError as e:
                 broken.append(str(e))
@@ -151,3 +156,59 @@ def _count(sequences: int) -> str:
 
 def _span(values: list[int]) -> str:
     return str(values[0]) if len(values) == 1 else f"{values[0]} to {values[-1]}"
+
+
+class Later:
+    """Keys compiled by a thread of their own, one at a time, while the step goes on: a cold
+    compile takes tens of seconds (more on a busy machine), which no step may stall for, nor an
+    RPC's deadline wait out. `pending` holds the keys queued or compiling; a build is
+    `Graphs`' capture, which keeps the graph (or its failure) where the step finds it.
+
+    Dynamo's stance is the process's, and a compile that starts under the guard-skipping
+    stance of a replay is refused: while any build of any engine is queued or running
+    (`in_flight`, counted from the submitting thread, so before the build can start), replays
+    check their guards."""
+
+    in_flight = 0
+    _count = threading.Lock()
+
+    def __init__(self) -> None:
+        self.pending: set[tuple] = set()
+        self._jobs: queue.Queue[tuple[tuple, Callable[[], object]]] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._idle = threading.Condition()
+
+    def submit(self, key: tuple, build: Callable[[], object]) -> None:
+        """`build` run on the thread unless `key` is pending already."""
+        with self._idle:
+            if key in self.pending:
+                return
+            self.pending.add(key)
+        with Later._count:
+            Later.in_flight += 1
+        self._jobs.put((key, build))
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name="compile", daemon=True)
+            self._thread.start()
+
+    def settle(self) -> None:
+        """Until nothing is pending (tests and reports that need every key built)."""
+        with self._idle:
+            self._idle.wait_for(lambda: not self.pending)
+
+    def _work(self) -> None:
+        import torch
+
+        while True:
+            key, build = self._jobs.get()
+            try:
+                # As the engine's operations run: a graph traced outside inference mode would
+                # write inference tensors (the state) in place, which torch refuses.
+                with torch.inference_mode():
+                    build()
+            finally:
+                with Later._count:
+                    Later.in_flight -= 1
+                with self._idle:
+                    self.pending.discard(key)
+                    self._idle.notify_all()

@@ -137,15 +137,19 @@ class Engine:
         if self.svc.compile:
             self.compile_step()
 
-    def compile_step(self) -> None:
+    def compile_step(self, later: bool = True) -> None:
         """The batched verify and the drafter's chain compiled per batch bucket on the CPU
         (`engine/compiled.py`), inductor's caches in `svc.compile_cache`; one request's steps
-        at short contexts are compiled now (`Graphs.warm`), the other keys at their first call."""
+        at short contexts are compiled now (`Graphs.warm`), the other keys at their first call,
+        in the background where a smaller bucket can stand in meanwhile (`later`; without it,
+        as the circuit diff runs, every key is built at its first call)."""
         if self.device.type != "cpu" or self.tp is not None:
             raise ValueError("compile_step: the step is compiled on one CPU device only")
         compiled.use_cache(self.svc.compile_cache)
         self.use_graphs(graphs.compile_capture, compiled=True)
         assert self.choice.graphs is not None
+        if not later:
+            self.choice.graphs.later = None
         with self._hold():
             drafts = max(self.svc.slot_verify_drafts)
             self.compiled_at_start = self.choice.graphs.warm(drafts, self.cfg.has_mtp)

@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from gpu_service.engine.compiled import Later
 from gpu_service.engine.state import DeviceState
 from gpu_service.model.batch import HostBatch, Segment, draft_batch, host_batch, on_device
 from gpu_service.model.hybrid import VERIFY, HybridModel
@@ -157,6 +158,10 @@ class Graphs:
         self.graphs: dict[tuple, _Graph] = {}
         self.failed: dict[tuple, str] = {}  # keys whose capture raised, and what it raised
         self.fallbacks = 0
+        # Compiled: a key one of whose smaller buckets is built compiles in the background,
+        # its calls run meanwhile as replays of that bucket (a row's bytes do not depend on its
+        # bucket). None (the circuit diff's engine): every key is built at its first call.
+        self.later: Later | None = Later() if compiled else None
 
     @property
     def captures(self) -> int:
@@ -167,22 +172,38 @@ class Graphs:
         whose capture failed, which is kept in `failed` with its error and never tried again:
         a forward a device cannot capture costs the launches it would have saved, never the
         request."""
+        if self.later is not None and key in self.later.pending:
+            self.later.settle()
         if key in self.failed:
             self.fallbacks += 1
             return None
-        graph = self.graphs.get(key)
+        graph = self.graphs.get(key) or self._built(key, capture)
         if graph is None:
-            try:
-                graph = capture()
-            except Exception as e:
-                self.failed[key] = f"{type(e).__name__}: {e}"
-                self.fallbacks += 1
-                return None
+            self.fallbacks += 1
         return graph
+
+    def _built(self, key: tuple, capture: Callable[[], _Graph]) -> _Graph | None:
+        try:
+            return capture()
+        except Exception as e:
+            self.failed[key] = f"{type(e).__name__}: {e}"
+            return None
+
+    def _part(self, key: tuple, sizes: tuple[int, ...], capture: Callable[[], _Graph]) -> int:
+        """For a compiled key not built yet: the largest smaller bucket built at the key's other
+        fields, `key` then queued to compile in the background; 0 where there is none (the key
+        is built now) or nothing is built in the background."""
+        if self.later is None or key in self.graphs or key in self.failed:
+            return 0
+        part = max((b for b in sizes if b < key[2] and _at(key, b) in self.graphs), default=0)
+        if part:
+            self.later.submit(key, lambda: self._built(key, capture))
+        return part
 
     @property
     def replays(self) -> int:
-        return sum(g.replays for g in self.graphs.values())
+        # A copy first: a background build may add a graph meanwhile.
+        return sum(g.replays for g in list(self.graphs.values()))
 
     # -- verify --------------------------------------------------------------------------
 
@@ -202,7 +223,17 @@ class Graphs:
         (k,) = counts
         keys = key_bucket(max(s.start + s.count for s in segs), self.max_context, *self.key_steps)
         key = (self.model.ops.name, "verify", b, k, keys, write_live)
-        graph = self._get(key, lambda: self._capture_verify(key, b, k, keys, write_live))
+        capture = lambda: self._capture_verify(key, b, k, keys, write_live)  # noqa: E731
+        if part := self._part(key, self.verify_sizes, capture):
+            hiddens = []
+            for i in range(0, len(segs), part):
+                sub = [replace(s, row=j * k) for j, s in enumerate(segs[i : i + part])]
+                toks = [t for s in segs[i : i + part] for t in tokens[s.row : s.row + k]]
+                hidden = self.verify(sub, toks, write_live)
+                assert hidden is not None  # the part's graph is built
+                hiddens.append(hidden.clone())  # the next part's replay overwrites it
+            return torch.cat(hiddens)
+        graph = self._get(key, capture)
         if graph is None:
             return None
         packed = self._verify_inputs(segs, tokens, b, k, keys)
@@ -311,7 +342,17 @@ class Graphs:
             return None
         keys = key_bucket(top + num_drafts, self.max_context, *self.key_steps)
         key = (self.model.ops.name, "chain", b, num_drafts, keys)
-        graph = self._get(key, lambda: self._capture_chain(key, b, num_drafts, keys))
+        capture = lambda: self._capture_chain(key, b, num_drafts, keys)  # noqa: E731
+        if part := self._part(key, self.sizes, capture):
+            outs = []
+            for i in range(0, n, part):
+                at = slice(i, i + part)
+                got = self.chain(tok[at], hidden[at], slots[at], pos[at], top, num_drafts)
+                assert got is not None  # the part's graph is built
+                outs.append([x.clone() for x in got])  # the next part's replay overwrites it
+            drafts, confs, logits = (torch.cat(x) for x in zip(*outs, strict=True))
+            return drafts, confs, logits
+        graph = self._get(key, capture)
         if graph is None:
             return None
         ints, hiddens = graph.inputs
@@ -375,3 +416,8 @@ class Graphs:
                 if self._get(key, capture) is not None:
                     out.append((key, time.perf_counter() - start))
         return out
+
+
+def _at(key: tuple, bucket: int) -> tuple:
+    """`key` (forward, kind, bucket, ...) at another bucket."""
+    return (*key[:2], bucket, *key[3:])

@@ -129,8 +129,29 @@ def test_greedy_tokens_equal_the_eager_forwards_with_no_fallback(
         want, got = _greedy(eager, n, 6), _greedy(engine, n, 6)
         assert [(r.argmax, r.accepted) for r in got] == [(r.argmax, r.accepted) for r in want]
         assert any(sum(r.accepted) for r in got[1:]), "drafts stood"
-    # The start-up's 5, and the verify of 1 and 2 rows in the bucket of 4 that 3 sequences take.
+    # The start-up's 5, and the verify of 1 and 2 rows in the bucket of 4 that 3 sequences take,
+    # built in the background while buckets of 1 stood in.
+    assert graphs.later is not None
+    graphs.later.settle()
     assert graphs.fallbacks == 0 and graphs.captures == 7 and not graphs.failed
+
+
+@pytest.mark.slow
+def test_a_new_bucket_compiles_in_the_background(engines: tuple[Engine, Engine]) -> None:
+    """Six sequences take buckets of 8 no step has built: their steps replay the buckets of 4
+    meanwhile (the same bytes: the same tokens as eager), never eagerly and never waiting, and
+    the buckets of 8 are built once the background settles."""
+    eager, engine = engines
+    graphs = engine.choice.graphs
+    assert graphs is not None and graphs.later is not None
+    graphs.later.settle()
+    got, want = _greedy(engine, 6, 3), _greedy(eager, 6, 3)
+    assert [(r.argmax, r.accepted) for r in got] == [(r.argmax, r.accepted) for r in want]
+    assert graphs.fallbacks == 0
+    graphs.later.settle()
+    built = {k[1:4] for k in graphs.graphs}
+    assert {("verify", 8, 1), ("verify", 8, 2), ("chain", 8, 1)} <= built
+    assert not graphs.failed
 
 
 @pytest.mark.slow
@@ -159,6 +180,10 @@ def test_the_diff_compares_compiled_against_compiled_serial(
     its 2 or 3 rows to 4, a bucket of 2 with 2 rows each pads none: the embedding's padding
     differs, which once changed the first norm's bytes."""
     _, engine = engines
+    graphs = engine.choice.graphs
+    assert graphs is not None and graphs.later is not None
+    graphs.later.settle()
+    graphs.later = None  # as `met circuit diff --compile`: each bucket's own graph
     args = build_parser().parse_args(
         ["circuit", "diff", "--verify-batch", "--mtp", "--widths", "2,5", "--ks", "2,3"]
         + ["--steps", "3", "--num-drafts", "2"]
