@@ -158,6 +158,7 @@ class Capabilities:
     # when the service has none (`--drafter`).
     dflash_block: int = 0
     compiled: bool = False  # the graphs are compiled on the CPU (`--compile`)
+    compiles_pending: int = 0  # compiled keys still building in the background
 
 
 def batch_fits(ks: Sequence[int], max_batch: int, max_rows: int) -> bool:

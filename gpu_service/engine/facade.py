@@ -138,11 +138,9 @@ class Engine:
             self.compile_step()
 
     def compile_step(self, later: bool = True) -> None:
-        """The batched verify and the drafter's chain compiled per batch bucket on the CPU
-        (`engine/compiled.py`), inductor's caches in `svc.compile_cache`; one request's steps
-        at short contexts are compiled now (`Graphs.warm`), the other keys at their first call,
-        in the background where a smaller bucket can stand in meanwhile (`later`; without it,
-        as the circuit diff runs, every key is built at its first call)."""
+        """The verify and the chain compiled per batch bucket on the CPU (`engine/compiled.py`),
+        caches in `svc.compile_cache`: one request's steps now (`Graphs.warm`), other keys at
+        their first call, in the background (`later`) where a smaller bucket stands in."""
         if self.device.type != "cpu" or self.tp is not None:
             raise ValueError("compile_step: the step is compiled on one CPU device only")
         compiled.use_cache(self.svc.compile_cache)
@@ -209,6 +207,7 @@ class Engine:
             prefix_snapshots=self.svc.prefix_snapshots,
             dflash_block=0 if self.blocks is None else self.blocks.block_size,
             compiled=self.choice.graphs is not None and self.choice.graphs.compiled,
+            compiles_pending=0 if self.choice.graphs is None else self.choice.graphs.pending,
         )
 
     def tokenizer_files(self) -> dict[str, bytes]:

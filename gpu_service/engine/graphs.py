@@ -201,6 +201,11 @@ class Graphs:
         return part
 
     @property
+    def pending(self) -> int:
+        """Keys queued or compiling in the background."""
+        return 0 if self.later is None else len(self.later.pending)
+
+    @property
     def replays(self) -> int:
         # A copy first: a background build may add a graph meanwhile.
         return sum(g.replays for g in list(self.graphs.values()))

@@ -149,6 +149,7 @@ def test_a_new_bucket_compiles_in_the_background(engines: tuple[Engine, Engine])
     assert [(r.argmax, r.accepted) for r in got] == [(r.argmax, r.accepted) for r in want]
     assert graphs.fallbacks == 0
     graphs.later.settle()
+    assert engine.capabilities().compiles_pending == 0
     built = {k[1:4] for k in graphs.graphs}
     assert {("verify", 8, 1), ("verify", 8, 2), ("chain", 8, 1)} <= built
     assert not graphs.failed

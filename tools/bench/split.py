@@ -22,7 +22,7 @@ from control_plane.replicas.client import GrpcModel
 from protos.defaults import DEFAULT_MODEL_DIR
 from protos.params import MTP, NONE
 from tools.bench.baseline import same_rounds
-from tools.bench.workload import Workload, median, serve, served
+from tools.bench.workload import Workload, median, serve, served, settled
 
 # The section's repeats in a full run: its ratios compare arms within a few percent, on a
 # shared machine whose speed moves more than that between runs a second apart, so it takes
@@ -51,7 +51,8 @@ def split(
     """Each method in process and through a GPU service child process over gRPC, with the
     pipelined step stream and without it (`--no-pipeline`); `outside` (by concurrency: one
     run of transformers' generate, its tok/s) runs in the same rounds. A first round at each
-    concurrency is not counted: a compiled step compiles the keys the work reaches there."""
+    concurrency is not counted: a compiled step compiles the keys the work reaches there, and
+    the counted ones wait until it has (`settled`)."""
     proc, target = start_gpu_service(model_dir)
     rows = []
     outside = outside or {}
@@ -69,7 +70,10 @@ def split(
                         got["idle"] = got["engine_waited_s"] / got["seconds"]
                         if counted:
                             runs.setdefault((m, arm), []).append(got)
-                if counted and n in outside:
+                if not counted:
+                    settled(remote)
+                    settled(local_connect)
+                elif n in outside:
                     hf.append(outside[n]())
             rows += [_split_row(runs, m, n, hf) for m in (NONE, MTP)]
     finally:
@@ -90,14 +94,15 @@ def pair(
     pipelined (the default): the pair as a user runs it, for the static-batch comparison, with
     `outside` (one run of transformers' generate over a batch of `n`) in the same rounds. One
     row per method, with whether its tokens equal `none`'s in every repeat. `service`: the
-    child's further flags (`--compile`). A first round, not counted,
-    warms the service (a compiled one compiles the keys the work reaches)."""
+    child's further flags (`--compile`). A first round, not counted, warms the service (a
+    compiled one compiles the keys the work reaches, waited for: `settled`)."""
     proc, target = start_gpu_service(model_dir, *service)
     runs: dict[str, list[dict]] = {NONE: [], MTP: []}
     hf: list[float] = []
     try:
         for m in runs:
             serve(lambda: GrpcModel(target), work.requests(m, n, tokens), work.tokenizer)
+        settled(lambda: GrpcModel(target))
         for _ in range(repeats):
             for m in runs:
                 reqs = work.requests(m, n, tokens)

@@ -47,6 +47,15 @@ def parse_load(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
     return args
 
 
+def settled(connect: Callable[[], ServingModel], poll_s: float = 0.5) -> None:
+    """Until the model compiles nothing in the background (`Capabilities.compiles_pending`):
+    counted rounds then run the graphs their work reaches, not a smaller bucket's in parts
+    beside a compiler."""
+    model = connect()
+    while model.capabilities().compiles_pending:
+        time.sleep(poll_s)
+
+
 def served(svc):
     """`svc` (a `ServiceConfig`) compiled where `met gpu-service serve` given neither
     `--compile` nor `--no-compile` compiles on this machine: an engine in process then steps as

@@ -5,13 +5,14 @@ stay the run's own, and the busy processes of `python -m tools.bench.split --loa
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from gpu_service.engine import compiled
 from gpu_service.model.config import ServiceConfig
 from tools.bench.split import busy
-from tools.bench.workload import scratch_env, served
+from tools.bench.workload import scratch_env, served, settled
 
 
 def test_the_in_process_engine_compiles_as_a_service_would(
@@ -47,3 +48,14 @@ def test_busy_processes_spin_for_the_block_only() -> None:
     assert all(p.poll() is not None for p in spinners)
     with busy(0) as none:
         assert none == []
+
+
+def test_settled_waits_for_the_background_compiles() -> None:
+    pending = [2, 1, 0, 5]
+
+    class Model:
+        def capabilities(self) -> SimpleNamespace:
+            return SimpleNamespace(compiles_pending=pending.pop(0))
+
+    settled(Model, poll_s=0.0)  # type: ignore[arg-type]
+    assert pending == [5], "polled until none was pending, and no further"
