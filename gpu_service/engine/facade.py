@@ -138,16 +138,14 @@ class Engine:
             self.compile_step()
 
     def compile_step(self, later: bool = True) -> None:
-        """The verify and the chain compiled per batch bucket on the CPU (`engine/compiled.py`),
-        caches in `svc.compile_cache`: one request's steps now (`Graphs.warm`), other keys at
-        their first call, in the background (`later`) where a smaller bucket stands in."""
+        """The verify and chain compiled per bucket on the CPU (`engine/compiled.py`): one request's
+        steps now (`Graphs.warm`), other keys at first call, in the background with `later`."""
         if self.device.type != "cpu" or self.tp is not None:
             raise ValueError("compile_step: the step is compiled on one CPU device only")
         compiled.use_cache(self.svc.compile_cache)
         self.use_graphs(graphs.compile_capture, compiled=True)
         assert self.choice.graphs is not None
-        if not later:
-            self.choice.graphs.later = None
+        self.choice.graphs.later = self.choice.graphs.later if later else None
         with self._hold():
             drafts = max(self.svc.slot_verify_drafts)
             self.compiled_at_start = self.choice.graphs.warm(drafts, self.cfg.has_mtp)
