@@ -230,14 +230,8 @@ class Graphs:
         key = (self.model.ops.name, "verify", b, k, keys, write_live)
         capture = lambda: self._capture_verify(key, b, k, keys, write_live)  # noqa: E731
         if part := self._part(key, self.verify_sizes, capture):
-            hiddens = []
-            for i in range(0, len(segs), part):
-                sub = [replace(s, row=j * k) for j, s in enumerate(segs[i : i + part])]
-                toks = [t for s in segs[i : i + part] for t in tokens[s.row : s.row + k]]
-                hidden = self.verify(sub, toks, write_live)
-                assert hidden is not None  # the part's graph is built
-                hiddens.append(hidden.clone())  # the next part's replay overwrites it
-            return torch.cat(hiddens)
+            parts = [segs[i : i + part] for i in range(0, len(segs), part)]
+            return self._grouped(segs, tokens, write_live, parts)
         graph = self._get(key, capture)
         if graph is None:
             return None
@@ -258,6 +252,14 @@ class Graphs:
         if any(bucket_for(len(g), self.verify_sizes) is None for g in groups):
             self.fallbacks += 1
             return None
+        return self._grouped(segs, tokens, write_live, groups)
+
+    def _grouped(
+        self, segs: list[Segment], tokens: list[int], write_live: bool, groups: list[list[Segment]]
+    ) -> torch.Tensor | None:
+        """`segs` verified a group at a time, each group's rows of one count; the first group
+        no graph takes ends the call (None: the caller runs it eagerly), a later one runs
+        eagerly by itself."""
         out = torch.empty(
             sum(s.count for s in segs),
             self.model.cfg.hidden_size,
@@ -353,7 +355,8 @@ class Graphs:
             for i in range(0, n, part):
                 at = slice(i, i + part)
                 got = self.chain(tok[at], hidden[at], slots[at], pos[at], top, num_drafts)
-                assert got is not None  # the part's graph is built
+                if got is None:  # drafts only propose: the caller drafts them all eagerly
+                    return None
                 outs.append([x.clone() for x in got])  # the next part's replay overwrites it
             drafts, confs, logits = (torch.cat(x) for x in zip(*outs, strict=True))
             return drafts, confs, logits

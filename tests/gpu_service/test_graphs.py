@@ -184,3 +184,40 @@ def test_a_capture_that_fails_falls_back_for_good(tiny_dir: Path) -> None:
     assert len(tries) == len(g.failed) == 3, "one try per key: verify k=1, k=3, the chain"
     assert all("stream is capturing" in why for why in g.failed.values())
     assert g.fallbacks > len(tries), "later calls of a failed key go eager without a try"
+
+
+def test_a_compiled_key_builds_in_the_background_while_a_smaller_bucket_stands_in(
+    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The compiled path's scheduling, `replay_eagerly` standing in for the compiler: once one
+    sequence's keys are built, five sequences replay them in parts (never eagerly) while their
+    own buckets build in the background; once a build has failed, its calls run the eager
+    forward. Every step's bytes equal the eager engine's."""
+    eager, graphed = engines(tiny_dir)
+    graphed.use_graphs(replay_eagerly, compiled=True)
+    g = graphed.choice.graphs
+    assert g is not None and g.later is not None
+    assert _steps(eager, 1, 3, 2) == _steps(graphed, 1, 3, 2)
+    assert {k[1:3] for k in g.graphs} == {("verify", 1), ("chain", 4)}
+    assert _steps(eager, 5, 3, 3) == _steps(graphed, 5, 3, 3)
+    assert g.fallbacks == 0
+    g.later.settle()
+    assert {("verify", 8), ("chain", 8)} <= {k[1:3] for k in g.graphs}
+    assert graphed.capabilities().compiles_pending == 0
+
+    built = dict(g.graphs)
+    capture = g._capture_verify
+
+    def refuses_two(key: tuple, b: int, *rest) -> graphs._Graph:
+        if b == 2:
+            raise RuntimeError("no graph of two")
+        return capture(key, b, *rest)
+
+    monkeypatch.setattr(g, "_capture_verify", refuses_two)
+    assert _steps(eager, 2, 3, 2) == _steps(graphed, 2, 3, 2)
+    g.later.settle()
+    assert all(k[2] == 2 for k in g.failed) and g.failed, "the bucket of 2 failed"
+    before = g.fallbacks
+    assert _steps(eager, 2, 3, 1) == _steps(graphed, 2, 3, 1)
+    assert g.fallbacks > before, "its calls run eagerly once it has failed"
+    assert built.items() <= g.graphs.items()
