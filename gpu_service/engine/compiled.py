@@ -191,10 +191,12 @@ class Later:
             self._thread = threading.Thread(target=self._work, name="compile", daemon=True)
             self._thread.start()
 
-    def settle(self) -> None:
-        """Until nothing is pending (tests and reports that need every key built)."""
+    def settle(self, key: tuple | None = None) -> None:
+        """Until `key` (None: every key) is no longer pending."""
         with self._idle:
-            self._idle.wait_for(lambda: not self.pending)
+            self._idle.wait_for(
+                lambda: not self.pending if key is None else key not in self.pending
+            )
 
     def _work(self) -> None:
         import torch

@@ -172,8 +172,8 @@ class Graphs:
         whose capture failed, which is kept in `failed` with its error and never tried again:
         a forward a device cannot capture costs the launches it would have saved, never the
         request."""
-        if self.later is not None and key in self.later.pending:
-            self.later.settle()
+        if self.later is not None:
+            self.later.settle(key)  # a key compiling in the background: its build, not another
         if key in self.failed:
             self.fallbacks += 1
             return None
@@ -406,9 +406,29 @@ class Graphs:
         """The smallest bucket's verify of 1 to `drafts` + 1 rows and (with `chain`) chain of 1
         to `drafts` drafts, at the first key length, built now -> (key, seconds) of each built:
         what one request's steps replay until its context passes the first key length (a key
-        that fails is kept in `failed`, its calls eager)."""
+        that fails is kept in `failed`, its calls eager). With `later`, the same keys at every
+        longer key length are queued to the background: a context growing past a key length
+        then finds its keys built, or waits for the one compiling, not a whole cold compile."""
+        lengths = [key_bucket(1, self.max_context, *self.key_steps)]
+        while lengths[-1] < self.max_context:
+            lengths.append(key_bucket(lengths[-1] + 1, self.max_context, *self.key_steps))
+        out = []
+        for key, capture in self._smallest(drafts, chain, lengths[0]):
+            if key not in self.graphs and key not in self.failed:
+                start = time.perf_counter()
+                if self._get(key, capture) is not None:
+                    out.append((key, time.perf_counter() - start))
+        if self.later is not None:
+            for keys in lengths[1:]:
+                for key, capture in self._smallest(drafts, chain, keys):
+                    self.later.submit(key, functools.partial(self._built, key, capture))
+        return out
+
+    def _smallest(
+        self, drafts: int, chain: bool, keys: int
+    ) -> list[tuple[tuple, Callable[[], _Graph]]]:
+        """(key, capture) of `warm`'s keys at key length `keys`."""
         b, name = self.verify_sizes[0], self.model.ops.name
-        keys = key_bucket(1, self.max_context, *self.key_steps)
         jobs: list[tuple[tuple, Callable[[], _Graph]]] = []
         for k in range(1, drafts + 2):
             key: tuple = (name, "verify", b, k, keys, False)
@@ -417,13 +437,7 @@ class Graphs:
         for d in range(1, drafts + 1) if chain else ():
             key = (name, "chain", b, d, keys)
             jobs.append((key, functools.partial(self._capture_chain, key, b, d, keys)))
-        out = []
-        for key, capture in jobs:
-            if key not in self.graphs and key not in self.failed:
-                start = time.perf_counter()
-                if self._get(key, capture) is not None:
-                    out.append((key, time.perf_counter() - start))
-        return out
+        return jobs
 
 
 def _at(key: tuple, bucket: int) -> tuple:

@@ -221,3 +221,27 @@ def test_a_compiled_key_builds_in_the_background_while_a_smaller_bucket_stands_i
     assert _steps(eager, 2, 3, 1) == _steps(graphed, 2, 3, 1)
     assert g.fallbacks > before, "its calls run eagerly once it has failed"
     assert built.items() <= g.graphs.items()
+
+
+def test_the_start_up_queues_its_keys_at_every_longer_key_length(tiny_dir: Path) -> None:
+    """Built now at the first key length, queued to the background at the others (fourfold from
+    256 to the context), so a growing context finds them built."""
+    engine = Engine(tiny_dir, ServiceConfig(verify_tiers="8:2", max_context=2048))
+    engine.use_graphs(replay_eagerly, compiled=True)
+    g = engine.choice.graphs
+    assert g is not None and g.later is not None
+    with torch.inference_mode():
+        built = g.warm(2, True)
+    assert {k[4] for k, _ in built} == {256}
+    g.later.settle()
+    at = {length: {k[1:4] for k in g.graphs if k[4] == length} for length in (256, 1024, 2048)}
+    assert (
+        at[256]
+        == at[1024]
+        == at[2048]
+        == {
+            *(("verify", 1, k) for k in (1, 2, 3)),
+            *(("chain", 4, d) for d in (1, 2)),
+        }
+    )
+    assert not g.failed
