@@ -145,8 +145,8 @@ def summary(built: list[tuple[tuple, float]], cache: str) -> str:
     seconds = sum(t for _, t in built)
     return (
         f"gpu-service compiled the step for the CPU: {' and '.join(parts)}, in {seconds:.1f} s "
-        f"(other buckets and key lengths compile at their first call); "
-        f"cache {cache or cache_dir()}"
+        f"(the same at longer key lengths compile in the background from now on, other buckets "
+        f"there once a call needs them); cache {cache or cache_dir()}"
     )
 
 
