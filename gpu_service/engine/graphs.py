@@ -421,7 +421,8 @@ class Graphs:
         if self.later is not None:
             for keys in lengths[1:]:
                 for key, capture in self._smallest(drafts, chain, keys):
-                    self.later.submit(key, functools.partial(self._built, key, capture))
+                    if key not in self.graphs and key not in self.failed:
+                        self.later.submit(key, functools.partial(self._built, key, capture))
         return out
 
     def _smallest(
