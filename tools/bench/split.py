@@ -4,7 +4,8 @@
 The same requests through the scheduler, in one run: driving the engine in process, then
 driving a GPU service process over gRPC on loopback, each with greedy steps pipelined (the
 default) and not. Prints tokens per second of each, gRPC over in process, and how much of
-the run the service spent idle between pipelined steps."""
+the run the service spent idle between pipelined steps; `--load N` runs it again beside N busy
+processes, for what the two processes lose on a busy machine against the engine alone."""
 
 from __future__ import annotations
 
