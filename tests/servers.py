@@ -10,6 +10,7 @@ from contextlib import contextmanager
 
 import grpc
 
+from control_plane.admission.door import Admission
 from control_plane.fronts.api import GenerationServicer
 from control_plane.replicas.client import GrpcModel
 from control_plane.scheduler.scheduler import Scheduler
@@ -81,13 +82,16 @@ def model_server(engine: Engine, access: Access | None = None) -> Iterator[str]:
 
 
 @contextmanager
-def serving(scheduler: Scheduler, run: bool = True) -> Iterator[str]:
+def serving(
+    scheduler: Scheduler, run: bool = True, admission: Admission = Admission()
+) -> Iterator[str]:
     """The generation API over `scheduler` on a grpc.aio server in a thread, the scheduler
     running meanwhile unless not `run`; yields its address."""
 
     async def start() -> tuple[grpc.aio.Server, int]:
         server = grpc.aio.server()
-        pb_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(scheduler), server)
+        servicer = GenerationServicer(scheduler, admission)
+        pb_grpc.add_GenerationServiceServicer_to_server(servicer, server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         return server, port

@@ -50,8 +50,9 @@ def output_format(
     return ("lark", calls)
 
 
-def render(r: RequestParams, chat: ChatTemplate | None) -> str:
-    """The request's messages as prompt text, by the model's chat template."""
+def render(r: RequestParams, chat: ChatTemplate | None, max_bytes: int | None = None) -> str:
+    """The request's messages as prompt text, by the model's chat template, never past
+    `max_bytes` of UTF-8."""
     if chat is None:
         raise BadRequest(
             INVALID,
@@ -77,9 +78,11 @@ def render(r: RequestParams, chat: ChatTemplate | None) -> str:
     generation_prompt = not r.continue_final_message and r.add_generation_prompt is not False
     try:
         messages = [_message(m, i) for i, m in enumerate(r.messages)]
-        tools = json.loads(r.tools) if r.tools else None
+        tools = json.loads(r.tools) if r.tools else None  # checked by `check_tools` before
         kwargs = parse_kwargs(r.chat_template_kwargs)
-        return chat.render(messages, generation_prompt, kwargs, tools, r.continue_final_message)
+        return chat.render(
+            messages, generation_prompt, kwargs, tools, r.continue_final_message, max_bytes
+        )
     except ValueError as e:
         # The sentence opens with the field it is about, when it is not the messages.
         field = next((f for f in (KWARGS, "continue_final_message") if str(e).startswith(f)), None)

@@ -7,29 +7,32 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Iterable
-from typing import Any
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import grpc
 from opentelemetry.trace import Span
 
-from control_plane.admission.chats import check_tools, output_format, render
+from control_plane.admission.bounds import check_per_step
+from control_plane.admission.prompt import check_vocab, overflow_sentence, room
 from control_plane.admission.refusal import INVALID, BadRequest
+from control_plane.admission.work import Prepared, Preparer, Setup
+from control_plane.admission.workers import Bounds, Workers
 from control_plane.replicas.router import Drives
 from control_plane.scheduler.metrics import REPLICA_ATTRIBUTE
 from control_plane.scheduler.seq import Event, GenRequest, Queued
-from control_plane.text.chat import KWARGS, ChatTemplate
+from control_plane.text.chat import ChatTemplate
 from control_plane.text.detok import Tokenizer
 from control_plane.text.grammar import Grammar, GrammarCompiler
-from control_plane.text.tokenizer import Tokenization
-from control_plane.text.tools import (
-    THINK_OPEN,
-)
+from control_plane.text.tokenizer import TOKENIZER_FILE, Tokenization
 from protos import checks
 from protos.handles import MAX_TOP
 from protos.model import Capabilities, ModelError, Penalties
 from protos.params import DFLASH, MTP, RequestParams, penalties
 
+T = TypeVar("T")
 DEFAULT_METHOD = MTP  # for requests that leave the speculative method unspecified
 # For requests that leave max_new_tokens unset: None, the rest of the context (vLLM's).
 DEFAULT_MAX_NEW_TOKENS: int | None = None
@@ -37,19 +40,18 @@ DEFAULT_MAX_NEW_TOKENS: int | None = None
 # and offsets take hundreds of bytes per token, so an unbounded prompt grows the process before
 # it is refused.
 DEFAULT_MAX_PROMPT_BYTES = 1 << 20
-PROMPT_FIELDS = ("prompt", "prompt_token_ids", "messages")  # a request gives exactly one
-OWN_TEMPLATES = 16  # requests' own chat templates kept compiled, the oldest dropped first
 
 
 @dataclasses.dataclass(frozen=True)
 class Admission:
-    """What the server fills in for a request that leaves it unset, and the bound it holds
-    every text prompt and rendered chat to; `met control-plane serve` sets each from its
-    flag."""
+    """What the server fills in for a request that leaves it unset, the bound it holds
+    every text prompt and rendered chat to, and the bounds of the work a request's template,
+    tools and grammar cost; `met control-plane serve` sets each from its flag."""
 
     default_method: str = DEFAULT_METHOD
     default_max_new: int | None = DEFAULT_MAX_NEW_TOKENS
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES
+    bounds: Bounds = Bounds()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,14 +84,36 @@ def admit(
     chat: ChatTemplate | None = None,
 ) -> tuple[GenRequest, ChatShape]:
     """The wire request as the scheduler's `GenRequest` and its chat's `ChatShape`, or
-    `BadRequest` with a sentence. The fields that need no tokenizer are checked first, the
-    prompt's size before it is tokenized, and the grammar compiled last. `chat` is the
-    model's template, for a request with messages (None: the model has none)."""
+    `BadRequest` with a sentence, all in this thread (`Door` runs the costly part in a
+    worker). `chat` is the model's template, for a request with messages (None: the model has
+    none)."""
+    check(r, caps)
+    prepared = Preparer(tokenizer, chat, lambda: compiler).prepare(
+        r, caps, admission.max_prompt_bytes
+    )
+    grammar = compiler.matcher(prepared.grammar) if compiler and prepared.grammar else None
+    return finish(r, prepared, caps, admission, request_id, grammar)
+
+
+def check(r: RequestParams, caps: Capabilities) -> None:
+    """The fields that need neither a tokenizer nor a worker, checked before either runs."""
     _check_method(r, caps)
     _check_sampling(r, caps)
-    _check_vocab("stop_token_ids", r.stop_token_ids, caps)
-    tools = check_tools(r)
-    ids, opened = _prompt_ids(r, tokenizer, caps, admission.max_prompt_bytes, chat, tools)
+    check_vocab("stop_token_ids", r.stop_token_ids, caps)
+    check_per_step(r)
+
+
+def finish(
+    r: RequestParams,
+    prepared: Prepared,
+    caps: Capabilities,
+    admission: Admission,
+    request_id: str,
+    grammar: Grammar | None,
+) -> tuple[GenRequest, ChatShape]:
+    """A request whose costly part is done (`prepared`, its grammar's matcher built) as the
+    scheduler's `GenRequest` and its chat's `ChatShape`."""
+    ids = prepared.ids
     max_new = _max_new_tokens(r, len(ids), caps, admission.default_max_new)
     if r.min_new_tokens > max_new:
         raise BadRequest(
@@ -98,16 +122,16 @@ def admit(
             "min_tokens",
         )
     pen = _penalties(r, len(ids), caps)
-    form = output_format(r, tools, chat)
+    tools = prepared.tools
     shape = ChatShape(
         tools if tools and r.tool_choice != "none" else None,
-        chat is not None and chat.thinks,
-        opened,
+        prepared.thinks,
+        prepared.opened,
         r.parallel_tool_calls is not False,
     )
     return GenRequest(
         request_id=request_id,
-        prompt_ids=tuple(ids),
+        prompt_ids=ids,
         max_new_tokens=max_new,
         min_new_tokens=r.min_new_tokens,
         stop=tuple(r.stop),
@@ -118,7 +142,7 @@ def admit(
         num_drafts=r.num_drafts,
         logprobs=r.logprobs,
         prompt_logprobs=_prompt_logprobs(r),
-        grammar=_grammar(form, compiler),
+        grammar=grammar,
         sampling=r.sampling,
         penalties=pen,
     ), shape
@@ -144,96 +168,17 @@ def _penalties(r: RequestParams, prompt_len: int, caps: Capabilities) -> Penalti
     return p if p.active else None
 
 
-def _prompt_ids(
-    r: RequestParams,
-    tokenizer: Tokenizer,
-    caps: Capabilities,
-    max_bytes: int,
-    chat: ChatTemplate | None,
-    tools: dict[str, dict[str, Any]],
-) -> tuple[list[int], bool]:
-    """The prompt's ids, and whether it ends inside an opened reasoning block."""
-    given = [name for name in PROMPT_FIELDS if getattr(r, name)]
-    if len(given) > 1:
-        raise BadRequest(
-            INVALID,
-            f"give one of prompt, prompt_token_ids and messages; this request has "
-            f"{' and '.join(given)}",
-            "prompt",
-        )
-    if r.chat_template_kwargs and not r.messages:
-        raise BadRequest(
-            INVALID,
-            f"{KWARGS} are variables of the chat template; this request has no messages",
-            KWARGS,
-        )
-    text, field = (render(r, chat), "the rendered chat") if r.messages else (r.prompt, "prompt")
-    opened = bool(r.messages) and text.rstrip().endswith(THINK_OPEN)
-    size = len(text.encode("utf-8"))
-    if size > max_bytes:
-        raise BadRequest(
-            INVALID,
-            f"{field} is {size} bytes; this server takes at most {max_bytes}",
-            "messages" if r.messages else "prompt",
-        )
-    # A chat is tokenized as transformers tokenizes one: its template wrote the special tokens.
-    ids = list(r.prompt_token_ids) or tokenizer.encode(text)
-    if not ids:
-        raise BadRequest(INVALID, "the prompt is empty", "prompt")
-    if r.truncate_prompt_tokens is not None:
-        # 0: as many as the context holds with room for one more (vLLM's -1).
-        keep = r.truncate_prompt_tokens or caps.max_context - 1
-        ids = ids[-keep:]
-    # Before the vocabulary scan: a context's worth at most.
-    _room(len(ids), caps, "messages" if r.messages else "prompt")
-    _check_vocab(
-        "prompt_token_ids" if r.prompt_token_ids else "the tokenized prompt", ids, caps, "prompt"
-    )
-    return ids, opened
-
-
-def overflow_sentence(max_context: int, asked: int, prompt_len: int, new: int) -> str:
-    """vLLM's sentence for a request of `asked` tokens in all past a context of
-    `max_context`, `prompt_len` of them the prompt's."""
-    return (
-        f"This model's maximum context length is {max_context} tokens. However, you requested "
-        f"{asked} tokens ({prompt_len} in the messages, {new} in the completion). Please reduce "
-        "the length of the messages or completion."
-    )
-
-
-def _room(prompt_len: int, caps: Capabilities, param: str = "messages") -> int:
-    """Context positions left after the prompt, at least one."""
-    room = caps.max_context - prompt_len
-    if room < 1:
-        sentence = overflow_sentence(caps.max_context, prompt_len + 1, prompt_len, 1)
-        raise BadRequest(INVALID, sentence, param)
-    return room
-
-
-def _check_vocab(
-    field: str, ids: Iterable[int], caps: Capabilities, param: str | None = None
-) -> None:
-    bad = next((t for t in ids if t >= caps.vocab_size), None)
-    if bad is not None:
-        raise BadRequest(
-            INVALID,
-            f"{field} holds token id {bad}, outside the vocabulary (0 .. {caps.vocab_size - 1})",
-            param or field,
-        )
-
-
 def _max_new_tokens(
     r: RequestParams, prompt_len: int, caps: Capabilities, default_max_new: int | None
 ) -> int:
     """The request's token budget: its own, or the server's default (None: the rest of the
     context) cut to the context."""
-    room = _room(prompt_len, caps)
-    default = room if default_max_new is None else min(default_max_new, room)
+    left = room(prompt_len, caps)
+    default = left if default_max_new is None else min(default_max_new, left)
     max_new = r.max_new_tokens if r.max_new_tokens is not None else default
     if max_new == 0:
         raise BadRequest(INVALID, "max_new_tokens is 0; ask for at least one token", "max_tokens")
-    if max_new > room:
+    if max_new > left:
         sentence = overflow_sentence(caps.max_context, prompt_len + max_new, prompt_len, max_new)
         raise BadRequest(INVALID, sentence, "max_tokens")
     return max_new
@@ -275,31 +220,33 @@ def _check_sampling(r: RequestParams, caps: Capabilities) -> None:
         )
 
 
-def _grammar(form: tuple[str, str] | None, compiler: GrammarCompiler | None) -> Grammar | None:
-    """The compiled grammar, or None when the request has none."""
-    if form is None:
-        return None
-    if compiler is None:
-        raise BadRequest(grpc.StatusCode.UNIMPLEMENTED, "this server has no grammar engine")
-    kind, text = form
-    try:
-        return compiler.compile(kind, text)
-    except ValueError as e:
-        raise BadRequest(INVALID, f"response_format: {e}", "response_format") from None
+def _costly(r: RequestParams) -> bool:
+    """Whether the request carries work whose cost it chooses: a chat (its template), tools,
+    a template of its own, or a grammar."""
+    constrains = r.tool_choice not in ("", "auto", "none")
+    return bool(r.messages or r.tools or r.chat_template or r.response_format or constrains)
 
 
 class Door:
-    """Admission for one scheduler: the grammar engine is built for the tokenizer in use by
-    the first request that carries a grammar, the chat template compiled by the first that
-    carries messages, each again when the served model changes."""
+    """Admission for one scheduler. A request's costly part (`work.Preparer`: its tools, its
+    chat rendered, its prompt tokenized, its grammar checked) runs in a worker process under
+    the admission bounds when it carries a chat, tools or a grammar, and in a thread when it is
+    a plain prompt; the event loop only awaits. The grammar engine of this process (matchers
+    for the scheduler) is built by the first request that carries a grammar, again when the
+    served model changes."""
 
     def __init__(self, scheduler: Drives, admission: Admission = Admission()) -> None:
         self.scheduler, self.admission = scheduler, admission
+        self.workers = Workers(admission.bounds)
+        # Threads that wait on the workers, tokenize plain prompts and build matchers.
+        self._threads = ThreadPoolExecutor(4 * admission.bounds.workers, "admission")
+        self._lock = threading.Lock()
         self._compiler: GrammarCompiler | None = None
         self._compiled_for: Tokenizer | None = None  # the tokenizer `_compiler` was built for
-        self._chat: ChatTemplate | None = None
-        self._chat_for: Tokenization | None = None  # the files `_chat` was read from
-        self._own_templates: dict[str, ChatTemplate] = {}  # requests' own, by source
+        self._local: Preparer | None = None  # for plain prompts, in this process
+        self._local_for: Tokenizer | None = None
+        self._setup: Setup | None = None
+        self._setup_for: Tokenization | None = None
 
     async def enter(self, request: RequestParams, key: str, span: Span) -> Entered:
         """Check, convert and submit the request under `key`; its events (and `Queued`
@@ -308,9 +255,13 @@ class Door:
         caps = await self.capabilities()
         span.set_attribute("gen_ai.request.model", caps.model_name)
         tokenizer = self.scheduler.tokenizer
-        compiler = self._grammar_compiler(request, tokenizer, caps)
-        chat = self._chat_template(request)
-        req, shape = admit(request, tokenizer, caps, self.admission, key, compiler, chat)
+        check(request, caps)
+        prepared = await self._prepare(request, caps)
+        grammar = None
+        if prepared.grammar is not None:
+            compiler = self._grammar_compiler(tokenizer, caps)
+            grammar = await self._in_thread(compiler.matcher, prepared.grammar)
+        req, shape = finish(request, prepared, caps, self.admission, key, grammar)
         req = dataclasses.replace(req, span_context=span.get_span_context())
         events: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
@@ -329,12 +280,7 @@ class Door:
         """The prompt's ids as a generation would see them (a chat rendered by its template);
         `BadRequest` with a sentence."""
         caps = await self.capabilities()
-        chat = self._chat_template(request)
-        tokenizer = self.scheduler.tokenizer
-        tools = check_tools(request)
-        return _prompt_ids(request, tokenizer, caps, self.admission.max_prompt_bytes, chat, tools)[
-            0
-        ]
+        return list((await self._prepare(request, caps)).ids)
 
     async def capabilities(self) -> Capabilities:
         """The served model's, connecting first if need be; `BadRequest` with UNAVAILABLE when
@@ -353,52 +299,64 @@ class Door:
         """The client is gone before its request finished: free its slot."""
         self.scheduler.cancel(key)
 
-    def _grammar_compiler(
-        self, request: RequestParams, tokenizer: Tokenizer, caps: Capabilities
-    ) -> GrammarCompiler | None:
-        """Requests without a `response_format` or a `tool_choice` that constrains never touch
-        the grammar engine."""
-        if request.response_format is None and request.tool_choice in ("", "auto", "none"):
-            return None
-        if self._compiler is None or self._compiled_for is not tokenizer:
-            self._compiler = GrammarCompiler(tokenizer, caps.vocab_size, caps.eos_token_ids)
-            self._compiled_for = tokenizer
-        return self._compiler
+    def warm(self) -> None:
+        """Set the workers up for the served model (blocking; where it is known): the first
+        chats then wait for no tokenizer to load."""
+        tokenization = getattr(self.scheduler, "tokenization", None)
+        if tokenization is None or TOKENIZER_FILE not in tokenization.files:
+            return
+        try:
+            caps = self.scheduler.capabilities()
+        except (grpc.RpcError, ModelError):
+            return  # the first request connects, and says why it cannot
+        self.workers.warm(self._setup_of(tokenization, caps))
 
-    def _chat_template(self, request: RequestParams) -> ChatTemplate | None:
-        """Requests without messages never read the template; a request's own (vLLM's
-        `chat_template`) takes the model's special tokens."""
-        if not request.messages:
-            if request.chat_template or request.continue_final_message:
-                raise BadRequest(
-                    INVALID,
-                    "chat_template and continue_final_message go with messages; this request "
-                    "has none",
-                    "chat_template" if request.chat_template else "continue_final_message",
-                )
-            return None
-        model = self._model_template()
-        if not request.chat_template:
-            return model
-        own = self._own_templates.get(request.chat_template)
-        if own is None:
-            try:
-                own = (model or ChatTemplate("", {})).with_source(request.chat_template)
-            except ValueError as e:
-                raise BadRequest(INVALID, f"chat_template: {e}", "chat_template") from None
-            if len(self._own_templates) >= OWN_TEMPLATES:
-                self._own_templates.pop(next(iter(self._own_templates)))
-            self._own_templates[request.chat_template] = own
-        return own
+    def close(self) -> None:
+        """End the workers; requests that need one are refused from now on."""
+        self.workers.close()
+        self._threads.shutdown(wait=False, cancel_futures=True)
 
-    def _model_template(self) -> ChatTemplate | None:
-        tokenization = self.scheduler.tokenization
-        if tokenization is None:  # not connected: `enter` asked for capabilities first
-            return None
-        if self._chat_for is not tokenization:
-            try:
-                self._chat = ChatTemplate.from_files(tokenization.files)
-            except ValueError as e:
-                raise BadRequest(INVALID, f"the model's chat template is unusable: {e}") from None
-            self._chat_for = tokenization
-        return self._chat
+    async def _prepare(self, r: RequestParams, caps: Capabilities) -> Prepared:
+        bound = self.admission.max_prompt_bytes
+        tokenization = getattr(self.scheduler, "tokenization", None)
+        # A tokenizer handed over as an object (no files: tests' fakes) cannot reach a worker.
+        if tokenization is not None and TOKENIZER_FILE in tokenization.files and _costly(r):
+            setup = self._setup_of(tokenization, caps)
+            return await self._in_thread(self.workers.run, setup, r, caps, bound)
+        return await self._in_thread(self._preparer(caps).prepare, r, caps, bound)
+
+    async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._threads, fn, *args)
+
+    def _setup_of(self, tokenization: Tokenization, caps: Capabilities) -> Setup:
+        if self._setup_for is not tokenization:
+            digest = f"{tokenization.digest}:{caps.vocab_size}:{caps.eos_token_ids}"
+            self._setup = Setup(
+                tokenization.files,
+                tokenization.origin,
+                caps.vocab_size,
+                caps.eos_token_ids,
+                digest,
+            )
+            self._setup_for = tokenization
+        assert self._setup is not None
+        return self._setup
+
+    def _preparer(self, caps: Capabilities) -> Preparer:
+        """This process's own, for plain prompts, and for schedulers that hold a tokenizer
+        but no checkpoint files (tests' fakes), whose model has no chat template."""
+        tokenizer = self.scheduler.tokenizer
+        with self._lock:
+            if self._local is None or self._local_for is not tokenizer:
+                compiler = lambda: self._grammar_compiler(tokenizer, caps)  # noqa: E731
+                self._local, self._local_for = Preparer(tokenizer, None, compiler), tokenizer
+            return self._local
+
+    def _grammar_compiler(self, tokenizer: Tokenizer, caps: Capabilities) -> GrammarCompiler:
+        """Built by the first request that carries a grammar: requests without one never
+        touch the grammar engine."""
+        with self._lock:
+            if self._compiler is None or self._compiled_for is not tokenizer:
+                self._compiler = GrammarCompiler(tokenizer, caps.vocab_size, caps.eos_token_ids)
+                self._compiled_for = tokenizer
+            return self._compiler

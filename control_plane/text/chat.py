@@ -7,7 +7,7 @@ prompt the model was trained on."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,18 @@ SERVER_SET = {
     "tools": "the request's tools field",
     "documents": "none: this server takes no documents",
 }
+
+
+# A chat template's source, at most: published templates are a few kilobytes (Qwen3.6's about
+# 8), and compiling costs time and memory by its size.
+MAX_TEMPLATE_BYTES = 256 << 10
+# The longest string or list a template's `*` may make: one expression could otherwise fill
+# the memory before the rendered text's bound is ever checked.
+MAX_REPEAT = 1 << 20
+
+
+class TooLong(ValueError):
+    """The rendered chat passed its bound."""
 
 
 class Refusal(jinja2.TemplateError):
@@ -105,10 +117,23 @@ class _Generation(Extension):
         return caller()
 
 
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """The sandbox with `*` bounded on strings and lists."""
+
+    intercepted_binops = frozenset(["*"])
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        sized = [x for x in (left, right) if isinstance(x, str | list | tuple)]
+        times = [x for x in (left, right) if isinstance(x, int)]
+        if sized and times and len(sized[0]) * times[0] > MAX_REPEAT:
+            raise jinja2.exceptions.SecurityError(
+                f"a chat template may not repeat text past {MAX_REPEAT} characters"
+            )
+        return super().call_binop(context, operator, left, right)
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols]
-    )
+    env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals.update(
         raise_exception=_raise_exception,
@@ -126,10 +151,17 @@ class ChatTemplate:
     """One checkpoint's chat template, compiled once, and the special tokens it may name."""
 
     def __init__(self, source: str, special_tokens: Mapping[str, str]) -> None:
+        size = len(source.encode("utf-8", "surrogatepass"))
+        if size > MAX_TEMPLATE_BYTES:
+            raise ValueError(
+                f"the chat template is {size} bytes; this server takes at most {MAX_TEMPLATE_BYTES}"
+            )
         try:
             self._template = _ENV.from_string(source)
         except jinja2.TemplateSyntaxError as e:
             raise ValueError(f"the chat template does not compile (line {e.lineno}): {e}") from None
+        except (RecursionError, MemoryError):  # blocks nested past what the compiler walks
+            raise ValueError("the chat template nests too deep to compile") from None
         self.special_tokens = dict(special_tokens)
         self.source = source
 
@@ -161,12 +193,14 @@ class ChatTemplate:
         kwargs: Mapping[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
         continue_final: bool = False,
+        max_bytes: int | None = None,
     ) -> str:
         """The chat as the prompt text, `kwargs` the request's own template variables (they
         override special tokens of their name, as in transformers), `tools` OpenAI's tool
         definitions; `continue_final`: the text ends where the last message does, as
         transformers' `continue_final_message` cuts it. `ValueError` with a sentence when one
-        names what the server sets, or the template refuses the chat or fails on it."""
+        names what the server sets, the template refuses the chat or fails on it, or its text
+        passes `max_bytes` of UTF-8 (checked as it is written, so it never grows past)."""
         kwargs = kwargs or {}
         taken = next((k for k in SERVER_SET if k in kwargs), None)
         if taken is not None:
@@ -182,13 +216,29 @@ class ChatTemplate:
             "add_generation_prompt": add_generation_prompt,
         }
         try:
-            text = self._template.render(context)
+            text = _bounded(self._template.generate(context), max_bytes)
         except Refusal as e:
             raise ValueError(f"the chat template refuses these messages: {e}") from None
+        except (TooLong, MemoryError):  # a bound of the server's, which names it
+            raise
         # A template is a program: whatever it raises concerns this chat alone.
         except Exception as e:
             raise ValueError(f"the chat template failed on these messages: {e}") from None
         return _cut_after_final(text, messages[-1]) if continue_final else text
+
+
+def _bounded(pieces: Iterator[str], max_bytes: int | None) -> str:
+    if max_bytes is None:
+        return "".join(pieces)
+    out, size = [], 0
+    for piece in pieces:
+        size += len(piece.encode("utf-8", "surrogatepass"))
+        if size > max_bytes:
+            raise TooLong(
+                f"the rendered chat is longer than {max_bytes} bytes, the most this server takes"
+            )
+        out.append(piece)
+    return "".join(out)
 
 
 def _cut_after_final(text: str, final: Mapping[str, Any]) -> str:

@@ -9,12 +9,32 @@ which is where drafts are cut."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from typing import Protocol
 
 import llguidance
 
 from control_plane.text.detok import Tokenizer
+
+# What a grammar may cost, checked by llguidance itself: its size in symbols, the lexer states
+# it builds and the work of one mask. Errors carry no parser state (`verbose_errors`), which
+# would hand a client hundreds of kilobytes of the library's internals.
+LIMITS = llguidance.LLParserLimits(
+    max_grammar_size=100_000, max_lexer_states=50_000, verbose_errors=False
+)
+# A grammar's text at most (a JSON schema, a regex, a Lark grammar, or the calls of a request's
+# tools): its build time grows faster than its size.
+MAX_GRAMMAR_BYTES = 256 << 10
+MAX_ERROR_CHARS = 300  # of a library's error, quoted in a refusal
+
+
+def sentence(error: str) -> str:
+    """A library's error as a refusal may quote it: its first line, without a backtrace."""
+    first = re.split(r"\n|<backtrace>|stack backtrace", error.strip(), maxsplit=1)[0].strip()
+    if first.startswith("panic"):  # an assertion inside the library: its text means nothing here
+        return "the grammar engine cannot build it (past one of its internal limits)"
+    return first if len(first) <= MAX_ERROR_CHARS else first[: MAX_ERROR_CHARS - 3] + "..."
 
 
 class Grammar(Protocol):
@@ -42,13 +62,15 @@ class _Vocabulary:
 
 class LLGuidanceGrammar:
     def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str) -> None:
-        self.matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        self.matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=LIMITS)
         if self.matcher.is_error():
-            raise ValueError(f"the grammar does not compile: {self.matcher.get_error()}")
+            raise ValueError(f"the grammar does not compile: {sentence(self.matcher.get_error())}")
 
     def advance(self, tokens: list[int]) -> None:
         if tokens and not self.matcher.consume_tokens(tokens):
-            raise ValueError(f"the grammar refused committed tokens: {self.matcher.get_error()}")
+            raise ValueError(
+                f"the grammar refused committed tokens: {sentence(self.matcher.get_error())}"
+            )
 
     def mask(self) -> bytes:
         return self.matcher.compute_bitmask()
@@ -96,6 +118,12 @@ class GrammarCompiler:
 
     def compile(self, kind: str, spec: str) -> LLGuidanceGrammar:
         """kind: json_schema, regex or lark. Raises ValueError with a sentence."""
+        return self.matcher(self.grammar(kind, spec))
+
+    def grammar(self, kind: str, spec: str) -> str:
+        """`spec` as llguidance's grammar, checked whole: built into a matcher and its first
+        mask computed, so that what a matcher finds only at the first token (a lexer past its
+        limits) is found here, before a prefill runs. Raises ValueError with a sentence."""
         builders: dict[str, Callable[[str], str]] = {
             "json_schema": _compact_json,
             "regex": llguidance.LLMatcher.grammar_from_regex,
@@ -103,16 +131,31 @@ class GrammarCompiler:
         }
         if kind not in builders:
             raise ValueError(f"response format {kind!r} is unknown (json_schema, regex, lark)")
+        size = len(spec.encode("utf-8", "surrogatepass"))
+        if size > MAX_GRAMMAR_BYTES:
+            raise ValueError(
+                f"the {kind} is {size} bytes; this server takes at most {MAX_GRAMMAR_BYTES}"
+            )
         if kind == "json_schema":
             try:
                 json.loads(spec)
             except json.JSONDecodeError as e:
                 raise ValueError(f"the JSON schema is not JSON: {e}") from None
+            except RecursionError:
+                raise ValueError("the JSON schema nests past what this server parses") from None
         try:
             grammar = builders[kind](spec)
         except Exception as e:  # the builders raise their own types on bad input
-            raise ValueError(f"the {kind} does not compile: {e}") from None
-        message = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
+            raise ValueError(f"the {kind} does not compile: {sentence(str(e))}") from None
+        message = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer, limits=LIMITS)
         if message:
-            raise ValueError(f"the {kind} does not compile: {message}")
+            raise ValueError(f"the {kind} does not compile: {sentence(message)}")
+        first = self.matcher(grammar).matcher
+        first.compute_bitmask()
+        if first.is_error():
+            raise ValueError(f"the {kind} does not compile: {sentence(first.get_error())}")
+        return grammar
+
+    def matcher(self, grammar: str) -> LLGuidanceGrammar:
+        """A matcher of a grammar `grammar` returned (llguidance builds it without the GIL)."""
         return LLGuidanceGrammar(self.tokenizer, grammar)

@@ -26,6 +26,12 @@ TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 JSON_FORM, XML_FORM = "json", "xml"
 CHOICES = ("auto", "none", "required")  # beside a tool's name
+# How deep a tool's parameters may nest, in JSON objects and lists (a schema level is two):
+# deeper schemas are refused before any walk, so closing one or compiling its grammar never
+# recurses past the stack.
+MAX_SCHEMA_DEPTH = 64
+MAX_TOOLS = 128  # tools in one request (OpenAI's bound)
+MAX_TOOLS_BYTES = 256 << 10  # their definitions, as JSON text
 # A parameter's text in the XML form: anything that does not close it.
 ANY_TEXT = r"([^<]|<[^\/])*"
 _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
@@ -42,12 +48,19 @@ def read_tools(text: str) -> dict[str, dict[str, Any]]:
     schema; `ValueError` with a sentence naming the faulty one."""
     if not text:
         return {}
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > MAX_TOOLS_BYTES:
+        raise ValueError(
+            f"tools is {size} bytes of JSON; this server takes at most {MAX_TOOLS_BYTES}"
+        )
     try:
         tools = json.loads(text)
     except (ValueError, RecursionError) as e:
         raise ValueError(f"tools is not JSON text: {e}") from None
     if not isinstance(tools, list):
         raise ValueError("tools must be a list of {type: function, function: {name, ...}}")
+    if len(tools) > MAX_TOOLS:
+        raise ValueError(f"tools lists {len(tools)} tools; this server takes at most {MAX_TOOLS}")
     out: dict[str, dict[str, Any]] = {}
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
@@ -62,8 +75,31 @@ def read_tools(text: str) -> dict[str, dict[str, Any]]:
             raise ValueError(f"tools[{i}].function.name {name!r} names a tool twice")
         if not isinstance(params, dict):
             raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object")
+        check_depth(params, f"tools[{i}].function.parameters")
         out[name] = params
     return out
+
+
+def json_depth(value: Any) -> int:
+    """How deep objects and lists nest in `value` (a scalar: 0), walked without recursion."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            item = list(item.values())
+        if isinstance(item, list):
+            deepest = max(deepest, depth + 1)
+            stack.extend((v, depth + 1) for v in item if isinstance(v, dict | list))
+    return deepest
+
+
+def check_depth(value: Any, where: str) -> None:
+    """`ValueError` with a sentence when `value` nests past `MAX_SCHEMA_DEPTH`."""
+    depth = json_depth(value)
+    if depth > MAX_SCHEMA_DEPTH:
+        raise ValueError(
+            f"{where} nests {depth} levels deep; this server takes at most {MAX_SCHEMA_DEPTH}"
+        )
 
 
 def check_choice(choice: str, tools: Mapping[str, Any]) -> None:
@@ -117,15 +153,19 @@ def _json_call_schema(name: str, params: dict[str, Any]) -> dict[str, Any]:
 def _closed(schema: Any) -> Any:
     """`schema` with every object that lists its properties closed to others where it does
     not say: a call names the parameters its tool declares (OpenAI's strict mode does the
-    same), and a sampled call cannot run on through invented ones."""
+    same), and a sampled call cannot run on through invented ones. Each node is visited once
+    (the schema's depth is bounded by `check_depth`)."""
     if isinstance(schema, list):
         return [_closed(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: _closed(v) for k, v in schema.items()}
-    if "properties" in schema:
-        out["properties"] = {k: _closed(v) for k, v in schema["properties"].items()}
+    props = schema.get("properties")
+    out = {k: _closed(v) for k, v in schema.items() if k != "properties"}
+    if isinstance(props, dict):
+        out["properties"] = {p: _closed(v) for p, v in props.items()}
         out.setdefault("additionalProperties", False)
+    elif "properties" in schema:
+        out["properties"] = _closed(props)
     return out
 
 

@@ -53,6 +53,21 @@ U32, U64 = (1 << 32) - 1, (1 << 64) - 1
 EDGE_INTS = [0, 1, 2, 3, 7, 8, 24, 255, 256, 511, 512, 1 << 16, 1 << 31, U32]
 EDGE_FLOATS = [math.nan, math.inf, -math.inf, 0.0, -0.0, 1e-45, 0.5, 1.0, 2.0, -1.0, 3.4e38]
 WORDS = ["", "eager", "a", "{", "[a-z]+", '{"type": "object"}', "start: /x/", "\x00", "é" * 40]
+# Issue 60's hostile schemas, templates and grammars, each refused at once by a bound (the
+# template whose loops run to the admission deadline is left to test_hostile_requests: it
+# would hold a worker two seconds a draw).
+HOSTILE_WORDS = [
+    '[{"type":"function","function":{"name":"f","parameters":'
+    + '{"type":"object","properties":{"a":' * 40
+    + "{}"
+    + "}}" * 40
+    + "}}]",
+    '{"items":' * 5000 + "{}" + "}" * 5000,
+    '{{ "a" * 200000000 }}',
+    "{% if 1 %}" * 3000 + "x" + "{% endif %}" * 3000,
+    "start: " + " | ".join(f'"w{i}"' for i in range(120_000)),
+    "(a{1000}){1000}",
+]
 
 
 def call_metadata(method: MethodDescriptor, session: str) -> tuple[tuple[str, str], ...]:
@@ -128,6 +143,8 @@ def _scalar(fz: Fuzz, f: FieldDescriptor) -> object:
             value = rng.choice(EDGE_FLOATS) if rng.random() < 0.6 else rng.uniform(-2, 2)
             return struct.unpack("f", struct.pack("f", value))[0] if math.isfinite(value) else value
         case FieldDescriptor.TYPE_STRING:
+            if rng.random() < 0.05:
+                return rng.choice(HOSTILE_WORDS)
             return rng.choice(WORDS) if rng.random() < 0.5 else _text(rng)
         case FieldDescriptor.TYPE_BYTES:
             return rng.randbytes(rng.choice([0, 1, 4, 8, 32, 64, 300]))

@@ -16,7 +16,9 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from control_plane.admission import workers
 from control_plane.admission.door import Admission, BadRequest, admit
+from control_plane.admission.work import Setup
 from control_plane.cli import generate
 from control_plane.scheduler.scheduler import Scheduler
 from control_plane.text.chat import CONFIG_FILE, TEMPLATE_FILE, ChatTemplate
@@ -295,7 +297,7 @@ def test_the_rendered_chat_is_held_to_the_prompt_bound(api: Api, tiny_dir: Path)
         with pytest.raises(BadRequest) as caught:
             admit(from_pb(request), tokenization.tokenizer, caps, admission, "r", chat=chat)
         assert str(caught.value) == (
-            f"the rendered chat is {size} bytes; this server takes at most {size - 1}"
+            f"the rendered chat is longer than {size - 1} bytes, the most this server takes"
         )
 
 
@@ -345,14 +347,16 @@ def test_a_refusing_template_refuses_that_request_alone(api: Api) -> None:
 def test_the_door_compiles_a_template_once_per_model(
     api: Api, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A worker compiles the model's template when it is set up for the model: once, and
+    again when the served model's files change."""
     calls = []
-    compile_files = ChatTemplate.from_files
+    set_up = workers._Worker.set_up
 
-    def counted(files: Mapping[str, bytes]) -> ChatTemplate | None:
-        calls.append(files)
-        return compile_files(files)
+    def counted(worker: workers._Worker, setup: Setup, memory_mb: int) -> None:
+        calls.append(setup)
+        set_up(worker, setup, memory_mb)
 
-    monkeypatch.setattr(ChatTemplate, "from_files", counted)
+    monkeypatch.setattr(workers._Worker, "set_up", counted)
     request = pb.GenerateRequest(messages=USER)
     with serving_template(api.scheduler, GENERATION):
         generated(api.stub, request)
