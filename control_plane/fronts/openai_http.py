@@ -38,12 +38,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from control_plane.admission import auth
 from control_plane.admission.door import BadRequest, Door, Entered
 from control_plane.fronts.api import TRACER, failed, finished, request_attributes
+from control_plane.fronts.http_limits import HttpLimits, protocol
 from control_plane.fronts.openai_body import (
     Ask,
     InvalidParam,
     chat_request,
     completion_request,
 )
+from control_plane.fronts.openai_prompts import check_batch, check_choices
 from control_plane.fronts.openai_reply import (
     DONE,
     Reply,
@@ -54,6 +56,7 @@ from control_plane.fronts.openai_reply import (
     sse,
 )
 from control_plane.fronts.openai_routes import Catalog, metrics_route, read_body, refused
+from control_plane.replicas.router import Drives, Router
 from control_plane.scheduler.metrics import Metrics
 from control_plane.scheduler.seq import Delta, Failure, Finish, Queued
 from protos import ports
@@ -270,8 +273,15 @@ class Front:
     async def _admit(
         self, request: Request, chat: bool, rid: str, span: Span
     ) -> tuple[Ask, Capabilities]:
-        """The request read and checked against the served model, or `BadRequest`."""
-        ask = (chat_request if chat else completion_request)(await read_body(request))
+        """The request read and checked against the served model, or `BadRequest`. A batch
+        is counted against what the wait queue holds before its prompts are read."""
+        body = await read_body(request)
+        most = queue_bound(self.door.scheduler)
+        if not chat and most is not None:
+            check_batch(body, most)
+        ask = (chat_request if chat else completion_request)(body)
+        if most is not None:
+            check_choices(1 + len(ask.more), ask.n, most)
         span.set_attributes(request_attributes(ask.request, rid))
         if ask.choices > 1:
             span.set_attribute("gen_ai.request.choice.count", ask.choices)
@@ -286,6 +296,15 @@ class Front:
                 grpc.StatusCode.NOT_FOUND,
             )
         return ask, caps
+
+
+def queue_bound(drives: Drives) -> int | None:
+    """The most requests one call may submit: what a scheduler's wait queue holds
+    (`--max-queue`; a router's replicas are each given the same options), so that a call
+    within it is refused only while others wait, never for good. None: no replica yet."""
+    if isinstance(drives, Router):
+        return min((r.scheduler.opts.max_queue for r in drives.replicas), default=None)
+    return drives.opts.max_queue
 
 
 async def _whole(flight: AdmittedRequest, reply: Reply) -> Whole:
@@ -413,16 +432,20 @@ def serve(
     port: int,
     grace: float,
     sock: socket.socket | None = None,
+    limits: HttpLimits | None = None,
     **tls: Any,
 ) -> HttpServer:
     """uvicorn serving `app` on this loop, its socket (`sock` if given, bound to `host:port`)
-    listening on return (port 0: a free one). OSError when the port cannot be bound, never
-    uvicorn's exit. `tls`: uvicorn's `ssl_*` settings."""
+    listening on return (port 0: a free one), its connections held to `limits` (None: the
+    defaults). OSError when the port cannot be bound, never uvicorn's exit. `tls`: uvicorn's
+    `ssl_*` settings."""
     sock = sock or ports.bind(host, port)
     config = uvicorn.Config(
         app,
         host=host,
         port=port,
+        http=protocol(limits or HttpLimits()),
+        ws="none",  # no route is a WebSocket; an upgrade would leave the bounds
         log_config=None,
         timeout_graceful_shutdown=math.ceil(grace),  # whole seconds
         **tls,

@@ -18,8 +18,6 @@ from control_plane.fronts.openai_fields import (
 from control_plane.text.chat import KWARGS
 from protos.params import ChatMessage
 
-# OpenAI's bound on a completions batch's prompts.
-MAX_PROMPTS = 2048
 # Content parts of other media than text, and why none is taken.
 MEDIA_PARTS = {
     "image_url": "the checkpoint's vision tower is not loaded",
@@ -39,16 +37,35 @@ def prompts_fields(body: dict) -> list[dict[str, Any]]:
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and _is_ids(prompt)):
         return [_one_prompt(prompt, "prompt")]
     if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
-        if len(prompt) > MAX_PROMPTS:
-            raise InvalidParam(
-                "prompt", f"prompt holds {len(prompt)} prompts; this server takes {MAX_PROMPTS}"
-            )
         return [_one_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
     raise InvalidParam(
         "prompt",
         f"prompt is {shown(prompt)}; it must be text, a list of token ids, or a non-empty "
         "list of either",
     )
+
+
+def check_batch(body: Any, most: int) -> None:
+    """A completions batch of at most `most` prompts, counted before any is read; `most` is
+    what the wait queue holds, so a larger batch could never be taken whole."""
+    prompt = body.get("prompt") if isinstance(body, dict) else None
+    if isinstance(prompt, list) and len(prompt) > most and not _is_ids(prompt):
+        raise InvalidParam(
+            "prompt",
+            f"prompt holds {len(prompt)} prompts; this server takes at most {most} "
+            "at once, what its queue holds (--max-queue)",
+        )
+
+
+def check_choices(prompts: int, n: int, most: int) -> None:
+    """n choices for each of `prompts` prompts, each a request: at most `most` in all."""
+    if prompts * n > most:
+        held = f"{prompts} prompts: {prompts * n} requests" if prompts > 1 else "one prompt"
+        raise InvalidParam(
+            "n",
+            f"n is {n} for {held}; this server takes at most {most} at once, what its queue "
+            "holds (--max-queue)",
+        )
 
 
 def _is_ids(values: list) -> bool:

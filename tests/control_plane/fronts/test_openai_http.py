@@ -31,6 +31,7 @@ from control_plane.admission.door import Door
 from control_plane.cli.server import build_server
 from control_plane.fronts import openai_http
 from control_plane.fronts.api import GenerationServicer
+from control_plane.fronts.http_limits import HttpLimits
 from control_plane.replicas.client import GrpcModel
 from control_plane.scheduler.metrics import Metrics
 from control_plane.scheduler.options import SchedulerOptions
@@ -85,9 +86,14 @@ def client(base_url: str, key: str = KEY) -> openai.OpenAI:
 
 
 @contextmanager
-def serving(engine: Engine, max_queue: int, metrics: Metrics | None = None) -> Iterator[Fronts]:
+def serving(
+    engine: Engine,
+    max_queue: int,
+    metrics: Metrics | None = None,
+    limits: HttpLimits | None = None,
+) -> Iterator[Fronts]:
     """Both fronts, keys required, on one scheduler over `engine` (counting into `metrics`,
-    which the HTTP front serves)."""
+    which the HTTP front serves; its connections held to `limits`)."""
     scheduler = Scheduler(
         lambda: engine, opts=SchedulerOptions(max_queue=max_queue), metrics=metrics
     )
@@ -105,7 +111,7 @@ def serving(engine: Engine, max_queue: int, metrics: Metrics | None = None) -> I
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         app = openai_http.build_app(servicer.door, keys, provider.get_tracer("test"), metrics)
-        return server, port, openai_http.serve(app, "127.0.0.1", 0, grace=1)
+        return server, port, openai_http.serve(app, "127.0.0.1", 0, 1, limits=limits)
 
     with loop_in_thread() as loop:
         server, port, http = on(loop, start())

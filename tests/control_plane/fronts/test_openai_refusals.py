@@ -23,8 +23,9 @@ from tests.control_plane.fronts.test_openai_http import (
 
 @pytest.fixture(scope="module")
 def fronts(tiny_dir: Path) -> Iterator[Fronts]:
-    """Both fronts on an in-process one-slot engine, a queue of one."""
-    with serving(Engine(tiny_dir, ONE_SLOT), 1) as f:
+    """Both fronts on an in-process one-slot engine, a queue of two (room for the batch of
+    two that a refusal below names)."""
+    with serving(Engine(tiny_dir, ONE_SLOT), 2) as f:
         yield f
 
 
