@@ -24,7 +24,7 @@ from control_plane.admission.door import (
     Admission,
     Door,
 )
-from control_plane.fronts import openai_http
+from control_plane.fronts import http_limits, openai_http
 from control_plane.fronts.api import GenerationServicer
 from control_plane.replicas.client import GrpcModel
 from control_plane.replicas.router import Router, Target, TargetError, parse_targets
@@ -138,6 +138,23 @@ def add_listen_args(parser: argparse.ArgumentParser, http_port: int | None) -> N
         default=http_port,
         help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions) on "
         f"this port, with the same TLS and keys (0: a free one; default: {default})",
+    )
+    parser.add_argument(
+        "--http-read-timeout",
+        type=http_limits.seconds,
+        default=http_limits.HttpLimits.read_timeout,
+        metavar="SECONDS",
+        help="close an HTTP connection whose request's headers and body have not all arrived "
+        "within this many seconds (with a 408 when part came); responses, streams included, "
+        "are not bounded (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--http-max-connections",
+        type=http_limits.count,
+        default=http_limits.HttpLimits.max_connections,
+        metavar="N",
+        help="open HTTP connections served at once; a request on a connection past them is "
+        "answered 503 and the connection closed (default: %(default)s)",
     )
 
 
@@ -315,7 +332,8 @@ def serve_http(
     if args.tls_client_ca is not None:
         tls |= {"ssl_ca_certs": str(args.tls_client_ca), "ssl_cert_reqs": ssl.CERT_REQUIRED}
     app = openai_http.build_app(door, security.api_keys, metrics=metrics)
-    http = openai_http.serve(app, args.host, args.http_port, args.grace, sock, **tls)
+    limits = http_limits.HttpLimits(args.http_read_timeout, args.http_max_connections)
+    http = openai_http.serve(app, args.host, args.http_port, args.grace, sock, limits, **tls)
     scheme = "https" if security.server else "http"
     print(f"control-plane OpenAI API on {scheme}://{args.host}:{http.port}/v1", flush=True)
     return http
