@@ -3,7 +3,8 @@ before any state is touched. Beside them, the parser of the `A:B,...` settings t
 processes read (it raises `ValueError`: a bad setting is the operator's, not a client's).
 
 The ranges of a request's numbers live here once (`FLOATS`, `INTS`): the `Door`, the OpenAI
-front, the GPU service and `met generate`'s flags all ask `number_problem` / `int_problem`."""
+front, the GPU service and `met generate`'s flags all ask `number_problem` / `int_problem`. So
+do the sizes of what a request adds to every step (`LIMITS`, `limit_problem`)."""
 
 from __future__ import annotations
 
@@ -133,6 +134,43 @@ INTS: dict[str, Bounds] = {
 }
 
 
+@dataclass(frozen=True)
+class Limit:
+    """The most of something a request may send: `field` names it in the sentence."""
+
+    field: str
+    most: int
+    noun: str  # what is counted
+
+
+# What one request adds to the work of every step it takes part in: each character decoded is
+# read by its stop strings' automaton (whose size is their characters in all, built at
+# admission), each stop token id is masked in its rows before `min_new_tokens`, and its logit
+# bias and allowed ids are applied to each of its rows by the GPU service. Generous for an
+# OpenAI client (4 stop strings, 300 biases) and for vLLM's, which sets no limit.
+MAX_STOP_STRINGS = 128
+MAX_STOP_CHARS = 4096  # characters of all a request's stop strings together
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 1024
+MAX_ALLOWED_TOKEN_IDS = 4096
+LIMITS: dict[str, Limit] = {
+    "stop": Limit("stop", MAX_STOP_STRINGS, "strings"),
+    "stop_chars": Limit("stop", MAX_STOP_CHARS, "characters in all"),
+    "stop_token_ids": Limit("stop_token_ids", MAX_STOP_TOKEN_IDS, "token ids"),
+    "logit_bias": Limit("logit_bias", MAX_LOGIT_BIAS, "entries"),
+    "allowed_token_ids": Limit("allowed_token_ids", MAX_ALLOWED_TOKEN_IDS, "token ids"),
+}
+
+
+def limit_problem(name: str, count: int) -> str | None:
+    """A sentence, opening with the request's field, when `count` is past `LIMITS[name]`;
+    None when it is within."""
+    limit = LIMITS[name]
+    if count <= limit.most:
+        return None
+    return f"{limit.field} holds {count} {limit.noun}; this server takes at most {limit.most}"
+
+
 def number_problem(name: str, value: float, shown: str | None = None) -> str | None:
     """A sentence when `value` is outside `FLOATS[name]`, naming it as `shown` (default
     `name`); None when it holds."""
@@ -163,8 +201,10 @@ def finite(values: Sequence[float]) -> bool:
 
 def penalties_problem(p: Penalties, vocab_size: int) -> str | None:
     """A sentence naming what of `p` is out of range (as a request names it), or None; the
-    ranges are `FLOATS`."""
-
+    ranges are `FLOATS`, the sizes `LIMITS`."""
+    for name, count in (("logit_bias", len(p.bias_ids)), ("allowed_token_ids", len(p.allowed_ids))):
+        if (problem := limit_problem(name, count)) is not None:
+            return problem
     for name, value in (
         ("presence_penalty", p.presence),
         ("frequency_penalty", p.frequency),

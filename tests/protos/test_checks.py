@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -289,3 +290,46 @@ def test_top_k_minus_one_is_no_limit_on_both_fronts(fronts: Fronts) -> None:
         model="", prompt="a", max_tokens=6, temperature=1.0, seed=3, extra_body={"top_k": -1}
     )
     assert done.choices[0].finish_reason in ("stop", "length")
+
+
+def past_the_limit(name: str) -> Any:
+    """One more of what `checks.LIMITS[name]` counts, as its field holds it in a body."""
+    over = checks.LIMITS[name].most + 1
+    return {
+        "stop": [f"s{i}" for i in range(over)],
+        "stop_chars": ["x" * over],
+        "stop_token_ids": list(range(over)),
+        "logit_bias": {str(i): 1.0 for i in range(over)},
+        "allowed_token_ids": list(range(over)),
+    }[name]
+
+
+@pytest.mark.parametrize("name", checks.LIMITS)
+def test_past_a_per_step_limit_both_fronts_refuse_naming_it(fronts: Fronts, name: str) -> None:
+    """400 and INVALID_ARGUMENT, the sentence naming the field and its limit; the GPU service
+    refuses the penalties' sizes with the same sentence."""
+    limit, value = checks.LIMITS[name], past_the_limit(name)
+    sentence = f"this server takes at most {limit.most}"
+    body = {"model": "", "prompt": PROMPT, "max_tokens": 3, limit.field: value}
+    with httpx2.Client(headers=HEADERS, timeout=30) as http:
+        sent = http.post(f"{fronts.http}/completions", content=json.dumps(body))
+    assert sent.status_code == 400, sent.text
+    error = strict(sent.text)["error"]
+    assert error["param"] == limit.field and sentence in error["message"], error
+    r = pb.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=3)
+    if name == "logit_bias":
+        r.logit_bias.update({int(k): v for k, v in value.items()})
+    else:
+        getattr(r, limit.field).extend(value)
+    with pytest.raises(grpc.RpcError) as refused:
+        list(fronts.stub.Generate(r, metadata=auth.bearer(KEY), timeout=30))
+    details = refused.value.details()
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert details.startswith(limit.field) and sentence in details, details
+    if name in ("logit_bias", "allowed_token_ids"):
+        ids = tuple(range(len(value)))
+        pen = Penalties(bias_ids=ids, bias_values=(1.0,) * len(ids))
+        if name == "allowed_token_ids":
+            pen = Penalties(allowed_ids=ids)
+        with pytest.raises(InvalidArgument, match=f"^{re.escape(details)}$"):
+            fronts.engine.alloc_sequence(pen)
