@@ -10,6 +10,7 @@ import pytest
 from control_plane.text.detok import Detokenizer, Tokenizer
 from control_plane.text.tokenizer import ByteTokenizer, load_tokenizer
 from protos.defaults import DEFAULT_MODEL_DIR
+from tools.bench.detok import ScanDetokenizer, measure_stops
 
 TOK = ByteTokenizer.default()
 
@@ -163,3 +164,73 @@ def test_the_detokenization_benchmark_streams_exactly() -> None:
     rows = measure(HF, lengths=(50, 100), repeats=1)
     assert [r["tokens"] for r in rows] == [50, 100]
     assert all(r["streamed_us_per_token"] > 0 for r in rows)
+
+
+class Codepoints:
+    """A tokenizer whose ids are code points, U+FFFD among them, with no stream of its own."""
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(map(chr, ids))
+
+
+def run(d: Detokenizer | ScanDetokenizer, ids: list[int], early: int) -> tuple[list[str], str]:
+    """`stream`, and the text left at the end."""
+    return stream(d, ids, early)[0], d.text
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("kind", ["codepoints", "byte", "hf"])
+@pytest.mark.parametrize("include", [False, True], ids=["cut", "include"])
+def test_the_automaton_matches_the_scan_of_every_stop_string(
+    kind: str, seed: int, include: bool
+) -> None:
+    """Random texts and stop strings (overlapping ones, U+FFFD, characters of several bytes),
+    some tokens pushed before `min_new_tokens`: the same deltas and text as the search of
+    every stop string at every step that the automaton replaced."""
+    tokenizer: Tokenizer = {"codepoints": Codepoints(), "byte": TOK, "hf": HF}[kind]
+    rng = random.Random(seed)
+    alphabet = "ab\ufffd日 "
+    for case in range(25):
+        count = rng.choice([0, 1, 3, 40])
+        stop = tuple("".join(rng.choices(alphabet, k=rng.randint(1, 6))) for _ in range(count))
+        text = "".join(rng.choices(alphabet, k=rng.randint(0, 60)))
+        ids = tokenizer.encode(text)
+        early = rng.choice([0, 0, 5, 30])
+        new = run(Detokenizer(tokenizer, stop, include), ids, early)
+        assert new == run(ScanDetokenizer(tokenizer, stop, include), ids, early), (case, stop)
+
+
+def test_the_stop_string_that_starts_first_wins_then_the_shortest() -> None:
+    d = Detokenizer(TOK, ("bc", "abcd"))
+    assert d.push(TOK.encode("zabcd")) and d.text == "z"
+    d = Detokenizer(TOK, ("abc", "ab"), include_stop=True)
+    assert d.push(TOK.encode("xabc")) and d.text == "xab"
+
+
+def test_overlapping_stop_strings_hold_and_cut() -> None:
+    d = Detokenizer(TOK, ("abcde", "cd", "aab"))
+    assert feed(d, "aaabc") == ["", "", "a", "", ""]  # "aaa" holds "aa": it may become "aab"
+    assert d.stopped and d.text == "a"
+    d = Detokenizer(TOK, ("abcde", "cd"))
+    assert feed(d, "xabc") == ["x", "", "", ""]  # "abc" may still become "abcde"
+    assert d.push(TOK.encode("d")) and d.delta(final=True) == "ab"  # "cd" ends first
+
+
+def test_a_stop_string_split_across_pieces_of_several_tokens() -> None:
+    d = Detokenizer(TOK, ("o 日本",))
+    raw = "hello 日本!".encode()
+    cut = raw.index("本".encode()) + 1  # inside 本
+    assert not d.push(list(raw[:cut]))
+    assert d.delta() == "hell"
+    assert d.push(list(raw[cut:])) and d.delta(final=True) == "" and d.text == "hell"
+
+
+def test_the_stop_strings_benchmark_streams_exactly() -> None:
+    """`python -m tools.bench.detok`'s stop strings case, small: each method's text is checked
+    against the decoded text before anything is timed."""
+    rows = measure_stops(HF, counts=(1, 4), tokens=60, repeats=1)
+    assert [r["stops"] for r in rows] == [1, 4]
+    assert all(r["automaton_us_per_token"] > 0 and r["build_ms"] > 0 for r in rows)
