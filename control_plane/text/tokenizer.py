@@ -79,7 +79,10 @@ class HFTokenizer:
         self.special_tokens = {t.content: i for i, t in added.items() if t.special}
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        # `encode_batch` lets go of the GIL while it works (`encode` holds it: a megabyte of
+        # text held every other thread, the event loop among them, for a second); the ids are
+        # the same.
+        return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
