@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import dataclasses
 import logging
 import signal
@@ -23,6 +24,12 @@ from control_plane.admission.door import (
     DEFAULT_METHOD,
     Admission,
     Door,
+)
+from control_plane.admission.workers import (
+    DEFAULT_MEMORY_MB,
+    DEFAULT_TIMEOUT_S,
+    DEFAULT_WORKERS,
+    Bounds,
 )
 from control_plane.fronts import http_limits, openai_http
 from control_plane.fronts.api import GenerationServicer
@@ -88,6 +95,30 @@ def add_serve_args(parser: argparse.ArgumentParser, gpu_service_required: bool =
         metavar="BYTES",
         help="refuse text prompts longer than this in UTF-8, before tokenizing them; gRPC's "
         "own 4 MiB message bound still applies (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--admission-timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        metavar="SECONDS",
+        help="refuse a request whose template, tools or grammar take a worker longer than this "
+        "to render, close or build (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--admission-memory-mb",
+        type=int,
+        default=DEFAULT_MEMORY_MB,
+        metavar="MIB",
+        help="refuse a request whose template, tools or grammar need more memory than this "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--admission-workers",
+        type=int,
+        default=DEFAULT_WORKERS,
+        metavar="N",
+        help="processes that render chats and build grammars, each one request at a time "
+        "(default: %(default)s)",
     )
     parser.add_argument(
         "--otlp-endpoint",
@@ -171,7 +202,8 @@ def read_security(args: argparse.Namespace, prog: str, gpu_service: bool = True)
 
 
 def admission(args: argparse.Namespace) -> Admission:
-    return Admission(args.method, args.max_new_tokens, args.max_prompt_bytes)
+    bounds = Bounds(args.admission_timeout, args.admission_memory_mb, args.admission_workers)
+    return Admission(args.method, args.max_new_tokens, args.max_prompt_bytes, bounds)
 
 
 def read_tokenizer(args: argparse.Namespace) -> Tokenization | None:
@@ -270,6 +302,7 @@ async def serve(args: argparse.Namespace, security: Security) -> None:
 
     # Every replica asked once before the server answers: health is right from the first check.
     await loop.run_in_executor(None, router.start)
+    warming = loop.run_in_executor(None, servicer.door.warm)  # beside serving, not before it
     tell_health(router.healthy)
     router.on_health = tell_health
     # Before any port is announced: a SIGTERM right after the announcement shuts down cleanly.
@@ -292,6 +325,8 @@ async def serve(args: argparse.Namespace, security: Security) -> None:
     await health_servicer.enter_graceful_shutdown()
     await asyncio.gather(server.stop(args.grace), *([http.stop()] if http else []))
     await loop.run_in_executor(None, router.stop)
+    servicer.door.close()
+    await asyncio.wait([warming], timeout=1)
     flush_spans()
 
 
@@ -350,7 +385,19 @@ def check_ports(prog: str, args: argparse.Namespace) -> None:
     tls.or_exit(prog, lambda a: ports.check_free(a.host, listen_ports(a)), args)
 
 
+def _free_large_blocks_at_once() -> None:
+    """glibc's malloc keeps a freed block of several megabytes for reuse once it has seen
+    one (its mmap threshold rises with the largest block freed): a request's 4 MB body would
+    stay in this process after its refusal. A fixed threshold returns every block of 128 KiB
+    and more to the system when it is freed."""
+    try:
+        ctypes.CDLL(None).mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def run(args: argparse.Namespace) -> None:
+    _free_large_blocks_at_once()
     security = read_security(args, PROG)
     tls.or_exit(PROG, read_targets, args)  # a bad list ends the process before anything starts
     check_ports(PROG, args)

@@ -26,7 +26,8 @@ LIMITS = llguidance.LLParserLimits(
 # A grammar's text at most (a JSON schema, a regex, a Lark grammar, or the calls of a request's
 # tools): its build time grows faster than its size.
 MAX_GRAMMAR_BYTES = 256 << 10
-MAX_ERROR_CHARS = 300  # of a library's error, quoted in a refusal
+MAX_ERROR_CHARS = 300
+WALK_TOKENS = 4  # of a library's error, quoted in a refusal
 
 
 def sentence(error: str) -> str:
@@ -121,9 +122,10 @@ class GrammarCompiler:
         return self.matcher(self.grammar(kind, spec))
 
     def grammar(self, kind: str, spec: str) -> str:
-        """`spec` as llguidance's grammar, checked whole: built into a matcher and its first
-        mask computed, so that what a matcher finds only at the first token (a lexer past its
-        limits) is found here, before a prefill runs. Raises ValueError with a sentence."""
+        """`spec` as llguidance's grammar, checked whole: built into a matcher that takes its
+        first `WALK_TOKENS` tokens (the lowest id each mask allows), so that what a matcher
+        finds only at its first tokens (a lexer past its limits) is found here, before a prefill
+        runs. Raises ValueError with a sentence."""
         builders: dict[str, Callable[[str], str]] = {
             "json_schema": _compact_json,
             "regex": llguidance.LLMatcher.grammar_from_regex,
@@ -150,10 +152,14 @@ class GrammarCompiler:
         message = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer, limits=LIMITS)
         if message:
             raise ValueError(f"the {kind} does not compile: {sentence(message)}")
-        first = self.matcher(grammar).matcher
-        first.compute_bitmask()
-        if first.is_error():
-            raise ValueError(f"the {kind} does not compile: {sentence(first.get_error())}")
+        walk = self.matcher(grammar).matcher
+        for _ in range(WALK_TOKENS):
+            allowed = int.from_bytes(walk.compute_bitmask(), "little")
+            if walk.is_error() or not allowed or walk.is_stopped():
+                break
+            walk.consume_token((allowed & -allowed).bit_length() - 1)  # the lowest id allowed
+        if walk.is_error():
+            raise ValueError(f"the {kind} does not compile: {sentence(walk.get_error())}")
         return grammar
 
     def matcher(self, grammar: str) -> LLGuidanceGrammar:
