@@ -83,7 +83,7 @@ def model_server(engine: Engine, access: Access | None = None) -> Iterator[str]:
 
 @contextmanager
 def serving(
-    scheduler: Scheduler, run: bool = True, admission: Admission = Admission()
+    scheduler: Scheduler, run: bool = True, admission: Admission | None = None
 ) -> Iterator[str]:
     """The generation API over `scheduler` on a grpc.aio server in a thread, the scheduler
     running meanwhile unless not `run`; yields its address."""
