@@ -66,6 +66,15 @@ HOSTILE = {
     "template-repeat": chat(chat_template='{{ "a" * 200000000 }}'),
     "template-3.6-MB": chat(chat_template="{{ 1 }}" * 500_000),
     "template-3000-deep": chat(chat_template="{% if 1 %}" * 3000 + "x" + "{% endif %}" * 3000),
+    "stop-100000": json.dumps(
+        {
+            "model": "MODEL",
+            "prompt": "x",
+            "max_tokens": 2,
+            "stop": [f"s{i}" for i in range(100_000)],
+        }
+    ),
+    "prompts-1000": json.dumps({"model": "MODEL", "prompt": ["x"] * 1000, "max_tokens": 2}),
     "lark-120000": json.dumps(
         {
             "model": "MODEL",
