@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import sys
 from dataclasses import replace
 from typing import NoReturn
@@ -26,7 +25,7 @@ from gpu_service.model.config import ModelConfig, ServiceConfig
 from gpu_service.rpc.options import access, use_threads
 from gpu_service.rpc.servicer import ErrorInterceptor, ModelServicer
 from gpu_service.tp import ranks
-from protos import ports, tls
+from protos import ports, stopping, tls
 from protos.bodies import RejectUndecodable
 from protos.met.v1 import model_pb2, model_pb2_grpc
 from protos.telemetry import ServerTracing, setup_tracing
@@ -37,14 +36,23 @@ SERVICE_NAME = model_pb2.DESCRIPTOR.services_by_name["ModelService"].full_name
 
 
 def build_server(
-    servicer: ModelServicer, health_servicer: health.aio.HealthServicer
+    servicer: ModelServicer,
+    health_servicer: health.aio.HealthServicer,
+    drain: stopping.Drain | None = None,
 ) -> grpc.aio.Server:
     """The server with its services and interceptors, no port yet: `serve` and the tests
     build it the same way. It pings every connection twice per session timeout, so that a
-    session whose client went silent ends within the timeout."""
+    session whose client went silent ends within the timeout. `drain` tracks its model calls
+    for the stop (default: one of its own)."""
     half_timeout_ms = max(1, int(servicer.access.session_timeout * 500))
+    drain = drain or stopping.Drain("GPU service")
     server = grpc.aio.server(
-        interceptors=[RejectUndecodable(), ServerTracing(), ErrorInterceptor()],
+        interceptors=[
+            stopping.DrainInterceptor(drain, [SERVICE_NAME]),
+            RejectUndecodable(),
+            ServerTracing(),
+            ErrorInterceptor(),
+        ],
         options=[
             ("grpc.keepalive_time_ms", half_timeout_ms),
             ("grpc.keepalive_timeout_ms", half_timeout_ms),
@@ -90,26 +98,47 @@ async def serve(
     device: torch.device,
     credentials: grpc.ServerCredentials | None,
 ) -> None:
+    """Serve until SIGTERM or SIGINT, which stop it at any moment: a stop during the load (a
+    compile takes minutes) leaves the engine thread to the process's end (`stopping.leave`)."""
     use_threads(args.threads)
     flush_spans = setup_tracing("gpu-service", args.otlp_endpoint)
     servicer = ModelServicer(access(args))
     health_servicer = health.aio.HealthServicer()
-    server = build_server(servicer, health_servicer)
+    drain = stopping.Drain("GPU service")
+    server = build_server(servicer, health_servicer, drain)
     port = tls.add_port(server, f"{args.host}:{args.port}", credentials)
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    # Before the port is announced: a SIGTERM right after the announcement shuts down cleanly.
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stopping.stop_event(loop)
     await server.start()
-    print(f"gpu-service listening on {args.host}:{port}", flush=True)
+    stopping.say(f"gpu-service listening on {args.host}:{port}")
 
-    servicer.engine = await servicer.run_on_engine_thread(lambda: _load(args, svc, device))
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    engine = servicer.engine
+    load = servicer.run_on_engine_thread(lambda: _load(args, svc, device))
+    loaded, engine = await stopping.unless_stopped(load, stop)
+    if loaded:
+        assert engine is not None
+        servicer.engine = engine
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        for line in _serving_lines(engine, svc, args, device):
+            stopping.say(line)
+        await stop.wait()
+    stopping.ignore_signals(loop)
+    stopping.say("gpu-service shutting down")
+    await health_servicer.enter_graceful_shutdown()
+    servicer.end_sessions()
+    await drain.drain(args.grace)
+    await server.stop(0)
+    if isinstance(engine, ranks.TpEngine):
+        engine.close()
+    flush_spans()
+
+
+def _serving_lines(
+    engine: Engine, svc: ServiceConfig, args: argparse.Namespace, device: torch.device
+) -> list[str]:
+    """What the start-up says once the engine serves: its step, then the serving line."""
     caps = engine.capabilities()
     quantized = f", linears in {caps.quantization}" if caps.quantization else ""
     split = (
@@ -117,28 +146,12 @@ async def serve(
         if caps.tensor_parallel_size > 1
         else ""
     )
-    for line in _step_lines(engine, svc, args.compile_why, device):
-        print(line, flush=True)
-    print(
+    return [
+        *_step_lines(engine, svc, args.compile_why, device),
         f"gpu-service serving {engine.name} ({svc.num_slots} slots{quantized}) on "
         f"{caps.device}{split}, forward {engine.forward_name}"
         f"{' (compiled)' if caps.compiled else ''}",
-        flush=True,
-    )
-
-    await stop.wait()
-    # A second stop while this one drains (`met up`'s SIGTERM after a Ctrl-C that reached its
-    # whole process group) is this one, not a death by signal.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.remove_signal_handler(sig)
-        signal.signal(sig, signal.SIG_IGN)
-    print("gpu-service shutting down", flush=True)
-    await health_servicer.enter_graceful_shutdown()
-    servicer.end_sessions()
-    await server.stop(args.grace)
-    if isinstance(engine, ranks.TpEngine):
-        engine.close()
-    flush_spans()
+    ]
 
 
 def _step_lines(engine: Engine, svc: ServiceConfig, why: str, device: torch.device) -> list[str]:
@@ -208,13 +221,14 @@ def _planned(args: argparse.Namespace, device: torch.device, compiling: bool) ->
         made = plan.from_args(args, device, wanted)
     except (OSError, ValueError) as e:
         _refuse(e)
-    print(plan_report.summary(made), flush=True)
+    stopping.say(plan_report.summary(made))
     if made.fits is False:
         _refuse(plan_report.refusal(made))
     return made.svc
 
 
 def run(args: argparse.Namespace) -> None:
+    stopping.watch_parent()
     credentials = tls.or_exit(PROG, tls.server_credentials, args)
     device = _device_or_exit(args.device)
     _ranks_or_exit(args.tensor_parallel_size, device)
@@ -227,3 +241,4 @@ def run(args: argparse.Namespace) -> None:
     svc = replace(_planned(args, device, on), compile=on)
     logging.basicConfig(level=logging.INFO)
     tls.or_exit(PROG, lambda a: asyncio.run(serve(a, svc, device, credentials)), args)
+    stopping.leave(0)
