@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import ctypes
 import dataclasses
 import logging
-import signal
 import socket
 import ssl
 from pathlib import Path
@@ -31,6 +31,7 @@ from control_plane.admission.workers import (
     DEFAULT_WORKERS,
     Bounds,
 )
+from control_plane.cli.http_drain import DrainHttp
 from control_plane.fronts import http_limits, openai_http
 from control_plane.fronts.api import GenerationServicer
 from control_plane.replicas.client import GrpcModel
@@ -41,7 +42,7 @@ from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.scheduler import Joins, Scheduler
 from control_plane.text.detok import Tokenizer
 from control_plane.text.tokenizer import Tokenization
-from protos import ports, tls
+from protos import ports, stopping, tls
 from protos.bodies import RejectUndecodable
 from protos.defaults import CONTROL_PLANE_PORT
 from protos.met.v1 import generate_pb2, generate_pb2_grpc
@@ -54,6 +55,8 @@ SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["GenerationService"].ful
 DEFAULT_PORT = CONTROL_PLANE_PORT
 DEFAULT_HTTP_PORT = 8000  # vLLM's; `met up` serves HTTP by default, `serve` only when asked
 PROG = "met control-plane serve"
+# What a stop waits for the schedulers: a call in flight to a GPU service ends with its channel.
+ROUTER_STOP_S = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,11 +266,17 @@ def build_server(
     servicer: GenerationServicer,
     health_servicer: health.aio.HealthServicer,
     api_keys: frozenset[str],
+    drain: stopping.Drain | None = None,
 ) -> grpc.aio.Server:
     """The server with its services and interceptors, no port yet: `serve` and the tests
-    build it the same way."""
+    build it the same way. `drain` tracks its generation calls for the stop (default: one of
+    its own)."""
+    drain = drain or stopping.Drain("control plane")
     # INVALID_ARGUMENT, not UNKNOWN, for a body that does not parse.
-    interceptors: list[grpc.aio.ServerInterceptor] = [RejectUndecodable()]
+    interceptors: list[grpc.aio.ServerInterceptor] = [
+        stopping.DrainInterceptor(drain, [SERVICE_NAME]),
+        RejectUndecodable(),
+    ]
     if api_keys:
         # Outermost: a call without a key is refused before its body is even parsed.
         interceptors.insert(0, auth.RequireApiKey(api_keys, [SERVICE_NAME]))
@@ -281,53 +290,69 @@ def build_server(
 
 
 async def serve(args: argparse.Namespace, security: Security) -> None:
-    """Serve until SIGTERM or SIGINT; FlagError naming the flag of a port that cannot be bound,
-    before the GPU services are asked anything."""
+    """Serve until SIGTERM or SIGINT, which stop it at any moment (replicas still loading, calls
+    in flight): calls get `--grace` seconds, then UNAVAILABLE (HTTP 503) and a sentence.
+    FlagError naming the flag of a port that cannot be bound, before the GPU services are
+    asked anything."""
     flush_spans = setup_tracing("control-plane", args.otlp_endpoint)
     router = build_router(args, security.gpu_service)
     loop = asyncio.get_running_loop()
     health_servicer = health.aio.HealthServicer()
     servicer = GenerationServicer(router, admission(args))
-    server = build_server(servicer, health_servicer, security.api_keys)
+    drain = stopping.Drain("control plane")
+    server = build_server(servicer, health_servicer, security.api_keys, drain)
     port = tls.add_port(server, f"{args.host}:{args.port}", security.server)
     http_socket = bind_listener(args.host, args.http_port, "--http-port")
     if router.metrics is not None:
         metrics_port = serve_metrics(router.metrics, args.host, args.metrics_port)
-        print(f"control-plane metrics on http://{args.host}:{metrics_port}/metrics", flush=True)
+        stopping.say(f"control-plane metrics on http://{args.host}:{metrics_port}/metrics")
 
     def tell_health(up: bool) -> None:  # from the router's thread, or this one
         status = health_pb2.HealthCheckResponse.SERVING if up else NOT_SERVING
         for name in ("", SERVICE_NAME):
             asyncio.run_coroutine_threadsafe(health_servicer.set(name, status), loop)
 
+    # Before anything waits: a signal from here on, the announcement's moment included, stops
+    # cleanly.
+    stop = stopping.stop_event(loop)
     # Every replica asked once before the server answers: health is right from the first check.
-    await loop.run_in_executor(None, router.start)
+    # A replica whose engine compiles answers late: the stop does not wait for its answer.
+    started, _ = await stopping.unless_stopped(stopping.in_thread(router.start), stop)
+    if not started:  # nothing answered yet, so nothing to drain
+        stopping.ignore_signals(loop)
+        await _stop_router(router)
+        servicer.door.close()
+        return
     warming = loop.run_in_executor(None, servicer.door.warm)  # beside serving, not before it
     tell_health(router.healthy)
     router.on_health = tell_health
-    # Before any port is announced: a SIGTERM right after the announcement shuts down cleanly.
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     await server.start()
     http = (
-        serve_http(args, servicer.door, security, http_socket, router.metrics)
+        serve_http(args, servicer.door, security, http_socket, router.metrics, drain)
         if http_socket is not None
         else None
     )
-    print(
+    stopping.say(
         f"control-plane listening on {args.host}:{port} ({describe(security)}, "
-        f"GPU service {args.gpu_service})",
-        flush=True,
+        f"GPU service {args.gpu_service})"
     )
     await stop.wait()
-    print("control-plane shutting down", flush=True)
+    stopping.ignore_signals(loop)
+    stopping.say("control-plane shutting down")
     await health_servicer.enter_graceful_shutdown()
-    await asyncio.gather(server.stop(args.grace), *([http.stop()] if http else []))
-    await loop.run_in_executor(None, router.stop)
+    await drain.drain(args.grace)
+    await asyncio.gather(server.stop(0), *([http.stop()] if http else []))
+    await _stop_router(router)
     servicer.door.close()
     await asyncio.wait([warming], timeout=1)
     flush_spans()
+
+
+async def _stop_router(router: Router) -> None:
+    """The schedulers stopped, waiting `ROUTER_STOP_S` at most: one blocked on a call its GPU
+    service is slow to answer (a compile) is left to the process's end."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stopping.in_thread(router.stop), ROUTER_STOP_S)
 
 
 def listen_ports(args: argparse.Namespace) -> dict[str, int | None]:
@@ -360,17 +385,20 @@ def serve_http(
     security: Security,
     sock: socket.socket,
     metrics: Metrics | None = None,
+    drain: stopping.Drain | None = None,
 ) -> openai_http.HttpServer:
     """The OpenAI-compatible front on `door` and the bound `sock`, under the gRPC port's
-    certificate and keys; `/metrics` too, as vLLM serves it on its API port."""
+    certificate and keys; `/metrics` too, as vLLM serves it on its API port. `drain`: the gRPC
+    port's, so that a stop drains both fronts at once."""
     tls: dict = {"ssl_certfile": args.tls_cert, "ssl_keyfile": args.tls_key}
     if args.tls_client_ca is not None:
         tls |= {"ssl_ca_certs": str(args.tls_client_ca), "ssl_cert_reqs": ssl.CERT_REQUIRED}
     app = openai_http.build_app(door, security.api_keys, metrics=metrics)
+    app = DrainHttp(app, drain or stopping.Drain("control plane"))
     limits = http_limits.HttpLimits(args.http_read_timeout, args.http_max_connections)
     http = openai_http.serve(app, args.host, args.http_port, args.grace, sock, limits, **tls)
     scheme = "https" if security.server else "http"
-    print(f"control-plane OpenAI API on {scheme}://{args.host}:{http.port}/v1", flush=True)
+    stopping.say(f"control-plane OpenAI API on {scheme}://{args.host}:{http.port}/v1")
     return http
 
 
@@ -397,9 +425,11 @@ def _free_large_blocks_at_once() -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    stopping.watch_parent()
     _free_large_blocks_at_once()
     security = read_security(args, PROG)
     tls.or_exit(PROG, read_targets, args)  # a bad list ends the process before anything starts
     check_ports(PROG, args)
     logging.basicConfig(level=logging.INFO)
     tls.or_exit(PROG, lambda a: asyncio.run(serve(a, security)), args)
+    stopping.leave(0)
