@@ -57,8 +57,9 @@ def _quantize(args: argparse.Namespace) -> None:
 
 def _up(args: argparse.Namespace) -> None:
     from control_plane.cli.up import run
+    from protos.stopping import leave
 
-    sys.exit(run(args))
+    leave(run(args))
 
 
 def _generate(args: argparse.Namespace) -> None:
