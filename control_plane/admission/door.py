@@ -18,8 +18,8 @@ from opentelemetry.trace import Span
 from control_plane.admission.bounds import check_per_step
 from control_plane.admission.prompt import check_vocab, overflow_sentence, room
 from control_plane.admission.refusal import INVALID, BadRequest
-from control_plane.admission.work import Prepared, Preparer, Setup
-from control_plane.admission.workers import Bounds, Workers
+from control_plane.admission.work import Prepared, Preparer, WorkerSetup
+from control_plane.admission.workers import AdmissionBounds, Workers
 from control_plane.replicas.router import Drives
 from control_plane.scheduler.metrics import REPLICA_ATTRIBUTE
 from control_plane.scheduler.seq import Event, GenRequest, Queued
@@ -51,7 +51,7 @@ class Admission:
     default_method: str = DEFAULT_METHOD
     default_max_new: int | None = DEFAULT_MAX_NEW_TOKENS
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES
-    bounds: Bounds = Bounds()
+    bounds: AdmissionBounds = AdmissionBounds()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,7 +245,7 @@ class Door:
         self._compiled_for: Tokenizer | None = None  # the tokenizer `_compiler` was built for
         self._local: Preparer | None = None  # for plain prompts, in this process
         self._local_for: Tokenizer | None = None
-        self._setup: Setup | None = None
+        self._setup: WorkerSetup | None = None
         self._setup_for: Tokenization | None = None
 
     async def enter(self, request: RequestParams, key: str, span: Span) -> Entered:
@@ -328,10 +328,10 @@ class Door:
     async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._threads, fn, *args)
 
-    def _setup_of(self, tokenization: Tokenization, caps: Capabilities) -> Setup:
+    def _setup_of(self, tokenization: Tokenization, caps: Capabilities) -> WorkerSetup:
         if self._setup_for is not tokenization:
             digest = f"{tokenization.digest}:{caps.vocab_size}:{caps.eos_token_ids}"
-            self._setup = Setup(
+            self._setup = WorkerSetup(
                 tokenization.files,
                 tokenization.origin,
                 caps.vocab_size,

@@ -5,7 +5,7 @@ it is one of `workers.Workers`' processes, which run it under a deadline and a m
 that no request's template, schema or grammar holds the control plane's event loop.
 
 A worker reads framed messages on stdin and answers on its stdout (Python's own stdout is sent
-to stderr, so nothing a library prints can break a frame): `Setup` once per served model,
+to stderr, so nothing a library prints can break a frame): `WorkerSetup` once per served model,
 then jobs; for each job it names every stage as it starts it (what a refusal past the deadline
 names), then the result."""
 
@@ -49,7 +49,7 @@ _HEADER = struct.Struct("<I")
 
 
 @dataclass(frozen=True)
-class Setup:
+class WorkerSetup:
     """What a worker loads once per served model: its tokenizer files, and what its grammar
     engine needs of the model."""
 
@@ -90,7 +90,7 @@ class Preparer:
         self._own: dict[str, ChatTemplate] = {}  # requests' own templates, by source
 
     @classmethod
-    def from_setup(cls, setup: Setup) -> Preparer:
+    def from_setup(cls, setup: WorkerSetup) -> Preparer:
         tokenization = Tokenization.from_files(setup.files, setup.origin)
         chat, error = None, None
         try:

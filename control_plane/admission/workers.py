@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 
 from control_plane.admission.refusal import INVALID, BadRequest
-from control_plane.admission.work import _HEADER, STAGES, Prepared, Setup, send
+from control_plane.admission.work import _HEADER, STAGES, Prepared, WorkerSetup, send
 from protos.model import Capabilities
 from protos.params import RequestParams
 
@@ -35,7 +35,7 @@ _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 @dataclasses.dataclass(frozen=True)
-class Bounds:
+class AdmissionBounds:
     """What one request's admission work may take: `timeout_s` of a worker's time,
     `memory_mb` beyond what a worker holds set up; `workers` run at once."""
 
@@ -59,10 +59,10 @@ class _Worker:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
         )
-        self.digest = ""  # the Setup it holds
+        self.digest = ""  # the WorkerSetup it holds
         self.base = 0  # its resident bytes once set up
 
-    def set_up(self, setup: Setup, memory_mb: int) -> None:
+    def set_up(self, setup: WorkerSetup, memory_mb: int) -> None:
         self.send(("setup", (setup, memory_mb)))
         self.receive(time.monotonic() + SETUP_TIMEOUT_S)
         self.digest, self.base = setup.digest, self.resident()
@@ -116,7 +116,7 @@ class Workers:
     """At most `bounds.workers` worker processes, started when first needed. `run` is
     blocking: call it from a thread."""
 
-    def __init__(self, bounds: Bounds = Bounds()) -> None:
+    def __init__(self, bounds: AdmissionBounds = AdmissionBounds()) -> None:
         self.bounds = bounds
         self._idle: queue.SimpleQueue[_Worker] = queue.SimpleQueue()
         self._started = 0
@@ -127,7 +127,7 @@ class Workers:
         weakref.finalize(self, _kill_all, self._all)
 
     def run(
-        self, setup: Setup, request: RequestParams, caps: Capabilities, max_prompt_bytes: int
+        self, setup: WorkerSetup, request: RequestParams, caps: Capabilities, max_prompt_bytes: int
     ) -> Prepared:
         """`work.Preparer.prepare` of the request in a worker; `BadRequest` with a sentence
         for a refusal, and for work past the deadline or the memory bound (naming the stage)."""
@@ -159,7 +159,7 @@ class Workers:
             self._give_back(worker)
         return self._result(message, stage)
 
-    def warm(self, setup: Setup) -> None:
+    def warm(self, setup: WorkerSetup) -> None:
         """Start and set up every worker now, so the first chats wait for none (blocking)."""
         taken: list[_Worker] = []
         try:

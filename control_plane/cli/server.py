@@ -29,7 +29,7 @@ from control_plane.admission.workers import (
     DEFAULT_MEMORY_MB,
     DEFAULT_TIMEOUT_S,
     DEFAULT_WORKERS,
-    Bounds,
+    AdmissionBounds,
 )
 from control_plane.cli.http_drain import DrainHttp
 from control_plane.fronts import http_limits, openai_http
@@ -99,6 +99,28 @@ def add_serve_args(parser: argparse.ArgumentParser, gpu_service_required: bool =
         help="refuse text prompts longer than this in UTF-8, before tokenizing them; gRPC's "
         "own 4 MiB message bound still applies (default: %(default)s)",
     )
+    add_admission_args(parser)
+    parser.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        help="export spans over OTLP here (shortcut for OTEL_EXPORTER_OTLP_ENDPOINT)",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus /metrics on this port (0: a free one)",
+    )
+    parser.add_argument(
+        "--grace", type=float, default=5.0, help="seconds in-flight streams get on SIGTERM"
+    )
+    tls.add_server_args(parser)
+    auth.add_args(parser)
+    SchedulerOptions.add_arguments(parser)
+
+
+def add_admission_args(parser: argparse.ArgumentParser) -> None:
+    """The bounds of the work a request's template, tools and grammar cost."""
     parser.add_argument(
         "--admission-timeout",
         type=float,
@@ -123,23 +145,6 @@ def add_serve_args(parser: argparse.ArgumentParser, gpu_service_required: bool =
         help="processes that render chats and build grammars, each one request at a time "
         "(default: %(default)s)",
     )
-    parser.add_argument(
-        "--otlp-endpoint",
-        default=None,
-        help="export spans over OTLP here (shortcut for OTEL_EXPORTER_OTLP_ENDPOINT)",
-    )
-    parser.add_argument(
-        "--metrics-port",
-        type=int,
-        default=None,
-        help="serve Prometheus /metrics on this port (0: a free one)",
-    )
-    parser.add_argument(
-        "--grace", type=float, default=5.0, help="seconds in-flight streams get on SIGTERM"
-    )
-    tls.add_server_args(parser)
-    auth.add_args(parser)
-    SchedulerOptions.add_arguments(parser)
 
 
 def add_gpu_service_args(parser: argparse.ArgumentParser) -> None:
@@ -205,7 +210,9 @@ def read_security(args: argparse.Namespace, prog: str, gpu_service: bool = True)
 
 
 def admission(args: argparse.Namespace) -> Admission:
-    bounds = Bounds(args.admission_timeout, args.admission_memory_mb, args.admission_workers)
+    bounds = AdmissionBounds(
+        args.admission_timeout, args.admission_memory_mb, args.admission_workers
+    )
     return Admission(args.method, args.max_new_tokens, args.max_prompt_bytes, bounds)
 
 

@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from control_plane.admission.door import Admission
-from control_plane.admission.workers import Bounds
+from control_plane.admission.workers import AdmissionBounds
 from control_plane.scheduler.scheduler import Scheduler
 from control_plane.text.chat import MAX_TEMPLATE_BYTES
 from control_plane.text.grammar import MAX_GRAMMAR_BYTES
@@ -51,7 +51,7 @@ class Api:
 def api(tiny_dir: Path) -> Iterator[Api]:
     """The generation API over an in-process engine whose tokenizer files reach the workers."""
     engine = Engine(tiny_dir, TINY_SERVICE)
-    admission = Admission(bounds=Bounds(TIMEOUT_S, MEMORY_MB, workers=2))
+    admission = Admission(bounds=AdmissionBounds(TIMEOUT_S, MEMORY_MB, workers=2))
     with (
         serving(Scheduler(lambda: engine), admission=admission) as target,
         grpc.insecure_channel(target) as channel,

@@ -18,7 +18,7 @@ from transformers import PreTrainedTokenizerFast
 
 from control_plane.admission import workers
 from control_plane.admission.door import Admission, BadRequest, admit
-from control_plane.admission.work import Setup
+from control_plane.admission.work import WorkerSetup
 from control_plane.cli import generate
 from control_plane.scheduler.scheduler import Scheduler
 from control_plane.text.chat import CONFIG_FILE, TEMPLATE_FILE, ChatTemplate
@@ -352,7 +352,7 @@ def test_the_door_compiles_a_template_once_per_model(
     calls = []
     set_up = workers._Worker.set_up
 
-    def counted(worker: workers._Worker, setup: Setup, memory_mb: int) -> None:
+    def counted(worker: workers._Worker, setup: WorkerSetup, memory_mb: int) -> None:
         calls.append(setup)
         set_up(worker, setup, memory_mb)
 
