@@ -265,14 +265,19 @@ class ModelConfig:
 
     @classmethod
     def load(cls, directory: Path) -> ModelConfig:
+        """config.json, with the EOS ids of every place a checkpoint writes one, as vLLM takes
+        them: config.json's, generation_config.json's, and the tokenizer's `eos_token`."""
         cfg = cls.from_dict(read_json(directory / "config.json"))
         generation = directory / "generation_config.json"
-        if not generation.exists():
-            return cfg
-        eos = read_json(generation).get("eos_token_id")
+        eos = read_json(generation).get("eos_token_id") if generation.exists() else None
         ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
-        more = tuple(i for i in dict.fromkeys((*cfg.all_eos, *ids)) if i != cfg.eos_token_id)
-        return replace(cfg, more_eos_token_ids=more)
+        ids.extend(tokenizer_eos(directory))
+        every = tuple(dict.fromkeys((*cfg.all_eos, *ids)))
+        if not every:
+            return cfg
+        first = cfg.eos_token_id if cfg.eos_token_id is not None else every[0]
+        more = tuple(i for i in every if i != first)
+        return replace(cfg, eos_token_id=first, more_eos_token_ids=more)
 
 
 # What from_dict sets itself, beside hf_config's fields.
@@ -284,6 +289,23 @@ _FROM_DICT_OWN = {
     "quantization",
     "weight_prefix",
 }
+
+
+def tokenizer_eos(directory: Path) -> list[int]:
+    """The id of tokenizer_config.json's `eos_token` (a string, or an AddedToken as a dict) in
+    tokenizer.json (its added tokens, then its vocabulary); none where either file lacks it."""
+    config, tokenizer = directory / "tokenizer_config.json", directory / "tokenizer.json"
+    if not config.exists() or not tokenizer.exists():
+        return []
+    token = read_json(config).get("eos_token")
+    token = token.get("content") if isinstance(token, dict) else token
+    if not isinstance(token, str):
+        return []
+    spec = read_json(tokenizer)
+    added = {t.get("content"): t.get("id") for t in spec.get("added_tokens") or ()}
+    vocab = (spec.get("model") or {}).get("vocab")
+    found = added.get(token, vocab.get(token) if isinstance(vocab, dict) else None)
+    return [found] if isinstance(found, int) else []
 
 
 def read_json(path: Path) -> dict:

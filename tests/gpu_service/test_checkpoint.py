@@ -106,3 +106,24 @@ def test_every_eos_id_of_the_checkpoint_ends_a_sequence(tmp_path: Path) -> None:
     assert engine.capabilities().eos_token_ids == (257, 9, 11)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 257}))
     assert ModelConfig.load(tmp_path).all_eos == (257, 9)
+
+
+def test_a_config_without_eos_takes_the_tokenizers(tmp_path: Path) -> None:
+    """A config.json that names no `eos_token_id` (a Qwen3.6 checkpoint's, whose
+    tokenizer_config.json names `eos_token`) ends sequences at the tokenizer's EOS, as vLLM
+    takes it, beside generation_config.json's ids."""
+    init_model(tmp_path, TINY, seed=2)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["eos_token_id"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    tokenizer_config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert tokenizer_config["eos_token"] == "<|eos|>"
+    assert ModelConfig.load(tmp_path).all_eos == (257,)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [9]}))
+    assert ModelConfig.load(tmp_path).all_eos == (9, 257)
+    engine = Engine(tmp_path, ServiceConfig(verify_tiers="2:1", max_context=256))
+    assert engine.capabilities().eos_token_ids == (9, 257)
+    tokenizer_config["eos_token"] = {"content": "<|eos|>", "special": True}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    (tmp_path / "generation_config.json").unlink()
+    assert ModelConfig.load(tmp_path).all_eos == (257,)
