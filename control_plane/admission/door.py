@@ -52,6 +52,9 @@ class Admission:
     default_max_new: int | None = DEFAULT_MAX_NEW_TOKENS
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES
     bounds: AdmissionBounds = AdmissionBounds()
+    # The names the model is served under (vLLM's `--served-model-name`; the first is the one
+    # reported); empty: the checkpoint's own.
+    model_names: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,13 +290,30 @@ class Door:
         the GPU service is out of reach, or the status of its refusal."""
         loop = asyncio.get_running_loop()
         try:
-            return await loop.run_in_executor(None, self.scheduler.capabilities)
+            caps = await loop.run_in_executor(None, self.scheduler.capabilities)
         except grpc.RpcError as e:
             raise BadRequest(
                 grpc.StatusCode.UNAVAILABLE, f"the GPU service is not reachable: {e.details()}"
             ) from None
         except ModelError as e:  # a served model whose files give no tokenizer, among others
             raise BadRequest(getattr(grpc.StatusCode, e.code), str(e)) from None
+        names = self.admission.model_names
+        return dataclasses.replace(caps, model_name=names[0]) if names else caps
+
+    def model_names(self, caps: Capabilities) -> tuple[str, ...]:
+        """Every name the model answers to, the reported one first."""
+        return self.admission.model_names or (caps.model_name,)
+
+    def check_model(self, name: str | None, caps: Capabilities) -> None:
+        """`BadRequest` (NOT_FOUND, naming the model) unless `name` is None or one of the
+        served model's names."""
+        if name is not None and name not in self.model_names(caps):
+            raise BadRequest(
+                grpc.StatusCode.NOT_FOUND,
+                f"model {name!r} is not served here; this server serves {caps.model_name!r} "
+                "(GET /v1/models)",
+                "model",
+            )
 
     def leave(self, key: str) -> None:
         """The client is gone before its request finished: free its slot."""

@@ -80,6 +80,14 @@ def add_serve_args(parser: argparse.ArgumentParser, gpu_service_required: bool =
         help="a checkpoint directory whose tokenizer files override those the GPU service serves",
     )
     parser.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=[],
+        metavar="NAME",
+        help="the names the model answers to in requests (the first is the one reported); "
+        "default: the checkpoint's",
+    )
+    parser.add_argument(
         "--method",
         choices=[MTP, NONE],
         default=DEFAULT_METHOD,
@@ -213,7 +221,10 @@ def admission(args: argparse.Namespace) -> Admission:
     bounds = AdmissionBounds(
         args.admission_timeout, args.admission_memory_mb, args.admission_workers
     )
-    return Admission(args.method, args.max_new_tokens, args.max_prompt_bytes, bounds)
+    names = tuple(args.served_model_name)
+    return Admission(
+        args.method, args.max_new_tokens, args.max_prompt_bytes, bounds, model_names=names
+    )
 
 
 def read_tokenizer(args: argparse.Namespace) -> Tokenization | None:

@@ -41,7 +41,6 @@ from control_plane.fronts.api import TRACER, failed, finished, request_attribute
 from control_plane.fronts.http_limits import HttpLimits, protocol
 from control_plane.fronts.openai_body import (
     Ask,
-    InvalidParam,
     chat_request,
     completion_request,
 )
@@ -288,13 +287,7 @@ class Front:
         if chat:
             span.set_attribute("gen_ai.operation.name", "chat")
         caps = await self.door.capabilities()
-        if ask.model not in (None, caps.model_name):
-            raise InvalidParam(
-                "model",
-                f"model {ask.model!r} is not served here; this server serves "
-                f"{caps.model_name!r} (GET /v1/models)",
-                grpc.StatusCode.NOT_FOUND,
-            )
+        self.door.check_model(ask.model, caps)
         return ask, caps
 
 

@@ -56,22 +56,18 @@ class Catalog:
             caps = await self.door.capabilities()
         except BadRequest as e:
             return refused(e)
-        return JSONResponse({"object": "list", "data": [_model(caps)]})
+        names = self.door.model_names(caps)
+        return JSONResponse({"object": "list", "data": [_model(caps, n) for n in names]})
 
     async def model(self, request: Request) -> Response:
         """One model by its id (the SDK's `models.retrieve`); 404 for any other."""
         try:
             caps = await self.door.capabilities()
             name = request.path_params["model"]
-            if name != caps.model_name:
-                raise InvalidParam(
-                    "model",
-                    f"model {name!r} is not served here; this server serves {caps.model_name!r}",
-                    grpc.StatusCode.NOT_FOUND,
-                )
+            self.door.check_model(name, caps)
         except BadRequest as e:
             return refused(e)
-        return JSONResponse(_model(caps))
+        return JSONResponse(_model(caps, name))
 
     async def tokenize(self, request: Request) -> Response:
         """vLLM's `/tokenize`: a prompt's ids, or a chat's as its template renders it."""
@@ -102,10 +98,10 @@ class Catalog:
         return JSONResponse({"prompt": self.door.scheduler.tokenizer.decode(list(ids))})
 
 
-def _model(caps: Capabilities) -> dict[str, Any]:
-    """The served model as OpenAI lists one, with vLLM's `max_model_len`."""
+def _model(caps: Capabilities, name: str) -> dict[str, Any]:
+    """The served model under `name` as OpenAI lists one, with vLLM's `max_model_len`."""
     return {
-        "id": caps.model_name,
+        "id": name,
         "object": "model",
         "created": 0,
         "owned_by": OWNER,
