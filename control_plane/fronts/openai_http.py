@@ -73,7 +73,11 @@ def build_app(
 ) -> ASGIApp:
     """The Starlette app over `door`; with `api_keys`, each request must carry one. With
     `metrics`, `/metrics` serves them (vLLM serves its own on its API port)."""
+    # The Responses route builds on this module's flights and streams.
+    from control_plane.fronts.openai_responses import ResponsesRoute
+
     front, catalog = Front(door, tracer), Catalog(door)
+    responses = ResponsesRoute(door, tracer)
     routes = [
         Route("/health", catalog.health, methods=["GET"]),
         Route("/ping", catalog.health, methods=["GET", "POST"]),
@@ -82,6 +86,7 @@ def build_app(
         Route("/v1/models/{model:path}", catalog.model, methods=["GET"]),
         Route("/v1/completions", front.completions, methods=["POST"]),
         Route("/v1/chat/completions", front.chat, methods=["POST"]),
+        Route("/v1/responses", responses.create, methods=["POST"]),
         Route("/tokenize", catalog.tokenize, methods=["POST"]),
         Route("/detokenize", catalog.detokenize, methods=["POST"]),
     ]
