@@ -8,7 +8,8 @@ takes it, the MTP head's drafts planned as a block drafter's would be. Every seq
 (penalties, bias and grammar masks applied), as every arm's does; no prompt lookup, no D-Cut
 (its drafts come as one block, so there is no chain to copy into or to cut).
 Batched verify: two or more sequences with drafts, the `dflash_batch_verify` and
-`batch_verify` levers on. The batch is every sequence without a grammar whose draft count
+`batch_verify` levers on. The batch is every unconstrained sequence (a grammar that holds
+only after the output's reasoning does not constrain while the model reasons) whose draft count
 equals the first such sequence's (gamma); the rest go serial. `m_max` is the widest group the
 service's budget (`fits_batch`) takes at `gamma + 1` rows, shrinking from the whole group; the
 group, in slot order, is verified in chunks of `m_max`; a trailing single goes serial. A group
@@ -68,13 +69,15 @@ def step_dflash(
 
 
 def plan_batch(active: list[ActiveSeq], verify: list[int]) -> tuple[list[int], list[int], int]:
-    """(batchable, serial, gamma): the sequences without a grammar whose draft count equals
-    the first such sequence's."""
+    """(batchable, serial, gamma): the unconstrained sequences (drafts cut where a grammar not
+    constraining yet would) whose draft count equals the first such sequence's."""
     batchable, serial, gamma = [], [], 0
     for i in verify:
         a = active[i]
+        if not a.constrained:
+            a.cut_drafts()
         g = len(a.pending_drafts)
-        if a.grammar is not None or g < 1:
+        if a.constrained or g < 1:
             serial.append(i)
         elif gamma in (0, g):
             gamma = g

@@ -225,8 +225,9 @@ def _partition(
     active: list[ActiveSeq], verify: list[int], ctx: StepContext, ladder_nd: int
 ) -> tuple[list[int], list[int], list[int]]:
     """(serial, batchable, copies): a batch needs two sequences with drafts, `--mtp-max-seqs`
-    > 1 and the lever on; a copy joins it at its own depth; any other sequence batches with
-    at most `ladder_nd` drafts, more being cut.
+    > 1 and the lever on; a copy joins it at its own depth; any other sequence but a
+    constrained one batches with at most `ladder_nd` drafts, more being cut (and those after
+    which a grammar not constraining yet would).
 
     A sequence holding fewer than `ladder_nd` joins the batch at its own depth, never
     alone: every sequence holds fewer the step after the width grows (its drafts were made
@@ -235,15 +236,16 @@ def _partition(
     if not (
         len(verify) >= 2 and ctx.opts.mtp_max_seqs > 1 and ctx.opts.batch_verify and ladder_nd >= 1
     ):
-        return list(verify), [], []  # grammar sequences are always among the serial
+        return list(verify), [], []  # constrained sequences are always among the serial
     serial, batchable, copies = [], [], []
     for i in verify:
         a = active[i]
-        if a.grammar is not None:
+        if a.constrained:
             serial.append(i)
         elif a.copy:
             copies.append(i)
         else:
+            a.cut_drafts()  # a grammar not constraining yet: no row it would constrain
             del a.pending_drafts[ladder_nd:]
             del a.pending_conf[ladder_nd:]
             batchable.append(i)

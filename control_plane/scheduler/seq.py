@@ -214,6 +214,8 @@ class ActiveSeq:
         self.detok = Detokenizer(tokenizer, req.stop, req.include_stop)
         self.observer = observer
         self.submitted = time.monotonic()
+        self.scheduled: float | None = None  # first given a slot (the loop stamps it)
+        self.first_emit: float | None = None
         self.last_emit: float | None = None
         self.on_queued = on_queued
         self.told: tuple[int, float] | None = None  # the last (position, time) sent on_queued
@@ -223,6 +225,24 @@ class ActiveSeq:
     @property
     def samples(self) -> bool:
         return self.req.sampling.temperature > 0
+
+    @property
+    def constrained(self) -> bool:
+        """Whether a grammar constrains its next tokens: one that holds only after the output's
+        reasoning does not while the model reasons (`cut_drafts` first, then it steps as an
+        unconstrained sequence)."""
+        return self.grammar is not None and self.grammar.constrains()
+
+    def cut_drafts(self) -> None:
+        """Its drafts cut before the first one its grammar refuses (or, for a grammar not
+        constraining yet, the first one after which it would)."""
+        if self.grammar is None:
+            return
+        kept = self.grammar.valid_prefix(self.pending_drafts)
+        if kept < len(self.pending_drafts):
+            self.stats.grammar_truncations += 1
+            self.pending_drafts = self.pending_drafts[:kept]
+            self.pending_conf = self.pending_conf[:kept]
 
     def sampling(self, draws: int) -> Sampling:
         """This request's sampling parameters with `draws` fresh uniforms: the wire's
@@ -345,6 +365,7 @@ class ActiveSeq:
                 return
             if self.finished is None and self.grammar.is_done():
                 self.finished = "stop"
+            self.grammar = self.grammar.remaining()
         if self.finished is None:
             self.last = tokens[-1]
         if kept:
@@ -366,6 +387,8 @@ class ActiveSeq:
             first = self.last_emit is None
             since = self.submitted if self.last_emit is None else self.last_emit
             self.observer.record_tokens(count, first, now - since)
+        if self.last_emit is None:
+            self.first_emit = now
         self.last_emit = now
 
     def preempt(self) -> None:

@@ -4,7 +4,9 @@ its engine, llguidance (JSON schema, regex, Lark).
 A grammar follows the committed tokens (`advance`), says which tokens may come next
 (`mask`, an allowed-token bitmask the GPU service applies before its argmax, or `mask_after`
 a few uncommitted drafts), and how many of a run of drafts it would accept (`valid_prefix`),
-which is where drafts are cut."""
+which is where drafts are cut. A grammar may hold only after a free part (`reasoning.py`'s,
+after the reasoning block): while `constrains()` is false its masks are empty and the
+scheduler treats its sequence as unconstrained once its drafts are cut."""
 
 from __future__ import annotations
 
@@ -26,8 +28,11 @@ LIMITS = llguidance.LLParserLimits(
 # A grammar's text at most (a JSON schema, a regex, a Lark grammar, or the calls of a request's
 # tools): its build time grows faster than its size.
 MAX_GRAMMAR_BYTES = 256 << 10
-MAX_ERROR_CHARS = 300
-WALK_TOKENS = 4  # of a library's error, quoted in a refusal
+MAX_ERROR_CHARS = 300  # of a library's error, quoted in a refusal
+WALK_TOKENS = 4
+# What may stand between a reasoning block's close and a grammar that follows it: the blank
+# line Qwen's templates write after `</think>`, which a model is trained to write too.
+LEAD = r"/[ \n]{0,2}/"
 
 
 def sentence(error: str) -> str:
@@ -39,11 +44,37 @@ def sentence(error: str) -> str:
 
 
 class Grammar(Protocol):
-    def advance(self, tokens: list[int]) -> None: ...
-    def mask(self) -> bytes: ...
-    def mask_after(self, tokens: list[int]) -> bytes: ...
-    def valid_prefix(self, tokens: list[int]) -> int: ...
-    def is_done(self) -> bool: ...
+    def advance(self, tokens: list[int]) -> None:
+        """Follow committed tokens; `ValueError` with a sentence for tokens it refuses."""
+        ...
+
+    def mask(self) -> bytes:
+        """The tokens allowed next, a little-endian bitmask of 32-bit words (empty: any)."""
+        ...
+
+    def mask_after(self, tokens: list[int]) -> bytes:
+        """`mask` after `tokens` (uncommitted drafts it accepts), leaving its state as it was."""
+        ...
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens` (drafts) to keep: those before the first it refuses, and for a
+        grammar not constraining yet, those before the first after which it would."""
+        ...
+
+    def is_done(self) -> bool:
+        """Whether the output is complete: the request ends here."""
+        ...
+
+    def constrains(self) -> bool:
+        """Whether the next token is constrained now. While not, every mask is empty and any
+        draft `valid_prefix` keeps leaves it so: its sequence may batch as an unconstrained
+        one."""
+        ...
+
+    def remaining(self) -> Grammar | None:
+        """What constrains the rest of the output: this grammar, or once past a free part, what
+        follows it (None: nothing), which then takes its place."""
+        ...
 
 
 class _Vocabulary:
@@ -90,6 +121,12 @@ class LLGuidanceGrammar:
     def is_done(self) -> bool:
         return self.matcher.is_stopped()
 
+    def constrains(self) -> bool:
+        return True
+
+    def remaining(self) -> Grammar | None:
+        return self
+
 
 def _compact_json(schema: str) -> str:
     """JSON without whitespace between tokens unless the schema's `x-guidance` allows it: a
@@ -100,10 +137,24 @@ def _compact_json(schema: str) -> str:
     )
 
 
+def _led(grammar: str) -> str:
+    """`grammar` (llguidance's JSON form, or Lark text) with `LEAD` before it: a Lark start
+    rule that references it by name."""
+    if grammar.lstrip().startswith("{"):
+        top = json.loads(grammar)
+    else:
+        top = {"grammars": [{"lark_grammar": grammar}]}
+    first, *rest = top["grammars"]
+    name = first.get("name") or "led"
+    lead = {"lark_grammar": f"start: {LEAD} @{name}"}
+    return json.dumps({**top, "grammars": [lead, {**first, "name": name}, *rest]})
+
+
 class GrammarCompiler:
     """Compiles response formats for one vocabulary (the tokenizer's bytes, built once)."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_ids: tuple[int, ...]) -> None:
+        self.source, self.vocab_size = tokenizer, vocab_size  # the served tokenizer
         text = getattr(tokenizer, "json", None)
         if text is not None:  # an HF tokenizer.json's text: llguidance parses it directly
             # Only a string that starts with "{" is JSON to llguidance (else a path or a name).
@@ -121,11 +172,12 @@ class GrammarCompiler:
         """kind: json_schema, regex or lark. Raises ValueError with a sentence."""
         return self.matcher(self.grammar(kind, spec))
 
-    def grammar(self, kind: str, spec: str) -> str:
-        """`spec` as llguidance's grammar, checked whole: built into a matcher that takes its
-        first `WALK_TOKENS` tokens (the lowest id each mask allows), so that what a matcher
-        finds only at its first tokens (a lexer past its limits) is found here, before a prefill
-        runs. Raises ValueError with a sentence."""
+    def grammar(self, kind: str, spec: str, lead: bool = False) -> str:
+        """`spec` as llguidance's grammar (`lead`: after a reasoning block, with `LEAD` before
+        it), checked whole: built into a matcher that takes its first `WALK_TOKENS` tokens (the
+        lowest id each mask allows), so that what a matcher finds only at its first tokens (a
+        lexer past its limits) is found here, before a prefill runs. Raises ValueError with a
+        sentence."""
         builders: dict[str, Callable[[str], str]] = {
             "json_schema": _compact_json,
             "regex": llguidance.LLMatcher.grammar_from_regex,
@@ -149,6 +201,8 @@ class GrammarCompiler:
             grammar = builders[kind](spec)
         except Exception as e:  # the builders raise their own types on bad input
             raise ValueError(f"the {kind} does not compile: {sentence(str(e))}") from None
+        if lead:
+            grammar = _led(grammar)
         message = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer, limits=LIMITS)
         if message:
             raise ValueError(f"the {kind} does not compile: {sentence(message)}")
