@@ -11,6 +11,7 @@ from typing import Any
 
 import grpc
 from prometheus_client.exposition import choose_encoder
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
@@ -114,7 +115,9 @@ def metrics_route(metrics: Metrics) -> Callable[[Request], Awaitable[Response]]:
     async def route(request: Request) -> Response:
         # As prometheus_client's own server answers: the format the scraper's Accept asks.
         encode, kind = choose_encoder(request.headers.get("accept", ""))
-        return Response(encode(metrics.registry), headers={"content-type": kind})
+        # Off the event loop: a scrape asks each GPU service its KV pool's usage.
+        body = await run_in_threadpool(encode, metrics.exported)
+        return Response(body, headers={"content-type": kind})
 
     return route
 

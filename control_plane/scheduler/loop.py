@@ -160,6 +160,8 @@ class Loop:
         ):
             now = time.monotonic()
             self.queue.admit(self.prefilling, bool(self.paused), now)
+            for a in self.prefilling:  # vLLM's SCHEDULED: the first admission, not a return
+                a.scheduled = a.scheduled or now
             self.queue.refuse_overdue(self.holding() > 0, ctx.caps.num_slots, now)
             self.queue.tell_places()
             self.paused, self.pressed = self.triage.sort(self.prefilling, self.active, self._retire)
@@ -189,6 +191,9 @@ class Loop:
         and those tokenized for another model are marked stale."""
         replaced = self.link.open()
         self.queue.reconnected(self.link.facts, replaced)
+        if self.series is not None and self.link.ctx is not None:
+            caps = self.link.ctx.caps
+            self.series.connected(caps.model_name, caps.max_context)
 
     def _prefill(self, model: ServingModel, ctx: StepContext) -> None:
         """One batched prefill call; the sequences whose prompt is in now become active."""

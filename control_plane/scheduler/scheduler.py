@@ -72,6 +72,8 @@ class Scheduler:
             self._lock,
         )
         self._thread = threading.Thread(target=self.loop.run, name="scheduler", daemon=True)
+        if self.series is not None:
+            self.series.kv_cache_usage.set_function(self.kv_usage)
 
     # The connection's state, as the fronts, the router and the tests read it.
     model = property(lambda self: self.link.model)
@@ -162,6 +164,12 @@ class Scheduler:
         """(free slots, requests waiting for one): what a router places by."""
         with self._lock:
             return (self.link.free_slots if self.link.ctx else 0), self.queue.queued
+
+    def kv_usage(self) -> float:
+        """The fraction of the service's KV pool in use, asked now: the service owns the pool
+        (0 before a connection, or from a service without a paged pool)."""
+        blocks, free = self.link.kv_blocks()
+        return (blocks - free) / blocks if blocks > 0 else 0.0
 
     def snapshot(self) -> dict:
         counters, spec = self.tally.copy()

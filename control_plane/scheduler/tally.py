@@ -4,9 +4,10 @@ kept together under one lock."""
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 
-from control_plane.scheduler.metrics import ReplicaMetrics
+from control_plane.scheduler.metrics import ReplicaMetrics, Retired
 from control_plane.scheduler.seq import ActiveSeq, SpecStats
 
 
@@ -123,3 +124,6 @@ class Tally:
             self.metrics.prompt_tokens.inc(len(a.req.prompt_ids))
             self.metrics.mean_accepted_length.set(self.spec.mean_accepted_length)
             self.metrics.grammar_truncations.inc(a.stats.grammar_truncations)
+            prompt, generated = len(a.req.prompt_ids), len(a.generated)
+            times = (a.submitted, a.scheduled, a.first_emit, a.last_emit, time.monotonic())
+            self.metrics.record_retired(Retired(prompt, generated, *times))

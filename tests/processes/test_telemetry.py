@@ -247,13 +247,13 @@ def test_both_processes_export_one_trace(tiny_dir: Path) -> None:
 
 
 def _metrics(port: int, replica: str) -> dict[str, float]:
-    """The samples labelled with `replica` alone (every series carries its replica)."""
+    """The samples labelled with `replica` and its model alone (every series carries both)."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     return {
         s.name: s.value
         for family in text_string_to_metric_families(text)
         for s in family.samples
-        if s.labels == {"replica": replica}
+        if s.labels.keys() == {"replica", "model_name"} and s.labels["replica"] == replica
     }
 
 
