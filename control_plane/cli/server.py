@@ -245,10 +245,12 @@ def read_targets(args: argparse.Namespace) -> list[Target]:
 
 
 def build_router(args: argparse.Namespace, credentials: grpc.ChannelCredentials | None) -> Router:
-    """A scheduler per replica the targets name, all under one metrics registry."""
+    """A scheduler per replica the targets name, all under one metrics registry (served on
+    the HTTP port, as vLLM serves its own, and on `--metrics-port` when given), its series
+    labelled with the name the model is served under."""
     targets = tls.or_exit(PROG, read_targets, args)
     tokenizer = tls.or_exit(PROG, read_tokenizer, args)
-    metrics = Metrics() if args.metrics_port is not None else None
+    metrics = Metrics(next(iter(args.served_model_name), None))
     opts = SchedulerOptions.from_args(args)
     return grpc_router(targets, tokenizer, opts, metrics, credentials, args.gpu_service_admin_key)
 
@@ -321,7 +323,7 @@ async def serve(args: argparse.Namespace, security: Security) -> None:
     server = build_server(servicer, health_servicer, security.api_keys, drain)
     port = tls.add_port(server, f"{args.host}:{args.port}", security.server)
     http_socket = bind_listener(args.host, args.http_port, "--http-port")
-    if router.metrics is not None:
+    if router.metrics is not None and args.metrics_port is not None:
         metrics_port = serve_metrics(router.metrics, args.host, args.metrics_port)
         stopping.say(f"control-plane metrics on http://{args.host}:{metrics_port}/metrics")
 
