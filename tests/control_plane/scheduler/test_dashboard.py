@@ -6,16 +6,10 @@ Prometheus text format (no Accept header: curl, a browser) and in OpenMetrics (w
 from __future__ import annotations
 
 import json
-import re
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from prometheus_client.openmetrics.parser import (
-    text_string_to_metric_families as openmetrics_families,
-)
-from prometheus_client.parser import text_string_to_metric_families as text_families
 
 from control_plane.replicas.router import Router, parse_targets
 from control_plane.scheduler.env import Env
@@ -29,18 +23,10 @@ from gpu_service.model.config import ServiceConfig
 from protos.params import MTP, NONE
 from tests.collect import Outcome
 from tests.conftest import TRAINED
+from tests.dashboards import FORMATS, Scrape, parse, scrape, total, unfilled
 
 ROOT = Path(__file__).resolve().parents[3]
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "met.json"
-# What Prometheus 3 sends by default (its scrape_protocols, names not escaped): OpenMetrics
-# first. Asked for OpenMetrics without `escaping=allow-utf-8`, prometheus_client writes
-# `met_...` for `met:...`, which the dashboard would not find.
-PROMETHEUS_3_ACCEPT = (
-    "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.6,"
-    "application/openmetrics-text;version=0.0.1;q=0.5,"
-    "text/plain;version=1.0.0;escaping=allow-utf-8;q=0.4,"
-    "text/plain;version=0.0.4;q=0.3,*/*;q=0.2"
-)
 # The series the dashboard is for: serving, speculation, replicas, the KV pool and the prefix
 # cache.
 REQUIRED = {
@@ -57,35 +43,12 @@ REQUIRED = {
     "vllm:prefix_cache_queries_total",
     "vllm:prefix_cache_hits_total",
     "vllm:num_preemptions_total",
+    "vllm:kv_cache_usage_perc",
+    "vllm:e2e_request_latency_seconds_bucket",
+    "vllm:request_queue_time_seconds_sum",
+    "vllm:request_prefill_time_seconds_sum",
+    "vllm:request_decode_time_seconds_sum",
 }
-
-# PromQL, enough of it for the dashboard's queries: what names a label (matchers, grouping
-# clauses), what is not a name (strings, ranges), and the words that are not metrics.
-_MATCHERS = re.compile(r"\{([^}]*)\}")
-_MATCHER_LABEL = re.compile(r"([A-Za-z_]\w*)\s*(?:=~|!~|!=|=)")
-_RANGES = re.compile(r"\[[^\]]*\]")
-_GROUPING = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)")
-_NAME = re.compile(r"(?<![\w.:])[A-Za-z_:][\w:]*(?![\w:])")
-_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right"}
-_KEYWORDS |= {"and", "or", "unless", "bool", "offset"}
-_LABEL_VALUES = re.compile(r"^label_values\((.+),\s*(\w+)\)$")
-_LEGEND = re.compile(r"\{\{\s*(\w+)\s*\}\}")
-
-
-def parse(expr: str) -> tuple[set[str], set[str]]:
-    """The metric names and the label names a PromQL expression mentions."""
-    labels: set[str] = set()
-    for matcher in _MATCHERS.findall(expr):
-        labels |= set(_MATCHER_LABEL.findall(matcher))
-    for grouping in _GROUPING.findall(expr):
-        labels |= {x.strip() for x in grouping.split(",") if x.strip()}
-    rest = _RANGES.sub(" ", _GROUPING.sub(" ", _MATCHERS.sub(" ", expr)))
-    metrics = set()
-    for m in _NAME.finditer(rest):
-        is_call = rest[m.end() :].lstrip().startswith("(")
-        if not is_call and m.group() not in _KEYWORDS:
-            metrics.add(m.group())
-    return metrics, labels
 
 
 def test_the_parser_reads_the_dashboards_kinds_of_query() -> None:
@@ -99,31 +62,9 @@ def test_the_parser_reads_the_dashboards_kinds_of_query() -> None:
     assert parse("count(up) and on (job) g") == ({"up", "g"}, {"job"})
 
 
-def _queries(dashboard: dict) -> list[tuple[str, str, str]]:
-    """(where, expression, legend) of every query: each panel's targets and each variable's."""
-    out = []
-    for panel in dashboard["panels"]:
-        for t in panel.get("targets", []):
-            out.append((f"{panel['title']} {t['refId']}", t["expr"], t.get("legendFormat", "")))
-    for var in dashboard["templating"]["list"]:
-        query = var["query"]["query"] if isinstance(var["query"], dict) else var["query"]
-        out.append((f"${var['name']}", query, ""))
-    return out
-
-
-def _split_label_values(expr: str) -> tuple[str, set[str]]:
-    """A variable's `label_values(SELECTOR, LABEL)`: the selector and the label; any other
-    query as it is."""
-    m = _LABEL_VALUES.match(expr.strip())
-    return (m.group(1), {m.group(2)}) if m else (expr, set())
-
-
 @pytest.fixture(scope="module")
 def dashboard() -> dict:
     return json.loads(DASHBOARD.read_text())
-
-
-Scrape = dict[str, list[tuple[dict[str, str], float]]]  # sample name -> (labels, value)s
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +102,7 @@ def scrapes() -> Iterator[dict[str, Scrape]]:
             + [GenRequest("none", (1, 2, 3), 8, method=NONE, ignore_eos=True)],
         )
         url = f"http://127.0.0.1:{metrics.serve(0)}/metrics"
-        yield {"text": _scrape(url, None), "openmetrics": _scrape(url, PROMETHEUS_3_ACCEPT)}
+        yield {fmt: scrape(url, accept) for fmt, accept in FORMATS.items()}
     finally:
         router.stop()
 
@@ -174,56 +115,24 @@ def _run(router: Router, reqs: list[GenRequest]) -> None:
         assert out.done.wait(60) and out.finish is not None, out.failure
 
 
-def _scrape(url: str, accept: str | None) -> Scrape:
-    request = urllib.request.Request(url, headers={"Accept": accept} if accept else {})
-    with urllib.request.urlopen(request, timeout=10) as response:
-        body = response.read().decode()
-        kind = response.headers["Content-Type"]
-    if accept:
-        assert kind.startswith("application/openmetrics-text; version=1.0.0"), kind
-        assert "escaping=allow-utf-8" in kind, kind
-    else:
-        assert kind.startswith("text/plain; version=0.0.4"), kind
-    families = openmetrics_families(body) if accept else text_families(body)
-    out: Scrape = {}
-    for family in families:
-        for sample in family.samples:
-            out.setdefault(sample.name, []).append((sample.labels, sample.value))
-    return out
-
-
-def _total(scrape: Scrape, name: str, **labels: str) -> float:
-    return sum(v for got, v in scrape.get(name, []) if labels.items() <= got.items())
-
-
 def test_the_run_gave_speculation_and_prefix_cache_series(scrapes: dict[str, Scrape]) -> None:
     """What the queries are checked against has data behind every panel: accepted drafts by
     position, prefix hits, finished requests by reason, the replica up."""
-    for scrape in scrapes.values():
+    for scraped in scrapes.values():
         accepted = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
-        assert _total(scrape, accepted, position="0") > 0
-        assert _total(scrape, "vllm:prefix_cache_hits_total") > 0
-        assert _total(scrape, "vllm:request_success_total", finished_reason="length") == 4
-        assert _total(scrape, "vllm:time_to_first_token_seconds_count") == 4
-        assert _total(scrape, "met:replica_up", replica="gpu-service-0:50051") == 1
+        assert total(scraped, accepted, position="0") > 0
+        assert total(scraped, "vllm:prefix_cache_hits_total") > 0
+        assert total(scraped, "vllm:request_success_total", finished_reason="length") == 4
+        assert total(scraped, "vllm:time_to_first_token_seconds_count") == 4
+        assert total(scraped, "met:replica_up", replica="gpu-service-0:50051") == 1
 
 
-@pytest.mark.parametrize("fmt", ["text", "openmetrics"])
+@pytest.mark.parametrize("fmt", list(FORMATS))
 def test_every_query_names_series_the_control_plane_exports(
     dashboard: dict, scrapes: dict[str, Scrape], fmt: str
 ) -> None:
-    scrape = scrapes[fmt]
-    used: set[str] = set()
-    for where, expr, legend in _queries(dashboard):
-        selector, labels = _split_label_values(expr)
-        metrics, named = parse(selector)
-        assert metrics, f"{where}: no metric in {expr!r}"
-        missing = sorted(m for m in metrics if m not in scrape)
-        assert not missing, f"{where}: {missing} not in the control plane's /metrics"
-        carried = {label for m in metrics for got, _ in scrape[m] for label in got}
-        wanted = labels | named | set(_LEGEND.findall(legend))
-        assert wanted <= carried, f"{where}: labels {sorted(wanted - carried)} on no series"
-        used |= metrics
+    problems, used = unfilled(dashboard, scrapes[fmt])
+    assert not problems, problems
     assert REQUIRED <= used, sorted(REQUIRED - used)
 
 
