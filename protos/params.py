@@ -81,6 +81,9 @@ class RequestParams:
     chat_template: str = ""  # with messages: in place of the model's
     continue_final_message: bool = False  # with messages: the last one goes on
     prompt_logprobs: int | None = None  # score the prompt, this many alternatives a row
+    # vLLM's: the most tokens of reasoning before its close is forced (None: a forced output's
+    # default, else no bound).
+    thinking_token_budget: int | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
 
 

@@ -5,10 +5,11 @@ a constraining `tool_choice` puts on the output, in the template's own call form
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from control_plane.admission.refusal import INVALID, BadRequest
-from control_plane.text.chat import KWARGS, ChatTemplate, parse_kwargs
+from control_plane.text.chat import KWARGS, ChatTemplate, Refused, parse_kwargs
 from control_plane.text.tools import call_grammar, check_choice, read_tools, template_form
 from protos.params import ChatMessage, RequestParams
 
@@ -50,9 +51,15 @@ def output_format(
     return ("lark", calls)
 
 
-def render(r: RequestParams, chat: ChatTemplate | None, max_bytes: int | None = None) -> str:
+def render(
+    r: RequestParams,
+    chat: ChatTemplate | None,
+    max_bytes: int | None = None,
+    defaults: Mapping[str, Any] | None = None,
+) -> str:
     """The request's messages as prompt text, by the model's chat template, never past
-    `max_bytes` of UTF-8."""
+    `max_bytes` of UTF-8; `defaults` the server's template variables, which the request's
+    own override name by name."""
     if chat is None:
         raise BadRequest(
             INVALID,
@@ -79,14 +86,49 @@ def render(r: RequestParams, chat: ChatTemplate | None, max_bytes: int | None = 
     try:
         messages = [_message(m, i) for i, m in enumerate(r.messages)]
         tools = json.loads(r.tools) if r.tools else None  # checked by `check_tools` before
-        kwargs = parse_kwargs(r.chat_template_kwargs)
-        return chat.render(
-            messages, generation_prompt, kwargs, tools, r.continue_final_message, max_bytes
-        )
+        kwargs = {**(defaults or {}), **parse_kwargs(r.chat_template_kwargs)}
+
+        def rendered(chat_messages: list[dict[str, Any]]) -> str:
+            assert chat is not None
+            return chat.render(
+                chat_messages, generation_prompt, kwargs, tools, r.continue_final_message, max_bytes
+            )
+
+        return _systems_merged_if_refused(messages, rendered)
     except ValueError as e:
         # The sentence opens with the field it is about, when it is not the messages.
         field = next((f for f in (KWARGS, "continue_final_message") if str(e).startswith(f)), None)
         raise BadRequest(INVALID, str(e), field or "messages") from None
+
+
+def _systems_merged_if_refused(
+    messages: list[dict[str, Any]], rendered: Callable[[list[dict[str, Any]]], str]
+) -> str:
+    """The chat rendered; where its template refuses it and it opens with several system
+    messages, rendered again with them merged into one (their texts apart by a blank line), as
+    clients that send several expect of templates that take one (Qwen3.5's, Qwen3.6's). A
+    template that still refuses a chat with a system message after the first message is refused
+    naming that message."""
+    try:
+        return rendered(messages)
+    except Refused as refused:
+        lead = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+        if lead > 1 and all(isinstance(m["content"], str) for m in messages[:lead]):
+            joined = "\n\n".join(m["content"] for m in messages[:lead])
+            merged = [{**messages[0], "content": joined}, *messages[lead:]]
+            try:
+                return rendered(merged)
+            except Refused:
+                pass
+        late = next((i for i in range(lead, len(messages)) if messages[i]["role"] == "system"), 0)
+        if not late:
+            raise
+        reason = str(refused).removeprefix("the chat template refuses these messages: ")
+        raise ValueError(
+            f"messages[{late}] is a system message after the conversation began; this model's "
+            f"chat template takes system messages only at the start (it says: {reason}): send "
+            "its text in the first system message, or as a user message"
+        ) from None
 
 
 def _message(m: ChatMessage, i: int) -> dict[str, Any]:

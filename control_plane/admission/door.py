@@ -8,8 +8,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any, TypeVar
 
 import grpc
@@ -26,6 +27,7 @@ from control_plane.scheduler.seq import Event, GenRequest, Queued
 from control_plane.text.chat import ChatTemplate
 from control_plane.text.detok import Tokenizer
 from control_plane.text.grammar import Grammar, GrammarCompiler
+from control_plane.text.reasoning import Marks, after_reasoning, marks_of
 from control_plane.text.tokenizer import TOKENIZER_FILE, Tokenization
 from protos import checks
 from protos.handles import MAX_TOP
@@ -55,6 +57,9 @@ class Admission:
     # The names the model is served under (vLLM's `--served-model-name`; the first is the one
     # reported); empty: the checkpoint's own.
     model_names: tuple[str, ...] = ()
+    # Chat template variables for every chat (vLLM's `--default-chat-template-kwargs`, such as
+    # {"enable_thinking": false}); a request's own `chat_template_kwargs` override them by name.
+    chat_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,11 +96,11 @@ def admit(
     worker). `chat` is the model's template, for a request with messages (None: the model has
     none)."""
     check(r, caps)
-    prepared = Preparer(tokenizer, chat, lambda: compiler).prepare(
-        r, caps, admission.max_prompt_bytes
-    )
+    preparer = Preparer(tokenizer, chat, lambda: compiler, chat_kwargs=admission.chat_kwargs)
+    prepared = preparer.prepare(r, caps, admission.max_prompt_bytes)
     grammar = compiler.matcher(prepared.grammar) if compiler and prepared.grammar else None
-    return finish(r, prepared, caps, admission, request_id, grammar)
+    marks = partial(marks_of, compiler) if compiler else None
+    return finish(r, prepared, caps, admission, request_id, grammar, marks)
 
 
 def check(r: RequestParams, caps: Capabilities) -> None:
@@ -104,6 +109,12 @@ def check(r: RequestParams, caps: Capabilities) -> None:
     _check_sampling(r, caps)
     check_vocab("stop_token_ids", r.stop_token_ids, caps)
     check_per_step(r)
+    if r.thinking_token_budget is not None and r.thinking_token_budget < 0:
+        raise BadRequest(
+            INVALID,
+            f"thinking_token_budget is {r.thinking_token_budget}; it must be 0 or more",
+            "thinking_token_budget",
+        )
 
 
 def finish(
@@ -113,9 +124,12 @@ def finish(
     admission: Admission,
     request_id: str,
     grammar: Grammar | None,
+    marks: Callable[[], Marks] | None = None,
 ) -> tuple[GenRequest, ChatShape]:
     """A request whose costly part is done (`prepared`, its grammar's matcher built) as the
-    scheduler's `GenRequest` and its chat's `ChatShape`."""
+    scheduler's `GenRequest` and its chat's `ChatShape`; its grammar follows the output's
+    reasoning where the chat's template opens it (`marks`: the vocabulary's, given whenever
+    `needs_compiler`)."""
     ids = prepared.ids
     max_new = _max_new_tokens(r, len(ids), caps, admission.default_max_new)
     if r.min_new_tokens > max_new:
@@ -125,6 +139,9 @@ def finish(
             "min_tokens",
         )
     pen = _penalties(r, len(ids), caps)
+    if marks is not None:
+        budget = r.thinking_token_budget
+        grammar = after_reasoning(grammar, marks, prepared.reasoning, budget, max_new)
     tools = prepared.tools
     shape = ChatShape(
         tools if tools and r.tool_choice != "none" else None,
@@ -149,6 +166,12 @@ def finish(
         sampling=r.sampling,
         penalties=pen,
     ), shape
+
+
+def needs_compiler(r: RequestParams, prepared: Prepared) -> bool:
+    """Whether the request's output has a grammar: its own, or a reasoning budget's."""
+    budget = r.thinking_token_budget is not None and bool(prepared.reasoning)
+    return prepared.grammar is not None or budget
 
 
 def _prompt_logprobs(r: RequestParams) -> int | None:
@@ -260,11 +283,13 @@ class Door:
         tokenizer = self.scheduler.tokenizer
         check(request, caps)
         prepared = await self._prepare(request, caps)
-        grammar = None
-        if prepared.grammar is not None:
+        grammar, marks = None, None
+        if needs_compiler(request, prepared):
             compiler = self._grammar_compiler(tokenizer, caps)
-            grammar = await self._in_thread(compiler.matcher, prepared.grammar)
-        req, shape = finish(request, prepared, caps, self.admission, key, grammar)
+            marks = partial(marks_of, compiler)
+            if prepared.grammar is not None:
+                grammar = await self._in_thread(compiler.matcher, prepared.grammar)
+        req, shape = finish(request, prepared, caps, self.admission, key, grammar, marks)
         req = dataclasses.replace(req, span_context=span.get_span_context())
         events: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
@@ -350,13 +375,15 @@ class Door:
 
     def _setup_of(self, tokenization: Tokenization, caps: Capabilities) -> WorkerSetup:
         if self._setup_for is not tokenization:
-            digest = f"{tokenization.digest}:{caps.vocab_size}:{caps.eos_token_ids}"
+            kwargs = self.admission.chat_kwargs
+            digest = f"{tokenization.digest}:{caps.vocab_size}:{caps.eos_token_ids}:{kwargs}"
             self._setup = WorkerSetup(
                 tokenization.files,
                 tokenization.origin,
                 caps.vocab_size,
                 caps.eos_token_ids,
                 digest,
+                kwargs,
             )
             self._setup_for = tokenization
         assert self._setup is not None
@@ -369,7 +396,9 @@ class Door:
         with self._lock:
             if self._local is None or self._local_for is not tokenizer:
                 compiler = lambda: self._grammar_compiler(tokenizer, caps)  # noqa: E731
-                self._local, self._local_for = Preparer(tokenizer, None, compiler), tokenizer
+                kwargs = self.admission.chat_kwargs
+                local = Preparer(tokenizer, None, compiler, chat_kwargs=kwargs)
+                self._local, self._local_for = local, tokenizer
             return self._local
 
     def _grammar_compiler(self, tokenizer: Tokenizer, caps: Capabilities) -> GrammarCompiler:

@@ -4,22 +4,30 @@ tokens by the context."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from control_plane.admission.chats import render
 from control_plane.admission.refusal import INVALID, BadRequest
 from control_plane.text.chat import KWARGS, ChatTemplate
 from control_plane.text.detok import Tokenizer
-from control_plane.text.tools import THINK_OPEN
+from control_plane.text.reasoning import MAY_OPEN, OPENED
+from control_plane.text.tools import THINK_CLOSE, THINK_OPEN
 from protos.model import Capabilities
 from protos.params import RequestParams
 
 PROMPT_FIELDS = ("prompt", "prompt_token_ids", "messages")  # a request gives exactly one
 
 
-def prompt_text(r: RequestParams, chat: ChatTemplate | None, max_bytes: int) -> str:
-    """The text to tokenize: the prompt, or the chat rendered (never past `max_bytes`);
-    `BadRequest` for a request with more than one prompt field, or past the bound."""
+def prompt_text(
+    r: RequestParams,
+    chat: ChatTemplate | None,
+    max_bytes: int,
+    chat_kwargs: Mapping[str, Any] | None = None,
+) -> str:
+    """The text to tokenize: the prompt, or the chat rendered (never past `max_bytes`, with
+    the server's template variables `chat_kwargs` under the request's); `BadRequest` for a
+    request with more than one prompt field, or past the bound."""
     given = [name for name in PROMPT_FIELDS if getattr(r, name)]
     if len(given) > 1:
         raise BadRequest(
@@ -34,7 +42,7 @@ def prompt_text(r: RequestParams, chat: ChatTemplate | None, max_bytes: int) -> 
             f"{KWARGS} are variables of the chat template; this request has no messages",
             KWARGS,
         )
-    text = render(r, chat, max_bytes) if r.messages else r.prompt
+    text = render(r, chat, max_bytes, chat_kwargs) if r.messages else r.prompt
     size = len(text.encode("utf-8"))
     if size > max_bytes:
         field = "the rendered chat" if r.messages else "prompt"
@@ -49,6 +57,20 @@ def prompt_text(r: RequestParams, chat: ChatTemplate | None, max_bytes: int) -> 
 def opened(r: RequestParams, text: str) -> bool:
     """Whether a chat's prompt ends inside a reasoning block its template opened."""
     return bool(r.messages) and text.rstrip().endswith(THINK_OPEN)
+
+
+def reasoning_start(r: RequestParams, text: str, thinks: bool) -> str:
+    """Where a chat's output starts (`reasoning.OPENED`, `MAY_OPEN` or "": no reasoning): in a
+    block its prompt opened; where the model may open one, with a template that knows them and
+    a prompt that ends at a new turn (not one closed by the template, as Qwen's thinking-off
+    form is, nor a message continued)."""
+    if not thinks or not r.messages:
+        return ""
+    if opened(r, text):
+        return OPENED
+    if r.continue_final_message or text.rstrip().endswith(THINK_CLOSE):
+        return ""
+    return MAY_OPEN
 
 
 def prompt_ids(r: RequestParams, text: str, tokenizer: Tokenizer, caps: Capabilities) -> list[int]:

@@ -19,13 +19,13 @@ import signal
 import struct
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import IO, Any
 
 import grpc
 
 from control_plane.admission.chats import check_tools, output_format
-from control_plane.admission.prompt import opened, prompt_ids, prompt_text
+from control_plane.admission.prompt import opened, prompt_ids, prompt_text, reasoning_start
 from control_plane.admission.refusal import INVALID, BadRequest
 from control_plane.text.chat import ChatTemplate
 from control_plane.text.detok import Tokenizer
@@ -57,7 +57,10 @@ class WorkerSetup:
     origin: str
     vocab_size: int
     eos_token_ids: tuple[int, ...]
-    digest: str  # equal for equal files: a worker set up with it needs no other
+    digest: str  # equal for equal files and defaults: a worker set up with it needs no other
+    # The server's chat template variables (`--default-chat-template-kwargs`), which a
+    # request's own override name by name.
+    chat_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -68,14 +71,16 @@ class Prepared:
     opened: bool  # the prompt ends inside a reasoning block its template opened
     tools: dict[str, dict[str, Any]]  # by name, each one's parameters schema
     thinks: bool  # the chat's template knows reasoning blocks
-    # The output's grammar in llguidance's form, checked whole (None: the request has none).
+    # The output's grammar in llguidance's form, checked whole (None: the request has none);
+    # after the reasoning when `reasoning` is set.
     grammar: str | None
+    reasoning: str = ""  # where the output starts (`reasoning.OPENED`, `MAY_OPEN`; "": none)
 
 
 class Preparer:
     """The costly work for one served model: its tokenizer, its chat template (None: it has
     none; `chat_error`: it has one that does not compile) and its grammar engine, made when
-    first needed."""
+    first needed; `chat_kwargs` the server's template variables."""
 
     def __init__(
         self,
@@ -83,8 +88,10 @@ class Preparer:
         chat: ChatTemplate | None,
         compiler: Callable[[], GrammarCompiler | None] | None = None,
         chat_error: str | None = None,
+        chat_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         self.tokenizer, self.chat, self.chat_error = tokenizer, chat, chat_error
+        self.chat_kwargs = dict(chat_kwargs or {})
         self._make_compiler = compiler
         self._compiler: GrammarCompiler | None = None
         self._own: dict[str, ChatTemplate] = {}  # requests' own templates, by source
@@ -101,7 +108,7 @@ class Preparer:
         def compiler() -> GrammarCompiler:
             return GrammarCompiler(tokenization.tokenizer, setup.vocab_size, setup.eos_token_ids)
 
-        return cls(tokenization.tokenizer, chat, compiler, error)
+        return cls(tokenization.tokenizer, chat, compiler, error, setup.chat_kwargs)
 
     @property
     def compiler(self) -> GrammarCompiler | None:
@@ -123,24 +130,25 @@ class Preparer:
         chat = self._template(r, stage)
         if r.messages:
             stage("messages")
-        text = prompt_text(r, chat, max_prompt_bytes)
+        text = prompt_text(r, chat, max_prompt_bytes, self.chat_kwargs)
         stage("prompt")
         ids = prompt_ids(r, text, self.tokenizer, caps)
+        thinks = chat is not None and chat.thinks
+        start = reasoning_start(r, text, thinks)
         form = output_format(r, tools, chat)
         grammar = None
         if form is not None:
             part = "response_format" if r.response_format is not None else "tool_choice"
             stage(part)
-            grammar = self._grammar(form, part)
-        thinks = chat is not None and chat.thinks
-        return Prepared(tuple(ids), opened(r, text), tools, thinks, grammar)
+            grammar = self._grammar(form, part, bool(start))
+        return Prepared(tuple(ids), opened(r, text), tools, thinks, grammar, start)
 
-    def _grammar(self, form: tuple[str, str], part: str) -> str:
+    def _grammar(self, form: tuple[str, str], part: str, lead: bool) -> str:
         compiler = self.compiler
         if compiler is None:
             raise BadRequest(grpc.StatusCode.UNIMPLEMENTED, "this server has no grammar engine")
         try:
-            return compiler.grammar(*form)
+            return compiler.grammar(*form, lead=lead)
         except ValueError as e:
             raise BadRequest(INVALID, f"{part}: {e}", part) from None
 

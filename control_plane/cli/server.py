@@ -12,6 +12,7 @@ import logging
 import socket
 import ssl
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -40,6 +41,7 @@ from control_plane.scheduler.env import Env
 from control_plane.scheduler.metrics import Metrics
 from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.scheduler import Joins, Scheduler
+from control_plane.text.chat import KWARGS, parse_kwargs
 from control_plane.text.detok import Tokenizer
 from control_plane.text.tokenizer import Tokenization
 from protos import ports, stopping, tls
@@ -107,6 +109,15 @@ def add_serve_args(parser: argparse.ArgumentParser, gpu_service_required: bool =
         help="refuse text prompts longer than this in UTF-8, before tokenizing them; gRPC's "
         "own 4 MiB message bound still applies (default: %(default)s)",
     )
+    parser.add_argument(
+        "--default-chat-template-kwargs",
+        type=_template_kwargs,
+        default={},
+        metavar="JSON",
+        help="chat template variables for every chat, a JSON object such as "
+        "{\"enable_thinking\": false} (vLLM's flag); a request's own chat_template_kwargs "
+        "override them by name",
+    )
     add_admission_args(parser)
     parser.add_argument(
         "--otlp-endpoint",
@@ -125,6 +136,14 @@ def add_serve_args(parser: argparse.ArgumentParser, gpu_service_required: bool =
     tls.add_server_args(parser)
     auth.add_args(parser)
     SchedulerOptions.add_arguments(parser)
+
+
+def _template_kwargs(text: str) -> dict[str, Any]:
+    try:
+        return parse_kwargs(text)
+    except ValueError as e:
+        sentence = str(e).replace(KWARGS, "--default-chat-template-kwargs", 1)
+        raise argparse.ArgumentTypeError(sentence) from None
 
 
 def add_admission_args(parser: argparse.ArgumentParser) -> None:
@@ -223,7 +242,12 @@ def admission(args: argparse.Namespace) -> Admission:
     )
     names = tuple(args.served_model_name)
     return Admission(
-        args.method, args.max_new_tokens, args.max_prompt_bytes, bounds, model_names=names
+        args.method,
+        args.max_new_tokens,
+        args.max_prompt_bytes,
+        bounds,
+        model_names=names,
+        chat_kwargs=args.default_chat_template_kwargs,
     )
 
 

@@ -126,7 +126,9 @@ CHAT_FIELDS = frozenset(
         "function_call",
     }
 )
-CHAT_READ = READ | CHAT_FIELDS
+# vLLM's budget of a chat's reasoning tokens, before the close of its block is forced.
+BUDGET = "thinking_token_budget"
+CHAT_READ = READ | CHAT_FIELDS | {BUDGET}
 COMPLETION_READ = READ | {"prompt", "echo"}
 
 
@@ -186,7 +188,8 @@ def chat_request(body: Any) -> Ask:
     if top and not ask.request.logprobs:
         raise InvalidParam("top_logprobs", "top_logprobs needs logprobs: true")
     ask = _scored(ask, False, top, None)
-    request = dataclasses.replace(ask.request, **tools_fields(body))
+    budget = int_field(body, BUDGET)
+    request = dataclasses.replace(ask.request, **tools_fields(body), thinking_token_budget=budget)
     _check_text(request)
     return dataclasses.replace(ask, request=request)
 

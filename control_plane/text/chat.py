@@ -50,6 +50,10 @@ class Refusal(jinja2.TemplateError):
     """The template called `raise_exception`: it will not render this chat."""
 
 
+class Refused(ValueError):
+    """`render`'s sentence for a chat the template refuses (its `raise_exception`)."""
+
+
 def _raise_exception(message: str) -> None:
     raise Refusal(message)
 
@@ -218,7 +222,7 @@ class ChatTemplate:
         try:
             text = _bounded(self._template.generate(context), max_bytes)
         except Refusal as e:
-            raise ValueError(f"the chat template refuses these messages: {e}") from None
+            raise Refused(f"the chat template refuses these messages: {e}") from None
         except (TooLong, MemoryError):  # a bound of the server's, which names it
             raise
         # A template is a program: whatever it raises concerns this chat alone.
