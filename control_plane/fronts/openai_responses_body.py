@@ -11,6 +11,8 @@ encrypted reasoning, log-probabilities) is refused by name; nothing is dropped."
 from __future__ import annotations
 
 import dataclasses
+import json
+from collections.abc import Mapping
 from typing import Any
 
 from control_plane.fronts.openai_body import INERT, Ask, chat_request
@@ -22,6 +24,7 @@ from control_plane.fronts.openai_fields import (
     object_field,
     shown,
     str_field,
+    typed_field,
 )
 
 # Parameters taken only at a value that changes nothing: name -> (those values, what this
@@ -87,9 +90,26 @@ PASSED = frozenset(
 )
 INERT_HERE = INERT | {"prompt_cache_retention"}  # a cache's lifetime changes no output
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
+CHOICES = ("auto", "none", "required")
 TEXT_PARTS = {"input_text", "output_text"}
 MEDIA_PARTS = {"input_image", "input_file", "input_audio"}
+FORMAT_FIELDS = (
+    ("name", str, "a string"),
+    ("description", str, "a string"),
+    ("strict", bool, "true or false"),
+)
 FUNCTION_KEYS = {"type", "name", "description", "parameters", "strict"}
+# `reasoning`'s fields, each taken only null: what this server does instead.
+REASONING = {
+    "effort": (
+        "has no reasoning effort (chat_template_kwargs sets a template's own switches, such "
+        "as enable_thinking)"
+    ),
+    "summary": "writes no reasoning summaries; the reasoning comes back whole as reasoning items",
+    "generate_summary": (
+        "writes no reasoning summaries; the reasoning comes back whole as reasoning items"
+    ),
+}
 # What a refusal from the chat's reading names, in this endpoint's words.
 PARAMS = {
     "messages": "input",
@@ -175,19 +195,7 @@ def _settings(body: dict) -> dict[str, Any]:
     return {k: v for k, v in chat.items() if v is not None}
 
 
-REASONING = {
-    "effort": (
-        "has no reasoning effort (chat_template_kwargs sets a template's own switches, such "
-        "as enable_thinking)"
-    ),
-    "summary": "writes no reasoning summaries; the reasoning comes back whole as reasoning items",
-    "generate_summary": (
-        "writes no reasoning summaries; the reasoning comes back whole as reasoning items"
-    ),
-}
-
-
-def _refuse_keys(obj: dict, where: str, known: dict[str, str | None]) -> None:
+def _refuse_keys(obj: dict, where: str, known: Mapping[str, str | None]) -> None:
     """`obj`'s keys: those `known` with a sentence are taken only null; any other refused."""
     for key, value in obj.items():
         name = f"{where}.{key}"
@@ -207,6 +215,8 @@ def _format(form: dict | None) -> dict | None:
         schema = form.get("schema")
         if not isinstance(schema, dict | bool):
             raise InvalidParam("text.format", "text.format.schema must be a JSON schema")
+        for key, kind, what in FORMAT_FIELDS:
+            typed_field(form, key, kind, what, f"text.format.{key}")
         return {"type": "json_schema", "json_schema": {"schema": schema}}
     if kind in ("text", "json_object"):
         return {"type": kind}
@@ -221,14 +231,15 @@ def _tools(body: dict) -> dict[str, Any]:
     tools = [_tool(t, i) for i, t in enumerate(list_field(body, "tools"))]
     chat: dict[str, Any] = {"tools": tools or None}
     choice = body.get("tool_choice")
-    if isinstance(choice, dict):
-        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
-            raise InvalidParam(
-                "tool_choice",
-                f"tool_choice is {shown(choice)}; use auto, none, required or "
-                '{"type": "function", "name": ...} (this server serves function tools only)',
-            )
-        choice = {"type": "function", "function": {"name": choice["name"]}}
+    given = choice if isinstance(choice, dict) else {}
+    if given.get("type") == "function" and isinstance(given.get("name"), str):
+        choice = {"type": "function", "function": {"name": given["name"]}}
+    elif choice is not None and choice not in CHOICES:
+        raise InvalidParam(
+            "tool_choice",
+            f"tool_choice is {shown(choice)}; use auto, none, required or "
+            '{"type": "function", "name": ...} (this server serves function tools only)',
+        )
     chat["tool_choice"] = choice
     chat["parallel_tool_calls"] = bool_field(body, "parallel_tool_calls")
     return {k: v for k, v in chat.items() if v is not None}
@@ -249,7 +260,8 @@ def _tool(tool: Any, i: int) -> dict:
                 f"tools[{i}].{key} is not taken here; a function tool takes "
                 f"{', '.join(sorted(FUNCTION_KEYS))}",
             )
-    fn = {k: tool[k] for k in FUNCTION_KEYS - {"type"} if tool.get(k) is not None}
+    # In the order given: the template renders the tool as JSON.
+    fn = {k: v for k, v in tool.items() if k != "type" and v is not None}
     return {"type": "function", "function": fn}
 
 
@@ -412,25 +424,47 @@ def _content(content: Any, where: str) -> str:
 
 
 def _echo(body: dict, ask: Ask) -> dict[str, Any]:
-    """The request's settings as a response carries them, in the Responses API's shapes."""
-    s = ask.request.sampling
-    text = {"format": (body.get("text") or {}).get("format") or {"type": "text"}}
-    return {
-        "instructions": body.get("instructions"),
+    """The request's settings as a response carries them, in the Responses API's shapes; a
+    value JSON cannot write back (NaN, an infinity, an unpaired surrogate) is refused."""
+    r, s = ask.request, ask.request.sampling
+    choice: str | dict = r.tool_choice or "auto"
+    if choice not in CHOICES:
+        choice = {"type": "function", "name": choice}
+    tools = [{"type": "function", **t["function"]} for t in json.loads(r.tools or "[]")]
+    echo = {
+        "instructions": str_field(body, "instructions"),
         "max_output_tokens": body.get("max_output_tokens"),
         "max_tool_calls": None,
-        "metadata": body.get("metadata") or {},
-        "parallel_tool_calls": ask.request.parallel_tool_calls is not False,
+        "metadata": _metadata(body),
+        "parallel_tool_calls": r.parallel_tool_calls is not False,
         "previous_response_id": None,
         "reasoning": {"effort": None, "summary": None},
         "store": False,
         "background": False,
         "temperature": s.temperature,
         "top_p": s.top_p,
-        "text": text,
-        "tool_choice": body.get("tool_choice") or "auto",
-        "tools": body.get("tools") or [],
+        "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
+        "tool_choice": choice,
+        "tools": tools,
         "top_logprobs": 0,
         "truncation": "disabled",
-        "user": body.get("user"),
+        "user": str_field(body, "user"),
     }
+    for key, value in echo.items():
+        try:
+            json.dumps(value, ensure_ascii=False, allow_nan=False).encode("utf-8")
+        except (ValueError, UnicodeEncodeError, RecursionError):
+            raise InvalidParam(
+                key,
+                f"{key} holds a value JSON cannot carry back (NaN, an infinity, an unpaired "
+                "surrogate, or nesting past what this server writes)",
+            ) from None
+    return echo
+
+
+def _metadata(body: dict) -> dict[str, str]:
+    """OpenAI's metadata: keys to strings, which the response carries back as given."""
+    metadata = object_field(body, "metadata") or {}
+    if not all(isinstance(v, str) for v in metadata.values()):
+        raise InvalidParam("metadata", "metadata must map keys to strings")
+    return metadata
