@@ -99,7 +99,7 @@ class Items:
         if self.reader is None:
             self.reader = CallReader(self.output.tools)
         self.reader.read(body)
-        events = []
+        events: list[dict] = []
         if self.reader.name is None:
             return events
         if self.open is None or self.open["type"] != "function_call":
