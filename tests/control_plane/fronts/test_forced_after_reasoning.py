@@ -81,8 +81,8 @@ def close_ids(checkpoint: Path) -> list[int]:
     return Tokenization.from_dir(checkpoint).tokenizer.encode("</think>")
 
 
-def generate(f: Fronts, **fields) -> list[int]:
-    """The ids a gRPC Generate streams."""
+def generate(f: Fronts, drafted: list[int] | None = None, **fields) -> list[int]:
+    """The ids a gRPC Generate streams (and its drafts' count onto `drafted`)."""
     request = pb.GenerateRequest(
         messages=[pb.ChatMessage(**m) for m in ASK],
         tools=json.dumps(TOOLS),
@@ -91,6 +91,8 @@ def generate(f: Fronts, **fields) -> list[int]:
     ids: list[int] = []
     for reply in f.stub.Generate(request, metadata=[("authorization", f"Bearer {KEY}")]):
         ids += reply.token_ids
+        if reply.HasField("speculative_stats") and drafted is not None:
+            drafted.append(reply.speculative_stats.drafted)
     return ids
 
 
@@ -101,14 +103,19 @@ def test_a_required_call_follows_the_budget_under_every_method(
     method gives the same tokens."""
     tokenization = Tokenization.from_dir(checkpoint)
     close = close_ids(checkpoint)
-    runs = {
-        name: generate(
-            fronts, tool_choice="required", thinking_token_budget=BUDGET, speculative_method=code
+    runs, drafted = {}, {}
+    for name, code in METHODS.items():
+        drafted[name] = []
+        runs[name] = generate(
+            fronts,
+            drafted[name],
+            tool_choice="required",
+            thinking_token_budget=BUDGET,
+            speculative_method=code,
         )
-        for name, code in METHODS.items()
-    }
     ids = runs[NONE]
     assert runs[MTP] == ids and runs[DFLASH] == ids
+    assert drafted[MTP][-1] > 0 and drafted[DFLASH][-1] > 0, drafted
     assert ids[BUDGET : BUDGET + len(close)] == close
     text = tokenization.tokenizer.decode(ids)
     tools = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
