@@ -13,6 +13,7 @@ import asyncio
 import json
 import math
 import random
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -24,11 +25,14 @@ import pytest
 from pydantic import BaseModel
 
 from control_plane.fronts.openai_responses_reply import Items
+from control_plane.text.chat import TEMPLATE_FILE
 from control_plane.text.tools import ChatOutput
 from gpu_service.engine.facade import Engine
 from gpu_service.model.config import ServiceConfig
+from tests.control_plane.fronts.test_forced_after_reasoning import QWEN3_6
 from tests.control_plane.fronts.test_openai_http import COLOR, KEY, Fronts, serving
 from tests.control_plane.fronts.test_openai_tools import SCHEMAS, TIME, WEATHER
+from tests.qwen3_5_checkpoint import make
 
 TOOLS = [
     {"type": "function", "name": "get_weather", "parameters": WEATHER, "strict": True},
@@ -75,7 +79,7 @@ def check_call(item: Any) -> str:
 
 def test_text_comes_as_a_message_with_its_usage(fronts: Fronts) -> None:
     done = fronts.client.responses.create(
-        model="", input="Hello", instructions="Be brief.", max_output_tokens=6
+        model="", input="Hello", instructions="Be brief.", max_output_tokens=6, temperature=0
     )
     assert done.object == "response" and done.id.startswith("resp_")
     assert done.status == "incomplete" and done.incomplete_details.reason == "max_output_tokens"
@@ -363,7 +367,9 @@ def mutations(rng: random.Random) -> Iterator[str]:
     """Bodies near a valid one, as JSON text: a field of the wrong type, an input item's, a
     tool's or a format's field of the wrong type, a number at an edge, a value nested deep,
     NaN or an unpaired surrogate where the response would carry it back, or not an object."""
+    # Seeded: a body that leaves the budget out runs the same tokens every time.
     base = {"model": "", "input": [{"role": "user", "content": "hi"}], "max_output_tokens": 2}
+    base["seed"] = 1
     for name in FIELDS:
         for value in WRONG:
             yield json.dumps({**base, name: value})
@@ -469,3 +475,80 @@ def test_openai_agents_runs_a_function_tool(fronts: Fronts) -> None:
     whole, streamed = asyncio.run(run())
     assert len(asked) == 2 and set(asked) <= {"UTC", "CET"}
     assert whole.final_output == f"noon {asked[0]}" and streamed.final_output == f"noon {asked[1]}"
+
+
+# -- on Qwen3.6's template, thinking on ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fronts]:
+    """A Qwen3.5 checkpoint written by transformers with Qwen3.6's template (the prompt opens
+    `<think>`; calls in the XML form) on an in-process engine."""
+    directory = tmp_path_factory.mktemp("qwen3.6") / "model"
+    directory.mkdir()
+    make(directory, "dense")
+    shutil.copy(QWEN3_6, directory / TEMPLATE_FILE)
+    with serving(Engine(directory, ServiceConfig(verify_tiers="2:3", max_context=2048)), 4) as f:
+        yield f
+
+
+QWEN_FORCED = {**FORCED, "tools": [TOOLS[0]], "temperature": 0, "max_output_tokens": 200}
+QWEN_FORCED["extra_body"] = {"thinking_token_budget": 6}
+
+
+def test_reasoning_then_a_call_whole_and_streamed(qwen: Fronts) -> None:
+    """The reasoning item, then the call; streamed, the XML form's arguments come in pieces
+    (a text value character by character) that join to the whole call's."""
+    done = qwen.client.responses.create(model="", input=ASK, **QWEN_FORCED)
+    reasoning, call = done.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text
+    assert check_call(call) == "get_weather" and done.status == "completed"
+    assert 6 <= done.usage.output_tokens_details.reasoning_tokens < done.usage.output_tokens
+    events = events_of(
+        qwen.client.responses.create(model="", input=ASK, stream=True, **QWEN_FORCED)
+    )
+    kinds = [e.type for e in events]
+    assert kinds.count("response.output_item.added") == 2
+    text = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert text == reasoning.content[0].text
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(deltas) > 3 and "".join(deltas) == events[-1].response.output[1].arguments
+    assert events[-1].response.output[1].arguments == call.arguments  # greedy: the same call
+
+
+def test_openai_agents_gets_the_call_and_the_reasoning_apart(qwen: Fronts) -> None:
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, set_tracing_disabled
+    from agents.items import ReasoningItem, ToolCallItem
+
+    set_tracing_disabled(True)
+
+    def get_weather(city: Literal["Paris", "Rome", "Oslo"], days: Literal[1, 2, 3]) -> str:
+        """The weather in a city for some days."""
+        return f"sun in {city} for {days} days"
+
+    async def run() -> Any:
+        from agents import function_tool
+
+        client = openai.AsyncOpenAI(base_url=qwen.http, api_key=KEY, max_retries=0)
+        model = OpenAIResponsesModel(
+            model=qwen.engine.capabilities().model_name, openai_client=client
+        )
+        settings = ModelSettings(
+            tool_choice="required",
+            max_tokens=200,
+            temperature=0,
+            extra_body={"thinking_token_budget": 6},
+        )
+        agent = Agent(
+            name="weather",
+            model=model,
+            tools=[function_tool(get_weather)],
+            model_settings=settings,
+            tool_use_behavior="stop_on_first_tool",
+        )
+        return await Runner.run(agent, ASK)
+
+    result = asyncio.run(run())
+    assert result.final_output.startswith("sun in ")
+    kinds = {type(item) for item in result.new_items}
+    assert {ReasoningItem, ToolCallItem} <= kinds
