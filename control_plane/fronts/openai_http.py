@@ -89,6 +89,7 @@ def build_app(
         Route("/v1/responses", responses.create, methods=["POST"]),
         Route("/tokenize", catalog.tokenize, methods=["POST"]),
         Route("/detokenize", catalog.detokenize, methods=["POST"]),
+        Route("/v1/responses/{id:path}", responses.stored, methods=["GET", "POST", "DELETE"]),
     ]
     if metrics is not None:
         routes.append(Route("/metrics", metrics_route(metrics), methods=["GET"]))
