@@ -11,6 +11,7 @@ import itertools
 import uuid
 from collections.abc import AsyncIterator
 
+import grpc
 from opentelemetry import propagate
 from opentelemetry.trace import Span, SpanKind, Tracer
 from starlette.requests import Request
@@ -70,6 +71,16 @@ class ResponsesRoute:
         finally:
             flight.end()
         return JSONResponse(body, headers={"x-request-id": rid})
+
+    async def stored(self, request: Request) -> Response:
+        """A stored response's routes (retrieve, delete, cancel, its input items): none is
+        stored here."""
+        name = request.path_params["id"].split("/")[0]
+        sentence = (
+            f"response {name!r} is not stored here; this server keeps no responses (it answers "
+            "store: false), so there is none to retrieve, cancel or delete"
+        )
+        return refused(InvalidParam(None, sentence, grpc.StatusCode.NOT_FOUND))
 
     async def _admit(self, request: Request, rid: str, span: Span) -> tuple[Responses, str]:
         """The request read and its model checked; -> (it, the served model's name)."""

@@ -350,6 +350,13 @@ def test_a_refusal_names_the_fields_of_this_endpoint(fronts: Fronts) -> None:
     assert post(fronts, {"input": "hi", "model": "other"}).status_code == 404
 
 
+def test_no_response_is_stored_to_retrieve_or_delete(fronts: Fronts) -> None:
+    for call in (fronts.client.responses.retrieve, fronts.client.responses.delete):
+        with pytest.raises(openai.NotFoundError) as caught:
+            call("resp_1")
+        assert "keeps no responses" in caught.value.body["message"]
+
+
 WRONG = [None, [], {}, [1.5], {"a": 1}, "x", True, -1, 1.5, 10**30, "9" * 300, [{}], [None]]
 FIELDS = [
     "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text",
