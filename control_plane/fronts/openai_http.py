@@ -87,9 +87,9 @@ def build_app(
         Route("/v1/completions", front.completions, methods=["POST"]),
         Route("/v1/chat/completions", front.chat, methods=["POST"]),
         Route("/v1/responses", responses.create, methods=["POST"]),
+        Route("/v1/responses/{id:path}", responses.stored, methods=["GET", "POST", "DELETE"]),
         Route("/tokenize", catalog.tokenize, methods=["POST"]),
         Route("/detokenize", catalog.detokenize, methods=["POST"]),
-        Route("/v1/responses/{id:path}", responses.stored, methods=["GET", "POST", "DELETE"]),
     ]
     if metrics is not None:
         routes.append(Route("/metrics", metrics_route(metrics), methods=["GET"]))
