@@ -1,7 +1,8 @@
 """API keys on the generation API: `--api-key` (repeatable) and `--api-key-file` (one key a
 line). With any key configured, a call to a guarded service must carry `authorization: Bearer
-<key>` metadata with one of them, or it ends UNAUTHENTICATED before its handler runs; health
-and reflection stay open so probes and tools work without a key."""
+<key>` metadata with one of them (or `x-api-key: <key>`, as Anthropic's clients send it), or it
+ends UNAUTHENTICATED before its handler runs; health and reflection stay open so probes and
+tools work without a key."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from protos.bodies import HANDLER_BUILDERS
 from protos.tls import FlagError, read_flag_file
 
 SCHEME = "Bearer "
+API_KEY = "x-api-key"  # Anthropic's header, which its clients send the key in
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -55,17 +57,32 @@ def refusal(
 ) -> str | None:
     """Why a call with this metadata (gRPC's, or HTTP's headers: `carrier` "header") is
     refused, or None when it carries a valid key."""
+    direct = [v for k, v in metadata if k == API_KEY]
+    if direct:
+        if not _accepted(_text(direct[0]).strip(), keys):
+            return f"the API key in the {API_KEY} {carrier} is not one this server accepts."
+        return None
     values = [v for k, v in metadata if k == "authorization"]
     if not values:
-        return f"this API requires an API key: send `authorization: Bearer <key>` {carrier}."
-    value = values[0] if isinstance(values[0], str) else values[0].decode(errors="replace")
+        return (
+            f"this API requires an API key: send `authorization: Bearer <key>` {carrier} "
+            f"(or `{API_KEY}: <key>`)."
+        )
+    value = _text(values[0])
     if not value.startswith(SCHEME):
         return f"the authorization {carrier} is not of the form `Bearer <key>`."
-    offered = value[len(SCHEME) :].strip().encode()
-    # Compared against every key in constant time, so timing tells nothing about a near miss.
-    if not any([hmac.compare_digest(offered, k.encode()) for k in keys]):
+    if not _accepted(value[len(SCHEME) :].strip(), keys):
         return f"the API key in the authorization {carrier} is not one this server accepts."
     return None
+
+
+def _text(value: str | bytes) -> str:
+    return value if isinstance(value, str) else value.decode(errors="replace")
+
+
+def _accepted(offered: str, keys: frozenset[str]) -> bool:
+    # Compared against every key in constant time, so timing tells nothing about a near miss.
+    return any([hmac.compare_digest(offered.encode(), k.encode()) for k in keys])
 
 
 def _denied(handler: grpc.RpcMethodHandler, sentence: str) -> grpc.RpcMethodHandler:
