@@ -37,6 +37,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from control_plane.admission import auth
 from control_plane.admission.door import BadRequest, Door, Entered
+from control_plane.fronts.anthropic_reply import error_body as anthropic_error
 from control_plane.fronts.api import TRACER, failed, finished, request_attributes
 from control_plane.fronts.http_limits import HttpLimits, protocol
 from control_plane.fronts.openai_body import (
@@ -63,6 +64,7 @@ from protos.model import Capabilities
 
 T = TypeVar("T")
 OPEN_ROUTES = frozenset({"/health", "/ping", "/version", "/metrics"})
+MESSAGES_PATH = "/v1/messages"
 
 
 def build_app(
@@ -91,6 +93,10 @@ def build_app(
         Route("/tokenize", catalog.tokenize, methods=["POST"]),
         Route("/detokenize", catalog.detokenize, methods=["POST"]),
     ]
+    # Imported here: the Messages front is built on this module's flights and streams.
+    from control_plane.fronts import anthropic_messages
+
+    routes += anthropic_messages.routes(door, tracer)
     if metrics is not None:
         routes.append(Route("/metrics", metrics_route(metrics), methods=["GET"]))
     app: ASGIApp = Starlette(
@@ -101,9 +107,9 @@ def build_app(
 
 
 class RequireKey:
-    """401 in OpenAI's shape for a request without one of `keys`, before its body is read;
-    `/health`, `/ping`, `/version` and `/metrics` are open, as gRPC's health service and vLLM's
-    are."""
+    """401 in OpenAI's shape (Anthropic's on `/v1/messages`) for a request without one of
+    `keys`, before its body is read; `/health`, `/ping`, `/version` and `/metrics` are open, as
+    gRPC's health service and vLLM's are."""
 
     def __init__(self, app: ASGIApp, keys: frozenset[str]) -> None:
         self.app, self.keys = app, keys
@@ -115,6 +121,8 @@ class RequireKey:
             sentence = auth.refusal(headers, self.keys, "header")
             if sentence is not None:
                 body = error(401, sentence, grpc.StatusCode.UNAUTHENTICATED.name.lower())
+                if scope["path"].startswith(MESSAGES_PATH):  # Anthropic's clients read theirs
+                    body = anthropic_error(401, sentence)
                 await JSONResponse(body, 401)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
