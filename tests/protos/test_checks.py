@@ -1,7 +1,7 @@
 """Every float field of every request type at the values a careless or hostile client sends
 (NaN, the infinities, 1e-45, 1e38, -0.0, past fp32): the gRPC `GenerateRequest`, the OpenAI
-completion and chat bodies, the GPU service's penalties and sampling parameters. A value is
-taken, and every number of the reply is finite, or refused with a sentence (400,
+completion, chat and Responses bodies, the GPU service's penalties and sampling parameters. A
+value is taken, and every number of the reply is finite, or refused with a sentence (400,
 INVALID_ARGUMENT), never a 500, UNKNOWN or INTERNAL. A row whose logits are not finite all
 the same fails its request alone. In process: both fronts over one engine, and the engine."""
 
@@ -117,7 +117,9 @@ def test_grpc_floats_are_taken_finite_or_refused(fronts: Fronts) -> None:
 
 def http_body(kind: str, name: str, value: Any, stream: bool) -> dict:
     body: dict[str, Any] = {"model": "", "max_tokens": 3, "logprobs": True, "stream": stream}
-    if kind == "completions":
+    if kind == "responses":
+        body = {"model": "", "input": "hi", "max_output_tokens": 3, "stream": stream}
+    elif kind == "completions":
         body |= {"prompt": PROMPT, "logprobs": 0}
     else:
         body["messages"] = [{"role": "user", "content": "hi"}]
@@ -125,7 +127,7 @@ def http_body(kind: str, name: str, value: Any, stream: bool) -> dict:
     return body
 
 
-@pytest.mark.parametrize("kind", ["completions", "chat/completions"])
+@pytest.mark.parametrize("kind", ["completions", "chat/completions", "responses"])
 def test_http_floats_are_taken_finite_or_refused(fronts: Fronts, kind: str) -> None:
     """Sent as JSON doubles (NaN and Infinity as Python's json writes them), and as an integer
     past any double."""
@@ -142,11 +144,13 @@ def test_http_floats_are_taken_finite_or_refused(fronts: Fronts, kind: str) -> N
                 statuses.add(sent.status_code)
                 if sent.status_code == 400:
                     assert strict(sent.text)["error"]["message"], (name, value)
-                elif body["stream"]:
-                    events = [e[6:] for e in sent.text.split("\n\n") if e.startswith("data: {")]
+                elif body["stream"]:  # a Responses event names its type on a line before
+                    events = [e.split("data: ", 1) for e in sent.text.split("\n\n")]
+                    events = [e[1] for e in events if len(e) == 2 and e[1].startswith("{")]
                     assert events and all(strict(e) for e in events), (name, value)
                 else:
-                    assert strict(sent.text)["choices"], (name, value)
+                    reply = strict(sent.text)
+                    assert reply.get("choices") or reply["object"] == "response", (name, value)
     assert statuses == {200, 400}
 
 
