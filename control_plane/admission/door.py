@@ -406,6 +406,9 @@ class Door:
         touch the grammar engine."""
         with self._lock:
             if self._compiler is None or self._compiled_for is not tokenizer:
-                self._compiler = GrammarCompiler(tokenizer, caps.vocab_size, caps.eos_token_ids)
+                try:
+                    self._compiler = GrammarCompiler(tokenizer, caps.vocab_size, caps.eos_token_ids)
+                except ValueError as e:
+                    raise BadRequest(grpc.StatusCode.UNIMPLEMENTED, str(e)) from None
                 self._compiled_for = tokenizer
             return self._compiler

@@ -94,6 +94,7 @@ class Preparer:
         self.chat_kwargs = dict(chat_kwargs or {})
         self._make_compiler = compiler
         self._compiler: GrammarCompiler | None = None
+        self.compiler_error = "this server has no grammar engine"
         self._own: dict[str, ChatTemplate] = {}  # requests' own templates, by source
 
     @classmethod
@@ -112,8 +113,12 @@ class Preparer:
 
     @property
     def compiler(self) -> GrammarCompiler | None:
+        """None where there is none, or the model cannot have one (`compiler_error` says why)."""
         if self._compiler is None and self._make_compiler is not None:
-            self._compiler = self._make_compiler()
+            try:
+                self._compiler = self._make_compiler()
+            except ValueError as e:
+                self.compiler_error, self._make_compiler = str(e), None
         return self._compiler
 
     def prepare(
@@ -146,7 +151,7 @@ class Preparer:
     def _grammar(self, form: tuple[str, str], part: str, lead: bool) -> str:
         compiler = self.compiler
         if compiler is None:
-            raise BadRequest(grpc.StatusCode.UNIMPLEMENTED, "this server has no grammar engine")
+            raise BadRequest(grpc.StatusCode.UNIMPLEMENTED, f"{part}: {self.compiler_error}", part)
         try:
             return compiler.grammar(*form, lead=lead)
         except ValueError as e:

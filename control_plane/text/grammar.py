@@ -150,23 +150,37 @@ def _led(grammar: str) -> str:
     return json.dumps({**top, "grammars": [lead, {**first, "name": name}, *rest]})
 
 
+def _ll_tokenizer(
+    tokenizer: Tokenizer, vocab_size: int, eos_ids: tuple[int, ...]
+) -> llguidance.LLTokenizer:
+    text = getattr(tokenizer, "json", None)
+    if text is not None:  # an HF tokenizer.json's text: llguidance parses it directly
+        # Only a string that starts with "{" is JSON to llguidance (else a path or a name).
+        return llguidance.LLTokenizer(text.lstrip(), n_vocab=vocab_size, eos_token=list(eos_ids))
+    specials = getattr(tokenizer, "special_tokens", {})
+    vocab = _Vocabulary(vocab_size, eos_ids[0], specials)
+    return llguidance.LLTokenizer(
+        llguidance.TokenizerWrapper(vocab), n_vocab=vocab_size, eos_token=list(eos_ids)
+    )
+
+
 class GrammarCompiler:
     """Compiles response formats for one vocabulary (the tokenizer's bytes, built once)."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_ids: tuple[int, ...]) -> None:
-        self.source, self.vocab_size = tokenizer, vocab_size  # the served tokenizer
-        text = getattr(tokenizer, "json", None)
-        if text is not None:  # an HF tokenizer.json's text: llguidance parses it directly
-            # Only a string that starts with "{" is JSON to llguidance (else a path or a name).
-            self.tokenizer = llguidance.LLTokenizer(
-                text.lstrip(), n_vocab=vocab_size, eos_token=list(eos_ids)
+        """`ValueError` with a sentence for a model no grammar can serve."""
+        if not eos_ids:
+            raise ValueError(
+                "the served model names no EOS token (config.json, generation_config.json and "
+                "the tokenizer's eos_token name none), so no grammar could end its output"
             )
-            return
-        specials = getattr(tokenizer, "special_tokens", {})
-        vocab = _Vocabulary(vocab_size, eos_ids[0] if eos_ids else vocab_size - 1, specials)
-        self.tokenizer = llguidance.LLTokenizer(
-            llguidance.TokenizerWrapper(vocab), n_vocab=vocab_size, eos_token=list(eos_ids)
-        )
+        self.source, self.vocab_size = tokenizer, vocab_size  # the served tokenizer
+        try:
+            self.tokenizer = _ll_tokenizer(tokenizer, vocab_size, eos_ids)
+        except Exception as e:  # llguidance's own types, on a tokenizer it cannot read
+            raise ValueError(
+                f"the grammar engine cannot read the served tokenizer: {sentence(str(e))}"
+            ) from None
 
     def compile(self, kind: str, spec: str) -> LLGuidanceGrammar:
         """kind: json_schema, regex or lark. Raises ValueError with a sentence."""

@@ -13,6 +13,7 @@ from opentelemetry.trace import INVALID_SPAN
 
 from control_plane.admission import door as door_module
 from control_plane.admission.door import BadRequest, Door
+from control_plane.admission.work import Preparer
 from control_plane.scheduler.arms import step_mtp
 from control_plane.scheduler.context import StepContext
 from control_plane.scheduler.env import Env
@@ -177,3 +178,17 @@ def test_a_grammar_that_does_not_compile_fails_its_request_alone() -> None:
     good = pb.GenerateRequest(prompt="x", response_format=pb.ResponseFormat(regex="[ab]+"))
     assert convert(door, good).grammar is not None
     assert convert(door, pb.GenerateRequest(prompt="x")).grammar is None
+
+
+def test_a_model_without_eos_refuses_grammars_with_a_sentence() -> None:
+    """llguidance needs an EOS to end a grammar's output; a model that names none gets a
+    refusal that says so, never the library's error as a 500."""
+    with pytest.raises(ValueError, match="names no EOS token"):
+        GrammarCompiler(TOK, 320, ())
+    preparer = Preparer(TOK, None, lambda: GrammarCompiler(TOK, 320, ()))
+    caps = FakeModel().capabilities()
+    request = from_pb(pb.GenerateRequest(prompt="x", response_format=pb.ResponseFormat(regex="a")))
+    with pytest.raises(BadRequest) as caught:
+        preparer.prepare(request, caps, 1 << 20)
+    assert caught.value.code == grpc.StatusCode.UNIMPLEMENTED
+    assert caught.value.param == "response_format" and "names no EOS token" in str(caught.value)
