@@ -24,7 +24,7 @@ from control_plane.scheduler.seq import Finish
 from control_plane.text.arguments import CallReader, open_block
 from control_plane.text.tools import ChatOutput
 
-THINKING = ("start", "think")  # `ChatOutput` states before the reasoning has closed
+THINK = "think"  # `ChatOutput`'s state inside a reasoning block
 STATUS = {"stop": "completed", "length": "incomplete"}  # other ends: incomplete too
 
 
@@ -51,10 +51,13 @@ class Items:
         self.reasoning_tokens = 0
 
     def push(self, text: str, tokens: int = 0) -> list[dict]:
-        if self.output.state in THINKING:
+        """`text`, `tokens` generated tokens: reasoning's when the block was open before it
+        or after it (its close counts)."""
+        before = self.output.state
+        parts = self.output.push(text)
+        if THINK in (before, self.output.state):
             self.reasoning_tokens += tokens
-        events = [e for part in self.output.push(text) for e in self._part(part)]
-        return events + self._peek()
+        return [e for part in parts for e in self._part(part)] + self._peek()
 
     def close(self, status: str) -> list[dict]:
         """The parser's held text, then the open item ended with `status`."""
