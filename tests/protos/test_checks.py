@@ -1,9 +1,10 @@
 """Every float field of every request type at the values a careless or hostile client sends
 (NaN, the infinities, 1e-45, 1e38, -0.0, past fp32): the gRPC `GenerateRequest`, the OpenAI
-completion, chat and Responses bodies, the GPU service's penalties and sampling parameters. A
-value is taken, and every number of the reply is finite, or refused with a sentence (400,
-INVALID_ARGUMENT), never a 500, UNKNOWN or INTERNAL. A row whose logits are not finite all
-the same fails its request alone. In process: both fronts over one engine, and the engine."""
+completion, chat and Responses bodies and Anthropic's Messages, the GPU service's penalties
+and sampling parameters. A value is taken, and every number of the reply is finite, or refused
+with a sentence (400, INVALID_ARGUMENT), never a 500, UNKNOWN or INTERNAL. A row whose logits
+are not finite all the same fails its request alone. In process: both fronts over one engine,
+and the engine."""
 
 from __future__ import annotations
 
@@ -119,6 +120,9 @@ def http_body(kind: str, name: str, value: Any, stream: bool) -> dict:
     body: dict[str, Any] = {"model": "", "max_tokens": 3, "logprobs": True, "stream": stream}
     if kind == "responses":
         body = {"model": "", "input": "hi", "max_output_tokens": 3, "stream": stream}
+    elif kind == "messages":
+        body = {"model": "", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+        body["stream"] = stream
     elif kind == "completions":
         body |= {"prompt": PROMPT, "logprobs": 0}
     else:
@@ -127,7 +131,7 @@ def http_body(kind: str, name: str, value: Any, stream: bool) -> dict:
     return body
 
 
-@pytest.mark.parametrize("kind", ["completions", "chat/completions", "responses"])
+@pytest.mark.parametrize("kind", ["completions", "chat/completions", "responses", "messages"])
 def test_http_floats_are_taken_finite_or_refused(fronts: Fronts, kind: str) -> None:
     """Sent as JSON doubles (NaN and Infinity as Python's json writes them), and as an integer
     past any double."""
@@ -150,7 +154,8 @@ def test_http_floats_are_taken_finite_or_refused(fronts: Fronts, kind: str) -> N
                     assert events and all(strict(e) for e in events), (name, value)
                 else:
                     reply = strict(sent.text)
-                    assert reply.get("choices") or reply["object"] == "response", (name, value)
+                    kind_of = reply.get("object") or reply.get("type")
+                    assert reply.get("choices") or kind_of in ("response", "message"), (name, value)
     assert statuses == {200, 400}
 
 
