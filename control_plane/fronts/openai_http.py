@@ -89,6 +89,7 @@ def build_app(
         Route("/v1/completions", front.completions, methods=["POST"]),
         Route("/v1/chat/completions", front.chat, methods=["POST"]),
         Route("/v1/responses", responses.create, methods=["POST"]),
+        Route("/v1/responses/input_tokens", responses.input_tokens, methods=["POST"]),
         Route("/v1/responses/{id:path}", responses.stored, methods=["GET", "POST", "DELETE"]),
         Route("/tokenize", catalog.tokenize, methods=["POST"]),
         Route("/detokenize", catalog.detokenize, methods=["POST"]),
