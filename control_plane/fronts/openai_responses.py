@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 from opentelemetry import propagate
-from opentelemetry.trace import Span, SpanKind, Tracer
+from opentelemetry.trace import INVALID_SPAN, Span, SpanKind, Tracer
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -71,6 +71,16 @@ class ResponsesRoute:
         finally:
             flight.end()
         return JSONResponse(body, headers={"x-request-id": rid})
+
+    async def input_tokens(self, request: Request) -> Response:
+        """OpenAI's count of a request's input tokens (`responses.input_tokens.count`): the
+        prompt as a generation of it would see it."""
+        try:
+            asked, _ = await self._admit(request, uuid.uuid4().hex, INVALID_SPAN)
+            ids = await self.door.tokenize(asked.ask.request)
+        except BadRequest as e:
+            return refused(_renamed(e))
+        return JSONResponse({"object": "response.input_tokens", "input_tokens": len(ids)})
 
     async def stored(self, request: Request) -> Response:
         """A stored response's routes (retrieve, delete, cancel, its input items): none is

@@ -94,7 +94,8 @@ def test_text_comes_as_a_message_with_its_usage(fronts: Fronts) -> None:
 
 def test_input_items_render_as_the_chats_messages(fronts: Fronts) -> None:
     """Instructions, a developer message, an assistant's reasoning, text and two calls, their
-    outputs: the prompt is the chat's with the same messages, token for token."""
+    outputs: the prompt is the chat's with the same messages, token for token, and the
+    endpoint's own count (`input_tokens.count`) says so."""
     items = [
         {"role": "developer", "content": "Answer with tools."},
         {"role": "user", "content": [{"type": "input_text", "text": ASK}]},
@@ -134,6 +135,10 @@ def test_input_items_render_as_the_chats_messages(fronts: Fronts) -> None:
         chat = {"messages": messages, "tools": CHAT_TOOLS, "add_generation_prompt": True}
         counted = http.post(f"{fronts.http[:-3]}/tokenize", json=chat).json()["count"]
     assert done.usage.input_tokens == counted
+    count = fronts.client.responses.input_tokens.count(
+        model="", input=items, instructions="Be brief.", tools=TOOLS
+    )
+    assert count.object == "response.input_tokens" and count.input_tokens == counted
 
 
 def test_a_required_call_is_a_function_call_item(fronts: Fronts) -> None:
