@@ -14,6 +14,7 @@ from google.protobuf.json_format import MessageToDict
 
 from control_plane.admission.door import ChatShape
 from control_plane.fronts.api import stats_message
+from control_plane.fronts.openai_calls import CallDeltas
 from control_plane.scheduler.seq import Delta, Finish, PromptScores, SpecStats
 from control_plane.text.detok import Tokenizer
 from control_plane.text.tools import ChatOutput, merge
@@ -72,6 +73,9 @@ class Stream:
     ) -> None:
         self.reply, self.prompts, self.continuous = reply, prompts, continuous_usage
         self.outputs = [reply.output(shape) for shape in shapes]
+        self.calls = [
+            CallDeltas(o) if o is not None and o.tools is not None else None for o in self.outputs
+        ]
         self.spelled = [Spelled() for _ in shapes]
         self.opened: set[int] = set()
         self.generated = [0] * len(shapes)
@@ -100,11 +104,11 @@ class Stream:
             where["prompt_logprobs"] = scored
         if isinstance(ev, Delta):
             self.generated[i] += len(ev.token_ids)
-            made = reply.chunks(ev, i, self.outputs[i], self.spelled[i])
+            made = reply.chunks(ev, i, self.outputs[i], self.spelled[i], self.calls[i])
             if self.reply.token_ids and made:
                 made[0]["choices"][0]["token_ids"] = ev.token_ids
         else:
-            made = reply.closings(ev, i, self.outputs[i])
+            made = reply.closings(ev, i, self.outputs[i], self.calls[i])
         out += made
         if reply.token_ids and first and out:
             where = out[0] if reply.chat else out[0]["choices"][0]
@@ -209,23 +213,33 @@ class Reply:
         index: int,
         output: ChatOutput | None = None,
         spelled: Spelled | None = None,
+        calls: CallDeltas | None = None,
     ) -> list[dict]:
         """A delta's chunks: one, or with `output`, one per part it decided (its logprobs on
-        the first, and an empty content chunk to carry them when it decided none)."""
+        the first, and an empty content chunk to carry them when it decided none); `calls`
+        streams its tool calls' arguments as they come."""
         logprobs = self._logprobs(ev.token_ids, ev.logprobs, spelled or Spelled())
         if output is None:
             delta = {"content": ev.text} if self.chat else ev.text
             return [self._body(True, self._choice(True, index, delta, logprobs))]
-        parts = output.push(ev.text) or ([{"content": ""}] if logprobs else [])
+        parts = output.push(ev.text)
+        parts = (calls.parts(parts) if calls else parts) or ([{"content": ""}] if logprobs else [])
         return [
             self._body(True, self._choice(True, index, part, logprobs if k == 0 else None))
             for k, part in enumerate(parts)
         ]
 
-    def closings(self, ev: Finish, index: int, output: ChatOutput | None = None) -> list[dict]:
+    def closings(
+        self,
+        ev: Finish,
+        index: int,
+        output: ChatOutput | None = None,
+        calls: CallDeltas | None = None,
+    ) -> list[dict]:
         """A choice's last chunks: what its parser held back, then its finish reason and its
         speculative statistics."""
         parts = [] if output is None else output.close()
+        parts = calls.parts(parts) if calls else parts
         out = [self._body(True, self._choice(True, index, part)) for part in parts]
         reason = _reason(ev, output)
         body = self._body(True, self._choice(True, index, {} if self.chat else "", None, reason))

@@ -97,14 +97,21 @@ def test_a_named_tool_streamed_is_the_whole_call(wide: Fronts) -> None:
     assert calls and all(check_call(c) == "get_weather" for c in calls)
     chunks = list(wide.client.chat.completions.create(**fields, stream=True))
     streamed: dict[int, dict] = {}
+    pieces: dict[int, int] = {}
     for chunk in chunks:
         for delta_call in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+            if delta_call.index not in streamed:  # a call opens with its id and name
+                assert delta_call.id and delta_call.function.name
             got = streamed.setdefault(delta_call.index, {"name": "", "arguments": ""})
             got["name"] += delta_call.function.name or ""
             got["arguments"] += delta_call.function.arguments or ""
+            pieces[delta_call.index] = pieces.get(delta_call.index, 0) + 1
+    # As vLLM streams them, the arguments piece by piece as they are generated, rebuilt as
+    # OpenAI's docs rebuild them.
     assert [streamed[i] for i in sorted(streamed)] == [
         {"name": c.function.name, "arguments": c.function.arguments} for c in calls
     ]
+    assert all(n > 3 for n in pieces.values()), pieces
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
