@@ -31,11 +31,11 @@ class DrainHttp:
         if self.drain.draining:
             await self._refuse(send, None)
             return
-        started: list[Message] = []  # the response's start, once sent
+        sent: list[Message] = []  # the response's start, then its last body message
 
         async def tracked(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                started.append(message)
+            if message["type"] == "http.response.start" or not message.get("more_body"):
+                sent.append(message)
             await send(message)
 
         with self.drain.track() as call:  # its sends are the app's awaits: always exposed
@@ -44,7 +44,8 @@ class DrainHttp:
             except asyncio.CancelledError:
                 if not call.cut:
                     raise
-                await self._refuse(send, started[0] if started else None)
+                if len(sent) < 2:  # a response whole already (its client going) is left be
+                    await self._refuse(send, sent[0] if sent else None)
 
     async def _refuse(self, send: Send, started: Message | None) -> None:
         status, body = grpc_error(grpc.StatusCode.UNAVAILABLE, self.drain.sentence)
@@ -54,7 +55,9 @@ class DrainHttp:
             await send({"type": "http.response.start", "status": status, "headers": headers})
             await send({"type": "http.response.body", "body": data})
         elif _is_stream(started):
-            await send({"type": "http.response.body", "body": sse(body).encode()})
+            await send(
+                {"type": "http.response.body", "body": sse(body).encode(), "more_body": True}
+            )
             await send({"type": "http.response.body", "body": b""})
         else:  # a whole body half sent: it ends short, as a broken connection would
             await send({"type": "http.response.body", "body": b""})

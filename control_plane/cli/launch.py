@@ -187,10 +187,11 @@ def wait_serving(
             time.sleep(0.05)  # polling a child that loads its weights
 
 
-def stop(proc: subprocess.Popen, timeout: float = STOP_BOUND_S) -> int:
-    """SIGTERM, then the exit status; SIGKILL after `timeout` seconds. Either way what the
-    child started and left running (its process group) is killed too."""
-    proc.terminate()
+def stop(proc: subprocess.Popen, timeout: float = STOP_BOUND_S, sig: int = signal.SIGTERM) -> int:
+    """`sig` (SIGTERM; SIGINT is Ctrl-C's), then the exit status; SIGKILL after `timeout`
+    seconds. Either way what the child started and left running (its process group) is
+    killed too."""
+    proc.send_signal(sig)
     _ended(proc, timeout)
     if proc.returncode is None:  # still its pid (a zombie at most), so still its group's id
         with contextlib.suppress(ProcessLookupError, PermissionError):
