@@ -58,7 +58,7 @@ DEFAULT_PORT = CONTROL_PLANE_PORT
 DEFAULT_HTTP_PORT = 8000  # vLLM's; `met up` serves HTTP by default, `serve` only when asked
 PROG = "met control-plane serve"
 # What a stop waits for the schedulers: a call in flight to a GPU service ends with its channel.
-ROUTER_STOP_S = 2.0
+ROUTER_STOP_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -362,12 +362,13 @@ async def serve(args: argparse.Namespace, security: Security) -> None:
     # Every replica asked once before the server answers: health is right from the first check.
     # A replica whose engine compiles answers late: the stop does not wait for its answer.
     started, _ = await stopping.unless_stopped(stopping.in_thread(router.start), stop)
-    if not started:  # nothing answered yet, so nothing to drain
+    if not started:  # a replica is still asked: no scheduler runs yet, no call to drain
         stopping.ignore_signals(loop)
-        await _stop_router(router)
         servicer.door.close()
         return
     warming = loop.run_in_executor(None, servicer.door.warm)  # beside serving, not before it
+    # A stop closes the workers under a warm-up still setting them up: its error is no one's.
+    warming.add_done_callback(lambda f: f.cancelled() or f.exception())
     tell_health(router.healthy)
     router.on_health = tell_health
     await server.start()
