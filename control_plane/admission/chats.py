@@ -33,22 +33,16 @@ def check_tools(r: RequestParams) -> dict[str, dict[str, Any]]:
 def output_format(
     r: RequestParams, tools: dict[str, dict[str, Any]], chat: ChatTemplate | None
 ) -> tuple[str, str] | None:
-    """The grammar the output follows: the request's `response_format`, or the calls its
-    `tool_choice` asks for, in the template's form (never both)."""
-    calls = None
+    """The grammar the output follows: the calls a constraining `tool_choice` asks for, in
+    the template's form, else the request's `response_format`. A forced call wins over a
+    response format, as vLLM's tool parsers decide: the output is then the calls, with no text
+    for the format to shape (pydantic-ai sends its output's schema beside a forced tool)."""
     if tools and chat is not None:
         parallel = r.parallel_tool_calls is not False
         calls = call_grammar(tools, r.tool_choice, template_form(chat.source), parallel)
-    if calls is None:
-        return r.response_format
-    if r.response_format is not None:
-        raise BadRequest(
-            INVALID,
-            f"tool_choice {r.tool_choice!r} constrains the output to calls; it cannot also "
-            "follow response_format",
-            "tool_choice",
-        )
-    return ("lark", calls)
+        if calls is not None:
+            return ("lark", calls)
+    return r.response_format
 
 
 def render(

@@ -143,7 +143,7 @@ class Preparer:
         form = output_format(r, tools, chat)
         grammar = None
         if form is not None:
-            part = "response_format" if r.response_format is not None else "tool_choice"
+            part = "response_format" if form == r.response_format else "tool_choice"
             stage(part)
             grammar = self._grammar(form, part, bool(start))
         return Prepared(tuple(ids), opened(r, text), tools, thinks, grammar, start)

@@ -329,24 +329,14 @@ def test_openai_agents_function_tool(server: Server, api: str, stream: bool) -> 
 # -- pydantic-ai -------------------------------------------------------------------------------
 
 
-# vLLM drops a response format when tool_choice forces a call (its tool parser's
-# `adjust_request`: the call's schema replaces it); this server refuses the pair with a 400,
-# which pydantic-ai's native output meets on every step that forces a tool.
-NATIVE_REFUSED = pytest.mark.xfail(
-    strict=True,
-    reason="400: tool_choice 'required' constrains the output to calls; it cannot also follow "
-    "response_format (control_plane/admission/chats.py, output_format)",
-)
-
-
-@pytest.mark.parametrize("output", ["tool", pytest.param("native", marks=NATIVE_REFUSED)])
+@pytest.mark.parametrize("output", ["tool", "native"])
 def test_pydantic_ai_tool_then_structured_output(server: Server, output: str) -> None:
     """A tool called first, then the object: each step forces its part with a per-step
     `tool_choice`. The object comes by pydantic-ai's output tool through its plain OpenAI
     provider, which sends the agent's system prompt and its instructions as two system messages
     (merged for Qwen3.6's template, which takes one), or natively (a response format) through
-    its vLLM provider. The thinking parts come apart."""
-    pytest.importorskip("pydantic_ai")
+    its vLLM provider, which sends the response format beside the step's forced tool (the
+    call wins, as vLLM's tool parsers decide). The thinking parts come apart."""
     from pydantic_ai import Agent, NativeOutput, RunContext, ToolOutput
     from pydantic_ai.messages import TextPart, ThinkingPart, ToolCallPart
     from pydantic_ai.models.openai import OpenAIChatModel

@@ -195,11 +195,6 @@ BAD_TOOLS = {
         {"tools": [{"type": "retrieval"}]},
         "tools[0] must be {type: function, function: {name, ...}}",
     ),
-    "with-response-format": (
-        {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
-        "tool_choice 'required' constrains the output to calls; it cannot also follow "
-        "response_format",
-    ),
 }
 
 
