@@ -45,13 +45,13 @@ def compile_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("inductor")
 
 
-def stopped(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> float:
+def stopped(proc: subprocess.Popen, moment: str, sig: int = signal.SIGTERM) -> float:
     """`sig` to `proc`, checked to end it with status 0 within `STOP_S` -> the seconds it took
     (past `STOP_S`, `stop` kills it and the status fails the check)."""
     start = time.monotonic()
     status = stop(proc, STOP_S, sig)
     seconds = time.monotonic() - start
-    print(f"\n{signal.Signals(sig).name}: status {status} in {seconds:.2f} s")
+    print(f"\n{moment}: {signal.Signals(sig).name} -> status {status} in {seconds:.2f} s")
     assert status == 0 and seconds < STOP_S, (status, seconds)
     return seconds
 
@@ -77,7 +77,7 @@ def clean(capfd: pytest.CaptureFixture) -> str:
     return err
 
 
-def in_thread(fn: Callable[[], object]) -> tuple[threading.Thread, list[object]]:
+def on_thread(fn: Callable[[], object]) -> tuple[threading.Thread, list[object]]:
     """`fn` on a thread -> the thread and a list that gets its result or its error."""
     out: list[object] = []
 
@@ -109,8 +109,8 @@ def test_start_up_compile(
     control, _ = spawn("control-plane", ["--gpu-service", target, "--port", "0"])
     until(lambda: compiling(tmp_path), 120, "the start-up compile")
     time.sleep(1.0)
-    stopped(control)
-    stopped(gpu, signal.SIGINT)
+    stopped(control, "control plane, its service compiling at start-up", signal.SIGINT)
+    stopped(gpu, "GPU service in its start-up compile", signal.SIGINT)
     err = clean(capfd)
     assert "gpu-service serving" not in err and "gpu-service shutting down" in err
 
@@ -118,7 +118,7 @@ def test_start_up_compile(
 def test_model_load(capfd: pytest.CaptureFixture) -> None:
     """SIGTERM as soon as the port is announced: the bundled model is loading (eagerly)."""
     gpu, _ = spawn("gpu-service", ["--port", "0"])
-    stopped(gpu)
+    stopped(gpu, "GPU service loading")
     err = clean(capfd)
     assert "gpu-service serving" not in err, "the load ended before the signal: no load stopped"
 
@@ -139,7 +139,7 @@ def test_background_compile(
     model.decode_verify_batched([1, 2], [1, 1], seqs)
     assert model.capabilities().compiles_pending == 1
     time.sleep(1.0)
-    stopped(gpu)
+    stopped(gpu, "GPU service, a background compile running")
     model.close()
     clean(capfd)
 
@@ -163,13 +163,13 @@ def test_call_compile(
     model = GrpcModel(target)
     (seq,) = [model.alloc_sequence()]
     model.prefill([seq], [[5, 6, 7]])
-    call, call_out = in_thread(
+    call, call_out = on_thread(
         lambda: model.decode_verify_batched([1], [1], [seq], write_on_accept=False)
     )
     with grpc.insecure_channel(control_target) as channel:
         stub = pb_grpc.GenerationServiceStub(channel)
         request = pb.GenerateRequest(prompt_token_ids=[5], max_new_tokens=4)
-        generate, generate_out = in_thread(lambda: list(stub.Generate(request, timeout=60)))
+        generate, generate_out = on_thread(lambda: list(stub.Generate(request, timeout=60)))
         starting = subprocess.Popen(
             [sys.executable, "-m", "met", "control-plane", "serve", "--gpu-service", target]
             + ["--port", "0", "--metrics-port", "0"],
@@ -180,11 +180,11 @@ def test_call_compile(
         assert "control-plane metrics on" in starting.stdout.readline()  # then it asks replicas
         time.sleep(1.5)
         assert call.is_alive() and generate.is_alive(), "the call's compile ended before the stop"
-        stopped(starting)
-        stopped(control)
+        stopped(starting, "control plane starting, its service compiling for a call")
+        stopped(control, "control plane, a request behind the call's compile")
         generate.join(5)
         refused(generate_out)
-    stopped(gpu)
+    stopped(gpu, "GPU service in a call's compile")
     call.join(5)
     refused(call_out)
     model.close()
@@ -230,10 +230,10 @@ def test_request(
     with grpc.insecure_channel(control_target) as channel:
         replies = pb_grpc.GenerationServiceStub(channel).Generate(long, timeout=60)
         assert next(replies).token_ids
-        streamed, streamed_out = in_thread(lambda: http_completion(base, tiny_dir.name, True))
-        whole, whole_out = in_thread(lambda: http_completion(base, tiny_dir.name, False))
+        streamed, streamed_out = on_thread(lambda: http_completion(base, tiny_dir.name, True))
+        whole, whole_out = on_thread(lambda: http_completion(base, tiny_dir.name, False))
         time.sleep(0.5)
-        stopped(control)
+        stopped(control, "control plane, requests streaming")
         with pytest.raises(grpc.RpcError) as ended:
             list(replies)
     assert ended.value.code() == UNAVAILABLE and SHUTTING_DOWN in ended.value.details()
@@ -247,7 +247,7 @@ def test_request(
     with grpc.insecure_channel(second_target) as channel:
         replies = pb_grpc.GenerationServiceStub(channel).Generate(long, timeout=60)
         assert next(replies).token_ids
-        stopped(gpu)
+        stopped(gpu, "GPU service, a request streaming")
         start = time.monotonic()
         with pytest.raises(grpc.RpcError) as lost:
             list(replies)
@@ -255,7 +255,7 @@ def test_request(
             f"the stream on the stopped service: {lost.value.code()} after "
             f"{time.monotonic() - start:.2f} s: {lost.value.details()}"
         )
-    stopped(second)
+    stopped(second, "control plane, its service gone")
     clean(capfd)
 
 
