@@ -38,6 +38,7 @@ SHAPE_FLAGS = (
     "--max-context",
     "--kv-blocks",
     "--prefix-snapshots",
+    "--compile",
 )
 
 
@@ -198,13 +199,27 @@ def add_shape_args(
         "processes); the plan is one rank's (default %(default)s)",
     )
     _add_capacity_args(parser, prefix_snapshots)
+    parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="on the CPU, compile the batched verify and the drafter's chain per batch bucket "
+        "with torch.compile (inductor, C++ wrapper); a start-up line says what it compiled and "
+        f"how long it took (default: on where a C++ compiler is, unless {NO_COMPILE_ENV} is set)",
+    )
 
 
 def shape_argv(args: argparse.Namespace) -> list[str]:
     """The flags `add_shape_args` added, as `met gpu-service serve`'s arguments (one left at
     None is left to the service's default)."""
     values = {flag: getattr(args, flag[2:].replace("-", "_")) for flag in SHAPE_FLAGS}
-    return [arg for flag, v in values.items() if v is not None for arg in (flag, str(v))]
+    out = []
+    for flag, v in values.items():
+        if isinstance(v, bool):  # a switch: --compile or --no-compile
+            out.append(flag if v else f"--no-{flag[2:]}")
+        elif v is not None:
+            out += [flag, str(v)]
+    return out
 
 
 def _add_slots_arg(parser: argparse.ArgumentParser) -> None:
@@ -253,14 +268,6 @@ def _add_capacity_args(parser: argparse.ArgumentParser, prefix_snapshots: int) -
 
 
 def _add_graphs_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--compile",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="on the CPU, compile the batched verify and the drafter's chain per batch bucket "
-        "with torch.compile (inductor, C++ wrapper); a start-up line says what it compiled and "
-        f"how long it took (default: on where a C++ compiler is, unless {NO_COMPILE_ENV} is set)",
-    )
     parser.add_argument(
         "--compile-cache",
         type=Path,

@@ -142,15 +142,20 @@ def test_up_passes_the_shaping_flags_with_prefix_snapshots_as_compose() -> None:
     shaped = ["--device", "cpu", "--tp", "2", "--max-context", "2048", "--kv-blocks", "auto"]
     drafter = ["--drafter", "some/dflash"]
     argv = shape_argv(
-        build_parser().parse_args(["up", *drafter, *shaped, "--prefix-snapshots", "4"])
+        build_parser().parse_args(
+            ["up", *drafter, *shaped, "--prefix-snapshots", "4", "--no-compile"]
+        )
     )
     assert argv == [
         "--drafter", "some/dflash", "--device", "cpu", "--tensor-parallel-size", "2",
         "--max-context", "2048", "--kv-blocks", "auto", "--prefix-snapshots", "4",
+        "--no-compile",
     ]  # fmt: skip
-    assert argv[::2] == list(SHAPE_FLAGS)
+    assert argv[:-1][::2] == list(SHAPE_FLAGS[:-1]) and SHAPE_FLAGS[-1] == "--compile"
     serve = build_parser().parse_args(["gpu-service", "serve", *argv])
-    assert shape_argv(serve) == argv
+    assert serve.compile is False and shape_argv(serve) == argv
+    assert "--compile" in shape_argv(build_parser().parse_args(["up", "--compile"]))
+    assert "compile" not in " ".join(default), "unset: the service's own default"
 
 
 def test_in_process_commands_take_the_services_threads() -> None:
