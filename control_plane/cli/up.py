@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
 from types import FrameType
 
@@ -28,7 +29,7 @@ from control_plane.cli.launch import (
     stop,
     stop_started,
 )
-from control_plane.cli.server import check_ports, read_security, serve
+from control_plane.cli.server import Security, check_ports, read_security, serve
 from gpu_service.rpc.options import shape_argv
 from protos import stopping, tls
 
@@ -44,8 +45,13 @@ def run(args: argparse.Namespace) -> int:
     if args.otlp_endpoint:
         extra += ["--otlp-endpoint", args.otlp_endpoint]
     set_admin_key()  # before the threads, so that every child inherits the same key
-    for sig in stopping.SIGNALS:  # until `serve` takes them over
-        signal.signal(sig, _stopped)
+    with signals_raise():
+        return _serve(args, security, extra)
+
+
+def _serve(args: argparse.Namespace, security: Security, extra: list[str]) -> int:
+    """The children started, then the control plane served until a stop; every child stopped
+    -> the exit status."""
     try:
         children = start_all(args.replicas, lambda: start_gpu_service(args.model, *extra), stop)
     except Stopped:
@@ -73,6 +79,20 @@ def run(args: argparse.Namespace) -> int:
 
 class Stopped(Exception):
     """SIGTERM or SIGINT before `serve` took them over."""
+
+
+@contextlib.contextmanager
+def signals_raise() -> Iterator[None]:
+    """SIGTERM and SIGINT raise `Stopped` in the main thread (until `serve` takes them over);
+    the handlers before are back at the end."""
+    before = {sig: signal.getsignal(sig) for sig in stopping.SIGNALS}
+    for sig in stopping.SIGNALS:
+        signal.signal(sig, _stopped)
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 def _stopped(signum: int, _frame: FrameType | None) -> None:

@@ -4,6 +4,8 @@ children with the launch functions replaced (no process starts here)."""
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import threading
 from types import SimpleNamespace
 
@@ -101,3 +103,20 @@ def test_run_gives_the_control_plane_every_replica(monkeypatch: pytest.MonkeyPat
     (targets,) = served
     assert sorted(targets.split(",")) == ["127.0.0.1:50100", "127.0.0.1:50101"]
     assert sorted(fake.stopped) == [0, 1]
+
+
+def test_a_signal_while_children_start_raises_stopped_and_the_handlers_come_back() -> None:
+    """SIGTERM while the starts run interrupts the wait for them (the caller then stops every
+    child started); the process's own handlers are back afterwards."""
+    before = signal.getsignal(signal.SIGTERM)
+    release = threading.Event()
+
+    def start() -> tuple[SimpleNamespace, str]:
+        release.wait(10)  # a child still loading
+        return SimpleNamespace(i=0), "127.0.0.1:50100"
+
+    threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    with pytest.raises(up.Stopped, match="SIGTERM"), up.signals_raise():
+        up.start_all(1, start, lambda _proc: 0)
+    release.set()
+    assert signal.getsignal(signal.SIGTERM) is before
