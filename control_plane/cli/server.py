@@ -33,7 +33,7 @@ from control_plane.admission.workers import (
     AdmissionBounds,
 )
 from control_plane.cli.http_drain import DrainHttp
-from control_plane.fronts import http_limits, openai_http
+from control_plane.fronts import http_app, http_limits, openai_http
 from control_plane.fronts.api import GenerationServicer
 from control_plane.replicas.client import GrpcModel
 from control_plane.replicas.router import Router, Target, TargetError, parse_targets
@@ -75,20 +75,7 @@ def add_serve_args(parser: argparse.ArgumentParser, gpu_service_required: bool =
     if gpu_service_required:
         add_gpu_service_args(parser)
     add_listen_args(parser, None if gpu_service_required else DEFAULT_HTTP_PORT)
-    parser.add_argument(
-        "--tokenizer",
-        type=Path,
-        default=None,
-        help="a checkpoint directory whose tokenizer files override those the GPU service serves",
-    )
-    parser.add_argument(
-        "--served-model-name",
-        nargs="+",
-        default=[],
-        metavar="NAME",
-        help="the names the model answers to in requests (the first is the one reported); "
-        "default: the checkpoint's",
-    )
+    add_model_args(parser)
     parser.add_argument(
         "--method",
         choices=[MTP, NONE],
@@ -109,15 +96,6 @@ def add_serve_args(parser: argparse.ArgumentParser, gpu_service_required: bool =
         help="refuse text prompts longer than this in UTF-8, before tokenizing them; gRPC's "
         "own 4 MiB message bound still applies (default: %(default)s)",
     )
-    parser.add_argument(
-        "--default-chat-template-kwargs",
-        type=_template_kwargs,
-        default={},
-        metavar="JSON",
-        help="chat template variables for every chat, a JSON object such as "
-        "{\"enable_thinking\": false} (vLLM's flag); a request's own chat_template_kwargs "
-        "override them by name",
-    )
     add_admission_args(parser)
     parser.add_argument(
         "--otlp-endpoint",
@@ -136,6 +114,34 @@ def add_serve_args(parser: argparse.ArgumentParser, gpu_service_required: bool =
     tls.add_server_args(parser)
     auth.add_args(parser)
     SchedulerOptions.add_arguments(parser)
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """The served model's text side: its tokenizer, the names it answers to, its chats'
+    default template variables."""
+    parser.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=None,
+        help="a checkpoint directory whose tokenizer files override those the GPU service serves",
+    )
+    parser.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=[],
+        metavar="NAME",
+        help="the names the model answers to in requests (the first is the one reported); "
+        "default: the checkpoint's",
+    )
+    parser.add_argument(
+        "--default-chat-template-kwargs",
+        type=_template_kwargs,
+        default={},
+        metavar="JSON",
+        help="chat template variables for every chat, a JSON object such as "
+        "{\"enable_thinking\": false} (vLLM's flag); a request's own chat_template_kwargs "
+        "override them by name",
+    )
 
 
 def _template_kwargs(text: str) -> dict[str, Any]:
@@ -438,7 +444,7 @@ def serve_http(
     tls: dict = {"ssl_certfile": args.tls_cert, "ssl_keyfile": args.tls_key}
     if args.tls_client_ca is not None:
         tls |= {"ssl_ca_certs": str(args.tls_client_ca), "ssl_cert_reqs": ssl.CERT_REQUIRED}
-    app = openai_http.build_app(door, security.api_keys, metrics=metrics)
+    app = http_app.build_app(door, security.api_keys, metrics=metrics)
     app = DrainHttp(app, drain or stopping.Drain("control plane"))
     limits = http_limits.HttpLimits(args.http_read_timeout, args.http_max_connections)
     http = openai_http.serve(app, args.host, args.http_port, args.grace, sock, limits, **tls)

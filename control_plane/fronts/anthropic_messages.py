@@ -4,7 +4,7 @@ and scheduler as the chat front (`anthropic_body` writes a body as a chat reques
 `anthropic_reply` answers). A request is one `generate` span, as a chat completion's; a client
 that leaves cancels its request. Errors come in Anthropic's shape
 (`{"type": "error", "error": {"type", "message"}}`), with the statuses of the OpenAI front's;
-the key may come as `x-api-key` (the `RequireKey` of `openai_http`)."""
+the key may come as `x-api-key` (the `RequireKey` of `http_app`)."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from control_plane.admission.door import Door
-from control_plane.fronts import openai_http
+from control_plane.fronts import http_app, openai_http
 from control_plane.fronts.http_limits import HttpLimits
 from control_plane.replicas.client import GrpcModel
 from control_plane.scheduler.options import SchedulerOptions
@@ -151,7 +151,7 @@ def test_connections_past_the_cap_hear_503() -> None:
         door = Door(Scheduler(lambda: GrpcModel(f"127.0.0.1:{hole.getsockname()[1]}")))
 
         async def start() -> openai_http.HttpServer:
-            app = openai_http.build_app(door)
+            app = http_app.build_app(door)
             return openai_http.serve(app, "127.0.0.1", 0, 1, limits=HttpLimits(5, 2))
 
         server = on(loop, start())

@@ -29,7 +29,7 @@ from opentelemetry.trace import SpanKind
 from control_plane.admission import auth
 from control_plane.admission.door import Door
 from control_plane.cli.server import build_server
-from control_plane.fronts import openai_http
+from control_plane.fronts import http_app, openai_http
 from control_plane.fronts.api import GenerationServicer
 from control_plane.fronts.http_limits import HttpLimits
 from control_plane.replicas.client import GrpcModel
@@ -110,7 +110,7 @@ def serving(
         server = build_server(servicer, health.aio.HealthServicer(), keys)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
-        app = openai_http.build_app(servicer.door, keys, provider.get_tracer("test"), metrics)
+        app = http_app.build_app(servicer.door, keys, provider.get_tracer("test"), metrics)
         return server, port, openai_http.serve(app, "127.0.0.1", 0, 1, limits=limits)
 
     with loop_in_thread() as loop:
@@ -326,7 +326,7 @@ def test_gpu_service_gone_is_503() -> None:
         door = Door(Scheduler(lambda: GrpcModel(target)))
 
         async def start() -> openai_http.HttpServer:
-            return openai_http.serve(openai_http.build_app(door), "127.0.0.1", 0, grace=1)
+            return openai_http.serve(http_app.build_app(door), "127.0.0.1", 0, grace=1)
 
         http = on(loop, start())
         try:

@@ -13,7 +13,7 @@ from opentelemetry.trace import NoOpTracer
 
 from control_plane.admission.door import Admission, BadRequest, Door
 from control_plane.cli.server import admission
-from control_plane.fronts import openai_http
+from control_plane.fronts import http_app
 from control_plane.scheduler.scheduler import Scheduler
 from gpu_service.engine.facade import Engine
 from met.main import build_parser
@@ -38,7 +38,7 @@ def test_the_first_name_is_reported_and_every_one_answers(tiny_dir: Path) -> Non
     )
 
     async def models() -> tuple[list[str], int, int]:
-        app = openai_http.build_app(door, frozenset(), NoOpTracer(), None)
+        app = http_app.build_app(door, frozenset(), NoOpTracer(), None)
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
             listed = (await client.get("/v1/models")).json()["data"]
