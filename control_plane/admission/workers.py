@@ -71,7 +71,7 @@ class _Worker:
         assert self.proc.stdin is not None
         try:
             send(self.proc.stdin, message)
-        except (BrokenPipeError, OSError):
+        except (OSError, ValueError):  # a broken or closed pipe
             raise _Gone(self.proc.wait()) from None
 
     def receive(self, deadline: float) -> Any:
@@ -80,15 +80,19 @@ class _Worker:
 
     def _read(self, size: int, deadline: float) -> bytes:
         assert self.proc.stdout is not None
-        fd, out = self.proc.stdout.fileno(), b""
-        while len(out) < size:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                raise _Late
-            piece = os.read(fd, size - len(out))
-            if not piece:
-                raise _Gone(self.proc.wait())
-            out += piece
+        out = b""
+        try:
+            fd = self.proc.stdout.fileno()
+            while len(out) < size:
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([fd], [], [], left)[0]:
+                    raise _Late
+                piece = os.read(fd, size - len(out))
+                if not piece:
+                    raise _Gone(self.proc.wait())
+                out += piece
+        except (OSError, ValueError):  # its pipe closed under the read: `close` ended it
+            raise _Gone(self.proc.wait()) from None
         return out
 
     def resident(self) -> int:
