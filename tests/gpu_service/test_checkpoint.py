@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from control_plane.text.grammar import GrammarCompiler
 from control_plane.text.tokenizer import ByteTokenizer, load_tokenizer
 from gpu_service.engine.facade import Engine
 from gpu_service.model.config import ModelConfig, ServiceConfig, parse_tiers
@@ -122,7 +123,11 @@ def test_a_config_without_eos_takes_the_tokenizers(tmp_path: Path) -> None:
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [9]}))
     assert ModelConfig.load(tmp_path).all_eos == (9, 257)
     engine = Engine(tmp_path, ServiceConfig(verify_tiers="2:1", max_context=256))
-    assert engine.capabilities().eos_token_ids == (9, 257)
+    caps = engine.capabilities()
+    assert caps.eos_token_ids == (9, 257)
+    # A grammar on it ends at that EOS (llguidance refuses a tokenizer with none).
+    compiler = GrammarCompiler(load_tokenizer(tmp_path), caps.vocab_size, caps.eos_token_ids)
+    assert compiler.compile("regex", "ab").valid_prefix([ord("a"), ord("b"), 257]) == 3
     tokenizer_config["eos_token"] = {"content": "<|eos|>", "special": True}
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     (tmp_path / "generation_config.json").unlink()
