@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import itertools
 import json
-import uuid
 from collections.abc import AsyncIterator
 
-from opentelemetry import propagate
-from opentelemetry.trace import SpanKind, Tracer
+from opentelemetry.trace import Tracer
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -30,7 +28,7 @@ from control_plane.fronts.anthropic_body import (
 )
 from control_plane.fronts.anthropic_reply import PING, MessageReply, error_body, event, grpc_error
 from control_plane.fronts.api import TRACER, failed, request_attributes
-from control_plane.fronts.openai_http import AdmittedRequest, EventStream, _or_gone
+from control_plane.fronts.openai_http import AdmittedRequest, EventStream, _or_gone, request_span
 from control_plane.fronts.openai_routes import read_body
 from control_plane.scheduler.seq import Delta, Finish, Queued
 from control_plane.text.chat import ChatTemplate
@@ -82,13 +80,7 @@ class Messages:
     async def create(self, request: Request) -> Response:
         if request.method != "POST":
             return not_post(request)
-        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
-        span = self.tracer.start_span(
-            "generate",
-            context=propagate.extract(request.headers),
-            kind=SpanKind.SERVER,
-            attributes={"met.request_id": rid, "url.path": request.url.path},
-        )
+        rid, span = request_span(self.tracer, request)
         key = f"{rid}#{next(self._ids)}"
         try:
             body = await read_body(request)

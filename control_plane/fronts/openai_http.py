@@ -57,6 +57,19 @@ from protos.model import Capabilities
 T = TypeVar("T")
 
 
+def request_span(tracer: Tracer, request: Request) -> tuple[str, Span]:
+    """An HTTP request's id (its `x-request-id`, else a new one) and its `generate` SERVER
+    span under the caller's `traceparent`."""
+    rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+    span = tracer.start_span(
+        "generate",
+        context=propagate.extract(request.headers),
+        kind=SpanKind.SERVER,
+        attributes={"met.request_id": rid, "url.path": request.url.path},
+    )
+    return rid, span
+
+
 @dataclass
 class AdmittedRequest:
     """One admitted request, from the Door's queue to the end of its response."""
@@ -123,13 +136,7 @@ class Front:
         return await self._generate(request, chat=True)
 
     async def _generate(self, request: Request, chat: bool) -> Response:
-        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
-        span = self.tracer.start_span(
-            "generate",
-            context=propagate.extract(request.headers),
-            kind=SpanKind.SERVER,
-            attributes={"met.request_id": rid, "url.path": request.url.path},
-        )
+        rid, span = request_span(self.tracer, request)
         try:
             ask, caps = await self._admit(request, chat, rid, span)
             flights = await self._enter(ask, rid, span)

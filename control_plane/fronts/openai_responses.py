@@ -12,15 +12,14 @@ import uuid
 from collections.abc import AsyncIterator
 
 import grpc
-from opentelemetry import propagate
-from opentelemetry.trace import INVALID_SPAN, Span, SpanKind, Tracer
+from opentelemetry.trace import INVALID_SPAN, Span, Tracer
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from control_plane.admission.door import BadRequest, Door
 from control_plane.fronts.api import TRACER, failed, request_attributes
 from control_plane.fronts.openai_fields import InvalidParam
-from control_plane.fronts.openai_http import AdmittedRequest, EventStream, _or_gone
+from control_plane.fronts.openai_http import AdmittedRequest, EventStream, _or_gone, request_span
 from control_plane.fronts.openai_reply import grpc_error
 from control_plane.fronts.openai_responses_body import Responses, renamed, responses_request
 from control_plane.fronts.openai_responses_reply import (
@@ -42,13 +41,7 @@ class ResponsesRoute:
         self._ids = itertools.count()
 
     async def create(self, request: Request) -> Response:
-        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
-        span = self.tracer.start_span(
-            "generate",
-            context=propagate.extract(request.headers),
-            kind=SpanKind.SERVER,
-            attributes={"met.request_id": rid, "url.path": request.url.path},
-        )
+        rid, span = request_span(self.tracer, request)
         try:
             asked, model = await self._admit(request, rid, span)
             # Clients may reuse ids; the scheduler must not.
