@@ -8,9 +8,12 @@ takes it, the MTP head's drafts planned as a block drafter's would be. Every seq
 (penalties, bias and grammar masks applied), as every arm's does; no prompt lookup, no D-Cut
 (its drafts come as one block, so there is no chain to copy into or to cut).
 Batched verify: two or more sequences with drafts, the `dflash_batch_verify` and
-`batch_verify` levers on. The batch is every unconstrained sequence (a grammar that holds
-only after the output's reasoning does not constrain while the model reasons) whose draft count
-equals the first such sequence's (gamma); the rest go serial. `m_max` is the widest group the
+`batch_verify` levers on. Every sequence's drafts are first cut before the first one its
+grammar refuses. The batch is every sequence whose draft count equals the first unconstrained
+such sequence's (gamma; a grammar that holds only after the output's reasoning does not
+constrain while the model reasons); constrained sequences of other counts verify together at
+their own depths, with their rows' masks (chunked by `chunk_ranges`); the rest go serial, as
+does a lone constrained one. `m_max` is the widest group the
 service's budget (`fits_batch`) takes at `gamma + 1` rows, shrinking from the whole group; the
 group, in slot order, is verified in chunks of `m_max`; a trailing single goes serial. A group
 the budget cannot take two of goes serial whole. The verify (and the propose after its
@@ -21,7 +24,13 @@ next step, a verify the service refuses, so one width, clamped, serves the whole
 
 from __future__ import annotations
 
-from control_plane.scheduler.bootstrap import StepReport, bootstrap, bootstrap_serial, split
+from control_plane.scheduler.bootstrap import (
+    StepReport,
+    bootstrap,
+    bootstrap_serial,
+    chunk_ranges,
+    split,
+)
 from control_plane.scheduler.context import StepContext
 from control_plane.scheduler.seq import ActiveSeq
 from control_plane.scheduler.verdict import verify_and_settle
@@ -45,46 +54,87 @@ def step_dflash(
     opts = ctx.opts
     serial: list[int] = []
     if len(verify) >= 2 and opts.dflash_batch_verify and opts.batch_verify:
-        batchable, serial, gamma = plan_batch(active, verify)
-        m_max = widest_chunk(ctx.caps, gamma, len(batchable))
-        if len(batchable) >= 2 and m_max >= 2:
-            by_slot = sorted(batchable, key=lambda i: (active[i].slot, i))
-            for lo in range(0, len(by_slot), m_max):
-                chunk = by_slot[lo : lo + m_max]
-                if len(chunk) < 2:
-                    serial.extend(chunk)
-                    continue
-                report.batched_calls.append([gamma + 1] * len(chunk))
-                rows = [[active[i].last_token, *active[i].pending_drafts] for i in chunk]
-                seqs = [active[i] for i in chunk]
-                verify_and_settle(model, seqs, rows, width, "dflash-batched", opts.fused_step)
-        else:
-            report.dflash_declined = bool(batchable)
-            serial.extend(batchable)
+        batchable, serial, joiners, gamma = plan_batch(active, verify)
+        serial += _verify_group(model, active, batchable, gamma, width, ctx, report)
+        serial += _verify_ragged(model, active, joiners, width, ctx, report)
     else:
         serial = list(verify)
-    for i in serial:
+    for i in sorted(serial):
         _dflash_serial(model, active[i], width, opts.fused_step, report)
     return report
 
 
-def plan_batch(active: list[ActiveSeq], verify: list[int]) -> tuple[list[int], list[int], int]:
-    """(batchable, serial, gamma): the unconstrained sequences (drafts cut where a grammar not
-    constraining yet would) whose draft count equals the first such sequence's."""
-    batchable, serial, gamma = [], [], 0
+def plan_batch(
+    active: list[ActiveSeq], verify: list[int]
+) -> tuple[list[int], list[int], list[int], int]:
+    """(batchable, serial, joiners, gamma): every sequence's drafts cut where its grammar
+    refuses one (or, not constraining yet, would); those whose draft count equals the first
+    unconstrained such sequence's batch; a constrained sequence whose count differs joins the
+    ragged batch of its kind (`joiners`), with its rows' masks; the rest go serial."""
+    batchable, serial, joiners, gamma = [], [], [], 0
     for i in verify:
         a = active[i]
-        if not a.constrained:
-            a.cut_drafts()
+        a.cut_drafts()
         g = len(a.pending_drafts)
-        if a.constrained or g < 1:
-            serial.append(i)
-        elif gamma in (0, g):
+        if g >= 1 and (gamma == g or (gamma == 0 and not a.constrained)):
             gamma = g
             batchable.append(i)
         else:
-            serial.append(i)
-    return batchable, serial, gamma
+            (joiners if a.constrained else serial).append(i)
+    return batchable, serial, joiners, gamma
+
+
+def _verify_group(
+    model: ServingModel,
+    active: list[ActiveSeq],
+    batchable: list[int],
+    gamma: int,
+    width: int,
+    ctx: StepContext,
+    report: StepReport,
+) -> list[int]:
+    """The equal-count group in slot order, in chunks of `m_max`. -> those left serial"""
+    m_max = widest_chunk(ctx.caps, gamma, len(batchable))
+    if len(batchable) < 2 or m_max < 2:
+        report.dflash_declined = bool(batchable)
+        return batchable
+    serial = []
+    by_slot = sorted(batchable, key=lambda i: (active[i].slot, i))
+    for lo in range(0, len(by_slot), m_max):
+        chunk = by_slot[lo : lo + m_max]
+        if len(chunk) < 2:
+            serial.extend(chunk)
+            continue
+        report.batched_calls.append([gamma + 1] * len(chunk))
+        rows = [[active[i].last_token, *active[i].pending_drafts] for i in chunk]
+        seqs = [active[i] for i in chunk]
+        verify_and_settle(model, seqs, rows, width, "dflash-batched", ctx.opts.fused_step)
+    return serial
+
+
+def _verify_ragged(
+    model: ServingModel,
+    active: list[ActiveSeq],
+    joiners: list[int],
+    width: int,
+    ctx: StepContext,
+    report: StepReport,
+) -> list[int]:
+    """Constrained sequences of other counts, batched at their own depths in slot order, in
+    chunks the budget takes. -> those left serial (a lone one)"""
+    serial: list[int] = []
+    by_slot = sorted(joiners, key=lambda i: (active[i].slot, i))
+    ks = [len(active[i].pending_drafts) + 1 for i in by_slot]
+    for lo, hi in chunk_ranges(ks, ctx.caps.max_rows, ctx.caps.max_batch):
+        chunk = by_slot[lo:hi]
+        if len(chunk) < 2:
+            serial.extend(chunk)
+            continue
+        report.batched_calls.append(ks[lo:hi])
+        rows = [[active[i].last_token, *active[i].pending_drafts] for i in chunk]
+        seqs = [active[i] for i in chunk]
+        verify_and_settle(model, seqs, rows, width, "dflash-ragged", ctx.opts.fused_step)
+    return serial
 
 
 def widest_chunk(caps: Capabilities, gamma: int, count: int) -> int:

@@ -52,7 +52,13 @@ from opentelemetry.trace import Link
 from opentelemetry.util.types import AttributeValue
 
 from control_plane.scheduler.arm_dflash import step_dflash
-from control_plane.scheduler.bootstrap import StepReport, bootstrap, bootstrap_serial, split
+from control_plane.scheduler.bootstrap import (
+    StepReport,
+    bootstrap,
+    bootstrap_serial,
+    chunk_ranges,
+    split,
+)
 from control_plane.scheduler.context import StepContext
 from control_plane.scheduler.metrics import REPLICA_ATTRIBUTE
 from control_plane.scheduler.seq import ActiveSeq
@@ -114,8 +120,8 @@ def _step_heads(
     if ctx.opts.prompt_lookup:  # a repeat in its history stands in for the MTP chain
         _copies(active, ctx, [i for i in verify if active[i].req.method == MTP])
     report.copied = [a.copy > 0 for a in active]
-    serial, batchable, copies = _partition(active, verify, ctx, nd)
-    serial += _verify_batched(model, active, batchable, copies, ctx, report)
+    serial, batchable, joiners = _partition(active, verify, ctx, nd)
+    serial += _verify_batched(model, active, batchable, joiners, ctx, report)
     for i in serial:
         _verify_serial(model, active[i], nd, fused, report)
     for a in active:
@@ -224,10 +230,12 @@ def _copies(active: list[ActiveSeq], ctx: StepContext, idxs: list[int]) -> None:
 def _partition(
     active: list[ActiveSeq], verify: list[int], ctx: StepContext, ladder_nd: int
 ) -> tuple[list[int], list[int], list[int]]:
-    """(serial, batchable, copies): a batch needs two sequences with drafts, `--mtp-max-seqs`
-    > 1 and the lever on; a copy joins it at its own depth; any other sequence but a
-    constrained one batches with at most `ladder_nd` drafts, more being cut (and those after
-    which a grammar not constraining yet would).
+    """(serial, batchable, joiners): a batch needs two sequences with drafts, `--mtp-max-seqs`
+    > 1 and the lever on. Every sequence's drafts are first cut before the first one its
+    grammar refuses (or, for one not constraining yet, would), then past `ladder_nd`. A copy,
+    and a constrained sequence, joins the batch at its own depth (a constrained one with its
+    rows' masks; with every draft cut, as a one-row verify): D-Cut plans neither, a copy being
+    a point mass and a grammar's cut already the depth that can stand.
 
     A sequence holding fewer than `ladder_nd` joins the batch at its own depth, never
     alone: every sequence holds fewer the step after the width grows (its drafts were made
@@ -236,27 +244,25 @@ def _partition(
     if not (
         len(verify) >= 2 and ctx.opts.mtp_max_seqs > 1 and ctx.opts.batch_verify and ladder_nd >= 1
     ):
-        return list(verify), [], []  # constrained sequences are always among the serial
-    serial, batchable, copies = [], [], []
+        return list(verify), [], []
+    serial, batchable, joiners = [], [], []
     for i in verify:
         a = active[i]
-        if a.constrained:
-            serial.append(i)
-        elif a.copy:
-            copies.append(i)
-        else:
-            a.cut_drafts()  # a grammar not constraining yet: no row it would constrain
-            del a.pending_drafts[ladder_nd:]
-            del a.pending_conf[ladder_nd:]
-            batchable.append(i)
-    return serial, batchable, copies
+        a.cut_drafts()
+        if a.copy:
+            joiners.append(i)
+            continue
+        del a.pending_drafts[ladder_nd:]
+        del a.pending_conf[ladder_nd:]
+        (joiners if a.constrained else batchable).append(i)
+    return serial, batchable, joiners
 
 
 def _verify_batched(
     model: ServingModel,
     active: list[ActiveSeq],
     batchable: list[int],
-    copies: list[int],
+    joiners: list[int],
     ctx: StepContext,
     report: StepReport,
 ) -> list[int]:
@@ -269,10 +275,10 @@ def _verify_batched(
             active, batchable, ladder_nd, o.dcut, o.dcut_threshold, o.dcut_width_cap
         )
         sp.set_attribute("met.dcut.ks", ks)
-    for i in copies:
+    for i in joiners:
         batchable.append(i)
         ks.append(len(active[i].pending_drafts) + 1)
-    canonical = canonical_assignment(len(batchable), report.dcut or bool(copies))
+    canonical = canonical_assignment(len(batchable), report.dcut or bool(joiners))
     serial = []
     for lo, hi in chunk_ranges(ks, ctx.caps.max_rows, ctx.caps.max_batch):
         chunk, chunk_ks = batchable[lo:hi], ks[lo:hi]
@@ -287,18 +293,6 @@ def _verify_batched(
         ]
         verify_and_settle(model, seqs, rows, ladder_nd, "batched", o.fused_step)
     return serial
-
-
-def chunk_ranges(ks: list[int], max_rows: int, max_batch: int) -> list[tuple[int, int]]:
-    out, lo, rows = [], 0, 0
-    for i, k in enumerate(ks):
-        if i > lo and (rows + k > max_rows or i - lo >= max_batch):
-            out.append((lo, i))
-            lo, rows = i, 0
-        rows += k
-    if lo < len(ks):
-        out.append((lo, len(ks)))
-    return out
 
 
 def canonical_assignment(batch_n: int, dcut: bool = False) -> bool:

@@ -1,5 +1,5 @@
 """What every arm of `step_mtp` shares: the step's report, the split of a step's sequences
-into bootstrap and verify, and the bootstrap.
+into bootstrap and verify, a batch's chunks, and the bootstrap.
 
 Bootstrap: batched when at least two sequences bootstrap, the `batch_bootstrap` lever is on
 and one call of that many one-row sequences fits the service's budget (`fits_batch`);
@@ -48,6 +48,20 @@ def split(active: list[ActiveSeq]) -> tuple[list[int], list[int]]:
     boot = [i for i, a in enumerate(active) if not a.pending_drafts]
     verify = [i for i, a in enumerate(active) if a.pending_drafts]
     return boot, verify
+
+
+def chunk_ranges(ks: list[int], max_rows: int, max_batch: int) -> list[tuple[int, int]]:
+    """Consecutive ranges of a batch's sequences, each as long as the row budget (the sum
+    of k) and the stash width (sequences per call) allow."""
+    out, lo, rows = [], 0, 0
+    for i, k in enumerate(ks):
+        if i > lo and (rows + k > max_rows or i - lo >= max_batch):
+            out.append((lo, i))
+            lo, rows = i, 0
+        rows += k
+    if lo < len(ks):
+        out.append((lo, len(ks)))
+    return out
 
 
 def can_batch_bootstrap(ctx: StepContext, count: int) -> bool:

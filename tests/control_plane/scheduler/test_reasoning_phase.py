@@ -1,9 +1,9 @@
 """A grammar after the output's reasoning (`control_plane.text.reasoning`) under `step_mtp`, with
 a fake model whose output the test scripts: while the model reasons, its sequence batches and
 fuses beside an unconstrained one with no mask, its drafts cut before the close; from the
-close on, it goes serial with masks; a spent budget forces the close; a block the model opens
-itself; under the MTP arms and the DFlash arm, and through the scheduler's loop beside a
-pipelined request."""
+close on, its rows carry masks, batched beside its neighbour; a spent budget forces the close;
+a block the model opens itself; under the MTP arms and the DFlash arm, and through the
+scheduler's loop beside a pipelined request."""
 
 from __future__ import annotations
 

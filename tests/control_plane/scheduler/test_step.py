@@ -8,11 +8,11 @@ import pytest
 
 from control_plane.scheduler.arms import (
     canonical_assignment,
-    chunk_ranges,
     serial_verify_plan,
     step_mtp,
     verify_batch_permutation,
 )
+from control_plane.scheduler.bootstrap import chunk_ranges
 from control_plane.scheduler.context import StepContext
 from control_plane.scheduler.env import Env
 from control_plane.scheduler.options import SchedulerOptions
@@ -20,7 +20,7 @@ from control_plane.scheduler.seq import ActiveSeq, GenRequest, ModelFacts
 from control_plane.scheduler.verdict import accepted
 from control_plane.scheduler.widths import LOW, CostTable, Ladder, clamp_drafts_to_slot_capacity
 from control_plane.text.tokenizer import ByteTokenizer
-from protos.params import MTP, NONE
+from protos.params import DFLASH, MTP, NONE
 from tests.fake_model import FakeModel, counting_oracle
 
 NO_ENV = SchedulerOptions()  # the defaults, untouched by any METRALE_* switch
@@ -338,3 +338,63 @@ def test_accepted() -> None:
     assert accepted([9, 1, 5, 3], [1, 2, 3, 4]) == 1
     assert accepted([9], [4]) == 0
     assert counting_oracle((7,)) == 8
+
+
+# -- grammar rows in the batched verify ----------------------------------------------------
+
+
+def _constrained(model: FakeModel, patterns: list[str], drafts: list[int]) -> list[ActiveSeq]:
+    from control_plane.text.grammar import GrammarCompiler
+
+    compiler = GrammarCompiler(ByteTokenizer.default(), 320, (257,))
+    active = seqs(model, len(patterns), drafts=drafts)
+    for a, pattern in zip(active, patterns, strict=True):
+        a.grammar = compiler.compile("regex", pattern)
+    return active
+
+
+def _masked_rows(model: FakeModel) -> list[int]:
+    seen: list[int] = []
+    verify = model.decode_verify_batched
+
+    def spy(tokens, ks, seqs, write_on_accept=True, masks=None, sampling=None):
+        seen.append(len(masks or {}))
+        return verify(tokens, ks, seqs, write_on_accept, masks, sampling)
+
+    model.decode_verify_batched = spy  # type: ignore[method-assign]
+    return seen
+
+
+def test_constrained_sequences_verify_in_one_batch_with_their_masks() -> None:
+    model = FakeModel(caps=(4,) * 4)
+    masked = _masked_rows(model)
+    anything = "[\\x00-\\x7f]*"
+    active = _constrained(model, [anything] * 3, [3, 3, 3])
+    report = step_mtp(model, active, ctx(model), 3)
+    assert report.serial_arms == [] and report.batched_calls == [[4, 4, 4]]
+    assert masked[0] == 12, "every row of the batch carries its sequence's mask"
+    assert all(a.stats.accepted == 3 for a in active), "the masks keep what the model says"
+
+
+def test_a_constrained_sequence_joins_at_the_depth_its_grammar_leaves() -> None:
+    model = FakeModel(caps=(4,) * 4)
+    # Sequence 0 holds drafts 2, 3, 4 after its token 1: "[\x00-\x02]*" keeps the first;
+    # sequence 2's grammar refuses its first (22 after 21): a one-row verify.
+    patterns = ["[\\x00-\\x02]*", "[\\x00-\\x7f]*", "[\\x00-\\x15]*"]
+    active = _constrained(model, patterns, [3] * 3)
+    report = step_mtp(model, active, ctx(model), 3)
+    assert report.serial_arms == [] and sorted(report.batched_calls[0]) == [1, 2, 4]
+    assert active[0].stats.grammar_truncations == 1 and active[2].stats.drafted == 0
+    assert active[0].generated[1] == 2 and active[0].generated[2] <= 2, "masked past it"
+
+
+def test_constrained_dflash_sequences_of_other_counts_batch_together() -> None:
+    model = FakeModel(caps=(8,) * 4)
+    anything = "[\\x00-\\x7f]*"
+    # Drafts after 1, 11, 21: the first keeps 4, the others 1 (12) and 2 (22, 23); no
+    # unconstrained sequence sets a gamma, so all three verify at their own depths.
+    active = _constrained(model, [anything, "[\\x00-\\x0c]*", "[\\x00-\\x17]*"], [4, 4, 4])
+    for a in active:
+        a.req = replace(a.req, method=DFLASH)
+    report = step_mtp(model, active, ctx(model), 4)
+    assert report.batched_calls == [[5, 2, 3]] and report.serial_arms == []
