@@ -26,7 +26,7 @@ def _gpu_service(args: argparse.Namespace) -> None:
 
 
 def _gpu_service_plan(args: argparse.Namespace) -> None:
-    from gpu_service.memory.plan_report import run
+    from gpu_service.sizing.plan_report import run
 
     sys.exit(run(args))
 
@@ -57,9 +57,10 @@ def _quantize(args: argparse.Namespace) -> None:
 
 def _up(args: argparse.Namespace) -> None:
     from control_plane.cli.up import run
+    from gpu_service.rpc.options import shape_argv
     from protos.stopping import leave
 
-    leave(run(args))
+    leave(run(args, shape_argv(args)))
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -80,11 +81,17 @@ def _in_process_engine(args: argparse.Namespace) -> None:
 
 
 def _circuit_diff(args: argparse.Namespace) -> None:
+    from protos.model import OpenModel
+
+    open_model: OpenModel | None = None
     if not args.gpu_service:
         _in_process_engine(args)
+        from gpu_service.engine import facade
+
+        open_model = facade.open_engine
     from control_plane.circuit.report import main
 
-    sys.exit(main(args))
+    sys.exit(main(args, open_model))
 
 
 def _bench(args: argparse.Namespace) -> None:

@@ -447,3 +447,18 @@ class CircuitModel(ServingModel, Protocol):
     def read_logits(self) -> Logits:
         """The logits buffer of the last prefill, verify or propose, in the model's dtype.
         An admin call over gRPC."""
+
+
+class OpenModel(Protocol):
+    """What builds a `CircuitModel` in this process, for a tool that drives the contract with
+    no service to call (`met circuit diff` without `--gpu-service`): `met` hands the GPU
+    service's builder (`gpu_service.engine.facade.open_engine`) to the control plane, which
+    reaches the service through this contract alone."""
+
+    def __call__(
+        self, model: Path, drafter: Path | None, prefix_snapshots: int, compile_step: bool
+    ) -> CircuitModel:
+        """The model at `model` (with the DFlash drafter at `drafter`, if any), holding
+        `prefix_snapshots` snapshots, its step compiled per batch bucket when `compile_step`
+        (every bucket's own graph, so a replay never runs a smaller bucket's while one
+        compiles); the service's other settings at their defaults."""

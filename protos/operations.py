@@ -1,7 +1,7 @@
 """Every operation of the model contract (`protos.model`) beside its RPC of `met.v1.ModelService`
 and the four conversions it crosses the wire by: the one table the gRPC client
 (`control_plane/replicas/client.py`), the servicer (`gpu_service/rpc/servicer.py`) and
-tensor parallelism's mirror (`gpu_service/tp/ranks.py`) are built from.
+tensor parallelism's mirror (`gpu_service/engine/ranks.py`) are built from.
 
 A conversion's arguments are the contract method's, by name: `request` takes the call's
 arguments (without `self`) and builds the request message; `arguments` is its inverse on the

@@ -72,12 +72,12 @@ CONTEXT = 32768  # keys before a verify or decode row
 
 def drive(config: Path, batches: tuple[int, ...], catcher: Catcher) -> None:
     """Every call of the serving path at each batch, on `meta` with the triton ops."""
-    from gpu_service.engine.state import DeviceState
-    from gpu_service.memory.plan_meta import META, meta_model
     from gpu_service.model.batch import Segment
     from gpu_service.model.config import ModelConfig, ServiceConfig
     from gpu_service.model.hybrid import PREFILL, VERIFY
+    from gpu_service.model.state import DeviceState
     from gpu_service.model.triton_forward import TRITON
+    from gpu_service.sizing.plan_meta import META, meta_model
 
     cfg = ModelConfig.from_dict(json.loads(config.read_text()))
     most = max(batches)
@@ -129,8 +129,8 @@ def _meta_dflash(directory: Path, model: Any, state: Any, context: int) -> Any:
     """The DFlash drafter whose config sits in `directory/dflash`, on `meta` with the triton
     ops, its taps attached to `model` and its pool in `state`; None where there is none."""
     from gpu_service.dflash.config import read_config
-    from gpu_service.memory.plan_meta import meta_drafter
     from gpu_service.model.triton_forward import TRITON
+    from gpu_service.sizing.plan_meta import meta_drafter
     from protos.defaults import DRAFTER_DIR
 
     if not (directory / DRAFTER_DIR / "config.json").is_file():
@@ -146,10 +146,10 @@ def _meta_dflash(directory: Path, model: Any, state: Any, context: int) -> Any:
 def _block(dflash: Any, model: Any, state: Any, n: int) -> None:
     """One block propose of `n` sequences after CONTEXT committed tokens."""
     from gpu_service.engine.block_drafter import BLOCK_TILE
-    from gpu_service.memory.plan_meta import META
     from gpu_service.model.batch import Layout, Segment, build
     from gpu_service.model.ops import ROW_TILE
     from gpu_service.model.triton_forward import TRITON
+    from gpu_service.sizing.plan_meta import META
     from kernels.attention.format import KEY_BLOCK
 
     b = dflash.cfg.block_size

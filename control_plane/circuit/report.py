@@ -18,7 +18,7 @@ from control_plane.circuit.verify_batch import (
 from kernels.attention.format import KEY_BLOCK
 from protos.defaults import DEFAULT_MODEL_DIR, DRAFTER_DIR
 from protos.hub import model_path
-from protos.model import ADMIN_KEY_ENV, Capabilities, CircuitModel, ModelError
+from protos.model import ADMIN_KEY_ENV, Capabilities, CircuitModel, ModelError, OpenModel
 
 SCHEMA = Path(__file__).with_name("report.schema.json")
 
@@ -271,7 +271,7 @@ def run_diff(model: CircuitModel, args: argparse.Namespace) -> dict:
     return build_report(model, args, shapes)
 
 
-def _connect(args: argparse.Namespace) -> CircuitModel:
+def _connect(args: argparse.Namespace, open_model: OpenModel | None) -> CircuitModel:
     if args.gpu_service:
         from control_plane.replicas.client import GrpcModel
 
@@ -282,20 +282,17 @@ def _connect(args: argparse.Namespace) -> CircuitModel:
             )
 
         return GrpcModel(args.gpu_service, admin_key=args.gpu_service_admin_key)
-    from gpu_service.engine.facade import Engine
-    from gpu_service.model.config import ServiceConfig
-
+    if open_model is None:
+        raise DiffError("no --gpu-service to diff, and no engine to build in this process")
     drafter = args.drafter or (args.model / DRAFTER_DIR if args.dflash else None)
-    svc = ServiceConfig(prefix_snapshots=1 if args.snapshot else 0)
-    engine = Engine(args.model, svc, drafter=drafter)
-    if args.compile:  # every bucket's own graph, not a smaller one's while it compiles
-        engine.compile_step(later=False)
-    return engine
+    return open_model(args.model, drafter, 1 if args.snapshot else 0, bool(args.compile))
 
 
-def main(args: argparse.Namespace) -> int:
+def main(args: argparse.Namespace, open_model: OpenModel | None = None) -> int:
+    """`met circuit diff`: against `--gpu-service`, else against what `open_model` builds in
+    this process (`met` passes the GPU service's builder)."""
     try:
-        report = run_diff(_connect(args), args)
+        report = run_diff(_connect(args, open_model), args)
     except (DiffError, ModelError) as e:  # the arguments, or the service refusing them
         print(f"circuit diff could not run: {e}", file=sys.stderr)
         return 2

@@ -30,18 +30,18 @@ from control_plane.cli.launch import (
     stop_started,
 )
 from control_plane.cli.server import Security, check_ports, read_security, serve
-from gpu_service.rpc.options import shape_argv
 from protos import stopping, tls
 
 Child = tuple[subprocess.Popen, str]  # the process and the address it serves on
 PROG = "met up"
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, shape_argv: list[str]) -> int:
+    """`shape_argv`: the children's flags that shape their serving, as `met` read them."""
     security = read_security(args, PROG, gpu_service=False)
     check_ports(PROG, args)  # before any child loads a model
     logging.basicConfig(level=logging.INFO)
-    extra = shape_argv(args)
+    extra = list(shape_argv)
     if args.otlp_endpoint:
         extra += ["--otlp-endpoint", args.otlp_endpoint]
     set_admin_key()  # before the threads, so that every child inherits the same key

@@ -9,5 +9,5 @@ block of drafts in one non-causal forward.
 
 - `model.py`: its batched forward over the target's ops, its context in the engine's paged pool.
 
-May import `gpu_service.model` (the target's config and ops), the engine's device state and
-torch; the engine's parts import it, never the reverse."""
+May import `gpu_service.model` (the target's config, ops and device state), the floors below
+it and torch; the engine's parts and the memory plan import it, never the reverse."""

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import torch
 
 from gpu_service.dflash.config import MASK_EMBEDDING, DFlashConfig
-from gpu_service.engine.state import DeviceState
 from gpu_service.model.backend import EAGER, Cache
 from gpu_service.model.batch import Batch
 from gpu_service.model.ops import ROW_TILE, apply_rope, pad_rows
+from gpu_service.model.state import DeviceState
 from kernels.attention.naive import pool_index
 
 

@@ -15,13 +15,13 @@ from gpu_service.dflash.model import DFlashModel
 from gpu_service.dflash.weights import load_tensors
 from gpu_service.engine.choice import Choice
 from gpu_service.engine.sampling import distribution, draw
-from gpu_service.engine.sequence import SeqState
-from gpu_service.engine.state import DeviceState
+from gpu_service.memory.sequence import SeqState
 from gpu_service.model.backend import download, upload
 from gpu_service.model.batch import Layout, Segment, build
 from gpu_service.model.config import ModelConfig, ServiceConfig
 from gpu_service.model.hybrid import HybridModel
 from gpu_service.model.ops import ROW_TILE
+from gpu_service.model.state import DeviceState
 from kernels.attention.naive import KEY_BLOCK
 from protos.model import InvalidArgument, Sampling, room_for_block
 

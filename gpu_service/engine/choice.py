@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from gpu_service.engine.graphs import Graphs
-from gpu_service.engine.state import DeviceState
 from gpu_service.model.backend import EAGER, EagerOps
+from gpu_service.model.state import DeviceState
 
 
 class Choice:

@@ -13,14 +13,14 @@ from gpu_service.engine.block_drafter import BlockDrafter
 from gpu_service.engine.choice import Choice
 from gpu_service.engine.graphs import Graphs
 from gpu_service.engine.sampling import check_sampling, distribution, draw
-from gpu_service.engine.sequence import IDLE, SeqState
-from gpu_service.engine.state import DeviceState
+from gpu_service.memory.sequence import IDLE, SeqState
 from gpu_service.memory.slots import SlotTable
 from gpu_service.model.backend import download, ints, upload
 from gpu_service.model.batch import Segment, draft_batch, key_len
 from gpu_service.model.config import ModelConfig, ServiceConfig
 from gpu_service.model.hybrid import HybridModel
 from gpu_service.model.ops import ROW_TILE, padded_rows
+from gpu_service.model.state import DeviceState
 from kernels.attention.naive import KEY_BLOCK
 from protos import checks
 from protos.model import (

@@ -1,7 +1,7 @@
 """The in-process `Model`: a thin facade over the engine's parts, each built here with what it
 needs: the slot table (`slots.py`), the verifier (`verifier.py`: prefill, verify, fold,
 commit, stash), the drafter (`drafter.py`: prime, propose, trim) and the fused steps
-(`step.py`). It owns the weights and every piece of device state, executes one batched
+(`fused.py`). It owns the weights and every piece of device state, executes one batched
 operation per call under one lock, and never decides what runs next."""
 
 from __future__ import annotations
@@ -26,19 +26,19 @@ from gpu_service.engine.drafter import Drafter
 from gpu_service.engine.fused import Steps
 from gpu_service.engine.graphs import Capture, Graphs
 from gpu_service.engine.plans import EngineSteps, run_plan
-from gpu_service.engine.sequence import SeqState
-from gpu_service.engine.state import DeviceState
 from gpu_service.engine.verifier import Verifier
 from gpu_service.memory.kv_blocks import KvBlocks
 from gpu_service.memory.prefixes import Prefixes
+from gpu_service.memory.sequence import SeqState
 from gpu_service.memory.slots import SlotTable, mirror
 from gpu_service.model.backend import EAGER, EagerOps
 from gpu_service.model.config import ModelConfig, ServiceConfig
 from gpu_service.model.digest import checkpoint_digest
 from gpu_service.model.hybrid import HybridModel, held_bytes
+from gpu_service.model.shard import Shard, rank_config
+from gpu_service.model.state import DeviceState
 from gpu_service.model.weights import serving_dtype, stream_weights
 from gpu_service.tp.group import TpGroup
-from gpu_service.tp.shard import Shard, rank_config
 from kernels.attention.format import KEY_BLOCK
 from protos import checks
 from protos.hub import model_name
@@ -88,9 +88,9 @@ class Engine:
         drafter: Path | None = None,
     ) -> None:
         """With `tp`, this process is one rank of a tensor-parallel group: it loads and holds
-        only its part of the weights and state (`gpu_service/tp/`), and every operation must be
-        run by every rank in the same order (`gpu_service/tp/ranks.py` sees to it). `drafter`:
-        a DFlash drafter's directory (z-lab's layout), loaded beside the MTP head."""
+        only its part of the weights and state (`model/shard.py`), and every operation must be
+        run by every rank in the same order (`ranks.py` sees to it). `drafter`: a DFlash
+        drafter's directory (z-lab's layout), loaded beside the MTP head."""
         if drafter is not None and tp is not None:
             check_ranks(tp.size)
         self.cfg = ModelConfig.load(model_dir)
@@ -448,3 +448,13 @@ class Engine:
             t = self.model.full_logits(self.state.logits).contiguous().cpu()
             data = t.view(torch.uint8).numpy().tobytes()
             return Logits(data, str(t.dtype).removeprefix("torch."), tuple(t.shape))
+
+
+def open_engine(
+    model: Path, drafter: Path | None, prefix_snapshots: int, compile_step: bool
+) -> Engine:
+    """An `Engine` as `protos.model.OpenModel` asks for one."""
+    engine = Engine(model, ServiceConfig(prefix_snapshots=prefix_snapshots), drafter=drafter)
+    if compile_step:
+        engine.compile_step(later=False)
+    return engine

@@ -11,8 +11,8 @@ from typing import cast
 import torch
 
 from gpu_service.engine.drafter import Drafter, proposal_rows
-from gpu_service.engine.sequence import VERIFIED, SeqState
 from gpu_service.engine.verifier import Verifier, check_pending
+from gpu_service.memory.sequence import VERIFIED, SeqState
 from gpu_service.memory.slots import mirror
 from gpu_service.model.backend import download, ints, upload
 from gpu_service.model.config import ServiceConfig

@@ -34,10 +34,10 @@ from dataclasses import dataclass, replace
 import torch
 
 from gpu_service.engine.compiled import Later
-from gpu_service.engine.state import DeviceState
 from gpu_service.model.batch import HostBatch, Segment, draft_batch, host_batch, on_device
 from gpu_service.model.hybrid import VERIFY, HybridModel
 from gpu_service.model.ops import ROW_TILE
+from gpu_service.model.state import DeviceState
 from kernels.attention.naive import KEY_BLOCK
 
 # Sequences per graph: multiples of ROW_TILE, so a chain's rows need no padding of their own.

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gpu_service.engine.sequence import Counts, SeqState
+from gpu_service.memory.sequence import Counts, SeqState
 from protos.model import Penalties
 
 

@@ -12,13 +12,13 @@ import torch
 from gpu_service.engine.choice import Choice
 from gpu_service.engine.penalties import penalize
 from gpu_service.engine.sampling import check_sampling, distribution, draw, row_draws
-from gpu_service.engine.sequence import FOLDED, IDLE, VERIFIED, SeqState
-from gpu_service.engine.state import DeviceState
+from gpu_service.memory.sequence import FOLDED, IDLE, VERIFIED, SeqState
 from gpu_service.memory.slots import SlotTable, mirror
 from gpu_service.model.backend import download, ints, upload
 from gpu_service.model.batch import Segment
 from gpu_service.model.config import ModelConfig, ServiceConfig
 from gpu_service.model.hybrid import PREFILL, VERIFY, HybridModel
+from gpu_service.model.state import DeviceState
 from protos import checks
 from protos.handles import MAX_TOP, RowDraws, ScoreAsk, Scores
 from protos.model import (

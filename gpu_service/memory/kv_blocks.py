@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from gpu_service.engine.state import DeviceState
+from gpu_service.model.state import DeviceState
 from kernels.attention.format import KEY_BLOCK
 from protos.model import ResourceExhausted
 

@@ -21,9 +21,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gpu_service.engine.sequence import IDLE, SeqState
-from gpu_service.engine.state import DeviceState
+from gpu_service.memory.sequence import IDLE, SeqState
 from gpu_service.memory.slots import SlotTable, unknown_snapshot
+from gpu_service.model.state import DeviceState
 from kernels.attention.format import KEY_BLOCK
 from protos import checks
 from protos.model import FailedPrecondition, InvalidArgument, ResourceExhausted

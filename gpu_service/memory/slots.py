@@ -6,8 +6,8 @@ from __future__ import annotations
 import secrets
 from collections.abc import Callable, Iterable, Sequence
 
-from gpu_service.engine.sequence import SeqState
 from gpu_service.memory.kv_blocks import KvBlocks
+from gpu_service.memory.sequence import SeqState
 from protos import checks
 from protos.model import MTP_HEAD, NotFound, Penalties, ResourceExhausted, SequenceHandle
 

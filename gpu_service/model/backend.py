@@ -10,10 +10,10 @@ from typing import NamedTuple
 
 import torch
 
-from gpu_service.engine.state import DeviceState, put_rows
 from gpu_service.model.batch import Batch
 from gpu_service.model.config import ModelConfig
 from gpu_service.model.ops import ROW_TILE, linear
+from gpu_service.model.state import DeviceState, put_rows
 from kernels.attention.naive import KEY_BLOCK, key_rows, varlen_attention
 from kernels.causal_conv1d.naive import varlen_causal_conv1d
 from kernels.common import rms_scaled

@@ -12,14 +12,14 @@ from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
-from gpu_service.engine.state import DeviceState
 from gpu_service.model.backend import EAGER, Cache, Ops
 from gpu_service.model.batch import Batch, Layout, Segment, build
 from gpu_service.model.config import FULL, ModelConfig
 from gpu_service.model.ops import ROW_TILE, apply_rope, pad_rows, rope_table
 from gpu_service.model.packing import fold_norms, head_norms, norm_weights, pack
+from gpu_service.model.shard import Shard, vocab_range
+from gpu_service.model.state import DeviceState
 from gpu_service.tp.group import TpGroup
-from gpu_service.tp.shard import Shard, vocab_range
 from kernels.attention.naive import KEY_BLOCK, pool_index
 from kernels.common import sigmoid, silu, softplus
 from kernels.moe.naive import route
@@ -44,7 +44,7 @@ class HybridModel:
     ):
         """`weights`: the checkpoint's tensors by HF name, best as a stream (`stream_weights`),
         so that each is dropped once packed (`gpu_service/model/packing.py`). Under tensor
-        parallelism (`tp`), `cfg` and `weights` are this rank's (`gpu_service/tp/shard.py`):
+        parallelism (`tp`), `cfg` and `weights` are this rank's (`gpu_service/model/shard.py`):
         each row-parallel output is summed over the ranks, and the embedding and LM head hold
         this rank's token ids."""
         packed = pack(cfg, weights.items() if isinstance(weights, Mapping) else weights)

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from gpu_service.engine.state import DeviceState
 from gpu_service.model.backend import Cache, EagerOps
 from gpu_service.model.batch import Batch
 from gpu_service.model.config import ModelConfig
 from gpu_service.model.ops import ROW_TILE
+from gpu_service.model.state import DeviceState
 from kernels.argmax.triton import argmax_confidence
 from kernels.attention.triton import attention
 from kernels.causal_conv1d.triton import causal_conv1d, causal_conv1d_update

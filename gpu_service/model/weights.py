@@ -12,10 +12,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from gpu_service.model import shard as tp_shard
 from gpu_service.model.config import FULL, ModelConfig
 from gpu_service.model.quantization import SCALE_SUFFIX, quantizable, scale_name, scale_shape
-from gpu_service.tp import shard as tp_shard
-from gpu_service.tp.shard import Shard
+from gpu_service.model.shard import Shard
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -351,7 +351,7 @@ def stream_weights(
     FP8 and their scales fp32), checked name by name, shape by shape and dtype by dtype against
     `cfg` before the first is read (`expected_tensors`). A checkpoint without `mtp.*` tensors
     loads with the drafter off (the returned config has no MTP layer). With a tensor-parallel
-    `shard`, each tensor is only what that rank holds (`gpu_service/tp/shard.py`), and only
+    `shard`, each tensor is only what that rank holds (`gpu_service/model/shard.py`), and only
     those bytes are read."""
     index = checkpoint_index(directory)
     cfg = served_config(cfg, index)

@@ -14,10 +14,9 @@ from pathlib import Path
 from gpu_service.engine.compiled import NO_COMPILE_ENV
 from gpu_service.model.config import (
     DFLASH_VERIFY_TIERS,
-    ModelConfig,
     ServiceConfig,
-    parse_tiers,
 )
+from gpu_service.sizing import MAX_AUTO_SLOTS
 from gpu_service.tp import DEFAULT_REDUCE, DEFAULT_TIMEOUT_S, REDUCES
 from kernels.attention.format import KEY_BLOCK
 from protos import tls
@@ -25,8 +24,6 @@ from protos.defaults import DEFAULT_MODEL_DIR
 from protos.hub import model_path
 from protos.model import ADMIN_KEY_ENV
 
-# `--num-slots auto` looks no further: more sequences than this at once is no decode batch.
-MAX_AUTO_SLOTS = 1024
 # `met up`'s prefix snapshots, as compose.yaml's MET_PREFIX_SNAPSHOTS default: the control
 # plane's prefix cache is on by default, and it needs them.
 UP_PREFIX_SNAPSHOTS = 32
@@ -286,11 +283,6 @@ def _add_graphs_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def model_context(cfg: ModelConfig) -> int:
-    """The context a model was built for (its max_position_embeddings), in whole key blocks."""
-    return max(KEY_BLOCK, cfg.max_position_embeddings // KEY_BLOCK * KEY_BLOCK)
-
-
 def multiple_of(step: int) -> Callable[[str], int]:
     """A flag's parser: a positive multiple of `step`, else a sentence saying so."""
 
@@ -306,28 +298,6 @@ def multiple_of(step: int) -> Callable[[str], int]:
         return n
 
     return parse
-
-
-def service_config(args: argparse.Namespace, cfg: ModelConfig) -> ServiceConfig:
-    """The service's settings from its flags (`--num-slots auto` is the plan's to settle, and
-    so is the context when `--max-context` is not given: `cfg`'s, then what memory holds);
-    ValueError with a sentence on a bad one."""
-    tiers = args.verify_tiers or (
-        DFLASH_VERIFY_TIERS if getattr(args, "drafter", None) else ServiceConfig.verify_tiers
-    )
-    parse_tiers(tiers)
-    return ServiceConfig(
-        verify_tiers=tiers,
-        max_context=args.max_context or model_context(cfg),
-        kv_blocks=args.kv_blocks if isinstance(args.kv_blocks, int) else 0,
-        prefix_snapshots=args.prefix_snapshots,
-        max_rows=args.max_rows,
-        max_batch=args.max_batch,
-        max_prefill_tokens=args.max_prefill_tokens,
-        cuda_graphs=args.cuda_graphs,
-        compile_cache=str(args.compile_cache or ""),
-        num_slots_override=args.num_slots if isinstance(args.num_slots, int) else None,
-    )
 
 
 def whole_number(least: int) -> Callable[[str], int]:

@@ -17,14 +17,13 @@ from grpc_reflection.v1alpha import reflection
 
 from gpu_service.dflash.config import check_ranks
 from gpu_service.dflash.weights import check_drafter
-from gpu_service.engine import compiled, graphs
+from gpu_service.engine import compiled, graphs, ranks
 from gpu_service.engine.device import DeviceError, choose_device, default_forward
 from gpu_service.engine.facade import Engine
-from gpu_service.memory import plan, plan_report
 from gpu_service.model.config import ModelConfig, ServiceConfig
 from gpu_service.rpc.options import access, use_threads
 from gpu_service.rpc.servicer import ErrorInterceptor, ModelServicer
-from gpu_service.tp import ranks
+from gpu_service.sizing import plan, plan_report
 from protos import ports, stopping, tls
 from protos.bodies import RejectUndecodable
 from protos.met.v1 import model_pb2, model_pb2_grpc
@@ -213,7 +212,7 @@ def _drafter_or_exit(args: argparse.Namespace) -> None:
 
 
 def _planned(args: argparse.Namespace, device: torch.device, compiling: bool) -> ServiceConfig:
-    """The memory plan (gpu_service/memory/plan.py), made before anything loads and summed up on
+    """The memory plan (gpu_service/sizing/plan.py), made before anything loads and summed up on
     stdout; a plan that does not fit the device ends the process. -> the settings planned
     (`--num-slots auto` settled). Compiled keys hold buffers as captured graphs do."""
     try:

@@ -1,7 +1,9 @@
-"""Tensor parallelism: one model over several ranks (`met gpu-service serve --tp N`).
+"""Tensor parallelism's rank group: the collectives one model's ranks meet in (`group.py`),
+and the torch-free facts the flags need (here: `gpu_service/rpc/options.py` parses them without
+importing torch). Which part of each tensor a rank holds is the model's (`model/shard.py`); the
+engine over several rank processes is the engine's (`engine/ranks.py`).
 
-The torch-free facts the flags need live here: `gpu_service/rpc/options.py` parses them without
-importing torch."""
+The lowest floor of the service: imports nothing of `gpu_service` but itself."""
 
 # How a row-parallel output is summed over ranks (gpu_service/tp/group.py says what each does).
 REDUCES = ("ordered", "nccl")

@@ -22,7 +22,7 @@ from torch._C import _distributed_c10d as c10d
 from gpu_service.tp import DEFAULT_REDUCE, DEFAULT_TIMEOUT_S, REDUCES
 
 # How long the ranks may take to meet, and to load their shards: a rank that dies meanwhile is
-# caught by its process ending (gpu_service/tp/ranks.py), so this only bounds a stuck start.
+# caught by its process ending (gpu_service/engine/ranks.py), so this only bounds a stuck start.
 START_TIMEOUT = datetime.timedelta(minutes=30)
 # What another rank waits for rank 0's next operation: the service may idle for days; rank 0's
 # process ending ends it sooner.

@@ -1,6 +1,6 @@
 """The split rule of the attention kernels (`triton.py`), on the host: how many keys each split
 of a row takes, how many splits a row has, and the workspace their partials take, which the
-memory plan counts (`gpu_service/memory/plan_graphs.py`). The kernels get the two constants at each
+memory plan counts (`gpu_service/sizing/plan_graphs.py`). The kernels get the two constants at each
 call (`triton._constants`), so a test may change them here."""
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ from gpu_service.engine import graphs
 from gpu_service.engine.facade import Engine
 from gpu_service.engine.graphs import NO_GRAPHS_ENV, bucket_for, buckets, key_bucket, replay_eagerly
 from gpu_service.model.config import ModelConfig, ServiceConfig
-from gpu_service.rpc.options import add_serve_args, service_config
+from gpu_service.rpc.options import add_serve_args
+from gpu_service.sizing.plan import service_config
 from protos.model import Sampling, StepResult
 from protos.params import MTP
 from tests.collect import run_all

@@ -19,7 +19,7 @@ from control_plane.cli import generate
 from control_plane.scheduler.seq import GenRequest
 from gpu_service.engine.facade import Engine
 from gpu_service.engine.penalties import penalize
-from gpu_service.engine.sequence import SeqState
+from gpu_service.memory.sequence import SeqState
 from gpu_service.model.config import ServiceConfig
 from met.main import build_parser
 from protos.convert import penalties_from_pb

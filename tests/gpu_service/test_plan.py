@@ -1,4 +1,4 @@
-"""The memory plan (gpu_service/memory/plan.py): its parts against what the engine allocates, the
+"""The memory plan (gpu_service/sizing/plan.py): its parts against what the engine allocates, the
 flagship's weights against its checkpoint, `--num-slots`, and `met gpu-service plan`/`serve`."""
 
 from __future__ import annotations
@@ -17,16 +17,16 @@ from safetensors.torch import load_file, save_file
 
 from gpu_service.dflash.config import read_config
 from gpu_service.engine.facade import Engine
-from gpu_service.memory import plan, plan_graphs, plan_report
-from gpu_service.memory.plan_meta import meta_model
+from gpu_service.engine.ranks import Launch, launch
+from gpu_service.model import shard
 from gpu_service.model.config import ModelConfig, ServiceConfig
 from gpu_service.model.hybrid import held_bytes
 from gpu_service.model.quantization import fp8_names
 from gpu_service.model.weights import weight_shapes
 from gpu_service.rpc import server
 from gpu_service.rpc.options import parse_bytes
-from gpu_service.tp import shard
-from gpu_service.tp.ranks import Launch, launch
+from gpu_service.sizing import plan, plan_graphs, plan_report
+from gpu_service.sizing.plan_meta import meta_model
 from met.main import build_parser, main
 from protos.defaults import DEFAULT_MODEL_DIR
 from tests.conftest import TINY_SERVICE

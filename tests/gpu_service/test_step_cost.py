@@ -14,10 +14,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpu_service.engine.facade import Engine
-from gpu_service.engine.state import DeviceState
 from gpu_service.model.batch import Segment
 from gpu_service.model.config import ModelConfig
 from gpu_service.model.hybrid import PREFILL, VERIFY, HybridModel
+from gpu_service.model.state import DeviceState
 from gpu_service.model.weights import load_weights
 from protos.defaults import DEFAULT_MODEL_DIR
 from protos.model import SequenceHandle

@@ -17,7 +17,7 @@ from huggingface_hub import constants
 
 from control_plane.cli.launch import start_gpu_service, stop
 from control_plane.replicas.client import GrpcModel
-from gpu_service.memory import plan
+from gpu_service.sizing import plan
 from met.main import build_parser
 from protos.hub import hub_id, model_name, model_path
 from tests.conftest import SERVE_ARGS

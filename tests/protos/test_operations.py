@@ -10,8 +10,8 @@ import pytest
 
 from control_plane.replicas.client import GrpcModel
 from gpu_service.engine.facade import Engine
+from gpu_service.engine.ranks import MIRRORED, TpEngine
 from gpu_service.rpc.servicer import ModelServicer
-from gpu_service.tp.ranks import MIRRORED, TpEngine
 from protos.met.v1 import model_pb2 as pb
 from protos.model import CircuitModel, ServingModel
 from protos.operations import CIRCUIT, OPERATIONS, SERVING, Operation

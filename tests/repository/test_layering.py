@@ -1,7 +1,8 @@
 """How the packages depend on each other: the control plane and the shared contract never load
-torch, the service never imports the control plane, no module of the seven packages is in an
-import cycle (counting imports inside functions), and no function outside the tests and the
-kernels runs past 60 lines."""
+torch, the service never imports the control plane and the control plane reaches the service
+only through the contract (`protos`), the service's floors import only floors below their own,
+no module of the seven packages is in an import cycle (counting imports inside functions), and
+no function outside the tests and the kernels runs past 60 lines."""
 
 from __future__ import annotations
 
@@ -13,6 +14,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("control_plane", "gpu_service", "kernels", "protos", "training", "tools", "met")
 MAX_FUNCTION_LINES = 60
+# The GPU service's floors, lowest first: a module imports its own floor and those below it,
+# never one above (the model computes on the device state and never asks the engine; the
+# memory plan counts what the engine builds; the RPC layer drives them all).
+SERVICE_FLOORS = ("tp", "model", "memory", "dflash", "engine", "sizing", "rpc")
 
 
 def _modules(package: str) -> dict[str, Path]:
@@ -67,6 +72,60 @@ def test_the_service_never_imports_the_control_plane() -> None:
                 raise AssertionError(f"{name} imports {node.module}")
             if isinstance(node, ast.Import):
                 assert not any(a.name.startswith("control_") for a in node.names), name
+
+
+def test_the_control_plane_reaches_the_service_only_through_the_contract() -> None:
+    """The control plane imports no `gpu_service` module: what it needs of the service is in
+    `protos` (an in-process engine comes from `met`, as `protos.model.OpenModel`)."""
+    reached = [
+        f"{name} imports {imported}"
+        for name, path in _modules("control_plane").items()
+        for imported in sorted(_imports(name, path))
+        if imported.split(".")[0] == "gpu_service"
+    ]
+    assert reached == []
+
+
+def _floor(module: str) -> str:
+    """`gpu_service.engine.facade` -> `engine`."""
+    return module.split(".")[1] if module.count(".") else ""
+
+
+def upward_imports(modules: dict[str, Path]) -> list[str]:
+    """Each import of a `gpu_service` module from a floor below the imported one's."""
+    rank = {floor: i for i, floor in enumerate(SERVICE_FLOORS)}
+    return [
+        f"{name} ({_floor(name)}) imports {imported} ({_floor(imported)})"
+        for name, path in modules.items()
+        for imported in sorted(_imports(name, path))
+        if imported.startswith("gpu_service.")
+        and _floor(imported) in rank
+        and rank[_floor(imported)] > rank[_floor(name)]
+    ]
+
+
+def test_every_service_module_sits_on_a_floor() -> None:
+    astray = [
+        n for n in _modules("gpu_service") if n != "gpu_service" and _floor(n) not in SERVICE_FLOORS
+    ]
+    assert astray == [], f"add their package to SERVICE_FLOORS, in its place: {astray}"
+
+
+def test_no_service_floor_imports_a_higher_one() -> None:
+    assert upward_imports(_modules("gpu_service")) == []
+
+
+def test_the_floor_check_sees_an_upward_import(tmp_path: Path) -> None:
+    """The check above can fail: the model importing the engine, even inside a function, is
+    reported; the engine importing the model is not."""
+    low, high = tmp_path / "low.py", tmp_path / "high.py"
+    low.write_text("def f():\n    from gpu_service.engine.facade import Engine\n")
+    high.write_text("from gpu_service.model.state import DeviceState\n")
+    found = upward_imports({"gpu_service.model.x": low, "gpu_service.engine.y": high})
+    assert found == [
+        "gpu_service.model.x (model) imports gpu_service.engine.facade (engine)",
+        "gpu_service.model.x (model) imports gpu_service.engine.facade.Engine (engine)",
+    ]
 
 
 def test_no_import_cycle() -> None:

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_service.engine.state import DeviceState
 from gpu_service.model.config import ModelConfig, ServiceConfig
 from gpu_service.model.hybrid import PREFILL, HybridModel, Segment
+from gpu_service.model.state import DeviceState
 from gpu_service.model.weights import init_weights
 from training.corpus import Corpus, is_held_out
 from training.distill import DISTILL_FILE, distill

@@ -12,8 +12,8 @@ import pytest
 
 from control_plane.circuit import report
 from gpu_service.engine.facade import Engine
-from gpu_service.engine.state import DeviceState
 from gpu_service.model.config import ServiceConfig
+from gpu_service.model.state import DeviceState
 from tests.control_plane.circuit.test_verify_batch import args
 
 
@@ -44,7 +44,7 @@ def test_refused_arguments_exit_2(tmp_path: Path, flags: tuple[str, ...], senten
 def tiny_engine(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Engine:
     """The engine `main` connects to."""
     engine = Engine(tiny_dir, ServiceConfig(verify_tiers="8:3", max_context=256))
-    monkeypatch.setattr(report, "_connect", lambda _: engine)
+    monkeypatch.setattr(report, "_connect", lambda *_: engine)
     return engine
 
 

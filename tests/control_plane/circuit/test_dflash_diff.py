@@ -12,8 +12,8 @@ import pytest
 from control_plane.circuit.report import run_diff
 from control_plane.circuit.verify_batch import DiffError
 from gpu_service.engine.facade import Engine
-from gpu_service.engine.state import DeviceState
 from gpu_service.model.config import ModelConfig, ServiceConfig
+from gpu_service.model.state import DeviceState
 from met.main import build_parser
 from tests.gpu_service.dflash.drafter import write_drafter
 

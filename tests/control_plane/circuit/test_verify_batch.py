@@ -30,8 +30,8 @@ from control_plane.cli.launch import start_gpu_service, stop
 from control_plane.scheduler.verdict import offsets
 from gpu_service.engine.facade import Engine
 from gpu_service.engine.graphs import replay_eagerly
-from gpu_service.engine.state import DeviceState
 from gpu_service.model.config import ServiceConfig
+from gpu_service.model.state import DeviceState
 from met.main import build_parser
 from protos.defaults import DEFAULT_MODEL_DIR
 from protos.model import Logits

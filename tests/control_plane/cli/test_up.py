@@ -99,7 +99,7 @@ def test_run_gives_the_control_plane_every_replica(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(up, "start_gpu_service", fake.start)
     monkeypatch.setattr(up, "stop", fake.stop)
     monkeypatch.setattr(up, "serve", serve)
-    assert up.run(_parse("--replicas", "2")) == 0
+    assert up.run(_parse("--replicas", "2"), []) == 0
     (targets,) = served
     assert sorted(targets.split(",")) == ["127.0.0.1:50100", "127.0.0.1:50101"]
     assert sorted(fake.stopped) == [0, 1]

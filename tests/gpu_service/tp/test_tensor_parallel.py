@@ -18,10 +18,10 @@ import torch
 
 from control_plane.cli.launch import start_control_plane, start_gpu_service, stop
 from gpu_service.engine.facade import Engine
+from gpu_service.engine.ranks import Launch, TpEngine, launch
+from gpu_service.model import shard
 from gpu_service.model.config import ModelConfig, ServiceConfig
 from gpu_service.model.weights import weight_shapes
-from gpu_service.tp import shard
-from gpu_service.tp.ranks import Launch, TpEngine, launch
 from protos.defaults import DEFAULT_MODEL_DIR
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc

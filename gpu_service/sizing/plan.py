@@ -22,25 +22,31 @@ import torch
 
 from gpu_service.dflash.config import DFlashConfig, check_ranks, read_config
 from gpu_service.engine.penalties import device_bytes
-from gpu_service.engine.state import DeviceState
 from gpu_service.engine.verifier import SCORE_ROWS
-from gpu_service.memory.plan_graphs import (
-    META,
-    activation_bytes,
-    graph_parts,
-    split_workspace_bytes,
+from gpu_service.model.config import (
+    DFLASH_VERIFY_TIERS,
+    ModelConfig,
+    ServiceConfig,
+    parse_tiers,
+    read_json,
 )
-from gpu_service.memory.plan_meta import by_dtype, meta_drafter, meta_model
-from gpu_service.model.config import ModelConfig, ServiceConfig, read_json
 from gpu_service.model.hybrid import HybridModel, held_bytes
 from gpu_service.model.ops import padded_rows
+from gpu_service.model.state import DeviceState
 from gpu_service.model.weights import (
     checkpoint_index,
     expected_tensors,
     served_config,
     serving_dtype,
 )
-from gpu_service.rpc.options import MAX_AUTO_SLOTS, service_config
+from gpu_service.sizing import MAX_AUTO_SLOTS
+from gpu_service.sizing.plan_graphs import (
+    META,
+    activation_bytes,
+    graph_parts,
+    split_workspace_bytes,
+)
+from gpu_service.sizing.plan_meta import by_dtype, meta_drafter, meta_model
 from kernels.attention.format import KEY_BLOCK
 from protos.hub import model_name
 
@@ -363,6 +369,33 @@ def make_plan(
         size,
         cfg.vision_params * serving_dtype(cfg, None).itemsize,
         model_context if svc.max_context < model_context else 0,
+    )
+
+
+def model_context(cfg: ModelConfig) -> int:
+    """The context a model was built for (its max_position_embeddings), in whole key blocks."""
+    return max(KEY_BLOCK, cfg.max_position_embeddings // KEY_BLOCK * KEY_BLOCK)
+
+
+def service_config(args: argparse.Namespace, cfg: ModelConfig) -> ServiceConfig:
+    """The service's settings from its flags (`--num-slots auto` is the plan's to settle, and
+    so is the context when `--max-context` is not given: `cfg`'s, then what memory holds);
+    ValueError with a sentence on a bad one."""
+    tiers = args.verify_tiers or (
+        DFLASH_VERIFY_TIERS if getattr(args, "drafter", None) else ServiceConfig.verify_tiers
+    )
+    parse_tiers(tiers)
+    return ServiceConfig(
+        verify_tiers=tiers,
+        max_context=args.max_context or model_context(cfg),
+        kv_blocks=args.kv_blocks if isinstance(args.kv_blocks, int) else 0,
+        prefix_snapshots=args.prefix_snapshots,
+        max_rows=args.max_rows,
+        max_batch=args.max_batch,
+        max_prefill_tokens=args.max_prefill_tokens,
+        cuda_graphs=args.cuda_graphs,
+        compile_cache=str(args.compile_cache or ""),
+        num_slots_override=args.num_slots if isinstance(args.num_slots, int) else None,
     )
 
 

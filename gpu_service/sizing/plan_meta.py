@@ -8,13 +8,13 @@ import torch
 from gpu_service.dflash.config import DFlashConfig
 from gpu_service.dflash.model import DFlashModel
 from gpu_service.dflash.weights import expected_tensors as expected_tensors_dflash
-from gpu_service.memory.plan_graphs import META
 from gpu_service.model.config import ModelConfig
 from gpu_service.model.hybrid import HybridModel, held_bytes
 from gpu_service.model.quantization import fp8_names, scale_name, scale_shape
+from gpu_service.model.shard import Shard, part, rank_config
 from gpu_service.model.weights import weight_shapes
+from gpu_service.sizing.plan_graphs import META
 from gpu_service.tp.group import TpGroup
-from gpu_service.tp.shard import Shard, part, rank_config
 from kernels.fp8.naive import FP8
 
 __all__ = ["META", "by_dtype", "meta_drafter", "meta_model", "rank_shapes"]

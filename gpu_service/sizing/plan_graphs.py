@@ -10,11 +10,11 @@ from collections.abc import Callable
 import torch
 
 from gpu_service.engine.graphs import Graphs, buckets, key_bucket
-from gpu_service.engine.state import DeviceState
 from gpu_service.model.batch import Segment
 from gpu_service.model.config import ModelConfig, ServiceConfig
 from gpu_service.model.hybrid import HybridModel, held_bytes
 from gpu_service.model.ops import padded_rows
+from gpu_service.model.state import DeviceState
 from kernels.attention.naive import KEY_BLOCK
 from kernels.fp8.naive import BlockFp8
 

@@ -1,4 +1,4 @@
-"""How a memory plan (`gpu_service/memory/plan.py`) reads: `met gpu-service plan`'s report and JSON,
+"""How a memory plan (`gpu_service/sizing/plan.py`) reads: `met gpu-service plan`'s report and JSON,
 and the summary and the refusal `serve` prints before it loads a weight."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from gpu_service.engine import compiled
 from gpu_service.engine.device import DeviceError, resolve_device
 from gpu_service.engine.graphs import NO_GRAPHS_ENV
 from gpu_service.engine.verifier import SCORE_ROWS
-from gpu_service.memory.plan import PARTS, Memory, MemoryPlan, from_args
+from gpu_service.sizing.plan import PARTS, Memory, MemoryPlan, from_args
 from kernels.attention.format import KEY_BLOCK
 
 
