@@ -1,10 +1,11 @@
 """Every environment variable the control plane reads, declared once and typed.
 
-The `METRALE_*` names are the Rust engine's, kept so its switches work here unchanged. Each
-one overrides one scheduler option by name (`SchedulerOptions.with_env`), over the default
-and over the command line, so a switch set in the environment wins. A switch is on when the
-variable is set to anything but an empty string or `0`; `METRALE_DFLASH_BATCH_VERIFY` is on
-by default and `0` turns it off."""
+The `METRALE_*` names are the levers' documented switches (`METRALE_NO_MTP_DCUT`, ...): a
+deployment's settings keep their meaning whatever the options are called. Each one overrides
+one scheduler option by name (`SchedulerOptions.with_env`), over the default and over the
+command line, so a switch set in the environment wins. A switch is on when the variable is
+set to anything but an empty string or `0`; `METRALE_DFLASH_BATCH_VERIFY` is on by default
+and `0` turns it off."""
 
 from __future__ import annotations
 
