@@ -301,6 +301,7 @@ def plan_to_pb(plan: StepPlan) -> pb.StepPlan:
         trace=plan.trace,
         repeat=plan.repeat,
         then_trace=[pb.TraceContext(fields=t) for t in plan.then_trace],
+        drafters=plan.drafters,
     )
 
 
@@ -316,6 +317,7 @@ def plan_from_pb(msg: pb.StepPlan) -> StepPlan:
         dict(msg.trace),
         max(1, msg.repeat),
         [dict(t.fields) for t in msg.then_trace],
+        list(msg.drafters),
     )
 
 

@@ -276,8 +276,11 @@ class ServingModel(Protocol):
         `drafter` (one of `DRAFTERS`) proposes its drafts: `DFLASH` needs a service with a
         DFlash drafter (`FailedPrecondition` otherwise); its proposals are one block forward
         each, `num_drafts` at most the block's rows less one, and need the whole block inside
-        the context (`InvalidArgument`). `decode_step` and step plans propose with the MTP
-        head only: they refuse a DFlash sequence with `FailedPrecondition`."""
+        the context (`InvalidArgument`). It is the sequence's drafter where a call names none:
+        `settle_verdict`, `decode_step`, step plans and `run_mtp_propose_batched` may name
+        another per call (their `drafters`), so a sequence may switch drafters from one step
+        to the next. Every drafter is kept primed for every sequence, so a switch changes the
+        drafts, never the verified tokens."""
 
     def free_sequence(self, seq: SequenceHandle) -> None:
         """Release the sequence and its slot. An unknown or freed id, or another session's,
@@ -334,12 +337,18 @@ class ServingModel(Protocol):
         last: Sequence[int],
         num_drafts: int,
         sampling: Sequence[Sampling | None] | None = None,
+        drafters: Sequence[str] = (),
     ) -> Proposal:
         """A whole verdict in one call, checked whole before any of it runs: stash the last
         kept row of each proposer (`proposers` index `seqs`; stash slot j is proposer j),
         fold and commit every sequence at `kept_rows`, then propose `num_drafts` drafts for
         the proposers from `last` and trim their drafters. Equal to the five calls in that
-        order; returns the proposal (empty without proposers)."""
+        order; returns the proposal (empty without proposers). `drafters[j]` (one per
+        proposer, or none) names proposer j's drafter for this call (one of `DRAFTERS`; ""
+        or none: its allocated one); a name the service has no drafter for is refused
+        (`InvalidArgument` for an unknown name, `FailedPrecondition` for one it did not
+        load), as a DFlash proposer is refused a count past its block or a block past the
+        context (`room_for_block`)."""
 
     def decode_step(
         self,
@@ -348,21 +357,26 @@ class ServingModel(Protocol):
         seqs: Sequence[SequenceHandle],
         want_drafts: Sequence[bool],
         num_drafts: int,
+        drafters: Sequence[str] = (),
     ) -> StepResult:
         """A greedy step in one call: `decode_verify_batched` of the rows (no masks, no
         sampling), the greedy verdict (draft j + 1 stands while it equals row j's argmax; the
         token after the last standing draft is the argmax of its row), then `settle_verdict`
-        with every sequence that wants drafts and has room for `num_drafts`
-        (`room_to_propose` of its committed length) as a proposer. Equal to those calls;
-        one round trip instead of two. The scheduler takes this path for greedy rows unless
-        its `fused_step` lever is off."""
+        with every sequence that wants drafts and has room for them as a proposer: room for
+        `num_drafts` (`room_to_propose` of its committed length) with the MTP head, for a
+        whole block (`room_for_block`) with a DFlash drafter. `drafters[i]` (one per
+        sequence, or none) names sequence i's drafter, as `settle_verdict`'s do; a model
+        without an MTP head gives its sequences no drafts. Equal to those calls; one round
+        trip instead of two. The scheduler takes this path for greedy rows unless its
+        `fused_step` lever is off."""
 
     def open_steps(self) -> StepStream:
         """A step stream: `StepPlan`s run in order, one `PlanResult` each. The unary calls
-        stay; the control plane pipelines greedy `none` and `mtp` steps over this, sending a
-        plan that continues from the service's own verdict before the previous result is
-        back, and discarding what a sequence that finished meanwhile gains. Over gRPC, the
-        bidirectional `StepStream` RPC of the session; in process, a worker thread."""
+        stay; the control plane pipelines greedy `none`, `mtp` and `dflash` steps over this,
+        sending a plan that continues from the service's own verdict before the previous
+        result is back, and discarding what a sequence that finished meanwhile gains. Over
+        gRPC, the bidirectional `StepStream` RPC of the session; in process, a worker
+        thread."""
 
     def snapshot_prefixes(self, seqs: Sequence[SequenceHandle]) -> list[int]:
         """A snapshot of each sequence, idle right after a prefill to a whole number of KV
@@ -423,14 +437,17 @@ class CircuitModel(ServingModel, Protocol):
         num_drafts: int,
         seqs: Sequence[SequenceHandle],
         sampling: Sequence[Sampling | None] | None = None,
+        drafters: Sequence[str] = (),
     ) -> Proposal:
         """For each sequence, `num_drafts` greedy drafts (or sampled, with one uniform per
         draft, for sequences with `sampling`; the service keeps the distributions they came
-        from for the next verify's residuals) from the MTP head, starting from its
-        stash slot's hidden and `last` (the token after its committed history). The first
-        drafter entry sits at position `seq_len - 1` (the hidden's position, as vLLM's MTP);
-        draft j feeds back the drafter's own hidden. The last position's logits stay in the
-        logits buffer, one row per sequence."""
+        from for the next verify's residuals) from its drafter (`drafters[i]`, as
+        `settle_verdict`'s; "" or none: its allocated one). The MTP head starts from the
+        sequence's stash slot's hidden and `last` (the token after its committed history):
+        its first entry sits at position `seq_len - 1` (the hidden's position, as vLLM's MTP);
+        draft j feeds back the drafter's own hidden. A DFlash drafter runs one block of
+        `[last, MASK ...]` from position `seq_len` (the stash is not read). The last
+        position's logits stay in the logits buffer, one row per sequence."""
 
     def trim_proposer_state(self, seqs: Sequence[SequenceHandle], keep_own: int = 0) -> None:
         """Drop the drafter entries the last propose built from its own hidden, keeping the

@@ -151,6 +151,7 @@ def _verdict_request(a: Args) -> pb.VerdictRequest:
         last=a["last"],
         num_drafts=a["num_drafts"],
         sampling=cv.seq_sampling_to_pb(enumerate(a["sampling"] or ())),
+        drafters=a["drafters"],
     )
 
 
@@ -163,6 +164,7 @@ def _verdict_arguments(r: pb.VerdictRequest) -> dict[str, Any]:
         "last": list(r.last),
         "num_drafts": r.num_drafts,
         "sampling": cv.seq_sampling_from_pb(r.sampling, max(len(r.proposers), 1)),
+        "drafters": list(r.drafters),
     }
 
 
@@ -178,6 +180,7 @@ def _step_request(a: Args) -> pb.StepRequest:
         tokens=a["tokens"],
         want_drafts=a["want_drafts"],
         num_drafts=a["num_drafts"],
+        drafters=a["drafters"],
     )
 
 
@@ -188,6 +191,7 @@ def _step_arguments(r: pb.StepRequest) -> dict[str, Any]:
         "seqs": cv.handles(r.seq_ids),
         "want_drafts": list(r.want_drafts),
         "num_drafts": r.num_drafts,
+        "drafters": list(r.drafters),
     }
 
 
@@ -204,6 +208,7 @@ def _propose_request(a: Args) -> pb.ProposeRequest:
         num_drafts=a["num_drafts"],
         positions=cv.seq_lens(a["seqs"]),
         sampling=cv.seq_sampling_to_pb(enumerate(a["sampling"] or ())),
+        drafters=a["drafters"],
     )
 
 
@@ -215,6 +220,7 @@ def _propose_arguments(r: pb.ProposeRequest) -> dict[str, Any]:
         "num_drafts": r.num_drafts,
         "seqs": seqs,
         "sampling": cv.seq_sampling_from_pb(r.sampling, len(seqs)),
+        "drafters": list(r.drafters),
     }
 
 

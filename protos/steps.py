@@ -55,6 +55,9 @@ class StepPlan:
     # W3C trace contexts of the later steps' spans, in order; a step without one runs under
     # `trace`
     then_trace: list[dict[str, str]] = field(default_factory=list)
+    # Per sequence (or empty: each its own), the drafter that proposes for it in every step
+    # of the plan (`decode_step`'s `drafters`)
+    drafters: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

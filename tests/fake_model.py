@@ -27,6 +27,7 @@ from protos.model import (
     StepResult,
     Verified,
     greedy_accepted,
+    room_for_block,
     room_to_propose,
 )
 from protos.steps import PlanResult, StepPlan, StepStream
@@ -245,9 +246,29 @@ class FakeModel:
         self.calls.append(("trim", len(seqs)))
         self._moved(seqs)
 
+    def _drafters(self, seqs, names) -> list[str]:
+        """Each sequence's drafter for a call, refused as the service refuses a name."""
+        out = []
+        for h, name in zip(seqs, list(names) or [""] * len(seqs), strict=True):
+            name = name or self.seqs[h.seq_id].drafter
+            if name not in (MTP_HEAD, DFLASH):
+                raise InvalidArgument(f"drafter {name!r} is unknown")
+            if name == DFLASH and not self.dflash_block:
+                raise FailedPrecondition("this service has no DFlash drafter")
+            out.append(name)
+        return out
+
+    def _room(self, drafter: str, seq_len: int, num_drafts: int) -> bool:
+        if drafter == DFLASH:
+            return room_for_block(seq_len, self.dflash_block, self.max_context)
+        return room_to_propose(seq_len, num_drafts, self.max_context)
+
     def settle_verdict(
-        self, seqs, kept_rows, ks, proposers, last, num_drafts, sampling=None
+        self, seqs, kept_rows, ks, proposers, last, num_drafts, sampling=None, drafters=()
     ) -> Proposal:
+        chosen = self._drafters([seqs[p] for p in proposers], drafters)
+        if DFLASH in chosen and num_drafts > self.dflash_block - 1:
+            raise InvalidArgument(f"a DFlash block gives at most {self.dflash_block - 1}")
         if proposers:
             self._stash([self.seqs[seqs[p].seq_id].row + kept_rows[p] - 1 for p in proposers])
         self._fold(seqs, kept_rows)
@@ -259,13 +280,17 @@ class FakeModel:
         self._trim(chosen)
         return proposal
 
-    def decode_step(self, tokens, ks, seqs, want_drafts, num_drafts) -> StepResult:
+    def decode_step(self, tokens, ks, seqs, want_drafts, num_drafts, drafters=()) -> StepResult:
         """The engine's greedy step, made of this fake's own calls so a test sees the same
         verify, stash, fold, commit, propose and trim either way; `step` marks the one call."""
         self.calls.append(("step", list(ks), [h.slot for h in seqs]))
-        for h, want in zip(seqs, want_drafts, strict=True):
-            if want and h.seq_id in self.seqs and self.seqs[h.seq_id].drafter == DFLASH:
-                raise FailedPrecondition("decode_step proposes with the MTP head only")
+        for h in seqs:
+            if h.seq_id not in self.seqs:
+                raise NotFound(f"sequence {h.seq_id} is not allocated")
+        chosen = self._drafters(seqs, drafters)
+        wanted = [d for d, w in zip(chosen, want_drafts, strict=True) if w]
+        if DFLASH in wanted and num_drafts > self.dflash_block - 1:
+            raise InvalidArgument(f"a DFlash block gives at most {self.dflash_block - 1}")
         before = [h.seq_len for h in seqs]
         verified = self.decode_verify_batched(tokens, ks, seqs)
         argmax = verified.argmax
@@ -277,10 +302,12 @@ class FakeModel:
         proposers = [
             i
             for i, want in enumerate(want_drafts)
-            if want and room_to_propose(before[i] + kept[i], num_drafts, self.max_context)
+            if want and self._room(chosen[i], before[i] + kept[i], num_drafts)
         ]
         last = [argmax[sum(ks[:i]) + accepted[i]] for i in proposers]
-        proposal = self.settle_verdict(seqs, kept, ks, proposers, last, num_drafts)
+        proposal = self.settle_verdict(
+            seqs, kept, ks, proposers, last, num_drafts, drafters=[chosen[i] for i in proposers]
+        )
         drafts = dict(zip(proposers, proposal.drafts, strict=True))
         for i, h in enumerate(seqs):  # what a plan continuing it verifies: bonus, then drafts
             bonus = argmax[sum(ks[:i]) + accepted[i]]

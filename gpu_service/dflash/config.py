@@ -106,12 +106,6 @@ class DFlashConfig:
         return out
 
 
-def check_ranks(tensor_parallel_size: int) -> None:
-    """A DFlash drafter is served on one device: its weights are not split over ranks yet."""
-    if tensor_parallel_size > 1:
-        raise ValueError("--drafter is not served under --tensor-parallel-size above 1 yet")
-
-
 def default_taps(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
     """The published rule: one tap per drafter layer, spread evenly over target layers 1 to
     L - 3 (the middle layer for a single drafter layer)."""

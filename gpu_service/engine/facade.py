@@ -1,6 +1,6 @@
 """The in-process `Model`: a thin facade over the engine's parts, each built here with what it
 needs: the slot table (`slots.py`), the verifier (`verifier.py`: prefill, verify, fold,
-commit, stash), the drafter (`drafter.py`: prime, propose, trim) and the fused steps
+commit, stash), the drafters (`drafters.py`: prime, propose, trim) and the fused steps
 (`fused.py`). It owns the weights and every piece of device state, executes one batched
 operation per call under one lock, and never decides what runs next."""
 
@@ -17,14 +17,14 @@ import torch
 from opentelemetry import propagate
 from opentelemetry.trace import SpanKind
 
-from gpu_service.dflash.config import check_ranks
 from gpu_service.engine import compiled, costs, graphs
 from gpu_service.engine.block_drafter import BlockDrafter
 from gpu_service.engine.choice import Choice
 from gpu_service.engine.device import describe_device, resolve_device
-from gpu_service.engine.drafter import Drafter
+from gpu_service.engine.drafters import Drafter, Drafters
 from gpu_service.engine.fused import Steps
 from gpu_service.engine.graphs import Capture, Graphs
+from gpu_service.engine.head_drafter import HeadDrafter
 from gpu_service.engine.plans import EngineSteps, run_plan
 from gpu_service.engine.verifier import Verifier
 from gpu_service.memory.kv_blocks import KvBlocks
@@ -43,12 +43,9 @@ from kernels.attention.format import KEY_BLOCK
 from protos import checks
 from protos.hub import model_name
 from protos.model import (
-    DFLASH,
-    DRAFTERS,
     FORWARDS,
     MTP_HEAD,
     Capabilities,
-    FailedPrecondition,
     InvalidArgument,
     Logits,
     ModelError,
@@ -91,8 +88,6 @@ class Engine:
         only its part of the weights and state (`model/shard.py`), and every operation must be
         run by every rank in the same order (`ranks.py` sees to it). `drafter`: a DFlash
         drafter's directory (z-lab's layout), loaded beside the MTP head."""
-        if drafter is not None and tp is not None:
-            check_ranks(tp.size)
         self.cfg = ModelConfig.load(model_dir)
         self.tp = tp
         self.svc = svc or ServiceConfig()
@@ -120,14 +115,11 @@ class Engine:
             self.state, self.slots, self.svc.prefix_snapshots, self.cfg.has_mtp
         )
         parts = (self.cfg, self.svc, self.model, self.state, self.slots, self.choice)
-        self.blocks = (
-            None
-            if drafter is None
-            else BlockDrafter(drafter, held, self.svc, self.model, self.state, self.choice)
-        )
-        self.drafter = Drafter(*parts, blocks=self.blocks)
-        self.verifier = Verifier(*parts, prime=self.drafter.prime)
-        self.steps = Steps(self.svc, self.verifier, self.drafter)
+        self.blocks = None if drafter is None else BlockDrafter(drafter, held, *parts[1:])
+        loaded: list[Drafter] = [HeadDrafter(*parts), *([self.blocks] if self.blocks else [])]
+        self.drafters = Drafters(self.cfg, self.svc, self.state, self.slots, loaded)
+        self.verifier = Verifier(*parts, prime=self.drafters.prime)
+        self.steps = Steps(self.svc, self.verifier, self.drafters)
         # Reentrant: measuring costs runs the single operations under the same hold.
         self._lock = threading.RLock()
         # Under tensor parallelism each replay would hold collectives; graphs stay off there.
@@ -219,14 +211,7 @@ class Engine:
         )
         if problem:
             raise InvalidArgument(problem)
-        if drafter not in DRAFTERS:
-            raise InvalidArgument(
-                f"drafter {drafter!r} is unknown; use one of {', '.join(DRAFTERS)}"
-            )
-        if drafter == DFLASH and self.blocks is None:
-            raise FailedPrecondition(
-                "this service has no DFlash drafter (start it with --drafter PATH)"
-            )
+        self.drafters.get(drafter)
         with self._hold():
             seq = self.slots.alloc(
                 penalties if penalties is not None and penalties.active else None, drafter
@@ -334,17 +319,20 @@ class Engine:
         num_drafts: int,
         seqs: Sequence[SequenceHandle],
         sampling: Sequence[Sampling | None] | None = None,
+        drafters: Sequence[str] = (),
     ) -> Proposal:
         with self._hold():
-            return self.drafter.run_mtp_propose_batched(last, stash, num_drafts, seqs, sampling)
+            return self.drafters.run_mtp_propose_batched(
+                last, stash, num_drafts, seqs, sampling, drafters
+            )
 
     def check_positions(self, seqs: Sequence[SequenceHandle], positions: Sequence[int]) -> None:
         with self._hold():
-            self.drafter.check_positions(seqs, positions)
+            self.drafters.check_positions(seqs, positions)
 
     def trim_proposer_state(self, seqs: Sequence[SequenceHandle], keep_own: int = 0) -> None:
         with self._hold():
-            self.drafter.trim_proposer_state(seqs, keep_own)
+            self.drafters.trim(self.slots.lookup("trim_proposer_state", seqs), keep_own)
 
     # -- fused steps ---------------------------------------------------------------------
 
@@ -357,10 +345,11 @@ class Engine:
         last: Sequence[int],
         num_drafts: int,
         sampling: Sequence[Sampling | None] | None = None,
+        drafters: Sequence[str] = (),
     ) -> Proposal:
         with self._hold():
             return self.steps.settle_verdict(
-                seqs, kept_rows, ks, proposers, last, num_drafts, sampling
+                seqs, kept_rows, ks, proposers, last, num_drafts, sampling, drafters
             )
 
     def decode_step(
@@ -370,9 +359,10 @@ class Engine:
         seqs: Sequence[SequenceHandle],
         want_drafts: Sequence[bool],
         num_drafts: int,
+        drafters: Sequence[str] = (),
     ) -> StepResult:
         with self._hold():
-            return self.steps.decode_step(tokens, ks, seqs, want_drafts, num_drafts)
+            return self.steps.decode_step(tokens, ks, seqs, want_drafts, num_drafts, drafters)
 
     def run_plan(self, plan: StepPlan) -> PlanResult:
         """One step plan (`StepPlan`), under the caller's trace context."""

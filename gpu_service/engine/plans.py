@@ -28,7 +28,8 @@ Refusal = tuple[int, str, str]
 
 
 def check_plan(plan: StepPlan) -> None:
-    """What refuses a plan whole: parallel lists of different lengths, a sequence named twice,
+    """What refuses a plan whole: parallel lists of different lengths (`drafters` may be
+    empty), a sequence named twice,
     tokens that do not fill the rows of the sequences that give theirs, more steps than
     MAX_PLAN_REPEAT, more later steps' trace contexts than later steps."""
     checks.same_length(
@@ -38,6 +39,8 @@ def check_plan(plan: StepPlan) -> None:
         ks=plan.ks,
         want_drafts=plan.want_drafts,
     )
+    if plan.drafters:
+        checks.same_length("a step plan", seqs=plan.seqs, drafters=plan.drafters)
     checks.distinct("a step plan", [h.seq_id for h in plan.seqs])
     given = sum(k for k, c in zip(plan.ks, plan.continues, strict=True) if not c)
     if given != len(plan.tokens):
@@ -106,7 +109,7 @@ def run_plan(
     want = [plan.want_drafts[i] for i in ran]
     flat, ks = [t for r in rows for t in r], [len(r) for r in rows]
     try:
-        step = decode_step(flat, ks, seqs, want, plan.num_drafts)
+        step = decode_step(flat, ks, seqs, want, plan.num_drafts, _drafters(plan, ran))
         return PlanResult(step, ran, flat, ks, refused)
     except ModelError as e:
         if len(ran) == 1:
@@ -138,7 +141,14 @@ def _one_by_one(
     ks: list[int] = []
     for i, r in zip(ran, rows, strict=True):
         try:
-            s = decode_step(r, [len(r)], [plan.seqs[i]], [plan.want_drafts[i]], plan.num_drafts)
+            s = decode_step(
+                r,
+                [len(r)],
+                [plan.seqs[i]],
+                [plan.want_drafts[i]],
+                plan.num_drafts,
+                _drafters(plan, [i]),
+            )
         except ModelError as e:
             refused.append((i, e.code, str(e)))
             continue
@@ -154,6 +164,11 @@ def _one_by_one(
         ks.append(len(r))
     step = StepResult(argmax, logprobs, accepted, proposers, Proposal(drafts, confs))
     return PlanResult(step, kept, flat, ks, sorted(refused))
+
+
+def _drafters(plan: StepPlan, ran: list[int]) -> list[str]:
+    """The plan's drafter names of the sequences at `ran` (none where it names none)."""
+    return [plan.drafters[i] for i in ran] if plan.drafters else []
 
 
 def run_without(
@@ -183,6 +198,7 @@ def run_without(
             tokens=tokens,
             ks=[plan.ks[i] for i in keep],
             want_drafts=[plan.want_drafts[i] for i in keep],
+            drafters=_drafters(plan, keep),
         )
     )
     lifted = [(keep[j], code, sentence) for j, code, sentence in r.refused]

@@ -53,6 +53,9 @@ class Launch:
     reduce: str = DEFAULT_REDUCE
     timeout_s: float = DEFAULT_TIMEOUT_S
     threads: int = 1
+    # A DFlash drafter's directory: every rank loads the whole drafter (it is small) and runs
+    # its block forwards on its own copy, so that no collective waits on it.
+    drafter: Path | None = None
 
     def device_of(self, rank: int) -> torch.device:
         return torch.device(f"cuda:{rank}" if self.device.startswith("cuda") else self.device)
@@ -120,7 +123,14 @@ class TpEngine(Engine):
         # Calls the engine makes on itself while loading are each rank's own.
         self._depth.n = 1
         try:
-            super().__init__(launch.model_dir, launch.svc, launch.dtype, launch.device_of(0), group)
+            super().__init__(
+                launch.model_dir,
+                launch.svc,
+                launch.dtype,
+                launch.device_of(0),
+                group,
+                launch.drafter,
+            )
             error = None
         except (OSError, ValueError) as e:
             error = str(e)
@@ -207,7 +217,7 @@ def follow(
         torch.cuda.set_device(device)
     group = TpGroup(rank, meet, device, launch.reduce)
     try:
-        engine = Engine(launch.model_dir, launch.svc, launch.dtype, device, group)
+        engine = Engine(launch.model_dir, launch.svc, launch.dtype, device, group, launch.drafter)
         error = None
     except (OSError, ValueError) as e:
         error = f"rank {rank}: {e}"

@@ -15,7 +15,6 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from gpu_service.dflash.config import check_ranks
 from gpu_service.dflash.weights import check_drafter
 from gpu_service.engine import compiled, graphs, ranks
 from gpu_service.engine.device import DeviceError, choose_device, default_forward
@@ -83,6 +82,7 @@ def _load(args: argparse.Namespace, svc: ServiceConfig, device: torch.device) ->
                 args.tp_reduce,
                 args.tp_timeout,
                 args.threads,
+                args.drafter,
             )
         )
     else:
@@ -205,7 +205,6 @@ def _drafter_or_exit(args: argparse.Namespace) -> None:
     if args.drafter is None:
         return
     try:
-        check_ranks(args.tensor_parallel_size)
         check_drafter(args.drafter, ModelConfig.load(args.model))
     except (OSError, ValueError) as e:
         _refuse(e)

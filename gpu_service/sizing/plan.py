@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from gpu_service.dflash.config import DFlashConfig, check_ranks, read_config
+from gpu_service.dflash.config import DFlashConfig, read_config
 from gpu_service.engine.penalties import device_bytes
 from gpu_service.engine.verifier import SCORE_ROWS
 from gpu_service.model.config import (
@@ -413,7 +413,6 @@ def from_args(args: argparse.Namespace, device: torch.device, graphs: bool) -> M
     # The drafter's shapes: its config alone (a plan reads no weights).
     drafter = None
     if args.drafter is not None:
-        check_ranks(size)
         drafter = read_config(args.drafter, cfg)
     return make_plan(name, cfg, svc, dtype, graphs, memory, auto, size, blocks, context, drafter)
 

@@ -51,6 +51,7 @@ def test_plan_round_trip() -> None:
             {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-c7ad6b7169203331-01"},
             {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-d7ad6b7169203331-01"},
         ],
+        drafters=["dflash", "", "mtp"],
     )
     assert cv.plan_from_pb(wire(cv.plan_to_pb(plan))) == plan
     assert cv.plan_from_pb(pb.StepPlan()).repeat == 1, "unset: one step"

@@ -309,20 +309,22 @@ class StashReply(_message.Message):
     def __init__(self) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("seq_ids", "last", "stash", "num_drafts", "positions", "sampling")
+    __slots__ = ("seq_ids", "last", "stash", "num_drafts", "positions", "sampling", "drafters")
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
     STASH_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    DRAFTERS_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     last: _containers.RepeatedScalarFieldContainer[int]
     stash: _containers.RepeatedScalarFieldContainer[int]
     num_drafts: int
     positions: _containers.RepeatedScalarFieldContainer[int]
     sampling: _containers.RepeatedCompositeFieldContainer[SeqSampling]
-    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., last: _Optional[_Iterable[int]] = ..., stash: _Optional[_Iterable[int]] = ..., num_drafts: _Optional[int] = ..., positions: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Iterable[_Union[SeqSampling, _Mapping]]] = ...) -> None: ...
+    drafters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., last: _Optional[_Iterable[int]] = ..., stash: _Optional[_Iterable[int]] = ..., num_drafts: _Optional[int] = ..., positions: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Iterable[_Union[SeqSampling, _Mapping]]] = ..., drafters: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ProposeReply(_message.Message):
     __slots__ = ("drafts", "confidences")
@@ -381,7 +383,7 @@ class DropPrefixesReply(_message.Message):
     def __init__(self) -> None: ...
 
 class VerdictRequest(_message.Message):
-    __slots__ = ("seq_ids", "kept_rows", "ks", "proposers", "last", "num_drafts", "sampling")
+    __slots__ = ("seq_ids", "kept_rows", "ks", "proposers", "last", "num_drafts", "sampling", "drafters")
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     KEPT_ROWS_FIELD_NUMBER: _ClassVar[int]
     KS_FIELD_NUMBER: _ClassVar[int]
@@ -389,6 +391,7 @@ class VerdictRequest(_message.Message):
     LAST_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    DRAFTERS_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     kept_rows: _containers.RepeatedScalarFieldContainer[int]
     ks: _containers.RepeatedScalarFieldContainer[int]
@@ -396,7 +399,8 @@ class VerdictRequest(_message.Message):
     last: _containers.RepeatedScalarFieldContainer[int]
     num_drafts: int
     sampling: _containers.RepeatedCompositeFieldContainer[SeqSampling]
-    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., kept_rows: _Optional[_Iterable[int]] = ..., ks: _Optional[_Iterable[int]] = ..., proposers: _Optional[_Iterable[int]] = ..., last: _Optional[_Iterable[int]] = ..., num_drafts: _Optional[int] = ..., sampling: _Optional[_Iterable[_Union[SeqSampling, _Mapping]]] = ...) -> None: ...
+    drafters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., kept_rows: _Optional[_Iterable[int]] = ..., ks: _Optional[_Iterable[int]] = ..., proposers: _Optional[_Iterable[int]] = ..., last: _Optional[_Iterable[int]] = ..., num_drafts: _Optional[int] = ..., sampling: _Optional[_Iterable[_Union[SeqSampling, _Mapping]]] = ..., drafters: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class VerdictReply(_message.Message):
     __slots__ = ("seq_lens", "drafts", "confidences")
@@ -469,18 +473,20 @@ class CostReply(_message.Message):
     def __init__(self, entries: _Optional[_Iterable[_Union[CostEntry, _Mapping]]] = ..., cached: _Optional[bool] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("seq_ids", "ks", "tokens", "want_drafts", "num_drafts")
+    __slots__ = ("seq_ids", "ks", "tokens", "want_drafts", "num_drafts", "drafters")
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     KS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     WANT_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTERS_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     ks: _containers.RepeatedScalarFieldContainer[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     want_drafts: _containers.RepeatedScalarFieldContainer[bool]
     num_drafts: int
-    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., ks: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., want_drafts: _Optional[_Iterable[bool]] = ..., num_drafts: _Optional[int] = ...) -> None: ...
+    drafters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., ks: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., want_drafts: _Optional[_Iterable[bool]] = ..., num_drafts: _Optional[int] = ..., drafters: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StepReply(_message.Message):
     __slots__ = ("argmax", "logprobs", "accepted", "seq_lens", "proposers", "drafts", "confidences")
@@ -501,7 +507,7 @@ class StepReply(_message.Message):
     def __init__(self, argmax: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., accepted: _Optional[_Iterable[int]] = ..., seq_lens: _Optional[_Iterable[int]] = ..., proposers: _Optional[_Iterable[int]] = ..., drafts: _Optional[_Iterable[int]] = ..., confidences: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("seq_ids", "continues", "tokens", "ks", "want_drafts", "num_drafts", "trace", "repeat", "then_trace")
+    __slots__ = ("seq_ids", "continues", "tokens", "ks", "want_drafts", "num_drafts", "trace", "repeat", "then_trace", "drafters")
     class TraceEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -518,6 +524,7 @@ class StepPlan(_message.Message):
     TRACE_FIELD_NUMBER: _ClassVar[int]
     REPEAT_FIELD_NUMBER: _ClassVar[int]
     THEN_TRACE_FIELD_NUMBER: _ClassVar[int]
+    DRAFTERS_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     continues: _containers.RepeatedScalarFieldContainer[bool]
     tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -527,7 +534,8 @@ class StepPlan(_message.Message):
     trace: _containers.ScalarMap[str, str]
     repeat: int
     then_trace: _containers.RepeatedCompositeFieldContainer[TraceContext]
-    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., continues: _Optional[_Iterable[bool]] = ..., tokens: _Optional[_Iterable[int]] = ..., ks: _Optional[_Iterable[int]] = ..., want_drafts: _Optional[_Iterable[bool]] = ..., num_drafts: _Optional[int] = ..., trace: _Optional[_Mapping[str, str]] = ..., repeat: _Optional[int] = ..., then_trace: _Optional[_Iterable[_Union[TraceContext, _Mapping]]] = ...) -> None: ...
+    drafters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., continues: _Optional[_Iterable[bool]] = ..., tokens: _Optional[_Iterable[int]] = ..., ks: _Optional[_Iterable[int]] = ..., want_drafts: _Optional[_Iterable[bool]] = ..., num_drafts: _Optional[int] = ..., trace: _Optional[_Mapping[str, str]] = ..., repeat: _Optional[int] = ..., then_trace: _Optional[_Iterable[_Union[TraceContext, _Mapping]]] = ..., drafters: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TraceContext(_message.Message):
     __slots__ = ("fields",)

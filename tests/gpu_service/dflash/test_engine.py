@@ -114,5 +114,6 @@ def test_dflash_needs_a_drafter_and_its_block(drafter: Path):
     with pytest.raises(InvalidArgument, match="at most 15"):
         engine.settle_verdict([seq2], [1], [1], [0], [5], 16)
     engine.settle_verdict([seq2], [1], [1], [], [], 3)
-    with pytest.raises(FailedPrecondition, match="MTP head only"):
-        engine.decode_step([pre.argmax[0]], [1], [seq2], [True], 3)
+    with pytest.raises(InvalidArgument, match="at most 15"):
+        engine.decode_step([pre.argmax[0]], [1], [seq2], [True], 16)
+    assert engine.decode_step([pre.argmax[0]], [1], [seq2], [True], 3).proposers == [0]

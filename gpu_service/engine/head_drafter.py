@@ -1,19 +1,19 @@
-"""The drafter: primes the MTP head's KV from prompts, proposes drafts by chaining the head on
-the device (draft j + 1's input is draft j's argmax, no host round trip), and trims what the
-committed history no longer justifies."""
+"""The MTP head's drafter: primes the head's KV from prompts, proposes drafts by chaining the
+head on the device (draft j + 1's input is draft j's argmax, no host round trip), inside a
+`decode_step` too, and trims what the committed history no longer justifies."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 import torch
 
-from gpu_service.engine.block_drafter import BlockDrafter
 from gpu_service.engine.choice import Choice
+from gpu_service.engine.drafters import Drafted, StepDrafts, StepView
 from gpu_service.engine.graphs import Graphs
-from gpu_service.engine.sampling import check_sampling, distribution, draw
-from gpu_service.memory.sequence import IDLE, SeqState
+from gpu_service.engine.sampling import distribution, draw
+from gpu_service.memory.sequence import SeqState
 from gpu_service.memory.slots import SlotTable
 from gpu_service.model.backend import download, ints, upload
 from gpu_service.model.batch import Segment, draft_batch, key_len
@@ -24,18 +24,24 @@ from gpu_service.model.state import DeviceState
 from kernels.attention.naive import KEY_BLOCK
 from protos import checks
 from protos.model import (
-    DFLASH,
+    MTP_HEAD,
     FailedPrecondition,
     InvalidArgument,
     Proposal,
     Sampling,
-    SequenceHandle,
     room_to_propose,
 )
-from protos.telemetry import traced
+from protos.telemetry import span, tracer
+
+_TRACER = tracer("met.engine")
 
 
-class Drafter:
+class HeadDrafter:
+    """The target's MTP head as a `Drafter`: drafts chained from the stash slot's hidden (the
+    target's final hidden of the last committed row), one head pass a draft."""
+
+    name = MTP_HEAD
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -44,12 +50,13 @@ class Drafter:
         state: DeviceState,
         slots: SlotTable,
         choice: Choice,
-        blocks: BlockDrafter | None = None,
     ) -> None:
-        """`blocks`: the DFlash drafter, where one is loaded; it proposes for the sequences
-        allocated to it, the MTP head for the rest."""
         self.cfg, self.svc, self.model, self.state = cfg, svc, model, state
-        self.slots, self.choice, self.blocks = slots, choice, blocks
+        self.slots, self.choice = slots, choice
+
+    @property
+    def available(self) -> bool:
+        return self.cfg.has_mtp
 
     # -- priming -------------------------------------------------------------------------
 
@@ -86,71 +93,14 @@ class Drafter:
 
     # -- propose -------------------------------------------------------------------------
 
-    @traced("propose")
-    def run_mtp_propose_batched(
+    def propose(
         self,
-        last: Sequence[int],
-        stash: Sequence[int],
-        num_drafts: int,
-        seqs: Sequence[SequenceHandle],
-        sampling: Sequence[Sampling | None] | None = None,
-    ) -> Proposal:
-        states = self.check_propose(last, stash, num_drafts, seqs)
-        sampled = {i: s for i, s in enumerate(sampling or ()) if s is not None}
-        check_sampling(sampled, {i: num_drafts for i in sampled}, len(states))
-        block = [i for i, s in enumerate(states) if s.drafter == DFLASH]
-        if not block:
-            return self._propose_mtp(last, stash, num_drafts, states, sampled)
-        head = [i for i in range(len(states)) if i not in set(block)]
-        rows: list[list[int]] = [[] for _ in states]
-        confs: list[list[float]] = [[] for _ in states]
-        logits = []
-        for group, run in ((head, self._propose_mtp), (block, self._propose_blocks)):
-            if not group:
-                continue
-            sub = {j: sampled[i] for j, i in enumerate(group) if i in sampled}
-            part = run(
-                [last[i] for i in group],
-                [stash[i] for i in group],
-                num_drafts,
-                [states[i] for i in group],
-                sub,
-            )
-            logits.append(self.state.logits)
-            for j, i in enumerate(group):
-                rows[i], confs[i] = part.drafts[j], part.confidences[j]
-        # The buffer's rows in the sequences' order, as one group's would be.
-        order = [*head, *block]
-        self.state.logits = torch.cat(logits)[
-            torch.tensor([order.index(i) for i in range(len(states))])
-        ]
-        return Proposal(rows, confs)
-
-    def _propose_blocks(
-        self,
-        last: Sequence[int],
-        stash: Sequence[int],
-        num_drafts: int,
         states: list[SeqState],
-        sampled: dict[int, Sampling],
-    ) -> Proposal:
-        assert self.blocks is not None  # check_propose refuses a DFlash sequence without one
-        self.slots.cover(states, [s.seq_len + self.blocks.block_size for s in states])
-        drafts, confs, self.state.logits = self.blocks.propose(
-            states, list(last), num_drafts, sampled
-        )
-        for s in states:
-            s.own_drafts = []  # the block's keys are rewritten by the verify: nothing to trim
-        return Proposal(drafts, confs)
-
-    def _propose_mtp(
-        self,
-        last: Sequence[int],
-        stash: Sequence[int],
+        last: list[int],
+        stash: list[int],
         num_drafts: int,
-        states: list[SeqState],
         sampled: dict[int, Sampling],
-    ) -> Proposal:
+    ) -> tuple[Proposal, torch.Tensor]:
         device = self.model.device
         self.slots.cover(states, [s.seq_len - 1 + num_drafts for s in states])
         tok, slots, pos, rows = upload(
@@ -161,7 +111,8 @@ class Drafter:
         drafts, confs = self.chain(tok, hidden, slots, pos, top, num_drafts, sampled, states)
         host_drafts, host_confs = download(drafts, confs)
         self.own_drafts(states, num_drafts)
-        return proposal_rows(host_drafts, host_confs, len(states), num_drafts)
+        proposal = proposal_rows(host_drafts, host_confs, len(states), num_drafts)
+        return proposal, self.state.logits
 
     def own_drafts(self, states: list[SeqState], num_drafts: int) -> None:
         for s in states:
@@ -292,69 +243,78 @@ class Drafter:
             qs[g].append(q)
         return tok, conf
 
-    def check_propose(
-        self,
-        last: Sequence[int],
-        stash: Sequence[int],
-        num_drafts: int,
-        seqs: Sequence[SequenceHandle],
-    ) -> list[SeqState]:
-        checks.same_length("run_mtp_propose_batched", seqs=seqs, last=last, stash=stash)
-        states = self.slots.lookup("run_mtp_propose_batched", seqs)
-        checks.within("the number of sequences", len(states), 1, self.svc.max_batch)
-        checks.tokens_in_vocab(last, self.cfg.vocab_size)
-        self.check_num_drafts(num_drafts)
-        for s, slot in zip(states, stash, strict=True):
-            checks.phase(s.seq_id, s.phase, IDLE, "propose for")
-            if s.seq_len == 0:
-                raise FailedPrecondition(f"sequence {s.seq_id} is empty; prefill it first")
-            if s.drafter == DFLASH:
-                self.check_block(s, s.seq_len, num_drafts)
-                continue
-            if not self.cfg.has_mtp:
-                raise FailedPrecondition("this model has no MTP head; it cannot propose drafts")
-            checks.within("a stash slot", slot, 0, self.svc.max_batch - 1)
-            if not self.state.stash_valid[slot]:
-                raise FailedPrecondition(f"stash slot {slot} holds no hidden yet")
-            self.check_room(s.seq_id, s.seq_len, num_drafts)
-        return states
-
-    def check_block(self, s: SeqState, seq_len: int, num_drafts: int) -> None:
-        """A DFlash sequence's propose from `seq_len` committed tokens."""
-        if self.blocks is None:
-            raise FailedPrecondition(
-                f"sequence {s.seq_id} drafts with DFlash; this service has no DFlash drafter"
-            )
-        self.blocks.check(s.seq_id, seq_len, num_drafts)
-
-    def check_num_drafts(self, num_drafts: int) -> None:
-        checks.within("num_drafts", num_drafts, 1, max(self.svc.slot_verify_drafts) + 1)
-
-    def check_room(self, seq_id: int, seq_len: int, num_drafts: int) -> None:
-        """`InvalidArgument` unless `num_drafts` drafts fit after `seq_len` committed tokens."""
+    def check(self, s: SeqState, seq_len: int, num_drafts: int, stash: int | None) -> None:
+        if not self.cfg.has_mtp:
+            raise FailedPrecondition("this model has no MTP head; it cannot propose drafts")
+        if stash is not None:
+            checks.within("a stash slot", stash, 0, self.svc.max_batch - 1)
+            if not self.state.stash_valid[stash]:
+                raise FailedPrecondition(f"stash slot {stash} holds no hidden yet")
         if not room_to_propose(seq_len, num_drafts, self.svc.max_context):
             raise InvalidArgument(
-                f"sequence {seq_id} holds {seq_len} tokens; {num_drafts} drafts from position "
+                f"sequence {s.seq_id} holds {seq_len} tokens; {num_drafts} drafts from position "
                 f"{seq_len - 1} exceed the context of {self.svc.max_context}"
             )
 
-    def check_positions(self, seqs: Sequence[SequenceHandle], positions: Sequence[int]) -> None:
-        """A caller's mirrored `seq_len`s, checked against the service's."""
-        checks.same_length("run_mtp_propose_batched", seqs=seqs, positions=positions)
-        for h, pos in zip(seqs, positions, strict=True):
-            s = self.slots.get(h.seq_id)
-            if pos != s.seq_len:
-                raise InvalidArgument(
-                    f"sequence {s.seq_id} holds {s.seq_len} tokens; the request says {pos}"
-                )
+    def check_count(self, num_drafts: int) -> None:
+        """Any count the slots can verify (the caller checks that bound)."""
+
+    def step_extent(self, num_drafts: int) -> int:
+        # The chain's entries run from the last accepted row to num_drafts - 1 past it.
+        return num_drafts - 1
+
+    # -- inside a decode step ------------------------------------------------------------
+
+    def step_drafts(
+        self, step: StepView, rows: list[int], where: torch.Tensor, num_drafts: int
+    ) -> StepDrafts:
+        """Drafts on the device from each sequence's last accepted row, before the host knows
+        which it is; one without room for them drafts into the pad slot, and `finish` drops
+        its drafts. Its own entries are trimmed here, on the device."""
+        state = self.state
+        acc = step.accepted[where]
+        last_rows = step.row0[where] + acc
+        pos = step.before_t[where] + acc  # the first draft's position: the last accepted row's
+        # The rule is plain arithmetic, so it applies elementwise to a tensor of lengths.
+        fits = room_to_propose(cast(int, pos + 1), num_drafts, self.svc.max_context)
+        room = cast(torch.Tensor, fits)  # [n] bool
+        slots = torch.where(room, step.slots[where], state.pad_slot)
+        pos = torch.where(room, pos, 0)
+        hidden = state.verify_hidden[last_rows]
+        n = len(rows)
+        with span(_TRACER, "stash"):
+            state.stash[:n] = hidden
+            state.stash_valid[:n] = [True] * n
+        top_pos = max(step.before[i] + step.ks[i] - 1 for i in rows)  # the verify's last position
+        with span(_TRACER, "propose"):
+            drafts, confs = self.chain(step.top[last_rows], hidden, slots, pos, top_pos, num_drafts)
+        logits = state.logits
+        with span(_TRACER, "trim"):  # only entries from the target's hidden stay
+            own = pos[:, None] + torch.arange(1, num_drafts, device=pos.device)
+            state.mtp_valid.view(-1).index_put_(
+                (state.kv_index(slots[:, None], own),), _false(pos.device)
+            )
+
+        def finish(values: list[list[float]], bonus: list[int]) -> Drafted:
+            full = proposal_rows(values[0], values[1], n, num_drafts)
+            ctx = self.svc.max_context
+            keep = [
+                j
+                for j, i in enumerate(rows)
+                if room_to_propose(step.states[i].seq_len, num_drafts, ctx)
+            ]
+            index = torch.tensor(keep, dtype=torch.long, device=logits.device)
+            return (
+                [rows[j] for j in keep],
+                Proposal([full.drafts[j] for j in keep], [full.confidences[j] for j in keep]),
+                logits.index_select(0, index),
+            )
+
+        return StepDrafts([drafts, confs], finish)
 
     # -- trim ----------------------------------------------------------------------------
 
-    @traced("trim")
-    def trim_proposer_state(self, seqs: Sequence[SequenceHandle], keep_own: int = 0) -> None:
-        states = self.slots.lookup("trim_proposer_state", seqs)
-        if keep_own < 0:
-            raise InvalidArgument(f"keep_own is {keep_own}; it must be at least 0")
+    def trim(self, states: list[SeqState], keep_own: int) -> None:
         slots = [s.slot for s in states for _ in s.own_drafts[keep_own:]]
         positions = [p for s in states for p in s.own_drafts[keep_own:]]
         for s in states:
@@ -362,7 +322,6 @@ class Drafter:
         if positions:
             where = self.state.kv_index(*upload(self.model.device, slots, positions))
             self.state.mtp_valid.view(-1).index_put_((where,), _false(self.model.device))
-        self.slots.shrink(states)
 
 
 def _false(device: torch.device) -> torch.Tensor:
