@@ -125,8 +125,10 @@ def prefill_to_pb(
     masks: Sequence[bytes],
     sampling: Sequence[Sampling | None],
     scores: Sequence[ScoreAsk | None],
+    tops: Sequence[int],
 ) -> pb.PrefillRequest:
-    """One item per sequence; an empty mask and an unset `sampling` or `score` mean none."""
+    """One item per sequence; an empty mask, an unset `sampling` or `score` and a `top` of 0
+    mean none."""
     items = [
         pb.PrefillItem(
             seq_id=s.seq_id,
@@ -134,8 +136,9 @@ def prefill_to_pb(
             mask=m,
             sampling=to_pb(smp) if smp is not None else None,
             score=None if ask is None else pb.ScoreAsk(top=ask.top, next_token=ask.next_token),
+            top=top,
         )
-        for s, p, m, smp, ask in zip(seqs, prompts, masks, sampling, scores, strict=True)
+        for s, p, m, smp, ask, top in zip(seqs, prompts, masks, sampling, scores, tops, strict=True)
     ]
     return pb.PrefillRequest(items=items)
 
@@ -148,14 +151,16 @@ def prefill_from_pb(
     list[bytes],
     list[Sampling | None],
     list[ScoreAsk | None],
+    list[int],
 ]:
-    """`prefill_to_pb` backwards: (handles, prompts, masks, sampling, scores)."""
+    """`prefill_to_pb` backwards: (handles, prompts, masks, sampling, scores, tops)."""
     items = request.items
     sampling = [from_pb(Sampling, i.sampling) if i.HasField("sampling") else None for i in items]
     scores = [_score_ask(i.score) if i.HasField("score") else None for i in items]
     prompts = [list(i.tokens) for i in items]
     masks = [i.mask for i in items]
-    return handles(i.seq_id for i in items), prompts, masks, sampling, scores
+    tops = [i.top for i in items]
+    return handles(i.seq_id for i in items), prompts, masks, sampling, scores, tops
 
 
 def _score_ask(m: pb.ScoreAsk) -> ScoreAsk:
@@ -209,6 +214,8 @@ def draws_to_pb(draws: Sequence[RowDraws | None]) -> dict[str, list]:
         "p_next": [d.p_next if d else 0.0 for d in draws],
         "resample": [d.resample if d else 0 for d in draws],
         "sample": [d.sample if d else 0 for d in draws],
+        "resample_logprobs": [d.resample_logprob if d else 0.0 for d in draws],
+        "sample_logprobs": [d.sample_logprob if d else 0.0 for d in draws],
     }
 
 
@@ -224,9 +231,50 @@ def draws_from_pb(
             rows.update(range(off, off + k))
         off += k
     return [
-        RowDraws(reply.p_next[r], reply.resample[r], reply.sample[r]) if r in rows else None
+        RowDraws(
+            reply.p_next[r],
+            reply.resample[r],
+            reply.sample[r],
+            reply.resample_logprobs[r],
+            reply.sample_logprobs[r],
+        )
+        if r in rows
+        else None
         for r in range(len(reply.argmax))
     ]
+
+
+# -- alternatives: per row a count of its own, flattened row by row ------------------------
+
+
+def row_tops(ks: Sequence[int], tops: Sequence[int]) -> list[int]:
+    """Each row's count of alternatives from its sequence's (`tops` empty: none asked)."""
+    if not tops:
+        return [0] * sum(ks)
+    return [t for k, t in zip(ks, tops, strict=True) for _ in range(k)]
+
+
+def tops_to_pb(ids: Sequence[Sequence[int]], values: Sequence[Sequence[float]]) -> dict[str, list]:
+    """Rows of alternatives as a reply's flat `top_ids` and `top_logprobs`, as keywords."""
+    return {
+        "top_ids": [t for row in ids for t in row],
+        "top_logprobs": [v for row in values for v in row],
+    }
+
+
+def tops_from_pb(reply: Any, counts: Sequence[int]) -> tuple[list[list[int]], list[list[float]]]:
+    """`tops_to_pb` backwards, row j holding `counts[j]` alternatives (the caller's asks)."""
+    ids, values = list(reply.top_ids), list(reply.top_logprobs)
+    if len(ids) != sum(counts) or len(values) != len(ids):
+        raise ValueError(
+            f"a reply came with {len(ids)} alternative ids and {len(values)} log-probabilities "
+            f"for the {sum(counts)} asked"
+        )
+    starts = [0]
+    for n in counts:
+        starts.append(starts[-1] + n)
+    rows = list(zip(starts, starts[1:], strict=False))
+    return [ids[a:b] for a, b in rows], [values[a:b] for a, b in rows]
 
 
 # -- proposals: row-major [sequences, num_drafts] blocks ----------------------------------

@@ -20,6 +20,10 @@ class RowDraws:
     p_next: float  # target probability of the next row's token (0 for the last row)
     resample: int  # draw from the residual (the target itself when no draft distribution)
     sample: int  # draw from the target
+    # The draws' log-probabilities in the row's processed logits (penalties, bias, allowed ids
+    # and masks applied; before temperature and the cuts), as a logprobs list reports them.
+    resample_logprob: float = 0.0
+    sample_logprob: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -50,23 +54,37 @@ class Scores:
 
 @dataclass(frozen=True)
 class Prefilled:
-    """What a prefill returns: per prompt, its last row's argmax and that token's
-    log-probability, and the scores of the prompts asked for them (None for the others)."""
+    """What a prefill returns: per prompt, its last row's token (the argmax, or the draw of a
+    sampling prompt) and that token's log-probability, the scores of the prompts asked for them
+    (None for the others), and the alternatives of the last rows asked for them (`top`)."""
 
     argmax: list[int]
     logprobs: list[float]
     scores: list[Scores | None] = field(default_factory=list)
+    # Per prompt: its last row's `top` most probable tokens, most probable first, and their
+    # log-probabilities, from the row's processed logits (empty: none asked).
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
 class Verified:
     """What a batched verify returns, per row in row order: its argmax, that token's
     log-probability, and for a sampling sequence's rows what rejection sampling needs (None on
-    a greedy sequence's rows)."""
+    a greedy sequence's rows). Every log-probability is of the row's processed logits (what
+    the verdict reads: penalties, bias, allowed ids and masks applied), fp32."""
 
     argmax: list[int]
     logprobs: list[float]
     draws: list[RowDraws | None]
+    # Per row of a sequence that samples or asked `top` (0 elsewhere, and on each sequence's
+    # last row): its log-probability of the next row's token, the draft that stands if the
+    # verdict keeps it.
+    next_logprobs: list[float] = field(default_factory=list)
+    # Per row: the `top` most probable tokens its sequence asked for, most probable first,
+    # and their log-probabilities (empty lists: none asked).
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -293,14 +293,18 @@ class ServingModel(Protocol):
         masks: Sequence[bytes] | None = None,
         sampling: Sequence[Sampling | None] | None = None,
         scores: Sequence[ScoreAsk | None] | None = None,
+        top: Sequence[int] | None = None,
     ) -> Prefilled:
         """Append each prompt to its sequence's cache (a long prompt may come in chunks) and
-        return each one's last-row argmax. The last rows' logits stay in the logits buffer;
+        return each one's last-row argmax (a draw for a prompt with `sampling`) and that
+        token's log-probability. The last rows' logits stay in the logits buffer;
         the drafter's cache is primed with the prompt's (token, hidden) pairs. `masks[i]`, when
         not empty, is an allowed-token bitmask (bit t of little-endian 32-bit words is token t)
         applied to prompt i's last row before its argmax. `scores[i]`, when given, asks for
-        prompt i's rows scored (`Scores`: prompt log-probabilities); a `top` past `MAX_TOP` or
-        a `next_token` outside the vocabulary is `InvalidArgument`.
+        prompt i's rows scored (`Scores`: prompt log-probabilities, raw); a `top` past
+        `MAX_TOP` or a `next_token` outside the vocabulary is `InvalidArgument`. `top[i]` (0 to
+        `MAX_TOP`, else `InvalidArgument`) asks for that many alternatives of prompt i's last
+        row, from its processed logits as its token's log-probability is (`Prefilled.top_ids`).
         Empty prompts, ids outside the vocabulary and prompts past the context are
         `InvalidArgument`; a sequence with a verify pending is `FailedPrecondition`."""
 
@@ -312,6 +316,7 @@ class ServingModel(Protocol):
         write_on_accept: bool = True,
         masks: dict[int, bytes] | None = None,
         sampling: dict[int, Sampling] | None = None,
+        top: Sequence[int] | None = None,
     ) -> Verified:
         """One batched forward over `R = sum(ks)` rows; sequence i contributes its rows
         `[last, d1 .. d_{k_i - 1}]` at positions `seq_len .. seq_len + k_i - 1`, attending to
@@ -326,7 +331,11 @@ class ServingModel(Protocol):
         `masks` maps rows to allowed-token bitmasks (as `prefill`'s), applied before their
         argmax, so a grammar binds the bonus token too. `sampling` maps sequence indices to
         their sampling parameters with one uniform per row: the reply's `draws` then has, for
-        each of their rows, what rejection sampling needs."""
+        each of their rows, what rejection sampling needs, and the draws' log-probabilities.
+        `top[i]` (one per sequence, 0 to `MAX_TOP`, else `InvalidArgument`) asks for that many
+        alternatives of each of sequence i's rows. The rows of a sequence that samples or asks
+        alternatives also get `next_logprobs`. Every log-probability is a log-softmax (fp32) of
+        the logits the verdict reads: after penalties, bias, allowed ids and masks."""
 
     def settle_verdict(
         self,

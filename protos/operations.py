@@ -79,6 +79,7 @@ def _verify_request(a: Args) -> pb.VerifyRequest:
         write_on_accept=a["write_on_accept"],
         masks=cv.row_masks_to_pb(a["masks"] or {}),
         sampling=cv.seq_sampling_to_pb((a["sampling"] or {}).items()),
+        top=a["top"] or (),
     )
 
 
@@ -92,13 +93,15 @@ def _verify_arguments(r: pb.VerifyRequest) -> dict[str, Any]:
         "write_on_accept": r.write_on_accept,
         "masks": cv.row_masks_from_pb(r.masks),
         "sampling": {i: s for i, s in enumerate(sampled) if s is not None},
+        "top": list(r.top) or None,
     }
 
 
 def _verified(r: pb.VerifyReply, a: Args) -> Verified:
     _lens(r, a)
     draws = cv.draws_from_pb(r, a["ks"], a["sampling"] or {})
-    return Verified(list(r.argmax), list(r.logprobs), draws)
+    ids, values = cv.tops_from_pb(r, cv.row_tops(a["ks"], a["top"] or ()))
+    return Verified(list(r.argmax), list(r.logprobs), draws, list(r.next_logprobs), ids, values)
 
 
 def _verified_pb(v: Verified, a: Args) -> pb.VerifyReply:
@@ -106,7 +109,9 @@ def _verified_pb(v: Verified, a: Args) -> pb.VerifyReply:
         argmax=v.argmax,
         seq_lens=cv.seq_lens(a["seqs"]),
         logprobs=v.logprobs,
+        next_logprobs=v.next_logprobs,
         **cv.draws_to_pb(v.draws),
+        **cv.tops_to_pb(v.top_ids, v.top_logprobs),
     )
 
 
@@ -115,22 +120,36 @@ def _prefill_request(a: Args) -> pb.PrefillRequest:
     masks = a["masks"] or [b""] * len(seqs)
     sampling = a["sampling"] or [None] * len(seqs)
     scores = a["scores"] or [None] * len(seqs)
+    tops = a["top"] or [0] * len(seqs)
     checks.same_length(
-        "prefill", seqs=seqs, prompts=a["prompts"], masks=masks, sampling=sampling, scores=scores
+        "prefill",
+        seqs=seqs,
+        prompts=a["prompts"],
+        masks=masks,
+        sampling=sampling,
+        scores=scores,
+        top=tops,
     )
-    return cv.prefill_to_pb(seqs, a["prompts"], masks, sampling, scores)
+    return cv.prefill_to_pb(seqs, a["prompts"], masks, sampling, scores, tops)
 
 
 def _prefill_arguments(r: pb.PrefillRequest) -> dict[str, Any]:
-    seqs, prompts, masks, sampling, scores = cv.prefill_from_pb(r)
-    asked = scores if any(s is not None for s in scores) else None
-    return {"seqs": seqs, "prompts": prompts, "masks": masks, "sampling": sampling, "scores": asked}
+    seqs, prompts, masks, sampling, scores, tops = cv.prefill_from_pb(r)
+    return {
+        "seqs": seqs,
+        "prompts": prompts,
+        "masks": masks,
+        "sampling": sampling,
+        "scores": scores if any(s is not None for s in scores) else None,
+        "top": tops if any(tops) else None,
+    }
 
 
 def _prefilled(r: pb.PrefillReply, a: Args) -> Prefilled:
     _lens(r, a)
     scores = cv.scores_from_pb(r.scores) if r.scores else []
-    return Prefilled(list(r.argmax), list(r.logprobs), scores)
+    ids, values = cv.tops_from_pb(r, a["top"] or [0] * len(a["seqs"]))
+    return Prefilled(list(r.argmax), list(r.logprobs), scores, ids, values)
 
 
 def _prefilled_pb(p: Prefilled, a: Args) -> pb.PrefillReply:
@@ -139,6 +158,7 @@ def _prefilled_pb(p: Prefilled, a: Args) -> pb.PrefillReply:
         seq_lens=cv.seq_lens(a["seqs"]),
         logprobs=p.logprobs,
         scores=cv.scores_to_pb(p.scores, len(p.argmax)) if p.scores else [],
+        **cv.tops_to_pb(p.top_ids, p.top_logprobs),
     )
 
 

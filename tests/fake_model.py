@@ -53,6 +53,12 @@ def perfect_drafter(oracle: Oracle) -> Drafter:
     return draft
 
 
+def _alternatives(token: int, n: int) -> tuple[list[int], list[float]]:
+    """A row's `n` most probable tokens as the fake ranks them: its argmax (at -0.5, as every
+    argmax's log-probability here), then the ids after it, each one less probable."""
+    return [(token + j) % 256 for j in range(n)], [-0.5 - j for j in range(n)]
+
+
 def _masked(token: int, bits: bytes) -> int:
     """The oracle's token, or the first allowed one when a mask forbids it."""
     if not bits:
@@ -174,7 +180,7 @@ class FakeModel:
         for h in seqs:
             self.seqs[h.seq_id].continuation = None
 
-    def prefill(self, seqs, prompts, masks=None, sampling=None, scores=None) -> list[int]:
+    def prefill(self, seqs, prompts, masks=None, sampling=None, scores=None, top=None) -> list[int]:
         self.calls.append(("prefill", [len(p) for p in prompts]))
         self._moved(seqs)
         _check_masks(dict(enumerate(masks or ())))
@@ -186,10 +192,12 @@ class FakeModel:
             out.append(
                 _masked(self.oracle(tuple(s.tokens)), (masks or [b""] * len(seqs))[len(out)])
             )
-        return Prefilled(out, [-0.5] * len(out), _scores(prompts, scores))
+        tops = [_alternatives(t, n) for t, n in zip(out, top or [0] * len(out), strict=True)]
+        ids, values = [list(i) for i, _ in tops], [list(v) for _, v in tops]
+        return Prefilled(out, [-0.5] * len(out), _scores(prompts, scores), ids, values)
 
     def decode_verify_batched(
-        self, tokens, ks, seqs, write_on_accept=True, masks=None, sampling=None
+        self, tokens, ks, seqs, write_on_accept=True, masks=None, sampling=None, top=None
     ) -> Verified:
         self.calls.append(("verify", list(ks), [h.slot for h in seqs]))
         self._moved(seqs)
@@ -205,7 +213,16 @@ class FakeModel:
                 out.append(_masked(self.oracle(tuple(s.tokens)), bits))
             s.pending, s.row, lo = k, lo, lo + k
             h.seq_len = len(s.tokens)
-        return Verified(out, [-0.5] * len(out), [None] * len(out))
+        counts = [n for k, n in zip(ks, top or [0] * len(ks), strict=True) for _ in range(k)]
+        tops = [_alternatives(t, n) for t, n in zip(out, counts, strict=True)]
+        # The next row's token: the argmax's -0.5 when it is the argmax, else -3; 0 on a
+        # sequence's last row.
+        last = {sum(ks[: i + 1]) - 1 for i in range(len(ks))}
+        nxt = [
+            0.0 if r in last else -0.5 if tokens[r + 1] == a else -3.0 for r, a in enumerate(out)
+        ]
+        ids, values = [list(i) for i, _ in tops], [list(v) for _, v in tops]
+        return Verified(out, [-0.5] * len(out), [None] * len(out), nxt, ids, values)
 
     # The verdict's single steps, which `settle_verdict` runs in order: not operations of the
     # serving contract, so private, but logged by name as the engine's spans name them.

@@ -278,9 +278,10 @@ class Engine:
         masks: Sequence[bytes] | None = None,
         sampling: Sequence[Sampling | None] | None = None,
         scores: Sequence[ScoreAsk | None] | None = None,
+        top: Sequence[int] | None = None,
     ) -> Prefilled:
         with self._hold():
-            return self.verifier.prefill(seqs, prompts, masks, sampling, scores)
+            return self.verifier.prefill(seqs, prompts, masks, sampling, scores, top)
 
     def decode_verify_batched(
         self,
@@ -290,10 +291,11 @@ class Engine:
         write_on_accept: bool = True,
         masks: dict[int, bytes] | None = None,
         sampling: dict[int, Sampling] | None = None,
+        top: Sequence[int] | None = None,
     ) -> Verified:
         with self._hold():
             return self.verifier.decode_verify_batched(
-                tokens, ks, seqs, write_on_accept, masks, sampling
+                tokens, ks, seqs, write_on_accept, masks, sampling, top
             )
 
     def gdn_fold_accepted(self, seqs: Sequence[SequenceHandle], fold_rows: Sequence[int]) -> None:

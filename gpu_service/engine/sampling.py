@@ -45,16 +45,24 @@ def draw(p: torch.Tensor, u: float) -> int:
 
 
 def row_draws(
-    p: torch.Tensor, q: torch.Tensor | None, next_token: int | None, u: float
+    p: torch.Tensor,
+    q: torch.Tensor | None,
+    next_token: int | None,
+    u: float,
+    logp: torch.Tensor | None = None,
 ) -> RowDraws:
-    """p, q: [V] (q: the draft distribution of the next row's token, or None)."""
+    """p, q: [V] (q: the draft distribution of the next row's token, or None); logp: [V], the
+    row's log-softmax the draws' log-probabilities are read from (None: reported as 0)."""
     residual = p if q is None else (p - q).clamp_min(0.0)
     if float(residual.sum()) <= 0.0:
         residual = p
+    resample, sample = draw(residual, u), draw(p, u)
     return RowDraws(
         p_next=float(p[next_token]) if next_token is not None else 0.0,
-        resample=draw(residual, u),
-        sample=draw(p, u),
+        resample=resample,
+        sample=sample,
+        resample_logprob=0.0 if logp is None else float(logp[resample]),
+        sample_logprob=0.0 if logp is None else float(logp[sample]),
     )
 
 

@@ -4,6 +4,7 @@ its results to the host in one transfer."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -38,6 +39,19 @@ SCORE_ROWS = 64
 
 # (sequences, their prompt chunks, their segments, the hidden rows) -> None
 Prime = Callable[[list[SeqState], list[list[int]], list[Segment], torch.Tensor], None]
+
+
+def log_softmax_top(
+    logits: torch.Tensor, after: list[int], top: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The log-probabilities a response lists, fp32. logits: [n, V], every column ->
+    (log-softmax [n, V], row j's of `after[j]` for the first len(after) rows [len(after)],
+    each row's `top` most probable: values [n, top] and ids [n, top], most probable first)"""
+    logp = torch.log_softmax(logits, -1, dtype=torch.float32)
+    (index,) = upload(logp.device, after)
+    chosen = logp[: len(after)].gather(-1, index[:, None])[:, 0]
+    top_values, top_ids = logp.topk(top, -1)
+    return logp, chosen, top_values, top_ids
 
 
 def segments(seqs: list[SeqState], counts: list[int], starts: list[int]) -> list[Segment]:
@@ -108,6 +122,7 @@ class Verifier:
         masks: Sequence[bytes] | None = None,
         sampling: Sequence[Sampling | None] | None = None,
         scores: Sequence[ScoreAsk | None] | None = None,
+        top: Sequence[int] | None = None,
     ) -> Prefilled:
         checks.same_length("prefill", seqs=seqs, prompts=prompts)
         sampled = {i: s for i, s in enumerate(sampling or ()) if s is not None}
@@ -116,6 +131,7 @@ class Verifier:
         states = self.slots.lookup("prefill", seqs)
         self._check_prefill(states, prompts)
         asks = self._check_scores(scores, len(prompts))
+        tops = check_top("prefill", top, len(prompts))
         rows = [list(p) for p in prompts]
         hidden = self._forward(states, rows, PREFILL)
         scored = self._score(hidden, rows, asks) if asks else []
@@ -127,11 +143,35 @@ class Verifier:
         last = [s.tokens[-1:] for s in states]
         penalize(logits, self.model.vocab, states, before, last, range(len(states)))
         out, logprobs = self.keep_logits(logits, row_masks)
-        for i, smp in sampled.items():
-            row = self.model.full_logits(self.state.logits[i : i + 1])
-            out[i] = draw(distribution(row, smp)[0], smp.uniforms[0])
+        ids, values = self._last_rows(out, logprobs, sampled, tops)
         mirror(seqs, states)
-        return Prefilled(out, logprobs, scored)
+        return Prefilled(out, logprobs, scored, ids, values)
+
+    def _last_rows(
+        self, out: list[int], logprobs: list[float], sampled: dict[int, Sampling], tops: list[int]
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        """The sampling prompts' draws and their log-probabilities, into `out` and `logprobs`
+        (a greedy prompt's are its argmax's already) -> each prompt's asked alternatives."""
+        rows = [i for i in range(len(out)) if i in sampled or tops[i]]
+        ids: list[list[int]] = [[] for _ in out]
+        values: list[list[float]] = [[] for _ in out]
+        if not rows:
+            return ids, values
+        (index,) = upload(self.model.device, rows)
+        full = self.model.full_logits(self.state.logits[index])
+        for n, i in enumerate(rows):
+            if i in sampled:
+                smp = sampled[i]
+                out[i] = draw(distribution(full[n : n + 1], smp)[0], smp.uniforms[0])
+        top = max(tops[i] for i in rows)
+        _, chosen, top_values, top_ids = log_softmax_top(full, [out[i] for i in rows], top)
+        host_chosen, host_ids, host_values = download(chosen, top_ids.float(), top_values)
+        for n, i in enumerate(rows):
+            if i in sampled:
+                logprobs[i] = host_chosen[n]
+            ids[i] = ints(host_ids[n * top : n * top + tops[i]])
+            values[i] = host_values[n * top : n * top + tops[i]]
+        return ids, values
 
     def _check_scores(
         self, scores: Sequence[ScoreAsk | None] | None, n: int
@@ -166,11 +206,8 @@ class Verifier:
 
     def _score_tile(self, hidden: torch.Tensor, after: list[int], top: int, into: Scores) -> None:
         logits = self.model.full_logits(self.model.logits(hidden))
-        logp = torch.log_softmax(logits, -1, dtype=torch.float32)
-        (index,) = upload(logp.device, after)
-        chosen = logp[: len(after)].gather(-1, index[:, None])[:, 0]
+        logp, chosen, top_values, top_ids = log_softmax_top(logits, after, top)
         ranks = (logp[: len(after)] > chosen[:, None]).sum(-1) + 1
-        top_values, top_ids = logp.topk(top, -1)
         host_chosen, host_ranks, ids, values = download(
             chosen, ranks.float(), top_ids.float(), top_values
         )
@@ -205,17 +242,19 @@ class Verifier:
         write_on_accept: bool = True,
         masks: dict[int, bytes] | None = None,
         sampling: dict[int, Sampling] | None = None,
+        top: Sequence[int] | None = None,
     ) -> Verified:
         states = self.check_verify(tokens, ks, seqs)
         check_sampling(sampling or {}, dict(enumerate(ks)), len(ks))
+        tops = check_top("decode_verify_batched", top, len(ks))
         row_masks = self.masks(masks or {}, sum(ks))
         tokens, ks = list(tokens), list(ks)
         logits = self.verify_logits(states, tokens, ks, write_on_accept, row_masks)
-        top, logprob = self.model.argmax_logprob(logits)
-        host_top, logprobs = download(top, logprob)
-        draws = self._row_draws(states, tokens, ks, sampling or {})
+        argmax, logprob = self.model.argmax_logprob(logits)
+        host_argmax, logprobs = download(argmax, logprob)
+        scored = self._row_scores(states, tokens, ks, sampling or {}, tops)
         mirror(seqs, states)
-        return Verified(ints(host_top), logprobs, draws)
+        return Verified(ints(host_argmax), logprobs, *scored)
 
     def verify_logits(
         self,
@@ -377,30 +416,89 @@ class Verifier:
         host_top, logprobs = download(top, logprob)
         return ints(host_top), logprobs
 
-    def _row_draws(
+    def _row_scores(
         self,
         states: list[SeqState],
         tokens: list[int],
         ks: list[int],
         sampling: dict[int, Sampling],
-    ) -> list[RowDraws | None]:
-        """Rejection-sampling draws for every row of the sampling sequences; the draft
-        distributions they used are spent."""
-        draws: list[RowDraws | None] = [None] * sum(ks)
-        off = 0
-        for i, (s, k) in enumerate(zip(states, ks, strict=True)):
-            smp = sampling.get(i)
-            if smp is not None:
-                p = distribution(self.model.full_logits(self.state.logits[off : off + k]), smp)
-                q = s.draft_probs
-                for j in range(k):
-                    last = j == k - 1
-                    qj = q[j] if q is not None and not last and j < len(q) else None
-                    nxt = None if last else tokens[off + j + 1]
-                    draws[off + j] = row_draws(p[j], qj, nxt, smp.uniforms[j])
+        tops: list[int],
+    ) -> tuple[list[RowDraws | None], list[float], list[list[int]], list[list[float]]]:
+        """The rows of the sequences that sample or ask alternatives, scored from one
+        log-softmax of their logits, and rejection-sampling draws for the sampling ones (the
+        draft distributions those used are spent) -> `Verified`'s draws, next_logprobs,
+        top_ids and top_logprobs."""
+        n = len(tokens)
+        draws: list[RowDraws | None] = [None] * n
+        nxt = [0.0] * n
+        ids: list[list[int]] = [[] for _ in range(n)]
+        values: list[list[float]] = [[] for _ in range(n)]
+        spans = list(itertools.pairwise(np.cumsum([0, *ks]).tolist()))
+        asked = [i for i in range(len(ks)) if i in sampling or tops[i]]
+        if asked:
+            rows = [r for i in asked for r in range(*spans[i])]
+            (index,) = upload(self.model.device, rows)
+            full = self.model.full_logits(self.state.logits[index])
+            # A sequence's last row has no next row: it reads another's token, then 0.
+            after = [tokens[min(r + 1, n - 1)] for r in rows]
+            top = max(tops[i] for i in asked)
+            logp, chosen, top_values, top_ids = log_softmax_top(full, after, top)
+            at = 0
+            for i in asked:
+                a, b = spans[i]
+                if i in sampling:
+                    mine = slice(at, at + b - a)
+                    draws[a:b] = self._row_draws(
+                        states[i], tokens[a:b], sampling[i], full[mine], logp[mine]
+                    )
+                at += b - a
+            host_chosen, host_ids, host_values = download(chosen, top_ids.float(), top_values)
+            at = 0
+            for i in asked:
+                a, b = spans[i]
+                for r in range(a, b):
+                    nxt[r] = host_chosen[at] if r + 1 < b else 0.0
+                    ids[r] = ints(host_ids[at * top : at * top + tops[i]])
+                    values[r] = host_values[at * top : at * top + tops[i]]
+                    at += 1
+        for s in states:
             s.draft_probs = None
-            off += k
-        return draws
+        return draws, nxt, ids, values
+
+    def _row_draws(
+        self,
+        s: SeqState,
+        tokens: list[int],
+        smp: Sampling,
+        logits: torch.Tensor,
+        logp: torch.Tensor,
+    ) -> list[RowDraws | None]:
+        """Rejection-sampling draws for every row of a sampling sequence. tokens: its k rows;
+        logits, logp: [k, V], every column."""
+        p = distribution(logits, smp)
+        q = s.draft_probs
+        k = len(tokens)
+        out: list[RowDraws | None] = []
+        for j in range(k):
+            last = j == k - 1
+            qj = q[j] if q is not None and not last and j < len(q) else None
+            nxt = None if last else tokens[j + 1]
+            out.append(row_draws(p[j], qj, nxt, smp.uniforms[j], logp[j]))
+        return out
+
+
+def check_top(operation: str, top: Sequence[int] | None, n: int) -> list[int]:
+    """Alternatives asked per sequence, checked: one count each, 0 to `MAX_TOP`."""
+    if top is None or len(top) == 0:
+        return [0] * n
+    if len(top) != n:
+        raise InvalidArgument(f"{operation} got {len(top)} alternative counts for {n} sequences")
+    for t in top:
+        if not 0 <= t <= MAX_TOP:
+            raise InvalidArgument(
+                f"a sequence asked {t} alternatives; at most {MAX_TOP} are listed"
+            )
+    return list(top)
 
 
 def last_verify(s: SeqState) -> str:

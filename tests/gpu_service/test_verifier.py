@@ -5,8 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from control_plane.replicas.client import GrpcModel
 from gpu_service.engine.facade import Engine
+from protos.handles import Prefilled, SequenceHandle, Verified
+from protos.model import InvalidArgument, Penalties, Sampling, ServingModel
 from tests.conftest import random_tokens
+from tests.servers import model_server
 from tests.steps import decode, logit_rows, verify
 
 
@@ -175,3 +179,108 @@ def test_refused_verdict_changes_nothing(engine: Engine, rng: torch.Generator) -
         engine.settle_verdict([seqs[1]], [4], [3], [], [], 0)
     engine.settle_verdict([seqs[0], seqs[1]], [2, 2], [3, 3], [], [], 0)
     assert decode(engine, seqs[0], 9) == decode(engine, seqs[1], 9)
+
+
+# -- log-probabilities and alternatives -----------------------------------------------------
+
+PENALIZED = Penalties(presence=0.5, repetition=1.3, bias_ids=(5,), bias_values=(3.0,))
+# A mask of the tiny vocabulary (320 ids, ten 32-bit words) allowing tokens 3 and 70 alone.
+TWO_TOKENS = bytes(
+    b | (1 << 3) if i == 0 else b | (1 << 6) if i == 8 else b for i, b in enumerate(bytes(40))
+)
+LOGPROB_ATOL = 1e-6  # the reference is the same fp32 log-softmax, over another row count
+
+
+def _logp(engine: Engine) -> torch.Tensor:
+    """The processed logits the last call left, as the reference's log-softmax [rows, V]."""
+    lg = engine.read_logits()
+    rows = torch.frombuffer(bytearray(lg.data), dtype=getattr(torch, lg.dtype)).view(lg.shape)
+    return torch.log_softmax(rows.float(), -1)
+
+
+def _asked_prefill(model: ServingModel, seqs: list[SequenceHandle], prompt: list[int]) -> Prefilled:
+    """Three prompts: penalized with 5 alternatives, sampled with 3, greedy with none."""
+    sampling = [None, Sampling(0.8, top_k=40, uniforms=(0.3,)), None]
+    return model.prefill(seqs, [prompt, prompt[:9], prompt[:5]], sampling=sampling, top=[5, 3, 0])
+
+
+def _asked_verify(model: ServingModel, seqs: list[SequenceHandle], first: list[int]) -> Verified:
+    """Rows [a, 3, 70] (row 1 masked to two tokens), [b, 7] sampled, [c]: 5, 2 and no
+    alternatives."""
+    return model.decode_verify_batched(
+        [first[0], 3, 70, first[1], 7, first[2]],
+        [3, 2, 1],
+        seqs,
+        masks={1: TWO_TOKENS},
+        sampling={1: Sampling(0.9, top_k=50, uniforms=(0.2, 0.7))},
+        top=[5, 2, 0],
+    )
+
+
+def _close(got: list[float], want: torch.Tensor) -> None:
+    torch.testing.assert_close(torch.tensor(got), want, atol=LOGPROB_ATOL, rtol=0)
+
+
+def _alternatives_match(ids: list[int], values: list[float], logp: torch.Tensor) -> None:
+    """A row's alternatives are its most probable tokens in order (ids where finite: the
+    tokens a mask forbids tie at -inf)."""
+    want = logp.topk(len(ids))
+    _close(values, want.values)
+    finite = want.values.isfinite()
+    assert torch.tensor(ids, dtype=torch.long)[finite].tolist() == want.indices[finite].tolist()
+
+
+def test_a_verifys_logprobs_are_the_processed_logits_log_softmax(
+    engine: Engine, rng: torch.Generator
+) -> None:
+    """Each asked row's alternatives, its next row's token's log-probability and a sampled
+    row's draws' log-probabilities equal a torch log-softmax of the logits the verdict read:
+    penalties, bias and the mask applied."""
+    prompt = random_tokens(rng, 14)
+    seqs = [engine.alloc_sequence(PENALIZED), engine.alloc_sequence(), engine.alloc_sequence()]
+    p = _asked_prefill(engine, seqs, prompt)
+    ref = _logp(engine)
+    _alternatives_match(p.top_ids[0], p.top_logprobs[0], ref[0])
+    _alternatives_match(p.top_ids[1], p.top_logprobs[1], ref[1])
+    assert p.top_ids[2] == p.top_logprobs[2] == []
+    # The greedy first tokens' are their argmaxes'; the sampled one's, its own token's (which
+    # is not the argmax here, so an argmax's log-probability would not pass).
+    assert p.argmax[1] != int(ref[1].argmax())
+    _close(p.logprobs, torch.stack([ref[0].max(), ref[1, p.argmax[1]], ref[2].max()]))
+    v = _asked_verify(engine, seqs, p.argmax)
+    ref = _logp(engine)
+    for r in range(5):
+        _alternatives_match(v.top_ids[r], v.top_logprobs[r], ref[r])
+    assert v.top_ids[5] == v.top_logprobs[5] == [] and v.draws[5] is None
+    assert not ref[1].isfinite().all(), "the masked row holds forbidden tokens at -inf"
+    _close([v.next_logprobs[r] for r in (0, 1, 3)], ref[[0, 1, 3], [3, 70, 7]])
+    assert [v.next_logprobs[r] for r in (2, 4, 5)] == [0.0, 0.0, 0.0]
+    for r in (3, 4):
+        d = v.draws[r]
+        assert d is not None
+        _close([d.resample_logprob, d.sample_logprob], ref[r, [d.resample, d.sample]])
+    _close(v.logprobs, ref.max(-1).values)
+
+
+def test_logprobs_and_alternatives_cross_the_wire(engine: Engine, rng: torch.Generator) -> None:
+    """Over gRPC, the same calls give the same replies; counts out of range are refused
+    with a sentence."""
+    prompt = random_tokens(rng, 14)
+    local = [engine.alloc_sequence(PENALIZED), engine.alloc_sequence(), engine.alloc_sequence()]
+    p = _asked_prefill(engine, local, prompt)
+    v = _asked_verify(engine, local, p.argmax)
+    with model_server(engine) as target:
+        client = GrpcModel(target)
+        try:
+            seqs = [client.alloc_sequence(PENALIZED), *(client.alloc_sequence() for _ in "ab")]
+            assert _asked_prefill(client, seqs, prompt) == p
+            assert _asked_verify(client, seqs, p.argmax) == v
+            client.settle_verdict(seqs, [1, 1, 1], [3, 2, 1], [], [], 0)
+            with pytest.raises(InvalidArgument, match="at most 20"):
+                client.decode_verify_batched([1], [1], seqs[:1], top=[21])
+            with pytest.raises(InvalidArgument, match="2 alternative counts for 1 sequences"):
+                client.decode_verify_batched([1], [1], seqs[:1], top=[1, 2])
+            with pytest.raises(InvalidArgument, match="at most 20"):
+                client.prefill(seqs[:1], [[1]], top=[99])
+        finally:
+            client.close()

@@ -128,8 +128,9 @@ def test_prefill_round_trip() -> None:
     masks = [b"", b"\x0f\x00\x00\x00", b""]
     sampling = [None, Sampling(0.5, uniforms=(0.5,)), Sampling(1.0, top_k=2)]
     scores = [ScoreAsk(3, 9), None, ScoreAsk(0)]
-    got = cv.prefill_from_pb(wire(cv.prefill_to_pb(seqs, prompts, masks, sampling, scores)))
-    assert got == (cv.handles([1, 2, 3]), prompts, masks, sampling, scores)
+    tops = [0, 5, 20]
+    got = cv.prefill_from_pb(wire(cv.prefill_to_pb(seqs, prompts, masks, sampling, scores, tops)))
+    assert got == (cv.handles([1, 2, 3]), prompts, masks, sampling, scores, tops)
 
 
 def test_scores_round_trip() -> None:
@@ -152,9 +153,29 @@ def test_scores_round_trip() -> None:
 def test_draws_round_trip(ks: list[int], sampled: set[int]) -> None:
     draws: list[RowDraws | None] = []
     for i, k in enumerate(ks):
-        draws += [RowDraws(0.25 * j, 10 + j, 20 + j) if i in sampled else None for j in range(k)]
+        draws += [
+            RowDraws(0.25 * j, 10 + j, 20 + j, -0.5 * j, -0.25 * j) if i in sampled else None
+            for j in range(k)
+        ]
     reply = wire(pb.VerifyReply(argmax=[0] * len(draws), **cv.draws_to_pb(draws)))
     assert cv.draws_from_pb(reply, ks, sampled) == draws
+
+
+@pytest.mark.parametrize(
+    "ks, tops",
+    [([2, 1, 3], [3, 0, 1]), ([2, 1], []), ([1, 1], [0, 0]), ([], [])],
+    ids=["some", "none-asked", "zeros", "no-rows"],
+)
+def test_alternatives_round_trip(ks: list[int], tops: list[int]) -> None:
+    """Each row's alternatives come back in rows of its sequence's count."""
+    counts = cv.row_tops(ks, tops)
+    ids = [[100 * r + j for j in range(n)] for r, n in enumerate(counts)]
+    values = [[-0.5 - j for j in range(n)] for n in counts]
+    reply = wire(pb.VerifyReply(**cv.tops_to_pb(ids, values)))
+    assert cv.tops_from_pb(reply, counts) == (ids, values)
+    if sum(counts):
+        with pytest.raises(ValueError, match="alternative ids"):
+            cv.tops_from_pb(reply, [n + 1 for n in counts])
 
 
 PROPOSALS = {

@@ -139,18 +139,20 @@ class FreeSequenceReply(_message.Message):
     def __init__(self) -> None: ...
 
 class PrefillItem(_message.Message):
-    __slots__ = ("seq_id", "tokens", "mask", "sampling", "score")
+    __slots__ = ("seq_id", "tokens", "mask", "sampling", "score", "top")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     MASK_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SCORE_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     mask: bytes
     sampling: SamplingParams
     score: ScoreAsk
-    def __init__(self, seq_id: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., mask: _Optional[bytes] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., score: _Optional[_Union[ScoreAsk, _Mapping]] = ...) -> None: ...
+    top: int
+    def __init__(self, seq_id: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., mask: _Optional[bytes] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., score: _Optional[_Union[ScoreAsk, _Mapping]] = ..., top: _Optional[int] = ...) -> None: ...
 
 class ScoreAsk(_message.Message):
     __slots__ = ("top", "next_token")
@@ -207,32 +209,38 @@ class PrefillRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[PrefillItem, _Mapping]]] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
-    __slots__ = ("argmax", "seq_lens", "logprobs", "scores")
+    __slots__ = ("argmax", "seq_lens", "logprobs", "scores", "top_ids", "top_logprobs")
     ARGMAX_FIELD_NUMBER: _ClassVar[int]
     SEQ_LENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     SCORES_FIELD_NUMBER: _ClassVar[int]
+    TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     argmax: _containers.RepeatedScalarFieldContainer[int]
     seq_lens: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     scores: _containers.RepeatedCompositeFieldContainer[Scores]
-    def __init__(self, argmax: _Optional[_Iterable[int]] = ..., seq_lens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., scores: _Optional[_Iterable[_Union[Scores, _Mapping]]] = ...) -> None: ...
+    top_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, argmax: _Optional[_Iterable[int]] = ..., seq_lens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., scores: _Optional[_Iterable[_Union[Scores, _Mapping]]] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("seq_ids", "ks", "tokens", "write_on_accept", "masks", "sampling")
+    __slots__ = ("seq_ids", "ks", "tokens", "write_on_accept", "masks", "sampling", "top")
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     KS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     WRITE_ON_ACCEPT_FIELD_NUMBER: _ClassVar[int]
     MASKS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     ks: _containers.RepeatedScalarFieldContainer[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     write_on_accept: bool
     masks: _containers.RepeatedCompositeFieldContainer[RowMask]
     sampling: _containers.RepeatedCompositeFieldContainer[SeqSampling]
-    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., ks: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., write_on_accept: _Optional[bool] = ..., masks: _Optional[_Iterable[_Union[RowMask, _Mapping]]] = ..., sampling: _Optional[_Iterable[_Union[SeqSampling, _Mapping]]] = ...) -> None: ...
+    top: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., ks: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., write_on_accept: _Optional[bool] = ..., masks: _Optional[_Iterable[_Union[RowMask, _Mapping]]] = ..., sampling: _Optional[_Iterable[_Union[SeqSampling, _Mapping]]] = ..., top: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RowMask(_message.Message):
     __slots__ = ("row", "bits")
@@ -243,20 +251,30 @@ class RowMask(_message.Message):
     def __init__(self, row: _Optional[int] = ..., bits: _Optional[bytes] = ...) -> None: ...
 
 class VerifyReply(_message.Message):
-    __slots__ = ("argmax", "seq_lens", "logprobs", "p_next", "resample", "sample")
+    __slots__ = ("argmax", "seq_lens", "logprobs", "p_next", "resample", "sample", "resample_logprobs", "sample_logprobs", "next_logprobs", "top_ids", "top_logprobs")
     ARGMAX_FIELD_NUMBER: _ClassVar[int]
     SEQ_LENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     P_NEXT_FIELD_NUMBER: _ClassVar[int]
     RESAMPLE_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    RESAMPLE_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     argmax: _containers.RepeatedScalarFieldContainer[int]
     seq_lens: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     p_next: _containers.RepeatedScalarFieldContainer[float]
     resample: _containers.RepeatedScalarFieldContainer[int]
     sample: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, argmax: _Optional[_Iterable[int]] = ..., seq_lens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., p_next: _Optional[_Iterable[float]] = ..., resample: _Optional[_Iterable[int]] = ..., sample: _Optional[_Iterable[int]] = ...) -> None: ...
+    resample_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    sample_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    next_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    top_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, argmax: _Optional[_Iterable[int]] = ..., seq_lens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., p_next: _Optional[_Iterable[float]] = ..., resample: _Optional[_Iterable[int]] = ..., sample: _Optional[_Iterable[int]] = ..., resample_logprobs: _Optional[_Iterable[float]] = ..., sample_logprobs: _Optional[_Iterable[float]] = ..., next_logprobs: _Optional[_Iterable[float]] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class CanBatchVerifyRequest(_message.Message):
     __slots__ = ("ks",)

@@ -221,7 +221,7 @@ class LostOnPrefill(FakeModel):
 
     down = False
 
-    def prefill(self, seqs, prompts, masks=None, sampling=None, scores=None) -> list[int]:
+    def prefill(self, seqs, prompts, masks=None, sampling=None, scores=None, top=None) -> list[int]:
         self.down = True
         raise OSError("connection reset")
 

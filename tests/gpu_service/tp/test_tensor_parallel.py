@@ -356,7 +356,8 @@ def test_masks_and_sampling_match_one_device(tp_engines: dict[str, Engine]) -> N
     """What reads whole rows of logits at TP 2: a mask whose allowed ids all sit in rank 1's
     columns (rank 0's row is all -inf, and adds nothing to the combined normaliser), a mask
     across both ranks, and a sampled row drawing with a given uniform: the tokens of one
-    device, and the log-probabilities within the tolerance."""
+    device, and the log-probabilities and alternatives (gathered whole from the ranks' columns)
+    within the tolerance, through a prefill and a verify."""
     import numpy as np
 
     from protos.model import Sampling
@@ -373,14 +374,33 @@ def test_masks_and_sampling_match_one_device(tp_engines: dict[str, Engine]) -> N
         engine = tp_engines[name]
         seqs = [engine.alloc_sequence() for _ in prompts]
         try:
-            done = engine.prefill(seqs, prompts, masks, sampling)
-            results.append((done.argmax, done.logprobs))
+            done = engine.prefill(seqs, prompts, masks, sampling, top=[4, 4, 4])
+            drafts = [done.argmax[0], 4095, done.argmax[1], done.argmax[2], 2047]
+            v = engine.decode_verify_batched(
+                drafts,
+                [2, 1, 2],
+                seqs,
+                masks={0: masks[0]},
+                sampling={2: Sampling(0.8, top_k=50, uniforms=(0.37, 0.61))},
+                top=[3, 3, 3],
+            )
+            d = v.draws[3:]
+            results.append(
+                (
+                    [done.argmax, [t for t in done.top_ids if t], v.top_ids[1:]],
+                    [done.logprobs, *done.top_logprobs, *v.top_logprobs[1:], v.next_logprobs],
+                    [(x.resample, x.sample) for x in d if x is not None],
+                    [(x.resample_logprob, x.sample_logprob) for x in d if x is not None],
+                )
+            )
         finally:
             for s in seqs:
                 engine.free_sequence(s)
-    (one, one_lp), (split, split_lp) = results
-    assert one == split and one[0] in (3000, 4000, 4095) and one[1] in (5, 2100, 2047, 2048)
-    np.testing.assert_allclose(split_lp[:2], one_lp[:2], atol=ATOL, rtol=RTOL)
+    (one, one_lp, one_d, one_dlp), (split, split_lp, split_d, split_dlp) = results
+    assert one == split and one[0][0] in (3000, 4000, 4095) and one[0][1] in (5, 2100, 2047, 2048)
+    assert one_d == split_d
+    for a, b in [*zip(one_lp, split_lp, strict=True), (one_dlp, split_dlp)]:
+        np.testing.assert_allclose(b, a, atol=ATOL, rtol=RTOL)
 
 
 def test_penalties_match_one_device(tp_engines: dict[str, Engine]) -> None:
