@@ -20,6 +20,8 @@ class Step:
     propose_logits: bytes = b""
     drafts: list[list[int]] = field(default_factory=list)
     confidences: list[list[float]] = field(default_factory=list)
+    # The sequence of each propose row, where only some of the batch proposed.
+    proposers: list[int] = field(default_factory=list)
 
     def same(self, other: Step) -> bool:
         return (
@@ -65,6 +67,12 @@ def as_float(data: bytes, dtype: str) -> np.ndarray:
     return raw.view(np.float32 if dtype == "float32" else np.float16).astype(np.float32)
 
 
+def _max_abs(x: np.ndarray, y: np.ndarray) -> float:
+    """The largest |x - y|, equal elements (a masked row's -inf columns among them) 0."""
+    with np.errstate(invalid="ignore"):  # -inf - -inf, where both rows mask a token
+        return float(np.where(x == y, 0.0, np.abs(x - y)).max())
+
+
 def ulp_distance(a: bytes, b: bytes, dtype: str) -> int:
     """Largest distance in representable values between matching elements."""
     if not a:
@@ -88,8 +96,8 @@ def _first_row(a: Step, b: Step, ks: list[int], row_bytes: int) -> tuple[int, in
             if a.logits[lo : lo + row_bytes] != b.logits[lo : lo + row_bytes]:
                 return i, j
         row += k
-    for i in range(len(ks)):
-        lo = i * row_bytes
+    for j, i in enumerate(a.proposers or range(len(ks))):
+        lo = j * row_bytes
         if a.propose_logits[lo : lo + row_bytes] != b.propose_logits[lo : lo + row_bytes]:
             return i, -1
     return -1, -1
@@ -105,9 +113,7 @@ def compare(variant: str, ref: Run, run: Run) -> Comparison:
     for a, b in [*zip(ref.steps, run.steps, strict=True)]:
         for x, y in ((a.logits, b.logits), (a.propose_logits, b.propose_logits)):
             if x != y and len(x) == len(y):
-                max_abs = max(
-                    max_abs, float(np.abs(as_float(x, ref.dtype) - as_float(y, ref.dtype)).max())
-                )
+                max_abs = max(max_abs, _max_abs(as_float(x, ref.dtype), as_float(y, ref.dtype)))
                 max_ulp = max(max_ulp, ulp_distance(x, y, ref.dtype))
         agree += sum(p == q for p, q in zip(a.argmax, b.argmax, strict=True))
         total += len(a.argmax)

@@ -113,6 +113,15 @@ def _add_drafter_args(parser: argparse.ArgumentParser) -> None:
         help="the sequences draft with the service's DFlash drafter: also diff its batched "
         "block propose (an in-process engine loads --drafter)",
     )
+    parser.add_argument(
+        "--mix",
+        action="store_true",
+        help="each batch mixes, sequence by sequence, the rows the scheduler sends together: "
+        "a one-row verify (none), MTP drafts, MTP drafts under allowed-token masks (as a "
+        "grammar's), and DFlash drafts where the service has a DFlash drafter (an in-process "
+        "engine loads --drafter, or MODEL/dflash where there is one); every drafting sequence "
+        "then proposes with its own drafter, and that propose is diffed too",
+    )
 
 
 def _add_target_args(parser: argparse.ArgumentParser) -> None:
@@ -170,6 +179,7 @@ def build_report(model: CircuitModel, args: argparse.Namespace, shapes: list[Sha
         "steps": args.steps,
         "long_prompt": args.long_prompt,
         "snapshot": args.snapshot,
+        "mix": args.mix,
         "variants": [
             {"name": "reference", "forward": args.reference},
             *({"name": f, "forward": f} for f in args.forwards),
@@ -182,6 +192,7 @@ def build_report(model: CircuitModel, args: argparse.Namespace, shapes: list[Sha
                 "comparisons": [c.to_json() for c in r.comparisons],
                 "timings": r.timings,
                 "detection_control": asdict(r.detection_control),
+                "roles": r.roles,
             }
             for r in shapes
         ],
@@ -209,23 +220,24 @@ def validate_args(model: CircuitModel, args: argparse.Namespace) -> None:
             f"--long-prompt {args.long_prompt} and {args.steps} steps reach {longest} positions; "
             f"the service holds {caps.max_context}"
         )
-    if args.mtp and not caps.has_mtp:
-        raise DiffError("--mtp: the model has no MTP head")
-    if args.dflash:
+    if (args.mtp or args.mix) and not caps.has_mtp:
+        raise DiffError(f"{'--mtp' if args.mtp else '--mix'}: the model has no MTP head")
+    if args.dflash or (args.mix and caps.dflash_block):
         _check_dflash(caps, args, longest)
     if args.snapshot:
         _check_snapshot(caps, args)
 
 
 def _check_dflash(caps: Capabilities, args: argparse.Namespace, longest: int) -> None:
+    flag = "--dflash" if args.dflash else "--mix"
     block = caps.dflash_block
     if not block:
-        raise DiffError("--dflash: the service has no DFlash drafter (--drafter)")
+        raise DiffError(f"{flag}: the service has no DFlash drafter (--drafter)")
     if args.num_drafts > block - 1:
-        raise DiffError(f"--dflash: --num-drafts {args.num_drafts}; a block gives {block - 1}")
+        raise DiffError(f"{flag}: --num-drafts {args.num_drafts}; a block gives {block - 1}")
     if longest + block > caps.max_context:
         raise DiffError(
-            f"--dflash: a block of {block} after {longest} positions passes the service's "
+            f"{flag}: a block of {block} after {longest} positions passes the service's "
             f"{caps.max_context}"
         )
 
@@ -265,6 +277,7 @@ def run_diff(model: CircuitModel, args: argparse.Namespace) -> dict:
             long_prompt=args.long_prompt,
             snapshot=args.snapshot,
             dflash=args.dflash,
+            mixed=args.mix,
         )
     finally:
         model.set_forward(found)
@@ -284,8 +297,15 @@ def _connect(args: argparse.Namespace, open_model: OpenModel | None) -> CircuitM
         return GrpcModel(args.gpu_service, admin_key=args.gpu_service_admin_key)
     if open_model is None:
         raise DiffError("no --gpu-service to diff, and no engine to build in this process")
-    drafter = args.drafter or (args.model / DRAFTER_DIR if args.dflash else None)
+    drafter = args.drafter or _model_drafter(args)
     return open_model(args.model, drafter, 1 if args.snapshot else 0, bool(args.compile))
+
+
+def _model_drafter(args: argparse.Namespace) -> Path | None:
+    """The checkpoint's own DFlash drafter: the one `--dflash` needs, or the one `--mix` takes
+    where the checkpoint has it."""
+    path = args.model / DRAFTER_DIR
+    return path if args.dflash or (args.mix and path.is_dir()) else None
 
 
 def main(args: argparse.Namespace, open_model: OpenModel | None = None) -> int:
