@@ -69,6 +69,7 @@ class RequestParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0  # with logprobs: alternatives listed beside each generated token
     request_id: str = ""
     method: str | None = None  # NONE, MTP, PROMPT_LOOKUP or DFLASH; None: the server's
     num_drafts: int | None = None  # None: the server's

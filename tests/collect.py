@@ -22,6 +22,8 @@ class Outcome:
     tokens: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[float] = field(default_factory=list)
+    top_ids: list[list[int]] = field(default_factory=list)  # per token, when asked
+    top_logprobs: list[list[float]] = field(default_factory=list)
     finish: Finish | None = None
     failure: Failure | None = None
     prompt: PromptScores | None = None  # the prompt's scores, once, with its first event
@@ -35,6 +37,8 @@ class Outcome:
             self.tokens += ev.token_ids
             self.text += ev.text
             self.logprobs += ev.logprobs
+            self.top_ids += ev.top_ids
+            self.top_logprobs += ev.top_logprobs
         elif isinstance(ev, Finish):
             self.finish = ev
             self.done.set()

@@ -161,6 +161,7 @@ def finish(
         method=r.method or admission.default_method,
         num_drafts=r.num_drafts,
         logprobs=r.logprobs,
+        top_logprobs=_top_logprobs(r),
         prompt_logprobs=_prompt_logprobs(r),
         grammar=grammar,
         sampling=r.sampling,
@@ -172,6 +173,18 @@ def needs_compiler(r: RequestParams, prepared: Prepared) -> bool:
     """Whether the request's output has a grammar: its own, or a reasoning budget's."""
     budget = r.thinking_token_budget is not None and bool(prepared.reasoning)
     return prepared.grammar is not None or budget
+
+
+def _top_logprobs(r: RequestParams) -> int:
+    if not 0 <= r.top_logprobs <= MAX_TOP:
+        raise BadRequest(
+            INVALID,
+            f"top_logprobs is {r.top_logprobs}; it must be from 0 to {MAX_TOP}",
+            "top_logprobs",
+        )
+    if r.top_logprobs and not r.logprobs:
+        raise BadRequest(INVALID, "top_logprobs needs logprobs: true", "top_logprobs")
+    return r.top_logprobs
 
 
 def _prompt_logprobs(r: RequestParams) -> int | None:

@@ -13,7 +13,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from control_plane.admission.door import Admission, BadRequest, Door
 from control_plane.replicas.router import Drives
 from control_plane.scheduler.seq import Delta, Failure, Finish, PromptScores, Queued, SpecStats
-from protos.convert import scores_fields
+from protos.convert import scores_fields, tops_to_pb
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
 from protos.params import RequestParams, from_pb
@@ -91,6 +91,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             while True:
                 ev = await events.get()
                 if isinstance(ev, Delta):
+                    top = tops_to_pb(ev.top_ids, ev.top_logprobs)
                     if first is None and ev.token_ids:
                         first = time.monotonic() - started
                         gen.set_attribute("met.time_to_first_token_s", first)
@@ -100,6 +101,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                         logprobs=ev.logprobs,
                         request_id=rid,
                         prompt_logprobs=prompt_message(ev.prompt),
+                        top_ids=top["top_ids"],
+                        top_logprobs=top["top_logprobs"],
                     )
                 elif isinstance(ev, Queued):
                     yield queued_message(ev, rid)

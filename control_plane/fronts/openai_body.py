@@ -195,18 +195,13 @@ def chat_request(body: Any) -> Ask:
 
 
 def _scored(ask: Ask, echo: bool, top: int, echoed: int | None) -> Ask:
-    """What the prompt's scores must hold for the response: the echoed prompt's
-    log-probabilities (`echoed` alternatives), vLLM's `prompt_logprobs`, and the first
-    generated token's alternatives (`top`), which its prompt's last row gives. Alternatives of
-    later generated tokens are not computed: `top` asks `max_tokens` 1."""
-    if top and ask.request.max_new_tokens != 1:
-        raise InvalidParam(
-            "top_logprobs" if ask.request.messages else "logprobs",
-            f"alternatives ({top} asked) are listed for the prompt's tokens and the first "
-            "generated token only: ask max_tokens 1, or none (0)",
-        )
-    wanted = [k for k in (echoed, ask.prompt_logprobs, top or None) if k is not None]
-    request = dataclasses.replace(ask.request, prompt_logprobs=max(wanted, default=None))
+    """What the response lists: the echoed prompt's log-probabilities (`echoed` alternatives)
+    and vLLM's `prompt_logprobs`, which the prompt's scores hold, and `top` alternatives beside
+    each generated token, which come with its log-probability."""
+    wanted = [k for k in (echoed, ask.prompt_logprobs) if k is not None]
+    request = dataclasses.replace(
+        ask.request, prompt_logprobs=max(wanted, default=None), top_logprobs=top
+    )
     return dataclasses.replace(ask, request=request, echo=echo, top=top)
 
 

@@ -246,6 +246,8 @@ async def _whole(flight: AdmittedRequest, reply: Reply) -> Whole:
     text: list[str] = []
     ids: list[int] = []
     logprobs: list[float] = []
+    top_ids: list[list[int]] = []
+    top_logprobs: list[list[float]] = []
     scores = None
     while True:
         ev = await flight.next()
@@ -253,12 +255,16 @@ async def _whole(flight: AdmittedRequest, reply: Reply) -> Whole:
             text.append(ev.text)
             ids += ev.token_ids
             logprobs += ev.logprobs
+            top_ids += ev.top_ids
+            top_logprobs += ev.top_logprobs
             scores = scores or ev.prompt
         elif isinstance(ev, Finish):
             output = reply.output(flight.entered.shape)
             prompt = flight.entered.request.prompt_ids
             scores = scores or ev.prompt
-            return Whole("".join(text), ids, logprobs, ev, output, prompt, scores)
+            return Whole(
+                "".join(text), ids, logprobs, ev, output, prompt, scores, top_ids, top_logprobs
+            )
 
 
 async def _wholes(reply: Reply, flights: list[AdmittedRequest]) -> dict:

@@ -43,6 +43,7 @@ ERROR_TYPES = {
     429: "rate_limit_error",
 }  # any other status: server_error
 DONE = "data: [DONE]\n\n"
+LOGPROB_FLOOR = -9999.0  # what vLLM lists for a log-probability of -inf
 
 
 def error(status: int, message: str, code: str, param: str | None = None) -> dict:
@@ -176,6 +177,8 @@ class Whole:
     output: ChatOutput | None = None  # a chat's parser of reasoning and calls
     prompt_ids: tuple[int, ...] = ()
     scores: PromptScores | None = None  # the prompt's, when the request asked
+    top_ids: list[list[int]] = field(default_factory=list)  # per token: its alternatives
+    top_logprobs: list[list[float]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -189,7 +192,7 @@ class Reply:
     n: int = 1  # choices per prompt
     token_ids: bool = False  # vLLM's return_token_ids: the prompt's and each choice's ids
     echo: bool = False  # completions: the prompt leads the text and its logprobs
-    top: int = 0  # alternatives listed beside the first generated token (and echoed ones)
+    top: int = 0  # alternatives listed beside each generated token (and each echoed one)
     prompt_logprobs: int | None = None  # vLLM's: the prompt's tokens scored, alternatives each
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -218,7 +221,8 @@ class Reply:
         """A delta's chunks: one, or with `output`, one per part it decided (its logprobs on
         the first, and an empty content chunk to carry them when it decided none); `calls`
         streams its tool calls' arguments as they come."""
-        logprobs = self._logprobs(ev.token_ids, ev.logprobs, spelled or Spelled())
+        tops = (ev.top_ids, ev.top_logprobs)
+        logprobs = self._logprobs(ev.token_ids, ev.logprobs, tops, spelled or Spelled())
         if output is None:
             delta = {"content": ev.text} if self.chat else ev.text
             return [self._body(True, self._choice(True, index, delta, logprobs))]
@@ -262,7 +266,8 @@ class Reply:
             elif self.echo:
                 prompt, echoed = self.echoed(c.prompt_ids, spelled)
                 message = prompt + c.text
-            logprobs = _joined(echoed, self._logprobs(c.ids, c.logprobs, spelled))
+            tops = (c.top_ids, c.top_logprobs)
+            logprobs = _joined(echoed, self._logprobs(c.ids, c.logprobs, tops, spelled))
             reason = _reason(c.finish, c.output)
             body = self._choice(False, i, message, logprobs, reason)
             if self.prompt_logprobs is not None and not self.chat:
@@ -305,14 +310,20 @@ class Reply:
         name = ("delta" if chunk else "message") if self.chat else "text"
         return {"index": index, name: content, "logprobs": logprobs, "finish_reason": finish}
 
-    def _logprobs(self, ids: list[int], logprobs: list[float], spelled: Spelled) -> dict | None:
-        """Each token's log-probability; with `top`, the first generated token's alternatives
-        (its prompt's last row's, which `spelled` holds until they are spent)."""
+    def _logprobs(
+        self,
+        ids: list[int],
+        logprobs: list[float],
+        rows: tuple[list[list[int]], list[list[float]]],
+        spelled: Spelled,
+    ) -> dict | None:
+        """Each token's log-probability and, with `top`, its row's alternatives (`rows`: ids
+        and log-probabilities, per token)."""
         if not logprobs:
             return None
         tokens = [self.tokenizer.decode([t]) for t in ids]
-        alternatives = [self._alternatives(spelled.first_row()) for _ in ids[:1]]
-        alternatives += [[] for _ in ids[1:]]
+        alternatives = [self._alternatives(row) for row in zip(*rows, strict=True)]
+        alternatives += [[] for _ in ids[len(alternatives) :]]
         if self.chat:
             content = [
                 {
@@ -340,12 +351,15 @@ class Reply:
             "text_offset": offsets,
         }
 
-    def _alternatives(self, row: tuple[list[int], list[float]] | None) -> list[tuple[str, float]]:
-        if row is None or not self.top:
+    def _alternatives(self, row: tuple[list[int], list[float]]) -> list[tuple[str, float]]:
+        """A row's alternatives as spelled out; a token its processors forbid (-inf) at vLLM's
+        floor, since JSON has no infinity."""
+        if not self.top:
             return []
         ids, values = row
         return [
-            (self.tokenizer.decode([t]), v) for t, v in zip(ids[: self.top], values, strict=False)
+            (self.tokenizer.decode([t]), max(v, LOGPROB_FLOOR))
+            for t, v in zip(ids[: self.top], values, strict=False)
         ]
 
     def echoed(self, prompt_ids: Sequence[int], spelled: Spelled) -> tuple[str, dict | None]:
@@ -398,18 +412,10 @@ class Reply:
 @dataclass
 class Spelled:
     """A choice's logprobs as they are spelled out: where its text stands (`text_offset`),
-    and its prompt's scores, whose last row gives the first generated token's alternatives
-    once."""
+    and its prompt's scores (an echoed prompt's log-probabilities)."""
 
     scores: PromptScores | None = None
     at: int = 0  # characters before the next token's
-    spent: bool = False  # the first generated token's alternatives given
-
-    def first_row(self) -> tuple[list[int], list[float]] | None:
-        if self.spent or self.scores is None or not self.scores.top_ids:
-            return None
-        self.spent = True
-        return self.scores.top_ids[-1], self.scores.top_logprobs[-1]
 
     def offsets(self, tokens: list[str]) -> list[int]:
         out = []

@@ -13,11 +13,11 @@ drafts). A sequence joins at the next plan with its rows given (after its prefil
 steps taken the synchronous way); one the service refuses in a plan ends alone.
 
 What cannot run ahead does not: grammars and `min_new_tokens` (their masks need the latest
-tokens), sampling, prompt lookup, the DFlash arm, the confidence stop and `--no-batch-verify` go the
-synchronous way, in the same iteration, and while any sequence does nothing runs ahead (a
-synchronous verify and its verdict may be two calls, and nothing may run between them). D-Cut
-cuts a continuing sequence's drafts by the confidences of the step before (the drafts it
-continues with are not back yet)."""
+tokens), sampling, alternatives (`top_logprobs`: a step plan returns none), prompt lookup, the
+DFlash arm, the confidence stop and `--no-batch-verify` go the synchronous way, in the same
+iteration, and while any sequence does nothing runs ahead (a synchronous verify and its verdict
+may be two calls, and nothing may run between them). D-Cut cuts a continuing sequence's drafts
+by the confidences of the step before (the drafts it continues with are not back yet)."""
 
 from __future__ import annotations
 
@@ -54,6 +54,7 @@ def runs_ahead(a: ActiveSeq, ctx: StepContext) -> bool:
         and a.req.method in (NONE, MTP)
         and a.grammar is None
         and not a.samples
+        and not a.req.top_logprobs
         and len(a.generated) >= a.req.min_new_tokens
     )
 

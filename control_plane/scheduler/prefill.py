@@ -3,6 +3,8 @@ chunk within the call's token budget; a refusal ends the sequence it concerns al
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from opentelemetry.trace import Link
 
 from control_plane.scheduler.seq import ActiveSeq
@@ -47,18 +49,20 @@ def prefill(
             a.sampling(1) if a.samples and end else None for a, end in zip(batch, last, strict=True)
         ]
         asks = [_score_ask(a, c) for a, c in zip(batch, chunks, strict=True)]
-        rows = _rows(model, batch, chunks, masks, sampling, asks)
+        # The first generated token's alternatives come as every later token's do.
+        tops = [a.req.top_logprobs if end else 0 for a, end in zip(batch, last, strict=True)]
+        rows = _rows(model, batch, chunks, Asks(masks, sampling, asks, tops))
     done = []
     for a, c, row in zip(batch, chunks, rows, strict=True):
         if row is None:
             continue
-        if a.scores is not None and row[2] is not None:
-            a.scores.extend(row[2])
+        if a.scores is not None and row.scores is not None:
+            a.scores.extend(row.scores)
         a.prefilled += len(c)
         if a.prefilled == len(a.context):
             done.append(a)
             if not a.generated:
-                a.gain([row[0]], [row[1]])
+                a.gain([row.token], [row.logprob], ([row.top_ids], [row.top_logprobs]))
     return done
 
 
@@ -85,23 +89,42 @@ def _score_ask(a: ActiveSeq, chunk: list[int]) -> ScoreAsk | None:
     return ScoreAsk(a.req.prompt_logprobs or 0, after)
 
 
-Row = tuple[int, float, Scores | None]
+@dataclass(frozen=True)
+class Asks:
+    """What a prefill call asks of each sequence besides its chunk."""
+
+    masks: list[bytes]
+    sampling: list[Sampling | None]
+    scores: list[ScoreAsk | None]
+    tops: list[int]  # alternatives of its last row
+
+    def one(self, i: int) -> Asks:
+        at = slice(i, i + 1)
+        return Asks(self.masks[at], self.sampling[at], self.scores[at], self.tops[at])
+
+
+@dataclass(frozen=True)
+class Row:
+    """What a prefill gave one sequence."""
+
+    token: int
+    logprob: float
+    scores: Scores | None
+    top_ids: list[int]
+    top_logprobs: list[float]
 
 
 def _rows(
-    model: ServingModel,
-    batch: list[ActiveSeq],
-    chunks: list[list[int]],
-    masks: list[bytes],
-    sampling: list[Sampling | None],
-    asks: list[ScoreAsk | None],
+    model: ServingModel, batch: list[ActiveSeq], chunks: list[list[int]], asks: Asks
 ) -> list[Row | None]:
-    """The prefill call -> each sequence's (argmax, log-probability, scores), None for one the
-    service refused. A refused batch is retried one sequence per call to find the one
-    the refusal concerns (a call is checked whole before any of it runs)."""
-    scores = asks if any(s is not None for s in asks) else None
+    """The prefill call -> each sequence's row, None for one the service refused. A refused
+    batch is retried one sequence per call to find the one the refusal concerns (a call is
+    checked whole before any of it runs)."""
+    scores = asks.scores if any(s is not None for s in asks.scores) else None
+    tops = asks.tops if any(asks.tops) else None
+    handles = [a.live_handle for a in batch]
     try:
-        done = model.prefill([a.live_handle for a in batch], chunks, masks, sampling, scores)
+        done = model.prefill(handles, chunks, asks.masks, asks.sampling, scores, tops)
     except ModelError as e:
         if len(batch) == 1:
             batch[0].refuse(e.code, str(e))
@@ -109,8 +132,9 @@ def _rows(
         return [
             row
             for i in range(len(batch))
-            for one in [slice(i, i + 1)]
-            for row in _rows(model, batch[one], chunks[one], masks[one], sampling[one], asks[one])
+            for row in _rows(model, batch[i : i + 1], chunks[i : i + 1], asks.one(i))
         ]
-    got = done.scores or [None] * len(batch)
-    return list(zip(done.argmax, done.logprobs, got, strict=True))
+    n = len(batch)
+    got = done.scores or [None] * n
+    ids, values = done.top_ids or [[]] * n, done.top_logprobs or [[]] * n
+    return [Row(*row) for row in zip(done.argmax, done.logprobs, got, ids, values, strict=True)]

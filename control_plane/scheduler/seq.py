@@ -44,6 +44,7 @@ class GenRequest:
     method: str = MTP  # NONE, MTP, PROMPT_LOOKUP or DFLASH
     num_drafts: int | None = None  # cap on this request's drafts; None: the server's
     logprobs: bool = False
+    top_logprobs: int = 0  # with logprobs: alternatives listed beside each generated token
     # The prompt's rows scored (vLLM's prompt_logprobs, OpenAI's echo): None, not scored; else
     # the alternatives each row lists.
     prompt_logprobs: int | None = None
@@ -104,6 +105,10 @@ class Delta:
     logprobs: list[float]
     # On a request's first delta, when it asked: its prompt's rows scored.
     prompt: PromptScores | None = None
+    # Per token, when the request asked `top_logprobs`: that many alternatives, most probable
+    # first, and their log-probabilities (of the row its token came from, as `logprobs`).
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
 
 
 @dataclass
@@ -331,10 +336,17 @@ class ActiveSeq:
             and self.remaining > 1
         )
 
-    def gain(self, tokens: list[int], logprobs: list[float] | None = None) -> None:
+    def gain(
+        self,
+        tokens: list[int],
+        logprobs: list[float] | None = None,
+        top: tuple[list[list[int]], list[list[float]]] | None = None,
+    ) -> None:
         """Append what the model produced, stopping at EOS, a stop token, a stop string or
-        the length; stream the delta. A row whose logprob is not finite had logits that
-        were not (NaN, or an infinity): this request fails alone, and no NaN leaves."""
+        the length; stream the delta, with each token's log-probability and its alternatives
+        (`top`: ids and log-probabilities per token) where the request asked. A row whose
+        logprob is not finite had logits that were not (NaN, or an infinity): this request
+        fails alone, and no NaN leaves."""
         if logprobs is not None and not checks.finite(logprobs[: len(tokens)]):
             self.refuse(
                 FailedPrecondition.code,
@@ -371,9 +383,10 @@ class ActiveSeq:
         if kept:
             self._observe(len(kept))
         lp = list(logprobs[: len(kept)]) if logprobs is not None and self.req.logprobs else []
+        ids, values = top if top is not None and self.req.top_logprobs else ([], [])
         text = self.detok.delta(final=self.finished is not None)
         if kept or text:
-            self.sink(Delta(kept, text, lp, self.scores))
+            self.sink(Delta(kept, text, lp, self.scores, ids[: len(kept)], values[: len(kept)]))
             self.scores = None
 
     def record_verify(self, drafted: int, accepted: int) -> None:

@@ -4,17 +4,20 @@ Shared by every verify path."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 from opentelemetry.util.types import AttributeValue
 
 from control_plane.scheduler.seq import ActiveSeq
+from protos.handles import RowDraws
 from protos.model import (
     ModelError,
     Proposal,
     Sampling,
     ServingModel,
     StepResult,
+    Verified,
     room_for_block,
     room_to_propose,
 )
@@ -71,9 +74,10 @@ def _verify(
     sampling = {
         i: a.sampling(len(r)) for i, (a, r) in enumerate(zip(seqs, rows, strict=True)) if a.samples
     }
-    # `decode_step` proposes with the MTP head only.
+    # `decode_step` proposes with the MTP head only, and lists no alternatives.
     blocks = any(a.req.method == DFLASH for a in seqs)
-    if fused and not masks and not sampling and not blocks:
+    tops = any(a.req.top_logprobs for a in seqs)
+    if fused and not masks and not sampling and not blocks and not tops:
         _fused_step(model, seqs, rows, step_nd, mode)
     else:
         _two_calls(model, seqs, rows, step_nd, mode, masks, sampling)
@@ -92,6 +96,7 @@ def _two_calls(
     handles = [a.live_handle for a in seqs]
     q = [a.pending_conf[: k - 1] for a, k in zip(seqs, ks, strict=True)]
     attrs: dict[str, AttributeValue] = {"met.verify.mode": mode, "met.verify.ks": ks}
+    top = [a.req.top_logprobs for a in seqs]
     with span(TRACER, "verify", **attrs):
         verified = model.decode_verify_batched(
             [t for r in rows for t in r],
@@ -99,21 +104,15 @@ def _two_calls(
             handles,
             masks=masks or None,
             sampling=sampling or None,
+            top=top if any(top) else None,
         )
-    argmax, logprobs, draws = verified.argmax, verified.logprobs, verified.draws
-    off = offsets(ks)
-    gains = []
-    for i, r in enumerate(rows):
-        if i in sampling:
-            gains.append(_rejection(seqs[i], r, q[i], draws[off[i] : off[i + 1]]))
-        else:
-            n = accepted(r, argmax[off[i] : off[i + 1]])
-            gains.append((n, argmax[off[i] + n]))
-    for i, (a, (n, bonus)) in enumerate(zip(seqs, gains, strict=True)):
+    na = []
+    for i, (a, at) in enumerate(zip(seqs, itertools.pairwise(offsets(ks)), strict=True)):
+        n, gained = _gained(a, rows[i], q[i], verified, at, i in sampling)
         a.pending_drafts, a.pending_conf = [], []
         a.record_verify(ks[i] - 1, n)
-        a.gain([*rows[i][1 : n + 1], bonus], logprobs[off[i] : off[i] + n + 1])
-    na = [n for n, _ in gains]
+        a.gain(*gained)
+        na.append(n)
     proposers = [i for i, a in enumerate(seqs) if _can_propose(a, ks[i] - na[i] - 1, step_nd)]
     attrs = {"met.accepted": na, "met.proposers": len(proposers)}
     with span(TRACER, "verdict", **attrs):
@@ -185,16 +184,46 @@ def _take_drafts(
             del a.pending_conf[stop:]
 
 
-def _rejection(a: ActiveSeq, rows: list[int], q: list[float], draws: list) -> tuple[int, int]:
+# What a verdict gives a sequence: its tokens, each one's own log-probability, and each one's
+# row's alternatives (ids, log-probabilities).
+Gain = tuple[list[int], list[float], tuple[list[list[int]], list[list[float]]]]
+
+
+def _gained(
+    a: ActiveSeq, rows: list[int], q: list[float], v: Verified, at: tuple[int, int], samples: bool
+) -> tuple[int, Gain]:
+    """A sequence's verdict on its rows `at` (first, past the last) of the verify -> (drafts
+    that stood, what it gains: the token after them is the argmax, or a draw for a sampling
+    sequence; an accepted draft's log-probability is its row's, the argmax's or the next
+    row's token's)."""
+    lo, hi = at
+    if samples:
+        n, token, own = _rejection(a, rows, q, v.draws[lo:hi])
+        logprobs = [*v.next_logprobs[lo : lo + n], own]
+    else:
+        n = accepted(rows, v.argmax[lo:hi])
+        token, logprobs = v.argmax[lo + n], v.logprobs[lo : lo + n + 1]
+    end = lo + n + 1
+    return n, ([*rows[1 : n + 1], token], logprobs, (v.top_ids[lo:end], v.top_logprobs[lo:end]))
+
+
+def _rejection(
+    a: ActiveSeq, rows: list[int], q: list[float], draws: list[RowDraws | None]
+) -> tuple[int, int, float]:
     """Speculative sampling's verdict: draft j + 1 stands with probability min(1, p / q);
     the first one that falls is replaced by a draw from the residual; with every draft
-    standing, the bonus is a draw from the target. -> (accepted drafts, the token after)"""
+    standing, the bonus is a draw from the target. -> (accepted drafts, the token after, its
+    log-probability)"""
     for j in range(len(rows) - 1):
+        d = draws[j]
+        assert d is not None, "a sampling sequence's row came back without its draws"
         # A q rounded to 0 on the wire is a draft the drafter could not have drawn: keep it.
-        ratio = draws[j].p_next / q[j] if q[j] > 0 else 1.0
+        ratio = d.p_next / q[j] if q[j] > 0 else 1.0
         if a.rng.random() >= min(1.0, ratio):
-            return j, draws[j].resample
-    return len(rows) - 1, draws[-1].sample
+            return j, d.resample, d.resample_logprob
+    d = draws[-1]
+    assert d is not None, "a sampling sequence's row came back without its draws"
+    return len(rows) - 1, d.sample, d.sample_logprob
 
 
 def _row_masks(seqs: list[ActiveSeq], rows: list[list[int]]) -> dict[int, bytes]:

@@ -159,7 +159,7 @@ def test_rejection_verdict_accepts_and_falls() -> None:
         TOK,
         ModelFacts(64, eos_ids=(257,)),
     )
-    sure = [RowDraws(1.0, 7, 8), RowDraws(1.0, 9, 10), RowDraws(0.0, 11, 12)]
-    assert _rejection(a, [1, 2, 3], [0.5, 0.5], sure) == (2, 12), "p/q >= 1: all stand"
-    never = [RowDraws(0.0, 7, 8), RowDraws(0.0, 9, 10)]
-    assert _rejection(a, [1, 2], [0.5], never) == (0, 7), "p = 0: the residual's draw"
+    sure = [RowDraws(1.0, 7, 8), RowDraws(1.0, 9, 10), RowDraws(0.0, 11, 12, -1.5, -2.5)]
+    assert _rejection(a, [1, 2, 3], [0.5, 0.5], sure) == (2, 12, -2.5), "p/q >= 1: all stand"
+    never = [RowDraws(0.0, 7, 8, -3.5, -4.5), RowDraws(0.0, 9, 10)]
+    assert _rejection(a, [1, 2], [0.5], never) == (0, 7, -3.5), "p = 0: the residual's draw"

@@ -21,7 +21,7 @@ SPECULATIVE_METHOD_PROMPT_LOOKUP: SpeculativeMethod
 SPECULATIVE_METHOD_DFLASH: SpeculativeMethod
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_token_ids", "max_new_tokens", "min_new_tokens", "stop", "stop_token_ids", "ignore_eos", "temperature", "top_p", "top_k", "seed", "logprobs", "request_id", "speculative_method", "num_drafts", "response_format", "messages", "add_generation_prompt", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p", "chat_template_kwargs", "allowed_token_ids", "tools", "tool_choice", "parallel_tool_calls", "truncate_prompt_tokens", "include_stop_str_in_output", "chat_template", "continue_final_message", "prompt_logprobs", "thinking_token_budget")
+    __slots__ = ("prompt", "prompt_token_ids", "max_new_tokens", "min_new_tokens", "stop", "stop_token_ids", "ignore_eos", "temperature", "top_p", "top_k", "seed", "logprobs", "request_id", "speculative_method", "num_drafts", "response_format", "messages", "add_generation_prompt", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p", "chat_template_kwargs", "allowed_token_ids", "tools", "tool_choice", "parallel_tool_calls", "truncate_prompt_tokens", "include_stop_str_in_output", "chat_template", "continue_final_message", "prompt_logprobs", "thinking_token_budget", "top_logprobs")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,7 @@ class GenerateRequest(_message.Message):
     CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     THINKING_TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_new_tokens: int
@@ -97,7 +98,8 @@ class GenerateRequest(_message.Message):
     continue_final_message: bool
     prompt_logprobs: int
     thinking_token_budget: int
-    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., logprobs: _Optional[bool] = ..., request_id: _Optional[str] = ..., speculative_method: _Optional[_Union[SpeculativeMethod, str]] = ..., num_drafts: _Optional[int] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_p: _Optional[float] = ..., chat_template_kwargs: _Optional[str] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., tools: _Optional[str] = ..., tool_choice: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ..., include_stop_str_in_output: _Optional[bool] = ..., chat_template: _Optional[str] = ..., continue_final_message: _Optional[bool] = ..., prompt_logprobs: _Optional[int] = ..., thinking_token_budget: _Optional[int] = ...) -> None: ...
+    top_logprobs: int
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., logprobs: _Optional[bool] = ..., request_id: _Optional[str] = ..., speculative_method: _Optional[_Union[SpeculativeMethod, str]] = ..., num_drafts: _Optional[int] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_p: _Optional[float] = ..., chat_template_kwargs: _Optional[str] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., tools: _Optional[str] = ..., tool_choice: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ..., include_stop_str_in_output: _Optional[bool] = ..., chat_template: _Optional[str] = ..., continue_final_message: _Optional[bool] = ..., prompt_logprobs: _Optional[int] = ..., thinking_token_budget: _Optional[int] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content", "tool_calls", "tool_call_id", "name", "reasoning_content")
@@ -160,7 +162,7 @@ class Queued(_message.Message):
     def __init__(self, position: _Optional[int] = ..., queue_length: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("token_ids", "text", "logprobs", "finish_reason", "usage", "speculative_stats", "request_id", "queued", "prompt_logprobs")
+    __slots__ = ("token_ids", "text", "logprobs", "finish_reason", "usage", "speculative_stats", "request_id", "queued", "prompt_logprobs", "top_ids", "top_logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -170,6 +172,8 @@ class GenerateResponse(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -179,7 +183,9 @@ class GenerateResponse(_message.Message):
     request_id: str
     queued: Queued
     prompt_logprobs: PromptLogprobs
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., speculative_stats: _Optional[_Union[SpeculativeStats, _Mapping]] = ..., request_id: _Optional[str] = ..., queued: _Optional[_Union[Queued, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[PromptLogprobs, _Mapping]] = ...) -> None: ...
+    top_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., speculative_stats: _Optional[_Union[SpeculativeStats, _Mapping]] = ..., request_id: _Optional[str] = ..., queued: _Optional[_Union[Queued, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[PromptLogprobs, _Mapping]] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class PromptLogprobs(_message.Message):
     __slots__ = ("logprobs", "ranks", "top", "top_ids", "top_logprobs")

@@ -2,12 +2,13 @@
 BPE tokenizer): lm-eval's `local-completions` loglikelihood request (a batch of prompts, echo,
 logprobs 1, max_tokens 1) and vLLM's `prompt_logprobs` equal transformers' log-softmax over
 the prompt within the parity tolerance, whole and streamed; `text_offset` spells the text;
-alternatives of later generated tokens are refused, naming the field."""
+every generated token lists its alternatives, as transformers ranks them."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
+import grpc
 import httpx2
 import openai
 import pytest
@@ -34,9 +35,14 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Fronts, Che
 
 def reference(ckpt: Checkpoint, text: str) -> tuple[list[int], torch.Tensor]:
     ids = ckpt.tokenizer.encode(text, add_special_tokens=False)
+    return ids, reference_ids(ckpt, ids)
+
+
+def reference_ids(ckpt: Checkpoint, ids: list[int]) -> torch.Tensor:
+    """transformers' log-softmax of every row of `ids` [len(ids), V]."""
     with torch.no_grad():
         logits = ckpt.model(torch.tensor([ids])).logits[0].float()
-    return ids, torch.log_softmax(logits, -1)
+    return torch.log_softmax(logits, -1)
 
 
 def test_lm_evals_loglikelihood_request(pair: tuple[Fronts, Checkpoint]) -> None:
@@ -99,27 +105,70 @@ def test_vllms_prompt_logprobs_whole_and_streamed(pair: tuple[Fronts, Checkpoint
         assert len(row) in (3, 4)  # three alternatives, and the prompt's token beside them
 
 
-def test_alternatives_past_the_first_token_are_refused(pair: tuple[Fronts, Checkpoint]) -> None:
+def _alternatives_match(row: torch.Tensor, own: int, lp: float, top: list[float]) -> None:
+    """A generated token's log-probability and its alternatives' against the reference row."""
+    assert lp == pytest.approx(float(row[own]), abs=ATOL)
+    want = row.topk(len(top)).values
+    torch.testing.assert_close(torch.tensor(top), want, atol=ATOL, rtol=0)
+
+
+def test_every_generated_token_lists_its_alternatives(pair: tuple[Fronts, Checkpoint]) -> None:
+    """Chat's top_logprobs and completions' logprobs N, streamed: every token's alternatives
+    are its row's most probable tokens, as transformers' log-softmax over the prompt and the
+    tokens before it ranks them."""
+    fronts, ckpt = pair
+    ids_back = {"ignore_eos": True, "return_token_ids": True}
+    chat = fronts.client.chat.completions.create(
+        model="",
+        messages=[{"role": "user", "content": "def add"}],
+        logprobs=True,
+        top_logprobs=3,
+        max_tokens=6,
+        temperature=0,
+        extra_body=ids_back,
+    )
+    prompt, ids = chat.model_extra["prompt_token_ids"], chat.choices[0].model_extra["token_ids"]
+    logp = reference_ids(ckpt, prompt + ids)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == len(ids) == 6
+    for j, (token, own) in enumerate(zip(content, ids, strict=True)):
+        values = [a.logprob for a in token.top_logprobs]
+        _alternatives_match(logp[len(prompt) - 1 + j], own, token.logprob, values)
+    chunks = fronts.client.completions.create(  # type: ignore[call-overload]
+        model="", prompt=PROMPTS[0], logprobs=3, max_tokens=6, stream=True, extra_body=ids_back
+    )
+    ids, prompt, lps, tops = [], None, [], []
+    for c in chunks:
+        if not c.choices:
+            continue
+        extra = c.choices[0].model_extra
+        prompt = prompt or extra.get("prompt_token_ids")
+        ids += extra.get("token_ids") or []
+        if c.choices[0].logprobs is not None:
+            lps += c.choices[0].logprobs.token_logprobs
+            tops += c.choices[0].logprobs.top_logprobs
+    logp = reference_ids(ckpt, prompt + ids)
+    assert len(ids) == len(lps) == len(tops) == 6
+    for j, (own, lp, top) in enumerate(zip(ids, lps, tops, strict=True)):
+        row = logp[len(prompt) - 1 + j]
+        assert lp == pytest.approx(float(row[own]), abs=ATOL)
+        # Three alternatives and the token's own, by their text (byte tokens may spell alike,
+        # and one key then holds the last of them).
+        want = [*row.topk(3).values.tolist(), float(row[own])]
+        assert 1 <= len(top) <= 4
+        assert all(min(abs(v - w) for w in want) < ATOL for v in top.values()), (top, want)
+
+
+def test_alternatives_past_twenty_are_refused(pair: tuple[Fronts, Checkpoint]) -> None:
     fronts, _ = pair
     with pytest.raises(openai.BadRequestError) as caught:
-        fronts.client.completions.create(model="", prompt="a", logprobs=2, max_tokens=5)
+        fronts.client.completions.create(model="", prompt="a", logprobs=21, max_tokens=5)
     assert caught.value.body["param"] == "logprobs"
     with pytest.raises(openai.BadRequestError) as caught:
         fronts.client.chat.completions.create(
-            model="", messages=[{"role": "user", "content": "a"}], logprobs=True, top_logprobs=2
+            model="", messages=[{"role": "user", "content": "a"}], logprobs=True, top_logprobs=21
         )
     assert caught.value.body["param"] == "top_logprobs"
-    done = fronts.client.chat.completions.create(
-        model="",
-        messages=[{"role": "user", "content": "a"}],
-        logprobs=True,
-        top_logprobs=2,
-        max_tokens=1,
-        extra_body={"ignore_eos": True},
-    )
-    (token,) = done.choices[0].logprobs.content
-    assert len(token.top_logprobs) == 2
-    assert token.top_logprobs[0].logprob >= token.logprob - ATOL
 
 
 def test_the_grpc_api_sends_the_prompts_scores_first(pair: tuple[Fronts, Checkpoint]) -> None:
@@ -134,3 +183,26 @@ def test_the_grpc_api_sends_the_prompts_scores_first(pair: tuple[Fronts, Checkpo
     assert (
         first.top == 2 and len(first.top_ids) == 2 * len(ids) and len(first.ranks) == len(ids) - 1
     )
+
+
+def test_the_grpc_api_streams_each_tokens_alternatives(pair: tuple[Fronts, Checkpoint]) -> None:
+    fronts, ckpt = pair
+    request = pb.GenerateRequest(
+        prompt=PROMPTS[0], max_new_tokens=5, logprobs=True, top_logprobs=2, ignore_eos=True
+    )
+    messages = list(fronts.stub.Generate(request, metadata=auth.bearer(KEY), timeout=60))
+    ids = [t for m in messages for t in m.token_ids]
+    logp = reference_ids(ckpt, ckpt.tokenizer.encode(PROMPTS[0], add_special_tokens=False) + ids)
+    top_ids = [t for m in messages for t in m.top_ids]
+    values = [v for m in messages for v in m.top_logprobs]
+    own = [v for m in messages for v in m.logprobs]
+    assert len(ids) == len(own) == 5 and len(top_ids) == len(values) == 2 * len(ids)
+    for j in range(len(ids)):
+        row = logp[logp.shape[0] - len(ids) - 1 + j]
+        _alternatives_match(row, ids[j], own[j], values[2 * j : 2 * j + 2])
+        assert top_ids[2 * j] == ids[j], "greedy: each token is its row's first alternative"
+    refused = pb.GenerateRequest(prompt="a", max_new_tokens=2, top_logprobs=2)
+    with pytest.raises(grpc.RpcError) as caught:
+        list(fronts.stub.Generate(refused, metadata=auth.bearer(KEY), timeout=60))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "top_logprobs needs logprobs" in caught.value.details()

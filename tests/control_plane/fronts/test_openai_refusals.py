@@ -105,11 +105,10 @@ BAD = {
         "temperature is -1.0; it must be 0 (greedy) or from 0.01 to 100",
     ),
     "logprobs": (
-        {"logprobs": 2},
+        {"logprobs": 21},
         400,
         "logprobs",
-        "alternatives (2 asked) are listed for the prompt's tokens and the first generated token "
-        "only: ask max_tokens 1, or none (0)",
+        "logprobs is 21; it must be an integer, 0 to 20",
     ),
     "prompt-of-text-and-ids": (
         {"prompt": ["a", 3]},

@@ -357,9 +357,9 @@ def _masked_rows(model: FakeModel) -> list[int]:
     seen: list[int] = []
     verify = model.decode_verify_batched
 
-    def spy(tokens, ks, seqs, write_on_accept=True, masks=None, sampling=None):
+    def spy(*args, masks=None, **kwargs):
         seen.append(len(masks or {}))
-        return verify(tokens, ks, seqs, write_on_accept, masks, sampling)
+        return verify(*args, masks=masks, **kwargs)
 
     model.decode_verify_batched = spy  # type: ignore[method-assign]
     return seen
