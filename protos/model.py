@@ -160,6 +160,12 @@ class Capabilities:
     compiled: bool = False  # the graphs are compiled on the CPU (`--compile`)
     compiles_pending: int = 0  # compiled keys still building in the background
 
+    @property
+    def drafters(self) -> frozenset[str]:
+        """The drafters it proposes with (`DRAFTERS`)."""
+        held = {MTP_HEAD: self.has_mtp, DFLASH: self.dflash_block > 0}
+        return frozenset(name for name, has in held.items() if has)
+
 
 def batch_fits(ks: Sequence[int], max_batch: int, max_rows: int) -> bool:
     """Whether one batched verify of these widths (rows per sequence) fits the stash width and

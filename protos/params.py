@@ -18,12 +18,13 @@ from protos.met.v1 import generate_pb2 as pb
 from protos.model import DFLASH as DFLASH  # a method's name as the drafter's
 from protos.model import MTP_HEAD, Penalties
 
-NONE, MTP, PROMPT_LOOKUP = "none", MTP_HEAD, "prompt_lookup"
+NONE, MTP, PROMPT_LOOKUP, AUTO = "none", MTP_HEAD, "prompt_lookup", "auto"
 METHODS = {
     pb.SPECULATIVE_METHOD_NONE: NONE,
     pb.SPECULATIVE_METHOD_MTP: MTP,
     pb.SPECULATIVE_METHOD_PROMPT_LOOKUP: PROMPT_LOOKUP,
     pb.SPECULATIVE_METHOD_DFLASH: DFLASH,
+    pb.SPECULATIVE_METHOD_AUTO: AUTO,
 }
 FORMATS = ("json_schema", "regex", "lark")  # `ResponseFormat`'s kinds
 
@@ -71,7 +72,7 @@ class RequestParams:
     logprobs: bool = False
     top_logprobs: int = 0  # with logprobs: alternatives listed beside each generated token
     request_id: str = ""
-    method: str | None = None  # NONE, MTP, PROMPT_LOOKUP or DFLASH; None: the server's
+    method: str | None = None  # one of METHODS' names; None: the server's (--method)
     num_drafts: int | None = None  # None: the server's
     response_format: tuple[str, str] | None = None  # (one of FORMATS, its text)
     tools: str = ""  # with messages: OpenAI's tool definitions, a JSON array as text

@@ -22,6 +22,7 @@ from control_plane.admission.refusal import INVALID, BadRequest
 from control_plane.admission.work import Prepared, Preparer, WorkerSetup
 from control_plane.admission.workers import AdmissionBounds, Workers
 from control_plane.replicas.router import Drives
+from control_plane.scheduler.methods import method
 from control_plane.scheduler.metrics import REPLICA_ATTRIBUTE
 from control_plane.scheduler.seq import Event, GenRequest, Queued
 from control_plane.text.chat import ChatTemplate
@@ -32,10 +33,12 @@ from control_plane.text.tokenizer import TOKENIZER_FILE, Tokenization
 from protos import checks
 from protos.handles import MAX_TOP
 from protos.model import Capabilities, ModelError, Penalties
-from protos.params import DFLASH, MTP, RequestParams, penalties
+from protos.params import AUTO, RequestParams, penalties
 
 T = TypeVar("T")
-DEFAULT_METHOD = MTP  # for requests that leave the speculative method unspecified
+# For requests that leave the speculative method unspecified: the server's choice, each step
+# (`control_plane/scheduler/choice.py`).
+DEFAULT_METHOD = AUTO
 # For requests that leave max_new_tokens unset: None, the rest of the context (vLLM's).
 DEFAULT_MAX_NEW_TOKENS: int | None = None
 # UTF-8 bytes of a text prompt or a rendered chat, checked before tokenizing: a tokenizer's ids
@@ -95,7 +98,7 @@ def admit(
     `BadRequest` with a sentence, all in this thread (`Door` runs the costly part in a
     worker). `chat` is the model's template, for a request with messages (None: the model has
     none)."""
-    check(r, caps)
+    check(r, caps, admission.default_method)
     preparer = Preparer(tokenizer, chat, lambda: compiler, chat_kwargs=admission.chat_kwargs)
     prepared = preparer.prepare(r, caps, admission.max_prompt_bytes)
     grammar = compiler.matcher(prepared.grammar) if compiler and prepared.grammar else None
@@ -103,9 +106,9 @@ def admit(
     return finish(r, prepared, caps, admission, request_id, grammar, marks)
 
 
-def check(r: RequestParams, caps: Capabilities) -> None:
+def check(r: RequestParams, caps: Capabilities, default_method: str = DEFAULT_METHOD) -> None:
     """The fields that need neither a tokenizer nor a worker, checked before either runs."""
-    _check_method(r, caps)
+    _check_method(r, caps, default_method)
     _check_sampling(r, caps)
     check_vocab("stop_token_ids", r.stop_token_ids, caps)
     check_per_step(r)
@@ -223,18 +226,14 @@ def _max_new_tokens(
     return max_new
 
 
-def _check_method(r: RequestParams, caps: Capabilities) -> None:
-    """DFlash's drafter, and the draft count (a method's name is the fronts' to check)."""
-    most = max(caps.slot_verify_drafts)
-    if r.method == DFLASH:
-        if not caps.dflash_block:
-            raise BadRequest(
-                INVALID,
-                "speculative method dflash needs a GPU service with a DFlash drafter (met "
-                "gpu-service serve --drafter PATH); this one has none",
-                "speculative",
-            )
-        most = min(most, caps.dflash_block - 1)
+def _check_method(r: RequestParams, caps: Capabilities, default: str) -> None:
+    """The method's drafter on this service, and the draft count (a method's name is the
+    fronts' to check)."""
+    chosen = method(r.method or default)
+    refusal = chosen.refusal(caps)
+    if refusal is not None:
+        raise BadRequest(INVALID, refusal, "speculative")
+    most = chosen.most_drafts(caps)
     if r.num_drafts is not None and not 1 <= r.num_drafts <= most:
         raise BadRequest(
             INVALID,
@@ -294,7 +293,7 @@ class Door:
         caps = await self.capabilities()
         span.set_attribute("gen_ai.request.model", caps.model_name)
         tokenizer = self.scheduler.tokenizer
-        check(request, caps)
+        check(request, caps, self.admission.default_method)
         prepared = await self._prepare(request, caps)
         grammar, marks = None, None
         if needs_compiler(request, prepared):

@@ -21,14 +21,14 @@ from collections.abc import Sequence
 from control_plane.scheduler.verdict import offsets
 from protos.model import DFLASH, MTP_HEAD
 
-NONE, MTP, MASKED, BLOCK = "none", "mtp", "masked", "dflash"
+ONE_ROW, MTP, MASKED, BLOCK = "none", "mtp", "masked", "dflash"
 # One masked row allows every token t with (t + salt) % MASK_STRIDE == 0, and its reference.
 MASK_STRIDE = 5
 
 
 def roles(n: int, dflash: bool) -> tuple[str, ...]:
     """The roles of `n` sequences, in turn; `dflash` only where the service has the drafter."""
-    cycle = (NONE, MTP, MASKED, BLOCK) if dflash else (NONE, MTP, MASKED)
+    cycle = (ONE_ROW, MTP, MASKED, BLOCK) if dflash else (ONE_ROW, MTP, MASKED)
     return tuple(cycle[i % len(cycle)] for i in range(n))
 
 
@@ -39,12 +39,12 @@ def drafter_of(role: str) -> str:
 
 def widths(shape: Sequence[int], of: Sequence[str]) -> list[int]:
     """`shape` with every `none` sequence's verify one row."""
-    return [1 if r == NONE else k for k, r in zip(shape, of, strict=True)]
+    return [1 if r == ONE_ROW else k for k, r in zip(shape, of, strict=True)]
 
 
 def proposers(of: Sequence[str]) -> list[int]:
     """The sequences that propose after the verdict, in batch order."""
-    return [i for i, r in enumerate(of) if r != NONE]
+    return [i for i, r in enumerate(of) if r != ONE_ROW]
 
 
 def allowed(vocab: int, keep: int, salt: int) -> bytes:

@@ -38,6 +38,7 @@ from control_plane.fronts.api import GenerationServicer
 from control_plane.replicas.client import GrpcModel
 from control_plane.replicas.router import Router, Target, TargetError, parse_targets
 from control_plane.scheduler.env import Env
+from control_plane.scheduler.methods import METHODS
 from control_plane.scheduler.metrics import Metrics
 from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.scheduler import Joins, Scheduler
@@ -49,7 +50,6 @@ from protos.bodies import RejectUndecodable
 from protos.defaults import CONTROL_PLANE_PORT
 from protos.met.v1 import generate_pb2, generate_pb2_grpc
 from protos.model import ADMIN_KEY_ENV
-from protos.params import MTP, NONE
 from protos.telemetry import setup_tracing
 
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -78,9 +78,10 @@ def add_serve_args(parser: argparse.ArgumentParser, gpu_service_required: bool =
     add_model_args(parser)
     parser.add_argument(
         "--method",
-        choices=[MTP, NONE],
+        choices=list(METHODS),
         default=DEFAULT_METHOD,
-        help="speculative method of requests that leave it unspecified",
+        help="speculative method of requests that leave it unspecified (default: auto, the "
+        "server's choice each step from measured costs and each request's acceptance)",
     )
     parser.add_argument(
         "--max-new-tokens",

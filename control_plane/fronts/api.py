@@ -36,6 +36,10 @@ def stats_message(s: SpecStats) -> pb.SpeculativeStats:
         mean_accepted_length=s.mean_accepted_length,
         grammar_truncations=s.grammar_truncations,
         acceptance_per_position=s.acceptance_at,
+        by_method=[
+            pb.MethodStats(method=name, verifies=c.verifies, drafted=c.drafted, accepted=c.accepted)
+            for name, c in sorted(s.by_method.items())
+        ],
     )
 
 

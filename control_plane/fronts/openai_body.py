@@ -32,13 +32,13 @@ from control_plane.fronts.openai_fields import (
 )
 from control_plane.fronts.openai_formats import response_format, tools_fields
 from control_plane.fronts.openai_prompts import messages_fields, prompt_fields, prompts_fields
+from control_plane.scheduler.methods import METHODS
 from control_plane.text.chat import KWARGS
 from protos import checks
 from protos.checks import INT32, UINT32, UINT64
 from protos.handles import MAX_TOP
-from protos.params import METHODS, RequestParams, SamplingParams
+from protos.params import RequestParams, SamplingParams
 
-METHOD_NAMES = tuple(METHODS.values())
 SPECULATIVE_KEYS = ("method", "num_drafts")
 # OpenAI's bound on `n`; each choice of each prompt is a request of its own to the scheduler.
 MAX_CHOICES = 128
@@ -408,8 +408,8 @@ def _speculative(body: dict) -> dict[str, Any]:
         )
     method = spec.get("method")
     if method is not None:
-        if not isinstance(method, str) or method not in METHOD_NAMES:
-            names = ", ".join(METHOD_NAMES)
+        if not isinstance(method, str) or method not in METHODS:
+            names = ", ".join(METHODS)
             raise InvalidParam(
                 "speculative", f"speculative.method is {shown(method)}; use one of {names}"
             )

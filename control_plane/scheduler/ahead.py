@@ -1,8 +1,10 @@
-"""The pipelined step: greedy `none` and `mtp` sequences run one step ahead over the model's
-step stream (`ServingModel.open_steps`). Each iteration sends the plan of step N + 1, which tells
-every sequence of step N to continue from the service's own verdict, and only then reads
-step N's result; so the service runs step N + 1 while this process streams step N's tokens,
-and never waits for it.
+"""The pipelined step: greedy sequences of the methods that pipeline (`Method.pipelines`) run
+one step ahead over the model's step stream (`ServingModel.open_steps`). Each iteration sends the
+plan of step N + 1, which tells every sequence of step N to continue from the service's own
+verdict, and only then reads step N's result; so the service runs step N + 1 while this process
+streams step N's tokens, and never waits for it. Each plan names every sequence's drafter (its
+method's, so the service drafts with the MTP head or a DFlash block per sequence) and proposes
+one count for all, within every drafter's most (a DFlash block's drafts).
 
 What it costs in knowledge: a plan is made before the previous result is read, so the step's
 width comes from statistics one step old, and a sequence that finishes in step N (EOS, a
@@ -13,11 +15,12 @@ drafts). A sequence joins at the next plan with its rows given (after its prefil
 steps taken the synchronous way); one the service refuses in a plan ends alone.
 
 What cannot run ahead does not: grammars and `min_new_tokens` (their masks need the latest
-tokens), sampling, alternatives (`top_logprobs`: a step plan returns none), prompt lookup, the
-DFlash arm, the confidence stop and `--no-batch-verify` go the synchronous way, in the same
-iteration, and while any sequence does nothing runs ahead (a synchronous verify and its verdict
-may be two calls, and nothing may run between them). D-Cut cuts a continuing sequence's drafts
-by the confidences of the step before (the drafts it continues with are not back yet)."""
+tokens), sampling, alternatives (`top_logprobs`: a step plan returns none), a method that does
+not pipeline, the `--dflash` arm (every request's drafts planned as a block drafter's), the
+confidence stop and `--no-batch-verify` go the synchronous way, in the same iteration, and
+while any sequence does nothing runs ahead (a synchronous verify and its verdict may be two
+calls, and nothing may run between them). D-Cut cuts a continuing sequence's drafts by the
+confidences of the step before (the drafts it continues with are not back yet)."""
 
 from __future__ import annotations
 
@@ -33,10 +36,9 @@ from control_plane.scheduler.arms import step_mtp, step_width
 from control_plane.scheduler.context import StepContext
 from control_plane.scheduler.metrics import REPLICA_ATTRIBUTE
 from control_plane.scheduler.seq import ActiveSeq
-from control_plane.scheduler.verdict import apply_step, offsets
+from control_plane.scheduler.verdict import apply_step, drafter_names, offsets
 from control_plane.scheduler.widths import dcut_depth
 from protos.model import Proposal, SequenceHandle, ServingModel, StepResult
-from protos.params import MTP, NONE
 from protos.steps import PlanResult, StepPlan, StepStream
 from protos.telemetry import tracer
 
@@ -51,7 +53,7 @@ def runs_ahead(a: ActiveSeq, ctx: StepContext) -> bool:
         and o.fused_step
         and o.batch_verify
         and not (o.dflash or o.prompt_lookup or o.draft_confidence_stop is not None)
-        and a.req.method in (NONE, MTP)
+        and a.method.pipelines
         and a.grammar is None
         and not a.samples
         and not a.req.top_logprobs
@@ -72,6 +74,13 @@ class SentStep:
 
     def holds(self, a: ActiveSeq) -> bool:
         return any(s is a for s in self.seqs)
+
+
+def plan_width(seqs: list[ActiveSeq], ctx: StepContext, num_drafts: int) -> int:
+    """A plan's drafts: the step's width, within what each drafting sequence's drafter gives
+    (a block drafter's block less one), since a plan proposes one count for all of them."""
+    most = [a.method.most_drafts(ctx.caps) for a in seqs if a.method.drafts]
+    return min([step_width(seqs, ctx, num_drafts), *most])
 
 
 def context_left(a: ActiveSeq) -> int:
@@ -111,7 +120,7 @@ class Pipeline:
         for each cut."""
         out = seqs[: ctx.caps.max_batch]
         while out:
-            rows = step_width(out, ctx, num_drafts) + 1
+            rows = plan_width(out, ctx, num_drafts) + 1
             if len(out) * rows <= ctx.caps.max_rows:
                 break
             out = out[: min(len(out) - 1, ctx.caps.max_rows // rows)]
@@ -130,6 +139,8 @@ class Pipeline:
         sequences, prompt-lookup copies, whether D-Cut cut, its width). While requests wait
         to join (`joining`), a plan carries one step: a plan runs whole."""
         num_drafts, plan_steps = ctx.opts.num_drafts, ctx.opts.plan_steps
+        started = time.perf_counter()
+        ctx.chooser.choose(active, ctx.caps, num_drafts, ctx.opts.mtp_max_seqs)
         ahead = self.fits([a for a in active if runs_ahead(a, ctx)], ctx, num_drafts)
         rest = [a for a in active if not any(a is b for b in ahead)]
         if rest or (self.flights and not ahead):
@@ -150,6 +161,7 @@ class Pipeline:
         if rest:
             report = step_mtp(model, rest, ctx, num_drafts)
             stepped(len(rest), sum(report.copied), report.dcut, report.ladder_nd)
+        ctx.chooser.observe(active, (time.perf_counter() - started) * 1e3)
 
     def advance(
         self,
@@ -197,7 +209,7 @@ class Pipeline:
     ) -> None:
         assert self.stream is not None
         last = self.flights[-1] if self.flights else None
-        step_nd = step_width(seqs, ctx, num_drafts)
+        step_nd = plan_width(seqs, ctx, num_drafts)
         continues = [last is not None and last.holds(a) for a in seqs]
         # Several steps in one plan only where each is a plain continuation, and none can
         # outrun a sequence's context even if every draft of every step in flight stands. (A
@@ -222,25 +234,22 @@ class Pipeline:
                 rows = [a.last_token, *a.pending_drafts[:cap]]
                 tokens += rows
                 ks.append(len(rows))
-        links = [Link(a.req.span_context) for a in seqs if a.req.span_context is not None]
-        spans = [TRACER.start_span("step_mtp", links=links) for _ in range(steps)]
-        for sp in spans:
-            sp.set_attributes(
-                {
-                    "met.active": len(seqs),
-                    "met.ladder_nd": step_nd,
-                    "met.pipelined": True,
-                    "met.plan_steps": steps,
-                    REPLICA_ATTRIBUTE: ctx.replica,
-                }
-            )
-        traces: list[dict[str, str]] = [{} for _ in spans]
-        for trace, sp in zip(traces, spans, strict=True):
-            propagate.inject(trace, context=set_span_in_context(sp))
+        spans, traces = _plan_spans(seqs, ctx, step_nd, steps)
         want = [step_nd >= 1 and a.wants_drafts for a in seqs]
         handles = [a.live_handle for a in seqs]
         self.stream.send(
-            StepPlan(handles, continues, tokens, ks, want, step_nd, traces[0], steps, traces[1:])
+            StepPlan(
+                handles,
+                continues,
+                tokens,
+                ks,
+                want,
+                step_nd,
+                traces[0],
+                steps,
+                traces[1:],
+                drafter_names(seqs),
+            )
         )
         for a in seqs:
             a.stats.steps += steps
@@ -273,6 +282,30 @@ class Pipeline:
             else:
                 self.release(handle)
         self.deferred = waiting
+
+
+def _plan_spans(
+    seqs: list[ActiveSeq], ctx: StepContext, step_nd: int, steps: int
+) -> tuple[list[Span], list[dict[str, str]]]:
+    """Each step's span of a plan, linked to its requests', and its trace context."""
+    links = [Link(a.req.span_context) for a in seqs if a.req.span_context is not None]
+    spans = [TRACER.start_span("step_mtp", links=links) for _ in range(steps)]
+    for sp in spans:
+        sp.set_attributes(
+            {
+                "met.active": len(seqs),
+                "met.ladder_nd": step_nd,
+                "met.pipelined": True,
+                "met.plan_steps": steps,
+                "met.methods": [a.method.name for a in seqs],
+                "met.choice": str(ctx.chooser.current or ""),
+                REPLICA_ATTRIBUTE: ctx.replica,
+            }
+        )
+    traces: list[dict[str, str]] = [{} for _ in spans]
+    for trace, sp in zip(traces, spans, strict=True):
+        propagate.inject(trace, context=set_span_in_context(sp))
+    return spans, traces
 
 
 def _select(result: PlanResult, keep: list[int]) -> StepResult:

@@ -1,19 +1,21 @@
-"""The DFlash arm of `step_mtp`: the seeds' arm for block drafters.
+"""The block drafters' arm of `step_mtp`.
 
-Requests with method `dflash` take it, their drafts proposed by the service's DFlash drafter
-(one block forward, `alloc_sequence(drafter=DFLASH)`); with `--dflash` every speculative request
+Sequences whose method drafts in blocks take it (`dflash` requests, and those the server's
+choice gives a DFlash width this step), their drafts proposed by the service's DFlash drafter
+(one block forward, named per call); with `--dflash` every speculative request
 takes it, the MTP head's drafts planned as a block drafter's would be. Every sequence proposes
-`gamma` drafts at once (`widths.DFlashRung`, at most the block's drafts for `dflash` requests,
-`--dflash-gamma` when pinned) and the greedy verdict reads the service's processed logits
+`gamma` drafts at once (the server's choice's width where it chose a block for any of them;
+else `widths.DFlashRung`, at most the block's drafts for `dflash` requests, `--dflash-gamma`
+when pinned) and the greedy verdict reads the service's processed logits
 (penalties, bias and grammar masks applied), as every arm's does; no prompt lookup, no D-Cut
 (its drafts come as one block, so there is no chain to copy into or to cut).
 Batched verify: two or more sequences with drafts, the `dflash_batch_verify` and
 `batch_verify` levers on. Every sequence's drafts are first cut before the first one its
 grammar refuses. The batch is every sequence whose draft count equals the first unconstrained
 such sequence's (gamma; a grammar that holds only after the output's reasoning does not
-constrain while the model reasons); constrained sequences of other counts verify together at
-their own depths, with their rows' masks (chunked by `chunk_ranges`); the rest go serial, as
-does a lone constrained one. `m_max` is the widest group the
+constrain while the model reasons); sequences of other counts (constrained ones, with their
+rows' masks, or ones whose drafts another method made) verify together at their own depths
+(chunked by `chunk_ranges`); a lone one goes serial. `m_max` is the widest group the
 service's budget (`fits_batch`) takes at `gamma + 1` rows, shrinking from the whole group; the
 group, in slot order, is verified in chunks of `m_max`; a trailing single goes serial. A group
 the budget cannot take two of goes serial whole. The verify (and the propose after its
@@ -32,11 +34,11 @@ from control_plane.scheduler.bootstrap import (
     split,
 )
 from control_plane.scheduler.context import StepContext
+from control_plane.scheduler.methods import BLOCKS
 from control_plane.scheduler.seq import ActiveSeq
 from control_plane.scheduler.verdict import verify_and_settle
 from control_plane.scheduler.widths import clamp_drafts_to_slot_capacity
 from protos.model import Capabilities, ServingModel, fits_batch
-from protos.params import DFLASH
 
 
 def step_dflash(
@@ -45,7 +47,11 @@ def step_dflash(
     """Gamma from the resolver (it shadows the serve-wide count, or the block's drafts for
     `dflash` requests), clamped; the bootstrap; then the DFlash verify, batched where the
     group and the budget allow."""
-    gamma = ctx.dflash_rung.drafts_for(len(active), most_drafts(active, ctx, num_drafts))
+    chosen = ctx.chooser.width(BLOCKS)
+    if chosen is not None and any(a.chooses for a in active):
+        gamma = chosen
+    else:
+        gamma = ctx.dflash_rung.drafts_for(len(active), most_drafts(active, ctx, num_drafts))
     width = clamp_drafts_to_slot_capacity(gamma, (ctx.capacity(a.slot) for a in active))
     report = StepReport(ladder_nd=width, copied=[False] * len(active))
     boot, verify = split(active)
@@ -54,8 +60,8 @@ def step_dflash(
     opts = ctx.opts
     serial: list[int] = []
     if len(verify) >= 2 and opts.dflash_batch_verify and opts.batch_verify:
-        batchable, serial, joiners, gamma = plan_batch(active, verify)
-        serial += _verify_group(model, active, batchable, gamma, width, ctx, report)
+        batchable, joiners, gamma = plan_batch(active, verify)
+        serial = _verify_group(model, active, batchable, gamma, width, ctx, report)
         serial += _verify_ragged(model, active, joiners, width, ctx, report)
     else:
         serial = list(verify)
@@ -64,14 +70,15 @@ def step_dflash(
     return report
 
 
-def plan_batch(
-    active: list[ActiveSeq], verify: list[int]
-) -> tuple[list[int], list[int], list[int], int]:
-    """(batchable, serial, joiners, gamma): every sequence's drafts cut where its grammar
+def plan_batch(active: list[ActiveSeq], verify: list[int]) -> tuple[list[int], list[int], int]:
+    """(batchable, joiners, gamma): every sequence's drafts cut where its grammar
     refuses one (or, not constraining yet, would); those whose draft count equals the first
-    unconstrained such sequence's batch; a constrained sequence whose count differs joins the
-    ragged batch of its kind (`joiners`), with its rows' masks; the rest go serial."""
-    batchable, serial, joiners, gamma = [], [], [], 0
+    unconstrained such sequence's batch; the others (a constrained one, with its rows' masks;
+    one whose drafts another method made the step before, under the server's choice) join the
+    ragged batch at their own depths (`joiners`)."""
+    batchable: list[int] = []
+    joiners: list[int] = []
+    gamma = 0
     for i in verify:
         a = active[i]
         a.cut_drafts()
@@ -80,8 +87,8 @@ def plan_batch(
             gamma = g
             batchable.append(i)
         else:
-            (joiners if a.constrained else serial).append(i)
-    return batchable, serial, joiners, gamma
+            joiners.append(i)
+    return batchable, joiners, gamma
 
 
 def _verify_group(
@@ -170,6 +177,6 @@ def most_drafts(active: list[ActiveSeq], ctx: StepContext, num_drafts: int) -> i
     block's drafts; else (`--dflash` over MTP drafts) the serve-wide count."""
     if ctx.opts.dflash_gamma is not None:
         return ctx.opts.dflash_gamma
-    if ctx.caps.dflash_block and all(a.req.method == DFLASH for a in active):
+    if ctx.caps.dflash_block and all(a.method.arm == BLOCKS for a in active):
         return ctx.caps.dflash_block - 1
     return num_drafts

@@ -60,6 +60,7 @@ from control_plane.scheduler.bootstrap import (
     split,
 )
 from control_plane.scheduler.context import StepContext
+from control_plane.scheduler.methods import BLOCKS, HEADS, LOOKUP, MAX_COPY, Method, method
 from control_plane.scheduler.metrics import REPLICA_ATTRIBUTE
 from control_plane.scheduler.seq import ActiveSeq
 from control_plane.scheduler.verdict import verify_and_settle
@@ -69,12 +70,9 @@ from control_plane.scheduler.widths import (
     propose_depth,
 )
 from protos.model import ServingModel
-from protos.params import DFLASH, MTP, PROMPT_LOOKUP
 from protos.telemetry import span, tracer
 
 TRACER = tracer("met.control_plane")
-NGRAM_SIZES = (3, 2)
-MAX_COPY = 3
 
 
 def step_mtp(
@@ -90,7 +88,7 @@ def step_mtp(
     with TRACER.start_as_current_span("step_mtp", links=links, attributes=attrs) as sp:
         for a in active:
             a.stats.steps += 1
-        blocks = [i for i, a in enumerate(active) if ctx.opts.dflash or a.req.method == DFLASH]
+        blocks = [i for i, a in enumerate(active) if _arm(a, ctx) == BLOCKS]
         heads = [i for i in range(len(active)) if i not in set(blocks)]
         report = StepReport(copied=[False] * len(active))
         if heads:
@@ -113,12 +111,12 @@ def _step_heads(
     nd, fused = report.ladder_nd, ctx.opts.fused_step
     # Prompt-lookup requests draft only copies: with one they verify it, else they
     # decode plainly.
-    _copies(active, ctx, [i for i, a in enumerate(active) if a.req.method == PROMPT_LOOKUP])
+    _copies(active, ctx, [i for i, a in enumerate(active) if a.method.copies])
     boot, verify = split(active)
     if boot:
         report.bootstrap = bootstrap(model, [active[i] for i in boot], ctx, nd)
     if ctx.opts.prompt_lookup:  # a repeat in its history stands in for the MTP chain
-        _copies(active, ctx, [i for i in verify if active[i].req.method == MTP])
+        _copies(active, ctx, [i for i in verify if active[i].method.stands_in])
     report.copied = [a.copy > 0 for a in active]
     serial, batchable, joiners = _partition(active, verify, ctx, nd)
     serial += _verify_batched(model, active, batchable, joiners, ctx, report)
@@ -139,7 +137,7 @@ def _learn(
     drafted = accepted = 0
     for a, (d, n), copied in zip(active, before, report.copied, strict=True):
         drafted, accepted = drafted + a.stats.drafted - d, accepted + a.stats.accepted - n
-        if not copied and a.req.method != DFLASH:  # the MTP widths learn the MTP head's
+        if not copied and method(a.drafted_by).teaches_widths:
             ctx.rung.observe(a.stats.drafted - d, a.stats.accepted - n)
             ctx.calibration.observe(a.stats.drafted - d, a.stats.accepted - n)
     return {
@@ -151,18 +149,30 @@ def _learn(
         "met.serial_arms": report.serial_arms,
         "met.copies": sum(report.copied),
         "met.dcut": report.dcut,
+        # What each sequence ran, and the server's choice for those that leave it to it.
+        "met.methods": [a.method.name for a in active],
+        "met.choice": str(ctx.chooser.current or ""),
     }
+
+
+def _arm(a: ActiveSeq, ctx: StepContext) -> str:
+    """The arm that verifies it: its method's; with `--dflash` every drafting request's is the
+    block drafter's (the MTP head's drafts planned as a block's would be)."""
+    return BLOCKS if ctx.opts.dflash and a.method.drafts else a.method.arm
 
 
 # -- the width -----------------------------------------------------------------------------
 
 
 def step_width(active: list[ActiveSeq], ctx: StepContext, num_drafts: int) -> int:
-    """The step's drafts: 0 past `--mtp-max-seqs`; else the cost model's depth, or the rung's;
-    never past the smallest verify-slot capacity."""
-    n = len(active)
+    """The step's drafts: 0 past `--mtp-max-seqs`; else, where sequences leave the method to
+    the server, the chooser's width; else the cost model's depth, or the rung's; never past
+    the smallest verify-slot capacity."""
+    n, chosen = len(active), ctx.chooser.width(HEADS)
     if n > ctx.opts.mtp_max_seqs or num_drafts <= 0:
         nd = 0
+    elif chosen is not None and any(a.chooses for a in active):
+        nd = chosen
     elif ctx.costs is not None and not ctx.opts.fixed_width:
         nd = _measured_width(n, ctx, num_drafts)
     else:
@@ -192,27 +202,18 @@ def _measured_width(n: int, ctx: StepContext, num_drafts: int) -> int:
 # -- prompt-lookup copies ------------------------------------------------------------------
 
 
-def find_copy(history: list[int], max_len: int) -> list[int]:
-    for n in NGRAM_SIZES:
-        if len(history) <= n:
-            continue
-        key = history[-n:]
-        for start in range(len(history) - n - 1, -1, -1):
-            if history[start : start + n] == key:
-                return history[start + n : start + n + max_len]
-    return []
-
-
-def offer_copy(a: ActiveSeq, capacity: int) -> bool:
-    """Give the sequence a copy as its drafts for this step, when its history repeats."""
+def offer_copy(a: ActiveSeq, capacity: int, copier: Method = LOOKUP) -> bool:
+    """Give the sequence `copier`'s drafts for this step, when it makes some (prompt lookup:
+    when its history repeats)."""
     most = min(MAX_COPY, capacity, a.remaining - 1)
     # Copies are point masses, which the service's residuals do not model: greedy only.
     if most < 1 or a.grammar is not None or a.samples:
         return False
-    copy = find_copy([*a.req.prompt_ids, *a.generated], most)
+    copy = copier.copy([*a.req.prompt_ids, *a.generated], most)[:most]
     if not copy:
         return False
     a.pending_drafts, a.pending_conf, a.copy = copy, [1.0] * len(copy), len(copy)
+    a.drafted_by = copier.name
     return True
 
 
@@ -220,7 +221,11 @@ def _copies(active: list[ActiveSeq], ctx: StepContext, idxs: list[int]) -> None:
     if not idxs:
         return
     with span(TRACER, "prompt_lookup", **{"met.sequences": len(idxs)}) as sp:
-        found = sum(offer_copy(active[i], ctx.capacity(active[i].slot)) for i in idxs)
+        found = 0
+        for i in idxs:
+            a = active[i]  # a method's own copies, else prompt lookup's standing in for its chain
+            copier = a.method if a.method.copies else LOOKUP
+            found += offer_copy(a, ctx.capacity(a.slot), copier)
         sp.set_attribute("met.copies", found)
 
 
@@ -245,7 +250,9 @@ def _partition(
         len(verify) >= 2 and ctx.opts.mtp_max_seqs > 1 and ctx.opts.batch_verify and ladder_nd >= 1
     ):
         return list(verify), [], []
-    serial, batchable, joiners = [], [], []
+    serial: list[int] = []
+    batchable: list[int] = []
+    joiners: list[int] = []
     for i in verify:
         a = active[i]
         a.cut_drafts()

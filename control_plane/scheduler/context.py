@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from control_plane.scheduler.choice import Chooser
 from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.widths import (
     AdaptiveRung,
@@ -28,6 +29,7 @@ class StepContext:
     overhead: StepOverhead = field(default_factory=StepOverhead)
     dflash_rung: DFlashRung = field(default_factory=DFlashRung)
     replica: str = "local"  # the GPU service it steps, as its spans name it
+    chooser: Chooser = field(default_factory=Chooser)  # the server's choice of method (auto)
 
     @classmethod
     def build(

@@ -25,7 +25,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.metrics_core import Metric
 
-REPLICA, MODEL = "replica", "model_name"  # the labels
+REPLICA, MODEL, METHOD = "replica", "model_name", "method"  # the labels
 MET, VLLM = "met:", "vllm:"
 # The families vLLM exports under the same name, served as `vllm:` too.
 VLLM_FAMILIES = (
@@ -206,16 +206,20 @@ class Metrics:
 
     def _add_draft_counters(self) -> None:
         self.steps = self._counter("met:scheduler_steps", "step_mtp iterations.")
+        # By the method that drafted (the server's choice counts what it chose).
         self.num_drafts = self._counter(
-            "met:spec_decode_num_drafts", "Verifies that carried drafts."
+            "met:spec_decode_num_drafts", "Verifies that carried drafts.", METHOD
         )
-        self.draft_tokens = self._counter("met:spec_decode_num_draft_tokens", "Drafts verified.")
+        self.draft_tokens = self._counter(
+            "met:spec_decode_num_draft_tokens", "Drafts verified.", METHOD
+        )
         self.accepted_tokens = self._counter(
-            "met:spec_decode_num_accepted_tokens", "Drafts accepted."
+            "met:spec_decode_num_accepted_tokens", "Drafts accepted.", METHOD
         )
         self.accepted_per_pos = self._counter(
             "met:spec_decode_num_accepted_tokens_per_pos",
             "Drafts accepted, by draft position.",
+            METHOD,
             "position",
         )
         self.copies = self._counter("met:prompt_lookup_copies", "Prompt-lookup copies verified.")
@@ -370,13 +374,13 @@ class ReplicaMetrics:
     def connected(self, model_name: str, max_context: int) -> None:
         self.root.connected(self.name, model_name, max_context)
 
-    def record_verify(self, drafted: int, accepted: int) -> None:
+    def record_verify(self, drafted: int, accepted: int, method: str) -> None:
         if drafted:
-            self.num_drafts.inc()
-            self.draft_tokens.inc(drafted)
-            self.accepted_tokens.inc(accepted)
+            self.num_drafts.labels(method=method).inc()
+            self.draft_tokens.labels(method=method).inc(drafted)
+            self.accepted_tokens.labels(method=method).inc(accepted)
             for j in range(accepted):
-                self.accepted_per_pos.labels(position=str(j)).inc()
+                self.accepted_per_pos.labels(method=method, position=str(j)).inc()
 
     def record_tokens(self, count: int, first: bool, seconds: float) -> None:
         """`count` tokens reached a client `seconds` after the request (first) or after its

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import random
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Protocol
 
 from opentelemetry.trace import SpanContext
 
+from control_plane.scheduler.methods import HEAD, PLAIN, Method, method
 from control_plane.text.detok import Detokenizer, Tokenizer
 from protos import checks
 from protos.handles import Scores
@@ -21,12 +23,13 @@ from protos.model import (
     Sampling,
     SequenceHandle,
 )
-from protos.params import DFLASH, MTP, SamplingParams
+from protos.params import MTP, SamplingParams
 
 if TYPE_CHECKING:  # llguidance is imported only where grammars are compiled
     from control_plane.text.grammar import Grammar
 
 QUEUED_UPDATE_S = 0.25  # the least time between two `Queued` notices to one request
+VERDICTS_KEPT = 64  # verdicts a sequence holds for the chooser, which reads them every step
 
 
 @dataclass(frozen=True)
@@ -41,7 +44,7 @@ class GenRequest:
     include_stop: bool = False  # the stop string that ends the text stays in it
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    method: str = MTP  # NONE, MTP, PROMPT_LOOKUP or DFLASH
+    method: str = MTP  # one of `methods.METHODS`' names
     num_drafts: int | None = None  # cap on this request's drafts; None: the server's
     logprobs: bool = False
     top_logprobs: int = 0  # with logprobs: alternatives listed beside each generated token
@@ -55,6 +58,21 @@ class GenRequest:
 
 
 @dataclass
+class MethodCounts:
+    """What one method did for a request: its verifies (plain ones under none), drafts
+    verified and accepted."""
+
+    verifies: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    def add(self, other: MethodCounts) -> None:
+        self.verifies += other.verifies
+        self.drafted += other.drafted
+        self.accepted += other.accepted
+
+
+@dataclass
 class SpecStats:
     steps: int = 0  # scheduler steps the sequence took part in
     verifies: int = 0  # verify calls of its rows (bootstrap and plain decodes included)
@@ -63,11 +81,13 @@ class SpecStats:
     drafted_at: list[int] = field(default_factory=list)  # per draft position
     accepted_at: list[int] = field(default_factory=list)
     grammar_truncations: int = 0  # verifies whose drafts a grammar cut short
+    by_method: dict[str, MethodCounts] = field(default_factory=dict)  # by the drafts' method
 
-    def record(self, drafted: int, accepted: int) -> None:
+    def record(self, drafted: int, accepted: int, by: str = MTP) -> None:
         self.verifies += 1
         self.drafted += drafted
         self.accepted += accepted
+        self.by_method.setdefault(by, MethodCounts()).add(MethodCounts(1, drafted, accepted))
         grow = max(0, drafted - len(self.drafted_at))
         self.drafted_at.extend([0] * grow)
         self.accepted_at.extend([0] * grow)
@@ -81,6 +101,8 @@ class SpecStats:
         self.drafted += other.drafted
         self.accepted += other.accepted
         self.grammar_truncations += other.grammar_truncations
+        for name, counts in other.by_method.items():
+            self.by_method.setdefault(name, MethodCounts()).add(counts)
         grow = max(0, len(other.drafted_at) - len(self.drafted_at))
         self.drafted_at.extend([0] * grow)
         self.accepted_at.extend([0] * grow)
@@ -159,7 +181,7 @@ QueueSink = Callable[[Queued], None]
 
 
 class Observer(Protocol):
-    def record_verify(self, drafted: int, accepted: int) -> None: ...
+    def record_verify(self, drafted: int, accepted: int, method: str) -> None: ...
     def record_tokens(self, count: int, first: bool, seconds: float) -> None: ...
 
 
@@ -171,13 +193,13 @@ class ModelFacts:
     max_context: int = 1 << 30  # positions a sequence may hold
     vocab_size: int = 0  # 0: unknown, and `row_mask` masks no EOS by vocabulary
     eos_ids: tuple[int, ...] = ()
-    has_mtp: bool = True  # the model has an MTP head (a checkpoint may lack one)
     dflash_block: int = 0  # the service's DFlash block (0: it has no DFlash drafter)
+    drafters: frozenset[str] = frozenset({MTP})  # what it proposes with (`Capabilities`')
 
     @classmethod
     def of(cls, caps: Capabilities) -> ModelFacts:
         return cls(
-            caps.max_context, caps.vocab_size, caps.eos_token_ids, caps.has_mtp, caps.dflash_block
+            caps.max_context, caps.vocab_size, caps.eos_token_ids, caps.dflash_block, caps.drafters
         )
 
 
@@ -209,6 +231,17 @@ class ActiveSeq:
         self.pending_drafts: list[int] = []
         self.pending_conf: list[float] = []
         self.copy = 0  # drafts of this step copied by prompt lookup (0: none)
+        named = method(req.method)
+        # A seeded sampled request replays only while its uniforms are spent the same way;
+        # the server's choice follows the machine's timing, so such a request keeps the MTP
+        # head's drafts at the step's width.
+        seeded = req.sampling.seed is not None and req.sampling.temperature > 0
+        self.chooses = named.chooses and not seeded  # the server picks `method` each step
+        # The strategy it steps with: the one its request names, or the chooser's this step.
+        self.method: Method = (HEAD if seeded else PLAIN) if named.chooses else named
+        self.drafted_by = self.method.name  # the method whose drafts it holds
+        # Its verdicts since the chooser last read them: (method, drafted, accepted).
+        self.verdicts: deque[tuple[str, int, int]] = deque(maxlen=VERDICTS_KEPT)
         self.draft_stop = draft_stop  # --draft-confidence-stop, as a log-probability
         self.grammar = req.grammar
         self.rng = random.Random(req.sampling.seed)
@@ -279,9 +312,7 @@ class ActiveSeq:
     @property
     def drafter(self) -> bool:
         """Whether the service has the drafter its method drafts with."""
-        if self.req.method == DFLASH:
-            return self.facts.dflash_block > 0
-        return self.facts.has_mtp
+        return self.method.ready(self.facts.drafters)
 
     @property
     def _eos(self) -> tuple[int, ...]:
@@ -329,12 +360,7 @@ class ActiveSeq:
 
     @property
     def wants_drafts(self) -> bool:
-        return (
-            self.req.method in (MTP, DFLASH)
-            and self.drafter
-            and self.finished is None
-            and self.remaining > 1
-        )
+        return self.method.drafts and self.drafter and self.finished is None and self.remaining > 1
 
     def gain(
         self,
@@ -390,9 +416,12 @@ class ActiveSeq:
             self.scores = None
 
     def record_verify(self, drafted: int, accepted: int) -> None:
-        self.stats.record(drafted, accepted)
+        """A verify's verdict on the drafts it held (a plain one's counts under none)."""
+        by = self.drafted_by if drafted else PLAIN.name
+        self.stats.record(drafted, accepted, by)
+        self.verdicts.append((by, drafted, accepted))
         if self.observer is not None:
-            self.observer.record_verify(drafted, accepted)
+            self.observer.record_verify(drafted, accepted, by)
 
     def _observe(self, count: int) -> None:
         now = time.monotonic()

@@ -18,11 +18,8 @@ from protos.model import (
     ServingModel,
     StepResult,
     Verified,
-    room_for_block,
-    room_to_propose,
 )
 from protos.model import greedy_accepted as accepted
-from protos.params import DFLASH
 from protos.telemetry import span, tracer
 
 TRACER = tracer("met.control_plane")
@@ -74,10 +71,9 @@ def _verify(
     sampling = {
         i: a.sampling(len(r)) for i, (a, r) in enumerate(zip(seqs, rows, strict=True)) if a.samples
     }
-    # `decode_step` proposes with the MTP head only, and lists no alternatives.
-    blocks = any(a.req.method == DFLASH for a in seqs)
+    # `decode_step` lists no alternatives.
     tops = any(a.req.top_logprobs for a in seqs)
-    if fused and not masks and not sampling and not blocks and not tops:
+    if fused and not masks and not sampling and not tops:
         _fused_step(model, seqs, rows, step_nd, mode)
     else:
         _two_calls(model, seqs, rows, step_nd, mode, masks, sampling)
@@ -124,6 +120,7 @@ def _two_calls(
             [seqs[i].last_token for i in proposers],
             step_nd if proposers else 0,
             [seqs[i].sampling(step_nd) if seqs[i].samples else None for i in proposers],
+            drafter_names([seqs[i] for i in proposers]),
         )
     _take_drafts(seqs, proposers, proposal, step_nd)
 
@@ -140,11 +137,22 @@ def _fused_step(
     }
     with span(TRACER, "verify", **attrs) as sp:
         result = model.decode_step(
-            [t for r in rows for t in r], ks, [a.live_handle for a in seqs], want, step_nd
+            [t for r in rows for t in r],
+            ks,
+            [a.live_handle for a in seqs],
+            want,
+            step_nd,
+            drafter_names(seqs),
         )
         sp.set_attribute("met.accepted", result.accepted)
         sp.set_attribute("met.proposers", len(result.proposers))
     apply_step(seqs, rows, result, step_nd)
+
+
+def drafter_names(seqs: list[ActiveSeq]) -> list[str]:
+    """The service's drafter of each sequence's method this step, whatever it was allocated
+    ("" for a method that drafts nothing: the call then asks it for none)."""
+    return [a.method.drafter or "" for a in seqs]
 
 
 def apply_step(
@@ -175,6 +183,7 @@ def _take_drafts(
             step_nd, a.remaining - 1, a.req.num_drafts if a.req.num_drafts is not None else step_nd
         )
         a.pending_drafts, a.pending_conf = drafts[:cap], conf[:cap]
+        a.drafted_by = a.method.name
         if a.draft_stop is not None:
             stop = next(
                 (j for j, c in enumerate(a.pending_conf) if c <= 0 or math.log(c) < a.draft_stop),
@@ -245,6 +254,4 @@ def _can_propose(a: ActiveSeq, rejected: int, step_nd: int) -> bool:
     if step_nd < 1 or not a.wants_drafts:
         return False
     assert a.handle is not None
-    if a.req.method == DFLASH:
-        return room_for_block(a.handle.seq_len - rejected, a.facts.dflash_block, a.max_context)
-    return room_to_propose(a.handle.seq_len - rejected, step_nd, a.max_context)
+    return a.method.room(a.handle.seq_len - rejected, step_nd, a.facts)

@@ -23,7 +23,7 @@ from control_plane.scheduler.served import refuse_stale
 from control_plane.scheduler.slot_wait import SlotWait
 from control_plane.scheduler.tally import Tally
 from control_plane.text.detok import Tokenizer
-from protos.model import DFLASH, MTP_HEAD, ModelError, ResourceExhausted
+from protos.model import MTP_HEAD, ModelError, ResourceExhausted
 
 if TYPE_CHECKING:
     from control_plane.scheduler.connection import Connection
@@ -127,8 +127,8 @@ class Waitlist:
             if link.prefix is not None and prefixing.held(link.prefix, a, [*prefilling, *admitted]):
                 continue
             try:
-                drafter = DFLASH if a.req.method == DFLASH else MTP_HEAD
-                a.handle = link.model.alloc_sequence(a.req.penalties, drafter)
+                # Its method's drafter, or the service's default for one that has none.
+                a.handle = link.model.alloc_sequence(a.req.penalties, a.method.drafter or MTP_HEAD)
             except ResourceExhausted:
                 link.free_slots, self.poll_at = 0, now + SLOT_POLL_S
                 break

@@ -14,11 +14,13 @@ class SpeculativeMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SPECULATIVE_METHOD_MTP: _ClassVar[SpeculativeMethod]
     SPECULATIVE_METHOD_PROMPT_LOOKUP: _ClassVar[SpeculativeMethod]
     SPECULATIVE_METHOD_DFLASH: _ClassVar[SpeculativeMethod]
+    SPECULATIVE_METHOD_AUTO: _ClassVar[SpeculativeMethod]
 SPECULATIVE_METHOD_UNSPECIFIED: SpeculativeMethod
 SPECULATIVE_METHOD_NONE: SpeculativeMethod
 SPECULATIVE_METHOD_MTP: SpeculativeMethod
 SPECULATIVE_METHOD_PROMPT_LOOKUP: SpeculativeMethod
 SPECULATIVE_METHOD_DFLASH: SpeculativeMethod
+SPECULATIVE_METHOD_AUTO: SpeculativeMethod
 
 class GenerateRequest(_message.Message):
     __slots__ = ("prompt", "prompt_token_ids", "max_new_tokens", "min_new_tokens", "stop", "stop_token_ids", "ignore_eos", "temperature", "top_p", "top_k", "seed", "logprobs", "request_id", "speculative_method", "num_drafts", "response_format", "messages", "add_generation_prompt", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p", "chat_template_kwargs", "allowed_token_ids", "tools", "tool_choice", "parallel_tool_calls", "truncate_prompt_tokens", "include_stop_str_in_output", "chat_template", "continue_final_message", "prompt_logprobs", "thinking_token_budget", "top_logprobs")
@@ -136,7 +138,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculativeStats(_message.Message):
-    __slots__ = ("steps", "verifies", "drafted", "accepted", "mean_accepted_length", "acceptance_per_position", "grammar_truncations")
+    __slots__ = ("steps", "verifies", "drafted", "accepted", "mean_accepted_length", "acceptance_per_position", "grammar_truncations", "by_method")
     STEPS_FIELD_NUMBER: _ClassVar[int]
     VERIFIES_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +146,7 @@ class SpeculativeStats(_message.Message):
     MEAN_ACCEPTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     ACCEPTANCE_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_TRUNCATIONS_FIELD_NUMBER: _ClassVar[int]
+    BY_METHOD_FIELD_NUMBER: _ClassVar[int]
     steps: int
     verifies: int
     drafted: int
@@ -151,7 +154,20 @@ class SpeculativeStats(_message.Message):
     mean_accepted_length: float
     acceptance_per_position: _containers.RepeatedScalarFieldContainer[float]
     grammar_truncations: int
-    def __init__(self, steps: _Optional[int] = ..., verifies: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., acceptance_per_position: _Optional[_Iterable[float]] = ..., grammar_truncations: _Optional[int] = ...) -> None: ...
+    by_method: _containers.RepeatedCompositeFieldContainer[MethodStats]
+    def __init__(self, steps: _Optional[int] = ..., verifies: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., acceptance_per_position: _Optional[_Iterable[float]] = ..., grammar_truncations: _Optional[int] = ..., by_method: _Optional[_Iterable[_Union[MethodStats, _Mapping]]] = ...) -> None: ...
+
+class MethodStats(_message.Message):
+    __slots__ = ("method", "verifies", "drafted", "accepted")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    VERIFIES_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    verifies: int
+    drafted: int
+    accepted: int
+    def __init__(self, method: _Optional[str] = ..., verifies: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ...) -> None: ...
 
 class Queued(_message.Message):
     __slots__ = ("position", "queue_length")

@@ -65,13 +65,14 @@ BAD = {
         {"extra_body": {"speculative": {"method": ["mtp"]}}},
         400,
         "speculative",
-        'speculative.method is ["mtp"]; use one of none, mtp, prompt_lookup, dflash',
+        'speculative.method is ["mtp"]; use one of none, mtp, prompt_lookup, dflash, auto',
     ),
     "speculative-method-object": (
         {"extra_body": {"speculative": {"method": {}}}},
         400,
         "speculative",
-        "speculative.method is {{}}; use one of none, mtp, prompt_lookup, dflash",  # str.format's
+        # str.format's braces
+        "speculative.method is {{}}; use one of none, mtp, prompt_lookup, dflash, auto",
     ),
     "speculative-dflash-without-a-drafter": (
         {"extra_body": {"speculative": {"method": "dflash"}}},

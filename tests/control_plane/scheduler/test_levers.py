@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from control_plane.scheduler.arms import find_copy, step_mtp
+from control_plane.scheduler.arms import step_mtp
 from control_plane.scheduler.context import StepContext
 from control_plane.scheduler.env import Env
+from control_plane.scheduler.methods import find_copy
 from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.scheduler import Scheduler
 from control_plane.scheduler.seq import ActiveSeq, GenRequest, ModelFacts

@@ -11,10 +11,12 @@ import json
 import random
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from control_plane.scheduler import methods
 from control_plane.scheduler.env import Env
 from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.scheduler import Scheduler
@@ -23,9 +25,11 @@ from control_plane.text.grammar import GrammarCompiler
 from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.engine.facade import Engine
 from gpu_service.model.config import ServiceConfig
-from protos.params import MTP, NONE, PROMPT_LOOKUP, SamplingParams
+from protos.params import DFLASH, MTP, NONE, PROMPT_LOOKUP, SamplingParams
 from protos.steps import StepPlan
 from tests.collect import Outcome
+from tests.conftest import TINY
+from tests.gpu_service.dflash.drafter import write_drafter
 
 TOK = ByteTokenizer.default()
 SERVICE = ServiceConfig(verify_tiers="16:3,16:2", max_context=256)
@@ -283,3 +287,29 @@ def test_a_plan_is_cut_to_the_rows_it_gets_at_its_own_width() -> None:
     cut = Pipeline(lambda h: None, lambda w: None).fits(active, ctx, 3)
     assert len(cut) * (step_width(cut, ctx, 3) + 1) <= 8
     assert cut == active[:2], "two sequences of four rows each"
+
+
+@pytest.fixture(scope="module")
+def dflash_engine(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Engine:
+    drafter = write_drafter(tmp_path_factory.mktemp("dflash"), TINY, taps=(0, 3), scale=0.2)
+    return Engine(tiny_dir, SERVICE, drafter=drafter)
+
+
+def test_dflash_requests_run_ahead_beside_the_others(
+    dflash_engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the block method pipelines, DFlash requests join the plans of none and mtp ones,
+    each sequence named with its drafter, at a count a block gives; every output is the
+    unpipelined step's."""
+    monkeypatch.setitem(methods.METHODS, DFLASH, replace(methods.BLOCK, pipelines=True))
+    reqs = requests(12, methods=(NONE, MTP, DFLASH))
+    plain = serve(dflash_engine, reqs, pipeline=False)
+    with counting_plans(dflash_engine) as plans:
+        piped = serve(dflash_engine, reqs, pipeline=True, plan_steps=2)
+    for r, a, b in zip(reqs, plain, piped, strict=True):
+        assert (a.tokens, a.text, a.finish.reason) == (b.tokens, b.text, b.finish.reason), r
+    mixed = [p for p in plans if {DFLASH, MTP} <= set(p.drafters)]
+    assert mixed and all(len(p.drafters) == len(p.seqs) for p in plans)
+    block = dflash_engine.capabilities().dflash_block
+    assert all(p.num_drafts <= block - 1 for p in plans)
+    assert dflash_engine.capabilities().free_slots == dflash_engine.capabilities().num_slots

@@ -343,11 +343,13 @@ def test_accepted() -> None:
 # -- grammar rows in the batched verify ----------------------------------------------------
 
 
-def _constrained(model: FakeModel, patterns: list[str], drafts: list[int]) -> list[ActiveSeq]:
+def _constrained(
+    model: FakeModel, patterns: list[str], drafts: list[int], method: str = MTP
+) -> list[ActiveSeq]:
     from control_plane.text.grammar import GrammarCompiler
 
     compiler = GrammarCompiler(ByteTokenizer.default(), 320, (257,))
-    active = seqs(model, len(patterns), drafts=drafts)
+    active = seqs(model, len(patterns), drafts=drafts, method=method)
     for a, pattern in zip(active, patterns, strict=True):
         a.grammar = compiler.compile("regex", pattern)
     return active
@@ -393,8 +395,7 @@ def test_constrained_dflash_sequences_of_other_counts_batch_together() -> None:
     anything = "[\\x00-\\x7f]*"
     # Drafts after 1, 11, 21: the first keeps 4, the others 1 (12) and 2 (22, 23); no
     # unconstrained sequence sets a gamma, so all three verify at their own depths.
-    active = _constrained(model, [anything, "[\\x00-\\x0c]*", "[\\x00-\\x17]*"], [4, 4, 4])
-    for a in active:
-        a.req = replace(a.req, method=DFLASH)
+    patterns = [anything, "[\\x00-\\x0c]*", "[\\x00-\\x17]*"]
+    active = _constrained(model, patterns, [4, 4, 4], DFLASH)
     report = step_mtp(model, active, ctx(model), 4)
     assert report.batched_calls == [[5, 2, 3]] and report.serial_arms == []

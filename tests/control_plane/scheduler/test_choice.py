@@ -1,0 +1,194 @@
+"""The server's choice (`auto`): options served once each before any is weighed, then the best
+by expected tokens per measured millisecond, served again when stale; a sequence whose own
+acceptance is poor sits out and probes; named requests keep their method; and whatever is
+chosen, step after step, greedy output equals no speculation's."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+
+from control_plane.scheduler.choice import (
+    NONE_OPTION,
+    OWN_SEEN,
+    PROBE,
+    REVISIT,
+    Chooser,
+    Option,
+    bucket,
+)
+from control_plane.scheduler.env import Env
+from control_plane.scheduler.methods import BLOCK, HEAD, PLAIN
+from control_plane.scheduler.options import SchedulerOptions
+from control_plane.scheduler.scheduler import Scheduler
+from control_plane.scheduler.seq import ActiveSeq, GenRequest, ModelFacts
+from control_plane.text.tokenizer import ByteTokenizer
+from gpu_service.engine.facade import Engine
+from gpu_service.model.config import ServiceConfig
+from protos.model import DFLASH, MTP_HEAD
+from protos.params import AUTO, MTP, NONE
+from tests.collect import Outcome
+from tests.fake_model import FakeModel
+
+TOK = ByteTokenizer.default()
+
+
+def caps(dflash: int = 0):
+    from dataclasses import replace
+
+    return replace(FakeModel(caps=(3,) * 4).capabilities(), dflash_block=dflash)
+
+
+def seq(rid: str, method: str = AUTO) -> ActiveSeq:
+    return ActiveSeq(GenRequest(rid, (1,), 50, method=method), lambda ev: None, TOK, ModelFacts())
+
+
+def served(chooser: Chooser, active: list[ActiveSeq], costs: dict[str, float], steps: int):
+    """`steps` steps chosen and timed at `costs` (by option name). -> the options served"""
+    out = []
+    for _ in range(steps):
+        pick = chooser.choose(active, caps(), 3, 8)
+        assert pick is not None
+        out.append(str(pick))
+        chooser.observe(active, costs[str(pick)])
+    return out
+
+
+def test_options_each_method_at_its_widths_within_the_caps() -> None:
+    chooser = Chooser()
+    assert [str(o) for o in chooser.options(caps(), 3, 2, 8)] == ["none", "mtp:1", "mtp:2", "mtp:3"]
+    assert [str(o) for o in chooser.options(caps(16), 2, 2, 8)] == [
+        "none",
+        "mtp:1",
+        "mtp:2",
+        "dflash:2",
+        "dflash:3",
+    ], "a block's widths up to the slots' capacity, whatever --num-drafts"
+    assert [str(o) for o in chooser.options(caps(16), 3, 9, 8)] == ["none", "dflash:2", "dflash:3"]
+    assert [str(o) for o in chooser.options(caps(16), 0, 2, 8)] == ["none"]
+
+
+def test_every_option_is_timed_once_then_the_best_is_served() -> None:
+    chooser, active = Chooser(), [seq("a"), seq("b")]
+    # A cold start: acceptance at its prior (0.7), so mtp:2 gives 2.19 tokens for 2.0 ms.
+    costs = {"none": 1.0, "mtp:1": 1.9, "mtp:2": 2.0, "mtp:3": 3.0}
+    assert served(chooser, active, costs, 6) == [
+        "none",
+        "mtp:1",
+        "mtp:2",
+        "mtp:3",
+        "mtp:2",
+        "mtp:2",
+    ]
+    assert all(a.method is HEAD for a in active)
+    costs["mtp:2"] = 4.0  # a busier machine: served again at its next measurement, it loses
+    served(chooser, active, costs, SAMPLESTEPS)
+    assert served(chooser, active, costs, 1) == ["none"]
+    assert all(a.method is PLAIN for a in active)
+
+
+SAMPLESTEPS = 8  # the median of 8 samples follows the new cost
+
+
+def test_an_option_not_served_for_a_while_is_timed_again() -> None:
+    chooser, active = Chooser(), [seq("a")]
+    costs = {"none": 1.0, "mtp:1": 9.0, "mtp:2": 9.0, "mtp:3": 9.0}
+    served(chooser, active, costs, 4)
+    picks = served(chooser, active, costs, REVISIT + 3)
+    assert picks[: REVISIT - 4] == ["none"] * (REVISIT - 4)
+    assert {"mtp:1", "mtp:2", "mtp:3"} <= set(picks), "each stale option served again"
+
+
+def test_acceptance_learned_from_every_request_moves_the_choice() -> None:
+    chooser, active = Chooser(), [seq("a"), seq("named", MTP)]
+    costs = {"none": 1.0, "mtp:1": 1.5, "mtp:2": 2.0, "mtp:3": 2.5}
+    served(chooser, active, costs, 4)
+    for _ in range(40):  # the named request's drafts: all rejected
+        active[1].record_verify(3, 0)
+    chooser.observe(active, 1.0)
+    assert served(chooser, active, costs, 1) == ["none"]
+    assert active[1].method is HEAD, "a request that names its method keeps it"
+
+
+def test_a_sequence_whose_own_drafts_fall_sits_out_and_probes() -> None:
+    chooser, good, poor = Chooser(), seq("good"), seq("poor")
+    costs = {"none": 1.0, "mtp:1": 1.2, "mtp:2": 1.3, "mtp:3": 1.4}
+    served(chooser, [good, poor], costs, 4)
+    good.drafted_by = poor.drafted_by = MTP_HEAD
+    for _ in range(OWN_SEEN):
+        good.record_verify(3, 3)
+        poor.record_verify(3, 0)
+    chooser.observe([good, poor], 1.0)
+    methods = []
+    for _ in range(PROBE + 1):
+        chooser.choose([good, poor], caps(), 3, 8)
+        methods.append(poor.method)
+        chooser.observe([good, poor], 1.3)
+    assert good.method is HEAD and methods[0] is PLAIN
+    assert methods.count(HEAD) == 1 and methods[-1] is HEAD, "one probe after PROBE steps"
+
+
+def test_nothing_is_chosen_without_a_choosing_request() -> None:
+    chooser = Chooser()
+    assert chooser.choose([seq("a", NONE)], caps(), 3, 8) is None
+    assert chooser.width("heads") is None
+    assert bucket(1) == 1 and bucket(3) == 4 and bucket(10**6) == 256
+
+
+def test_a_chosen_block_width_goes_to_the_block_arm_only() -> None:
+    chooser = Chooser()
+    chooser.current = Option(BLOCK, 4)
+    assert chooser.width("blocks") == 4 and chooser.width("heads") is None
+    chooser.current = NONE_OPTION
+    assert chooser.width("blocks") is None
+
+
+# -- lossless whatever is chosen -----------------------------------------------------------
+
+
+def cycling(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every step a different option, in turn, for every choosing sequence."""
+    turn = itertools.count()
+    seen: list[str] = []
+
+    def pick(self, options, choosing):
+        o = options[next(turn) % len(options)]
+        seen.append(str(o))
+        return o
+
+    monkeypatch.setattr(Chooser, "_pick", pick)
+    return seen
+
+
+def serve(engine: Engine, reqs: list[GenRequest], **opts) -> list[Outcome]:
+    s = Scheduler(lambda: engine, TOK, SchedulerOptions(**opts), Env())
+    outs = [Outcome() for _ in reqs]
+    for r, o in zip(reqs, outs, strict=True):
+        s.submit(r, o)
+    s.start()
+    try:
+        for o in outs:
+            assert o.done.wait(120), "a request did not finish"
+        return outs
+    finally:
+        s.stop()
+
+
+@pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "synchronous"])
+def test_greedy_output_equals_none_whatever_the_choice(
+    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch, pipeline: bool
+) -> None:
+    engine = Engine(tiny_dir, ServiceConfig(verify_tiers="8:3,8:2", max_context=256))
+    prompts = [tuple(range(5 + i, 12 + 2 * i)) for i in range(5)]
+    plain = serve(engine, [GenRequest(f"n{i}", p, 30, method=NONE) for i, p in enumerate(prompts)])
+    seen = cycling(monkeypatch)
+    auto = [GenRequest(f"a{i}", p, 30, method=AUTO) for i, p in enumerate(prompts)]
+    chosen = serve(engine, auto, pipeline=pipeline)
+    for a, b in zip(plain, chosen, strict=True):
+        assert a.tokens == b.tokens
+    assert {"none", "mtp:1", "mtp:3"} <= set(seen), "the choice changed from step to step"
+    stats = [o.finish.stats.by_method for o in chosen]
+    assert all(MTP_HEAD in s and NONE in s for s in stats), "each response names what it ran"
+    assert DFLASH not in engine.capabilities().drafters
