@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from protos.params import DFLASH, MTP, NONE, PROMPT_LOOKUP
+from tools.bench.choice import lines as choice_lines
 from tools.bench.depth import depth_lines, depth_table
 from tools.bench.methods import MTP_AUTO
 from tools.bench.prefix import prefix_lines, prefix_table
@@ -55,6 +56,8 @@ def markdown(report: dict) -> str:
         )
     out += _against(report)
     out += ["", *(f"- {line}" for line in figure_lines(report))]
+    if "choice" in report:
+        out += ["", "```", *choice_lines(report["choice"]), "```"]
     out += depth_table(report.get("depth"))
     out += prefix_table(report.get("prefix_cache"))
     out += _replicas_table(report.get("replicas", []))
@@ -397,6 +400,7 @@ def print_table(report: dict) -> None:
             + ", ".join(f"{m} {v:.1f} ({t['grpc'][m]:.2f}x)" for m, v in t["grpc_tok_s"].items())
         )
     more = [
+        *(choice_lines(report["choice"]) if "choice" in report else []),
         *depth_lines(report.get("depth")),
         *prefix_lines(report.get("prefix_cache")),
         *replicas_lines(report.get("replicas", [])),

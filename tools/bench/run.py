@@ -52,6 +52,7 @@ from tools.bench.baseline import (
     grpc_against_transformers,
     transformers_baselines,
 )
+from tools.bench.choice import choice, choice_failures
 from tools.bench.depth import depth
 from tools.bench.methods import batch_vs_serial, batched_over_serial, methods
 from tools.bench.predict import configured_depth, draft_cost, prediction
@@ -141,6 +142,9 @@ def _measure(args: argparse.Namespace) -> dict:
         report["transformers_generate_batch"] = batch_against_transformers(
             report["methods"], report["split"] + report["pair"], outside[BATCH], BATCH
         )
+    choice_at, choice_repeats = ([1], 1) if quick else ([1, 4, 16], repeats)
+    report["choice"] = choice(args.model, work, choice_at, tokens, choice_repeats)
+    failures += choice_failures(report["choice"], speed=not quick)
     report["memory"] = memory(engine)
     report["depth"] = depth(args.model, work, [1] if quick else [1, 4], tokens, repeats, quick)
     failures += report["depth"]["failures"]

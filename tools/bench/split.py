@@ -10,12 +10,9 @@ processes, for what the two processes lose on a busy machine against the engine 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
-import subprocess
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 from control_plane.cli.launch import start_gpu_service, stop
@@ -23,7 +20,7 @@ from control_plane.replicas.client import GrpcModel
 from protos.defaults import DEFAULT_MODEL_DIR
 from protos.params import MTP, NONE
 from tools.bench.baseline import same_rounds
-from tools.bench.workload import Workload, median, serve, served, settled
+from tools.bench.workload import Workload, busy, median, serve, served, settled
 
 # The section's repeats in a full run: its ratios compare arms within a few percent, on a
 # shared machine whose speed moves more than that between runs a second apart, so it takes
@@ -217,18 +214,6 @@ def main() -> None:
             )
             print(f"beside {n} busy processes (load {load:.2f} to {os.getloadavg()[0]:.2f}):")
         print("\n".join(split_lines(rows)))
-
-
-@contextlib.contextmanager
-def busy(n: int) -> Iterator[list[subprocess.Popen]]:
-    """`n` processes spinning a core each (a pure Python loop) for the block's time."""
-    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
-    try:
-        yield spinners
-    finally:
-        for p in spinners:
-            p.kill()
-            p.wait()
 
 
 def _pair_main(args: argparse.Namespace) -> None:

@@ -4,11 +4,14 @@ call that serves a batch of requests and returns its tokens and figures."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from control_plane.replicas.router import Drives, Router
@@ -247,3 +250,15 @@ class Windows:
         out = tuple(self.pool[(self.at + i) % len(self.pool)] for i in range(n))
         self.at += n
         return out
+
+
+@contextlib.contextmanager
+def busy(n: int) -> Iterator[list[subprocess.Popen]]:
+    """`n` processes spinning a core each (a pure Python loop) for the block's time."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield spinners
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()

@@ -101,6 +101,15 @@ def test_bench_quick(tmp_path: Path) -> None:
     assert "| dflash | 4 |" in table
     assert "service idle between steps (gRPC, pipelined)" in table
     _check_figures(report, result.stdout, table)
+    choice = {(r["method"], r["concurrency"]): r for r in report["choice"]}
+    assert set(choice) == {
+        *((m, 1) for m in ("none", "mtp", "dflash", "auto")),
+        ("json_schema/none", 8),
+        ("json_schema/auto", 8),
+    }
+    assert all(r["identical"] for r in choice.values()), "through both processes, as none's"
+    assert choice[("auto", 1)]["ran"], "the response's stats name what the choice ran"
+    assert "json_schema/auto" in result.stdout and "json_schema/auto" in table
     depth_arms = {r["arm"] for r in report["depth"]["rows"]}
     assert depth_arms == {"none", "fixed_3", "fixed_7", "measured_3", "measured_deep"}
     assert "draft depth (tiers 4:7," in result.stdout and "| measured_deep | 1 |" in table

@@ -11,8 +11,7 @@ import pytest
 
 from gpu_service.engine import compiled
 from gpu_service.model.config import ServiceConfig
-from tools.bench.split import busy
-from tools.bench.workload import scratch_env, served, settled
+from tools.bench.workload import busy, scratch_env, served, settled
 
 
 def test_the_in_process_engine_compiles_as_a_service_would(
