@@ -65,7 +65,7 @@ PARTS = {
     "dflash_kv_bytes": "DFlash context KV",
     "snapshot_bytes": "prefix snapshots",
     "logits_bytes": "logits",
-    "score_bytes": "prompt scoring",
+    "score_bytes": "logprob rows",
     "penalty_bytes": "penalty counts",
     "stash_bytes": "stash, verify hiddens, carry",
     "rope_bytes": "RoPE table",
@@ -189,12 +189,16 @@ def slot_parts(
     ranks = 1 if model.tp is None else model.tp.size
     gathered = 0 if ranks == 1 else ranks * kept + logits_rows * cfg.vocab_size * size
     out["logits_bytes"] += kept + max(kept, gathered)
-    # A prompt's scores (prompt logprobs) beside a prefill: a tile's logits, gathered whole
-    # under tensor parallelism, then their fp32 log-softmax and its comparison with the
-    # scored tokens'.
+    # Log-probabilities beside a call, the larger of two that never run together: a prompt's
+    # scores (prompt logprobs) beside a prefill, a tile's logits, gathered whole under tensor
+    # parallelism, then their fp32 log-softmax and its comparison with the scored tokens'; and
+    # a verify's rows that list alternatives or sample (logprobs under speculation), every row
+    # of the budget at most, their logits gathered whole and their fp32 log-softmax.
     shard = SCORE_ROWS * (model.vocab[1] - model.vocab[0]) * size
     tile = SCORE_ROWS * cfg.vocab_size
-    out["score_bytes"] = tile * (size + 4 + 1) + (0 if ranks == 1 else shard)
+    prompt_scores = tile * (size + 4 + 1) + (0 if ranks == 1 else shard)
+    verify_scores = padded_rows(svc.max_rows) * cfg.vocab_size * (size + 4)
+    out["score_bytes"] = max(prompt_scores, verify_scores)
     out["stash_bytes"] += padded_rows(svc.max_rows) * cfg.hidden_size * size
     out["penalty_bytes"], _ = device_bytes(model.vocab[1] - model.vocab[0], svc.num_slots, 0)
     num_graphs, out["graphs_bytes"] = graph_parts(model, state, svc) if graphs else (0, 0)

@@ -27,6 +27,11 @@ class MetaGroup(TpGroup):
     def __init__(self, size: int) -> None:
         self.rank, self.size, self.reduce_mode, self.device = 0, size, "ordered", META
 
+    def gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """What every rank would send, as shapes alone: what a model built on `meta` asks of
+        its peers while it loads (the DFlash drafter's mask row is a reduced embedding)."""
+        return [torch.empty_like(x) for _ in range(self.size)]
+
 
 def rank_shapes(cfg: ModelConfig, size: int) -> dict[str, tuple[int, ...]]:
     """Every checkpoint tensor of `cfg` as rank 0 of `size` reads it (`tp.shard.part`)."""

@@ -65,7 +65,8 @@ def _notes(plan: MemoryPlan) -> dict[str, str]:
         f"positions, {positions / svc.max_context:.2f}x the max context",
         "graphs_bytes": f"{plan.num_graphs} graphs at most, with their capture pool",
         "penalty_bytes": "every slot penalized",
-        "score_bytes": f"{SCORE_ROWS} prompt rows scored at a time (prompt logprobs)",
+        "score_bytes": f"the larger of {SCORE_ROWS} prompt rows scored at a time (prompt "
+        f"logprobs) and {svc.max_rows} verify rows' alternatives (top_logprobs, sampling)",
         "workspace_bytes": f"the most of {svc.max_prefill_tokens} prefill rows, {svc.max_rows} "
         "verify rows with their split partials, or their penalties",
     }

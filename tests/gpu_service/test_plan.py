@@ -363,6 +363,23 @@ def test_flagship_bf16_at_tp2_fits_h200s_with_room_for_slots() -> None:
     print(report)
 
 
+# Slow: builds the flagship and its drafter on the meta device.
+@pytest.mark.slow
+def test_flagship_at_tp2_with_its_drafter_counts_the_logprob_rows() -> None:
+    """Every rank holds the whole DFlash drafter and its context KV; the logprob rows are the
+    larger of a prompt's scored tile and a verify's whole row budget listing alternatives
+    (logprobs under speculation): its logits and their fp32 log-softmax. It fits two H200s."""
+    config = ROOT / "gpu_service/models/qwen3-next-80b-a3b/config.json"
+    made = _plan(
+        config, "--drafter", str(FLAGSHIP_DRAFTER), "--device-memory", "141GB", "--tp", "2"
+    )
+    cfg = plan.load_config(config)
+    verify = plan.padded_rows(made.svc.max_rows) * cfg.vocab_size * (2 + 4)
+    assert made.parts["score_bytes"] >= verify
+    assert made.parts["dflash_weights_bytes"] > 0 and made.parts["dflash_kv_bytes"] > 0
+    assert made.fits, plan_report.report(made)
+
+
 # Slow: starts a tensor-parallel rank process.
 @pytest.mark.slow
 def test_tp2_plan_is_each_ranks_allocations(mini_dir: Path) -> None:
