@@ -14,7 +14,7 @@ import pytest
 
 from control_plane.cli.launch import start_control_plane, start_gpu_service, stop
 from protos.defaults import DEFAULT_MODEL_DIR, DRAFTER_DIR
-from protos.params import DFLASH, MTP, NONE, PROMPT_LOOKUP
+from protos.params import AUTO, DFLASH, MTP, NONE, PROMPT_LOOKUP
 
 # Slow: it waits on a GPU service and a control plane starting.
 pytestmark = pytest.mark.slow
@@ -22,7 +22,7 @@ TOKENS, TOP = 24, 5
 # Batch invariance makes a row's logits the same bytes whatever verifies it beside; the bound
 # covers the fp32 the values cross the wire in and their JSON spelling.
 ATOL = 1e-4
-DRAFTING = (MTP, PROMPT_LOOKUP, DFLASH)
+DRAFTING = (MTP, PROMPT_LOOKUP, DFLASH, AUTO)
 # One row of a response: its token, its log-probability, its alternatives by their text.
 Row = tuple[str, float, dict[str, float]]
 
