@@ -15,7 +15,8 @@ from gpu_service.dflash.model import DFlashModel
 from gpu_service.dflash.weights import load_tensors
 from gpu_service.engine.choice import Choice
 from gpu_service.engine.drafters import Drafted, StepDrafts, StepView
-from gpu_service.engine.sampling import distribution, draw
+from gpu_service.engine.logits import distribution
+from gpu_service.engine.sampling import draw
 from gpu_service.memory.sequence import SeqState
 from gpu_service.memory.slots import SlotTable
 from gpu_service.model.backend import download, upload

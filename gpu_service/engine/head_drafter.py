@@ -12,7 +12,8 @@ import torch
 from gpu_service.engine.choice import Choice
 from gpu_service.engine.drafters import Drafted, StepDrafts, StepView
 from gpu_service.engine.graphs import Graphs
-from gpu_service.engine.sampling import distribution, draw
+from gpu_service.engine.logits import distribution
+from gpu_service.engine.sampling import draw
 from gpu_service.memory.sequence import SeqState
 from gpu_service.memory.slots import SlotTable
 from gpu_service.model.backend import download, ints, upload

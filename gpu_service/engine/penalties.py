@@ -1,13 +1,13 @@
-"""Penalties and logit bias on the rows the service judges (`protos.model.Penalties`).
+"""Logit bias and penalties on the rows the service judges (`protos.model.Penalties`): steps 1
+and 2 of the logits pipeline (`logits.py`, which states the order and runs them).
 
 A row's counts are those of every token before the one it predicts: the sequence's tokens in
 the cache, then the rows of the call up to and including its own (for a verify, the last
 committed token and the drafts before it). So a draft is judged with the counts that decoding
 one token at a time would have had in its place, and speculation keeps that output, greedy or
-sampled (the rejection test reads the adjusted target). The order is vLLM's: the bias added,
-then the repetition penalty over tokens of the prompt or the output, then frequency and
-presence over the output, in fp32 as vLLM and transformers compute them; last, with
-`allowed_ids`, every other column at -inf (vLLM's allowed_token_ids).
+sampled (the rejection test reads the adjusted target). As vLLM's: the bias added, then the
+repetition penalty over tokens of the prompt or the output, then frequency and presence over
+the output, in fp32 as vLLM and transformers compute them.
 
 Each penalized sequence keeps its output's count of every id and the ids its prompt or output
 holds (`Counts`, over this rank's columns under tensor parallelism), brought up to date with
@@ -131,22 +131,6 @@ def penalize(
         np.repeat(place[ok] >= firsts[ok], reach),
     )
     (_dense if dense else _sparse)(logits, plan)
-    for i, p in zip(chosen, pens, strict=True):
-        if p.allowed_ids:
-            _allow_only(logits, held, p.allowed_ids, starts[i], len(rows[i]))
-
-
-def _allow_only(
-    logits: torch.Tensor, held: tuple[int, int], ids: Sequence[int], start: int, n: int
-) -> None:
-    """Rows start .. start + n keep only the columns of `ids` that this rank holds."""
-    lo, hi = held
-    keep = torch.zeros(hi - lo, dtype=torch.bool, device=logits.device)
-    inside = [t - lo for t in ids if lo <= t < hi]
-    if inside:
-        keep[torch.tensor(inside, dtype=torch.long, device=logits.device)] = True
-    rows = logits[start : start + n]
-    logits[start : start + n] = rows.masked_fill(~keep, float("-inf"))
 
 
 def _pen(seq: SeqState) -> Penalties:

@@ -1,6 +1,6 @@
-"""Sampling on the service: target distributions with temperature, top-k, min-p and top-p (in
-vLLM's order: min-p cuts before top-p sums), and
-inverse-CDF draws from uniforms the control plane sends (so a seeded request replays).
+"""Sampling on the service: inverse-CDF draws from uniforms the control plane sends (so a
+seeded request replays), over the distributions of the logits pipeline's step 5
+(`logits.distribution`).
 
 For a verify row j of a sampled sequence the service reports what rejection sampling needs:
 `p_next` (the target probability of the next row's token, the draft d_{j+1}), `resample` (a
@@ -15,26 +15,6 @@ import torch
 from protos import checks
 from protos.handles import RowDraws
 from protos.model import InvalidArgument, Sampling
-
-
-def distribution(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
-    """logits: [n, V] -> probabilities [n, V] in fp64 (masked tokens at -inf stay at 0)."""
-    x = logits.double() / s.temperature
-    if 0 < s.top_k < x.shape[-1]:  # 0 or -1: no limit
-        kth = x.topk(s.top_k, dim=-1).values[..., -1:]
-        x = x.masked_fill(x < kth, float("-inf"))
-    p = torch.softmax(x, dim=-1)
-    if s.min_p > 0.0:
-        p = p.masked_fill(p < s.min_p * p.max(-1, keepdim=True).values, 0.0)
-        p = p / p.sum(-1, keepdim=True)
-    if 0.0 < s.top_p < 1.0:
-        sorted_p, order = p.sort(dim=-1, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        drop = sorted_p.cumsum(-1) - sorted_p >= s.top_p
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        p = torch.zeros_like(p).scatter(-1, order, sorted_p)
-        p = p / p.sum(-1, keepdim=True)
-    return p
 
 
 def draw(p: torch.Tensor, u: float) -> int:

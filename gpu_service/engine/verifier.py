@@ -11,8 +11,8 @@ import numpy as np
 import torch
 
 from gpu_service.engine.choice import Choice
-from gpu_service.engine.penalties import penalize
-from gpu_service.engine.sampling import check_sampling, distribution, draw, row_draws
+from gpu_service.engine.logits import distribution, grammar_masks, log_softmax_top, process_rows
+from gpu_service.engine.sampling import check_sampling, draw, row_draws
 from gpu_service.memory.sequence import FOLDED, IDLE, VERIFIED, SeqState
 from gpu_service.memory.slots import SlotTable, mirror
 from gpu_service.model.backend import download, ints, upload
@@ -39,19 +39,6 @@ SCORE_ROWS = 64
 
 # (sequences, their prompt chunks, their segments, the hidden rows) -> None
 Prime = Callable[[list[SeqState], list[list[int]], list[Segment], torch.Tensor], None]
-
-
-def log_softmax_top(
-    logits: torch.Tensor, after: list[int], top: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The log-probabilities a response lists, fp32. logits: [n, V], every column ->
-    (log-softmax [n, V], row j's of `after[j]` for the first len(after) rows [len(after)],
-    each row's `top` most probable: values [n, top] and ids [n, top], most probable first)"""
-    logp = torch.log_softmax(logits, -1, dtype=torch.float32)
-    (index,) = upload(logp.device, after)
-    chosen = logp[: len(after)].gather(-1, index[:, None])[:, 0]
-    top_values, top_ids = logp.topk(top, -1)
-    return logp, chosen, top_values, top_ids
 
 
 def segments(seqs: list[SeqState], counts: list[int], starts: list[int]) -> list[Segment]:
@@ -141,8 +128,8 @@ class Verifier:
         logits = self.model.logits(hidden[ends])
         before = [s.seq_len - 1 for s in states]
         last = [s.tokens[-1:] for s in states]
-        penalize(logits, self.model.vocab, states, before, last, range(len(states)))
-        out, logprobs = self.keep_logits(logits, row_masks)
+        process_rows(logits, self.model.vocab, states, before, last, range(len(states)), row_masks)
+        out, logprobs = self.keep_logits(logits)
         ids, values = self._last_rows(out, logprobs, sampled, tops)
         mirror(seqs, states)
         return Prefilled(out, logprobs, scored, ids, values)
@@ -264,19 +251,15 @@ class Verifier:
         write_on_accept: bool = True,
         row_masks: dict[int, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """The verify forward and its bookkeeping, results left on the device -> logits
-        [R, V] (also kept in the buffer), each sequence's penalties applied, masked rows with
-        -inf outside their mask."""
+        """The verify forward and its bookkeeping, results left on the device -> the
+        processed logits [R, V] (`process_rows`), also kept in the buffer."""
         starts = np.cumsum([0, *ks]).tolist()
         rows = [tokens[a:b] for a, b in zip(starts, starts[1:], strict=False)]
         hidden = self._forward(states, rows, VERIFY, not write_on_accept)
         self.state.verify_hidden = hidden
         logits = self.model.logits(hidden)
         before = [s.seq_len for s in states]
-        penalize(logits, self.model.vocab, states, before, rows, starts)
-        for row, allowed in (row_masks or {}).items():
-            held = self.model.held_columns(allowed).to(logits.device)
-            logits[row] = logits[row].masked_fill(~held, float("-inf"))
+        process_rows(logits, self.model.vocab, states, before, rows, starts, row_masks or {})
         self.state.logits = logits
         self.verify_calls += 1
         for s, k, lo in zip(states, ks, starts, strict=False):
@@ -381,36 +364,12 @@ class Verifier:
     # -- masks and sampling ----------------------------------------------------------------
 
     def masks(self, masks: dict[int, bytes], rows: int) -> dict[int, torch.Tensor]:
-        """Allowed-token bitmasks as bool rows, checked: one per row at most, the right size,
-        at least one token allowed."""
-        words = -(-self.cfg.vocab_size // 32)
-        out = {}
-        for row, bits in masks.items():
-            if not bits:
-                continue
-            checks.within("a masked row", row, 0, rows - 1)
-            # Grammar engines may round up to whole words past the vocabulary; ignored.
-            if len(bits) < 4 * words or len(bits) % 4:
-                raise InvalidArgument(
-                    f"the mask of row {row} has {len(bits)} bytes; a vocabulary of "
-                    f"{self.cfg.vocab_size} takes {4 * words} or more, whole 32-bit words"
-                )
-            allowed = torch.from_numpy(
-                np.unpackbits(np.frombuffer(bits, dtype=np.uint8), bitorder="little")
-            )[: self.cfg.vocab_size].bool()
-            if not allowed.any():
-                raise InvalidArgument(f"the mask of row {row} allows no token")
-            out[row] = allowed
-        return out
+        """`grammar_masks`, each over the columns this rank holds."""
+        full = grammar_masks(masks, rows, self.cfg.vocab_size)
+        return {row: self.model.held_columns(allowed) for row, allowed in full.items()}
 
-    def keep_logits(
-        self, logits: torch.Tensor, masks: dict[int, torch.Tensor]
-    ) -> tuple[list[int], list[float]]:
-        """Keep a prefill's logits (masked rows with -inf outside their mask) -> each row's
-        argmax and its log-probability."""
-        for row, allowed in masks.items():
-            held = self.model.held_columns(allowed).to(logits.device)
-            logits[row] = logits[row].masked_fill(~held, float("-inf"))
+    def keep_logits(self, logits: torch.Tensor) -> tuple[list[int], list[float]]:
+        """Keep a prefill's processed logits -> each row's argmax and its log-probability."""
         self.state.logits = logits
         top, logprob = self.model.argmax_logprob(logits)
         host_top, logprobs = download(top, logprob)

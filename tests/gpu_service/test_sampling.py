@@ -1,4 +1,4 @@
-"""Sampling: the service's distributions and draws, the speculative verdict's distribution,
+"""Sampling: the service's draws, the speculative verdict's distribution,
 and seeded requests end to end with and without speculation."""
 
 from __future__ import annotations
@@ -17,9 +17,8 @@ from control_plane.scheduler.scheduler import Scheduler
 from control_plane.scheduler.seq import GenRequest
 from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.engine.facade import Engine
-from gpu_service.engine.sampling import distribution, draw, row_draws
+from gpu_service.engine.sampling import draw, row_draws
 from gpu_service.model.config import ServiceConfig
-from protos.model import Sampling
 from protos.params import MTP, NONE, SamplingParams
 from tests.collect import run_all
 
@@ -27,29 +26,10 @@ TOK = ByteTokenizer.default()
 NO_ENV = Env()  # no METRALE_* switch set
 
 
-def test_distribution_top_k_top_p() -> None:
-    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
-    p = distribution(logits, Sampling(1.0))
-    torch.testing.assert_close(p, torch.softmax(logits.double(), -1))
-    assert (distribution(logits, Sampling(1.0, top_k=2))[0, 2:] == 0).all()
-    top_p = distribution(logits, Sampling(1.0, top_p=0.7))[0]
-    assert top_p[0] > 0 and top_p[1] > 0 and (top_p[2:] == 0).all()
-    torch.testing.assert_close(float(top_p.sum()), 1.0)
+def test_draw_reads_the_cdf() -> None:
     assert draw(torch.tensor([0.2, 0.3, 0.5]), 0.0) == 0
     assert draw(torch.tensor([0.2, 0.3, 0.5]), 0.45) == 1
     assert draw(torch.tensor([0.2, 0.3, 0.5]), 0.999) == 2
-
-
-def test_min_p_cuts_before_top_p() -> None:
-    """min_p keeps the tokens at least min_p times as probable as the most probable one, and
-    top_p then sums the renormalised rest (vLLM's order): here top_p alone would keep three."""
-    p = torch.tensor([[0.5, 0.3, 0.15, 0.05]], dtype=torch.float64)
-    logits = p.log()
-    cut = distribution(logits, Sampling(1.0, min_p=0.2))[0]
-    torch.testing.assert_close(cut, torch.tensor([0.5, 0.3, 0.15, 0.0], dtype=torch.float64) / 0.95)
-    assert (distribution(logits, Sampling(1.0, top_p=0.83))[0, :3] > 0).all()
-    both = distribution(logits, Sampling(1.0, top_p=0.83, min_p=0.2))[0]
-    torch.testing.assert_close(both, torch.tensor([0.5, 0.3, 0.0, 0.0], dtype=torch.float64) / 0.8)
 
 
 def test_min_p_of_one_samples_the_greedy_tokens(tiny_dir: Path) -> None:
