@@ -40,7 +40,8 @@ class SeqState:
     # The rows its last `decode_step` leaves to verify next (its bonus token, then the drafts
     # it proposed), for a step plan that continues it; any other call naming it drops them.
     continuation: list[int] | None = None
-    penalties: Penalties | None = None  # applied to its rows (`gpu_service/engine/penalties.py`)
+    # Applied to its rows in the logits pipeline's order (`gpu_service/engine/logits.py`).
+    penalties: Penalties | None = None
     counts: Counts | None = None  # what its penalties read, kept on the device
     drafter: str = MTP_HEAD  # what proposes its drafts (`protos.model.DRAFTERS`)
 
