@@ -147,6 +147,9 @@ class Pipeline:
             # Nothing runs ahead beside a synchronous step: its verify and its verdict may be
             # two calls, and a plan run between them would no longer leave its verify last.
             self.drain(ctx)
+            # One that ran ahead until now (the server's choice gave it a method that does not)
+            # may have finished in what the drain read: it steps no further.
+            rest = [a for a in rest if a.finished is None]
         if ahead:
             alone = not (rest or joining)
             n, step_nd = self.advance(

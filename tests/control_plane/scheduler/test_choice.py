@@ -26,11 +26,14 @@ from control_plane.scheduler.scheduler import Scheduler
 from control_plane.scheduler.seq import ActiveSeq, GenRequest, ModelFacts
 from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.engine.facade import Engine
-from gpu_service.model.config import ServiceConfig
+from gpu_service.model.config import DFLASH_VERIFY_TIERS, ServiceConfig
+from protos.defaults import DEFAULT_MODEL_DIR, DRAFTER_DIR
 from protos.model import DFLASH, MTP_HEAD
 from protos.params import AUTO, MTP, NONE
 from tests.collect import Outcome
 from tests.fake_model import FakeModel
+from tools.bench.workload import Workload
+from tools.bench.workload import serve as serve_work
 
 TOK = ByteTokenizer.default()
 
@@ -174,6 +177,26 @@ def serve(engine: Engine, reqs: list[GenRequest], **opts) -> list[Outcome]:
         return outs
     finally:
         s.stop()
+
+
+@pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "synchronous"])
+def test_with_a_block_drafter_greedy_output_equals_none_whatever_the_choice(
+    monkeypatch: pytest.MonkeyPatch, pipeline: bool
+) -> None:
+    """The bundled model and its drafter: a choice moves sequences between the pipelined
+    step (none, mtp) and the synchronous one (dflash), and between drafters, step by step;
+    one that ends in the drain before a synchronous step steps no further."""
+    svc = ServiceConfig(verify_tiers=DFLASH_VERIFY_TIERS, max_context=256)
+    engine = Engine(DEFAULT_MODEL_DIR, svc, drafter=DEFAULT_MODEL_DIR / DRAFTER_DIR)
+    work = Workload(DEFAULT_MODEL_DIR)
+    plain = serve_work(lambda: engine, work.requests(NONE, 4, 64), work.tokenizer)
+    seen = cycling(monkeypatch)
+    opts = {"pipeline": pipeline}
+    chosen = serve_work(lambda: engine, work.requests(AUTO, 4, 64), work.tokenizer, opts)
+    for i in range(4):
+        assert chosen["tokens"][f"auto-{i}"] == plain["tokens"][f"none-{i}"]
+    assert {"mtp:1", "dflash:2"} <= set(seen)
+    assert chosen["spec"].by_method[DFLASH].drafted > 0
 
 
 @pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "synchronous"])
