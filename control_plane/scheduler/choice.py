@@ -12,13 +12,15 @@ over the choosing sequences, over what a step under it costs at `n`:
   until a position is seen `widths.Calibration` takes the shallower one's rate, or its
   prior). A sequence's own record scales it: once it has verified `OWN_SEEN` drafts of the
   method, by its own mean accepted drafts per verify over the service's.
-- cost: the median of the last `SAMPLES` steps served under the option with a batch of the
+- cost: the mean of the last `SAMPLES` steps served under the option with a batch of the
   same shape: its active sequences in the same bucket (`BUCKETS`), and a grammar constraining
   one of them or none; timed as the scheduler saw them (pipelined steps included, so what
-  overlaps is not paid twice). An option not yet served in a bucket
-  is served next (each once, cheapest first: none, then the narrower widths), and every option
-  is served again once `REVISIT` steps passed since it last was, so the table follows a
-  machine that gets busier or quieter.
+  overlaps is not paid twice; a mean, since a plan of two steps comes back whole, one step
+  waiting for both and the next for none). An option served fewer than `TIMED` times at a
+  shape is served next (round by round, cheapest first: none, then the narrower widths),
+  and an option is served again once `REVISIT` steps passed since it last was (`FAR` times
+  that for one worth less than `NEAR` of the best), so the table follows a machine that gets
+  busier or quieter.
 
 The best option is every choosing sequence's, but for one whose own record says it would give
 fewer tokens than its share of the step costs over `none`'s: it sits the step out (plain),
@@ -38,8 +40,10 @@ from control_plane.scheduler.widths import Calibration
 from protos.model import Capabilities
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # a batch of n counts as the first bucket >= n
-SAMPLES = 8  # a cost is the median of an option's last this many steps in a bucket
-REVISIT = 256  # steps after which an option is served again to time it
+SAMPLES = 8  # a cost is the mean of an option's last this many steps at a batch shape
+TIMED = 3  # steps an option is served at a shape before its cost is weighed
+REVISIT = 128  # steps after which an option near the best is served again to time it
+NEAR, FAR = 0.8, 4  # one worth less than NEAR of the best is timed again FAR times as rarely
 OWN_SEEN = 8  # drafts a sequence verified under a method before its own record counts
 PROBE = 32  # steps a sequence sits out before it tries the option again
 
@@ -113,13 +117,20 @@ class Chooser:
         return pick
 
     def _pick(self, options: list[Option], choosing: list[ActiveSeq]) -> Option:
-        untimed = [o for o in options if not self.costs.get((self.at, o))]
+        untimed = [o for o in options if len(self.costs.get((self.at, o), ())) < TIMED]
         if untimed:
-            return untimed[0]
-        stale = [o for o in options if self.steps - self.served_at[(self.at, o)] >= REVISIT]
-        if stale:
-            return min(stale, key=lambda o: self.served_at[(self.at, o)])
-        return max(options, key=lambda o: self.worth(o, choosing))
+            return min(untimed, key=lambda o: len(self.costs.get((self.at, o), ())))
+        worth = {o: self.worth(o, choosing) for o in options}
+        best = max(worth.values())
+
+        def stale(o: Option) -> bool:
+            since = self.steps - self.served_at[(self.at, o)]
+            return since >= (REVISIT if worth[o] >= NEAR * best else FAR * REVISIT)
+
+        due = [o for o in options if stale(o)]
+        if due:
+            return min(due, key=lambda o: self.served_at[(self.at, o)])
+        return max(options, key=worth.__getitem__)
 
     def worth(self, o: Option, choosing: list[ActiveSeq]) -> float:
         """Expected tokens per millisecond of a step under `o`."""
@@ -150,7 +161,7 @@ class Chooser:
 
     def _cost(self, o: Option) -> float:
         seen = self.costs.get((self.at, o))
-        return max(statistics.median(seen), 1e-6) if seen else 1e-6
+        return max(statistics.fmean(seen), 1e-6) if seen else 1e-6
 
     def _joins(self, a: ActiveSeq, pick: Option, base: float) -> bool:
         """Whether the sequence runs the step's option: unless its own record says it gives

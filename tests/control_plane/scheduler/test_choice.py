@@ -1,5 +1,5 @@
-"""The server's choice (`auto`): options served once each before any is weighed, then the best
-by expected tokens per measured millisecond, served again when stale; a sequence whose own
+"""The server's choice (`auto`): options served a few times each before any is weighed, then
+the best by expected tokens per measured millisecond, served again when stale; a sequence whose own
 acceptance is poor sits out and probes; named requests keep their method; and whatever is
 chosen, step after step, greedy output equals no speculation's."""
 
@@ -11,10 +11,13 @@ from pathlib import Path
 import pytest
 
 from control_plane.scheduler.choice import (
+    FAR,
     NONE_OPTION,
     OWN_SEEN,
     PROBE,
     REVISIT,
+    SAMPLES,
+    TIMED,
     Chooser,
     Option,
     bucket,
@@ -73,41 +76,33 @@ def test_options_each_method_at_its_widths_within_the_caps() -> None:
     assert [str(o) for o in chooser.options(caps(16), 0, 2, 8)] == ["none"]
 
 
-def test_every_option_is_timed_once_then_the_best_is_served() -> None:
+def test_every_option_is_timed_then_the_best_is_served() -> None:
     chooser, active = Chooser(), [seq("a"), seq("b")]
     # A cold start: acceptance at its prior (0.7), so mtp:2 gives 2.19 tokens for 2.0 ms.
     costs = {"none": 1.0, "mtp:1": 1.9, "mtp:2": 2.0, "mtp:3": 3.0}
-    assert served(chooser, active, costs, 6) == [
-        "none",
-        "mtp:1",
-        "mtp:2",
-        "mtp:3",
-        "mtp:2",
-        "mtp:2",
-    ]
+    timed = ["none", "mtp:1", "mtp:2", "mtp:3"] * TIMED  # round by round, cheapest first
+    assert served(chooser, active, costs, len(timed) + 2) == [*timed, "mtp:2", "mtp:2"]
     assert all(a.method is HEAD for a in active)
-    costs["mtp:2"] = 4.0  # a busier machine: served again at its next measurement, it loses
-    served(chooser, active, costs, SAMPLESTEPS)
-    assert served(chooser, active, costs, 1) == ["none"]
+    costs["mtp:2"] = 4.0  # a busier machine: its mean rises step by step until it loses
+    assert served(chooser, active, costs, SAMPLES)[-1] == "none"
     assert all(a.method is PLAIN for a in active)
 
 
-SAMPLESTEPS = 8  # the median of 8 samples follows the new cost
-
-
 def test_an_option_not_served_for_a_while_is_timed_again() -> None:
+    """One near the best every REVISIT steps; one far from it FAR times as rarely."""
     chooser, active = Chooser(), [seq("a")]
-    costs = {"none": 1.0, "mtp:1": 9.0, "mtp:2": 9.0, "mtp:3": 9.0}
-    served(chooser, active, costs, 4)
-    picks = served(chooser, active, costs, REVISIT + 3)
-    assert picks[: REVISIT - 4] == ["none"] * (REVISIT - 4)
-    assert {"mtp:1", "mtp:2", "mtp:3"} <= set(picks), "each stale option served again"
+    costs = {"none": 1.0, "mtp:1": 1.9, "mtp:2": 9.0, "mtp:3": 9.0}  # mtp:1 near, worth 0.89
+    served(chooser, active, costs, 4 * TIMED)
+    picks = served(chooser, active, costs, REVISIT + 1)
+    assert set(picks) == {"none", "mtp:1"} and picks.count("mtp:1") == 1
+    picks = served(chooser, active, costs, FAR * REVISIT)
+    assert {"mtp:2", "mtp:3"} <= set(picks), "each far option served again, at last"
 
 
 def test_acceptance_learned_from_every_request_moves_the_choice() -> None:
     chooser, active = Chooser(), [seq("a"), seq("named", MTP)]
     costs = {"none": 1.0, "mtp:1": 1.5, "mtp:2": 2.0, "mtp:3": 2.5}
-    served(chooser, active, costs, 4)
+    served(chooser, active, costs, 4 * TIMED)
     for _ in range(40):  # the named request's drafts: all rejected
         active[1].record_verify(3, 0)
     chooser.observe(active, 1.0)
@@ -118,7 +113,7 @@ def test_acceptance_learned_from_every_request_moves_the_choice() -> None:
 def test_a_sequence_whose_own_drafts_fall_sits_out_and_probes() -> None:
     chooser, good, poor = Chooser(), seq("good"), seq("poor")
     costs = {"none": 1.0, "mtp:1": 1.2, "mtp:2": 1.3, "mtp:3": 1.4}
-    served(chooser, [good, poor], costs, 4)
+    served(chooser, [good, poor], costs, 4 * TIMED)
     good.drafted_by = poor.drafted_by = MTP_HEAD
     for _ in range(OWN_SEEN):
         good.record_verify(3, 3)
