@@ -16,11 +16,14 @@ over the choosing sequences, over what a step under it costs at `n`:
   same shape: its active sequences in the same bucket (`BUCKETS`), and a grammar constraining
   one of them or none; timed as the scheduler saw them (pipelined steps included, so what
   overlaps is not paid twice; a mean, since a plan of two steps comes back whole, one step
-  waiting for both and the next for none). An option served fewer than `TIMED` times at a
-  shape is served next (round by round, cheapest first: none, then the narrower widths),
-  and an option is served again once `REVISIT` steps passed since it last was (`FAR` times
-  that for one worth less than `NEAR` of the best), so the table follows a machine that gets
-  busier or quieter.
+  waiting for both and the next for none). Before an option has steps of its own at a
+  shape: at a shape first seen, none is served `TIMED` times; an option that another shape
+  timed beside none costs none's cost here times its multiple of none's there (the nearest
+  such shape), one that no shape timed is served `TIMED` times (cheapest first: the narrower
+  widths); once weighed, the best by its estimate is served (and so timed here), and an
+  option is served again once `REVISIT` steps passed since it last was (`FAR` times that for
+  one worth less than `NEAR` of the best), so the table follows a machine that gets busier or
+  quieter.
 
 The best option is every choosing sequence's, but for one whose own record says it would give
 fewer tokens than its share of the step costs over `none`'s: it sits the step out (plain),
@@ -41,7 +44,7 @@ from protos.model import Capabilities
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # a batch of n counts as the first bucket >= n
 SAMPLES = 8  # a cost is the mean of an option's last this many steps at a batch shape
-TIMED = 3  # steps an option is served at a shape before its cost is weighed
+TIMED = 2  # steps none, or an option no other shape timed, is served before it is weighed
 REVISIT = 128  # steps after which an option near the best is served again to time it
 NEAR, FAR = 0.8, 4  # one worth less than NEAR of the best is timed again FAR times as rarely
 OWN_SEEN = 8  # drafts a sequence verified under a method before its own record counts
@@ -84,6 +87,7 @@ class Chooser:
     current: Option | None = None  # the option of the step under way
     at: Shape = (0, False)  # its batch's shape
     sat_out: dict[str, int] = field(default_factory=dict)  # request id -> step it sat out from
+    first_seen: dict[Shape, int] = field(default_factory=dict)  # the step a shape was first
 
     def options(self, caps: Capabilities, num_drafts: int, n: int, most: int) -> list[Option]:
         """What a step of `n` may run: none, and each method that drafts on this service at
@@ -117,20 +121,29 @@ class Chooser:
         return pick
 
     def _pick(self, options: list[Option], choosing: list[ActiveSeq]) -> Option:
-        untimed = [o for o in options if len(self.costs.get((self.at, o), ())) < TIMED]
-        if untimed:
-            return min(untimed, key=lambda o: len(self.costs.get((self.at, o), ())))
+        """None until timed at this shape; then an option that has no cost here or at another
+        shape; then the best, or one due to be timed again."""
+        self.first_seen.setdefault(self.at, self.steps)
+        untimed = [o for o in options if self._own(o) < TIMED and self._borrowed(o) is None]
+        if self._own(NONE_OPTION) < TIMED or untimed:
+            return NONE_OPTION if self._own(NONE_OPTION) < TIMED else untimed[0]
         worth = {o: self.worth(o, choosing) for o in options}
         best = max(worth.values())
 
-        def stale(o: Option) -> bool:
-            since = self.steps - self.served_at[(self.at, o)]
-            return since >= (REVISIT if worth[o] >= NEAR * best else FAR * REVISIT)
+        def since(o: Option) -> int:
+            return self.steps - self.served_at.get((self.at, o), self.first_seen[self.at])
 
-        due = [o for o in options if stale(o)]
+        due = [
+            o
+            for o in options
+            if since(o) >= (REVISIT if worth[o] >= NEAR * best else FAR * REVISIT)
+        ]
         if due:
-            return min(due, key=lambda o: self.served_at[(self.at, o)])
+            return max(due, key=since)
         return max(options, key=worth.__getitem__)
+
+    def _own(self, o: Option) -> int:
+        return len(self.costs.get((self.at, o), ()))
 
     def worth(self, o: Option, choosing: list[ActiveSeq]) -> float:
         """Expected tokens per millisecond of a step under `o`."""
@@ -160,8 +173,36 @@ class Chooser:
         return table.get(kind) or table.get((kind[0], not kind[1]))
 
     def _cost(self, o: Option) -> float:
+        return max(self._cost_of(o) or 0.0, 1e-6)
+
+    def _cost_of(self, o: Option) -> float | None:
+        """Its cost at this shape: its own steps' mean, else `_borrowed`; None where nothing
+        says."""
         seen = self.costs.get((self.at, o))
-        return max(statistics.fmean(seen), 1e-6) if seen else 1e-6
+        return statistics.fmean(seen) if seen else self._borrowed(o)
+
+    def _borrowed(self, o: Option) -> float | None:
+        """None's cost here scaled by `o`'s over none's at the nearest shape that timed both (a
+        grammar's alike first): a drafting step costs about the same multiple of a plain one at
+        a neighbouring batch size."""
+        here = self.costs.get((self.at, NONE_OPTION))
+        timed = [
+            shape
+            for (shape, x) in self.costs
+            if x == o and shape != self.at and self.costs.get((shape, NONE_OPTION))
+        ]
+        if not here or not timed:
+            return None
+        n, constrained = self.at
+
+        def distance(shape: Shape) -> tuple[bool, int]:
+            return shape[1] != constrained, abs(shape[0].bit_length() - n.bit_length())
+
+        near = min(timed, key=distance)
+        ratio = statistics.fmean(self.costs[(near, o)]) / statistics.fmean(
+            self.costs[(near, NONE_OPTION)]
+        )
+        return statistics.fmean(here) * ratio
 
     def _joins(self, a: ActiveSeq, pick: Option, base: float) -> bool:
         """Whether the sequence runs the step's option: unless its own record says it gives

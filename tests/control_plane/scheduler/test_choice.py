@@ -80,12 +80,21 @@ def test_every_option_is_timed_then_the_best_is_served() -> None:
     chooser, active = Chooser(), [seq("a"), seq("b")]
     # A cold start: acceptance at its prior (0.7), so mtp:2 gives 2.19 tokens for 2.0 ms.
     costs = {"none": 1.0, "mtp:1": 1.9, "mtp:2": 2.0, "mtp:3": 3.0}
-    timed = ["none", "mtp:1", "mtp:2", "mtp:3"] * TIMED  # round by round, cheapest first
+    timed = [o for o in ("none", "mtp:1", "mtp:2", "mtp:3") for _ in range(TIMED)]
     assert served(chooser, active, costs, len(timed) + 2) == [*timed, "mtp:2", "mtp:2"]
     assert all(a.method is HEAD for a in active)
     costs["mtp:2"] = 4.0  # a busier machine: its mean rises step by step until it loses
     assert served(chooser, active, costs, SAMPLES)[-1] == "none"
     assert all(a.method is PLAIN for a in active)
+
+
+def test_a_new_batch_size_times_none_and_scales_the_others_from_a_neighbour() -> None:
+    chooser, two = Chooser(), [seq("a"), seq("b")]
+    costs = {"none": 1.0, "mtp:1": 1.9, "mtp:2": 2.0, "mtp:3": 3.0}
+    served(chooser, two, costs, 4 * TIMED)
+    three = [*two, seq("c")]  # bucket 4: everything costs twice as much, in the same ratios
+    doubled = {o: 2 * ms for o, ms in costs.items()}
+    assert served(chooser, three, doubled, TIMED + 1) == ["none"] * TIMED + ["mtp:2"]
 
 
 def test_an_option_not_served_for_a_while_is_timed_again() -> None:
