@@ -2,28 +2,25 @@
 request left the method to the server, for the most tokens per millisecond of the batch.
 
 An option is a method that drafts on the service at one width (`Method.widths`), or none.
-Its worth for a batch of `n` active sequences is the tokens it is expected to give, summed
-over the choosing sequences, over what a step under it costs at `n`:
+Its worth for a batch is what steps under it delivered: the tokens its choosing sequences
+gained over the milliseconds the steps took, over its last `SAMPLES` steps with a batch of the
+same shape (its active sequences in the same bucket, `BUCKETS`, and a grammar constraining one
+of them or none), timed as the scheduler saw them (pipelined steps included, so what overlaps
+is not paid twice, and a switch that drains the pipeline is paid by the option that caused
+it). Delivered, not modelled: a drafter's acceptance, its cost and the pipeline's gain are all
+in it. The batch at hand scales it by its sequences' expected tokens under the option over the
+average sequence's: `1 + a_1 + a_1 a_2 + ... + a_1..a_w` at width `w`, `a_j` the method's
+acceptance at draft position `j` over every request that drafted with it (one that names the
+method teaches it too; kept apart for sequences a grammar constrains), a sequence's own record
+scaling its drafts once it has verified `OWN_SEEN` of the method's.
 
-- tokens: a sequence gains `1 + a_1 + a_1 a_2 + ... + a_1..a_w` per step at width `w`, `a_j`
-  the method's acceptance at draft position `j`, observed over every verify of every request
-  that drafted with it (a request that names the method teaches it too), kept apart for
-  sequences a grammar constrains (until they have their own, they start from the others';
-  until a position is seen `widths.Calibration` takes the shallower one's rate, or its
-  prior). A sequence's own record scales it: once it has verified `OWN_SEEN` drafts of the
-  method, by its own mean accepted drafts per verify over the service's.
-- cost: the mean of the last `SAMPLES` steps served under the option with a batch of the
-  same shape: its active sequences in the same bucket (`BUCKETS`), and a grammar constraining
-  one of them or none; timed as the scheduler saw them (pipelined steps included, so what
-  overlaps is not paid twice; a mean, since a plan of two steps comes back whole, one step
-  waiting for both and the next for none). Before an option has steps of its own at a
-  shape: at a shape first seen, none is served `TIMED` times; an option that another shape
-  timed beside none costs none's cost here times its multiple of none's there (the nearest
-  such shape), one that no shape timed is served `TIMED` times (cheapest first: the narrower
-  widths); once weighed, the best by its estimate is served (and so timed here), and an
-  option is served again once `REVISIT` steps passed since it last was (`FAR` times that for
-  one worth less than `NEAR` of the best), so the table follows a machine that gets busier or
-  quieter.
+Before an option has steps of its own at a shape: at a shape first seen, none is served
+`TIMED` times; an option that another shape served beside none is weighed at its multiple of
+none's rate there (the nearest such shape); one that no shape served is served `TIMED` times
+(cheapest first: the narrower widths). Then the best is served (and so timed where it runs),
+and an option is served again once `REVISIT` steps passed since it last was (`FAR` times that
+for one worth less than `NEAR` of the best), so the choice follows a machine that gets busier
+or quieter.
 
 The best option is every choosing sequence's, but for one whose own record says it would give
 fewer tokens than its share of the step costs over `none`'s: it sits the step out (plain),
@@ -33,7 +30,6 @@ drafts again. A request that names its method keeps it; `--num-drafts 0` leaves 
 
 from __future__ import annotations
 
-import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -43,7 +39,7 @@ from control_plane.scheduler.widths import Calibration
 from protos.model import Capabilities
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # a batch of n counts as the first bucket >= n
-SAMPLES = 8  # a cost is the mean of an option's last this many steps at a batch shape
+SAMPLES = 8  # what an option delivered: over its last this many steps at a batch shape
 TIMED = 2  # steps none, or an option no other shape timed, is served before it is weighed
 REVISIT = 128  # steps after which an option near the best is served again to time it
 NEAR, FAR = 0.8, 4  # one worth less than NEAR of the best is timed again FAR times as rarely
@@ -76,9 +72,10 @@ def bucket(n: int) -> int:
 
 @dataclass
 class Chooser:
-    """The costs and acceptance the choice reads, learned over the server's life."""
+    """What the choice reads, learned over the server's life."""
 
-    costs: dict[tuple[Shape, Option], deque[float]] = field(default_factory=dict)
+    # Each option's last steps at each shape: (tokens its choosing sequences gained, ms).
+    served: dict[tuple[Shape, Option], deque[tuple[int, float]]] = field(default_factory=dict)
     served_at: dict[tuple[Shape, Option], int] = field(default_factory=dict)
     # By method and whether a grammar constrained the sequence, over every request.
     acceptance: dict[Kind, Calibration] = field(default_factory=dict)
@@ -86,6 +83,7 @@ class Chooser:
     steps: int = 0
     current: Option | None = None  # the option of the step under way
     at: Shape = (0, False)  # its batch's shape
+    before: list[tuple[ActiveSeq, int]] = field(default_factory=list)  # its choosers' lengths
     sat_out: dict[str, int] = field(default_factory=dict)  # request id -> step it sat out from
     first_seen: dict[Shape, int] = field(default_factory=dict)  # the step a shape was first
 
@@ -107,26 +105,26 @@ class Chooser:
         """Each choosing sequence's strategy for this step. -> the step's option (None: no
         sequence chooses)"""
         choosing = [a for a in active if a.chooses and a.finished is None]
-        self.current = None
+        self.current, self.before = None, []
         if not choosing:
             return None
         self.steps += 1
         self.at = (bucket(len(active)), any(a.constrained for a in active))
-        options = self.options(caps, num_drafts, len(active), most)
-        pick = self._pick(options, choosing)
-        self.current = pick
-        base = self._cost(NONE_OPTION)
+        pick = self._pick(self.options(caps, num_drafts, len(active), most), choosing)
+        self.current, self.before = pick, [(a, len(a.generated)) for a in choosing]
         for a in choosing:
-            a.method = pick.method if self._joins(a, pick, base) else PLAIN
+            a.method = pick.method if self._joins(a, pick) else PLAIN
         return pick
 
     def _pick(self, options: list[Option], choosing: list[ActiveSeq]) -> Option:
-        """None until timed at this shape; then an option that has no cost here or at another
-        shape; then the best, or one due to be timed again."""
+        """None until served here; then an option no shape has served; then the best, or
+        one due to be served again."""
         self.first_seen.setdefault(self.at, self.steps)
+        if self._own(NONE_OPTION) < TIMED:
+            return NONE_OPTION
         untimed = [o for o in options if self._own(o) < TIMED and self._borrowed(o) is None]
-        if self._own(NONE_OPTION) < TIMED or untimed:
-            return NONE_OPTION if self._own(NONE_OPTION) < TIMED else untimed[0]
+        if untimed:
+            return untimed[0]
         worth = {o: self.worth(o, choosing) for o in options}
         best = max(worth.values())
 
@@ -143,13 +141,20 @@ class Chooser:
         return max(options, key=worth.__getitem__)
 
     def _own(self, o: Option) -> int:
-        return len(self.costs.get((self.at, o), ()))
+        return len(self.served.get((self.at, o), ()))
 
     def worth(self, o: Option, choosing: list[ActiveSeq]) -> float:
-        """Expected tokens per millisecond of a step under `o`."""
-        return sum(self.tokens(a, o) for a in choosing) / self._cost(o)
+        """Tokens per millisecond steps under `o` delivered here, scaled by what this batch's
+        sequences are expected to gain under it over the average sequence."""
+        rate = self._rate(o) or 0.0
+        if not o.width:
+            return rate
+        mine = sum(self.tokens(a, o) for a in choosing)
+        return rate * mine / sum(self.tokens(a, o, own=False) for a in choosing)
 
-    def tokens(self, a: ActiveSeq, o: Option) -> float:
+    def tokens(self, a: ActiveSeq, o: Option, own: bool = True) -> float:
+        """A step's expected tokens for `a` under `o` (`own`: its own record scaling its
+        drafts)."""
         if not o.width:
             return 1.0
         rates = self._kind(self.acceptance, (o.method.name, a.constrained)) or Calibration()
@@ -157,7 +162,7 @@ class Chooser:
         for j in range(o.width):
             chain *= rates.rate(j)
             extra += chain
-        return 1.0 + extra * self._own_scale(a, o.method.name)
+        return 1.0 + extra * (self._own_scale(a, o.method.name) if own else 1.0)
 
     def _own_scale(self, a: ActiveSeq, name: str) -> float:
         own = a.stats.by_method.get(name)
@@ -172,42 +177,45 @@ class Chooser:
         request starts from the free text's figures)."""
         return table.get(kind) or table.get((kind[0], not kind[1]))
 
-    def _cost(self, o: Option) -> float:
-        return max(self._cost_of(o) or 0.0, 1e-6)
-
-    def _cost_of(self, o: Option) -> float | None:
-        """Its cost at this shape: its own steps' mean, else `_borrowed`; None where nothing
-        says."""
-        seen = self.costs.get((self.at, o))
-        return statistics.fmean(seen) if seen else self._borrowed(o)
+    def _rate(self, o: Option) -> float | None:
+        """Tokens per millisecond under `o` here: its own steps', else `_borrowed`."""
+        own = self._delivered(self.at, o)
+        return own if own is not None else self._borrowed(o)
 
     def _borrowed(self, o: Option) -> float | None:
-        """None's cost here scaled by `o`'s over none's at the nearest shape that timed both (a
-        grammar's alike first): a drafting step costs about the same multiple of a plain one at
-        a neighbouring batch size."""
-        here = self.costs.get((self.at, NONE_OPTION))
-        timed = [
-            shape
-            for (shape, x) in self.costs
-            if x == o and shape != self.at and self.costs.get((shape, NONE_OPTION))
+        """None's rate here times `o`'s multiple of none's at the nearest other shape that
+        served both (a grammar's alike first); None where none did."""
+        here = self._delivered(self.at, NONE_OPTION)
+        served = [
+            sh
+            for (sh, x) in self.served
+            if x == o and sh != self.at and self._delivered(sh, NONE_OPTION)
         ]
-        if not here or not timed:
+        if here is None or not served:
             return None
         n, constrained = self.at
 
         def distance(shape: Shape) -> tuple[bool, int]:
             return shape[1] != constrained, abs(shape[0].bit_length() - n.bit_length())
 
-        near = min(timed, key=distance)
-        ratio = statistics.fmean(self.costs[(near, o)]) / statistics.fmean(
-            self.costs[(near, NONE_OPTION)]
-        )
-        return statistics.fmean(here) * ratio
+        near = min(served, key=distance)
+        there = self._delivered(near, o) or 0.0
+        return here * there / (self._delivered(near, NONE_OPTION) or 1.0)
 
-    def _joins(self, a: ActiveSeq, pick: Option, base: float) -> bool:
-        """Whether the sequence runs the step's option: unless its own record says it gives
-        fewer tokens than the option costs it over none's; then it tries again every PROBE."""
-        if not pick.width or self.tokens(a, pick) * base >= self._cost(pick):
+    def _delivered(self, shape: Shape, o: Option) -> float | None:
+        steps = self.served.get((shape, o))
+        if not steps:
+            return None
+        return sum(t for t, _ in steps) / max(sum(ms for _, ms in steps), 1e-6)
+
+    def _joins(self, a: ActiveSeq, pick: Option) -> bool:
+        """Whether the sequence runs the step's option: unless its own record says it would
+        gain less under it than the option's rate over none's asks; then it tries again every
+        PROBE steps."""
+        plain, rate = self._rate(NONE_OPTION), self._rate(pick)
+        own = self.tokens(a, pick) / self.tokens(a, pick, own=False)
+        # Only its own record sits it out: while the option is being timed, it runs it.
+        if not pick.width or not plain or not rate or own >= 1.0 or own * rate >= plain:
             self.sat_out.pop(a.req.request_id, None)
             return True
         since = self.sat_out.setdefault(a.req.request_id, self.steps)
@@ -223,8 +231,8 @@ class Chooser:
         return o.width if o is not None and o.width and o.method.arm == arm else None
 
     def observe(self, active: list[ActiveSeq], ms: float) -> None:
-        """A step served in `ms`: its option's cost in its bucket, and every verdict of its
-        sequences for the acceptance (each request's, whichever method it names)."""
+        """A step served in `ms`: what its option delivered at its shape, and every verdict of
+        its sequences for the acceptance (each request's, whichever method it names)."""
         for a in active:
             for name, drafted, accepted in a.verdicts:
                 if drafted:
@@ -237,5 +245,7 @@ class Chooser:
                 self.sat_out.pop(a.req.request_id, None)
         if self.current is not None:
             key = (self.at, self.current)
-            self.costs.setdefault(key, deque(maxlen=SAMPLES)).append(ms)
+            gained = sum(len(a.generated) - n for a, n in self.before)
+            self.served.setdefault(key, deque(maxlen=SAMPLES)).append((gained, ms))
             self.served_at[key] = self.steps
+            self.before = []
