@@ -14,10 +14,13 @@ acceptance at draft position `j` over every request that drafted with it (one th
 method teaches it too; kept apart for sequences a grammar constrains), a sequence's own record
 scaling its drafts once it has verified `OWN_SEEN` of the method's.
 
-Before an option has steps of its own at a shape: at a shape first seen, none is served
-`TIMED` times; an option that another shape served beside none is weighed at its multiple of
-none's rate there (the nearest such shape); one that no shape served is served `TIMED` times
-(cheapest first: the narrower widths). Then the best is served (and so timed where it runs),
+A step is measured only as the `SETTLE`th or later of a run of its option at its shape: the
+first steps after a switch deliver what the option before planned (a pipelined result comes
+back a step after it was sent, its drafts were made a step before that). Before an option is
+measured at a shape: at a shape first seen, none is measured `TIMED` times; an option that
+another shape measured beside none is weighed at its multiple of none's rate there (the
+nearest such shape); one that no shape measured is measured `TIMED` times (cheapest first: the
+narrower widths). Then the best is served (and so timed where it runs),
 and an option is served again once `REVISIT` steps passed since it last was (`FAR` times that
 for one worth less than `NEAR` of the best), so the choice follows a machine that gets busier
 or quieter.
@@ -40,7 +43,8 @@ from protos.model import Capabilities
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # a batch of n counts as the first bucket >= n
 SAMPLES = 8  # what an option delivered: over its last this many steps at a batch shape
-TIMED = 2  # steps none, or an option no other shape timed, is served before it is weighed
+TIMED = 2  # steps none, or an option no other shape timed, is measured before it is weighed
+SETTLE = 3  # an option's steps in a row before one measures it
 REVISIT = 128  # steps after which an option near the best is served again to time it
 NEAR, FAR = 0.8, 4  # one worth less than NEAR of the best is timed again FAR times as rarely
 OWN_SEEN = 8  # drafts a sequence verified under a method before its own record counts
@@ -86,6 +90,7 @@ class Chooser:
     before: list[tuple[ActiveSeq, int]] = field(default_factory=list)  # its choosers' lengths
     sat_out: dict[str, int] = field(default_factory=dict)  # request id -> step it sat out from
     first_seen: dict[Shape, int] = field(default_factory=dict)  # the step a shape was first
+    streak: tuple[tuple[Shape, Option] | None, int] = (None, 0)  # the step's key, its run
 
     def options(self, caps: Capabilities, num_drafts: int, n: int, most: int) -> list[Option]:
         """What a step of `n` may run: none, and each method that drafts on this service at
@@ -112,6 +117,8 @@ class Chooser:
         self.at = (bucket(len(active)), any(a.constrained for a in active))
         pick = self._pick(self.options(caps, num_drafts, len(active), most), choosing)
         self.current, self.before = pick, [(a, len(a.generated)) for a in choosing]
+        key, run = self.streak
+        self.streak = ((self.at, pick), run + 1 if key == (self.at, pick) else 1)
         for a in choosing:
             a.method = pick.method if self._joins(a, pick) else PLAIN
         return pick
@@ -243,7 +250,10 @@ class Chooser:
             a.verdicts.clear()
             if a.finished is not None:
                 self.sat_out.pop(a.req.request_id, None)
-        if self.current is not None:
+        # Only a step of a run: the first steps after a switch deliver what the option before
+        # planned (a pipelined result comes back a step after it was sent, its drafts a step
+        # before that), and the first verify after none's steps holds no drafts.
+        if self.current is not None and self.streak[1] >= SETTLE:
             key = (self.at, self.current)
             gained = sum(len(a.generated) - n for a, n in self.before)
             self.served.setdefault(key, deque(maxlen=SAMPLES)).append((gained, ms))

@@ -17,6 +17,7 @@ from control_plane.scheduler.choice import (
     PROBE,
     REVISIT,
     SAMPLES,
+    SETTLE,
     TIMED,
     Chooser,
     Option,
@@ -51,6 +52,8 @@ def seq(rid: str, method: str = AUTO) -> ActiveSeq:
     return ActiveSeq(GenRequest(rid, (1,), 50, method=method), lambda ev: None, TOK, ModelFacts())
 
 
+# Steps an option runs when it is measured TIMED times in a row from its first step.
+RUN = TIMED + SETTLE - 1
 # Tokens a sequence gains in a step it runs an option (one that sits out gains one).
 YIELDS = {"none": 1, "mtp:1": 2, "mtp:2": 3, "mtp:3": 3}
 
@@ -93,7 +96,7 @@ def test_every_option_is_timed_then_the_best_is_served() -> None:
     chooser, active = Chooser(), [seq("a"), seq("b")]
     # Tokens per millisecond: none 2.0, mtp:1 2.1, mtp:2 3.0, mtp:3 2.0.
     costs = {"none": 1.0, "mtp:1": 1.9, "mtp:2": 2.0, "mtp:3": 3.0}
-    timed = [o for o in ("none", "mtp:1", "mtp:2", "mtp:3") for _ in range(TIMED)]
+    timed = [o for o in ("none", "mtp:1", "mtp:2", "mtp:3") for _ in range(RUN)]
     assert served(chooser, active, costs, len(timed) + 2) == [*timed, "mtp:2", "mtp:2"]
     assert all(a.method is HEAD for a in active)
     costs["mtp:2"] = 4.0  # a busier machine: what it delivers falls step by step until it loses
@@ -103,19 +106,19 @@ def test_every_option_is_timed_then_the_best_is_served() -> None:
 def test_a_new_batch_size_times_none_and_scales_the_others_from_a_neighbour() -> None:
     chooser, two = Chooser(), [seq("a"), seq("b")]
     costs = {"none": 1.0, "mtp:1": 1.9, "mtp:2": 2.0, "mtp:3": 3.0}
-    served(chooser, two, costs, 4 * TIMED)
+    served(chooser, two, costs, 4 * RUN)
     three = [*two, seq("c")]  # bucket 4: everything costs twice as much, in the same ratios
     doubled = {o: 2 * ms for o, ms in costs.items()}
-    assert served(chooser, three, doubled, TIMED + 1) == ["none"] * TIMED + ["mtp:2"]
+    assert served(chooser, three, doubled, RUN + 1) == ["none"] * RUN + ["mtp:2"]
 
 
 def test_an_option_not_served_for_a_while_is_timed_again() -> None:
     """One near the best every REVISIT steps; one far from it FAR times as rarely."""
     chooser, active = Chooser(), [seq("a")]
     costs = {"none": 1.0, "mtp:1": 2.2, "mtp:2": 9.0, "mtp:3": 9.0}  # mtp:1 near, at 0.91
-    served(chooser, active, costs, 4 * TIMED)
-    picks = served(chooser, active, costs, REVISIT + 1)
-    assert set(picks) == {"none", "mtp:1"} and picks.count("mtp:1") == 1
+    served(chooser, active, costs, 4 * RUN)
+    picks = served(chooser, active, costs, REVISIT + SETTLE)
+    assert set(picks) == {"none", "mtp:1"} and picks.count("mtp:1") == SETTLE, "until measured"
     picks = served(chooser, active, costs, FAR * REVISIT)
     assert {"mtp:2", "mtp:3"} <= set(picks), "each far option served again, at last"
 
@@ -124,7 +127,7 @@ def test_drafts_that_do_not_stand_turn_the_choice_to_none() -> None:
     chooser, active = Chooser(), [seq("a"), seq("named", MTP)]
     costs = {"none": 1.0, "mtp:1": 1.5, "mtp:2": 2.0, "mtp:3": 2.5}
     nothing_stands = dict.fromkeys(YIELDS, 1)
-    served(chooser, active, costs, 4 * TIMED, nothing_stands)
+    served(chooser, active, costs, 4 * RUN, nothing_stands)
     assert served(chooser, active, costs, 1, nothing_stands) == ["none"]
     assert active[1].method is HEAD, "a request that names its method keeps it"
 
@@ -133,7 +136,7 @@ def test_a_sequence_whose_own_drafts_fall_sits_out_and_probes() -> None:
     chooser, good, poor = Chooser(), seq("good"), seq("poor")
     # For two: none 2.0 tokens/ms, mtp:1 2.5, mtp:2 3.3, mtp:3 2.7.
     costs = {"none": 1.0, "mtp:1": 1.6, "mtp:2": 1.8, "mtp:3": 2.2}
-    served(chooser, [good, poor], costs, 4 * TIMED)
+    served(chooser, [good, poor], costs, 4 * RUN)
     good.drafted_by = poor.drafted_by = MTP_HEAD
     for _ in range(OWN_SEEN):
         good.record_verify(3, 3)
