@@ -140,7 +140,8 @@ class Pipeline:
         to join (`joining`), a plan carries one step: a plan runs whole."""
         num_drafts, plan_steps = ctx.opts.num_drafts, ctx.opts.plan_steps
         started = time.perf_counter()
-        ctx.chooser.choose(active, ctx.caps, num_drafts, ctx.opts.mtp_max_seqs)
+        ladder = ctx.rung.drafts_for(len(active), num_drafts)
+        ctx.chooser.choose(active, ctx.caps, num_drafts, ctx.opts.mtp_max_seqs, ladder)
         ahead = self.fits([a for a in active if runs_ahead(a, ctx)], ctx, num_drafts)
         rest = [a for a in active if not any(a is b for b in ahead)]
         if rest or (self.flights and not ahead):

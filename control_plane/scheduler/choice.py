@@ -16,17 +16,18 @@ scaling its drafts once it has verified `OWN_SEEN` of the method's.
 
 A step is measured only as the `SETTLE`th or later of a run of its option at its shape: the
 first steps after a switch deliver what the option before planned (a pipelined result comes
-back a step after it was sent, its drafts were made a step before that). Before an option is
-measured at a shape: at a shape first seen, none is measured `TIMED` times; an option that
-another shape measured beside none is weighed at its multiple of none's rate there (the
-nearest such shape); one that no shape measured is measured `TIMED` times (cheapest first: the
-narrower widths). Then the best is served (and so timed where it runs),
-and an option is served again once `REVISIT` steps passed since it last was (`FAR` times that
-for one worth less than `NEAR` of the best), so the choice follows a machine that gets busier
-or quieter.
+back a step after it was sent, its drafts were made a step before that).
 
-The best option is every choosing sequence's, but for one whose own record says it would give
-fewer tokens than its share of the step costs over `none`'s: it sits the step out (plain),
+Each shape has an incumbent, at first the K ladder's MTP width (what a request naming mtp
+gets, the seeds' static choice), and it is served but for exploration: once it is measured,
+another option is run until measured, and then one every `EXPLORE` steps, the least measured
+first, in turn. An option measured `TIMED` times that delivered `MARGIN` more than the
+incumbent takes its place. So the choice starts from the fixed method that is best on most
+machines, pays a few percent to keep measuring the others, and follows a machine that gets
+busier or quieter, or a drafter that does better than the head, once the evidence is clear.
+
+The option is every choosing sequence's, but for one whose own record says it would give fewer
+tokens than its share of the step costs over `none`'s: it sits the step out (plain),
 and tries the option again every `PROBE` steps, so a request whose text turns predictable
 drafts again. A request that names its method keeps it; `--num-drafts 0` leaves only none.
 """
@@ -36,17 +37,17 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from control_plane.scheduler.methods import HEADS, METHODS, PLAIN, Method
+from control_plane.scheduler.methods import HEAD, HEADS, METHODS, PLAIN, Method
 from control_plane.scheduler.seq import ActiveSeq
 from control_plane.scheduler.widths import Calibration
 from protos.model import Capabilities
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # a batch of n counts as the first bucket >= n
 SAMPLES = 8  # what an option delivered: over its last this many steps at a batch shape
-TIMED = 2  # steps none, or an option no other shape timed, is measured before it is weighed
+TIMED = 2  # measured steps an option needs before it may take the incumbent's place
 SETTLE = 3  # an option's steps in a row before one measures it
-REVISIT = 128  # steps after which an option near the best is served again to time it
-NEAR, FAR = 0.8, 4  # one worth less than NEAR of the best is timed again FAR times as rarely
+EXPLORE = 48  # steps at a shape between two runs of an option other than its incumbent
+MARGIN = 0.1  # how much more an option must deliver to take the incumbent's place
 OWN_SEEN = 8  # drafts a sequence verified under a method before its own record counts
 PROBE = 32  # steps a sequence sits out before it tries the option again
 
@@ -89,7 +90,9 @@ class Chooser:
     at: Shape = (0, False)  # its batch's shape
     before: list[tuple[ActiveSeq, int]] = field(default_factory=list)  # its choosers' lengths
     sat_out: dict[str, int] = field(default_factory=dict)  # request id -> step it sat out from
-    first_seen: dict[Shape, int] = field(default_factory=dict)  # the step a shape was first
+    incumbent: dict[Shape, Option] = field(default_factory=dict)  # each shape's option
+    explored_at: dict[Shape, int] = field(default_factory=dict)  # the step it last explored
+    exploring: tuple[Shape, Option, int] | None = None  # an option run until measured
     streak: tuple[tuple[Shape, Option] | None, int] = (None, 0)  # the step's key, its run
 
     def options(self, caps: Capabilities, num_drafts: int, n: int, most: int) -> list[Option]:
@@ -105,17 +108,22 @@ class Chooser:
         return out
 
     def choose(
-        self, active: list[ActiveSeq], caps: Capabilities, num_drafts: int, most: int
+        self,
+        active: list[ActiveSeq],
+        caps: Capabilities,
+        num_drafts: int,
+        most: int,
+        ladder: int = 0,
     ) -> Option | None:
-        """Each choosing sequence's strategy for this step. -> the step's option (None: no
-        sequence chooses)"""
+        """Each choosing sequence's strategy for this step (`ladder`: the K ladder's width for
+        this batch). -> the step's option (None: no sequence chooses)"""
         choosing = [a for a in active if a.chooses and a.finished is None]
         self.current, self.before = None, []
         if not choosing:
             return None
         self.steps += 1
         self.at = (bucket(len(active)), any(a.constrained for a in active))
-        pick = self._pick(self.options(caps, num_drafts, len(active), most), choosing)
+        pick = self._pick(self.options(caps, num_drafts, len(active), most), choosing, ladder)
         self.current, self.before = pick, [(a, len(a.generated)) for a in choosing]
         key, run = self.streak
         self.streak = ((self.at, pick), run + 1 if key == (self.at, pick) else 1)
@@ -123,29 +131,31 @@ class Chooser:
             a.method = pick.method if self._joins(a, pick) else PLAIN
         return pick
 
-    def _pick(self, options: list[Option], choosing: list[ActiveSeq]) -> Option:
-        """None until served here; then an option no shape has served; then the best, or
-        one due to be served again."""
-        self.first_seen.setdefault(self.at, self.steps)
-        if self._own(NONE_OPTION) < TIMED:
-            return NONE_OPTION
-        untimed = [o for o in options if self._own(o) < TIMED and self._borrowed(o) is None]
-        if untimed:
-            return untimed[0]
-        worth = {o: self.worth(o, choosing) for o in options}
-        best = max(worth.values())
-
-        def since(o: Option) -> int:
-            return self.steps - self.served_at.get((self.at, o), self.first_seen[self.at])
-
-        due = [
-            o
-            for o in options
-            if since(o) >= (REVISIT if worth[o] >= NEAR * best else FAR * REVISIT)
-        ]
-        if due:
-            return max(due, key=since)
-        return max(options, key=worth.__getitem__)
+    def _pick(self, options: list[Option], choosing: list[ActiveSeq], ladder: int) -> Option:
+        """The shape's incumbent, first the ladder's MTP width (what a request naming mtp
+        gets); every `EXPLORE` steps another option, the least measured first, run until it
+        is measured; the incumbent gives way to an option measured `TIMED` times that
+        delivered `MARGIN` more."""
+        head = Option(HEAD, ladder)
+        incumbent = self.incumbent.setdefault(self.at, head if head in options else NONE_OPTION)
+        if incumbent not in options:  # the widths allowed changed (--mtp-max-seqs, the slots)
+            incumbent = self.incumbent[self.at] = NONE_OPTION
+        if self.exploring is not None:
+            shape, o, before = self.exploring
+            if shape == self.at and o in options and self._own(o) == before:
+                return o
+            self.exploring = None
+        worth = {o: self.worth(o, choosing) for o in options if self._own(o) >= TIMED}
+        rival = max(worth, key=worth.__getitem__, default=incumbent)
+        if rival != incumbent and worth[rival] > (1 + MARGIN) * worth.get(incumbent, 0.0):
+            incumbent = self.incumbent[self.at] = rival
+        due = self.steps - self.explored_at.setdefault(self.at, self.steps) >= EXPLORE
+        others = [o for o in options if o != incumbent]
+        if others and (due or self._own(incumbent) >= TIMED and len(worth) < 2):
+            o = min(others, key=self._own)
+            self.exploring, self.explored_at[self.at] = (self.at, o, self._own(o)), self.steps
+            return o
+        return incumbent
 
     def _own(self, o: Option) -> int:
         return len(self.served.get((self.at, o), ()))
@@ -185,29 +195,8 @@ class Chooser:
         return table.get(kind) or table.get((kind[0], not kind[1]))
 
     def _rate(self, o: Option) -> float | None:
-        """Tokens per millisecond under `o` here: its own steps', else `_borrowed`."""
-        own = self._delivered(self.at, o)
-        return own if own is not None else self._borrowed(o)
-
-    def _borrowed(self, o: Option) -> float | None:
-        """None's rate here times `o`'s multiple of none's at the nearest other shape that
-        served both (a grammar's alike first); None where none did."""
-        here = self._delivered(self.at, NONE_OPTION)
-        served = [
-            sh
-            for (sh, x) in self.served
-            if x == o and sh != self.at and self._delivered(sh, NONE_OPTION)
-        ]
-        if here is None or not served:
-            return None
-        n, constrained = self.at
-
-        def distance(shape: Shape) -> tuple[bool, int]:
-            return shape[1] != constrained, abs(shape[0].bit_length() - n.bit_length())
-
-        near = min(served, key=distance)
-        there = self._delivered(near, o) or 0.0
-        return here * there / (self._delivered(near, NONE_OPTION) or 1.0)
+        """Tokens per millisecond its measured steps delivered at this shape."""
+        return self._delivered(self.at, o)
 
     def _delivered(self, shape: Shape, o: Option) -> float | None:
         steps = self.served.get((shape, o))
@@ -219,10 +208,12 @@ class Chooser:
         """Whether the sequence runs the step's option: unless its own record says it would
         gain less under it than the option's rate over none's asks; then it tries again every
         PROBE steps."""
+        if not pick.width:
+            return True  # a step of none (exploring it, say) keeps its count of steps out
         plain, rate = self._rate(NONE_OPTION), self._rate(pick)
         own = self.tokens(a, pick) / self.tokens(a, pick, own=False)
         # Only its own record sits it out: while the option is being timed, it runs it.
-        if not pick.width or not plain or not rate or own >= 1.0 or own * rate >= plain:
+        if not plain or not rate or own >= 1.0 or own * rate >= plain:
             self.sat_out.pop(a.req.request_id, None)
             return True
         since = self.sat_out.setdefault(a.req.request_id, self.steps)

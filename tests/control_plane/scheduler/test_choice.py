@@ -1,5 +1,5 @@
-"""The server's choice (`auto`): options served a few times each before any is weighed, then
-the best by expected tokens per measured millisecond, served again when stale; a sequence whose own
+"""The server's choice (`auto`): the ladder's MTP width first, the others measured in turn,
+the one that delivers more tokens per millisecond taking over; a sequence whose own
 acceptance is poor sits out and probes; named requests keep their method; and whatever is
 chosen, step after step, greedy output equals no speculation's."""
 
@@ -11,11 +11,10 @@ from pathlib import Path
 import pytest
 
 from control_plane.scheduler.choice import (
-    FAR,
+    EXPLORE,
     NONE_OPTION,
     OWN_SEEN,
     PROBE,
-    REVISIT,
     SAMPLES,
     SETTLE,
     TIMED,
@@ -69,7 +68,7 @@ def served(
     name), timed at `costs`. -> the options served"""
     out = []
     for _ in range(steps):
-        pick = chooser.choose(active, caps(), 3, 8)
+        pick = chooser.choose(active, caps(), 3, 8, ladder=3)
         assert pick is not None
         out.append(str(pick))
         for a in active:
@@ -92,51 +91,53 @@ def test_options_each_method_at_its_widths_within_the_caps() -> None:
     assert [str(o) for o in chooser.options(caps(16), 0, 2, 8)] == ["none"]
 
 
-def test_every_option_is_timed_then_the_best_is_served() -> None:
+# Tokens per millisecond for two sequences: none 2.0, mtp:1 2.1, mtp:2 3.0, mtp:3 2.0.
+COSTS = {"none": 1.0, "mtp:1": 1.9, "mtp:2": 2.0, "mtp:3": 3.0}
+
+
+def test_the_ladders_width_runs_first_then_the_one_that_delivers_more() -> None:
     chooser, active = Chooser(), [seq("a"), seq("b")]
-    # Tokens per millisecond: none 2.0, mtp:1 2.1, mtp:2 3.0, mtp:3 2.0.
-    costs = {"none": 1.0, "mtp:1": 1.9, "mtp:2": 2.0, "mtp:3": 3.0}
-    timed = [o for o in ("none", "mtp:1", "mtp:2", "mtp:3") for _ in range(RUN)]
-    assert served(chooser, active, costs, len(timed) + 2) == [*timed, "mtp:2", "mtp:2"]
+    picks = served(chooser, active, COSTS, 3 * EXPLORE)
+    assert picks[:RUN] == ["mtp:3"] * RUN, "the ladder's width, until measured"
+    assert set(picks) == {"none", "mtp:1", "mtp:2", "mtp:3"}, "each measured in turn"
+    assert picks[-EXPLORE // 2 :].count("mtp:2") >= EXPLORE // 2 - SETTLE, "mtp:2 took over"
     assert all(a.method is HEAD for a in active)
-    costs["mtp:2"] = 4.0  # a busier machine: what it delivers falls step by step until it loses
-    assert served(chooser, active, costs, SAMPLES)[-1] == "mtp:1"
 
 
-def test_a_new_batch_size_times_none_and_scales_the_others_from_a_neighbour() -> None:
-    chooser, two = Chooser(), [seq("a"), seq("b")]
-    costs = {"none": 1.0, "mtp:1": 1.9, "mtp:2": 2.0, "mtp:3": 3.0}
-    served(chooser, two, costs, 4 * RUN)
-    three = [*two, seq("c")]  # bucket 4: everything costs twice as much, in the same ratios
-    doubled = {o: 2 * ms for o, ms in costs.items()}
-    assert served(chooser, three, doubled, RUN + 1) == ["none"] * RUN + ["mtp:2"]
+def test_exploring_costs_a_run_every_explore_steps() -> None:
+    chooser, active = Chooser(), [seq("a"), seq("b")]
+    served(chooser, active, COSTS, 3 * EXPLORE)
+    picks = served(chooser, active, COSTS, 2 * EXPLORE)
+    assert len(picks) - picks.count("mtp:2") <= 2 * SETTLE
 
 
-def test_an_option_not_served_for_a_while_is_timed_again() -> None:
-    """One near the best every REVISIT steps; one far from it FAR times as rarely."""
-    chooser, active = Chooser(), [seq("a")]
-    costs = {"none": 1.0, "mtp:1": 2.2, "mtp:2": 9.0, "mtp:3": 9.0}  # mtp:1 near, at 0.91
-    served(chooser, active, costs, 4 * RUN)
-    picks = served(chooser, active, costs, REVISIT + SETTLE)
-    assert set(picks) == {"none", "mtp:1"} and picks.count("mtp:1") == SETTLE, "until measured"
-    picks = served(chooser, active, costs, FAR * REVISIT)
-    assert {"mtp:2", "mtp:3"} <= set(picks), "each far option served again, at last"
+def test_a_busier_machine_moves_the_incumbent() -> None:
+    chooser, active = Chooser(), [seq("a"), seq("b")]
+    served(chooser, active, COSTS, 3 * EXPLORE)
+    slower = {**COSTS, "mtp:2": 4.0}  # mtp:2 now delivers 1.5, measured as it runs
+    assert served(chooser, active, slower, SAMPLES + 1)[-1] != "mtp:2"
 
 
 def test_drafts_that_do_not_stand_turn_the_choice_to_none() -> None:
     chooser, active = Chooser(), [seq("a"), seq("named", MTP)]
     costs = {"none": 1.0, "mtp:1": 1.5, "mtp:2": 2.0, "mtp:3": 2.5}
     nothing_stands = dict.fromkeys(YIELDS, 1)
-    served(chooser, active, costs, 4 * RUN, nothing_stands)
-    assert served(chooser, active, costs, 1, nothing_stands) == ["none"]
+    picks = served(chooser, active, costs, 3 * EXPLORE, nothing_stands)
+    assert picks[-1] == "none" and active[0].method is PLAIN
     assert active[1].method is HEAD, "a request that names its method keeps it"
+
+
+def test_a_new_batch_size_starts_from_the_ladder_again() -> None:
+    chooser, two = Chooser(), [seq("a"), seq("b")]
+    served(chooser, two, COSTS, 3 * EXPLORE)
+    assert served(chooser, [*two, seq("c")], COSTS, 1) == ["mtp:3"]
 
 
 def test_a_sequence_whose_own_drafts_fall_sits_out_and_probes() -> None:
     chooser, good, poor = Chooser(), seq("good"), seq("poor")
     # For two: none 2.0 tokens/ms, mtp:1 2.5, mtp:2 3.3, mtp:3 2.7.
     costs = {"none": 1.0, "mtp:1": 1.6, "mtp:2": 1.8, "mtp:3": 2.2}
-    served(chooser, [good, poor], costs, 4 * RUN)
+    served(chooser, [good, poor], costs, 3 * EXPLORE)
     good.drafted_by = poor.drafted_by = MTP_HEAD
     for _ in range(OWN_SEEN):
         good.record_verify(3, 3)
@@ -174,7 +175,7 @@ def cycling(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     turn = itertools.count()
     seen: list[str] = []
 
-    def pick(self, options, choosing):
+    def pick(self, options, choosing, ladder):
         o = options[next(turn) % len(options)]
         seen.append(str(o))
         return o
