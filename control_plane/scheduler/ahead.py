@@ -139,7 +139,6 @@ class Pipeline:
         sequences, prompt-lookup copies, whether D-Cut cut, its width). While requests wait
         to join (`joining`), a plan carries one step: a plan runs whole."""
         num_drafts, plan_steps = ctx.opts.num_drafts, ctx.opts.plan_steps
-        started = time.perf_counter()
         ladder = ctx.rung.drafts_for(len(active), num_drafts)
         ctx.chooser.choose(active, ctx.caps, num_drafts, ctx.opts.mtp_max_seqs, ladder)
         ahead = self.fits([a for a in active if runs_ahead(a, ctx)], ctx, num_drafts)
@@ -165,7 +164,7 @@ class Pipeline:
         if rest:
             report = step_mtp(model, rest, ctx, num_drafts)
             stepped(len(rest), sum(report.copied), report.dcut, report.ladder_nd)
-        ctx.chooser.observe(active, (time.perf_counter() - started) * 1e3)
+        ctx.chooser.observe(active)
 
     def advance(
         self,

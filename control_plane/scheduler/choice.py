@@ -8,11 +8,11 @@ same shape (its active sequences in the same bucket, `BUCKETS`, and a grammar co
 of them or none), timed as the scheduler saw them (pipelined steps included, so what overlaps
 is not paid twice, and a switch that drains the pipeline is paid by the option that caused
 it). Delivered, not modelled: a drafter's acceptance, its cost and the pipeline's gain are all
-in it. The batch at hand scales it by its sequences' expected tokens under the option over the
-average sequence's: `1 + a_1 + a_1 a_2 + ... + a_1..a_w` at width `w`, `a_j` the method's
-acceptance at draft position `j` over every request that drafted with it (one that names the
-method teaches it too; kept apart for sequences a grammar constrains), a sequence's own record
-scaling its drafts once it has verified `OWN_SEEN` of the method's.
+in it. A sequence's own record is weighed for it alone (below): `1 + a_1 + a_1 a_2 + ... +
+a_1..a_w` tokens a step at width `w`, `a_j` the method's acceptance at draft position `j` over
+every request that drafted with it (one that names the method teaches it too; kept apart for
+sequences a grammar constrains), its drafts scaled by its own acceptance over every request's,
+draft for draft, once it has verified `OWN_SEEN` of the method's.
 
 A step is measured only as the `SETTLE`th or later of a run of its option at its shape: the
 first steps after a switch deliver what the option before planned (a pipelined result comes
@@ -34,7 +34,9 @@ drafts again. A request that names its method keeps it; `--num-drafts 0` leaves 
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from control_plane.scheduler.methods import HEAD, HEADS, METHODS, PLAIN, Method
@@ -84,7 +86,7 @@ class Chooser:
     served_at: dict[tuple[Shape, Option], int] = field(default_factory=dict)
     # By method and whether a grammar constrained the sequence, over every request.
     acceptance: dict[Kind, Calibration] = field(default_factory=dict)
-    per_verify: dict[Kind, tuple[int, int]] = field(default_factory=dict)  # verifies, accepted
+    per_draft: dict[Kind, tuple[int, int]] = field(default_factory=dict)  # drafted, accepted
     steps: int = 0
     current: Option | None = None  # the option of the step under way
     at: Shape = (0, False)  # its batch's shape
@@ -94,6 +96,8 @@ class Chooser:
     explored_at: dict[Shape, int] = field(default_factory=dict)  # the step it last explored
     exploring: tuple[Shape, Option, int] | None = None  # an option run until measured
     streak: tuple[tuple[Shape, Option] | None, int] = (None, 0)  # the step's key, its run
+    mark: float | None = None  # when the step under way was chosen (`clock`, seconds)
+    clock: Callable[[], float] = time.perf_counter
 
     def options(self, caps: Capabilities, num_drafts: int, n: int, most: int) -> list[Option]:
         """What a step of `n` may run: none, and each method that drafts on this service at
@@ -117,6 +121,7 @@ class Chooser:
     ) -> Option | None:
         """Each choosing sequence's strategy for this step (`ladder`: the K ladder's width for
         this batch). -> the step's option (None: no sequence chooses)"""
+        self._measure()
         choosing = [a for a in active if a.chooses and a.finished is None]
         self.current, self.before = None, []
         if not choosing:
@@ -161,13 +166,8 @@ class Chooser:
         return len(self.served.get((self.at, o), ()))
 
     def worth(self, o: Option, choosing: list[ActiveSeq]) -> float:
-        """Tokens per millisecond steps under `o` delivered here, scaled by what this batch's
-        sequences are expected to gain under it over the average sequence."""
-        rate = self._rate(o) or 0.0
-        if not o.width:
-            return rate
-        mine = sum(self.tokens(a, o) for a in choosing)
-        return rate * mine / sum(self.tokens(a, o, own=False) for a in choosing)
+        """Tokens per millisecond steps under `o` delivered here."""
+        return self._rate(o) or 0.0
 
     def tokens(self, a: ActiveSeq, o: Option, own: bool = True) -> float:
         """A step's expected tokens for `a` under `o` (`own`: its own record scaling its
@@ -182,11 +182,13 @@ class Chooser:
         return 1.0 + extra * (self._own_scale(a, o.method.name) if own else 1.0)
 
     def _own_scale(self, a: ActiveSeq, name: str) -> float:
+        """Its drafts' acceptance over every request's, draft for draft (a verify's count
+        depends on its width, which differs between them)."""
         own = a.stats.by_method.get(name)
-        verifies, accepted = self._kind(self.per_verify, (name, a.constrained)) or (0, 0)
-        if own is None or own.drafted < OWN_SEEN or not verifies or not accepted:
+        drafted, accepted = self._kind(self.per_draft, (name, a.constrained)) or (0, 0)
+        if own is None or own.drafted < OWN_SEEN or not drafted or not accepted:
             return 1.0
-        return (own.accepted / own.verifies) / (accepted / verifies)
+        return (own.accepted / own.drafted) / (accepted / drafted)
 
     @staticmethod
     def _kind(table: dict, kind: Kind):
@@ -228,25 +230,33 @@ class Chooser:
         o = self.current
         return o.width if o is not None and o.width and o.method.arm == arm else None
 
-    def observe(self, active: list[ActiveSeq], ms: float) -> None:
-        """A step served in `ms`: what its option delivered at its shape, and every verdict of
-        its sequences for the acceptance (each request's, whichever method it names)."""
+    def _measure(self) -> None:
+        """What the step chosen last delivered, from its choice to this one: the whole of an
+        iteration of the loop, its other work and the pipeline's overlap included."""
+        now = self.clock()
+        mark, self.mark = self.mark, now
+        # Only a step of a run: the first steps after a switch deliver what the option before
+        # planned (a pipelined result comes back a step after it was sent, its drafts a step
+        # before that), and the first verify after none's steps holds no drafts.
+        if self.current is None or mark is None or self.streak[1] < SETTLE:
+            return
+        key = (self.at, self.current)
+        gained = sum(len(a.generated) - n for a, n in self.before)
+        self.served.setdefault(key, deque(maxlen=SAMPLES)).append((gained, (now - mark) * 1e3))
+        self.served_at[key] = self.steps
+
+    def observe(self, active: list[ActiveSeq]) -> None:
+        """A step served: every verdict of its sequences, for the acceptance (each request's,
+        whichever method it names)."""
         for a in active:
             for name, drafted, accepted in a.verdicts:
                 if drafted:
                     kind = (name, a.constrained)
                     self.acceptance.setdefault(kind, Calibration()).observe(drafted, accepted)
-                    v, n = self.per_verify.get(kind, (0, 0))
-                    self.per_verify[kind] = (v + 1, n + accepted)
+                    d, n = self.per_draft.get(kind, (0, 0))
+                    self.per_draft[kind] = (d + drafted, n + accepted)
             a.verdicts.clear()
             if a.finished is not None:
                 self.sat_out.pop(a.req.request_id, None)
-        # Only a step of a run: the first steps after a switch deliver what the option before
-        # planned (a pipelined result comes back a step after it was sent, its drafts a step
-        # before that), and the first verify after none's steps holds no drafts.
-        if self.current is not None and self.streak[1] >= SETTLE:
-            key = (self.at, self.current)
-            gained = sum(len(a.generated) - n for a, n in self.before)
-            self.served.setdefault(key, deque(maxlen=SAMPLES)).append((gained, ms))
-            self.served_at[key] = self.steps
-            self.before = []
+        if all(a.finished is not None for a in active):
+            self.mark = None  # the loop may idle before its next step: no step's time

@@ -67,13 +67,16 @@ def served(
     """`steps` steps chosen, each choosing sequence gaining its option's `yields` (by option
     name), timed at `costs`. -> the options served"""
     out = []
+    now = [chooser.clock() if chooser.mark is not None else 0.0]
+    chooser.clock = lambda: now[0]
     for _ in range(steps):
         pick = chooser.choose(active, caps(), 3, 8, ladder=3)
         assert pick is not None
         out.append(str(pick))
         for a in active:
             a.generated += [0] * (yields[str(pick)] if a.method is pick.method else 1)
-        chooser.observe(active, costs[str(pick)])
+        chooser.observe(active)
+        now[0] += costs[str(pick)] / 1e3  # the step's time, read at the next choice
     return out
 
 
@@ -142,8 +145,7 @@ def test_a_sequence_whose_own_drafts_fall_sits_out_and_probes() -> None:
     for _ in range(OWN_SEEN):
         good.record_verify(3, 3)
         poor.record_verify(3, 0)
-    chooser.choose([], caps(), 3, 8)  # a step with no choosing sequence reads the verdicts
-    chooser.observe([good, poor], 1.0)
+    chooser.observe([good, poor])  # the verdicts read
     methods = []
     for _ in range(PROBE + 1):
         served(chooser, [good, poor], costs, 1)
