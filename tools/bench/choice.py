@@ -2,13 +2,13 @@
 `python -m tools.bench.choice`.
 
 Through both processes as a user runs them: a GPU service child with the checkpoint's DFlash
-drafter, a control plane child over it (its default method: the server's choice), and
-concurrent gRPC `Generate` calls. At each concurrency, rounds of requests naming each fixed
-method and requests naming none (`auto`), interleaved so that the machine's drift falls on all
-alike; greedy, a fixed token count; the first round warms both processes (and the choice's
-tables) and is not counted. Each arm's tok/s is the median over the rounds; every arm's texts
-must equal none's. Then 8 concurrent JSON-schema requests, none against the server's choice.
-`--load N` runs it all again beside N busy processes."""
+drafter, a control plane child over it, and concurrent gRPC `Generate` calls. At each
+concurrency, rounds of requests naming each fixed method and requests naming `auto`,
+interleaved so that the machine's drift falls on all alike; greedy, a fixed token count; the
+first round warms both processes (and the choice's measurements) and is not counted. Each
+arm's tok/s is the median over the rounds; every arm's texts must equal none's. Then 8
+concurrent JSON-schema requests, none against the server's choice. `--load N` runs it all
+again beside N busy processes."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ ARMS = {  # label -> the wire's method
     "none": pb.SPECULATIVE_METHOD_NONE,
     "mtp": pb.SPECULATIVE_METHOD_MTP,
     "dflash": pb.SPECULATIVE_METHOD_DFLASH,
-    "auto": pb.SPECULATIVE_METHOD_UNSPECIFIED,
+    "auto": pb.SPECULATIVE_METHOD_AUTO,
 }
 FIXED = ("none", "mtp", "dflash")
 SCHEMA = json.dumps(
