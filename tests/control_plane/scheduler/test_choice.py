@@ -22,10 +22,7 @@ from control_plane.scheduler.choice import (
     Option,
     bucket,
 )
-from control_plane.scheduler.env import Env
 from control_plane.scheduler.methods import BLOCK, HEAD, PLAIN
-from control_plane.scheduler.options import SchedulerOptions
-from control_plane.scheduler.scheduler import Scheduler
 from control_plane.scheduler.seq import ActiveSeq, GenRequest, ModelFacts
 from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.engine.facade import Engine
@@ -33,7 +30,7 @@ from gpu_service.model.config import DFLASH_VERIFY_TIERS, ServiceConfig
 from protos.defaults import DEFAULT_MODEL_DIR, DRAFTER_DIR
 from protos.model import DFLASH, MTP_HEAD
 from protos.params import AUTO, MTP, NONE
-from tests.collect import Outcome
+from tests.control_plane.scheduler.test_pipeline import serve
 from tests.fake_model import FakeModel
 from tools.bench.workload import Workload
 from tools.bench.workload import serve as serve_work
@@ -186,20 +183,6 @@ def cycling(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return seen
 
 
-def serve(engine: Engine, reqs: list[GenRequest], **opts) -> list[Outcome]:
-    s = Scheduler(lambda: engine, TOK, SchedulerOptions(**opts), Env())
-    outs = [Outcome() for _ in reqs]
-    for r, o in zip(reqs, outs, strict=True):
-        s.submit(r, o)
-    s.start()
-    try:
-        for o in outs:
-            assert o.done.wait(120), "a request did not finish"
-        return outs
-    finally:
-        s.stop()
-
-
 @pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "synchronous"])
 def test_with_a_block_drafter_greedy_output_equals_none_whatever_the_choice(
     monkeypatch: pytest.MonkeyPatch, pipeline: bool
@@ -226,10 +209,12 @@ def test_greedy_output_equals_none_whatever_the_choice(
 ) -> None:
     engine = Engine(tiny_dir, ServiceConfig(verify_tiers="8:3,8:2", max_context=256))
     prompts = [tuple(range(5 + i, 12 + 2 * i)) for i in range(5)]
-    plain = serve(engine, [GenRequest(f"n{i}", p, 30, method=NONE) for i, p in enumerate(prompts)])
+    plain = serve(
+        engine, [GenRequest(f"n{i}", p, 30, method=NONE) for i, p in enumerate(prompts)], True
+    )
     seen = cycling(monkeypatch)
     auto = [GenRequest(f"a{i}", p, 30, method=AUTO) for i, p in enumerate(prompts)]
-    chosen = serve(engine, auto, pipeline=pipeline)
+    chosen = serve(engine, auto, pipeline)
     for a, b in zip(plain, chosen, strict=True):
         assert a.tokens == b.tokens
     assert {"none", "mtp:1", "mtp:3"} <= set(seen), "the choice changed from step to step"
