@@ -139,8 +139,7 @@ class Pipeline:
         sequences, prompt-lookup copies, whether D-Cut cut, its width). While requests wait
         to join (`joining`), a plan carries one step: a plan runs whole."""
         num_drafts, plan_steps = ctx.opts.num_drafts, ctx.opts.plan_steps
-        ladder = ctx.rung.drafts_for(len(active), num_drafts)
-        ctx.chooser.choose(active, ctx.caps, num_drafts, ctx.opts.mtp_max_seqs, ladder)
+        ctx.chooser.choose(active, ctx.caps, num_drafts, ctx.opts.mtp_max_seqs)
         ahead = self.fits([a for a in active if runs_ahead(a, ctx)], ctx, num_drafts)
         rest = [a for a in active if not any(a is b for b in ahead)]
         if rest or (self.flights and not ahead):

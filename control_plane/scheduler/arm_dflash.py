@@ -47,11 +47,7 @@ def step_dflash(
     """Gamma from the resolver (it shadows the serve-wide count, or the block's drafts for
     `dflash` requests), clamped; the bootstrap; then the DFlash verify, batched where the
     group and the budget allow."""
-    chosen = ctx.chooser.width(BLOCKS)
-    if chosen is not None and any(a.chooses for a in active):
-        gamma = chosen
-    else:
-        gamma = ctx.dflash_rung.drafts_for(len(active), most_drafts(active, ctx, num_drafts))
+    gamma = ctx.dflash_rung.drafts_for(len(active), most_drafts(active, ctx, num_drafts))
     width = clamp_drafts_to_slot_capacity(gamma, (ctx.capacity(a.slot) for a in active))
     report = StepReport(ladder_nd=width, copied=[False] * len(active))
     boot, verify = split(active)

@@ -60,7 +60,7 @@ from control_plane.scheduler.bootstrap import (
     split,
 )
 from control_plane.scheduler.context import StepContext
-from control_plane.scheduler.methods import BLOCKS, HEADS, LOOKUP, MAX_COPY, Method, method
+from control_plane.scheduler.methods import BLOCKS, LOOKUP, MAX_COPY, Method, method
 from control_plane.scheduler.metrics import REPLICA_ATTRIBUTE
 from control_plane.scheduler.seq import ActiveSeq
 from control_plane.scheduler.verdict import verify_and_settle
@@ -165,14 +165,12 @@ def _arm(a: ActiveSeq, ctx: StepContext) -> str:
 
 
 def step_width(active: list[ActiveSeq], ctx: StepContext, num_drafts: int) -> int:
-    """The step's drafts: 0 past `--mtp-max-seqs`; else, where sequences leave the method to
-    the server, the chooser's width; else the cost model's depth, or the rung's; never past
+    """The step's drafts: 0 past `--mtp-max-seqs`; else the cost model's depth, or the
+    rung's, whichever method chose the chain (a request, or the server's choice); never past
     the smallest verify-slot capacity."""
-    n, chosen = len(active), ctx.chooser.width(HEADS)
+    n = len(active)
     if n > ctx.opts.mtp_max_seqs or num_drafts <= 0:
         nd = 0
-    elif chosen is not None and any(a.chooses for a in active):
-        nd = chosen
     elif ctx.costs is not None and not ctx.opts.fixed_width:
         nd = _measured_width(n, ctx, num_drafts)
     else:

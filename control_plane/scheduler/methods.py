@@ -71,10 +71,6 @@ class Method:
         """The most drafts one of its steps may verify on this service."""
         return max(caps.slot_verify_drafts)
 
-    def widths(self, caps: Capabilities, num_drafts: int) -> list[int]:
-        """The widths the server's choice weighs for it (`--num-drafts` the most)."""
-        return list(range(1, min(num_drafts, self.most_drafts(caps)) + 1)) if self.drafts else []
-
     def refusal(self, caps: Capabilities) -> str | None:
         """Why a service with `caps` cannot serve it (None: it can)."""
         if self.ready(caps.drafters):
@@ -112,12 +108,6 @@ class Block(Method):
 
     def most_drafts(self, caps: Capabilities) -> int:
         return min(super().most_drafts(caps), max(caps.dflash_block - 1, 0))
-
-    def widths(self, caps: Capabilities, num_drafts: int) -> list[int]:
-        """A block costs one forward whatever it keeps: a few widths up to the whole block's
-        (`--num-drafts` 0 still turns drafting off)."""
-        most = self.most_drafts(caps) if num_drafts else 0
-        return sorted({w for w in (2, 4, 8, most) if 1 <= w <= most})
 
     def refusal(self, caps: Capabilities) -> str | None:
         if self.ready(caps.drafters):

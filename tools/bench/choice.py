@@ -107,7 +107,7 @@ def _rows(stub, work: Workload, n: int, tokens: int, repeats: int, arms: dict) -
 def _schema_rows(stub, work: Workload, tokens: int, repeats: int) -> list[dict]:
     fmt = pb.ResponseFormat(json_schema=SCHEMA)
     prompts = [work.prompts[i % len(work.prompts)] for i in range(SCHEMA_REQUESTS)]
-    runs: dict[str, list[dict]] = {"none": [], "auto": []}
+    runs: dict[str, list[dict]] = {"none": [], "mtp": [], "auto": []}
     for counted in [False] + [True] * repeats:
         for label in runs:
             got = _round(stub, prompts, ARMS[label], tokens, fmt)

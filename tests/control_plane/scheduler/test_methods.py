@@ -97,8 +97,8 @@ def test_each_method_answers_for_itself() -> None:
     assert LOOKUP.copies and not HEAD.copies
     assert HEAD.room(125, 3, caps) and not HEAD.room(127, 3, caps)
     assert BLOCK.room(112, 3, caps) and not BLOCK.room(113, 3, caps), "a whole block's room"
-    assert BLOCK.most_drafts(caps) == 3 and BLOCK.widths(caps, 1) == [2, 3]
-    assert HEAD.widths(caps, 2) == [1, 2] and PLAIN.widths(caps, 3) == []
+    assert HEAD.most_drafts(caps) == BLOCK.most_drafts(caps) == 3, "within the slots"
+    assert BLOCK.most_drafts(Capabilities(**{**caps.__dict__, "dflash_block": 3})) == 2
     no_block = Capabilities(**{**caps.__dict__, "dflash_block": 0})
     assert BLOCK.refusal(caps) is None and "DFlash drafter" in (BLOCK.refusal(no_block) or "")
     with pytest.raises(ValueError, match="'x' is unknown; use one of none, mtp"):
