@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import shutil
 import threading
 import types
 import warnings
+from collections import deque
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -134,28 +134,14 @@ def compile_run(run: Run) -> Run:
     return replay
 
 
-def summary(built: list[tuple[tuple, float]], cache: str) -> str:
-    """The start-up line: what was compiled, in how long, where the cache is."""
-    parts = []
-    for kind, what, unit in (("verify", "the verify", "rows"), ("chain", "the chain", "drafts")):
-        keys = [k for k, _ in built if k[1] == kind]
-        if keys:
-            span, bucket = _span(sorted(k[3] for k in keys)), keys[0][2]
-            parts.append(f"{what} of {span} {unit} per sequence for {_count(bucket)}")
-    seconds = sum(t for _, t in built)
+def queued(keys: int, cache: str) -> str:
+    """The start-up line of a service that compiles in the background."""
     return (
-        f"gpu-service compiled the step for the CPU: {' and '.join(parts)}, in {seconds:.1f} s "
-        f"(the same at longer key lengths compile in the background from now on, other buckets "
-        f"there once a call needs them); cache {cache or cache_dir()}"
+        f"gpu-service serves now and compiles the step for the CPU in the background: {keys} "
+        f"graphs queued (one request's verify and chain at each key length, then those calls "
+        f"ask for first); a call whose graph is not built yet runs the eager forward; cache "
+        f"{cache or cache_dir()}"
     )
-
-
-def _count(sequences: int) -> str:
-    return "one sequence" if sequences == 1 else f"{sequences} sequences"
-
-
-def _span(values: list[int]) -> str:
-    return str(values[0]) if len(values) == 1 else f"{values[0]} to {values[-1]}"
 
 
 class Later:
@@ -174,22 +160,27 @@ class Later:
 
     def __init__(self) -> None:
         self.pending: set[tuple] = set()
-        self._jobs: queue.Queue[tuple[tuple, Callable[[], object]]] = queue.Queue()
+        self._jobs: deque[tuple[tuple, Callable[[], object]]] = deque()
         self._thread: threading.Thread | None = None
         self._idle = threading.Condition()
 
-    def submit(self, key: tuple, build: Callable[[], object]) -> None:
-        """`build` run on the thread unless `key` is pending already."""
+    def submit(self, key: tuple, build: Callable[[], object], first: bool = False) -> None:
+        """`build` run on the thread unless `key` is pending already; `first`: before the keys
+        queued (a call asked for it: the likeliest to be asked again), else after them."""
         with self._idle:
             if key in self.pending:
+                if first and (job := next((j for j in self._jobs if j[0] == key), None)):
+                    self._jobs.remove(job)
+                    self._jobs.appendleft(job)
                 return
             self.pending.add(key)
-        with Later._count:
-            Later.in_flight += 1
-        self._jobs.put((key, build))
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._work, name="compile", daemon=True)
-            self._thread.start()
+            with Later._count:
+                Later.in_flight += 1
+            (self._jobs.appendleft if first else self._jobs.append)((key, build))
+            self._idle.notify_all()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name="compile", daemon=True)
+                self._thread.start()
 
     def settle(self, key: tuple | None = None) -> None:
         """Until `key` (None: every key) is no longer pending."""
@@ -202,7 +193,9 @@ class Later:
         import torch
 
         while True:
-            key, build = self._jobs.get()
+            with self._idle:
+                self._idle.wait_for(lambda: bool(self._jobs))
+                key, build = self._jobs.popleft()
             try:
                 # As the engine's operations run: a graph traced outside inference mode would
                 # write inference tensors (the state) in place, which torch refuses.

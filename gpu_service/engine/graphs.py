@@ -168,16 +168,21 @@ class Graphs:
         return len(self.graphs)
 
     def _get(self, key: tuple, capture: Callable[[], _Graph]) -> _Graph | None:
-        """The graph of `key`, captured on first use; None (the call runs eagerly) for a key
-        whose capture failed, which is kept in `failed` with its error and never tried again:
-        a forward a device cannot capture costs the launches it would have saved, never the
-        request."""
-        if self.later is not None:
-            self.later.settle(key)  # a key compiling in the background: its build, not another
+        """The graph of `key`, captured on first use (compiled: queued to the background, the
+        call eager meanwhile); None (the call runs eagerly) for a key whose capture failed,
+        which is kept in `failed` with its error and never tried again: a forward a device
+        cannot capture costs the launches it would have saved, never the request."""
         if key in self.failed:
             self.fallbacks += 1
             return None
-        graph = self.graphs.get(key) or self._built(key, capture)
+        graph = self.graphs.get(key)
+        if graph is None and self.later is not None:
+            # Compiled in the background: never on a call's path, nor waited for (a cold key
+            # costs tens of seconds); the call runs eagerly meanwhile.
+            self.later.submit(key, functools.partial(self._built, key, capture), first=True)
+            self.fallbacks += 1
+            return None
+        graph = graph or self._built(key, capture)
         if graph is None:
             self.fallbacks += 1
         return graph
@@ -197,7 +202,7 @@ class Graphs:
             return 0
         part = max((b for b in sizes if b < key[2] and _at(key, b) in self.graphs), default=0)
         if part:
-            self.later.submit(key, lambda: self._built(key, capture))
+            self.later.submit(key, lambda: self._built(key, capture), first=True)
         return part
 
     @property
@@ -404,40 +409,44 @@ class Graphs:
 
     def warm(self, drafts: int, chain: bool) -> list[tuple[tuple, float]]:
         """The smallest bucket's verify of 1 to `drafts` + 1 rows and (with `chain`) chain of 1
-        to `drafts` drafts, at the first key length, built now -> (key, seconds) of each built:
-        what one request's steps replay until its context passes the first key length (a key
-        that fails is kept in `failed`, its calls eager). With `later`, the same keys at every
-        longer key length are queued to the background: a context growing past a key length
-        then finds its keys built, or waits for the one compiling, not a whole cold compile."""
+        to `drafts` drafts, at every key length: what one request's steps replay as its context
+        grows. With `later`, all queued to the background, the first key length's first, the
+        rows and drafts a step most often runs first within it, and nothing built now: the
+        service serves at once, eagerly until a call's key is built. Without, the first key
+        length's built now -> (key, seconds) of each built (a key that fails is kept in
+        `failed`, its calls eager)."""
         lengths = [key_bucket(1, self.max_context, *self.key_steps)]
         while lengths[-1] < self.max_context:
             lengths.append(key_bucket(lengths[-1] + 1, self.max_context, *self.key_steps))
+        if self.later is not None:
+            for keys in lengths:
+                for key, capture in self._smallest(drafts, chain, keys):
+                    if key not in self.graphs and key not in self.failed:
+                        self.later.submit(key, functools.partial(self._built, key, capture))
+            return []
         out = []
         for key, capture in self._smallest(drafts, chain, lengths[0]):
             if key not in self.graphs and key not in self.failed:
                 start = time.perf_counter()
                 if self._get(key, capture) is not None:
                     out.append((key, time.perf_counter() - start))
-        if self.later is not None:
-            for keys in lengths[1:]:
-                for key, capture in self._smallest(drafts, chain, keys):
-                    if key not in self.graphs and key not in self.failed:
-                        self.later.submit(key, functools.partial(self._built, key, capture))
         return out
 
     def _smallest(
         self, drafts: int, chain: bool, keys: int
     ) -> list[tuple[tuple, Callable[[], _Graph]]]:
-        """(key, capture) of `warm`'s keys at key length `keys`."""
-        b, name = self.verify_sizes[0], self.model.ops.name
+        """(key, capture) of `warm`'s keys at key length `keys`, in the order a request's
+        steps first ask them: the verify of a full chain's rows and the chain of its drafts,
+        the bootstrap's verify of one row, then the shorter verifies and chains."""
+        vb, cb, name = self.verify_sizes[0], self.sizes[0], self.model.ops.name
         jobs: list[tuple[tuple, Callable[[], _Graph]]] = []
-        for k in range(1, drafts + 2):
-            key: tuple = (name, "verify", b, k, keys, False)
-            jobs.append((key, functools.partial(self._capture_verify, key, b, k, keys, False)))
-        b = self.sizes[0]
-        for d in range(1, drafts + 1) if chain else ():
-            key = (name, "chain", b, d, keys)
-            jobs.append((key, functools.partial(self._capture_chain, key, b, d, keys)))
+        for k in dict.fromkeys([drafts + 1, 1, *range(drafts, 1, -1)]):
+            key: tuple = (name, "verify", vb, k, keys, False)
+            jobs.append((key, functools.partial(self._capture_verify, key, vb, k, keys, False)))
+            d = drafts if k == drafts + 1 else k - 1 if k > 1 else 0
+            if chain and d >= 1 and k != 1:
+                key = (name, "chain", cb, d, keys)
+                jobs.append((key, functools.partial(self._capture_chain, key, cb, d, keys)))
         return jobs
 
 

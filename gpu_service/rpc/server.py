@@ -155,7 +155,8 @@ def _serving_lines(
 
 def _step_lines(engine: Engine, svc: ServiceConfig, why: str, device: torch.device) -> list[str]:
     """What the start-up says of the step: the keys that would not compile (the first reason
-    stands for all: they are one forward's), what compiled, or why the CPU's runs eagerly."""
+    stands for all: they are one forward's), what compiles in the background, or why the
+    CPU's step runs eagerly."""
     lines = []
     graphs = engine.choice.graphs if isinstance(engine, Engine) else None
     if graphs is not None and graphs.failed:
@@ -164,8 +165,8 @@ def _step_lines(engine: Engine, svc: ServiceConfig, why: str, device: torch.devi
             f"gpu-service could not compile {len(graphs.failed)} step graphs, which run "
             f"eagerly: {reason}"
         )
-    if isinstance(engine, Engine) and engine.compiled_at_start:
-        lines.append(compiled.summary(engine.compiled_at_start, svc.compile_cache))
+    if graphs is not None and graphs.compiled:
+        lines.append(compiled.queued(graphs.pending, svc.compile_cache))
     elif device.type == "cpu":
         lines.append(f"gpu-service runs the step eagerly: {why}")
     return lines

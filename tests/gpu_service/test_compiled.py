@@ -4,6 +4,7 @@ serial forwards replaying the compiled graphs (compiled against compiled-serial)
 
 from __future__ import annotations
 
+import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -103,37 +104,53 @@ def _greedy(engine: Engine, n: int, rounds: int) -> list[StepResult]:
 
 
 @pytest.mark.slow
-def test_the_start_up_compiles_one_requests_steps(engines: tuple[Engine, Engine]) -> None:
-    _, engine = engines
-    keys = [k for k, _ in engine.compiled_at_start]
-    assert keys == [
+def test_the_service_serves_at_once_the_same_tokens_before_and_after_its_compiles(
+    engines: tuple[Engine, Engine],
+) -> None:
+    """Nothing is compiled before the first call: one request's keys are queued, the likeliest
+    first, and calls run eagerly until theirs are built; greedy tokens are the eager
+    forward's before the compiles finish and after, when no call runs eagerly."""
+    eager, engine = engines
+    graphs = engine.choice.graphs
+    assert graphs is not None and graphs.later is not None
+    assert engine.compiled_at_start == [] and engine.capabilities().compiles_pending > 0
+    line = compiled.queued(graphs.pending, engine.svc.compile_cache)
+    assert "serves now and compiles the step for the CPU in the background" in line
+    want = {n: [(r.argmax, r.accepted) for r in _greedy(eager, n, 6)] for n in (1, 3)}
+    for n in (1, 3):
+        assert [(r.argmax, r.accepted) for r in _greedy(engine, n, 6)] == want[n]
+    assert graphs.fallbacks > 0, "the calls ran eagerly while their keys compiled"
+    graphs.later.settle()
+    before = graphs.fallbacks
+    for n in (1, 3):
+        got = _greedy(engine, n, 6)
+        assert [(r.argmax, r.accepted) for r in got] == want[n]
+        assert any(sum(r.accepted) for r in got[1:]), "drafts stood"
+    graphs.later.settle()
+    assert graphs.fallbacks == before, "every call a replay once its keys were built"
+    # One request's 5, and the verify of 1 and 2 rows in the bucket of 4 that 3 sequences
+    # take, queued by their calls.
+    keys = set(graphs.graphs)
+    assert {
         *(("eager", "verify", 1, k, 256, False) for k in (1, 2, 3)),
         *(("eager", "chain", 4, d, 256) for d in (1, 2)),
-    ]
-    line = compiled.summary(engine.compiled_at_start, engine.svc.compile_cache)
-    assert (
-        "the verify of 1 to 3 rows per sequence for one sequence and the chain of 1 to 2 drafts "
-        "per sequence for 4 sequences" in line
-    )
+    } <= keys
+    assert graphs.captures == 7 and not graphs.failed
     assert engine.capabilities().compiled and engine.capabilities().graphs
 
 
-@pytest.mark.slow
-def test_greedy_tokens_equal_the_eager_forwards_with_no_fallback(
-    engines: tuple[Engine, Engine],
-) -> None:
-    eager, engine = engines
-    graphs = engine.choice.graphs
-    assert graphs is not None
-    for n in (1, 3):
-        want, got = _greedy(eager, n, 6), _greedy(engine, n, 6)
-        assert [(r.argmax, r.accepted) for r in got] == [(r.argmax, r.accepted) for r in want]
-        assert any(sum(r.accepted) for r in got[1:]), "drafts stood"
-    # The start-up's 5, and the verify of 1 and 2 rows in the bucket of 4 that 3 sequences take,
-    # built in the background while buckets of 1 stood in.
-    assert graphs.later is not None
-    graphs.later.settle()
-    assert graphs.fallbacks == 0 and graphs.captures == 7 and not graphs.failed
+def test_one_requests_keys_are_queued_in_the_order_its_steps_ask_them() -> None:
+    later, order = compiled.Later(), []
+    gate = threading.Event()
+    later.submit(("first",), gate.wait)  # holds the thread while the rest are queued
+    for key in ("a", "b", "c"):
+        later.submit((key,), lambda key=key: order.append(key))
+    later.submit(("b",), lambda: order.append("b twice"), first=True)
+    later.submit(("asked",), lambda: order.append("asked"), first=True)
+    gate.set()
+    later.settle()
+    assert order == ["asked", "b", "a", "c"], "a call's key first, then the queue in turn"
+    assert compiled.Later.in_flight == 0
 
 
 @pytest.mark.slow
@@ -145,9 +162,10 @@ def test_a_new_bucket_compiles_in_the_background(engines: tuple[Engine, Engine])
     graphs = engine.choice.graphs
     assert graphs is not None and graphs.later is not None
     graphs.later.settle()
+    before = graphs.fallbacks
     got, want = _greedy(engine, 6, 3), _greedy(eager, 6, 3)
     assert [(r.argmax, r.accepted) for r in got] == [(r.argmax, r.accepted) for r in want]
-    assert graphs.fallbacks == 0
+    assert graphs.fallbacks == before
     graphs.later.settle()
     assert engine.capabilities().compiles_pending == 0
     built = {k[1:4] for k in graphs.graphs}
@@ -185,6 +203,7 @@ def test_the_diff_compares_compiled_against_compiled_serial(
     assert graphs is not None and graphs.later is not None
     graphs.later.settle()
     graphs.later = None  # as `met circuit diff --compile`: each bucket's own graph
+    before = graphs.fallbacks  # the calls that ran eagerly while their keys compiled
     args = build_parser().parse_args(
         ["circuit", "diff", "--verify-batch", "--mtp", "--widths", "2,5", "--ks", "2,3"]
         + ["--steps", "3", "--num-drafts", "2"]
@@ -192,5 +211,4 @@ def test_the_diff_compares_compiled_against_compiled_serial(
     report = run_diff(engine, args)
     assert report["graphs"] == "compiled"
     assert report["verdict"] == "PASS", report["reasons"]
-    graphs = engine.choice.graphs
-    assert graphs is not None and graphs.fallbacks == 0
+    assert engine.choice.graphs is graphs and graphs.fallbacks == before

@@ -5,6 +5,7 @@ the capture, which only a CUDA device has."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -190,7 +191,8 @@ def test_a_capture_that_fails_falls_back_for_good(tiny_dir: Path) -> None:
 def test_a_compiled_key_builds_in_the_background_while_a_smaller_bucket_stands_in(
     tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The compiled path's scheduling, `replay_eagerly` standing in for the compiler: once one
+    """The compiled path's scheduling, `replay_eagerly` standing in for the compiler: a call
+    whose key is not built runs eagerly and queues it, never building it on its path; once one
     sequence's keys are built, five sequences replay them in parts (never eagerly) while their
     own buckets build in the background; once a build has failed, its calls run the eager
     forward. Every step's bytes equal the eager engine's."""
@@ -198,10 +200,16 @@ def test_a_compiled_key_builds_in_the_background_while_a_smaller_bucket_stands_i
     graphed.use_graphs(replay_eagerly, compiled=True)
     g = graphed.choice.graphs
     assert g is not None and g.later is not None
+    gate = threading.Event()
+    g.later.submit(("held",), gate.wait)  # the background busy: nothing is built meanwhile
     assert _steps(eager, 1, 3, 2) == _steps(graphed, 1, 3, 2)
+    assert not g.graphs and g.fallbacks > 0, "the calls ran eagerly, their keys queued"
+    gate.set()
+    g.later.settle()
     assert {k[1:3] for k in g.graphs} == {("verify", 1), ("chain", 4)}
+    before = g.fallbacks
     assert _steps(eager, 5, 3, 3) == _steps(graphed, 5, 3, 3)
-    assert g.fallbacks == 0
+    assert g.fallbacks == before
     g.later.settle()
     assert {("verify", 8), ("chain", 8)} <= {k[1:3] for k in g.graphs}
     assert graphed.capabilities().compiles_pending == 0
@@ -225,15 +233,20 @@ def test_a_compiled_key_builds_in_the_background_while_a_smaller_bucket_stands_i
 
 
 def test_the_start_up_queues_its_keys_at_every_longer_key_length(tiny_dir: Path) -> None:
-    """Built now at the first key length, queued to the background at the others (fourfold from
-    256 to the context), so a growing context finds them built."""
+    """Nothing built now: queued to the background at every key length (fourfold from 256 to
+    the context), the first's first, so a growing context finds them built."""
     engine = Engine(tiny_dir, ServiceConfig(verify_tiers="8:2", max_context=2048))
     engine.use_graphs(replay_eagerly, compiled=True)
     g = engine.choice.graphs
     assert g is not None and g.later is not None
+    gate = threading.Event()
+    g.later.submit(("held",), gate.wait)
     with torch.inference_mode():
-        built = g.warm(2, True)
-    assert {k[4] for k, _ in built} == {256}
+        assert g.warm(2, True) == []
+    queued = [key for key, _ in g.later._jobs]
+    assert [k[4] for k in queued] == [256] * 5 + [1024] * 5 + [2048] * 5
+    assert [k[1:4] for k in queued[:3]] == [("verify", 1, 3), ("chain", 4, 2), ("verify", 1, 1)]
+    gate.set()
     g.later.settle()
     at = {length: {k[1:4] for k in g.graphs if k[4] == length} for length in (256, 1024, 2048)}
     assert (
