@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from protos.params import DFLASH, MTP, NONE, PROMPT_LOOKUP
+from tools.bench.breakdown import lines as breakdown_lines
 from tools.bench.choice import lines as choice_lines
 from tools.bench.depth import depth_lines, depth_table
 from tools.bench.methods import MTP_AUTO
@@ -58,6 +59,8 @@ def markdown(report: dict) -> str:
     out += ["", *(f"- {line}" for line in figure_lines(report))]
     if "choice" in report:
         out += ["", "```", *choice_lines(report["choice"]), "```"]
+    if "breakdown" in report:
+        out += ["", "```", *breakdown_lines(report["breakdown"]), "```"]
     out += depth_table(report.get("depth"))
     out += prefix_table(report.get("prefix_cache"))
     out += _replicas_table(report.get("replicas", []))
@@ -352,6 +355,22 @@ def draw_chart(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _traced_lines(report: dict) -> list[str]:
+    """What the spans of both processes said: tracing's cost, a step's breakdown."""
+    out = []
+    if "tracing" in report:
+        t = report["tracing"]
+        out.append(
+            f"tracing at {t['concurrency']}: {t['disabled_tok_s']:.1f} tok/s off, "
+            f"{t['exported_tok_s']:.1f} exported ({t['spans']} spans)"
+        )
+        out.append(overlap_line(t["overlap"]))
+    if "breakdown" in report:
+        out.append("a step's time through both processes, mtp, greedy:")
+        out += breakdown_lines(report["breakdown"])
+    return out
+
+
 def print_table(report: dict) -> None:
     """The report as lines on stdout; each failure on stderr."""
     print(f"model {report['model']}")
@@ -383,13 +402,8 @@ def print_table(report: dict) -> None:
         f"verify buffers: {m['tiered_bytes'] / 2**20:.1f} MiB with tiers {m['tiers']}, "
         f"{m['full_capacity_bytes'] / 2**20:.1f} MiB at full capacity"
     )
-    if "tracing" in report:
-        t = report["tracing"]
-        print(
-            f"tracing at {t['concurrency']}: {t['disabled_tok_s']:.1f} tok/s off, "
-            f"{t['exported_tok_s']:.1f} exported ({t['spans']} spans)"
-        )
-        print(overlap_line(t["overlap"]))
+    if traced := _traced_lines(report):
+        print("\n".join(traced))
     if report.get("transformers_generate"):
         t = report["transformers_generate"]
         print(

@@ -52,6 +52,7 @@ from tools.bench.baseline import (
     grpc_against_transformers,
     transformers_baselines,
 )
+from tools.bench.breakdown import breakdown
 from tools.bench.choice import choice, choice_failures
 from tools.bench.depth import depth
 from tools.bench.methods import batch_vs_serial, batched_over_serial, methods
@@ -151,10 +152,16 @@ def _measure(args: argparse.Namespace) -> dict:
     report["prefix_cache"] = prefix(args.model, work, QUICK if quick else Sizes())
     failures += report["prefix_cache"]["failures"]
     if not quick:
-        report["tracing"] = tracing(4, tokens)
+        report.update(traced(tokens))
     failures += _many_services(args, work, tokens, repeats, report)
     report["failures"] = failures
     return report
+
+
+def traced(tokens: int) -> dict:
+    """The sections read from both processes' spans: what tracing costs, and where a step's
+    time goes."""
+    return {"tracing": tracing(4, tokens), "breakdown": breakdown([1, 16], tokens, 3)}
 
 
 def _many_services(
