@@ -3,6 +3,7 @@ A `config.json` is read as transformers reads it (`gpu_service/model/hf_config.p
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import asdict, dataclass, replace
@@ -319,6 +320,14 @@ def read_json(path: Path) -> dict:
     return body
 
 
+@functools.cache
+def _slot_drafts(spec: str, slots: int | None) -> tuple[int, ...]:
+    """Each slot's verify capacity: the tiers', the last one's past them (`slots`: how many;
+    None: the tiers' own count). Cached: a step asks it of every sequence it verifies."""
+    tiers = parse_tiers(spec)
+    return tiers if slots is None else tiers[:slots] + tiers[-1:] * (slots - len(tiers))
+
+
 def parse_tiers(spec: str) -> tuple[int, ...]:
     """`"8:3,8:2,16:1"` -> per-slot verify capacity in drafts: (3,)*8 + (2,)*8 + (1,)*16."""
     pairs = checks.parse_pairs(spec, "verify tier", "SLOTS", "DRAFTS")
@@ -365,10 +374,7 @@ class ServiceConfig:
 
     @property
     def slot_verify_drafts(self) -> tuple[int, ...]:
-        tiers, n = parse_tiers(self.verify_tiers), self.num_slots_override
-        if n is None:
-            return tiers
-        return tiers[:n] + tiers[-1:] * (n - len(tiers))
+        return _slot_drafts(self.verify_tiers, self.num_slots_override)
 
     @property
     def num_slots(self) -> int:
