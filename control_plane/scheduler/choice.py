@@ -111,7 +111,8 @@ class Chooser:
     sat_out: dict[str, int] = field(default_factory=dict)  # request id -> step it sat out from
     incumbent: dict[Shape, Option] = field(default_factory=dict)  # each shape's option
     measured: dict[tuple[Shape, Option], int] = field(default_factory=dict)  # samples, ever
-    # Each option's last run's first step at a shape (None: any option's).
+    shape_steps: dict[Shape, int] = field(default_factory=dict)  # steps served at each shape
+    # Each option's last run's first step at a shape, in its steps (None: any option's).
     explored_at: dict[tuple[Shape, Option | None], int] = field(default_factory=dict)
     waits: dict[tuple[Shape, Option], int] = field(default_factory=dict)  # steps between runs
     # An option run until measured: its shape, its samples and the step when it began.
@@ -151,6 +152,7 @@ class Chooser:
             return None
         self.steps += 1
         self.at = (bucket(len(active)), any(a.constrained for a in active))
+        self.shape_steps[self.at] = self._here() + 1
         pick = self._pick(self.options(caps, num_drafts, len(active), most), choosing)
         self.current, self.before = pick, [(a, len(a.generated)) for a in choosing]
         key, run = self.streak
@@ -195,9 +197,10 @@ class Chooser:
             o = self.incumbent[(near, grammar)]
             if o not in options:
                 continue
+            since = self.shape_steps.get((near, grammar), 0)
             for x in options:
                 if (at := self.explored_at.get(((near, grammar), x))) is not None:
-                    self.explored_at[(self.at, x)] = at
+                    self.explored_at[(self.at, x)] = self._here() - (since - at)
                     self.waits[(self.at, x)] = self.waits.get(((near, grammar), x), EXPLORE)
             return o
         return Option(HEAD) if Option(HEAD) in options else NONE_OPTION
@@ -210,15 +213,15 @@ class Chooser:
 
         def overdue(o: Option) -> int:
             at = self.explored_at.get((self.at, o))
-            return 1 << 30 if at is None else self.steps - at - self.waits.get((self.at, o), 0)
+            return 1 << 30 if at is None else self._here() - at - self.waits.get((self.at, o), 0)
 
         due = max(others, key=overdue, default=None)
         if due is None or overdue(due) < 0:
             return None
         last = self.explored_at.get((self.at, None), -EXPLORE)
-        if overdue(due) < 1 << 30 and self.steps - last < EXPLORE // 2:
+        if overdue(due) < 1 << 30 and self._here() - last < EXPLORE // 2:
             return None  # two measured options' runs half EXPLORE apart at least
-        self.explored_at[(self.at, due)] = self.explored_at[(self.at, None)] = self.steps
+        self.explored_at[(self.at, due)] = self.explored_at[(self.at, None)] = self._here()
         self.exploring = (self.at, due, self._seen(due), self.steps)
         return due
 
@@ -230,6 +233,11 @@ class Chooser:
         mine, theirs = self._delivered(shape, o), self._delivered(shape, incumbent)
         worse = mine is not None and theirs is not None and mine < (1 - MARGIN) * theirs
         self.waits[key] = min(wait * 2, EXPLORE * BACKOFF) if worse else EXPLORE
+
+    def _here(self) -> int:
+        """Steps served at the step's shape: what an option's wait counts, so that a shape
+        seldom reached is explored no more often, step for step, than a busy one."""
+        return self.shape_steps.get(self.at, 0)
 
     def _own(self, o: Option) -> int:
         return len(self.served.get((self.at, o), ()))
