@@ -10,6 +10,7 @@ from protos.params import DFLASH, MTP, NONE, PROMPT_LOOKUP
 from tools.bench.breakdown import lines as breakdown_lines
 from tools.bench.choice import lines as choice_lines
 from tools.bench.depth import depth_lines, depth_table
+from tools.bench.llama_cpp import lines as llama_lines
 from tools.bench.methods import MTP_AUTO
 from tools.bench.prefix import prefix_lines, prefix_table
 
@@ -368,6 +369,9 @@ def _traced_lines(report: dict) -> list[str]:
     if "breakdown" in report:
         out.append("a step's time through both processes, mtp, greedy:")
         out += breakdown_lines(report["breakdown"])
+    if "llama_cpp" in report:
+        out.append("against llama.cpp's llama-server on the same checkpoint, one thread each:")
+        out += llama_lines(report["llama_cpp"])
     return out
 
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -46,6 +47,7 @@ from unittest import mock
 from control_plane.scheduler.widths import cost_widths
 from protos.defaults import DEFAULT_MODEL_DIR, DRAFTER_DIR
 from protos.hub import model_path
+from tools.bench import llama_cpp
 from tools.bench.baseline import (
     against_transformers,
     batch_against_transformers,
@@ -167,8 +169,8 @@ def traced(tokens: int) -> dict:
 def _many_services(
     args: argparse.Namespace, work: Workload, tokens: int, repeats: int, report: dict
 ) -> list[str]:
-    """The sections over several GPU services (`--replicas`, `--tensor-parallel`), into
-    `report`. -> their failures"""
+    """The sections over several servers (`--replicas`, `--tensor-parallel`, llama.cpp's
+    with `--gguf`), into `report`. -> their failures"""
     quick, failures = args.quick, []
     if args.replicas:
         rows = replicas(
@@ -190,6 +192,12 @@ def _many_services(
             for r in rows
             if not r["identical"]
         ]
+    if args.gguf is not None:
+        if shutil.which(llama_cpp.BINARY) is None:
+            failures.append(f"--gguf: no {llama_cpp.BINARY} on the PATH to serve it")
+        else:
+            at = [1] if quick else [1, 16]
+            report["llama_cpp"] = llama_cpp.compare(args.gguf, at, tokens, 1 if quick else 6)
     return failures
 
 
@@ -245,6 +253,14 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="PATH",
         help="a DFlash drafter for the dflash method (default: MODEL/dflash when it exists)",
+    )
+    parser.add_argument(
+        "--gguf",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="also measure llama.cpp's llama-server (on the PATH) on this GGUF of the model "
+        "(README, 'Against llama.cpp'; default: not measured)",
     )
     parser.add_argument("--out", type=Path, default=None, help="write the JSON report here")
     parser.add_argument(
