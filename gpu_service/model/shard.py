@@ -16,6 +16,12 @@ alone: what the loader reads, what the plan counts and what the tests check.
   routed rows, whose counts follow the batch.
 - Embedding and LM head vocab-parallel: rank r holds ids [r * ceil(V / N), (r + 1) * ...).
 - Everything else (norms, the router, the shared expert's gate, the MTP head's `fc`) replicated.
+- A block-FP8 weight is split as its bf16 twin, and its `weight_scale_inv` by the 128 x 128
+  blocks its rows or columns fall in (`scale_part`): a rank's rows and columns must be whole
+  blocks (`check_blocks`), so that its part is an ordinary FP8 weight of the rank's config with
+  scales of its own, and a row-parallel rank quantizes its activations in the 128 columns one
+  device would. The routed experts' FP8 share runs as the bf16 one: the same routing on every
+  rank, each rank's partial sum in expert order, the ranks' partials added in rank order.
 
 A rank's tensors keep the checkpoint's layout for its own, smaller config (`rank_config`), so the
 packing that follows does not know it is sharded.
@@ -23,9 +29,12 @@ packing that follows does not know it is sharded.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 
 from gpu_service.model.config import ModelConfig
+from gpu_service.tp import SIZES
+from kernels.fp8.format import BLOCK
 
 
 @dataclass(frozen=True)
@@ -66,11 +75,6 @@ def check(cfg: ModelConfig, size: int) -> None:
         raise ValueError(f"--tensor-parallel-size is {size}; it must be at least 1")
     if size == 1:
         return
-    if cfg.quantization is not None:
-        raise ValueError(
-            f"the checkpoint is {cfg.quantization.name}; tensor parallelism serves unquantized "
-            "checkpoints (a 128-wide scale block would be cut between ranks)"
-        )
     _split(cfg.num_attention_heads, size, "num_attention_heads")
     _split(cfg.linear_num_value_heads, size, "linear_num_value_heads")
     _split(cfg.intermediate_size, size, "intermediate_size")
@@ -228,3 +232,75 @@ def runs(indices: list[int]) -> list[tuple[int, int]]:
         else:
             out.append((i, i + 1))
     return out
+
+
+def scale_part(
+    cfg: ModelConfig, shard: Shard, name: str, shape: tuple[int, ...]
+) -> tuple[int, list[int]] | None:
+    """What rank `shard.rank` holds of the `weight_scale_inv` of FP8 weight `name` [out, in]:
+    the blocks its rows or columns (`part`) fall in, whole where `check_blocks` passed."""
+    spec = part(cfg, shard, name, shape)
+    if spec is None:
+        return None
+    dim, indices = spec
+    return dim, list(dict.fromkeys(i // BLOCK for i in indices))
+
+
+def _cut(indices: list[int], total: int) -> tuple[int, int] | None:
+    """The first run of `indices` (of `total`) that does not start and end on a block edge, as
+    [start, stop); only the tensor's own short last block may end a rank's last run."""
+    spans = runs(indices)
+    for n, (start, stop) in enumerate(spans):
+        last = stop == total and n == len(spans) - 1
+        if start % BLOCK or (stop % BLOCK and not last):
+            return start, stop
+    return None
+
+
+def _kinds(fp8: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """One FP8 weight of each kind and shape: a rank's part follows neither the layer nor the
+    expert, so the first of each stands for the rest (the largest models hold 92k of them)."""
+    seen: dict[tuple[str, tuple[int, ...]], str] = {}
+    for name, shape in fp8.items():
+        seen.setdefault((re.sub(r"\.\d+\.", ".#.", name), shape), name)
+    return {name: shape for (_, shape), name in seen.items()}
+
+
+def _block_cut(
+    cfg: ModelConfig, size: int, kinds: dict[str, tuple[int, ...]]
+) -> tuple[str, int, int, tuple[int, int]] | None:
+    """The first FP8 weight of `kinds` of which a rank of `size` would hold part of a block:
+    (its name, the rank, the dim, the run that cuts), or None."""
+    for name, shape in kinds.items():
+        for rank in range(size):
+            spec = part(cfg, Shard(rank, size), name, shape)
+            cut = None if spec is None else _cut(spec[1], shape[spec[0]])
+            if spec is not None and cut is not None:
+                return name, rank, spec[0], cut
+    return None
+
+
+def _splits(cfg: ModelConfig, size: int, kinds: dict[str, tuple[int, ...]]) -> bool:
+    try:
+        check(cfg, size)
+    except ValueError:
+        return False
+    return _block_cut(cfg, size, kinds) is None
+
+
+def check_blocks(cfg: ModelConfig, size: int, fp8: dict[str, tuple[int, ...]]) -> None:
+    """Raises ValueError where `size` ranks would cut a scale block of an FP8 weight of `fp8`
+    (name -> [out, in]), naming the weight and the sizes of `SIZES` that split every one on
+    block edges."""
+    kinds = _kinds(fp8) if size > 1 else {}
+    cut = _block_cut(cfg, size, kinds)
+    if cut is None:
+        return
+    name, rank, dim, (start, stop) = cut
+    fits = [str(n) for n in SIZES if _splits(cfg, n, kinds)]
+    sizes = ", ".join(fits[:-1]) + f" or {fits[-1]}" if len(fits) > 1 else fits[0]
+    raise ValueError(
+        f"{name} is FP8 in {BLOCK} x {BLOCK} scale blocks, and at --tensor-parallel-size {size} "
+        f"rank {rank} would hold its {('rows', 'columns')[dim]} {start} to {stop - 1}, which cut "
+        f"a block; --tensor-parallel-size {sizes} splits every FP8 weight on block edges"
+    )

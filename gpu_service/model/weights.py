@@ -304,16 +304,26 @@ def _read_tensors(shard: Path, wanted: set[str]) -> Iterator[tuple[str, torch.Te
             yield name, torch.frombuffer(data, dtype=dtype).view(shape)
 
 
+def _rank_part(
+    cfg: ModelConfig, shard: Shard, name: str, expected: dict[str, tuple[int, ...]]
+) -> tuple[int, list[int]] | None:
+    """What the rank holds of tensor `name`; of an FP8 weight's scales, the blocks of its part."""
+    if name.endswith(SCALE_SUFFIX):
+        weight = name.removesuffix(SCALE_SUFFIX) + "weight"
+        return tp_shard.scale_part(cfg, shard, weight, expected[weight])
+    return tp_shard.part(cfg, shard, name, expected[name])
+
+
 def _read_parts(
-    path: Path, wanted: set[str], cfg: ModelConfig, shard: Shard
+    path: Path, expected: dict[str, tuple[int, ...]], cfg: ModelConfig, shard: Shard
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """`_read_tensors` for one tensor-parallel rank: of each tensor, the runs of rows or columns
-    the rank holds, each read through a safetensors slice (only its bytes leave the file)."""
+    """`_read_tensors` for one tensor-parallel rank: of each tensor of `expected` (name ->
+    shape), the runs of rows or columns the rank holds, each read through a safetensors slice
+    (only its bytes leave the file)."""
     with safe_open(str(path), framework="pt") as f:
-        for name in [n for n in f.keys() if n in wanted]:  # noqa: SIM118 (safe_open has no iter)
+        for name in [n for n in f.keys() if n in expected]:  # noqa: SIM118 (safe_open has no iter)
             piece = f.get_slice(name)
-            shape = tuple(piece.get_shape())
-            spec = tp_shard.part(cfg, shard, name, shape)
+            spec = _rank_part(cfg, shard, name, expected)
             if spec is None:
                 yield name, piece[:].clone()
                 continue
@@ -359,6 +369,7 @@ def stream_weights(
         expected, fp8 = expected_tensors(cfg, index)
         if shard is not None:
             tp_shard.check(cfg, shard.size)
+            tp_shard.check_blocks(cfg, shard.size, {n: s for n, s in expected.items() if n in fp8})
     except ValueError as e:
         raise ValueError(f"{directory}: {e}") from None
 
@@ -372,7 +383,7 @@ def stream_weights(
             if shard is None or shard.size == 1:
                 tensors = _read_tensors(path, set(expected))
             else:
-                tensors = _read_parts(path, set(expected), cfg, shard)
+                tensors = _read_parts(path, expected, cfg, shard)
             for name, t in tensors:
                 yield name, t.to(device=device, dtype=kept_dtype(name))
 

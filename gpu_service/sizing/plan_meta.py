@@ -11,7 +11,7 @@ from gpu_service.dflash.weights import expected_tensors as expected_tensors_dfla
 from gpu_service.model.config import ModelConfig
 from gpu_service.model.hybrid import HybridModel, held_bytes
 from gpu_service.model.quantization import fp8_names, scale_name, scale_shape
-from gpu_service.model.shard import Shard, part, rank_config
+from gpu_service.model.shard import Shard, check_blocks, part, rank_config
 from gpu_service.model.weights import weight_shapes
 from gpu_service.sizing.plan_graphs import META
 from gpu_service.tp.group import TpGroup
@@ -49,11 +49,14 @@ def meta_model(
     cfg: ModelConfig, dtype: torch.dtype, max_context: int, size: int = 1
 ) -> HybridModel:
     """Rank 0 of `size`'s model on `meta`, its weights as it reads them from a checkpoint of
-    `cfg`: in `dtype`, or in FP8 with their scales where the config quantizes them.
-    ValueError where `size` does not split `cfg` (`tp.shard.check`)."""
+    `cfg`: in `dtype`, or in FP8 with their scales where the config quantizes them (a rank's
+    scales are the blocks of its rows and columns). ValueError where `size` does not split
+    `cfg` (`tp.shard.check`) or would cut an FP8 weight's scale block (`check_blocks`)."""
     held = rank_config(cfg, size)
+    whole = weight_shapes(cfg)
+    fp8 = fp8_names(cfg.quantization, whole)
+    check_blocks(cfg, size, {n: s for n, s in whole.items() if n in fp8})
     shapes = rank_shapes(cfg, size)
-    fp8 = fp8_names(cfg.quantization, shapes)
     weights = {}
     for name, shape in shapes.items():
         if name in fp8:

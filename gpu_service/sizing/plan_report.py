@@ -13,6 +13,7 @@ from gpu_service.engine.device import DeviceError, resolve_device
 from gpu_service.engine.graphs import NO_GRAPHS_ENV
 from gpu_service.engine.verifier import SCORE_ROWS
 from gpu_service.sizing.plan import PARTS, Memory, MemoryPlan, from_args
+from gpu_service.tp import SIZES
 from kernels.attention.format import KEY_BLOCK
 
 
@@ -177,14 +178,10 @@ def run(args: argparse.Namespace) -> int:
     return 1 if plan.fits is False else 0
 
 
-# The tensor-parallel sizes a refused plan is tried at, as the devices of one machine come.
-_SIZES = (2, 4, 8, 16)
-
-
 def holding_size(args: argparse.Namespace, plan: MemoryPlan, graphs: bool) -> MemoryPlan | None:
     """The plan at the smallest tensor-parallel size above `plan`'s whose every rank fits, with
     the same flags; None when none does or the model splits at none."""
-    for size in (n for n in _SIZES if n > plan.tensor_parallel_size):
+    for size in (n for n in SIZES if n > plan.tensor_parallel_size):
         try:
             split = from_args(
                 argparse.Namespace(**{**vars(args), "tensor_parallel_size": size}),
@@ -192,7 +189,7 @@ def holding_size(args: argparse.Namespace, plan: MemoryPlan, graphs: bool) -> Me
                 graphs,
             )
         except ValueError:
-            continue  # the size does not split the model, or the checkpoint is quantized
+            continue  # the size does not split the model, or cuts an FP8 scale block
         if split.fits:
             return split
     return None

@@ -10,3 +10,6 @@ REDUCES = ("ordered", "nccl")
 DEFAULT_REDUCE = "ordered"
 # How long a collective waits for a rank before the service ends (`--tp-timeout`).
 DEFAULT_TIMEOUT_S = 60.0
+# The tensor-parallel sizes tried where a size is refused, as the devices of one machine come:
+# the plan tries those above its own, and a refused FP8 split names those that would work.
+SIZES = (1, 2, 4, 8, 16)

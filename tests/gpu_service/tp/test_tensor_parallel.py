@@ -74,23 +74,6 @@ def test_what_does_not_divide_is_refused_by_name() -> None:
         shard.rank_config(ModelConfig(), 3)
     with pytest.raises(ValueError, match="at least 1"):
         shard.check(ModelConfig(), 0)
-    from dataclasses import replace
-
-    from gpu_service.model.quantization import parse
-
-    fp8 = replace(
-        ModelConfig(),
-        quantization=parse(
-            {
-                "quant_method": "fp8",
-                "fmt": "e4m3",
-                "activation_scheme": "dynamic",
-                "weight_block_size": [128, 128],
-            }
-        ),
-    )
-    with pytest.raises(ValueError, match="fp8-e4m3-block128.*unquantized"):
-        shard.check(fp8, 2)
 
 
 # -- real ranks ---------------------------------------------------------------------------------
