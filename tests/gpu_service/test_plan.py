@@ -27,6 +27,7 @@ from gpu_service.rpc import server
 from gpu_service.rpc.options import parse_bytes
 from gpu_service.sizing import plan, plan_graphs, plan_report
 from gpu_service.sizing.plan_meta import meta_model
+from kernels.fp8.format import BLOCK
 from met.main import build_parser, main
 from protos.defaults import DEFAULT_MODEL_DIR
 from tests.conftest import TINY_SERVICE
@@ -331,10 +332,13 @@ def test_serve_refuses_a_plan_that_does_not_fit(tiny_dir: Path) -> None:
 # -- tensor parallelism: one rank's plan -----------------------------------------------------
 
 
-def _rank_bytes(cfg: ModelConfig, size: int, itemsize: int) -> int:
-    """Bytes of what rank 0 of `size` reads of a checkpoint of `cfg` (`tp.shard.part`)."""
+def _rank_bytes(cfg: ModelConfig, size: int, itemsize: int, only: set[str] | None = None) -> int:
+    """Bytes of what rank 0 of `size` reads of a checkpoint of `cfg` (`tp.shard.part`), of the
+    tensors named in `only` where given."""
     total = 0
     for name, shape in weight_shapes(cfg).items():
+        if only is not None and name not in only:
+            continue
         spec = shard.part(cfg, shard.Shard(0, size), name, shape)
         numel = math.prod(shape)
         total += itemsize * (numel if spec is None else numel // shape[spec[0]] * len(spec[1]))
@@ -361,6 +365,26 @@ def test_flagship_bf16_at_tp2_fits_h200s_with_room_for_slots() -> None:
     assert "per rank x 2 ranks" in report.splitlines()[0] and "\nfits per rank: " in report
     assert plan_report.to_json(made)["tensor_parallel_size"] == 2
     print(report)
+
+
+# Slow: builds Qwen3.5-397B-A17B's rank-0 shard on the meta device.
+@pytest.mark.slow
+def test_397b_fp8_at_tp8_counts_a_ranks_fp8_bytes_and_fits_h200s() -> None:
+    """The largest checkpoint in FP8 over eight H200s: rank 0 holds its part of each FP8
+    weight at a byte a weight (an eighth of each split one, the MTP head's fc whole), their
+    scales and column groups beside them, the rest in bf16; each rank fits 141 GB."""
+    config = ROOT / "gpu_service/models/qwen3.5-397b-a17b-fp8"
+    made = _plan(config, "--device-memory", "141GB", "--tp", "8")
+    cfg = plan.load_config(config)
+    assert cfg.quantization is not None
+    fp8 = fp8_names(cfg.quantization, weight_shapes(cfg))
+    rank = _rank_bytes(cfg, 8, 1, fp8)
+    assert made.weights_by_dtype["float8_e4m3fn"] == rank
+    assert 0.124 * _rank_bytes(cfg, 1, 1, fp8) < rank < 0.126 * _rank_bytes(cfg, 1, 1, fp8)
+    scales = made.weights_by_dtype["float32"] + made.weights_by_dtype["int32"]
+    assert rank // BLOCK**2 * 4 <= scales <= 0.001 * rank
+    assert made.tensor_parallel_size == 8 and made.fits, plan_report.report(made)
+    print(plan_report.report(made))
 
 
 # Slow: builds the flagship and its drafter on the meta device.
@@ -405,12 +429,14 @@ def test_tp2_plan_is_each_ranks_allocations(mini_dir: Path) -> None:
 def test_a_size_that_does_not_split_the_model_is_refused(
     tiny_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """By `plan` and `serve`, with status 2 and the sentence naming what does not divide; an
-    FP8 checkpoint is refused under any size above 1."""
+    """By `plan` and `serve`, with status 2 and the sentence naming what does not divide; the
+    flagship's FP8 checkpoint at TP 8, where a rank's share of an expert (64 of its 512) would
+    cut a 128-row scale block, with the sizes that split it."""
     fp8 = ROOT / "gpu_service/models/qwen3-next-80b-a3b-fp8/config.json"
     for model, size, says in [
         (DEFAULT_MODEL_DIR, "3", "--tensor-parallel-size 3 does not divide num_attention_heads"),
-        (fp8, "2", "tensor parallelism serves unquantized checkpoints"),
+        (fp8, "8", "rank 0 would hold its rows 0 to 63, which cut a block; "),
+        (fp8, "8", "--tensor-parallel-size 1, 2 or 4 splits every FP8 weight on block edges"),
     ]:
         with pytest.raises(SystemExit) as done:
             main(["gpu-service", "plan", str(model), "--tp", size])
