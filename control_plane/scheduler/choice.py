@@ -99,7 +99,6 @@ class Chooser:
 
     # Each option's last steps at each shape: (tokens its choosing sequences gained, ms).
     served: dict[tuple[Shape, Option], deque[tuple[int, float]]] = field(default_factory=dict)
-    served_at: dict[tuple[Shape, Option], int] = field(default_factory=dict)
     # By method and whether a grammar constrained the sequence, over every request.
     acceptance: dict[Kind, Calibration] = field(default_factory=dict)
     per_draft: dict[Kind, tuple[int, int]] = field(default_factory=dict)  # drafted, accepted
@@ -324,7 +323,6 @@ class Chooser:
         gained = sum(len(a.generated) - n for a, n in self.before)
         self.served.setdefault(key, deque(maxlen=SAMPLES)).append((gained, (now - mark) * 1e3))
         self.measured[key] = self.measured.get(key, 0) + 1
-        self.served_at[key] = self.steps
 
     def observe(self, active: list[ActiveSeq]) -> None:
         """A step served: every verdict of its sequences, for the acceptance (each request's,
