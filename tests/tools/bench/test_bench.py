@@ -105,6 +105,7 @@ def test_bench_quick(tmp_path: Path) -> None:
     assert set(choice) == {
         *((m, 1) for m in ("none", "mtp", "dflash", "auto")),
         ("json_schema/none", 8),
+        ("json_schema/mtp", 8),
         ("json_schema/auto", 8),
     }
     assert all(r["identical"] for r in choice.values()), "through both processes, as none's"
