@@ -21,70 +21,36 @@ import argparse
 import json
 import os
 import statistics
-import threading
 import time
 from concurrent import futures
-from dataclasses import dataclass
 
 import grpc
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from control_plane.cli.launch import start_control_plane, start_gpu_service, stop
 from control_plane.replicas.client import GrpcModel
 from protos.defaults import DEFAULT_MODEL_DIR
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
+from tools.bench.tracing import Sink, StepSpan, local_sink
 from tools.bench.workload import settled
 
 KEPT = ("engine.plan", "engine.verify", "propose")
 FORWARD = ("engine.verify", "propose")
 
 
-@dataclass(frozen=True)
-class Span:
-    name: str
-    start_ns: int
-    end_ns: int
-
-    @property
-    def ms(self) -> float:
-        return (self.end_ns - self.start_ns) / 1e6
+def _ms(s: StepSpan) -> float:
+    return (s.end_ns - s.start_ns) / 1e6
 
 
-class Sink(trace_service_pb2_grpc.TraceServiceServicer):
-    """An OTLP receiver that keeps the service's plan, verify and propose spans."""
-
-    def __init__(self) -> None:
-        self.spans: list[Span] = []
-        self._lock = threading.Lock()
-
-    def Export(self, request, context):
-        kept = [
-            Span(s.name, s.start_time_unix_nano, s.end_time_unix_nano)
-            for rs in request.resource_spans
-            for ss in rs.scope_spans
-            for s in ss.spans
-            if s.name in KEPT
-        ]
-        with self._lock:
-            self.spans += kept
-        return trace_service_pb2.ExportTraceServiceResponse()
-
-    def take(self) -> list[Span]:
-        with self._lock:
-            out, self.spans = self.spans, []
-        return out
-
-
-def split(spans: list[Span]) -> dict:
+def split(spans: list[StepSpan]) -> dict:
     """Per step (ms): its period, its forward, the service's other work, what is outside."""
     plans = sorted((s for s in spans if s.name == "engine.plan"), key=lambda s: s.start_ns)
     steps = sum(1 for s in spans if s.name == "engine.verify")
     if not plans or not steps:
         return {}
     period = (plans[-1].end_ns - plans[0].start_ns) / 1e6 / steps
-    forward = sum(s.ms for s in spans if s.name in FORWARD) / steps
-    service = sum(p.ms for p in plans) / steps
+    forward = sum(_ms(s) for s in spans if s.name in FORWARD) / steps
+    service = sum(_ms(p) for p in plans) / steps
     return {
         "steps": steps,
         "period_ms": period,
@@ -116,13 +82,15 @@ def breakdown(
 ) -> list[dict]:
     """Both processes exporting to a local sink; at each concurrency a warm-up round, then
     `rounds` counted -> a row each."""
-    sink = Sink()
-    server = grpc.server(futures.ThreadPoolExecutor(2))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(sink, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
+    with local_sink(2, KEPT) as (sink, endpoint):
+        return _measured(sink, endpoint, concurrency, tokens, rounds, service)
+
+
+def _measured(
+    sink: Sink, endpoint: str, concurrency: list[int], tokens: int, rounds: int, service
+) -> list[dict]:
     saved = dict(os.environ)
-    os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = f"http://127.0.0.1:{port}"
+    os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = endpoint
     os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "200"  # ms: a round's spans sent within the wait
     try:
         gpu, target = start_gpu_service(DEFAULT_MODEL_DIR, *service)
@@ -149,21 +117,7 @@ def breakdown(
         model.close()
         stop(cp)
         stop(gpu)
-        server.stop(None)
     return rows
-
-
-def lines(rows: list[dict]) -> list[str]:
-    out = [
-        f"{'concurrent':>10} {'period':>8} {'forward':>8} {'service':>8} {'outside':>8} "
-        f"{'overhead':>9}  (ms a step, medians)"
-    ]
-    for r in rows:
-        out.append(
-            f"{r['concurrency']:>10} {r['period_ms']:8.2f} {r['forward_ms']:8.2f} "
-            f"{r['service_other_ms']:8.2f} {r['outside_ms']:8.2f} {r['overhead_ms']:9.2f}"
-        )
-    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -175,7 +129,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     rows = breakdown(args.concurrency, args.tokens, args.rounds, tuple(args.service.split()))
-    print(json.dumps(rows, indent=1) if args.json else "\n".join(lines(rows)))
+    from tools.bench.report import breakdown_lines
+
+    print(json.dumps(rows, indent=1) if args.json else "\n".join(breakdown_lines(rows)))
 
 
 if __name__ == "__main__":

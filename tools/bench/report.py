@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 from protos.params import DFLASH, MTP, NONE, PROMPT_LOOKUP
-from tools.bench.breakdown import lines as breakdown_lines
 from tools.bench.choice import lines as choice_lines
 from tools.bench.depth import depth_lines, depth_table
 from tools.bench.llama_cpp import lines as llama_lines
@@ -354,6 +353,20 @@ def draw_chart(report: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, format="png")
     plt.close(fig)
+
+
+def breakdown_lines(rows: list[dict]) -> list[str]:
+    """The breakdown section's rows (`tools/bench/breakdown.py`), ms a step."""
+    out = [
+        f"{'concurrent':>10} {'period':>8} {'forward':>8} {'service':>8} {'outside':>8} "
+        f"{'overhead':>9}  (ms a step, medians)"
+    ]
+    for r in rows:
+        out.append(
+            f"{r['concurrency']:>10} {r['period_ms']:8.2f} {r['forward_ms']:8.2f} "
+            f"{r['service_other_ms']:8.2f} {r['outside_ms']:8.2f} {r['overhead_ms']:9.2f}"
+        )
+    return out
 
 
 def _traced_lines(report: dict) -> list[str]:

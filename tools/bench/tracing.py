@@ -46,10 +46,11 @@ STEP_SPANS = ("step_mtp", "engine.plan")
 
 
 class Sink(trace_service_pb2_grpc.TraceServiceServicer):
-    """An OTLP trace receiver that counts the spans it is sent, keeps the steps' and drops
-    the rest."""
+    """An OTLP trace receiver that counts the spans it is sent, keeps those named in `names`
+    (the steps', by default) and drops the rest."""
 
-    def __init__(self) -> None:
+    def __init__(self, names: Sequence[str] = STEP_SPANS) -> None:
+        self.names = frozenset(names)
         self.spans = 0
         self.steps: list[StepSpan] = []
         self._lock = threading.Lock()  # the server's workers export at once
@@ -69,12 +70,18 @@ class Sink(trace_service_pb2_grpc.TraceServiceServicer):
                         s.end_time_unix_nano,
                     )
                     for s in ss.spans
-                    if s.name in STEP_SPANS
+                    if s.name in self.names
                 ]
                 with self._lock:
                     self.spans += len(ss.spans)
                     self.steps += kept
         return trace_service_pb2.ExportTraceServiceResponse()
+
+    def take(self) -> list[StepSpan]:
+        """The spans kept so far, and none from now on."""
+        with self._lock:
+            out, self.steps = self.steps, []
+        return out
 
 
 def overlaps(steps: Sequence[StepSpan]) -> dict:
@@ -107,9 +114,10 @@ def overlaps(steps: Sequence[StepSpan]) -> dict:
 
 
 @contextmanager
-def local_sink(workers: int) -> Iterator[tuple[Sink, str]]:
-    """A `Sink` served on a free loopback port for the block: (the sink, its endpoint)."""
-    sink = Sink()
+def local_sink(workers: int, names: Sequence[str] = STEP_SPANS) -> Iterator[tuple[Sink, str]]:
+    """A `Sink` of `names` served on a free loopback port for the block: (the sink, its
+    endpoint)."""
+    sink = Sink(names)
     server = grpc.server(futures.ThreadPoolExecutor(workers))
     trace_service_pb2_grpc.add_TraceServiceServicer_to_server(sink, server)
     port = server.add_insecure_port("127.0.0.1:0")

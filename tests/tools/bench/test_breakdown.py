@@ -3,9 +3,15 @@ other work and what lies outside the service."""
 
 from __future__ import annotations
 
-from tools.bench.breakdown import Span, lines, split
+from tools.bench.breakdown import split
+from tools.bench.report import breakdown_lines as lines
+from tools.bench.tracing import StepSpan
 
 MS = 1_000_000
+
+
+def Span(name: str, start: int, end: int) -> StepSpan:  # noqa: N802
+    return StepSpan("gpu-service", name, b"", b"", start, end)
 
 
 def test_a_steps_time_splits_into_forward_service_and_outside() -> None:
