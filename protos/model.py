@@ -373,8 +373,9 @@ class ServingModel(Protocol):
         want_drafts: Sequence[bool],
         num_drafts: int,
         drafters: Sequence[str] = (),
+        masks: dict[int, bytes] | None = None,
     ) -> StepResult:
-        """A greedy step in one call: `decode_verify_batched` of the rows (no masks, no
+        """A greedy step in one call: `decode_verify_batched` of the rows (their `masks`, no
         sampling), the greedy verdict (draft j + 1 stands while it equals row j's argmax; the
         token after the last standing draft is the argmax of its row), then `settle_verdict`
         with every sequence that wants drafts and has room for them as a proposer: room for

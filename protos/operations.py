@@ -201,6 +201,7 @@ def _step_request(a: Args) -> pb.StepRequest:
         want_drafts=a["want_drafts"],
         num_drafts=a["num_drafts"],
         drafters=a["drafters"],
+        masks=cv.row_masks_to_pb(a["masks"] or {}),
     )
 
 
@@ -212,6 +213,7 @@ def _step_arguments(r: pb.StepRequest) -> dict[str, Any]:
         "want_drafts": list(r.want_drafts),
         "num_drafts": r.num_drafts,
         "drafters": list(r.drafters),
+        "masks": cv.row_masks_from_pb(r.masks),
     }
 
 

@@ -297,7 +297,9 @@ class FakeModel:
         self._trim(chosen)
         return proposal
 
-    def decode_step(self, tokens, ks, seqs, want_drafts, num_drafts, drafters=()) -> StepResult:
+    def decode_step(
+        self, tokens, ks, seqs, want_drafts, num_drafts, drafters=(), masks=None
+    ) -> StepResult:
         """The engine's greedy step, made of this fake's own calls so a test sees the same
         verify, stash, fold, commit, propose and trim either way; `step` marks the one call."""
         self.calls.append(("step", list(ks), [h.slot for h in seqs]))
@@ -309,7 +311,7 @@ class FakeModel:
         if DFLASH in wanted and num_drafts > self.dflash_block - 1:
             raise InvalidArgument(f"a DFlash block gives at most {self.dflash_block - 1}")
         before = [h.seq_len for h in seqs]
-        verified = self.decode_verify_batched(tokens, ks, seqs)
+        verified = self.decode_verify_batched(tokens, ks, seqs, masks=masks)
         argmax = verified.argmax
         accepted, lo = [], 0
         for k in ks:

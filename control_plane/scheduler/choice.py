@@ -82,7 +82,7 @@ class Option:
 NONE_OPTION = Option(PLAIN)
 # What a step's cost is kept by beside its option: the bucket of its active sequences, and
 # whether a grammar constrains any of them (its rows' masks are made on the control plane, one
-# per verified row, and a masked step takes two calls and never runs ahead).
+# per verified row, and a masked step never runs ahead).
 Shape = tuple[int, bool]
 # What acceptance is kept by: the method, and whether a grammar constrained the sequence (a
 # drafter trained on free text guesses a forced format's tokens less often).

@@ -43,8 +43,8 @@ def verify_and_settle(
 ) -> None:
     """One verify call over `rows[i]` of `seqs[i]`, its verdict, and the next drafts.
     `mode` (bootstrap, batched or serial) names the path in the trace. With the `fused_step`
-    lever on, greedy rows with no masks take one `decode_step` round trip; masked or sampled
-    rows, or the lever off, take a verify call and a verdict call.
+    lever on, greedy rows, masked or not, take one `decode_step` round trip; sampled rows,
+    rows asking alternatives, or the lever off, take a verify call and a verdict call.
 
     A refusal ends the sequence it concerns alone: a refused batch is retried one sequence
     per call to find it (the service checks a call whole before any of it runs, and a
@@ -73,8 +73,8 @@ def _verify(
     }
     # `decode_step` lists no alternatives.
     tops = any(a.req.top_logprobs for a in seqs)
-    if fused and not masks and not sampling and not tops:
-        _fused_step(model, seqs, rows, step_nd, mode)
+    if fused and not sampling and not tops:
+        _fused_step(model, seqs, rows, step_nd, mode, masks)
     else:
         _two_calls(model, seqs, rows, step_nd, mode, masks, sampling)
 
@@ -126,7 +126,12 @@ def _two_calls(
 
 
 def _fused_step(
-    model: ServingModel, seqs: list[ActiveSeq], rows: list[list[int]], step_nd: int, mode: str
+    model: ServingModel,
+    seqs: list[ActiveSeq],
+    rows: list[list[int]],
+    step_nd: int,
+    mode: str,
+    masks: dict[int, bytes],
 ) -> None:
     ks = [len(r) for r in rows]
     want = [step_nd >= 1 and a.wants_drafts for a in seqs]
@@ -143,6 +148,7 @@ def _fused_step(
             want,
             step_nd,
             drafter_names(seqs),
+            masks or None,
         )
         sp.set_attribute("met.accepted", result.accepted)
         sp.set_attribute("met.proposers", len(result.proposers))

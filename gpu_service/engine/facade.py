@@ -362,9 +362,12 @@ class Engine:
         want_drafts: Sequence[bool],
         num_drafts: int,
         drafters: Sequence[str] = (),
+        masks: dict[int, bytes] | None = None,
     ) -> StepResult:
         with self._hold():
-            return self.steps.decode_step(tokens, ks, seqs, want_drafts, num_drafts, drafters)
+            return self.steps.decode_step(
+                tokens, ks, seqs, want_drafts, num_drafts, drafters, masks
+            )
 
     def run_plan(self, plan: StepPlan) -> PlanResult:
         """One step plan (`StepPlan`), under the caller's trace context."""

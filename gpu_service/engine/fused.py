@@ -122,6 +122,7 @@ class Steps:
         want_drafts: Sequence[bool],
         num_drafts: int,
         drafters: Sequence[str] = (),
+        masks: dict[int, bytes] | None = None,
     ) -> StepResult:
         v = self.verifier
         checks.same_length("decode_step", seqs=seqs, want_drafts=want_drafts)
@@ -131,6 +132,7 @@ class Steps:
         if any(want_drafts):
             self.drafters.check_num_drafts(num_drafts)
         states = v.check_verify(tokens, ks, seqs)
+        row_masks = v.masks(masks or {}, sum(ks))
         chosen = self.drafters.chosen("decode_step", states, drafters)
         wanted = [i for i, w in enumerate(want_drafts) if w and chosen[i].available]
         for i in wanted:
@@ -145,7 +147,8 @@ class Steps:
         order = [i for r in rows.values() for i in r]
         meta = _verdict_meta(tokens, ks, states, order, v.model.device)
         with span(_TRACER, "engine.verify"):
-            top, logprob = v.model.argmax_logprob(v.verify_logits(states, tokens, ks))
+            logits = v.verify_logits(states, tokens, ks, row_masks=row_masks)
+            top, logprob = v.model.argmax_logprob(logits)
         with span(_TRACER, "engine.verdict"):
             accepted = _greedy_accepted(top, meta["drafts"], meta["pred"])
             with span(_TRACER, "fold"):

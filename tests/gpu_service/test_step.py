@@ -1,6 +1,6 @@
 """`decode_step`: a greedy step in one call equals the verify, the greedy verdict and the
-fused `settle_verdict` made separately, in process and over gRPC; bad input is refused
-before anything runs."""
+fused `settle_verdict` made separately, in process and over gRPC, with grammar masks on some
+rows too; bad input is refused before anything runs."""
 
 from __future__ import annotations
 
@@ -27,9 +27,21 @@ def _greedy(rows: list[list[int]], argmax: list[int]) -> tuple[list[int], list[i
     return accepted, last
 
 
-def _two_calls(model: CircuitModel, seqs, rows, want, nd) -> tuple[StepResult, list[bytes]]:
+def _masks(model: CircuitModel, ks: list[int]) -> dict[int, bytes]:
+    """Every other row allows only every third token (a grammar's mask, as the wire holds it)."""
+    vocab = model.capabilities().vocab_size
+    bits = bytearray(4 * -(-vocab // 32))
+    for t in range(0, vocab, 3):
+        bits[t // 8] |= 1 << (t % 8)
+    return {r: bytes(bits) for r in range(0, sum(ks), 2)}
+
+
+def _two_calls(
+    model: CircuitModel, seqs, rows, want, nd, masked: bool
+) -> tuple[StepResult, list[bytes]]:
     ks = [len(r) for r in rows]
-    verified = model.decode_verify_batched([t for r in rows for t in r], ks, seqs)
+    masks = _masks(model, ks) if masked else None
+    verified = model.decode_verify_batched([t for r in rows for t in r], ks, seqs, masks=masks)
     argmax, logprobs = verified.argmax, verified.logprobs
     accepted, last = _greedy(rows, argmax)
     cap = TINY_SERVICE.max_context
@@ -41,9 +53,9 @@ def _two_calls(model: CircuitModel, seqs, rows, want, nd) -> tuple[StepResult, l
     return StepResult(argmax, logprobs, accepted, proposers, proposal), logit_rows(model)
 
 
-def _drive(model: CircuitModel, fused: bool) -> list:
+def _drive(model: CircuitModel, fused: bool, masked: bool = False) -> list:
     """Three steps over three sequences, each step's rows [last, drafts...] from the previous
-    step's result, as the scheduler would make them."""
+    step's result, as the scheduler would make them; `masked`: every other row under a mask."""
     seqs = [model.alloc_sequence() for _ in PROMPTS]
     try:
         argmax = model.prefill(seqs, PROMPTS).argmax
@@ -53,10 +65,11 @@ def _drive(model: CircuitModel, fused: bool) -> list:
             if fused:
                 ks = [len(r) for r in rows]
                 flat = [t for r in rows for t in r]
-                res = model.decode_step(flat, ks, seqs, want, nd)
+                masks = _masks(model, ks) if masked else None
+                res = model.decode_step(flat, ks, seqs, want, nd, masks=masks)
                 logits = logit_rows(model)  # the drafter's, last
             else:
-                res, logits = _two_calls(model, seqs, rows, want, nd)
+                res, logits = _two_calls(model, seqs, rows, want, nd, masked)
             trace.append((res, logits, [s.seq_len for s in seqs]))
             off, nxt = 0, []
             for i, r in enumerate(rows):
@@ -80,8 +93,20 @@ def test_one_call_equals_the_separate_calls(engine: Engine) -> None:
     assert all(len(d) == 3 for r, _, _ in fused for d in r.proposal.drafts)
 
 
+def test_masked_rows_in_one_call_equal_the_separate_calls(engine: Engine) -> None:
+    fused, separate = _drive(engine, True, True), _drive(engine, False, True)
+    assert [r for r, _, _ in fused] == [r for r, _, _ in separate]
+    assert [n for _, _, n in fused] == [n for _, _, n in separate]
+    masked_rows = [
+        t for r, _, _ in fused for t in r.argmax[::2]
+    ]  # each step's rows 0, 2, ... were masked: only every third token may come out
+    assert masked_rows and all(t % 3 == 0 for t in masked_rows)
+    assert fused != _drive(engine, True), "the masks changed what the step chose"
+
+
 def test_over_grpc_equals_in_process(engine: Engine, client: GrpcModel) -> None:
     assert _drive(client, True) == _drive(engine, True)
+    assert _drive(client, True, True) == _drive(engine, True, True)
 
 
 def test_no_drafts_without_room(engine: Engine) -> None:

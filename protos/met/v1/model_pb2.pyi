@@ -491,20 +491,22 @@ class CostReply(_message.Message):
     def __init__(self, entries: _Optional[_Iterable[_Union[CostEntry, _Mapping]]] = ..., cached: _Optional[bool] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("seq_ids", "ks", "tokens", "want_drafts", "num_drafts", "drafters")
+    __slots__ = ("seq_ids", "ks", "tokens", "want_drafts", "num_drafts", "drafters", "masks")
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     KS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     WANT_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     DRAFTERS_FIELD_NUMBER: _ClassVar[int]
+    MASKS_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     ks: _containers.RepeatedScalarFieldContainer[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     want_drafts: _containers.RepeatedScalarFieldContainer[bool]
     num_drafts: int
     drafters: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., ks: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., want_drafts: _Optional[_Iterable[bool]] = ..., num_drafts: _Optional[int] = ..., drafters: _Optional[_Iterable[str]] = ...) -> None: ...
+    masks: _containers.RepeatedCompositeFieldContainer[RowMask]
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., ks: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., want_drafts: _Optional[_Iterable[bool]] = ..., num_drafts: _Optional[int] = ..., drafters: _Optional[_Iterable[str]] = ..., masks: _Optional[_Iterable[_Union[RowMask, _Mapping]]] = ...) -> None: ...
 
 class StepReply(_message.Message):
     __slots__ = ("argmax", "logprobs", "accepted", "seq_lens", "proposers", "drafts", "confidences")

@@ -245,7 +245,7 @@ class ModelServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def DecodeStep(self, request, context):
-        """A greedy step in one round trip: DecodeVerifyBatched (no masks, no sampling), the greedy
+        """A greedy step in one round trip: DecodeVerifyBatched (its masks, no sampling), the greedy
         verdict, then SettleVerdict with every sequence that wants drafts and has room for them.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

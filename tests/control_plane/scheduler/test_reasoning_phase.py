@@ -68,7 +68,7 @@ def admitted(model: FakeModel, key: int, grammar: Any, method: str = MTP) -> Act
 
 
 def masked_rows(model: FakeModel) -> list[int]:
-    """Each verify call's masked row count, in order (a fused step carries none)."""
+    """Each verify call's masked row count, in order (a fused step's verify included)."""
     seen: list[int] = []
     verify = model.decode_verify_batched
 
@@ -94,7 +94,7 @@ def run(model: FakeModel, active: list[ActiveSeq], **opts: Any) -> list[dict]:
 
 
 def fused(calls: list[tuple]) -> bool:
-    """Whether every verify of a step's calls was a fused step's (which carries no mask)."""
+    """Whether every verify of a step's calls was a fused step's (one round trip)."""
     names = [c[0] for c in calls]
     return names.count("verify") == names.count("step") > 0
 

@@ -376,6 +376,7 @@ def test_constrained_sequences_verify_in_one_batch_with_their_masks() -> None:
     assert report.serial_arms == [] and report.batched_calls == [[4, 4, 4]]
     assert masked[0] == 12, "every row of the batch carries its sequence's mask"
     assert all(a.stats.accepted == 3 for a in active), "the masks keep what the model says"
+    assert [c[0] for c in model.calls].count("step") == 1, "greedy masked rows: one round trip"
 
 
 def test_a_constrained_sequence_joins_at_the_depth_its_grammar_leaves() -> None:
