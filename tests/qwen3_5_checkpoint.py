@@ -1,7 +1,9 @@
 """Qwen3.5 / Qwen3.6 checkpoints as a user brings one: written by transformers' own
 `Qwen3_5ForConditionalGeneration` and `Qwen3_5MoeForConditionalGeneration` (random weights, a
-vision tower of depth 1, tied or untied), with an `mtp.*` layer added by hand (transformers
-has no class for it and saves none), a byte-level BPE tokenizer and a chat template."""
+vision tower of depth 2, tied or untied), with an `mtp.*` layer added by hand (transformers
+has no class for it and saves none), a byte-level BPE tokenizer carrying the family's special
+tokens after its own (the vision tokens among them, at the ids the config names) and a chat
+template."""
 
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ TEXT |= dict(
 MOE = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32)
 MOE["shared_expert_intermediate_size"] = 48
 VISION = dict(
-    depth=1,
+    depth=2,
     hidden_size=32,
     intermediate_size=64,
     num_heads=2,
@@ -50,16 +52,51 @@ VISION = dict(
 )
 KINDS = {"dense-tied": (False, True), "dense": (False, False), "moe": (True, False)}
 KINDS["moe-tied"] = (True, True)
+# Qwen's special tokens after <|im_end|>, in its tokenizer's order: here they follow the
+# trained vocabulary (400 tokens), so the vision tokens sit at 406 (<|vision_start|>), 407
+# (<|vision_end|>), 409 (<|image_pad|>) and 410 (<|video_pad|>).
+QWEN_SPECIALS = (
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+# config.json's vision token fields -> their tokens.
+VISION_TOKENS = {
+    "image_token_id": "<|image_pad|>",
+    "video_token_id": "<|video_pad|>",
+    "vision_start_token_id": "<|vision_start|>",
+    "vision_end_token_id": "<|vision_end|>",
+}
+
+
+def tokenizer() -> PreTrainedTokenizerFast:
+    """The checkpoints' tokenizer: the Qwen3-Next tests' BPE with Qwen's specials after it."""
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=_tokenizer(), eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+    tok.add_special_tokens({"additional_special_tokens": list(QWEN_SPECIALS)})
+    tok.chat_template = TEMPLATE
+    return tok
 
 
 def make(directory: Path, kind: str, text: dict | None = None) -> PreTrainedModel:
     """A checkpoint of `kind` (a KINDS key) in `directory`, with its MTP layer; -> the model."""
     moe, tied = KINDS[kind]
+    tok = tokenizer()
     torch.manual_seed(0)
     fields = {**TEXT, **(MOE if moe else {}), **(text or {})}
     config_class = Qwen3_5MoeConfig if moe else Qwen3_5Config
     model_class = Qwen3_5MoeForConditionalGeneration if moe else Qwen3_5ForConditionalGeneration
-    cfg = config_class(text_config=fields, vision_config=VISION, tie_word_embeddings=tied)
+    ids = {k: tok.convert_tokens_to_ids(t) for k, t in VISION_TOKENS.items()}
+    cfg = config_class(text_config=fields, vision_config=VISION, tie_word_embeddings=tied, **ids)
     cfg.text_config._attn_implementation = "eager"
     model = model_class(cfg).eval()
     with torch.no_grad():  # every parameter away from its initial constant
@@ -67,11 +104,7 @@ def make(directory: Path, kind: str, text: dict | None = None) -> PreTrainedMode
             p.add_(torch.randn_like(p) * 0.05)
     model.save_pretrained(directory)
     add_mtp(directory)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=_tokenizer(), eos_token="<|im_end|>", pad_token="<|endoftext|>"
-    )
-    tokenizer.chat_template = TEMPLATE
-    tokenizer.save_pretrained(directory)
+    tok.save_pretrained(directory)
     return model
 
 

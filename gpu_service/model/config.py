@@ -13,6 +13,7 @@ from pathlib import Path
 from gpu_service.model import hf_config
 from gpu_service.model.quantization import Fp8Blocks
 from gpu_service.model.quantization import parse as parse_quantization
+from gpu_service.model.vision_config import VisionConfig
 from kernels.attention.format import KEY_BLOCK
 from protos import checks
 
@@ -110,8 +111,9 @@ class ModelConfig:
     # Where the text model's tensors sit in the checkpoint: `model.`, or Qwen3.5's
     # `model.language_model.` beside its vision tower (`model.visual.`).
     weight_prefix: str = "model."
-    # Parameters of the vision tower beside the text model (Qwen3.5): recognised, not loaded.
-    vision_params: int = 0
+    # The vision tower beside the text model (Qwen3.5), and how its images' tokens are placed;
+    # None: no tower (Qwen3-Next, or a checkpoint without `model.visual.*` tensors).
+    vision: VisionConfig | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
@@ -188,6 +190,11 @@ class ModelConfig:
     def has_mtp(self) -> bool:
         return self.num_nextn_predict_layers > 0
 
+    @property
+    def vision_params(self) -> int:
+        """Parameters of the vision tower (0 without one)."""
+        return 0 if self.vision is None else self.vision.params
+
     @classmethod
     def tiny(cls) -> ModelConfig:
         """A four-layer hybrid (three GDN, one attention) small enough for interpreter runs:
@@ -231,8 +238,7 @@ class ModelConfig:
         d["architectures"] = ["Qwen3NextForCausalLM"]
         for key in ("quantization", "yarn", "weight_prefix", "rope_theta", "rope_type"):
             d.pop(key)
-        for key in ("vision_params",):
-            d.pop(key)
+        d.pop("vision")
         d.pop("partial_rotary_factor")
         rope = {"rope_type": self.rope_type, "rope_theta": self.rope_theta}
         rope["partial_rotary_factor"] = self.partial_rotary_factor
@@ -246,7 +252,7 @@ class ModelConfig:
         """config.json's object, read as transformers reads it (`gpu_service/model/hf_config.py`):
         what it leaves out takes transformers' default for its model type."""
         fields, prefix = hf_config.text_fields(d)
-        fields.setdefault("vision_params", 0)
+        vision = fields.pop("vision", None)
         eos, bos = fields.pop("eos_token_id"), fields.pop("bos_token_id")
         eos_ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
         yarn = fields.pop("yarn", None)
@@ -262,6 +268,7 @@ class ModelConfig:
             yarn=Yarn(**yarn) if yarn is not None else None,
             quantization=quantization,
             weight_prefix=prefix,
+            vision=None if vision is None else VisionConfig(**vision),
         )
 
     @classmethod
@@ -289,6 +296,7 @@ _FROM_DICT_OWN = {
     "yarn",
     "quantization",
     "weight_prefix",
+    "vision",
 }
 
 

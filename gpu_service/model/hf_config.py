@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from gpu_service.model.vision_config import vision_fields
+
 LINEAR = "linear_attention"
 FULL = "full_attention"
 
@@ -105,8 +107,8 @@ _FIXED = {
 # Text types whose every layer (and MTP layer) is sparse: a dense width there is read by none.
 _NO_DENSE_MLP = ("qwen3_5_moe_text",)
 
-# Fields no forward reads: training settings, cache switches, bookkeeping, the vision tower's
-# token ids (a request with an image is refused before it is tokenized).
+# Fields no forward reads: training settings, cache switches, bookkeeping; and the top
+# config's vision token ids and tower, which `vision_config.vision_fields` reads.
 INERT = frozenset(
     {
         "architectures",
@@ -190,7 +192,8 @@ def _nested(raw: dict, model_type: str) -> dict[str, Any]:
     fields = _text({k: v for k, v in text.items() if k != "model_type"}, text_type, "text_config.")
     # transformers ties by the top config's field (Qwen3_5Config: false when absent).
     fields["tie_word_embeddings"] = bool(raw.get("tie_word_embeddings", False))
-    fields["vision_params"] = vision_params(raw.get("vision_config") or {})
+    rope = text.get("rope_scaling") or text.get("rope_parameters") or {}
+    fields["vision"] = vision_fields(raw.get("vision_config") or {}, raw, rope)
     fields["model_type"] = model_type
     dtype = raw.get("dtype") or raw.get("torch_dtype")
     if dtype:
@@ -312,28 +315,3 @@ def _refuse_unknown(rest: dict, where: str) -> None:
             "model whose config it would not follow whole"
         )
 
-
-# Qwen3_5VisionConfig's defaults of the fields its tower's shapes follow.
-_VISION = dict(
-    depth=27,
-    hidden_size=1152,
-    intermediate_size=4304,
-    in_channels=3,
-    patch_size=16,
-    temporal_patch_size=2,
-    spatial_merge_size=2,
-    out_hidden_size=3584,
-    num_position_embeddings=2304,
-)
-
-
-def vision_params(vision: dict) -> int:
-    """Parameters of the vision tower a `vision_config` describes (transformers'
-    Qwen3_5VisionModel): the engine leaves them unread, and the plan says how many bytes."""
-    v = {k: vision.get(k, d) for k, d in _VISION.items()}
-    h, i, out = v["hidden_size"], v["intermediate_size"], v["out_hidden_size"]
-    block = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (i * h + i) + (h * i + h)
-    merged = v["spatial_merge_size"] ** 2 * h
-    merger = 2 * h + merged * merged + merged + out * merged + out
-    patch = h * v["in_channels"] * v["temporal_patch_size"] * v["patch_size"] ** 2 + h
-    return v["depth"] * block + merger + patch + v["num_position_embeddings"] * h

@@ -16,7 +16,7 @@ from transformers import PreTrainedModel, Qwen3NextConfig, Qwen3NextForCausalLM
 
 from control_plane.cli.launch import start_control_plane, start_gpu_service, stop
 from gpu_service.engine.facade import Engine
-from gpu_service.model.config import ServiceConfig
+from gpu_service.model.config import ModelConfig, ServiceConfig
 from gpu_service.model.hybrid import PREFILL, Segment
 from gpu_service.model.ops import rope_table
 from gpu_service.model.weights import checkpoint_index, vision_tensors
@@ -251,10 +251,8 @@ def test_the_plan_names_the_tower_and_the_tensor_parallel_size_that_holds_it(cap
     assert refused.value.code == 1
     body = json.loads(capsys.readouterr().out)
     assert body["fits"] is False and body["tensor_parallel_size_that_fits"] == 2
-    vision = json.loads(config.read_text())["vision_config"]
-    from gpu_service.model.hf_config import vision_params
-
-    assert body["vision_tower_bytes_not_loaded"] == 2 * vision_params(vision)
+    tower = ModelConfig.from_dict(json.loads(config.read_text())).vision_params
+    assert body["vision_tower_bytes_not_loaded"] == 2 * tower
 
 
 def test_prefix_cache_paged_kv_and_penalties_change_no_greedy_token(made: dict) -> None:
