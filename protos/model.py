@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from protos.handles import (
+    ImageInput,
     Prefilled,
     Proposal,
     ScoreAsk,
@@ -100,13 +101,17 @@ ERRORS_BY_CODE: dict[str, type[ModelError]] = {
 SESSION_METADATA = "met-session"  # the session a call belongs to
 ADMIN_KEY_METADATA = "met-admin-key"  # the admin key, on admin calls
 ADMIN_KEY_ENV = "MET_ADMIN_KEY"  # the admin key's default, for the service and its clients
-# The checkpoint files the control plane needs to tokenize, render chats and stop: the service
-# hands them over (`Model.tokenizer_files`), so the control plane needs no copy of the model.
+# The checkpoint files the control plane needs to tokenize, render chats, read images and
+# stop: the service hands them over (`Model.tokenizer_files`), so the control plane needs no
+# copy of the model. config.json says whether the model has a vision tower and its placeholder
+# token; preprocessor_config.json how an image becomes the tower's input.
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "chat_template.jinja",
     "generation_config.json",
+    "config.json",
+    "preprocessor_config.json",
 )
 
 
@@ -300,6 +305,7 @@ class ServingModel(Protocol):
         sampling: Sequence[Sampling | None] | None = None,
         scores: Sequence[ScoreAsk | None] | None = None,
         top: Sequence[int] | None = None,
+        images: Sequence[Sequence[ImageInput]] | None = None,
     ) -> Prefilled:
         """Append each prompt to its sequence's cache (a long prompt may come in chunks) and
         return each one's last-row argmax (a draw for a prompt with `sampling`) and that
@@ -311,6 +317,13 @@ class ServingModel(Protocol):
         `MAX_TOP` or a `next_token` outside the vocabulary is `InvalidArgument`. `top[i]` (0 to
         `MAX_TOP`, else `InvalidArgument`) asks for that many alternatives of prompt i's last
         row, from its processed logits as its token's log-probability is (`Prefilled.top_ids`).
+        `images[i]`: the images whose first image token is in prompt i, in that order
+        (`ImageInput`); the tower embeds them and their embeddings take their tokens' places
+        (in this prefill and the sequence's next ones, where an image's tokens run on), each
+        row at Qwen's multimodal RoPE position. A sequence that never had an image reads the
+        image token as text, as transformers does without pixels. An image the tower cannot
+        take, too large or one too many for the service's bounds, image tokens no image
+        accounts for or an image no token starts is `InvalidArgument` naming the image.
         Empty prompts, ids outside the vocabulary and prompts past the context are
         `InvalidArgument`; a sequence with a verify pending is `FailedPrecondition`."""
 

@@ -47,6 +47,27 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class ImagePart:
+    """An image in a message: its file's bytes with their MIME type, or a URL (`data:` or
+    `file://`) the control plane reads (`control_plane/text/images.py`)."""
+
+    data: bytes = b""
+    mime_type: str = ""  # of `data`; empty: read from the bytes
+    url: str = ""
+    # The part's place in the client's request (`messages[0].content[1]`), which a refusal
+    # names; the front that read it sets it (not on the wire: the gRPC front derives it).
+    where: str = ""
+
+
+@dataclass(frozen=True)
+class ContentPart:
+    """One part of a message's content: text, or an image."""
+
+    text: str = ""
+    image: ImagePart | None = None
+
+
+@dataclass(frozen=True)
 class ChatMessage:
     role: str
     content: str
@@ -54,6 +75,12 @@ class ChatMessage:
     tool_call_id: str = ""  # a tool's result: the call it answers
     name: str = ""  # a tool's result: the tool's name
     reasoning_content: str = ""  # an assistant's reasoning
+    # The content as parts in order, for a message that holds images (`content` then empty).
+    parts: tuple[ContentPart, ...] = ()
+
+    @property
+    def images(self) -> tuple[ImagePart, ...]:
+        return tuple(p.image for p in self.parts if p.image is not None)
 
 
 @dataclass(frozen=True)
@@ -138,7 +165,7 @@ def from_pb(r: pb.GenerateRequest) -> RequestParams:
     sampling = {k: v for k, v in _plain(SamplingParams, r).items() if v is not None}
     return RequestParams(
         **_plain(RequestParams, r, _SPECIAL),
-        messages=tuple(ChatMessage(**_plain(ChatMessage, m)) for m in r.messages),
+        messages=tuple(_message_from_pb(m, i) for i, m in enumerate(r.messages)),
         method=METHODS.get(r.speculative_method),
         response_format=None if kind is None else (kind, getattr(r.response_format, kind)),
         sampling=SamplingParams(**sampling),
@@ -153,10 +180,43 @@ def to_pb(p: RequestParams) -> pb.GenerateRequest:
         **{f.name: getattr(p, f.name) for f in fields(p) if f.name not in _SPECIAL},
     }
     r = pb.GenerateRequest(**{k: v for k, v in plain.items() if v is not None})
-    r.messages.extend(pb.ChatMessage(**dataclasses.asdict(m)) for m in p.messages)
+    r.messages.extend(_message_to_pb(m) for m in p.messages)
     if p.method is not None:
         r.speculative_method = codes[p.method]
     if p.response_format is not None:
         kind, text = p.response_format
         setattr(r.response_format, kind, text)
     return r
+
+
+def _message_from_pb(m: pb.ChatMessage, i: int) -> ChatMessage:
+    """A wire message; its parts named as a refusal names them (`messages[0].parts[1]`)."""
+    parts = []
+    for j, part in enumerate(m.parts):
+        kind = part.WhichOneof("part")
+        if kind is None:
+            raise ValueError(f"messages[{i}].parts[{j}] is empty; a part is text or an image")
+        if kind == "text":
+            parts.append(ContentPart(text=part.text))
+            continue
+        image = ImagePart(
+            part.image.data, part.image.mime_type, part.image.url, f"messages[{i}].parts[{j}]"
+        )
+        parts.append(ContentPart(image=image))
+    if parts and m.content:
+        raise ValueError(f"messages[{i}] has both content and parts; give one")
+    return ChatMessage(**_plain(ChatMessage, m, frozenset({"parts"})), parts=tuple(parts))
+
+
+def _message_to_pb(m: ChatMessage) -> pb.ChatMessage:
+    """`_message_from_pb` backwards (a part's `where` is the wire's own place)."""
+    out = pb.ChatMessage(**{f.name: getattr(m, f.name) for f in fields(m) if f.name != "parts"})
+    for part in m.parts:
+        if part.image is None:
+            out.parts.add(text=part.text)
+        else:
+            image = part.image
+            out.parts.add(
+                image=pb.ImagePart(data=image.data, mime_type=image.mime_type, url=image.url)
+            )
+    return out

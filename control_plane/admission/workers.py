@@ -80,7 +80,8 @@ class _Worker:
 
     def _read(self, size: int, deadline: float) -> bytes:
         assert self.proc.stdout is not None
-        out = b""
+        # A job's result may hold images' rows: tens of MB, arriving in pipe-sized pieces.
+        out = bytearray()
         try:
             fd = self.proc.stdout.fileno()
             while len(out) < size:
@@ -93,7 +94,7 @@ class _Worker:
                 out += piece
         except (OSError, ValueError):  # its pipe closed under the read: `close` ended it
             raise _Gone(self.proc.wait()) from None
-        return out
+        return bytes(out)
 
     def resident(self) -> int:
         try:

@@ -336,7 +336,8 @@ def _check_text(r: RequestParams) -> None:
     """JSON can carry lone surrogates; no tokenizer or chat template takes them."""
     texts = [r.prompt, r.chat_template_kwargs, r.chat_template, r.tools, r.request_id, *r.stop]
     texts += r.response_format or ()
-    texts += [t for m in r.messages for t in dataclasses.astuple(m)]
+    texts += [v for m in r.messages for v in vars(m).values() if isinstance(v, str)]
+    texts += [p.text for m in r.messages for p in m.parts]
     try:
         for text in texts:
             text.encode("utf-8")

@@ -104,20 +104,40 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., logprobs: _Optional[bool] = ..., request_id: _Optional[str] = ..., speculative_method: _Optional[_Union[SpeculativeMethod, str]] = ..., num_drafts: _Optional[int] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_p: _Optional[float] = ..., chat_template_kwargs: _Optional[str] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., tools: _Optional[str] = ..., tool_choice: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ..., include_stop_str_in_output: _Optional[bool] = ..., chat_template: _Optional[str] = ..., continue_final_message: _Optional[bool] = ..., prompt_logprobs: _Optional[int] = ..., thinking_token_budget: _Optional[int] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
-    __slots__ = ("role", "content", "tool_calls", "tool_call_id", "name", "reasoning_content")
+    __slots__ = ("role", "content", "tool_calls", "tool_call_id", "name", "reasoning_content", "parts")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     REASONING_CONTENT_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
     tool_calls: str
     tool_call_id: str
     name: str
     reasoning_content: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[str] = ..., tool_call_id: _Optional[str] = ..., name: _Optional[str] = ..., reasoning_content: _Optional[str] = ...) -> None: ...
+    parts: _containers.RepeatedCompositeFieldContainer[ContentPart]
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[str] = ..., tool_call_id: _Optional[str] = ..., name: _Optional[str] = ..., reasoning_content: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[ContentPart, _Mapping]]] = ...) -> None: ...
+
+class ContentPart(_message.Message):
+    __slots__ = ("text", "image")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    image: ImagePart
+    def __init__(self, text: _Optional[str] = ..., image: _Optional[_Union[ImagePart, _Mapping]] = ...) -> None: ...
+
+class ImagePart(_message.Message):
+    __slots__ = ("data", "mime_type", "url")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    MIME_TYPE_FIELD_NUMBER: _ClassVar[int]
+    URL_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    mime_type: str
+    url: str
+    def __init__(self, data: _Optional[bytes] = ..., mime_type: _Optional[str] = ..., url: _Optional[str] = ...) -> None: ...
 
 class ResponseFormat(_message.Message):
     __slots__ = ("json_schema", "regex", "lark")
