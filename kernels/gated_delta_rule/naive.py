@@ -144,6 +144,14 @@ def varlen_recurrent_gated_delta_rule(
     sequence with fewer rows than T gets padding steps after its own; their outputs and
     states are the caller's to drop."""
     steps, batch, heads, dk = k.shape
+    if batch * heads == 1:
+        # torch.bmm over one matrix takes another kernel than over several, so a sequence's
+        # bytes would differ alone and in a batch where it holds one head (a tensor-parallel
+        # rank's share of 4 value heads at TP 4): a zero sequence keeps it among two.
+        qq, kk, vv, gg, bb = (torch.cat([t, torch.zeros_like(t)], 1) for t in (q, k, v, g, beta))
+        two = torch.cat([state, torch.zeros_like(state)])
+        o, every = varlen_recurrent_gated_delta_rule(qq, kk, vv, gg, bb, two)
+        return o[:, :1], every[:, :1]
     dv, n = v.shape[-1], batch * heads
     kb = (k * beta.float()[..., None]).reshape(steps, n, dk, 1)
     decay = exp(g.float()).reshape(steps, n, 1, 1)

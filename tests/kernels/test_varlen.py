@@ -122,3 +122,19 @@ def test_varlen_attention_bytes_do_not_depend_on_the_key_length(start: int) -> N
     for key_len in range(own + KEY_BLOCK, ctx + 1, KEY_BLOCK):
         got = varlen_attention(q, k_cache, v_cache, tiles, key_len)
         assert torch.equal(got, expected), key_len
+
+
+def test_one_sequence_of_one_head_has_its_bytes_in_a_batch() -> None:
+    """A tensor-parallel rank may hold one value head: a sequence verified alone is then one
+    matrix, whose products torch multiplies by another kernel unless the rule keeps it among
+    two; its outputs and states are the bytes it has beside two others."""
+    gen = torch.Generator().manual_seed(4)
+    steps, batch_size, dk, dv = 2, 3, 128, 128
+    q, k = (torch.randn(steps, batch_size, 1, dk, generator=gen) for _ in range(2))
+    v = torch.randn(steps, batch_size, 1, dv, generator=gen)
+    g, beta = -torch.rand(steps, batch_size, 1, generator=gen), torch.rand(steps, batch_size, 1)
+    state = torch.randn(batch_size, 1, dk, dv, generator=gen)
+    out, states = varlen_recurrent_gated_delta_rule(q, k, v, g, beta, state)
+    alone = [t[:, :1] for t in (q, k, v, g, beta)]
+    one, one_states = varlen_recurrent_gated_delta_rule(*alone, state[:1])
+    assert torch.equal(one, out[:, :1]) and torch.equal(one_states, states[:, :1])
