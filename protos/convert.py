@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 from google.protobuf.message import Message
 
-from protos.handles import RowDraws, ScoreAsk, Scores
+from protos.handles import ImageInput, RowDraws, ScoreAsk, Scores
 from protos.met.v1 import model_pb2 as pb
 from protos.model import (
     Capabilities,
@@ -41,6 +41,7 @@ MESSAGES: dict[type, type[Message]] = {
     Penalties: pb.Penalties,
     CostEntry: pb.CostEntry,
     Logits: pb.ReadLogitsReply,
+    ImageInput: pb.ImageInput,
 }
 
 
@@ -126,9 +127,11 @@ def prefill_to_pb(
     sampling: Sequence[Sampling | None],
     scores: Sequence[ScoreAsk | None],
     tops: Sequence[int],
+    images: Sequence[Sequence[ImageInput]],
 ) -> pb.PrefillRequest:
-    """One item per sequence; an empty mask, an unset `sampling` or `score` and a `top` of 0
-    mean none."""
+    """One item per sequence; an empty mask, an unset `sampling` or `score`, a `top` of 0
+    and no images mean none."""
+    rows = zip(seqs, prompts, masks, sampling, scores, tops, images, strict=True)
     items = [
         pb.PrefillItem(
             seq_id=s.seq_id,
@@ -137,8 +140,9 @@ def prefill_to_pb(
             sampling=to_pb(smp) if smp is not None else None,
             score=None if ask is None else pb.ScoreAsk(top=ask.top, next_token=ask.next_token),
             top=top,
+            images=[to_pb(i) for i in imgs],
         )
-        for s, p, m, smp, ask, top in zip(seqs, prompts, masks, sampling, scores, tops, strict=True)
+        for s, p, m, smp, ask, top, imgs in rows
     ]
     return pb.PrefillRequest(items=items)
 
@@ -152,15 +156,17 @@ def prefill_from_pb(
     list[Sampling | None],
     list[ScoreAsk | None],
     list[int],
+    list[list[ImageInput]],
 ]:
-    """`prefill_to_pb` backwards: (handles, prompts, masks, sampling, scores, tops)."""
+    """`prefill_to_pb` backwards: (handles, prompts, masks, sampling, scores, tops, images)."""
     items = request.items
     sampling = [from_pb(Sampling, i.sampling) if i.HasField("sampling") else None for i in items]
     scores = [_score_ask(i.score) if i.HasField("score") else None for i in items]
     prompts = [list(i.tokens) for i in items]
     masks = [i.mask for i in items]
     tops = [i.top for i in items]
-    return handles(i.seq_id for i in items), prompts, masks, sampling, scores, tops
+    images = [[from_pb(ImageInput, m) for m in i.images] for i in items]
+    return handles(i.seq_id for i in items), prompts, masks, sampling, scores, tops, images
 
 
 def _score_ask(m: pb.ScoreAsk) -> ScoreAsk:

@@ -40,6 +40,21 @@ MAX_TOP = 20  # alternatives a row's score may list, as vLLM and OpenAI bound th
 
 
 @dataclass(frozen=True)
+class ImageInput:
+    """One image of a prefill's prompt, as transformers' processor gives it to the model:
+    `pixels`, its patch rows [t * h * w, in_channels * temporal_patch_size * patch_size ** 2]
+    (`pixel_values`' rows for this image, in the processor's order) as float32 little-endian
+    bytes; `grid_thw`, its (t, h, w) in patches (`image_grid_thw`'s row); `digest`, the
+    sha256 of the image's bytes, which keys it in the control plane's prefix cache (the
+    service names an image by it in a refusal). Its tokens are `t * h * w / merge_size ** 2`
+    image tokens in the prompt, the first of them in the prefill that sends it."""
+
+    pixels: bytes
+    grid_thw: tuple[int, ...]
+    digest: bytes = b""
+
+
+@dataclass(frozen=True)
 class Scores:
     """A prompt chunk's rows scored, raw (the model's log-softmax: no penalty, no mask):
     `logprobs[j]` is row j's log-probability of the token after it (the chunk's next one, or

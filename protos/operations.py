@@ -121,6 +121,7 @@ def _prefill_request(a: Args) -> pb.PrefillRequest:
     sampling = a["sampling"] or [None] * len(seqs)
     scores = a["scores"] or [None] * len(seqs)
     tops = a["top"] or [0] * len(seqs)
+    images = a["images"] or [()] * len(seqs)
     checks.same_length(
         "prefill",
         seqs=seqs,
@@ -129,12 +130,13 @@ def _prefill_request(a: Args) -> pb.PrefillRequest:
         sampling=sampling,
         scores=scores,
         top=tops,
+        images=images,
     )
-    return cv.prefill_to_pb(seqs, a["prompts"], masks, sampling, scores, tops)
+    return cv.prefill_to_pb(seqs, a["prompts"], masks, sampling, scores, tops, images)
 
 
 def _prefill_arguments(r: pb.PrefillRequest) -> dict[str, Any]:
-    seqs, prompts, masks, sampling, scores, tops = cv.prefill_from_pb(r)
+    seqs, prompts, masks, sampling, scores, tops, images = cv.prefill_from_pb(r)
     return {
         "seqs": seqs,
         "prompts": prompts,
@@ -142,6 +144,7 @@ def _prefill_arguments(r: pb.PrefillRequest) -> dict[str, Any]:
         "sampling": sampling,
         "scores": scores if any(s is not None for s in scores) else None,
         "top": tops if any(tops) else None,
+        "images": images if any(images) else None,
     }
 
 

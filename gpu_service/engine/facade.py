@@ -41,6 +41,7 @@ from gpu_service.model.weights import serving_dtype, stream_weights
 from gpu_service.tp.group import TpGroup
 from kernels.attention.format import KEY_BLOCK
 from protos import checks
+from protos.handles import ImageInput
 from protos.hub import model_name
 from protos.model import (
     FORWARDS,
@@ -279,9 +280,10 @@ class Engine:
         sampling: Sequence[Sampling | None] | None = None,
         scores: Sequence[ScoreAsk | None] | None = None,
         top: Sequence[int] | None = None,
+        images: Sequence[Sequence[ImageInput]] | None = None,
     ) -> Prefilled:
         with self._hold():
-            return self.verifier.prefill(seqs, prompts, masks, sampling, scores, top)
+            return self.verifier.prefill(seqs, prompts, masks, sampling, scores, top, images)
 
     def decode_verify_batched(
         self,

@@ -20,6 +20,7 @@ from gpu_service.model.backend import download, ints, upload
 from gpu_service.model.batch import Segment, draft_batch, key_len
 from gpu_service.model.config import ModelConfig, ServiceConfig
 from gpu_service.model.hybrid import HybridModel
+from gpu_service.model.mrope import positions
 from gpu_service.model.ops import ROW_TILE, padded_rows
 from gpu_service.model.state import DeviceState
 from kernels.attention.naive import KEY_BLOCK
@@ -89,8 +90,18 @@ class HeadDrafter:
         tokens, src_t, slot_t, last_t = upload(hidden.device, pair_tokens, sources, slots, last)
         if mtp_segs:
             pairs = torch.cat([self.state.mtp_carry, hidden]).index_select(0, src_t)
-            self.model.mtp_forward(tokens, pairs, mtp_segs, self.state, kv_only=True)
+            rope = self._image_rope(group, mtp_segs)
+            self.model.mtp_forward(tokens, pairs, mtp_segs, self.state, True, rope)
         self.state.mtp_carry[slot_t] = hidden[last_t]
+
+    def _image_rope(self, group: list[SeqState], segs: list[Segment]) -> torch.Tensor | None:
+        """The entries' RoPE where a sequence has images: an entry takes its hidden row's
+        position (the target's row before its token), as vLLM's MTP does; None for text."""
+        if not any(s.images for s in group):
+            return None
+        by_slot = {s.slot: s.images for s in group}
+        where = [positions(by_slot[g.slot], range(g.start, g.start + g.count)) for g in segs]
+        return self.model.image_rope(torch.from_numpy(np.concatenate(where, 1)))
 
     # -- propose -------------------------------------------------------------------------
 

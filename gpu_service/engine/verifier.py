@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from gpu_service.engine import images as vision
 from gpu_service.engine.choice import Choice
 from gpu_service.engine.logits import distribution, grammar_masks, log_softmax_top, process_rows
 from gpu_service.engine.sampling import check_sampling, draw, row_draws
@@ -21,7 +22,7 @@ from gpu_service.model.config import ModelConfig, ServiceConfig
 from gpu_service.model.hybrid import PREFILL, VERIFY, HybridModel
 from gpu_service.model.state import DeviceState
 from protos import checks
-from protos.handles import MAX_TOP, RowDraws, ScoreAsk, Scores
+from protos.handles import MAX_TOP, ImageInput, RowDraws, ScoreAsk, Scores
 from protos.model import (
     FailedPrecondition,
     InvalidArgument,
@@ -79,8 +80,10 @@ class Verifier:
         rows: list[list[int]],
         mode: str,
         write_live: bool = True,
+        placed: list[vision.Placed] | None = None,
     ) -> torch.Tensor:
-        """Every sequence's rows through the target -> their final hiddens [R, H]."""
+        """Every sequence's rows through the target -> their final hiddens [R, H]. `placed`:
+        a prefill's images placed in each sequence's chunk (`engine/images.py`)."""
 
         graphs = self.choice.replayed() if mode == VERIFY else None
         self.slots.cover(states, [s.seq_len + len(r) for s, r in zip(states, rows, strict=True)])
@@ -92,7 +95,10 @@ class Verifier:
             if graphs is not None and (out := graphs.verify(segs, flat, write_live)) is not None:
                 return out
             tokens = torch.tensor(flat, device=self.model.device)
-            hidden = self.model.forward(tokens, segs, self.state, mode, write_live)
+            extra = None
+            if placed is not None:
+                extra = vision.image_rows(self.model, [placed[i] for i in idx], segs)
+            hidden = self.model.forward(tokens, segs, self.state, mode, write_live, extra)
             if mode == PREFILL:
                 self.prime(group, toks, segs, hidden)
             return hidden[: len(flat)]
@@ -110,8 +116,11 @@ class Verifier:
         sampling: Sequence[Sampling | None] | None = None,
         scores: Sequence[ScoreAsk | None] | None = None,
         top: Sequence[int] | None = None,
+        images: Sequence[Sequence[ImageInput]] | None = None,
     ) -> Prefilled:
         checks.same_length("prefill", seqs=seqs, prompts=prompts)
+        sent = [list(i) for i in images or [()] * len(prompts)]
+        checks.same_length("prefill", prompts=prompts, images=sent)
         sampled = {i: s for i, s in enumerate(sampling or ()) if s is not None}
         check_sampling(sampled, {i: 1 for i in sampled}, len(prompts))
         row_masks = self.masks(dict(enumerate(masks or ())), len(prompts))
@@ -120,11 +129,14 @@ class Verifier:
         asks = self._check_scores(scores, len(prompts))
         tops = check_top("prefill", top, len(prompts))
         rows = [list(p) for p in prompts]
-        hidden = self._forward(states, rows, PREFILL)
+        placed = self._place(states, rows, sent)
+        hidden = self._forward(states, rows, PREFILL, placed=placed)
         scored = self._score(hidden, rows, asks) if asks else []
         (ends,) = upload(hidden.device, (np.cumsum([len(p) for p in rows]) - 1).tolist())
         for s, p in zip(states, rows, strict=True):
             s.tokens.extend(p)
+        if placed is not None:
+            vision.settle(self.state, states, placed)
         logits = self.model.logits(hidden[ends])
         before = [s.seq_len - 1 for s in states]
         last = [s.tokens[-1:] for s in states]
@@ -133,6 +145,21 @@ class Verifier:
         ids, values = self._last_rows(out, logprobs, sampled, tops)
         mirror(seqs, states)
         return Prefilled(out, logprobs, scored, ids, values)
+
+    def _place(
+        self, states: list[SeqState], rows: list[list[int]], sent: list[list[ImageInput]]
+    ) -> list[vision.Placed] | None:
+        """Each chunk's images placed and the new ones embedded, the sequences' images then
+        theirs (the drafter's priming reads them); None for a model without a tower."""
+        vision.check_images(self.model, self.svc, states, sent)
+        v = self.cfg.vision
+        if v is None:
+            return None
+        placed = [vision.place(v, s, r, i) for s, r, i in zip(states, rows, sent, strict=True)]
+        vision.embed_new(self.model, placed, sent)
+        for s, p in zip(states, placed, strict=True):
+            s.images = tuple(p.spans)
+        return placed
 
     def _last_rows(
         self, out: list[int], logprobs: list[float], sampled: dict[int, Sampling], tops: list[int]
@@ -293,6 +320,7 @@ class Verifier:
             )
             checks.phase(s.seq_id, s.phase, IDLE, "verify")
             checks.fits_context(s.seq_id, s.seq_len, k, self.svc.max_context)
+            vision.check_not_mid_image(s, "a verify")
         return states
 
     # -- verdict -------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from gpu_service.memory.sequence import IDLE, SeqState
 from gpu_service.memory.slots import SlotTable, unknown_snapshot
+from gpu_service.model.mrope import ImageSpan, shift_after
 from gpu_service.model.state import DeviceState
 from kernels.attention.format import KEY_BLOCK
 from protos import checks
@@ -32,6 +33,9 @@ from protos.model import FailedPrecondition, InvalidArgument, ResourceExhausted
 @dataclass(frozen=True)
 class Snapshot:
     tokens: tuple[int, ...]
+    # Its images (`SeqState.images`): the embeddings of one whose tokens run on past the
+    # snapshot are held with it, so that a sequence made from it prefills the rest.
+    images: tuple[ImageSpan, ...]
     shared: tuple[int, ...]  # the blocks below the last position, held by the snapshot
     last: int  # its own copy of the block holding the last position
     row: int  # its row in the snapshot storage
@@ -66,7 +70,7 @@ class Prefixes:
         st.snap_carry[row] = st.mtp_carry[s.slot]
         snap_id = self._next_id
         self._next_id += 1
-        self._snaps[snap_id] = Snapshot(tuple(s.tokens), shared, last, row)
+        self._snaps[snap_id] = Snapshot(tuple(s.tokens), s.images, shared, last, row)
         return snap_id
 
     def _check_snapshot(self, s: SeqState) -> None:
@@ -107,7 +111,9 @@ class Prefixes:
         st.conv[:, s.slot] = st.snap_conv[:, snap.row]
         st.mtp_carry[s.slot] = st.snap_carry[snap.row]
         st.mtp_carry_valid[s.slot] = True
+        st.rope_shift[s.slot] = shift_after(snap.images)
         s.tokens[:] = snap.tokens
+        s.images = snap.images
 
     def drop(self, snap_ids: Sequence[int]) -> None:
         """Let the snapshots go: their rows, and their blocks that no sequence holds."""

@@ -10,6 +10,8 @@ from protos.model import MTP_HEAD, Penalties
 if TYPE_CHECKING:
     import torch
 
+    from gpu_service.model.mrope import ImageSpan
+
 IDLE, VERIFIED, FOLDED = "idle", "verified", "folded"
 
 
@@ -44,6 +46,9 @@ class SeqState:
     penalties: Penalties | None = None
     counts: Counts | None = None  # what its penalties read, kept on the device
     drafter: str = MTP_HEAD  # what proposes its drafts (`protos.model.DRAFTERS`)
+    # Its prompt's images, in order (`gpu_service/engine/images.py`): where their tokens sit,
+    # their RoPE positions, and the embeddings of one whose tokens are not all in yet.
+    images: tuple[ImageSpan, ...] = ()
 
     @property
     def seq_len(self) -> int:

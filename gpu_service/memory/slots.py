@@ -48,6 +48,7 @@ class SlotTable:
         self.blocks.release(s.slot)
         self._reset(s.slot)
         s.tokens.clear()
+        s.images = ()
 
     def cover(self, states: Sequence[SeqState], ends: Sequence[int]) -> None:
         """KV blocks for each sequence's positions below its end, before a call writes them

@@ -371,6 +371,12 @@ class ServiceConfig:
     # --num-slots: None gives one slot per tier entry; N gives the tiers' capacities to the
     # first N slots and the last tier's to any beyond them.
     num_slots_override: int | None = None
+    # The images a prompt may hold (vLLM's --limit-mm-per-prompt, whose V1 default is 999) and
+    # the pixels one may cover, t * h * w patches of patch_size ** 2 (Qwen3-VL's processor's
+    # size.longest_edge, 4096 x 4096, which vLLM takes from it): a prefill past either is
+    # refused, and the plan counts the tower's activations at the largest image.
+    max_images_per_prompt: int = 999
+    max_image_pixels: int = 16777216
 
     def __post_init__(self) -> None:
         if self.num_slots_override is not None and self.num_slots_override < 1:
@@ -379,6 +385,8 @@ class ServiceConfig:
             raise ValueError(f"kv_blocks is {self.kv_blocks}; it must be >= 0 (0: every context)")
         if self.prefix_snapshots < 0:
             raise ValueError(f"prefix_snapshots is {self.prefix_snapshots}; it must be >= 0")
+        if min(self.max_images_per_prompt, self.max_image_pixels) < 1:
+            raise ValueError("max_images_per_prompt and max_image_pixels must be >= 1")
 
     @property
     def slot_verify_drafts(self) -> tuple[int, ...]:

@@ -314,4 +314,3 @@ def _refuse_unknown(rest: dict, where: str) -> None:
             f"{where}{key} is set, and this engine does not read it; it refuses to serve a "
             "model whose config it would not follow whole"
         )
-

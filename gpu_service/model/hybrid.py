@@ -8,17 +8,19 @@ the GDN mix, argmax, fold) sit behind an ops object (`gpu_service.model.backend`
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
 
 from gpu_service.model.backend import EAGER, Cache, Ops
 from gpu_service.model.batch import Batch, Layout, Segment, build
 from gpu_service.model.config import FULL, ModelConfig
+from gpu_service.model.mrope import ImageRows, rope_rows, streams
 from gpu_service.model.ops import ROW_TILE, apply_rope, pad_rows, rope_table
 from gpu_service.model.packing import fold_norms, head_norms, norm_weights, pack
 from gpu_service.model.shard import Shard, vocab_range
 from gpu_service.model.state import DeviceState
+from gpu_service.model.vision import VISION_PREFIX, VisionTower
 from gpu_service.tp.group import TpGroup
 from kernels.attention.naive import KEY_BLOCK, pool_index
 from kernels.common import sigmoid, silu, softplus
@@ -46,8 +48,10 @@ class HybridModel:
         so that each is dropped once packed (`gpu_service/model/packing.py`). Under tensor
         parallelism (`tp`), `cfg` and `weights` are this rank's (`gpu_service/model/shard.py`):
         each row-parallel output is summed over the ranks, and the embedding and LM head hold
-        this rank's token ids."""
-        packed = pack(cfg, weights.items() if isinstance(weights, Mapping) else weights)
+        this rank's token ids. The vision tower's tensors (`model.visual.*`) go to the tower
+        (`self.vision`), whole on every rank."""
+        weights, tower = _diverted(weights)
+        packed = pack(cfg, weights)
         self.tp = tp
         self.vocab = (
             (0, cfg.vocab_size)
@@ -62,11 +66,9 @@ class HybridModel:
             raise ValueError("lm_head is FP8 and tied to the embedding, which is looked up in it")
         # The activations' dtype: the embedding's, whatever the linears are held in.
         self.dtype, self.device = table.dtype, table.device
-        cos, sin = rope_table(cfg, max_context)
-        half = cfg.rotary_dim // 2
-        # [ctx, 2, rot]: cos, and sin signed for rotate-half (x2, x1) order.
-        sign = torch.cat([-torch.ones(half), torch.ones(half)])
-        self.rope = torch.stack([cos, sin * sign], 1).to(self.device)
+        self.rope = _rope_table(cfg, max_context).to(self.device)
+        v = cfg.vision
+        self.vision = None if v is None else VisionTower(v, tower, self.dtype, self.device)
         self.linear_index = {n: i for i, n in enumerate(cfg.linear_layers)}
         self.full_index = {n: i for i, n in enumerate(cfg.full_layers)}
         norms = norm_weights(self.vectors)
@@ -153,8 +155,10 @@ class HybridModel:
                     visit(f"{path}.{i}", x)
 
         for name, value in vars(self).items():
-            if name not in ("rope", "tp"):
+            if name not in ("rope", "tp", "vision"):
                 visit(name, value)
+        if self.vision is not None:
+            visit("vision", self.vision.held())
         return dict(found.values())
 
     def ops_norm(self, x: torch.Tensor, name: str, ops: Ops) -> torch.Tensor:
@@ -187,15 +191,19 @@ class HybridModel:
         state: DeviceState,
         mode: str,
         write_live: bool = True,
+        images: ImageRows | None = None,
     ) -> torch.Tensor:
         """tokens: [R] -> final hidden after the model's norm: [P, H] (P = R padded).
 
         PREFILL runs GDN in chunked form and leaves the final state live; VERIFY runs it row
         by row, keeping every row's state in the slot's verify buffer, and advances the live
-        state only when `write_live`."""
+        state only when `write_live`. `images`: a prefill's image rows and every row's RoPE
+        (a chunk holding image tokens, or following them: `gpu_service/model/mrope.py`)."""
         batch = segs if isinstance(segs, Batch) else self.batch(segs, state, mode)
         x = self.embed_padded(tokens)
-        rope = self.rope.index_select(0, batch.row_pos)
+        if images is not None and images.rows is not None and images.embeds is not None:
+            x = x.index_copy(0, images.rows, images.embeds.to(x.dtype))
+        rope = self.row_rope(batch, state) if images is None else images.rope
         writes, reads = self._kv_rows(batch, state)
         tapped: dict[int, torch.Tensor] = {}
         for n, kind in enumerate(self.cfg.layer_types):
@@ -216,6 +224,23 @@ class HybridModel:
                 if len(tapped) == len(self.taps) and self.tap_sink is not None:
                     self.tap_sink(torch.cat([tapped[i] for i in self.taps], -1), batch, state)
         return self._norm(x, "model.norm")
+
+    def row_rope(self, batch: Batch, state: DeviceState) -> torch.Tensor:
+        """Each row's RoPE [P, 2, rot] at its position; with a vision tower, at its position
+        plus its sequence's shift (`DeviceState.rope_shift`: 0 for text alone, the text after
+        images goes on from where they left off)."""
+        index = batch.row_pos
+        if self.vision is not None:
+            shift = state.rope_shift.index_select(0, batch.row_slot)
+            index = index + torch.nn.functional.pad(shift, (0, index.shape[0] - shift.shape[0]))
+        return self.rope.index_select(0, index)
+
+    def image_rope(self, positions: torch.Tensor) -> torch.Tensor:
+        """positions: [3, R] (time, height, width) -> RoPE [P, 2, rot], padding rows at 0."""
+        assert self.cfg.vision is not None
+        padded = pad_rows(positions.t(), ROW_TILE).t()
+        columns = streams(self.cfg.vision.mrope_section, self.cfg.rotary_dim)
+        return rope_rows(self.rope, padded.to(self.device), columns)
 
     def _kv_rows(
         self, batch: Batch, state: DeviceState
@@ -295,11 +320,13 @@ class HybridModel:
         segs: list[Segment] | Batch,
         state: DeviceState,
         kv_only: bool = False,
+        rope: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """One drafter pass: row r pairs token r with hidden r (the hidden of the position
         before it) at its segment's positions, writing the drafter's KV there.
         tokens: [R], hidden: [R, H] -> the drafter's hidden after its norm: [P, H]; with
-        `kv_only` (priming from a prompt) it stops once the KV is written."""
+        `kv_only` (priming from a prompt) it stops once the KV is written. `rope`: the rows'
+        RoPE where a prompt's images place them (`image_rope` of the hidden rows' positions)."""
         batch = segs if isinstance(segs, Batch) else self.batch(segs, state, VERIFY)
         # norm_e(embed(t)) of each row's token: a row-wise norm, so the same bytes as a table.
         emb = self.ops_norm(self.embed_padded(tokens), _MTP_EMBED_NORM, EAGER)
@@ -309,7 +336,7 @@ class HybridModel:
         kv = (state.mtp_k, state.mtp_v, state.mtp_valid, state.block_table)
         cache = Cache(*kv, *self._kv_rows(batch, state))
         h = self._norm(x, f"{p}.input_layernorm")
-        rope = self.rope.index_select(0, batch.row_pos)
+        rope = self.row_rope(batch, state) if rope is None else rope
         if kv_only:
             self._project_kv(f"{p}.self_attn", h, batch, rope, cache)
             return None
@@ -421,6 +448,30 @@ class HybridModel:
         return self._reduced(
             self.ops.linear(normed.reshape(rows, hv * dv), self.wt[f"{p}.out_proj"])
         )
+
+
+def _rope_table(cfg: ModelConfig, max_context: int) -> torch.Tensor:
+    """[ctx, 2, rot]: cos, and sin signed for rotate-half (x2, x1) order."""
+    cos, sin = rope_table(cfg, max_context)
+    half = cfg.rotary_dim // 2
+    sign = torch.cat([-torch.ones(half), torch.ones(half)])
+    return torch.stack([cos, sin * sign], 1)
+
+
+def _diverted(
+    weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+) -> tuple[Iterator[tuple[str, torch.Tensor]], dict[str, torch.Tensor]]:
+    """(the stream without the vision tower's tensors, the dict they go to as they pass)."""
+    tower: dict[str, torch.Tensor] = {}
+
+    def stream() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in weights.items() if isinstance(weights, Mapping) else weights:
+            if name.startswith(VISION_PREFIX):
+                tower[name] = t
+            else:
+                yield name, t
+
+    return stream(), tower
 
 
 def _storage_key(t: torch.Tensor) -> int:

@@ -42,9 +42,10 @@ def quantize_checkpoint(src: Path, dst: Path, block: int = BLOCK) -> list[str]:
     index = checkpoint_index(src)
     cfg = served_config(ModelConfig.from_dict(raw), index)
     expected, _ = expected_tensors(cfg, index)
-    carried = set(expected) | set(vision_tensors(cfg, index))  # the tower, written as read
+    tower = set(vision_tensors(cfg, index))  # written as read
+    carried = set(expected) | tower
     quant = Fp8Blocks(PUBLISHED_NOT_CONVERTED)
-    targets = fp8_names(quant, expected)
+    targets = fp8_names(quant, {n: s for n, s in expected.items() if n not in tower})
     dst.mkdir(parents=True, exist_ok=True)
     weight_map: dict[str, str] = {}
     for shard in shard_paths(src):

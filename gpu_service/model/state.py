@@ -62,6 +62,10 @@ class DeviceState:
         pool = self.pad_vrow + max(self.verify_rows)
         self.verify_gdn = torch.zeros(n_lin, pool, *gdn, dtype=torch.float32, device=device)
         self.verify_conv = torch.zeros(n_lin, pool, *window, dtype=dtype, device=device)
+        # RoPE position minus sequence position of each slot's next text token (0 for text
+        # alone; negative after images: `gpu_service/model/mrope.py`), read on the device by
+        # every verify and draft; the pad slot's stays 0.
+        self.rope_shift = torch.zeros(slots + 1, dtype=torch.long, device=device)
         # The last prefill row's hidden per slot, which the drafter pairs with the next token.
         self.mtp_carry = torch.zeros(slots, cfg.hidden_size, dtype=dtype, device=device)
         self.mtp_carry_valid = [False] * slots
@@ -119,6 +123,7 @@ class DeviceState:
         """A fresh sequence: zero state, no drafter carry (it holds no KV block yet)."""
         self.gdn[:, slot].zero_()
         self.conv[:, slot].zero_()
+        self.rope_shift[slot] = 0
         self.mtp_carry_valid[slot] = False
 
     def kv_index(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

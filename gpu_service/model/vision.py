@@ -22,11 +22,11 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
+from gpu_service.model.quantization import SCALE_SUFFIX
 from gpu_service.model.vision_config import VisionConfig
 from kernels.fp8.naive import dequantize_blocks
 
 VISION_PREFIX = "model.visual."
-_SCALE = "weight_scale_inv"
 _EPS = 1e-6  # every LayerNorm of the tower
 
 
@@ -88,11 +88,12 @@ class VisionTower:
         """`tensors`: the checkpoint's `model.visual.*` by name (a weight stored in FP8 beside
         its `weight_scale_inv` is dequantized: the tower runs in `dtype`)."""
         self.v, self.dtype, self.device = v, dtype, torch.device(device)
-        got = {n.removeprefix(VISION_PREFIX): t for n, t in tensors.items() if _SCALE not in n}
+        got = {n.removeprefix(VISION_PREFIX): t for n, t in tensors.items()}
         for name, t in tensors.items():
-            if name.endswith(_SCALE):
-                weight = name.removesuffix(_SCALE) + "weight"
+            if name.endswith(SCALE_SUFFIX):
+                weight = name.removesuffix(SCALE_SUFFIX) + "weight"
                 got[weight.removeprefix(VISION_PREFIX)] = dequantize_blocks(tensors[weight], t)
+                del got[name.removeprefix(VISION_PREFIX)]
         # Linears as [in, out], contiguous; vectors as loaded.
         self.wt: dict[str, torch.Tensor] = {}
         for name, t in got.items():

@@ -16,6 +16,7 @@ from gpu_service.model import shard as tp_shard
 from gpu_service.model.config import FULL, ModelConfig
 from gpu_service.model.quantization import SCALE_SUFFIX, quantizable, scale_name, scale_shape
 from gpu_service.model.shard import Shard
+from gpu_service.model.vision import VISION_PREFIX, vision_shapes
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -145,14 +146,25 @@ def _init(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tens
     return torch.randn(shape, generator=gen) / math.sqrt(fan_in)
 
 
-VISION_PREFIX = "model.visual."
-
-
 def vision_tensors(cfg: ModelConfig, names: Iterable[str]) -> list[str]:
-    """The vision tower's tensors among `names` (a Qwen3.5 checkpoint's `model.visual.*`): the
-    engine serves text, so it recognises them and leaves them unread."""
+    """The vision tower's tensors among `names` (a Qwen3.5 checkpoint's `model.visual.*`)."""
     nested = cfg.weight_prefix != "model."
     return [n for n in names if nested and n.startswith(VISION_PREFIX)]
+
+
+def _tower_expected(
+    cfg: ModelConfig, index: dict[str, tuple[Path, tuple[int, ...], str]]
+) -> dict[str, tuple[int, ...]]:
+    """The tower's tensors (`vision.vision_shapes`), with the scale of each weight stored in
+    FP8 (the tower dequantizes it at load: it runs in the serving dtype)."""
+    if cfg.vision is None:
+        return {}
+    shapes = vision_shapes(cfg.vision)
+    for name in [n for n in shapes if n in index and index[n][2] == FP8_NAME]:
+        if not quantizable(name, shapes[name]):
+            raise ValueError(f"{name} is stored as float8_e4m3fn; only linear weights load as FP8")
+        shapes[scale_name(name)] = scale_shape(shapes[name])
+    return shapes
 
 
 def init_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
@@ -245,6 +257,7 @@ def expected_tensors(
                 "unquantized"
             )
         expected[scale_name(name)] = scale_shape(expected[name])
+    expected |= _tower_expected(cfg, index)
     missing = sorted(set(expected) - set(index))
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} tensors, first {missing[0]!r}")
@@ -253,7 +266,7 @@ def expected_tensors(
             raise ValueError(f"{name} has shape {index[name][1]}; the config says {shape}")
         if index[name][2] not in _DTYPES:
             raise ValueError(f"{name} is stored as {index[name][2]}, which is not supported")
-    unread = set(index) - set(expected) - set(vision_tensors(cfg, index))
+    unread = set(index) - set(expected)
     unknown = sorted(n for n in unread if not _moot(cfg, n, index[n][1]))
     if unknown:
         raise ValueError(
@@ -278,6 +291,8 @@ def _unknown_hint(name: str, cfg: ModelConfig) -> str:
         return " (a quantization scale of a kind this engine does not serve)"
     if name.startswith("mtp.") and not cfg.has_mtp:
         return " (an MTP head the config does not declare)"
+    if name.startswith(VISION_PREFIX):
+        return " (a vision tower the config does not declare)"
     return ""
 
 
@@ -344,7 +359,11 @@ def serving_dtype(cfg: ModelConfig, dtype: str | None) -> torch.dtype:
 
 def served_config(cfg: ModelConfig, names: Iterable[str]) -> ModelConfig:
     """The config as served from a checkpoint holding tensors `names`: without `mtp.*` tensors
-    the drafter is off (no MTP layer)."""
+    the drafter is off (no MTP layer); without `model.visual.*` ones, the tower (the model
+    serves text, and a prefill with images is refused)."""
+    names = list(names)
+    if cfg.vision is not None and not vision_tensors(cfg, names):
+        cfg = replace(cfg, vision=None)
     if cfg.has_mtp and not any(n.startswith("mtp.") for n in names):
         return replace(cfg, num_nextn_predict_layers=0)
     return cfg

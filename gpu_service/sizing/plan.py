@@ -95,6 +95,7 @@ STATE_PARTS = {
     "snap_conv": "snapshot_bytes",
     "snap_carry": "snapshot_bytes",
     "verify_hidden": "stash_bytes",
+    "rope_shift": "rope_bytes",
 }
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from protos import convert as cv
-from protos.handles import RowDraws, ScoreAsk, Scores
+from protos.handles import ImageInput, RowDraws, ScoreAsk, Scores
 from protos.met.v1 import model_pb2 as pb
 from protos.model import (
     Capabilities,
@@ -129,8 +129,11 @@ def test_prefill_round_trip() -> None:
     sampling = [None, Sampling(0.5, uniforms=(0.5,)), Sampling(1.0, top_k=2)]
     scores = [ScoreAsk(3, 9), None, ScoreAsk(0)]
     tops = [0, 5, 20]
-    got = cv.prefill_from_pb(wire(cv.prefill_to_pb(seqs, prompts, masks, sampling, scores, tops)))
-    assert got == (cv.handles([1, 2, 3]), prompts, masks, sampling, scores, tops)
+    image = ImageInput(b"\x00\x00\x80\x3f" * 6, (1, 2, 3), b"\x01" * 32)
+    images = [[image, ImageInput(b"", (1, 2, 2))], [], [image]]
+    sent = cv.prefill_to_pb(seqs, prompts, masks, sampling, scores, tops, images)
+    got = cv.prefill_from_pb(wire(sent))
+    assert got == (cv.handles([1, 2, 3]), prompts, masks, sampling, scores, tops, images)
 
 
 def test_scores_round_trip() -> None:

@@ -139,20 +139,32 @@ class FreeSequenceReply(_message.Message):
     def __init__(self) -> None: ...
 
 class PrefillItem(_message.Message):
-    __slots__ = ("seq_id", "tokens", "mask", "sampling", "score", "top")
+    __slots__ = ("seq_id", "tokens", "mask", "sampling", "score", "top", "images")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     MASK_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SCORE_FIELD_NUMBER: _ClassVar[int]
     TOP_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     mask: bytes
     sampling: SamplingParams
     score: ScoreAsk
     top: int
-    def __init__(self, seq_id: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., mask: _Optional[bytes] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., score: _Optional[_Union[ScoreAsk, _Mapping]] = ..., top: _Optional[int] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[ImageInput]
+    def __init__(self, seq_id: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., mask: _Optional[bytes] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., score: _Optional[_Union[ScoreAsk, _Mapping]] = ..., top: _Optional[int] = ..., images: _Optional[_Iterable[_Union[ImageInput, _Mapping]]] = ...) -> None: ...
+
+class ImageInput(_message.Message):
+    __slots__ = ("pixels", "grid_thw", "digest")
+    PIXELS_FIELD_NUMBER: _ClassVar[int]
+    GRID_THW_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    pixels: bytes
+    grid_thw: _containers.RepeatedScalarFieldContainer[int]
+    digest: bytes
+    def __init__(self, pixels: _Optional[bytes] = ..., grid_thw: _Optional[_Iterable[int]] = ..., digest: _Optional[bytes] = ...) -> None: ...
 
 class ScoreAsk(_message.Message):
     __slots__ = ("top", "next_token")
