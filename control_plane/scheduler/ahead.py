@@ -4,7 +4,8 @@ plan of step N + 1, which tells every sequence of step N to continue from the se
 verdict, and only then reads step N's result; so the service runs step N + 1 while this process
 streams step N's tokens, and never waits for it. Each plan names every sequence's drafter (its
 method's, so the service drafts with the MTP head or a DFlash block per sequence) and proposes
-one count for all, within every drafter's most (a DFlash block's drafts).
+one count for all: the least of its arms' widths, within every drafter's most (a DFlash
+block's drafts).
 
 What it costs in knowledge: a plan is made before the previous result is read, so the step's
 width comes from statistics one step old, and a sequence that finishes in step N (EOS, a
@@ -32,8 +33,10 @@ from dataclasses import dataclass, field
 from opentelemetry import propagate
 from opentelemetry.trace import Link, Span, set_span_in_context
 
+from control_plane.scheduler.arm_dflash import block_width
 from control_plane.scheduler.arms import step_mtp, step_width
 from control_plane.scheduler.context import StepContext
+from control_plane.scheduler.methods import BLOCKS
 from control_plane.scheduler.metrics import REPLICA_ATTRIBUTE
 from control_plane.scheduler.seq import ActiveSeq
 from control_plane.scheduler.verdict import apply_step, drafter_names, offsets
@@ -77,10 +80,15 @@ class SentStep:
 
 
 def plan_width(seqs: list[ActiveSeq], ctx: StepContext, num_drafts: int) -> int:
-    """A plan's drafts: the step's width, within what each drafting sequence's drafter gives
-    (a block drafter's block less one), since a plan proposes one count for all of them."""
+    """A plan's drafts: each arm's width for its sequences (a chain's step width, a block's
+    gamma), the least of them, within what each drafting sequence's drafter gives (a block
+    drafter's block less one), since a plan proposes one count for all of them."""
+    blocks = [a for a in seqs if a.method.arm == BLOCKS]
+    widths = [block_width(blocks, ctx, num_drafts)] if blocks else []
+    if len(blocks) < len(seqs):
+        widths.append(step_width(seqs, ctx, num_drafts))
     most = [a.method.most_drafts(ctx.caps) for a in seqs if a.method.drafts]
-    return min([step_width(seqs, ctx, num_drafts), *most])
+    return min([*widths, *most])
 
 
 def context_left(a: ActiveSeq) -> int:

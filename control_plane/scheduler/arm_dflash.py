@@ -47,8 +47,7 @@ def step_dflash(
     """Gamma from the resolver (it shadows the serve-wide count, or the block's drafts for
     `dflash` requests), clamped; the bootstrap; then the DFlash verify, batched where the
     group and the budget allow."""
-    gamma = ctx.dflash_rung.drafts_for(len(active), most_drafts(active, ctx, num_drafts))
-    width = clamp_drafts_to_slot_capacity(gamma, (ctx.capacity(a.slot) for a in active))
+    width = block_width(active, ctx, num_drafts)
     report = StepReport(ladder_nd=width, copied=[False] * len(active))
     boot, verify = split(active)
     if boot:
@@ -64,6 +63,13 @@ def step_dflash(
     for i in sorted(serial):
         _dflash_serial(model, active[i], width, opts.fused_step, report)
     return report
+
+
+def block_width(active: list[ActiveSeq], ctx: StepContext, num_drafts: int) -> int:
+    """A step's block drafts: the resolver's gamma for `active`, clamped to the smallest
+    verify-slot capacity (the pipelined step's plans draft at it too)."""
+    gamma = ctx.dflash_rung.drafts_for(len(active), most_drafts(active, ctx, num_drafts))
+    return clamp_drafts_to_slot_capacity(gamma, (ctx.capacity(a.slot) for a in active))
 
 
 def plan_batch(active: list[ActiveSeq], verify: list[int]) -> tuple[list[int], list[int], int]:

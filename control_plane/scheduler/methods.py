@@ -101,7 +101,6 @@ class Block(Method):
 
     drafter: str | None = DFLASH
     arm: str = BLOCKS
-    pipelines: bool = False  # its arm plans gamma and groups by the drafts it holds
 
     def room(self, seq_len: int, num_drafts: int, service: Service) -> bool:
         return room_for_block(seq_len, service.dflash_block, service.max_context)

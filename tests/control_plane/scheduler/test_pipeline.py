@@ -11,12 +11,10 @@ import json
 import random
 import threading
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from control_plane.scheduler import methods
 from control_plane.scheduler.env import Env
 from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.scheduler import Scheduler
@@ -295,13 +293,9 @@ def dflash_engine(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> E
     return Engine(tiny_dir, SERVICE, drafter=drafter)
 
 
-def test_dflash_requests_run_ahead_beside_the_others(
-    dflash_engine: Engine, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Where the block method pipelines, DFlash requests join the plans of none and mtp ones,
-    each sequence named with its drafter, at a count a block gives; every output is the
-    unpipelined step's."""
-    monkeypatch.setitem(methods.METHODS, DFLASH, replace(methods.BLOCK, pipelines=True))
+def test_dflash_requests_run_ahead_beside_the_others(dflash_engine: Engine) -> None:
+    """DFlash requests join the plans of none and mtp ones, each sequence named with its
+    drafter, at a count a block gives; every output is the unpipelined step's."""
     reqs = requests(12, methods=(NONE, MTP, DFLASH))
     plain = serve(dflash_engine, reqs, pipeline=False)
     with counting_plans(dflash_engine) as plans:
