@@ -3,7 +3,7 @@ a fake model whose output the test scripts: while the model reasons, its sequenc
 fuses beside an unconstrained one with no mask, its drafts cut before the close; from the
 close on, its rows carry masks, batched beside its neighbour; a spent budget forces the close;
 a block the model opens itself; under the MTP arms and the DFlash arm, and through the
-scheduler's loop beside a pipelined request."""
+scheduler's loop beside a pipelined request under each method and the server's choice."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from control_plane.scheduler.seq import ActiveSeq, GenRequest, ModelFacts
 from control_plane.text.grammar import GrammarCompiler
 from control_plane.text.reasoning import AFTER, MAY_OPEN, OPENED, AfterReasoning, Marks, marks_of
 from control_plane.text.tokenizer import ByteTokenizer
-from protos.params import DFLASH, MTP, NONE
+from protos.params import AUTO, DFLASH, MTP, NONE
 from tests.collect import run_all
 from tests.control_plane.scheduler.test_step import ctx
 from tests.fake_model import FakeModel
@@ -172,9 +172,11 @@ def test_the_dflash_arm_batches_a_reasoning_sequence() -> None:
     assert masks[: len(thinking)] == [0] * len(thinking) and any(masks)
 
 
-@pytest.mark.parametrize("method", [NONE, MTP])
+@pytest.mark.parametrize("method", [NONE, MTP, DFLASH, AUTO])
 def test_through_the_loop_beside_a_pipelined_request(method: str) -> None:
-    model = FakeModel(caps=(4,) * 4, oracle=oracle)
+    """Each method, and the server's choice (whatever it picks step by step), writes the
+    scripted reasoning, then the object its grammar holds, beside a free request."""
+    model = FakeModel(caps=(8,) * 4, dflash_block=8, oracle=oracle)
     s = Scheduler(lambda: model, TOK, SchedulerOptions(max_queue=4))
     s.start()
     try:
