@@ -128,13 +128,21 @@ def _systems_merged_if_refused(
 def _message(m: ChatMessage, i: int) -> dict[str, Any]:
     """A message as templates read it: its calls' arguments as objects (vLLM hands them so:
     Qwen3.5's template iterates them), the optional fields only when given."""
-    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    out: dict[str, Any] = {"role": m.role, "content": _content(m) if m.parts else m.content}
     if m.tool_calls:
         out["tool_calls"] = _calls(m.tool_calls, i)
     for name in ("tool_call_id", "name", "reasoning_content"):
         if value := getattr(m, name):
             out[name] = value
     return out
+
+
+def _content(m: ChatMessage) -> list[dict[str, Any]]:
+    """A message's parts as transformers hands them to a template: each text as a text item,
+    each image as `{"type": "image"}`, whose placeholder the template writes in its place."""
+    return [
+        {"type": "text", "text": p.text} if p.image is None else {"type": "image"} for p in m.parts
+    ]
 
 
 def _calls(text: str, i: int) -> list[dict[str, Any]]:

@@ -17,6 +17,7 @@ import grpc
 from opentelemetry.trace import Span
 
 from control_plane.admission.bounds import check_per_step
+from control_plane.admission.media import Vision
 from control_plane.admission.prompt import check_vocab, overflow_sentence, room
 from control_plane.admission.refusal import INVALID, BadRequest
 from control_plane.admission.work import Prepared, Preparer, WorkerSetup
@@ -28,6 +29,7 @@ from control_plane.scheduler.seq import Event, GenRequest, Queued
 from control_plane.text.chat import ChatTemplate
 from control_plane.text.detok import Tokenizer
 from control_plane.text.grammar import Grammar, GrammarCompiler
+from control_plane.text.images import MediaBounds
 from control_plane.text.reasoning import Marks, after_reasoning, marks_of
 from control_plane.text.tokenizer import TOKENIZER_FILE, Tokenization
 from protos import checks
@@ -64,6 +66,9 @@ class Admission:
     # Chat template variables for every chat (vLLM's `--default-chat-template-kwargs`, such as
     # {"enable_thinking": false}); a request's own `chat_template_kwargs` override them by name.
     chat_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # What a request's images may take (`--limit-mm-per-prompt`, `--max-image-bytes`,
+    # `--max-image-pixels`) and where `file://` URLs may read (`--allowed-local-media-path`).
+    media: MediaBounds = MediaBounds()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,13 +99,18 @@ def admit(
     request_id: str,
     compiler: GrammarCompiler | None = None,
     chat: ChatTemplate | None = None,
+    files: Mapping[str, bytes] | None = None,
 ) -> tuple[GenRequest, ChatShape]:
     """The wire request as the scheduler's `GenRequest` and its chat's `ChatShape`, or
     `BadRequest` with a sentence, all in this thread (`Door` runs the costly part in a
     worker). `chat` is the model's template, for a request with messages (None: the model has
-    none)."""
+    none); `files` the checkpoint's (`TOKENIZER_FILES`), which say whether it takes images
+    (None: it takes none)."""
     check(r, caps, admission.default_method)
-    preparer = Preparer(tokenizer, chat, lambda: compiler, chat_kwargs=admission.chat_kwargs)
+    vision = Vision.of(files, admission.media) if files is not None else None
+    preparer = Preparer(
+        tokenizer, chat, lambda: compiler, chat_kwargs=admission.chat_kwargs, vision=vision
+    )
     prepared = preparer.prepare(r, caps, admission.max_prompt_bytes)
     grammar = compiler.matcher(prepared.grammar) if compiler and prepared.grammar else None
     marks = partial(marks_of, compiler) if compiler else None
@@ -135,6 +145,15 @@ def finish(
     reasoning where the chat's template opens it (`marks`: the vocabulary's, given whenever
     `needs_compiler`)."""
     ids = prepared.ids
+    if prepared.images:
+        # Read, bounded and preprocessed (`Prepared.images`), but not yet carried to the
+        # GPU service's prefill.
+        raise BadRequest(
+            grpc.StatusCode.UNIMPLEMENTED,
+            f"the chat's {len(prepared.images)} images are read, but this server does not yet "
+            "hand images to the GPU service's prefill",
+            "messages",
+        )
     max_new = _max_new_tokens(r, len(ids), caps, admission.default_max_new)
     if r.min_new_tokens > max_new:
         raise BadRequest(
@@ -388,15 +407,16 @@ class Door:
 
     def _setup_of(self, tokenization: Tokenization, caps: Capabilities) -> WorkerSetup:
         if self._setup_for is not tokenization:
-            kwargs = self.admission.chat_kwargs
+            kwargs, media = self.admission.chat_kwargs, self.admission.media
             digest = f"{tokenization.digest}:{caps.vocab_size}:{caps.eos_token_ids}:{kwargs}"
             self._setup = WorkerSetup(
                 tokenization.files,
                 tokenization.origin,
                 caps.vocab_size,
                 caps.eos_token_ids,
-                digest,
+                f"{digest}:{media}",
                 kwargs,
+                media,
             )
             self._setup_for = tokenization
         assert self._setup is not None

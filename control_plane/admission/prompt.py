@@ -4,7 +4,7 @@ tokens by the context."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from control_plane.admission.chats import render
@@ -73,11 +73,18 @@ def reasoning_start(r: RequestParams, text: str, thinks: bool) -> str:
     return MAY_OPEN
 
 
-def prompt_ids(r: RequestParams, text: str, tokenizer: Tokenizer, caps: Capabilities) -> list[int]:
+def prompt_ids(
+    r: RequestParams,
+    text: str,
+    tokenizer: Tokenizer,
+    caps: Capabilities,
+    expand: Callable[[list[int]], list[int]] = list,
+) -> list[int]:
     """The prompt's ids: the request's own, or `text` tokenized (a chat as transformers
-    tokenizes one: its template wrote the special tokens), cut as the request asks and checked
-    against the context and the vocabulary."""
-    ids = list(r.prompt_token_ids) or tokenizer.encode(text)
+    tokenizes one: its template wrote the special tokens), made the model's by `expand` (a
+    chat's image placeholders, `media.expander`), cut as the request asks and checked against
+    the context and the vocabulary."""
+    ids = expand(list(r.prompt_token_ids) or tokenizer.encode(text))
     if not ids:
         raise BadRequest(INVALID, "the prompt is empty", "prompt")
     if r.truncate_prompt_tokens is not None:

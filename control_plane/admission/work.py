@@ -25,11 +25,20 @@ from typing import IO, Any
 import grpc
 
 from control_plane.admission.chats import check_tools, output_format
+from control_plane.admission.media import (
+    Vision,
+    check_images,
+    check_kept,
+    expander,
+    image_parts,
+    read_images,
+)
 from control_plane.admission.prompt import opened, prompt_ids, prompt_text, reasoning_start
 from control_plane.admission.refusal import INVALID, BadRequest
 from control_plane.text.chat import ChatTemplate
 from control_plane.text.detok import Tokenizer
 from control_plane.text.grammar import GrammarCompiler
+from control_plane.text.images import Image, MediaBounds
 from control_plane.text.tokenizer import Tokenization
 from protos.model import Capabilities
 from protos.params import RequestParams
@@ -41,6 +50,7 @@ STAGES = {
     "tools": ("tools", "reading the tools"),
     "chat_template": ("chat_template", "compiling the request's chat_template"),
     "messages": ("messages", "rendering the chat template"),
+    "images": ("messages", "reading the images"),
     "prompt": ("prompt", "tokenizing the prompt"),
     "response_format": ("response_format", "building the response_format's grammar"),
     "tool_choice": ("tool_choice", "building the grammar of the forced tool calls"),
@@ -61,6 +71,7 @@ class WorkerSetup:
     # The server's chat template variables (`--default-chat-template-kwargs`), which a
     # request's own override name by name.
     chat_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    media: MediaBounds = field(default_factory=MediaBounds)  # what a request's images may take
 
 
 @dataclass(frozen=True)
@@ -75,12 +86,15 @@ class Prepared:
     # after the reasoning when `reasoning` is set.
     grammar: str | None
     reasoning: str = ""  # where the output starts (`reasoning.OPENED`, `MAY_OPEN`; "": none)
+    # The chat's images in the order of their placeholders in `ids`, each's placeholder
+    # repeated once per merged patch there.
+    images: tuple[Image, ...] = ()
 
 
 class Preparer:
     """The costly work for one served model: its tokenizer, its chat template (None: it has
-    none; `chat_error`: it has one that does not compile) and its grammar engine, made when
-    first needed; `chat_kwargs` the server's template variables."""
+    none; `chat_error`: it has one that does not compile), its image side and its grammar
+    engine, made when first needed; `chat_kwargs` the server's template variables."""
 
     def __init__(
         self,
@@ -89,9 +103,11 @@ class Preparer:
         compiler: Callable[[], GrammarCompiler | None] | None = None,
         chat_error: str | None = None,
         chat_kwargs: Mapping[str, Any] | None = None,
+        vision: Vision | None = None,
     ) -> None:
         self.tokenizer, self.chat, self.chat_error = tokenizer, chat, chat_error
         self.chat_kwargs = dict(chat_kwargs or {})
+        self.vision = vision or Vision()
         self._make_compiler = compiler
         self._compiler: GrammarCompiler | None = None
         self.compiler_error = "this server has no grammar engine"
@@ -109,7 +125,8 @@ class Preparer:
         def compiler() -> GrammarCompiler:
             return GrammarCompiler(tokenization.tokenizer, setup.vocab_size, setup.eos_token_ids)
 
-        return cls(tokenization.tokenizer, chat, compiler, error, setup.chat_kwargs)
+        vision = Vision.of(setup.files, setup.media)
+        return cls(tokenization.tokenizer, chat, compiler, error, setup.chat_kwargs, vision)
 
     @property
     def compiler(self) -> GrammarCompiler | None:
@@ -128,16 +145,22 @@ class Preparer:
         max_prompt_bytes: int,
         stage: Callable[[str], None] = lambda name: None,
     ) -> Prepared:
-        """The request's prompt ids, tools and grammar; `BadRequest` with a sentence. `stage`
-        is told each stage's name (`STAGES`) as it starts."""
+        """The request's prompt ids and images, tools and grammar; `BadRequest` with a
+        sentence. `stage` is told each stage's name (`STAGES`) as it starts."""
         stage("tools")
         tools = check_tools(r)
+        parts = image_parts(r)
+        check_images(parts, self.vision)
         chat = self._template(r, stage)
         if r.messages:
             stage("messages")
         text = prompt_text(r, chat, max_prompt_bytes, self.chat_kwargs)
+        if parts:
+            stage("images")
+        images = read_images(parts, self.vision)
         stage("prompt")
-        ids = prompt_ids(r, text, self.tokenizer, caps)
+        ids = prompt_ids(r, text, self.tokenizer, caps, expander(self.vision, images))
+        check_kept(ids, self.vision, images)
         thinks = chat is not None and chat.thinks
         start = reasoning_start(r, text, thinks)
         form = output_format(r, tools, chat)
@@ -146,7 +169,7 @@ class Preparer:
             part = "response_format" if form == r.response_format else "tool_choice"
             stage(part)
             grammar = self._grammar(form, part, bool(start))
-        return Prepared(tuple(ids), opened(r, text), tools, thinks, grammar, start)
+        return Prepared(tuple(ids), opened(r, text), tools, thinks, grammar, start, images)
 
     def _grammar(self, form: tuple[str, str], part: str, lead: bool) -> str:
         compiler = self.compiler

@@ -35,6 +35,7 @@ from control_plane.admission.workers import (
 from control_plane.cli.http_drain import DrainHttp
 from control_plane.fronts import http_app, http_limits, openai_http
 from control_plane.fronts.api import GenerationServicer
+from control_plane.fronts.openai_routes import MAX_BODY_BYTES
 from control_plane.replicas.client import GrpcModel
 from control_plane.replicas.router import Router, Target, TargetError, parse_targets
 from control_plane.scheduler.env import Env
@@ -44,6 +45,13 @@ from control_plane.scheduler.options import SchedulerOptions
 from control_plane.scheduler.scheduler import Joins, Scheduler
 from control_plane.text.chat import KWARGS, parse_kwargs
 from control_plane.text.detok import Tokenizer
+from control_plane.text.images import (
+    LIMIT_FLAG,
+    LOCAL_FLAG,
+    PIL_MOST_PIXELS,
+    MediaBounds,
+    limit_per_prompt,
+)
 from control_plane.text.tokenizer import Tokenization
 from protos import ports, stopping, tls
 from protos.bodies import RejectUndecodable
@@ -94,10 +102,11 @@ def add_serve_args(parser: argparse.ArgumentParser, gpu_service_required: bool =
         type=int,
         default=DEFAULT_MAX_PROMPT_BYTES,
         metavar="BYTES",
-        help="refuse text prompts longer than this in UTF-8, before tokenizing them; gRPC's "
-        "own 4 MiB message bound still applies (default: %(default)s)",
+        help="refuse text prompts longer than this in UTF-8, before tokenizing them; a "
+        f"request's own bound ({MAX_BODY_BYTES >> 20} MiB) still applies (default: %(default)s)",
     )
     add_admission_args(parser)
+    add_media_args(parser)
     parser.add_argument(
         "--otlp-endpoint",
         default=None,
@@ -181,6 +190,73 @@ def add_admission_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_media_args(parser: argparse.ArgumentParser) -> None:
+    """The bounds of a request's images (`MediaBounds`), under vLLM's names where it has them."""
+    parser.add_argument(
+        LIMIT_FLAG,
+        type=_limit,
+        default=MediaBounds.max_images,
+        metavar="JSON",
+        help='the most images a request may hold, as vLLM writes it: {"image": N} (other '
+        "modalities: 0) (default: %(default)s images)",
+    )
+    parser.add_argument(
+        "--max-image-bytes",
+        type=http_limits.count,
+        default=MediaBounds.max_image_bytes,
+        metavar="BYTES",
+        help="refuse an image whose file is larger (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-image-pixels",
+        type=_pixels,
+        default=MediaBounds.max_image_pixels,
+        metavar="N",
+        help="refuse an image of more pixels (width x height), read from its header before "
+        "any pixel is decoded (default: %(default)s)",
+    )
+    parser.add_argument(
+        LOCAL_FLAG,
+        type=_directory,
+        default=None,
+        metavar="DIR",
+        help="let image parts name files under DIR as file:// URLs (vLLM's flag; links that "
+        "lead out of it are refused); default: no local files",
+    )
+
+
+def _limit(text: str) -> int:
+    try:
+        return limit_per_prompt(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _pixels(text: str) -> int:
+    value = http_limits.count(text)
+    if value > PIL_MOST_PIXELS:
+        raise argparse.ArgumentTypeError(
+            f"{value} is more pixels than PIL opens ({PIL_MOST_PIXELS})"
+        )
+    return value
+
+
+def _directory(text: str) -> str:
+    path = Path(text)
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a directory")
+    return str(path.resolve())
+
+
+def media_bounds(args: argparse.Namespace) -> MediaBounds:
+    return MediaBounds(
+        args.limit_mm_per_prompt,
+        args.max_image_bytes,
+        args.max_image_pixels,
+        args.allowed_local_media_path,
+    )
+
+
 def add_gpu_service_args(parser: argparse.ArgumentParser) -> None:
     """The GPU services to drive, and how to reach them."""
     parser.add_argument(
@@ -255,6 +331,7 @@ def admission(args: argparse.Namespace) -> Admission:
         bounds,
         model_names=names,
         chat_kwargs=args.default_chat_template_kwargs,
+        media=media_bounds(args),
     )
 
 
@@ -331,7 +408,8 @@ def build_server(
     if api_keys:
         # Outermost: a call without a key is refused before its body is even parsed.
         interceptors.insert(0, auth.RequireApiKey(api_keys, [SERVICE_NAME]))
-    server = grpc.aio.server(interceptors=interceptors, options=ports.EXCLUSIVE)
+    options = (*ports.EXCLUSIVE, ("grpc.max_receive_message_length", MAX_BODY_BYTES))
+    server = grpc.aio.server(interceptors=interceptors, options=options)
     generate_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

@@ -4,7 +4,8 @@ body that `openai_body` reads as it reads any (as vLLM converts one to the other
 has one reading.
 
 `system` (text or text blocks) leads as a system message; a message's content is text or
-blocks: `text`, an assistant's `tool_use` (its `tool_calls`) and `thinking` (its reasoning), a
+blocks: `text`, a user's `image` (base64, or a URL the admission reads as the chat front's
+`image_url`), an assistant's `tool_use` (its `tool_calls`) and `thinking` (its reasoning), a
 user's `tool_result` (a `tool` message of its own, in its place among the texts). Consecutive
 turns of one role are combined into one, as Anthropic combines them; a last assistant turn is
 continued (prefill). `tool_choice` `auto`, `any` (required), `tool` (a named one) and `none`,
@@ -37,7 +38,7 @@ from control_plane.fronts.openai_fields import (
 from control_plane.text.chat import KWARGS
 from control_plane.text.tools import check_depth
 from protos import checks
-from protos.params import RequestParams
+from protos.params import ContentPart, ImagePart, RequestParams
 
 THINKING_SWITCH = "enable_thinking"  # the template variable Qwen's and others' templates read
 # Tool names as `tools.read_tools` takes them (Anthropic's, and MCP's `server__tool`).
@@ -66,16 +67,22 @@ OWN = frozenset({"speculative", KWARGS, "output_config"})
 COUNT_READ = CHAT | {KWARGS, "output_config"}
 READ = CHAT | OWN | {"max_tokens", "stop_sequences", "stream", "temperature", "top_p", "top_k"}
 
-# A block's keys by its type; a block of another type is refused (media: this server serves
-# text only; server tools' blocks: it runs none).
+# A block's keys by its type; a block of another type is refused (documents: this server
+# takes text and images; server tools' blocks: it runs none).
 BLOCK_KEYS = {
     "text": frozenset({"type", "text", "cache_control", "citations"}),
+    "image": frozenset({"type", "source", "cache_control"}),
     "tool_use": frozenset({"type", "id", "name", "input", "cache_control", "caller"}),
     "tool_result": frozenset({"type", "tool_use_id", "content", "is_error", "cache_control"}),
     "thinking": frozenset({"type", "thinking", "signature"}),
 }
-BLOCK_ROLES = {"tool_use": "assistant", "thinking": "assistant", "tool_result": "user"}
-MEDIA = {"image", "document", "search_result"}
+BLOCK_ROLES = {
+    "tool_use": "assistant",
+    "thinking": "assistant",
+    "tool_result": "user",
+    "image": "user",
+}
+MEDIA = {"document", "search_result"}
 TOOL_KEYS = frozenset(
     {"type", "name", "description", "input_schema", "cache_control", "strict"}
     | {"eager_input_streaming", "input_examples", "defer_loading", "allowed_callers"}
@@ -505,7 +512,11 @@ def _block(block: Any, role: str, where: str, only: str | None = None) -> dict:
     if not isinstance(kind, str):
         raise InvalidParam(param, f"{where} is {shown(block)}; a block is {{type, ...}}")
     if kind in MEDIA:
-        raise InvalidParam(param, f"{where} is a {kind} block; this server serves text only")
+        raise InvalidParam(param, f"{where} is a {kind} block; this server takes text and images")
+    if kind == "image" and only is not None:
+        raise InvalidParam(
+            param, f"{where} is an image block; this server takes images in a user's message only"
+        )
     if kind == "redacted_thinking":
         raise InvalidParam(
             param, f"{where} is a redacted_thinking block; this server cannot read one"
@@ -532,6 +543,8 @@ def _checked(block: dict, kind: str, where: str, param: str) -> dict:
         return {"type": kind, "text": text or ""}
     if kind == "thinking":
         return {"type": kind, "text": str_field(block, "thinking", f"{where}.thinking") or ""}
+    if kind == "image":
+        return {"type": kind, "part": ContentPart(image=_image(block.get("source"), where))}
     if kind == "tool_use":
         caller = block.get("caller")
         if caller is not None and caller != {"type": "direct"}:
@@ -582,24 +595,54 @@ def _assistant(blocks: list[dict], names: dict[str, str]) -> dict:
     return message
 
 
+def _image(source: Any, where: str) -> ImagePart:
+    """An image block's source: base64 data (as a data: URL, which the admission decodes) or
+    a URL, which it reads as the chat front's `image_url` (http(s) refused there)."""
+    kind = source.get("type") if isinstance(source, dict) else None
+    where_source = f"{where}.source"
+    if kind == "base64":
+        mime = str_field(source, "media_type", f"{where_source}.media_type")
+        data = str_field(source, "data", f"{where_source}.data")
+        return ImagePart(url=f"data:{mime or ''};base64,{data or ''}", where=where)
+    if kind == "url":
+        return ImagePart(url=str_field(source, "url", f"{where_source}.url") or "", where=where)
+    if kind == "file":
+        raise InvalidParam(
+            "messages", f"{where_source} is a file; this server keeps no files: send base64 data"
+        )
+    raise InvalidParam(
+        "messages",
+        f"{where_source} is {shown(source)}; it must be {{type: base64, media_type, data}} or "
+        "{type: url, url}",
+    )
+
+
 def _user(blocks: list[dict], names: dict[str, str]) -> list[dict]:
-    """A user turn: its texts, and each tool result as a `tool` message in its place."""
+    """A user turn: its texts and images, and each tool result as a `tool` message in its
+    place."""
     out: list[dict] = []
-    texts: list[str] = []
+    held: list[dict] = []  # text and image blocks, up to the next tool result
     for block in blocks:
-        if block["type"] == "text":
-            texts.append(block["text"])
+        if block["type"] in ("text", "image"):
+            held.append(block)
             continue
-        if texts:
-            out.append({"role": "user", "content": _joined(texts)})
-            texts = []
+        if held:
+            out.append({"role": "user", "content": _user_content(held)})
+            held = []
         result = {"role": "tool", "tool_call_id": block["id"], "content": block["text"]}
         if block["id"] in names:
             result["name"] = names[block["id"]]
         out.append(result)
-    if texts or not out:
-        out.append({"role": "user", "content": _joined(texts)})
+    if held or not out:
+        out.append({"role": "user", "content": _user_content(held)})
     return out
+
+
+def _user_content(blocks: list[dict]) -> str | list[ContentPart]:
+    """Texts joined, or, with an image among them, the blocks as parts in order."""
+    if any(b["type"] == "image" for b in blocks):
+        return [b["part"] if b["type"] == "image" else ContentPart(text=b["text"]) for b in blocks]
+    return _joined(b["text"] for b in blocks)
 
 
 def _joined(texts: Any) -> str:

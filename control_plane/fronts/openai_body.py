@@ -9,8 +9,8 @@ types cannot hold, are checked here, and every number's range (`protos.checks`, 
 that depend on the served model, and the tools against `tool_choice`, are the `Door`'s to
 check. Every field of `SamplingParams` is read by its name and type; `top_k: -1` is vLLM's no
 limit. Left unset, `temperature` is 1 as in OpenAI's API. A message's content is text, or text
-parts (joined with newlines, as vLLM joins them); an image, audio or video part is refused:
-this server serves text only."""
+parts (joined with newlines, as vLLM joins them), or text and image parts (`openai_prompts`),
+which the chat template renders in order; an audio or video part is refused."""
 
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "length_penalty": ((1, 1.0), "has no beam search"),
     "return_tokens_as_token_ids": ((False,), "spells tokens as their text"),
     "documents": ((), "takes no documents"),
-    "mm_processor_kwargs": ((), "serves text only"),
+    "mm_processor_kwargs": ((), "sizes images by the checkpoint's preprocessor_config.json"),
     "logits_processors": ((), "takes no logits processors (see logit_bias)"),
     "vllm_xargs": ((), "takes no extra arguments"),
     "kv_transfer_params": ((), "transfers no KV cache"),
@@ -338,6 +338,7 @@ def _check_text(r: RequestParams) -> None:
     texts += r.response_format or ()
     texts += [v for m in r.messages for v in vars(m).values() if isinstance(v, str)]
     texts += [p.text for m in r.messages for p in m.parts]
+    texts += [i.url + i.mime_type for m in r.messages for i in m.images]
     try:
         for text in texts:
             text.encode("utf-8")

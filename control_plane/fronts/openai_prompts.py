@@ -1,5 +1,7 @@
 """An OpenAI request's prompt: text, token ids or a batch of either (completions), or
-messages with their parts, calls and tool results (chat), as `RequestParams` fields."""
+messages with their parts (text, images), calls and tool results (chat), as `RequestParams`
+fields. An image part is read no further than its URL here: the admission's worker reads the
+image (`control_plane/text/images.py`), and refuses it where the model has no vision tower."""
 
 from __future__ import annotations
 
@@ -16,14 +18,19 @@ from control_plane.fronts.openai_fields import (
     str_field,
 )
 from control_plane.text.chat import KWARGS
-from protos.params import ChatMessage
+from protos.params import ChatMessage, ContentPart, ImagePart
 
-# Content parts of other media than text, and why none is taken.
+# Content parts of media this server does not take, and why.
 MEDIA_PARTS = {
-    "image_url": "the checkpoint's vision tower is not loaded",
-    "video_url": "the checkpoint's vision tower is not loaded",
+    "video_url": "it reads no video",
     "input_audio": "no audio encoder is loaded",
 }
+IMAGE_URL_KEYS = frozenset({"url", "detail"})
+# What an image's `detail` other than auto is refused with.
+DETAIL_AUTO = (
+    "this server sizes every image by the model's preprocessor (its least and most pixels), "
+    "as detail auto"
+)
 
 
 def prompt_fields(body: dict) -> dict[str, Any]:
@@ -110,9 +117,10 @@ def _message(m: Any, i: int) -> ChatMessage:
             "messages", f"messages[{i}].tool_calls is {shown(calls)}; it must be a list"
         )
     where = f"messages[{i}]."
+    text, parts = _content(m.get("content"), i)
     return ChatMessage(
         role,
-        _content(m.get("content"), i),
+        text,
         tool_calls=json_text(calls, f"messages[{i}].tool_calls") if calls else "",
         tool_call_id=str_field(m, "tool_call_id", where + "tool_call_id") or "",
         name=str_field(m, "name", where + "name") or "",
@@ -120,31 +128,62 @@ def _message(m: Any, i: int) -> ChatMessage:
         reasoning_content=str_field(m, "reasoning_content", where + "reasoning_content")
         or str_field(m, "reasoning", where + "reasoning")
         or "",
+        parts=parts,
     )
 
 
-def _content(content: Any, i: int) -> str:
-    """A message's text: a string, or text parts, joined with newlines as vLLM joins them."""
+def _content(content: Any, i: int) -> tuple[str, tuple[ContentPart, ...]]:
+    """A message's text (a string, or text parts joined with newlines as vLLM joins them), or,
+    when it holds an image, its parts in order."""
     if content is None or isinstance(content, str):
-        return content or ""
+        return content or "", ()
     if not isinstance(content, list):
         raise InvalidParam(
             "messages", f"messages[{i}].content is {shown(content)}; it must be text or parts"
         )
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if isinstance(kind, str) and kind in MEDIA_PARTS:
-            raise InvalidParam(
-                "messages",
-                f"messages[{i}].content[{j}] is of type {kind}; this server serves text only "
-                f"({MEDIA_PARTS[kind]})",
-            )
-        if kind != "text":
-            raise InvalidParam(
-                "messages",
-                f"messages[{i}].content[{j}] is {shown(part)}; this server takes text parts only",
-            )
-    texts = [
-        str_field(p, "text", f"messages[{i}].content[{j}].text") for j, p in enumerate(content)
-    ]
-    return "\n".join(t or "" for t in texts)
+    parts = tuple(_part(p, f"messages[{i}].content[{j}]") for j, p in enumerate(content))
+    if any(p.image is not None for p in parts):
+        return "", parts
+    return "\n".join(p.text for p in parts), ()
+
+
+def _part(part: Any, where: str) -> ContentPart:
+    """A text part, or an image part (`{"url": ...}` or the URL alone, `detail` auto); parts
+    another front read already (Anthropic's blocks, the Responses API's items) pass as given."""
+    if isinstance(part, ContentPart):
+        return part
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text":
+        return ContentPart(text=str_field(part, "text", f"{where}.text") or "")
+    if kind == "image_url":
+        return ContentPart(
+            image=ImagePart(url=_image_url(part.get("image_url"), where), where=where)
+        )
+    if isinstance(kind, str) and kind in MEDIA_PARTS:
+        raise InvalidParam(
+            "messages",
+            f"{where} is of type {kind}; this server takes text and images ({MEDIA_PARTS[kind]})",
+        )
+    raise InvalidParam(
+        "messages", f"{where} is {shown(part)}; this server takes text and image_url parts"
+    )
+
+
+def _image_url(given: Any, where: str) -> str:
+    where += ".image_url"
+    if isinstance(given, str):
+        return given
+    if not isinstance(given, dict) or not isinstance(given.get("url"), str):
+        raise InvalidParam(
+            "messages", f"{where} is {shown(given)}; it must be {{url, detail}} or a URL"
+        )
+    unknown = sorted(set(given) - IMAGE_URL_KEYS)
+    if unknown:
+        raise InvalidParam("messages", f"{where}.{unknown[0]} is not taken; give url and detail")
+    detail = given.get("detail")
+    if detail not in (None, "auto"):
+        raise InvalidParam(
+            "messages",
+            f"{where}.detail is {shown(detail)}; {DETAIL_AUTO}",
+        )
+    return given["url"]

@@ -5,8 +5,9 @@ shape, `text.format` as `response_format`, `max_output_tokens` as the budget; th
 then read by `openai_body.chat_request`, so each knob is read in one place. vLLM's own
 parameters are taken as its chat endpoint takes them.
 
-What the Responses API has and this server does not (stored responses, built-in tools, media,
-encrypted reasoning, log-probabilities) is refused by name; nothing is dropped."""
+What the Responses API has and this server does not (stored responses, built-in tools, files
+and audio, encrypted reasoning, log-probabilities) is refused by name; nothing is dropped. An
+`input_image` is read no further than its URL here, as the chat endpoint's `image_url`."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ from control_plane.fronts.openai_fields import (
     str_field,
     typed_field,
 )
+from control_plane.fronts.openai_prompts import DETAIL_AUTO
+from protos.params import ContentPart, ImagePart
 
 # Parameters taken only at a value that changes nothing: name -> (those values, what this
 # server does instead). An absent or null parameter is always taken.
@@ -93,6 +96,7 @@ ROLES = {"user": "user", "system": "system", "developer": "system", "assistant":
 CHOICES = ("auto", "none", "required")
 TEXT_PARTS = {"input_text", "output_text"}
 MEDIA_PARTS = {"input_image", "input_file", "input_audio"}
+IMAGE_KEYS = frozenset({"type", "image_url", "file_id", "detail"})
 FORMAT_FIELDS = (
     ("name", str, "a string"),
     ("description", str, "a string"),
@@ -357,7 +361,7 @@ class Turns:
     def _output(self, item: dict, where: str) -> None:
         call_id = _text(item, "call_id", where)
         output = item.get("output")
-        text = output if isinstance(output, str) else _content(output, f"{where}.output")
+        text = output if isinstance(output, str) else _joined(output, f"{where}.output")
         message = {"role": "tool", "content": text, "tool_call_id": call_id}
         if call_id in self.names:
             message["name"] = self.names[call_id]
@@ -396,31 +400,65 @@ def _text(obj: dict, key: str, where: str) -> str:
     return value
 
 
-def _content(content: Any, where: str) -> str:
+def _content(content: Any, where: str) -> str | list[ContentPart]:
     """A message's text: a string, or text parts joined with newlines (as the chat endpoint
-    joins them); a refusal part's text too. Media are refused: this server serves text."""
+    joins them), a refusal part's text too; or, when it holds an `input_image`, its parts in
+    order. Files and audio are refused."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise InvalidParam(
             "input", f"{where}.content is {shown(content)}; it must be text or a list of parts"
         )
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        here = f"{where}.content[{j}]"
-        if kind in TEXT_PARTS:
-            texts.append(_text(part, "text", here))
-        elif kind == "refusal":
-            texts.append(_text(part, "refusal", here))
-        elif kind in MEDIA_PARTS:
-            raise InvalidParam("input", f"{here} is of type {kind}; this server serves text only")
-        else:
-            raise InvalidParam(
-                "input",
-                f"{here} is {shown(part)}; this server takes input_text and output_text parts",
-            )
-    return "\n".join(texts)
+    parts = [_part(p, f"{where}.content[{j}]") for j, p in enumerate(content)]
+    if any(p.image is not None for p in parts):
+        return parts
+    return "\n".join(p.text for p in parts)
+
+
+def _joined(content: Any, where: str) -> str:
+    """A function call's output: text, or text parts."""
+    parts = _content(content, where)
+    if not isinstance(parts, str):
+        raise InvalidParam(
+            "input", f"{where} holds an image; this server takes images in a message's content"
+        )
+    return parts
+
+
+def _part(part: Any, here: str) -> ContentPart:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind in TEXT_PARTS:
+        return ContentPart(text=_text(part, "text", here))
+    if kind == "refusal":
+        return ContentPart(text=_text(part, "refusal", here))
+    if kind == "input_image":
+        return ContentPart(image=ImagePart(url=_image_url(part, here), where=here))
+    if kind in MEDIA_PARTS:
+        raise InvalidParam(
+            "input", f"{here} is of type {kind}; this server takes text and input_image parts"
+        )
+    raise InvalidParam(
+        "input",
+        f"{here} is {shown(part)}; this server takes input_text, output_text and input_image parts",
+    )
+
+
+def _image_url(part: dict, here: str) -> str:
+    unknown = sorted(set(part) - IMAGE_KEYS)
+    if unknown:
+        raise InvalidParam("input", f"{here}.{unknown[0]} is not taken by an input_image")
+    if part.get("file_id") is not None:
+        raise InvalidParam(
+            "input", f"{here}.file_id is given; this server keeps no files: send image_url"
+        )
+    detail = part.get("detail")
+    if detail not in (None, "auto"):
+        raise InvalidParam(
+            "input",
+            f"{here}.detail is {shown(detail)}; {DETAIL_AUTO}",
+        )
+    return _text(part, "image_url", here)
 
 
 def _echo(body: dict, ask: Ask) -> dict[str, Any]:

@@ -23,8 +23,10 @@ from control_plane.scheduler.metrics import Metrics
 from protos.model import Capabilities
 
 OWNER = "met"
-# As gRPC bounds a message: a JSON body is read whole before any of it is checked.
-MAX_BODY_BYTES = 4 << 20
+# A body is read whole before any of it is checked. Images travel in it (base64, a third
+# larger than their files): Anthropic's API bounds a request to 32 MB too. The control plane's
+# gRPC server takes messages of this size.
+MAX_BODY_BYTES = 32 << 20
 VERSION = importlib.metadata.version("met")
 
 

@@ -249,7 +249,7 @@ def _cut_after_final(text: str, final: Mapping[str, Any]) -> str:
     """The rendered chat up to the end of its last message's content (what follows is the
     template's end of turn), found as transformers finds it: the content stripped, searched
     from the end, kept with its leading space where the template kept it."""
-    content = final.get("content") or ""
+    content = _final_text(final.get("content"))
     at = text.rfind(content.strip())
     if not content.strip() or at < 0:
         raise ValueError(
@@ -260,6 +260,14 @@ def _cut_after_final(text: str, final: Mapping[str, Any]) -> str:
     if text[at : at + len(kept)] == content:
         return text[: at + len(kept)]
     return text[: at + len(content.strip())]
+
+
+def _final_text(content: Any) -> str:
+    """The text a continued message goes on from: its content, or its last text part (as
+    transformers finds it in a message of parts)."""
+    if isinstance(content, list):
+        return next((p["text"] for p in reversed(content) if "text" in p), "")
+    return content or ""
 
 
 def parse_kwargs(text: str) -> dict[str, Any]:

@@ -115,7 +115,8 @@ def _source(part: ImagePart, where: str, bounds: MediaBounds) -> tuple[bytes, st
 def _mime(mime: str, where: str) -> str:
     mime = mime.strip().lower()
     if mime not in FORMATS:
-        raise ValueError(f"{where} is of type {mime or 'none'}; this server takes {MIME_NAMES}")
+        shown = mime if len(mime) <= 40 else mime[:37] + "..."
+        raise ValueError(f"{where} is of type {shown or 'none'}; this server takes {MIME_NAMES}")
     return mime
 
 

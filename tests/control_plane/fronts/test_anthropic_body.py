@@ -154,7 +154,7 @@ REFUSED = {
     "format": ({"output_config": {"format": {"type": "x"}}}, "output_config.format is"),
     "image": (
         {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
-        "messages[0].content[0] is a image block; this server serves text only",
+        "messages[0].content[0].source is {}; it must be {type: base64, media_type, data} or",
     ),
     "redacted": (
         {"messages": [{"role": "assistant", "content": [{"type": "redacted_thinking"}]}]},

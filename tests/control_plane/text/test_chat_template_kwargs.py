@@ -176,14 +176,14 @@ HTTP_REFUSED = {
     "image": (
         {"messages": [{"role": "user", "content": [TEXT, IMAGE]}]},
         "messages",
-        "messages[0].content[1] is of type image_url; this server serves text only (the "
-        "checkpoint's vision tower is not loaded)",
+        "messages[0].content[1] is an image; this server serves text only (the checkpoint "
+        "has no vision_config)",
     ),
     "audio": (
         {"messages": [{"role": "user", "content": [AUDIO]}]},
         "messages",
-        "messages[0].content[0] is of type input_audio; this server serves text only (no audio "
-        "encoder is loaded)",
+        "messages[0].content[0] is of type input_audio; this server takes text and images (no "
+        "audio encoder is loaded)",
     ),
     "kwargs-not-an-object": (
         {"messages": TURN, "extra_body": {"chat_template_kwargs": [1]}},
@@ -232,7 +232,7 @@ def test_text_parts_are_joined_and_served_beside_a_refused_image(
 
 def test_a_part_of_no_known_type_is_refused() -> None:
     for kind in ("audio_url", ["image_url"], None):
-        with pytest.raises(InvalidParam, match=r"^messages\[0\].content\[0\] is .*text parts only"):
+        with pytest.raises(InvalidParam, match=r"^messages\[0\].content\[0\] is .*text and image_url parts"):
             chat_request({"messages": [{"role": "user", "content": [{"type": kind}]}]})
 
 
