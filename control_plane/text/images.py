@@ -246,10 +246,10 @@ def expanded(ids: Sequence[int], pre: Preprocessor, images: Sequence[Image]) -> 
     pad = pre.image_token_id
     held = sum(1 for t in ids if t == pad)
     if held != len(images):
+        images_held = f"{len(images)} image{'' if len(images) == 1 else 's'}"
         raise ValueError(
-            f"the prompt holds {held} image placeholders (token {pad}) for {len(images)} "
-            "images; the chat template writes one for each image part, and a message's text "
-            "may hold none"
+            f"the prompt holds {held} image placeholders (token {pad}) for {images_held}; the "
+            "chat template writes one for each image part, and a message's text may hold none"
         )
     if pre.video_token_id in ids:
         raise ValueError(

@@ -204,7 +204,9 @@ def test_placeholders_are_expanded_one_per_merged_patch(pre: Preprocessor) -> No
 
 def test_a_placeholder_without_its_image_is_refused(pre: Preprocessor) -> None:
     pad = pre.image_token_id
-    with pytest.raises(ValueError, match=f"holds 2 image placeholders \\(token {pad}\\) for 1"):
+    with pytest.raises(
+        ValueError, match=f"holds 2 image placeholders \\(token {pad}\\) for 1 image;"
+    ):
         expanded([pad, 5, pad], pre, [_image(pre, (1, 2, 2))])
     with pytest.raises(ValueError, match="the video placeholder"):
         expanded([5, pre.video_token_id], pre, [])

@@ -1,0 +1,177 @@
+"""A chat with images through the admission's preparation (`Preparer.prepare`, what a worker
+runs): the prompt's ids equal transformers' Qwen3-VL processor's `input_ids` for the same chat
+and images (Qwen3.6's template rendering `<|vision_start|><|image_pad|><|vision_end|>` for each
+image, each pad repeated once per merged patch), and the images its `pixel_values` and
+`image_grid_thw`, in order; what the server does not take is refused naming the part."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from PIL import Image as PILImage
+
+from control_plane.admission.door import Admission, admit
+from control_plane.admission.media import Vision
+from control_plane.admission.refusal import BadRequest
+from control_plane.admission.work import Prepared, Preparer
+from control_plane.text.chat import ChatTemplate
+from control_plane.text.images import MediaBounds
+from control_plane.text.tokenizer import Tokenization
+from protos.model import Capabilities
+from protos.params import ChatMessage, ContentPart, ImagePart, RequestParams
+from tests.fake_model import FakeModel
+from tests.vision_files import data_url, encoded, picture, reference, write_vision_files
+
+BOUNDS = MediaBounds()
+FIRST, SECOND = encoded(picture(60, 40, seed=1)), encoded(picture(33, 97, seed=2), "JPEG")
+
+
+@pytest.fixture(scope="module")
+def vision_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_vision_files(tmp_path_factory.mktemp("vision"))
+
+
+def caps() -> Capabilities:
+    return dataclasses.replace(FakeModel().capabilities(), vocab_size=512, max_context=4096)
+
+
+def preparer(directory: Path, bounds: MediaBounds = BOUNDS) -> Preparer:
+    tokenization = Tokenization.from_dir(directory)
+    chat = ChatTemplate.from_files(tokenization.files)
+    return Preparer(tokenization.tokenizer, chat, vision=Vision.of(tokenization.files, bounds))
+
+
+def image(data: bytes, mime: str = "image/png") -> ContentPart:
+    return ContentPart(image=ImagePart(url=data_url(data, mime)))
+
+
+def text(t: str) -> ContentPart:
+    return ContentPart(text=t)
+
+
+def ours(*messages: ChatMessage) -> RequestParams:
+    return RequestParams(messages=messages)
+
+
+def theirs(*messages: ChatMessage) -> list[dict[str, Any]]:
+    """The same chat as transformers' processor takes it: each image a PIL image, as loaded."""
+
+    def item(p: ContentPart) -> dict[str, Any]:
+        if p.image is None:
+            return {"type": "text", "text": p.text}
+        data = FIRST if p.image.url == data_url(FIRST) else SECOND
+        return {"type": "image", "image": PILImage.open(io.BytesIO(data))}
+
+    return [
+        {"role": m.role, "content": [item(p) for p in m.parts] if m.parts else m.content}
+        for m in messages
+    ]
+
+
+CHATS = {
+    "one-image": (ChatMessage("user", "", parts=(image(FIRST), text("What is in this picture?"))),),
+    "two-images-in-turns": (
+        ChatMessage("system", "You describe pictures."),
+        ChatMessage("user", "", parts=(text("Compare "), image(FIRST), text(" and "))),
+        ChatMessage("assistant", "Send the second."),
+        ChatMessage("user", "", parts=(image(SECOND, "image/jpeg"), text("Which is darker?"))),
+    ),
+}
+
+
+@pytest.mark.parametrize("chat", CHATS.values(), ids=CHATS.keys())
+def test_ids_and_images_are_transformers_processor_output(
+    chat: tuple[ChatMessage, ...], vision_dir: Path
+) -> None:
+    prepared = preparer(vision_dir).prepare(ours(*chat), caps(), 1 << 20)
+    want = reference(vision_dir).apply_chat_template(
+        theirs(*chat), tokenize=True, return_dict=True, add_generation_prompt=True
+    )
+    assert list(prepared.ids) == list(want["input_ids"][0])
+    assert [list(i.grid_thw) for i in prepared.images] == want["image_grid_thw"].tolist()
+    assert np.array_equal(np.concatenate([i.pixels for i in prepared.images]), want["pixel_values"])
+    assert prepared.ids.count(409) == sum(i.pixels.shape[0] // 4 for i in prepared.images)
+
+
+def prepare(directory: Path, *parts: ContentPart, bounds: MediaBounds = BOUNDS) -> Prepared:
+    r = ours(ChatMessage("user", "", parts=parts))
+    return preparer(directory, bounds).prepare(r, caps(), 1 << 20)
+
+
+REFUSED = {
+    "too-many": (
+        [image(FIRST)] * 3,
+        MediaBounds(max_images=2),
+        "the messages hold 3 images; this server takes at most 2 a request (--limit-mm-per-prompt)",
+    ),
+    "not-an-image": (
+        [text("x"), ContentPart(image=ImagePart(data=b"GIF89a", where="messages[0].content[1]"))],
+        MediaBounds(),
+        "messages[0].content[1] is not a PNG, JPEG or WebP image",
+    ),
+    "typed-placeholder": (
+        [image(FIRST), text("<|image_pad|>")],
+        MediaBounds(),
+        "the prompt holds 2 image placeholders (token 409) for 1 image; the chat template "
+        "writes one for each image part, and a message's text may hold none",
+    ),
+}
+
+
+@pytest.mark.parametrize(("parts", "bounds", "sentence"), REFUSED.values(), ids=REFUSED.keys())
+def test_refusals_name_the_part(
+    parts: list[ContentPart], bounds: MediaBounds, sentence: str, vision_dir: Path
+) -> None:
+    with pytest.raises(BadRequest) as caught:
+        prepare(vision_dir, *parts, bounds=bounds)
+    assert str(caught.value) == sentence
+    assert caught.value.param == "messages"
+
+
+def test_too_many_images_are_refused_before_any_is_read(
+    vision_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def read(*args: Any) -> None:
+        raise AssertionError("an image was read")
+
+    monkeypatch.setattr("control_plane.admission.media.read_image", read)
+    with pytest.raises(BadRequest, match="hold 100 images"):
+        prepare(vision_dir, *[image(FIRST)] * 100)
+
+
+def test_a_cut_through_an_image_is_refused(vision_dir: Path) -> None:
+    r = dataclasses.replace(
+        ours(ChatMessage("user", "", parts=(image(FIRST), text("What is it?")))),
+        truncate_prompt_tokens=20,
+    )
+    with pytest.raises(BadRequest, match="truncate_prompt_tokens cuts into the prompt's images"):
+        preparer(vision_dir).prepare(r, caps(), 1 << 20)
+
+
+def test_a_model_without_a_tower_refuses_images_with_a_sentence(vision_dir: Path) -> None:
+    tokenization = Tokenization.from_dir(vision_dir)
+    text_only = Preparer(tokenization.tokenizer, ChatTemplate.from_files(tokenization.files))
+    r = ours(ChatMessage("user", "", parts=(text("x"), image(FIRST))))
+    with pytest.raises(BadRequest) as caught:
+        text_only.prepare(r, caps(), 1 << 20)
+    assert str(caught.value) == (
+        "messages[0].content[1] is an image; this server serves text only (the checkpoint has "
+        "no vision_config)"
+    )
+
+
+def test_images_are_not_yet_carried_to_the_service(vision_dir: Path) -> None:
+    """Read and checked, but refused at the door until the service's prefill takes them."""
+    tokenization = Tokenization.from_dir(vision_dir)
+    chat = ChatTemplate.from_files(tokenization.files)
+    r = ours(ChatMessage("user", "", parts=(image(FIRST),)))
+    with pytest.raises(BadRequest, match="does not yet hand images to the GPU service") as caught:
+        admit(
+            r, tokenization.tokenizer, caps(), Admission(), "r", chat=chat, files=tokenization.files
+        )
+    assert caught.value.code.name == "UNIMPLEMENTED"
