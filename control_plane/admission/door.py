@@ -189,6 +189,7 @@ def finish(
         grammar=grammar,
         sampling=r.sampling,
         penalties=pen,
+        image_spans=prepared.image_spans,
     ), shape
 
 

@@ -9,7 +9,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from control_plane.admission.refusal import INVALID, BadRequest
-from control_plane.text.images import LIMIT_FLAG, Image, MediaBounds, expanded, read_image
+from control_plane.text.images import (
+    LIMIT_FLAG,
+    Image,
+    ImageSpan,
+    MediaBounds,
+    expanded,
+    read_image,
+    spans,
+)
 from control_plane.text.preprocessor import Preprocessor, preprocessor_of
 from protos.params import ImagePart, RequestParams
 
@@ -89,10 +97,13 @@ def expander(vision: Vision, images: Sequence[Image]) -> Callable[[list[int]], l
     return expand
 
 
-def check_kept(ids: Sequence[int], vision: Vision, images: Sequence[Image]) -> None:
-    """A prompt cut to its last tokens (`truncate_prompt_tokens`) keeps every image whole."""
+def check_kept(
+    ids: Sequence[int], vision: Vision, images: Sequence[Image]
+) -> tuple[ImageSpan, ...]:
+    """Where each image's placeholders lie in the prompt's final ids; a prompt cut to its last
+    tokens (`truncate_prompt_tokens`) must keep every image whole."""
     if vision.pre is None or not images:
-        return
+        return ()
     pad = vision.pre.image_token_id
     kept = sum(1 for t in ids if t == pad)
     if kept != sum(vision.pre.tokens(image.grid_thw) for image in images):
@@ -102,3 +113,4 @@ def check_kept(ids: Sequence[int], vision: Vision, images: Sequence[Image]) -> N
             "fewer messages",
             "truncate_prompt_tokens",
         )
+    return spans(ids, vision.pre, images)

@@ -38,7 +38,7 @@ from control_plane.admission.refusal import INVALID, BadRequest
 from control_plane.text.chat import ChatTemplate
 from control_plane.text.detok import Tokenizer
 from control_plane.text.grammar import GrammarCompiler
-from control_plane.text.images import Image, MediaBounds
+from control_plane.text.images import Image, ImageSpan, MediaBounds
 from control_plane.text.tokenizer import Tokenization
 from protos.model import Capabilities
 from protos.params import RequestParams
@@ -87,8 +87,9 @@ class Prepared:
     grammar: str | None
     reasoning: str = ""  # where the output starts (`reasoning.OPENED`, `MAY_OPEN`; "": none)
     # The chat's images in the order of their placeholders in `ids`, each's placeholder
-    # repeated once per merged patch there.
+    # repeated once per merged patch there, and where those lie.
     images: tuple[Image, ...] = ()
+    image_spans: tuple[ImageSpan, ...] = ()
 
 
 class Preparer:
@@ -160,7 +161,7 @@ class Preparer:
         images = read_images(parts, self.vision)
         stage("prompt")
         ids = prompt_ids(r, text, self.tokenizer, caps, expander(self.vision, images))
-        check_kept(ids, self.vision, images)
+        located = check_kept(ids, self.vision, images)
         thinks = chat is not None and chat.thinks
         start = reasoning_start(r, text, thinks)
         form = output_format(r, tools, chat)
@@ -169,7 +170,7 @@ class Preparer:
             part = "response_format" if form == r.response_format else "tool_choice"
             stage(part)
             grammar = self._grammar(form, part, bool(start))
-        return Prepared(tuple(ids), opened(r, text), tools, thinks, grammar, start, images)
+        return Prepared(tuple(ids), opened(r, text), tools, thinks, grammar, start, images, located)
 
     def _grammar(self, form: tuple[str, str], part: str, lead: bool) -> str:
         compiler = self.compiler

@@ -46,6 +46,7 @@ from control_plane.scheduler.scheduler import Joins, Scheduler
 from control_plane.scheduler.seq import ActiveSeq, GenRequest, QueueSink, Sink, SpecStats
 from control_plane.scheduler.tally import Counters, merge_counters
 from control_plane.text.detok import Tokenizer
+from control_plane.text.images import Keyed
 from control_plane.text.tokenizer import Tokenization
 from protos.model import Capabilities, FailedPrecondition, ModelError, ResourceExhausted
 
@@ -199,7 +200,7 @@ class Router:
     ) -> str:
         """Place the request (the rule: module docstring); returns its replica's name."""
         with self._route:
-            replica = self._place(tokenizer, req.prompt_ids)
+            replica = self._place(tokenizer, req.cache_key)
             replica = replica or next(iter(self._listed()), self.replicas[0])
             replica.scheduler.submit(req, sink, on_queued, tokenizer)
         return replica.name
@@ -225,7 +226,7 @@ class Router:
     # -- placement ------------------------------------------------------------------------
 
     def _place(
-        self, tokenizer: Tokenizer | None, prompt: tuple[int, ...], lost: Scheduler | None = None
+        self, tokenizer: Tokenizer | None, prompt: Keyed, lost: Scheduler | None = None
     ) -> Replica | None:
         """The replica the rule picks for `prompt`, None when none is up (other than `lost`)."""
         up = [r for r in self.replicas if r.up and r.scheduler is not lost]
@@ -251,7 +252,7 @@ class Router:
         unplaced = []
         for a in waiting:
             with self._route:
-                replica = self._place(a.tokenizer, a.req.prompt_ids, lost)
+                replica = self._place(a.tokenizer, a.req.cache_key, lost)
                 try:
                     if replica is None:
                         raise ResourceExhausted("no other replica is up")

@@ -6,7 +6,11 @@ Prompts are seen as chains of KV blocks (the service's `kv_block_size` tokens): 
 block boundary of some prompt served, named by the hash chained over its blocks, so that two
 prompts reach the same node exactly when they share every token up to it (a tree over blocks,
 as vLLM's and SGLang's; the tokens are kept and compared, so a hash collision is never a hit).
-A node may hold a snapshot, taken while a prompt was prefilled up to it.
+A node may hold a snapshot, taken while a prompt was prefilled up to it. An image's
+placeholder tokens are alike whatever the image, so the cache sees a prompt as its keyed
+tokens (`text.images.keyed`): each image's placeholders as its digest (the sha256 of its
+file), so that two chats with the same image share a prefix through it and a different image
+never hits.
 
 - A new prompt goes on from its deepest node with a snapshot that leaves at least one of its
   tokens to prefill (the service computes the logits of the last one).
@@ -31,10 +35,10 @@ A node may hold a snapshot, taken while a prompt was prefilled up to it.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from control_plane.scheduler.options import SchedulerOptions
+from control_plane.text.images import Keyed
 from protos.model import Capabilities
 
 # Nodes remembered without a snapshot, per snapshot of the budget: where prompts diverge is
@@ -44,7 +48,7 @@ NODE_FACTOR = 8
 
 @dataclass
 class Node:
-    tokens: tuple[int, ...]  # the prefix up to the node (compared on every hit)
+    tokens: Keyed  # the prefix up to the node (compared on every hit)
     snapshot: int | None = None
     diverges: bool = False  # prompts went on from here in different ways
 
@@ -63,13 +67,13 @@ class PrefixCache:
         self.hits = 0  # of them, tokens a snapshot gave
         # Finished requests' prompt and answer tokens, to snapshot once idle, oldest first:
         # more than the budget would only evict each other.
-        self.answers: deque[tuple[int, ...]] = deque(maxlen=max(budget, 0))
+        self.answers: deque[Keyed] = deque(maxlen=max(budget, 0))
 
     @property
     def enabled(self) -> bool:
         return self.budget > 0 and self.block > 0
 
-    def _keys(self, prompt: Sequence[int]) -> list[tuple[int, int]]:
+    def _keys(self, prompt: Keyed) -> list[tuple[int, int]]:
         """(length, key) of every block boundary of the prompt, shortest first."""
         out, key = [], 0
         for end in range(self.block, len(prompt) + 1, self.block):
@@ -77,14 +81,14 @@ class PrefixCache:
             out.append((end, key))
         return out
 
-    def _node(self, prompt: Sequence[int], end: int, key: int) -> Node | None:
+    def _node(self, prompt: Keyed, end: int, key: int) -> Node | None:
         node = self._nodes.get(key)
         if node is None or node.tokens != tuple(prompt[:end]):
             return None
         self._nodes.move_to_end(key)
         return node
 
-    def lookup(self, prompt: Sequence[int]) -> Hit | None:
+    def lookup(self, prompt: Keyed) -> Hit | None:
         """The snapshot a prompt goes on from, if any (counted in `queries` and `hits`): the
         deepest that leaves a token of it to prefill."""
         self.queries += len(prompt)
@@ -93,7 +97,7 @@ class PrefixCache:
             self.hits += best.tokens
         return best
 
-    def deepest(self, tokens: Sequence[int], limit: int) -> Hit | None:
+    def deepest(self, tokens: Keyed, limit: int) -> Hit | None:
         """The deepest snapshot `tokens` start with, at most `limit` tokens long."""
         best = None
         for end, key in self._keys(tokens):
@@ -104,7 +108,7 @@ class PrefixCache:
                 best = Hit(node.snapshot, end)
         return best
 
-    def peek(self, prompt: Sequence[int]) -> int:
+    def peek(self, prompt: Keyed) -> int:
         """The tokens `lookup` would restore, touching nothing (no count, no recency): what a
         router asks from its own thread while the loop's thread changes the cache, with dict
         reads alone, each atomic."""
@@ -121,7 +125,7 @@ class PrefixCache:
                 best = end
         return best
 
-    def points(self, prompt: Sequence[int], start: int) -> list[int]:
+    def points(self, prompt: Keyed, start: int) -> list[int]:
         """Where to snapshot the prompt while it is prefilled from `start`: block boundaries
         past it, without a snapshot yet, ascending (see the module's docstring)."""
         keys = self._keys(prompt)
@@ -141,7 +145,7 @@ class PrefixCache:
                 out.append(end)
         return out
 
-    def seen(self, prompt: Sequence[int]) -> list[int]:
+    def seen(self, prompt: Keyed) -> list[int]:
         """Remember the prompt's block boundaries (where later prompts may diverge from it)
         -> snapshots to drop, evicted."""
         for end, key in self._keys(prompt):
@@ -149,7 +153,7 @@ class PrefixCache:
                 self._nodes[key] = Node(tuple(prompt[:end]))
         return self._evict()
 
-    def taken(self, prompt: Sequence[int], end: int, snapshot: int) -> list[int]:
+    def taken(self, prompt: Keyed, end: int, snapshot: int) -> list[int]:
         """The snapshot of the prompt's first `end` tokens -> snapshots to drop, evicted (or
         the one given, where its node holds one already)."""
         key = dict((e, k) for e, k in self._keys(prompt))[end]

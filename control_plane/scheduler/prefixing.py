@@ -33,7 +33,7 @@ def restore(
     hits = []
     for a in admitted:
         # A prompt to be scored is prefilled whole: a cached prefix has no rows to score.
-        hit = None if a.scores is not None else cache.lookup(a.context)
+        hit = None if a.scores is not None else cache.lookup(a.cache_key)
         if hit is not None:
             hits.append((a, hit))
     links = [Link(a.req.span_context) for a, _ in hits if a.req.span_context is not None]
@@ -56,8 +56,8 @@ def restore(
     for a in admitted:
         # With the points a request held behind it asked for (`held`).
         wanted = [p for p in a.snap_points if p > a.prefilled]
-        a.snap_points = sorted({*cache.points(a.context, a.prefilled), *wanted})
-        dropped += cache.seen(a.context)
+        a.snap_points = sorted({*cache.points(a.cache_key, a.prefilled), *wanted})
+        dropped += cache.seen(a.cache_key)
     drop(model, dropped)
 
 
@@ -70,10 +70,10 @@ def held(cache: PrefixCache, a: ActiveSeq, ahead: list[ActiveSeq]) -> bool:
     tokens; a snapshot refused ends the wait too, the point being behind."""
     if a.scores is not None:  # a prompt to be scored is prefilled whole: it restores nothing
         return False
-    prompt, block = a.context, cache.block
+    prompt, block = a.cache_key, cache.block
     cached = cache.peek(prompt)
     for b in ahead:
-        other = b.context
+        other = b.cache_key
         shared = 0
         while (
             shared + block < len(prompt)
@@ -99,7 +99,7 @@ def snapshot(model: ServingModel, cache: PrefixCache, seqs: list[ActiveSeq]) -> 
     for a in due:
         a.snap_points.pop(0)
     # One per prefix: requests admitted together with one start want the same snapshot.
-    firsts = {id(a) for a in {a.context[: a.prefilled]: a for a in due}.values()}
+    firsts = {id(a) for a in {a.cache_key[: a.prefilled]: a for a in due}.values()}
     due = [a for a in due if id(a) in firsts][: cache.budget]
     drop(model, cache.evict_for(len(due)))
     try:
@@ -109,7 +109,7 @@ def snapshot(model: ServingModel, cache: PrefixCache, seqs: list[ActiveSeq]) -> 
         return
     dropped = []
     for a, snap in zip(due, ids, strict=True):
-        dropped += cache.taken(a.context, a.prefilled, snap)
+        dropped += cache.taken(a.cache_key, a.prefilled, snap)
     drop(model, dropped)
 
 
@@ -134,7 +134,7 @@ def remember(cache: PrefixCache, a: ActiveSeq) -> None:
     """A request that ran to its end leaves its prompt and answer to be snapshotted once the
     loop is idle (`answer`)."""
     if a.finished in ("stop", "length"):
-        cache.answers.append((*a.req.prompt_ids, *a.generated))
+        cache.answers.append((*a.req.cache_key, *a.generated))
 
 
 def answer(model: ServingModel, cache: PrefixCache, budget: int, replica: str) -> None:
@@ -152,6 +152,9 @@ def answer(model: ServingModel, cache: PrefixCache, budget: int, replica: str) -
     step = budget // block * block
     if end - start < block or step < block:
         return
+    rest = tokens[start:end]
+    if not all(isinstance(t, int) for t in rest):
+        return  # an image's placeholders to prefill again: the cache keeps no image's rows
     attrs: dict[str, AttributeValue] = {
         REPLICA_ATTRIBUTE: replica,
         HIT_ATTRIBUTE: start,
@@ -166,7 +169,7 @@ def answer(model: ServingModel, cache: PrefixCache, budget: int, replica: str) -
             if hit is not None:
                 model.restore_prefixes([seq], [hit.snapshot])
             for at in range(start, end, step):
-                model.prefill([seq], [list(tokens[at : min(at + step, end)])])
+                model.prefill([seq], [[int(t) for t in tokens[at : min(at + step, end)]]])
             drop(model, cache.evict_for(1))
             (snap,) = model.snapshot_prefixes([seq])
             drop(model, cache.taken(tokens, end, snap))

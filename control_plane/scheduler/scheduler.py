@@ -21,6 +21,7 @@ from control_plane.scheduler.tally import Tally
 from control_plane.scheduler.triage import PoolTriage
 from control_plane.scheduler.waitlist import Waitlist
 from control_plane.text.detok import Tokenizer
+from control_plane.text.images import Keyed
 from control_plane.text.tokenizer import Tokenization
 from protos.model import Capabilities, ServingModel
 
@@ -154,7 +155,7 @@ class Scheduler:
         sends the next turn gives it. -> whether it settled within `timeout` seconds"""
         return self.loop.settled.wait(timeout)
 
-    def cached_tokens(self, prompt: tuple[int, ...]) -> int:
+    def cached_tokens(self, prompt: Keyed) -> int:
         """How many of the prompt's tokens this replica's prefix cache would restore (0 with
         none): what a router places by, from its own thread."""
         cache = self.link.prefix

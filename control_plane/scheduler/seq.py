@@ -13,6 +13,7 @@ from opentelemetry.trace import SpanContext
 
 from control_plane.scheduler.methods import HEAD, PLAIN, Method, method
 from control_plane.text.detok import Detokenizer, Tokenizer
+from control_plane.text.images import ImageSpan, Keyed, keyed
 from protos import checks
 from protos.handles import Scores
 from protos.model import (
@@ -55,6 +56,15 @@ class GenRequest:
     grammar: Grammar | None = None  # a compiled grammar its tokens must follow
     sampling: SamplingParams = field(default_factory=SamplingParams)
     penalties: Penalties | None = None  # applied by the service to every row it judges
+    # Where the prompt's images' placeholders lie (`Prepared.image_spans`): what the prefix
+    # cache keys them by. The images' rows travel beside them once the service's prefill takes
+    # them (the door refuses a request with images until then).
+    image_spans: tuple[ImageSpan, ...] = ()
+
+    @property
+    def cache_key(self) -> Keyed:
+        """The prompt as the prefix cache names it (`prefix_cache.keyed`)."""
+        return keyed(self.prompt_ids, self.image_spans)
 
 
 @dataclass
@@ -223,6 +233,7 @@ class ActiveSeq:
         # What a prefill puts in the service's cache: the prompt; after a preemption, the
         # prompt and every generated token but the newest (`preempt`).
         self.context: tuple[int, ...] = req.prompt_ids
+        self._keyed: tuple[tuple[int, ...], Keyed] = (req.prompt_ids, req.cache_key)
         self.prefilled = 0  # tokens of `context` in the service's cache
         self.preemptions = 0  # times its sequence was freed for the KV pool's sake
         self.prefix_hit = 0  # of them, tokens a cached prefix gave (`prefixing.py`)
@@ -300,6 +311,14 @@ class ActiveSeq:
                 return
         self.told = (position, now)
         self.on_queued(Queued(position, queue_length))
+
+    @property
+    def cache_key(self) -> Keyed:
+        """`context` as the prefix cache names it (`prefix_cache.keyed`), kept while the
+        context stands."""
+        if self._keyed[0] is not self.context:
+            self._keyed = (self.context, keyed(self.context, self.req.image_spans))
+        return self._keyed[1]
 
     @property
     def max_context(self) -> int:

@@ -58,6 +58,15 @@ class Image:
 
 
 @dataclass(frozen=True)
+class ImageSpan:
+    """Where an image's placeholders lie in a prompt's ids, and which image they stand for."""
+
+    start: int  # the index of its first placeholder
+    length: int  # its placeholders: one per merged patch
+    digest: bytes  # its `Image.digest`
+
+
+@dataclass(frozen=True)
 class MediaBounds:
     """What a request's images may take: `max_images` a request (vLLM's
     `--limit-mm-per-prompt`), `max_image_bytes` and `max_image_pixels` each, and the directory
@@ -261,6 +270,34 @@ def expanded(ids: Sequence[int], pre: Preprocessor, images: Sequence[Image]) -> 
     for t in ids:
         out.extend([t] * pre.tokens(next(rest).grid_thw) if t == pad else (t,))
     return out
+
+
+def spans(ids: Sequence[int], pre: Preprocessor, images: Sequence[Image]) -> tuple[ImageSpan, ...]:
+    """Each image's placeholders in `expanded` ids, in order."""
+    out, at = [], 0
+    for image in images:
+        while ids[at] != pre.image_token_id:
+            at += 1
+        length = pre.tokens(image.grid_thw)
+        out.append(ImageSpan(at, length, image.digest))
+        at += length
+    return tuple(out)
+
+
+# A prompt's ids with each image's placeholders as its digest: how the prefix cache tells two
+# images apart where their placeholder tokens are alike.
+Keyed = tuple[int | bytes, ...]
+
+
+def keyed(tokens: tuple[int, ...], images: Sequence[ImageSpan]) -> Keyed:
+    """`tokens` with each image's placeholders as its digest (the tokens themselves, with
+    no image)."""
+    if not images:
+        return tokens
+    out: list[int | bytes] = list(tokens)
+    for image in images:
+        out[image.start : image.start + image.length] = [image.digest] * image.length
+    return tuple(out)
 
 
 def limit_per_prompt(text: str) -> int:

@@ -96,6 +96,11 @@ def test_ids_and_images_are_transformers_processor_output(
     assert [list(i.grid_thw) for i in prepared.images] == want["image_grid_thw"].tolist()
     assert np.array_equal(np.concatenate([i.pixels for i in prepared.images]), want["pixel_values"])
     assert prepared.ids.count(409) == sum(i.pixels.shape[0] // 4 for i in prepared.images)
+    assert len(prepared.image_spans) == len(prepared.images)
+    for span, one in zip(prepared.image_spans, prepared.images, strict=True):
+        assert span.digest == one.digest and span.length == one.pixels.shape[0] // 4
+        held = prepared.ids[span.start - 1 : span.start + span.length + 1]
+        assert held == (406, *[409] * span.length, 407), "between vision start and end"
 
 
 def prepare(directory: Path, *parts: ContentPart, bounds: MediaBounds = BOUNDS) -> Prepared:
