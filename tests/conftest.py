@@ -91,6 +91,19 @@ def mini_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
+@pytest.fixture(scope="session")
+def qwen3_5_made(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, object]]:
+    """Every kind of tests/qwen3_5_checkpoint.py's Qwen3.5 checkpoints (written by transformers'
+    own classes, the vision tower included), once a run: kind -> (directory, the model)."""
+    from tests.qwen3_5_checkpoint import KINDS, make
+
+    out: dict[str, tuple[Path, object]] = {}
+    for kind in KINDS:
+        directory = tmp_path_factory.mktemp(kind)
+        out[kind] = directory, make(directory, kind)
+    return out
+
+
 @pytest.fixture
 def engine(tiny_dir: Path) -> Engine:
     return Engine(tiny_dir, TINY_SERVICE)

@@ -150,8 +150,8 @@ def finish(
         # GPU service's prefill.
         raise BadRequest(
             grpc.StatusCode.UNIMPLEMENTED,
-            f"the chat's {len(prepared.images)} images are read, but this server does not yet "
-            "hand images to the GPU service's prefill",
+            "the chat's images are read and checked, but this server does not yet hand images "
+            "to the GPU service's prefill",
             "messages",
         )
     max_new = _max_new_tokens(r, len(ids), caps, admission.default_max_new)

@@ -156,6 +156,7 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-rows", type=int, default=ServiceConfig.max_rows)
     parser.add_argument("--max-batch", type=int, default=ServiceConfig.max_batch)
     parser.add_argument("--max-prefill-tokens", type=int, default=ServiceConfig.max_prefill_tokens)
+    _add_image_args(parser)
     _add_graphs_flag(parser)
     parser.add_argument(
         "--device-memory",
@@ -164,6 +165,29 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
         metavar="BYTES",
         help="memory the plan must fit: bytes, or with a unit (141GB, 80GiB); default: the CUDA "
         "device's free memory, none on the CPU (the plan then gives no verdict)",
+    )
+
+
+def _add_image_args(parser: argparse.ArgumentParser) -> None:
+    """The bounds on a prompt's images (a model with a vision tower): what a prefill past them
+    is refused with, and what the plan sizes the tower's activations for."""
+    parser.add_argument(
+        "--limit-images-per-prompt",
+        type=whole_number(1),
+        default=ServiceConfig.max_images_per_prompt,
+        metavar="N",
+        help="images one sequence's prompt may hold (vLLM's --limit-mm-per-prompt image count; "
+        "its default, %(default)s)",
+    )
+    parser.add_argument(
+        "--max-image-pixels",
+        type=whole_number(1),
+        default=ServiceConfig.max_image_pixels,
+        metavar="N",
+        help="pixels of one image as the tower takes it (its grid's patches times "
+        "patch_size ** 2, after the preprocessor's resize); the plan counts the tower's "
+        "activations at an image this large (default %(default)s: 4096 x 4096, Qwen3-VL's "
+        "preprocessor's longest_edge)",
     )
 
 

@@ -401,6 +401,8 @@ def service_config(args: argparse.Namespace, cfg: ModelConfig) -> ServiceConfig:
         cuda_graphs=args.cuda_graphs,
         compile_cache=str(args.compile_cache or ""),
         num_slots_override=args.num_slots if isinstance(args.num_slots, int) else None,
+        max_images_per_prompt=args.limit_images_per_prompt,
+        max_image_pixels=args.max_image_pixels,
     )
 
 

@@ -7,8 +7,6 @@ any pixel is decoded; placeholders expanded as transformers' processor expands t
 from __future__ import annotations
 
 import os
-import struct
-import zlib
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +24,14 @@ from control_plane.text.images import (
 )
 from control_plane.text.preprocessor import Preprocessor, preprocessor_of
 from protos.params import ImagePart
-from tests.vision_files import data_url, encoded, files_of, picture, write_vision_files
+from tests.vision_files import (
+    data_url,
+    encoded,
+    files_of,
+    picture,
+    png_header,
+    write_vision_files,
+)
 
 WHERE = "messages[0].content[1]"
 
@@ -36,17 +41,6 @@ def pre(tmp_path_factory: pytest.TempPathFactory) -> Preprocessor:
     found, why = preprocessor_of(files_of(write_vision_files(tmp_path_factory.mktemp("v"))))
     assert found is not None, why
     return found
-
-
-def png_header(width: int, height: int) -> bytes:
-    """A PNG that claims `width` x `height` pixels and holds none of them."""
-
-    def chunk(kind: bytes, body: bytes) -> bytes:
-        crc = zlib.crc32(kind + body) & 0xFFFFFFFF
-        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", crc)
-
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IEND", b"")
 
 
 def animated() -> bytes:

@@ -1,8 +1,9 @@
 """Qwen3.5 / Qwen3.6, dense and MoE, tied and untied (tests/qwen3_5_checkpoint.py: written by
 transformers' own classes, with a vision tower and an MTP layer): logits against transformers'
 (prefill and decode), both expert layouts, greedy through both processes against transformers'
-`generate`, `mtp` equal to `none`, the circuit diff on both forwards, the FP8 copy, TP 2, and
-YaRN past the original context for both families."""
+`generate`, `mtp` equal to `none`, the circuit diff on both forwards, the FP8 copy, TP 2 (a
+prompt with images too: the tower whole on every rank), and YaRN past the original context for
+both families. Prompts with images: tests/gpu_service/engine/test_images.py."""
 
 from __future__ import annotations
 
@@ -38,13 +39,9 @@ SERVICE = ServiceConfig(verify_tiers="4:3,4:1", max_context=256, max_rows=24, ma
 TOKENS = torch.randint(0, 500, (30,), generator=torch.Generator().manual_seed(1)).tolist()
 
 
-@pytest.fixture(scope="module")
-def made(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, PreTrainedModel]]:
-    out = {}
-    for kind in KINDS:
-        directory = tmp_path_factory.mktemp(kind)
-        out[kind] = directory, make(directory, kind)
-    return out
+@pytest.fixture
+def made(qwen3_5_made: dict) -> dict[str, tuple[Path, PreTrainedModel]]:
+    return qwen3_5_made
 
 
 def _rows(engine: Engine) -> torch.Tensor:
@@ -79,9 +76,10 @@ def test_logits_match_transformers(made: dict, kind: str) -> None:
     directory, model = made[kind]
     engine = Engine(directory, SERVICE, "fp32")
     assert engine.cfg.has_mtp and engine.cfg.tie_word_embeddings == kind.endswith("tied")
-    assert vision_tensors(engine.cfg, checkpoint_index(directory)), "the tower is there, unread"
+    assert vision_tensors(engine.cfg, checkpoint_index(directory)) and engine.model.vision
     tower = sum(p.numel() for n, p in model.named_parameters() if ".visual." in n)
-    assert engine.cfg.vision_params == tower > 0
+    held = sum(t.numel() for t in engine.model.vision.held().values())
+    assert engine.cfg.vision_params == tower == held > 0
     expected = _theirs(model, TOKENS)
     seq = engine.alloc_sequence()
     tokens = torch.tensor(TOKENS)
@@ -189,18 +187,32 @@ def test_the_fp8_copy_loads_and_mtp_is_none(made: dict, tmp_path: Path) -> None:
     assert mtp == none and drafted > 0 == drafted_none
 
 
+def _image_logits(engine: Engine, model: PreTrainedModel) -> torch.Tensor:
+    """The last row's logits of a prompt with two images (the tower replicated on every rank)."""
+    from tests.gpu_service.engine.test_images import GRIDS, _prompt, _rows
+
+    ids, images, _ = _prompt(model, GRIDS)
+    seq = engine.alloc_sequence()
+    try:
+        engine.prefill([seq], [ids], images=[images])
+        return _rows(engine)
+    finally:
+        engine.free_sequence(seq)
+
+
 @pytest.mark.parametrize("kind", ["dense", "moe-tied"])
 def test_tp_2_equals_one_device(made: dict, kind: str) -> None:
     from tests.gpu_service.tp.test_tensor_parallel import _calls, _launch
 
-    directory = made[kind][0]
-    one = _calls(Engine(directory, SERVICE, "fp32"))
+    directory, model = made[kind]
+    single = Engine(directory, SERVICE, "fp32")
+    one = [*_calls(single), _image_logits(single, model)]
     tp = _launch(directory, 2)
     try:
-        split = _calls(tp)
+        split = [*_calls(tp), _image_logits(tp, model)]
     finally:
         tp.close()
-    assert len(one) == len(split) == 3
+    assert len(one) == len(split) == 4
     for a, b in zip(one, split, strict=True):
         torch.testing.assert_close(b, a, atol=ATOL, rtol=RTOL)
         assert torch.equal(a.argmax(-1), b.argmax(-1))
