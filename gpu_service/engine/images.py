@@ -4,7 +4,7 @@ chunk's tokens, embedded by the tower, and turned into what the forward reads (`
 An image comes with the prefill whose chunk holds its first image token (the config's
 `image_token_id`), in the order of those first tokens. Its t * h * w / merge ** 2 tokens may run
 on into the sequence's next prefills, which do not send it again: the sequence keeps its
-embeddings (`ImageSpan.embeds`) until its last token is in. A sequence that never had an image
+embeddings (`SeqImage.embeds`) until its last token is in. A sequence that never had an image
 reads the image token as text (transformers' model does, given no pixels); once it has one,
 every image token must be one of an image's.
 
@@ -24,7 +24,7 @@ from gpu_service.model.backend import upload
 from gpu_service.model.batch import Segment
 from gpu_service.model.config import ServiceConfig
 from gpu_service.model.hybrid import HybridModel
-from gpu_service.model.mrope import ImageRows, ImageSpan, positions, shift_after
+from gpu_service.model.mrope import ImageRows, SeqImage, positions, shift_after
 from gpu_service.model.state import DeviceState
 from gpu_service.model.vision import grid_problem
 from gpu_service.model.vision_config import VisionConfig
@@ -91,7 +91,7 @@ def _check_image(v: VisionConfig, svc: ServiceConfig, image: ImageInput, what: s
 class Placed:
     """A sequence's chunk with its images placed."""
 
-    spans: list[ImageSpan]  # the sequence's images after the chunk (new ones not embedded)
+    spans: list[SeqImage]  # the sequence's images after the chunk (new ones not embedded)
     new: dict[int, int] = field(default_factory=dict)  # span index -> its image's in the item
     rows: list[int] = field(default_factory=list)  # the chunk's rows that are image tokens
     sources: list[tuple[int, int]] = field(default_factory=list)  # each: (span, its token)
@@ -128,7 +128,7 @@ def place(
             t, h, w = (int(g) for g in image.grid_thw)
             start = p + shift_after(out.spans)
             out.new[len(out.spans)] = k
-            out.spans.append(ImageSpan(p, (t, h // m, w // m), start))
+            out.spans.append(SeqImage(p, (t, h // m, w // m), start))
         else:
             continue
         out.rows.append(i)

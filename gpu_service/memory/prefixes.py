@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from gpu_service.memory.sequence import IDLE, SeqState
 from gpu_service.memory.slots import SlotTable, unknown_snapshot
-from gpu_service.model.mrope import ImageSpan, shift_after
+from gpu_service.model.mrope import SeqImage, shift_after
 from gpu_service.model.state import DeviceState
 from kernels.attention.format import KEY_BLOCK
 from protos import checks
@@ -35,7 +35,7 @@ class Snapshot:
     tokens: tuple[int, ...]
     # Its images (`SeqState.images`): the embeddings of one whose tokens run on past the
     # snapshot are held with it, so that a sequence made from it prefills the rest.
-    images: tuple[ImageSpan, ...]
+    images: tuple[SeqImage, ...]
     shared: tuple[int, ...]  # the blocks below the last position, held by the snapshot
     last: int  # its own copy of the block holding the last position
     row: int  # its row in the snapshot storage

@@ -10,7 +10,7 @@ from protos.model import MTP_HEAD, Penalties
 if TYPE_CHECKING:
     import torch
 
-    from gpu_service.model.mrope import ImageSpan
+    from gpu_service.model.mrope import SeqImage
 
 IDLE, VERIFIED, FOLDED = "idle", "verified", "folded"
 
@@ -48,7 +48,7 @@ class SeqState:
     drafter: str = MTP_HEAD  # what proposes its drafts (`protos.model.DRAFTERS`)
     # Its prompt's images, in order (`gpu_service/engine/images.py`): where their tokens sit,
     # their RoPE positions, and the embeddings of one whose tokens are not all in yet.
-    images: tuple[ImageSpan, ...] = ()
+    images: tuple[SeqImage, ...] = ()
 
     @property
     def seq_len(self) -> int:

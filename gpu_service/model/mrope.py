@@ -22,7 +22,7 @@ import torch
 
 
 @dataclass(frozen=True)
-class ImageSpan:
+class SeqImage:
     """One image's tokens in a sequence."""
 
     first: int  # the sequence position of its first image token
@@ -48,12 +48,12 @@ class ImageSpan:
         return self.start + max(self.grid[1], self.grid[2]) - self.end
 
 
-def shift_after(spans: Sequence[ImageSpan]) -> int:
+def shift_after(spans: Sequence[SeqImage]) -> int:
     """The RoPE shift of the text after every span (0 without one)."""
     return spans[-1].shift if spans else 0
 
 
-def positions(spans: Sequence[ImageSpan], where: Sequence[int]) -> np.ndarray:
+def positions(spans: Sequence[SeqImage], where: Sequence[int]) -> np.ndarray:
     """The RoPE positions [3, n] (time, height, width) of sequence positions `where`."""
     p = np.asarray(where, dtype=np.int64)
     out = np.broadcast_to(p, (3, len(p))).copy()

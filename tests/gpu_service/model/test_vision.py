@@ -22,7 +22,7 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeVisio
 
 from gpu_service.model.config import ModelConfig
 from gpu_service.model.hybrid import _rope_table
-from gpu_service.model.mrope import ImageSpan, positions, rope_rows, streams
+from gpu_service.model.mrope import SeqImage, positions, rope_rows, streams
 from gpu_service.model.vision import VisionTower, vision_shapes
 from gpu_service.model.vision_config import VisionConfig, vision_fields
 from tests.gpu_service.test_hf_config import MODELS
@@ -85,7 +85,7 @@ def test_positions_are_get_rope_index() -> None:
     for grid in grids:
         count = grid[0] * grid[1] * grid[2] // 4
         merged = (grid[0], grid[1] // 2, grid[2] // 2)
-        spans.append(ImageSpan(len(ids) + 1, merged, len(ids) + 1 + shift))
+        spans.append(SeqImage(len(ids) + 1, merged, len(ids) + 1 + shift))
         shift = spans[-1].shift
         ids += [7, *[image] * count, 8, 4, 5]
     got = positions(spans, range(len(ids) + 3))
