@@ -98,12 +98,13 @@ class Engine:
         self._tokenizer_files = read_tokenizer_files(model_dir)
         torch_dtype = serving_dtype(self.cfg, dtype)
         self.device = resolve_device(device or "auto")
-        shard = None if tp is None else Shard(tp.rank, tp.size)
+        shard = None if tp is None else Shard(tp.rank, tp.size, tp.expert_parallel)
         weights, self.cfg = stream_weights(self.cfg, model_dir, torch_dtype, self.device, shard)
         # Once, of the files just loaded: the engine never loads other weights.
         self.digest = checkpoint_digest(model_dir)
         # What this rank holds: heads and intermediates divided, ids and widths as served.
-        held = rank_config(self.cfg, 1 if tp is None else tp.size)
+        size, placed = (1, False) if shard is None else (shard.size, shard.experts)
+        held = rank_config(self.cfg, size, placed)
         self.model = HybridModel(held, weights, self.svc.max_context, tp)
         self.state = DeviceState(held, self.svc, torch_dtype, self.device)
         self.choice = Choice()

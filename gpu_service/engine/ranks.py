@@ -56,6 +56,8 @@ class Launch:
     # A DFlash drafter's directory: every rank loads the whole drafter (it is small) and runs
     # its block forwards on its own copy, so that no collective waits on it.
     drafter: Path | None = None
+    # `--expert-parallel`: the routed experts placed on the ranks, not split over them.
+    expert_parallel: bool = False
 
     def device_of(self, rank: int) -> torch.device:
         return torch.device(f"cuda:{rank}" if self.device.startswith("cuda") else self.device)
@@ -215,7 +217,7 @@ def follow(
     configure_interpreter(device.type)  # as rank 0's process did before its kernels loaded
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    group = TpGroup(rank, meet, device, launch.reduce)
+    group = TpGroup(rank, meet, device, launch.reduce, expert_parallel=launch.expert_parallel)
     try:
         engine = Engine(launch.model_dir, launch.svc, launch.dtype, device, group, launch.drafter)
         error = None
@@ -258,7 +260,7 @@ def launch(spec: Launch, on_fault: Callable[[str], None] = _exit_service) -> TpE
     if device.type == "cuda":
         torch.cuda.set_device(device)
     try:
-        group = TpGroup(0, meet, device, spec.reduce, store=store)
+        group = TpGroup(0, meet, device, spec.reduce, store, spec.expert_parallel)
     except Exception:
         watched.stopping = True
         watched.join()

@@ -18,7 +18,8 @@ from gpu_service.model.config import FULL, ModelConfig
 from gpu_service.model.mrope import ImageRows, rope_rows, streams
 from gpu_service.model.ops import ROW_TILE, apply_rope, pad_rows, rope_table
 from gpu_service.model.packing import fold_norms, head_norms, norm_weights, pack
-from gpu_service.model.shard import Shard, vocab_range
+from gpu_service.model.placement import placed_moe
+from gpu_service.model.shard import Shard, expert_range, vocab_range
 from gpu_service.model.state import DeviceState
 from gpu_service.model.vision import VISION_PREFIX, VisionTower
 from gpu_service.tp.group import TpGroup
@@ -48,16 +49,17 @@ class HybridModel:
         so that each is dropped once packed (`gpu_service/model/packing.py`). Under tensor
         parallelism (`tp`), `cfg` and `weights` are this rank's (`gpu_service/model/shard.py`):
         each row-parallel output is summed over the ranks, and the embedding and LM head hold
-        this rank's token ids. The vision tower's tensors (`model.visual.*`) go to the tower
-        (`self.vision`), whole on every rank."""
+        this rank's token ids; under expert parallelism (`tp.expert_parallel`) the rank holds
+        its share of the routed experts whole (`self.experts`), their rows exchanged
+        (`gpu_service/model/placement.py`). The vision tower's tensors (`model.visual.*`)
+        go to the tower (`self.vision`), whole on every rank."""
         weights, tower = _diverted(weights)
-        packed = pack(cfg, weights)
+        shard = None if tp is None else Shard(tp.rank, tp.size, tp.expert_parallel)
+        # The routed experts held, by id: stacked from index 0 in `experts.w13` and `.w2`.
+        self.experts = expert_range(cfg.num_experts, shard)
+        packed = pack(cfg, weights, self.experts)
         self.tp = tp
-        self.vocab = (
-            (0, cfg.vocab_size)
-            if tp is None
-            else vocab_range(cfg.vocab_size, Shard(tp.rank, tp.size))
-        )
+        self.vocab = (0, cfg.vocab_size) if shard is None else vocab_range(cfg.vocab_size, shard)
         self.cfg, self.wt, self.vectors = cfg, packed.linears, packed.vectors
         # Untied: the embedding as loaded, [V, H]; tied: None, looked up in lm_head's columns.
         self.embed = self.vectors.pop("model.embed_tokens.weight", None)
@@ -347,9 +349,17 @@ class HybridModel:
     # -- layers ------------------------------------------------------------------------
 
     def _mlp(self, p: str, x: torch.Tensor) -> torch.Tensor:
-        if f"{p}.gate" in self.wt:
-            return self._reduced(self._moe(p, x))
-        return self._reduced(self._swiglu(p, x))
+        if f"{p}.gate" not in self.wt:
+            return self._reduced(self._swiglu(p, x))
+        routed, shared = self._moe(p, x), self._shared_expert(p, x)
+        if self.placed:  # the routed sum is whole already; the shared expert is split
+            return routed if shared is None else routed + self._reduced(shared)
+        return self._reduced(routed if shared is None else routed + shared)
+
+    @property
+    def placed(self) -> bool:
+        """Whether the routed experts are placed on ranks (expert parallelism)."""
+        return self.tp is not None and self.tp.expert_parallel
 
     def _swiglu(self, p: str, x: torch.Tensor) -> torch.Tensor:
         """A SwiGLU MLP; under tensor parallelism, this rank's part of the sum."""
@@ -359,19 +369,28 @@ class HybridModel:
         return self.ops.linear(act, self.wt[f"{p}.down_proj"])
 
     def _moe(self, p: str, x: torch.Tensor) -> torch.Tensor:
-        """Qwen3-Next's sparse block: softmax router, top-k experts (renormalised when
+        """Qwen3-Next's routed experts: softmax router, top-k experts (renormalised when
         `norm_topk_prob`), each expert over only the rows routed to it, a row's outputs added
-        in expert-index order (batch invariant), plus the shared expert gated by sigmoid. Under
-        tensor parallelism every expert's intermediate is split: this rank's part of the sum."""
+        in expert-index order (batch invariant). Under tensor parallelism every expert's
+        intermediate is split: this rank's part of the sum; under expert parallelism the rows
+        go to their experts' ranks and back: the whole sum."""
         cfg = self.cfg
         logits = self.ops.linear(x, self.wt[f"{p}.gate"]).float()  # [P, E]
         weights, experts = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
         w13, w2 = self.wt[f"{p}.experts.w13"], self.wt[f"{p}.experts.w2"]
-        out = self.ops.moe(x, w13, w2, experts, weights.to(x.dtype))
-        if f"{p}.shared_expert_gate" in self.wt:
-            gate = sigmoid(self.ops.linear(x, self.wt[f"{p}.shared_expert_gate"]))
-            out = out + gate * self._swiglu(f"{p}.shared_expert", x)
-        return out
+        if self.placed:
+            assert self.tp is not None
+            moe, held = self.ops.moe, self.experts
+            return placed_moe(moe, x, w13, w2, experts, weights.to(x.dtype), held, self.tp)
+        return self.ops.moe(x, w13, w2, experts, weights.to(x.dtype))
+
+    def _shared_expert(self, p: str, x: torch.Tensor) -> torch.Tensor | None:
+        """The shared expert gated by sigmoid (this rank's part under tensor parallelism), or
+        None where the layer has none."""
+        if f"{p}.shared_expert_gate" not in self.wt:
+            return None
+        gate = sigmoid(self.ops.linear(x, self.wt[f"{p}.shared_expert_gate"]))
+        return gate * self._swiglu(f"{p}.shared_expert", x)
 
     def _qkv(
         self, p: str, x: torch.Tensor, rope: torch.Tensor

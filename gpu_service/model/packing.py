@@ -7,7 +7,8 @@ next is read, so the engine never holds a checkpoint's tensors beside their pack
   and v (`qkvg`), each SwiGLU's gate and up (`gate_up_proj`), GDN's `in_proj_qkvz` and
   `in_proj_ba` regrouped from per-key-head groups to per part;
 - a MoE layer's experts stacked: `experts.w13` `[E, H, 2I]` (gate, then up) and `experts.w2`
-  `[E, I, H]`;
+  `[E, I, H]`, E the experts held (`experts`: under expert parallelism, a rank's share, its
+  first at index 0);
 - with tied embeddings, only `lm_head` `[H, V]`: the embedding is looked up in its columns;
 - the zero-centred norms that only feed linears folded into those linears' rows (`fold_norms`).
 Everything else (norms, conv taps, A_log, dt_bias, an untied embedding) is kept as loaded;
@@ -38,18 +39,22 @@ class Packed:
     vectors: dict[str, torch.Tensor] = field(default_factory=dict)  # as loaded, by HF name
 
 
-def pack(cfg: ModelConfig, stream: Iterable[tuple[str, torch.Tensor]]) -> Packed:
+def pack(
+    cfg: ModelConfig, stream: Iterable[tuple[str, torch.Tensor]], experts: range | None = None
+) -> Packed:
     """Source tensors by HF name -> the kept layout (norms not folded yet). FP8 weights keep
     their bytes; their scales wait beside them (a 128th of a 128th of the weight) until every
-    source of a kept tensor has come, and then become its scale grid (`_Fp8Grids`)."""
+    source of a kept tensor has come, and then become its scale grid (`_Fp8Grids`). `experts`:
+    the routed experts the stream holds, by id (default: every one of `cfg`)."""
+    held = range(cfg.num_experts) if experts is None else experts
     out = Packed()
-    grids = _Fp8Grids()
+    grids = _Fp8Grids(held)
     for stored, t in stream:
         name = cfg.canonical(stored)
         if name.endswith(SCALE_SUFFIX):
             grids.scales[name.removesuffix(SCALE_SUFFIX) + "weight"] = t
             continue
-        pieces = _pieces(cfg, name, t)
+        pieces = _pieces(cfg, name, t, held)
         if pieces is None:
             out.vectors[name] = t
             continue
@@ -74,22 +79,23 @@ class _Fp8Grids:
     groups) can cut a block's rows apart, so each kept column names its grid column, and the
     grid has a column per run of kept columns from one source block (`BlockFp8`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, held: range) -> None:
+        self.held = held  # the routed experts stacked, by id
         self.scales: dict[str, torch.Tensor] = {}  # weight name -> weight_scale_inv
         # kept key -> per kept column: (source weight name, with an expert's index as {e}), row
         self.columns: dict[str, list[tuple[str, int] | None]] = {}
-        self.experts: dict[str, int] = {}  # stacked kept key -> experts
+        self.stacked: set[str] = set()  # kept keys of stacked experts
 
     def place(self, cfg: ModelConfig, name: str, shape: torch.Size) -> None:
         """Record where each row of source weight `name` [out, in] went: the same packing run
         on its row numbers."""
         source, expert = _expert_template(name)
-        if expert:
-            return  # every expert's columns land where expert 0's do
+        if expert is not None and expert != self.held.start:
+            return  # every expert's columns land where the first held one's do
         rows = torch.arange(shape[0]).view(-1, 1)
-        for key, kept_shape, index, piece in _pieces(cfg, name, rows) or []:
+        for key, kept_shape, index, piece in _pieces(cfg, name, rows, self.held) or []:
             if expert is not None:
-                self.experts[key] = kept_shape[0]
+                self.stacked.add(key)
             columns = self.columns.setdefault(key, [None] * kept_shape[-1])
             cols = index[-1] if index and isinstance(index[-1], slice) else slice(None)
             for c, r in zip(
@@ -111,14 +117,14 @@ class _Fp8Grids:
                 groups.append(len(runs) - 1)
             weight = linears[key]
             assert isinstance(weight, torch.Tensor)
-            grid = self._grid(runs, self.experts.get(key))
+            grid = self._grid(runs, key in self.stacked)
             group_t = torch.tensor(groups, dtype=torch.int32, device=weight.device)
             linears[key] = BlockFp8(weight, grid.to(weight.device), group_t)
         if self.scales:
             left = next(iter(self.scales)).removesuffix("weight") + SCALE_SUFFIX
             raise ValueError(f"{left} scales no FP8 weight")
 
-    def _grid(self, runs: list[tuple[str, int]], experts: int | None) -> torch.Tensor:
+    def _grid(self, runs: list[tuple[str, int]], experts: bool) -> torch.Tensor:
         """[KB, G] ([E, KB, G]): column g is its run's source block row of weight_scale_inv.
         The sources' scales are dropped once read."""
         sources = list(dict.fromkeys(source for source, _ in runs))
@@ -126,10 +132,10 @@ class _Fp8Grids:
         start: dict[str, int] = {}
         for source in sources:
             start[source] = sum(t.shape[-2] for t in tables)
-            if experts is None:
+            if not experts:
                 tables.append(self.scales.pop(source))  # [NB, KB]
             else:
-                names = [source.format(e=e) for e in range(experts)]
+                names = [source.format(e=e) for e in self.held]
                 tables.append(torch.stack([self.scales.pop(n) for n in names]))  # [E, NB, KB]
         rows = torch.tensor([start[source] + block for source, block in runs])
         table = torch.cat(tables, -2)
@@ -146,8 +152,8 @@ def _expert_template(name: str) -> tuple[str, int | None]:
     return f"{layer}.experts.{{e}}.{tail}", int(expert)
 
 
-def _pieces(cfg: ModelConfig, name: str, t: torch.Tensor) -> list[Piece] | None:
-    """Where source tensor `name` goes; None: kept as loaded."""
+def _pieces(cfg: ModelConfig, name: str, t: torch.Tensor, held: range) -> list[Piece] | None:
+    """Where source tensor `name` goes (a routed expert among `held`); None: kept as loaded."""
     if name == "model.embed_tokens.weight":
         return _whole("lm_head", t) if cfg.tie_word_embeddings else None
     if name == "lm_head.weight":
@@ -161,7 +167,7 @@ def _pieces(cfg: ModelConfig, name: str, t: torch.Tensor) -> list[Piece] | None:
     if kind in ("q_proj", "k_proj", "v_proj"):
         return _attention_piece(cfg, prefix, kind, t)
     if kind in ("gate_proj", "up_proj", "down_proj"):
-        return _mlp_piece(cfg, prefix, kind, t)
+        return _mlp_piece(prefix, kind, t, held)
     if kind == "in_proj_qkvz":
         return _whole(base, _gdn_qkvz(cfg, t))
     if kind == "in_proj_ba":
@@ -225,22 +231,23 @@ def _attention_piece(cfg: ModelConfig, p: str, kind: str, t: torch.Tensor) -> li
     return [(key, shape, (slice(None), slice(start, start + k_w)), t.t())]
 
 
-def _mlp_piece(cfg: ModelConfig, p: str, kind: str, t: torch.Tensor) -> list[Piece]:
-    """A SwiGLU's gate and up into `{p}.gate_up_proj` [H, 2I]; an expert's into its layer's
-    stacked `experts.w13` [E, H, 2I] and `experts.w2` [E, I, H]."""
+def _mlp_piece(p: str, kind: str, t: torch.Tensor, held: range) -> list[Piece]:
+    """A SwiGLU's gate and up into `{p}.gate_up_proj` [H, 2I]; an expert's (one of `held`)
+    into its layer's stacked `experts.w13` [E, H, 2I] and `experts.w2` [E, I, H]."""
     layer, _, expert = p.rpartition(".experts.")
     stacked = bool(layer) and expert.isdigit()
+    at = int(expert) - held.start if stacked else 0
     if kind == "down_proj":
         if not stacked:
             return _whole(f"{p}.down_proj", t)
-        shape = (cfg.num_experts, t.shape[1], t.shape[0])
-        return [(f"{layer}.experts.w2", shape, (int(expert),), t.t())]
+        shape = (len(held), t.shape[1], t.shape[0])
+        return [(f"{layer}.experts.w2", shape, (at,), t.t())]
     inner = t.shape[0]
     cols = slice(0, inner) if kind == "gate_proj" else slice(inner, 2 * inner)
     if not stacked:
         return [(f"{p}.gate_up_proj", (t.shape[1], 2 * inner), (slice(None), cols), t.t())]
-    shape = (cfg.num_experts, t.shape[1], 2 * inner)
-    return [(f"{layer}.experts.w13", shape, (int(expert), slice(None), cols), t.t())]
+    shape = (len(held), t.shape[1], 2 * inner)
+    return [(f"{layer}.experts.w13", shape, (at, slice(None), cols), t.t())]
 
 
 def _by_group(t: torch.Tensor, groups: int, parts: list[int]) -> torch.Tensor:

@@ -10,10 +10,13 @@ alone: what the loader reads, what the plan counts and what the tests check.
   key heads, one replicated key head a rank otherwise). Recurrent state and conv windows hold
   the rank's heads only. `out_proj` is row-parallel.
 - SwiGLU MLPs (dense, shared expert, and every routed expert): the intermediate split,
-  `gate`/`up` column-parallel, `down` row-parallel. The experts are split rather than placed by
-  rank: every rank runs the same routing over the same rows, so no rows cross between ranks and
-  a row's sum is the same whatever else is in the batch; expert placement (EP) would exchange
-  routed rows, whose counts follow the batch.
+  `gate`/`up` column-parallel, `down` row-parallel. By default the routed experts are split
+  too: every rank runs the same routing over the same rows, so no rows cross between ranks.
+- Under expert parallelism (`Shard.experts`, `--expert-parallel`) the routed experts are placed
+  instead: rank r holds experts [r E / N, (r + 1) E / N) whole (full intermediate, FP8 with its
+  own scale blocks), and none of the others (`holds`); their rows travel to it and back
+  (`gpu_service/model/placement.py`). Everything else is split as above, the shared expert
+  included.
 - Embedding and LM head vocab-parallel: rank r holds ids [r * ceil(V / N), (r + 1) * ...).
 - Everything else (norms, the router, the shared expert's gate, the MTP head's `fc`) replicated.
 - A block-FP8 weight is split as its bf16 twin, and its `weight_scale_inv` by the 128 x 128
@@ -41,6 +44,7 @@ from kernels.fp8.format import BLOCK
 class Shard:
     rank: int
     size: int
+    experts: bool = False  # expert parallelism: the routed experts placed, not split
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
@@ -69,16 +73,35 @@ def _shared(total: int, size: int, what: str) -> int:
     return 1
 
 
-def check(cfg: ModelConfig, size: int) -> None:
-    """Raises ValueError naming what `size` ranks cannot split."""
+def _check_placed(cfg: ModelConfig, size: int) -> None:
+    """Raises ValueError where `--expert-parallel` cannot place `cfg`'s experts on `size` ranks."""
+    if size == 1:
+        raise ValueError(
+            "--expert-parallel places the routed experts over the ranks of "
+            "--tensor-parallel-size, which is 1; give it 2 or more"
+        )
+    if not cfg.num_experts:
+        raise ValueError("--expert-parallel: the model has no routed experts to place")
+    if cfg.num_experts % size:
+        raise ValueError(
+            f"--expert-parallel at --tensor-parallel-size {size} does not divide num_experts "
+            f"({cfg.num_experts}) into whole ranks' shares; use a size that divides it"
+        )
+
+
+def check(cfg: ModelConfig, size: int, experts: bool = False) -> None:
+    """Raises ValueError naming what `size` ranks cannot split (with `experts`, place)."""
     if size < 1:
         raise ValueError(f"--tensor-parallel-size is {size}; it must be at least 1")
+    if experts:
+        _check_placed(cfg, size)
     if size == 1:
         return
     _split(cfg.num_attention_heads, size, "num_attention_heads")
     _split(cfg.linear_num_value_heads, size, "linear_num_value_heads")
     _split(cfg.intermediate_size, size, "intermediate_size")
-    _split(cfg.moe_intermediate_size, size, "moe_intermediate_size")
+    if not experts:
+        _split(cfg.moe_intermediate_size, size, "moe_intermediate_size")
     _split(cfg.shared_expert_intermediate_size, size, "shared_expert_intermediate_size")
     kv = _shared(cfg.num_key_value_heads, size, "num_key_value_heads")
     keys = _shared(cfg.linear_num_key_heads, size, "linear_num_key_heads")
@@ -88,10 +111,12 @@ def check(cfg: ModelConfig, size: int) -> None:
         raise ValueError("a rank's GDN value heads would read more key heads than it holds")
 
 
-def rank_config(cfg: ModelConfig, size: int) -> ModelConfig:
+def rank_config(cfg: ModelConfig, size: int, experts: bool = False) -> ModelConfig:
     """The config of what one of `size` ranks holds: heads and intermediates divided (a
-    replicated head counted once), the vocabulary as it is (ids stay global)."""
-    check(cfg, size)
+    replicated head counted once), the vocabulary as it is (ids stay global). With `experts`
+    the routed experts keep their whole intermediate, and `num_experts` stays the router's
+    count: which of them the rank holds is `expert_range`'s."""
+    check(cfg, size, experts)
     if size == 1:
         return cfg
     return replace(
@@ -101,9 +126,33 @@ def rank_config(cfg: ModelConfig, size: int) -> ModelConfig:
         linear_num_key_heads=_shared(cfg.linear_num_key_heads, size, "linear_num_key_heads"),
         linear_num_value_heads=cfg.linear_num_value_heads // size,
         intermediate_size=cfg.intermediate_size // size,
-        moe_intermediate_size=cfg.moe_intermediate_size // size,
+        moe_intermediate_size=cfg.moe_intermediate_size // (1 if experts else size),
         shared_expert_intermediate_size=cfg.shared_expert_intermediate_size // size,
     )
+
+
+def expert_range(num_experts: int, shard: Shard | None) -> range:
+    """The routed experts rank `shard.rank` holds: every one (one device, or split by tensor
+    parallelism), or under expert parallelism its contiguous share by id."""
+    if shard is None or not shard.experts:
+        return range(num_experts)
+    per = num_experts // shard.size
+    return range(shard.rank * per, (shard.rank + 1) * per)
+
+
+def expert_of(name: str) -> int | None:
+    """The expert a per-expert tensor belongs to (`...mlp.experts.7.up_proj.weight`, or its
+    scales): 7; None for any other tensor."""
+    _, sep, rest = name.partition(".experts.")
+    number = rest.partition(".")[0]
+    return int(number) if sep and number.isdigit() else None
+
+
+def holds(cfg: ModelConfig, shard: Shard, name: str) -> bool:
+    """Whether rank `shard.rank` holds any of tensor `name`: all but the other ranks' experts
+    under expert parallelism."""
+    expert = expert_of(name)
+    return expert is None or expert in expert_range(cfg.num_experts, shard)
 
 
 def vocab_range(vocab: int, shard: Shard) -> tuple[int, int]:
@@ -210,12 +259,16 @@ def part(
     if kind == "in_proj_z":
         return 0, _spans(cfg.linear_value_head_dim, _value_heads(cfg, shard))
     if len(shape) == 3:  # stacked experts: gate_up_proj [E, 2I, H], down_proj [E, H, I]
+        if shard.experts:
+            return 0, list(expert_range(shape[0], shard))
         if kind == "gate_up_proj":
             inner = shape[1] // 2
             return 1, _inner(inner, shard) + [inner + i for i in _inner(inner, shard)]
         return 2, _inner(shape[2], shard)
     if kind == "out_proj":
         return 1, _spans(cfg.linear_value_head_dim, _value_heads(cfg, shard))
+    if shard.experts and expert_of(name) is not None:
+        return None  # a placed expert is held whole, by the rank `holds` names
     if kind in ("gate_proj", "up_proj"):
         return 0, _inner(shape[0], shard)
     if kind == "down_proj":
@@ -267,40 +320,48 @@ def _kinds(fp8: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
 
 
 def _block_cut(
-    cfg: ModelConfig, size: int, kinds: dict[str, tuple[int, ...]]
+    cfg: ModelConfig, shard: Shard, kinds: dict[str, tuple[int, ...]]
 ) -> tuple[str, int, int, tuple[int, int]] | None:
-    """The first FP8 weight of `kinds` of which a rank of `size` would hold part of a block:
-    (its name, the rank, the dim, the run that cuts), or None."""
+    """The first FP8 weight of `kinds` of which a rank of `shard.size` (placing the experts as
+    `shard` does) would hold part of a block: (its name, the rank, the dim, the run that cuts),
+    or None."""
     for name, shape in kinds.items():
-        for rank in range(size):
-            spec = part(cfg, Shard(rank, size), name, shape)
+        for rank in range(shard.size):
+            spec = part(cfg, replace(shard, rank=rank), name, shape)
             cut = None if spec is None else _cut(spec[1], shape[spec[0]])
             if spec is not None and cut is not None:
                 return name, rank, spec[0], cut
     return None
 
 
-def _splits(cfg: ModelConfig, size: int, kinds: dict[str, tuple[int, ...]]) -> bool:
+def _splits(cfg: ModelConfig, shard: Shard, kinds: dict[str, tuple[int, ...]]) -> bool:
     try:
-        check(cfg, size)
+        check(cfg, shard.size, shard.experts)
     except ValueError:
         return False
-    return _block_cut(cfg, size, kinds) is None
+    return _block_cut(cfg, shard, kinds) is None
 
 
-def check_blocks(cfg: ModelConfig, size: int, fp8: dict[str, tuple[int, ...]]) -> None:
-    """Raises ValueError where `size` ranks would cut a scale block of an FP8 weight of `fp8`
-    (name -> [out, in]), naming the weight and the sizes of `SIZES` that split every one on
-    block edges."""
+def check_blocks(
+    cfg: ModelConfig, size: int, fp8: dict[str, tuple[int, ...]], experts: bool = False
+) -> None:
+    """Raises ValueError where `size` ranks (with `experts`, placing the routed experts) would
+    cut a scale block of an FP8 weight of `fp8` (name -> [out, in]), naming the weight and the
+    sizes of `SIZES` that split every one on block edges."""
     kinds = _kinds(fp8) if size > 1 else {}
-    cut = _block_cut(cfg, size, kinds)
+    cut = _block_cut(cfg, Shard(0, size, experts), kinds)
     if cut is None:
         return
     name, rank, dim, (start, stop) = cut
-    fits = [str(n) for n in SIZES if _splits(cfg, n, kinds)]
-    sizes = ", ".join(fits[:-1]) + f" or {fits[-1]}" if len(fits) > 1 else fits[0]
+    fits = [str(n) for n in SIZES if _splits(cfg, Shard(0, n, experts), kinds)]
+    if not fits:
+        sizes = "no size of --tensor-parallel-size " + ", ".join(map(str, SIZES))
+    elif len(fits) > 1:
+        sizes = "--tensor-parallel-size " + ", ".join(fits[:-1]) + f" or {fits[-1]}"
+    else:
+        sizes = f"--tensor-parallel-size {fits[0]}"
     raise ValueError(
         f"{name} is FP8 in {BLOCK} x {BLOCK} scale blocks, and at --tensor-parallel-size {size} "
         f"rank {rank} would hold its {('rows', 'columns')[dim]} {start} to {stop - 1}, which cut "
-        f"a block; --tensor-parallel-size {sizes} splits every FP8 weight on block edges"
+        f"a block; {sizes} splits every FP8 weight on block edges"
     )

@@ -381,14 +381,17 @@ def stream_weights(
     `cfg` before the first is read (`expected_tensors`). A checkpoint without `mtp.*` tensors
     loads with the drafter off (the returned config has no MTP layer). With a tensor-parallel
     `shard`, each tensor is only what that rank holds (`gpu_service/model/shard.py`), and only
-    those bytes are read."""
+    those bytes are read: under expert parallelism, none of the other ranks' experts."""
     index = checkpoint_index(directory)
     cfg = served_config(cfg, index)
     try:
         expected, fp8 = expected_tensors(cfg, index)
         if shard is not None:
-            tp_shard.check(cfg, shard.size)
-            tp_shard.check_blocks(cfg, shard.size, {n: s for n, s in expected.items() if n in fp8})
+            tp_shard.check(cfg, shard.size, shard.experts)
+            fp8_shapes = {n: s for n, s in expected.items() if n in fp8}
+            tp_shard.check_blocks(cfg, shard.size, fp8_shapes, shard.experts)
+            # Under expert parallelism the other ranks' experts are never read.
+            expected = {n: s for n, s in expected.items() if tp_shard.holds(cfg, shard, n)}
     except ValueError as e:
         raise ValueError(f"{directory}: {e}") from None
 

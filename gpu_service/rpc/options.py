@@ -32,6 +32,7 @@ SHAPE_FLAGS = (
     "--drafter",
     "--device",
     "--tensor-parallel-size",
+    "--expert-parallel",
     "--max-context",
     "--kv-blocks",
     "--prefix-snapshots",
@@ -218,6 +219,15 @@ def add_shape_args(
         metavar="N",
         help="ranks the model is split over, one process per device (cuda:0 .. N-1, or N CPU "
         "processes); the plan is one rank's (default %(default)s)",
+    )
+    parser.add_argument(
+        "--expert-parallel",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="with --tensor-parallel-size N, place the routed experts on the ranks, rank r "
+        "holding experts r E/N .. (r + 1) E/N - 1 whole, each row's sent to them and back and "
+        "added in expert order, rather than split every expert's intermediate over the ranks; "
+        "attention, GDN and the shared expert stay split (default: off)",
     )
     _add_capacity_args(parser, prefix_snapshots)
     parser.add_argument(

@@ -83,6 +83,7 @@ def _load(args: argparse.Namespace, svc: ServiceConfig, device: torch.device) ->
                 args.tp_timeout,
                 args.threads,
                 args.drafter,
+                bool(args.expert_parallel),
             )
         )
     else:
@@ -140,8 +141,9 @@ def _serving_lines(
     """What the start-up says once the engine serves: its step, then the serving line."""
     caps = engine.capabilities()
     quantized = f", linears in {caps.quantization}" if caps.quantization else ""
+    placed = ", experts placed" if args.expert_parallel else ""
     split = (
-        f" x {caps.tensor_parallel_size} ranks ({args.tp_reduce} reduction)"
+        f" x {caps.tensor_parallel_size} ranks ({args.tp_reduce} reduction{placed})"
         if caps.tensor_parallel_size > 1
         else ""
     )

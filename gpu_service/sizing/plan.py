@@ -8,7 +8,8 @@ and refuses to start when it does not fit the device (`plan_report.py` words the
 
 Under tensor parallelism (`--tensor-parallel-size N`) the plan is one rank's, the largest (rank
 0: the vocabulary's remainder falls short on the last), against one device: each rank has its
-own."""
+own. With `--expert-parallel` that rank holds its E / N routed experts whole, and its workspace
+the exchange's buffers (`plan_graphs.exchange_bytes`)."""
 
 from __future__ import annotations
 
@@ -43,10 +44,12 @@ from gpu_service.sizing import MAX_AUTO_SLOTS
 from gpu_service.sizing.plan_graphs import (
     META,
     activation_bytes,
+    exchange_bytes,
     graph_parts,
     split_workspace_bytes,
 )
 from gpu_service.sizing.plan_meta import by_dtype, meta_drafter, meta_model
+from gpu_service.sizing.plan_vision import vision_bytes
 from kernels.attention.format import KEY_BLOCK
 from protos.hub import model_name
 
@@ -57,6 +60,7 @@ AUTO_BLOCKS_SHARE = 0.95
 PARTS = {
     "weights_bytes": "weights",
     "dflash_weights_bytes": "DFlash drafter weights",
+    "vision_weights_bytes": "vision tower weights",
     "kv_cache_bytes": "attention KV cache",
     "gdn_state_bytes": "GDN live state",
     "conv_state_bytes": "GDN conv windows",
@@ -71,6 +75,7 @@ PARTS = {
     "rope_bytes": "RoPE table",
     "graphs_bytes": "captured graphs",
     "workspace_bytes": "activation workspace",
+    "vision_bytes": "vision tower activations",
     "other_state_bytes": "other device state",
 }
 # DeviceState's tensors by part; one this table does not name counts as other device state.
@@ -120,10 +125,11 @@ class MemoryPlan:
     seconds: float = 0.0
     quantization: str = ""  # the checkpoint's, as Capabilities names it; "" when none
     tensor_parallel_size: int = 1  # ranks; every part is one rank's
-    # The checkpoint's vision tower (Qwen3.5), in its dtype: recognised, never loaded.
-    vision_bytes: int = 0
     # The context the model was built for, where the plan lowered `svc.max_context` from it.
     model_context: int = 0
+    expert_parallel: bool = False  # the routed experts placed on the ranks, not split
+    experts_per_rank: int = 0  # routed experts a rank holds (every one, but under EP)
+    expert_bytes: int = 0  # of `weights_bytes`, the routed experts' (with their FP8 scales)
 
     @property
     def total(self) -> int:
@@ -202,6 +208,8 @@ def slot_parts(
     out["score_bytes"] = max(prompt_scores, verify_scores)
     out["stash_bytes"] += padded_rows(svc.max_rows) * cfg.hidden_size * size
     out["penalty_bytes"], _ = device_bytes(model.vocab[1] - model.vocab[0], svc.num_slots, 0)
+    # A prefill's images: the tower's activations at the largest, the embeddings held.
+    out["vision_bytes"] = vision_bytes(cfg, svc, size)
     num_graphs, out["graphs_bytes"] = graph_parts(model, state, svc) if graphs else (0, 0)
     return out, num_graphs
 
@@ -305,16 +313,22 @@ def _fixed_parts(
     drafter: DFlashConfig | None,
 ) -> dict[str, int]:
     """The parts that do not grow with the slots: the weights (and a DFlash drafter's), the
-    RoPE table, and the workspace of the largest call."""
+    RoPE table, and the workspace of the largest call (under expert parallelism, with the
+    exchange's buffers)."""
     cfg = model.cfg
+
+    def activations(rows: int) -> int:
+        placed = exchange_bytes(cfg, rows, dtype.itemsize) if model.placed else 0
+        return activation_bytes(cfg, rows, dtype.itemsize) + placed
+
     return {
         "weights_bytes": sum(weights.values()),
         "rope_bytes": held_bytes([model.rope]),
         # A prefill's activations, or a verify's with its split kernels' partials, or the
         # penalties of its rows once its logits are made: never two at once.
         "workspace_bytes": max(
-            activation_bytes(cfg, padded_rows(svc.max_prefill_tokens), dtype.itemsize),
-            activation_bytes(cfg, padded_rows(svc.max_rows), dtype.itemsize)
+            activations(padded_rows(svc.max_prefill_tokens)),
+            activations(padded_rows(svc.max_rows))
             + split_workspace_bytes(model, padded_rows(svc.max_rows)),
             device_bytes(model.vocab[1] - model.vocab[0], 0, svc.max_rows)[1],
             # A block propose: a block of rows for each of a batch's sequences.
@@ -340,8 +354,10 @@ def make_plan(
     auto_blocks: bool = False,
     auto_context: bool = False,
     drafter: DFlashConfig | None = None,
+    experts: bool = False,
 ) -> MemoryPlan:
-    """The plan of serving `cfg` with `svc` in `dtype` over `size` ranks (one rank's); with
+    """The plan of serving `cfg` with `svc` in `dtype` over `size` ranks (one rank's; with
+    `experts`, the routed experts placed on them, `--expert-parallel`); with
     `auto` and a known memory, at the most slots whose plan fits it; with `auto_blocks`, the KV
     pool as large as the rest leaves room for (`most_blocks`); with `auto_context`, the
     model's context (`svc.max_context`) lowered to what a known memory holds (`most_context`);
@@ -351,10 +367,12 @@ def make_plan(
     start = time.perf_counter()
     model_context = svc.max_context if auto_context else 0
     graphs = graphs and size == 1  # the engine captures none under tensor parallelism
-    model = meta_model(cfg, dtype, svc.max_context, size)
+    model = meta_model(cfg, dtype, svc.max_context, size, experts)
     cfg = model.cfg
     weights = by_dtype(model.held_tensors())
     fixed = _fixed_parts(model, svc, dtype, weights, drafter)
+    # The tower, whole on every rank, in the serving dtype (an FP8 one dequantized).
+    fixed["vision_weights_bytes"] = cfg.vision_params * dtype.itemsize
     if memory.bytes is not None:
         settle = Auto(auto, auto_blocks, auto_context)
         svc = _settled(model, svc, graphs, memory.bytes, sum(fixed.values()), settle, drafter)
@@ -372,9 +390,17 @@ def make_plan(
         time.perf_counter() - start,
         cfg.quantization.name if cfg.quantization else "",
         size,
-        cfg.vision_params * serving_dtype(cfg, None).itemsize,
         model_context if svc.max_context < model_context else 0,
+        experts,
+        len(model.experts),
+        routed_expert_bytes(model),
     )
+
+
+def routed_expert_bytes(model: HybridModel) -> int:
+    """The bytes of the routed experts `model` holds (FP8 with their scales and groups)."""
+    held = model.named_held()
+    return held_bytes([t for name, t in held.items() if ".experts.w" in name])
 
 
 def model_context(cfg: ModelConfig) -> int:
@@ -416,12 +442,15 @@ def from_args(args: argparse.Namespace, device: torch.device, graphs: bool) -> M
     dtype = serving_dtype(cfg, args.dtype)
     memory = device_memory(args.device_memory, device)
     auto, size = args.num_slots == "auto", args.tensor_parallel_size
+    experts = bool(getattr(args, "expert_parallel", False))
     blocks, context = args.kv_blocks == "auto", args.max_context is None
     # The drafter's shapes: its config alone (a plan reads no weights).
     drafter = None
     if args.drafter is not None:
         drafter = read_config(args.drafter, cfg)
-    return make_plan(name, cfg, svc, dtype, graphs, memory, auto, size, blocks, context, drafter)
+    return make_plan(
+        name, cfg, svc, dtype, graphs, memory, auto, size, blocks, context, drafter, experts
+    )
 
 
 def device_memory(given: int | None, device: torch.device) -> Memory:

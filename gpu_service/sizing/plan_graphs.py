@@ -45,6 +45,16 @@ def activation_bytes(cfg: ModelConfig, rows: int, itemsize: int) -> int:
     return rows * ((2 * cfg.hidden_size + 2 * widest_linear(cfg)) * itemsize + 4 * f)
 
 
+def exchange_bytes(cfg: ModelConfig, rows: int, itemsize: int) -> int:
+    """Expert parallelism's buffers beside a MoE layer of `rows` rows, at their most (every
+    pair routed to this rank's experts): the pairs' rows, gate and up, activation and outputs,
+    rows * k * (2 H + 3 I), and the rows this rank adds up and then gathers, 2 rows * H
+    (`gpu_service/model/placement.py`)."""
+    pairs = rows * cfg.num_experts_per_tok
+    h, i = cfg.hidden_size, cfg.moe_intermediate_size
+    return (pairs * (2 * h + 3 * i) + 2 * rows * h) * itemsize
+
+
 def split_workspace_bytes(model: HybridModel, rows: int) -> int:
     """The fp32 partials the split kernels of a verify, decode or drafter call of `rows` rows
     allocate on a GPU, each live only during its own kernel pair, so the larger counts:

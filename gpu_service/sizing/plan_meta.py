@@ -11,7 +11,7 @@ from gpu_service.dflash.weights import expected_tensors as expected_tensors_dfla
 from gpu_service.model.config import ModelConfig
 from gpu_service.model.hybrid import HybridModel, held_bytes
 from gpu_service.model.quantization import fp8_names, scale_name, scale_shape
-from gpu_service.model.shard import Shard, check_blocks, part, rank_config
+from gpu_service.model.shard import Shard, check_blocks, holds, part, rank_config
 from gpu_service.model.weights import weight_shapes
 from gpu_service.sizing.plan_graphs import META
 from gpu_service.tp.group import TpGroup
@@ -24,19 +24,27 @@ class MetaGroup(TpGroup):
     """Rank 0 of `size`, for a model on the meta device that the plan counts and never runs:
     it tells the model which token ids it holds (`HybridModel.vocab`). It has no peers."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, expert_parallel: bool = False) -> None:
         self.rank, self.size, self.reduce_mode, self.device = 0, size, "ordered", META
+        self.expert_parallel = expert_parallel
 
     def gather(self, x: torch.Tensor) -> list[torch.Tensor]:
         """What every rank would send, as shapes alone: what a model built on `meta` asks of
         its peers while it loads (the DFlash drafter's mask row is a reduced embedding)."""
         return [torch.empty_like(x) for _ in range(self.size)]
 
+    def exchange(self, x: torch.Tensor, send: list[int], receive: list[int]) -> torch.Tensor:
+        """The rows the ranks would send here, as a shape alone."""
+        return x.new_empty(sum(receive), *x.shape[1:])
 
-def rank_shapes(cfg: ModelConfig, size: int) -> dict[str, tuple[int, ...]]:
-    """Every checkpoint tensor of `cfg` as rank 0 of `size` reads it (`tp.shard.part`)."""
-    shard, out = Shard(0, size), {}
+
+def rank_shapes(cfg: ModelConfig, size: int, experts: bool = False) -> dict[str, tuple[int, ...]]:
+    """Every checkpoint tensor of `cfg` that rank 0 of `size` reads, as it reads it
+    (`tp.shard.part`); with `experts`, its share of the routed experts only."""
+    shard, out = Shard(0, size, experts), {}
     for name, shape in weight_shapes(cfg).items():
+        if not holds(cfg, shard, name):
+            continue
         spec = part(cfg, shard, name, shape)
         if spec is not None:
             dim, indices = spec
@@ -46,17 +54,18 @@ def rank_shapes(cfg: ModelConfig, size: int) -> dict[str, tuple[int, ...]]:
 
 
 def meta_model(
-    cfg: ModelConfig, dtype: torch.dtype, max_context: int, size: int = 1
+    cfg: ModelConfig, dtype: torch.dtype, max_context: int, size: int = 1, experts: bool = False
 ) -> HybridModel:
     """Rank 0 of `size`'s model on `meta`, its weights as it reads them from a checkpoint of
     `cfg`: in `dtype`, or in FP8 with their scales where the config quantizes them (a rank's
-    scales are the blocks of its rows and columns). ValueError where `size` does not split
-    `cfg` (`tp.shard.check`) or would cut an FP8 weight's scale block (`check_blocks`)."""
-    held = rank_config(cfg, size)
+    scales are the blocks of its rows and columns); with `experts`, the routed experts placed
+    (`--expert-parallel`). ValueError where `size` does not split `cfg` (`tp.shard.check`) or
+    would cut an FP8 weight's scale block (`check_blocks`)."""
+    held = rank_config(cfg, size, experts)
     whole = weight_shapes(cfg)
     fp8 = fp8_names(cfg.quantization, whole)
-    check_blocks(cfg, size, {n: s for n, s in whole.items() if n in fp8})
-    shapes = rank_shapes(cfg, size)
+    check_blocks(cfg, size, {n: s for n, s in whole.items() if n in fp8}, experts)
+    shapes = rank_shapes(cfg, size, experts)
     weights = {}
     for name, shape in shapes.items():
         if name in fp8:
@@ -65,7 +74,7 @@ def meta_model(
             weights[scale_name(name)] = scales
         else:
             weights[name] = torch.empty(shape, dtype=dtype, device=META)
-    group = None if size == 1 else MetaGroup(size)
+    group = None if size == 1 else MetaGroup(size, experts)
     return HybridModel(held, weights, max_context, group)
 
 

@@ -42,6 +42,8 @@ def _settings(plan: MemoryPlan) -> str:
         dtype += f", linears in {plan.quantization}"
     if n > 1:
         dtype += f", per rank x {n} ranks (a device each)"
+    if plan.expert_parallel:
+        dtype += f", experts placed ({plan.experts_per_rank} a rank)"
     return (
         f"{plan.model} in {dtype}: {_slots(svc.num_slots)} (verify tiers {svc.verify_tiers}), "
         f"max context {svc.max_context}{_lowered(plan)}, max prefill {svc.max_prefill_tokens} "
@@ -70,6 +72,8 @@ def _notes(plan: MemoryPlan) -> dict[str, str]:
         f"logprobs) and {svc.max_rows} verify rows' alternatives (top_logprobs, sampling)",
         "workspace_bytes": f"the most of {svc.max_prefill_tokens} prefill rows, {svc.max_rows} "
         "verify rows with their split partials, or their penalties",
+        "vision_bytes": f"one image of {svc.max_image_pixels} pixels through the tower, and the "
+        "image embeddings the slots and a call may hold",
     }
 
 
@@ -91,11 +95,21 @@ def report(plan: MemoryPlan) -> str:
         note = f"  {notes[key]}" if key in notes else ""
         lines.append(f"  {label:<30} {human(plan.parts[key]):>10}{note}")
     lines.append(f"  {'total' + _per_rank(plan):<30} {human(plan.total):>10}")
-    if plan.vision_bytes:
-        label, note = "vision tower", "in the checkpoint, not loaded: this engine serves text"
-        lines.append(f"  {label:<30} {human(plan.vision_bytes):>10}  {note}")
+    if plan.expert_bytes:
+        label = "of the weights, routed experts"
+        lines.append(f"  {label:<30} {human(plan.expert_bytes):>10}  {_experts(plan)}")
     lines.append(verdict(plan))
     return "\n".join(lines)
+
+
+def _experts(plan: MemoryPlan) -> str:
+    """What a rank holds of the routed experts."""
+    n, per = plan.tensor_parallel_size, plan.experts_per_rank
+    if plan.expert_parallel:
+        return f"{per} experts whole a rank (rank r: ids {per}r to {per}r + {per - 1})"
+    if n > 1:
+        return f"every one of the {per} experts, 1/{n} of its intermediate"
+    return f"{per} experts"
 
 
 def summary(plan: MemoryPlan) -> str:
@@ -133,7 +147,9 @@ def to_json(plan: MemoryPlan) -> dict:
         "dtype": str(plan.dtype).removeprefix("torch."),
         "quantization": plan.quantization,
         "tensor_parallel_size": plan.tensor_parallel_size,
-        "vision_tower_bytes_not_loaded": plan.vision_bytes,
+        "expert_parallel": plan.expert_parallel,
+        "experts_per_rank": plan.experts_per_rank,
+        "routed_expert_bytes": plan.expert_bytes,
         "num_slots": svc.num_slots,
         "verify_tiers": svc.verify_tiers,
         "max_context": svc.max_context,

@@ -59,7 +59,10 @@ class TpGroup:
         device: torch.device,
         reduce: str = DEFAULT_REDUCE,
         store: dist.Store | None = None,
+        expert_parallel: bool = False,
     ) -> None:
+        """`expert_parallel`: the ranks place the routed experts rather than split them
+        (`--expert-parallel`; `gpu_service/model/shard.py` says what each then holds)."""
         if reduce not in REDUCES:
             raise ValueError(f"--tp-reduce {reduce!r}: expected one of {', '.join(REDUCES)}")
         # Every collective once started waits this long for the other ranks (`--tp-timeout`).
@@ -67,6 +70,7 @@ class TpGroup:
         if store is None:
             store = dist.TCPStore(meet.host, meet.port, meet.size, False, timeout=START_TIMEOUT)
         self.rank, self.size, self.reduce_mode, self.device = rank, meet.size, reduce, device
+        self.expert_parallel = expert_parallel
         self.store = store
         self.compute = _compute_group(store, rank, meet.size, device, START_TIMEOUT)
         self.control: Any = dist.ProcessGroupGloo(
@@ -110,6 +114,18 @@ class TpGroup:
         for p in parts[1:]:
             total = total + p
         return total
+
+    def exchange(self, x: torch.Tensor, send: list[int], receive: list[int]) -> torch.Tensor:
+        """An all-to-all of rows: x [sum(send), ...] holds `send[r]` rows for rank r, rank 0's
+        first -> [sum(receive), ...], the `receive[r]` rows rank r sent here, in rank order.
+        Every rank must know both counts (`receive[r]` is rank r's `send[rank]`). NCCL's
+        all-to-all on CUDA; on the CPU gloo's, which torch's ProcessGroupGloo implements
+        (`alltoall_base`, with uneven splits, in the torch this project pins)."""
+        out = x.new_empty(sum(receive), *x.shape[1:])
+        options = c10d.AllToAllOptions()
+        options.timeout = self.timeout
+        self.compute.alltoall_base(out, x.contiguous(), receive, send, options).wait()
+        return out
 
     def gather_columns(self, x: torch.Tensor, widths: list[int]) -> torch.Tensor:
         """x: [R, widths[rank]] -> [R, sum(widths)], rank 0's columns first (vocab-parallel

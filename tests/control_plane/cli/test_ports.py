@@ -139,23 +139,25 @@ def test_up_passes_the_shaping_flags_with_prefix_snapshots_as_compose() -> None:
     assert re.findall(r"MET_PREFIX_SNAPSHOTS:-(\d+)", compose) == [str(UP_PREFIX_SNAPSHOTS)] * 2
     default = shape_argv(build_parser().parse_args(["up"]))
     assert default[default.index("--prefix-snapshots") + 1] == str(UP_PREFIX_SNAPSHOTS)
-    shaped = ["--device", "cpu", "--tp", "2", "--max-context", "2048", "--kv-blocks", "auto"]
+    shaped = ["--device", "cpu", "--tp", "2", "--expert-parallel", "--max-context", "2048"]
     drafter = ["--drafter", "some/dflash"]
     argv = shape_argv(
         build_parser().parse_args(
-            ["up", *drafter, *shaped, "--prefix-snapshots", "4", "--no-compile"]
+            ["up", *drafter, *shaped, "--kv-blocks", "auto", "--prefix-snapshots", "4"]
+            + ["--no-compile"]
         )
     )
     assert argv == [
         "--drafter", "some/dflash", "--device", "cpu", "--tensor-parallel-size", "2",
-        "--max-context", "2048", "--kv-blocks", "auto", "--prefix-snapshots", "4",
-        "--no-compile",
+        "--expert-parallel", "--max-context", "2048", "--kv-blocks", "auto",
+        "--prefix-snapshots", "4", "--no-compile",
     ]  # fmt: skip
-    assert argv[:-1][::2] == list(SHAPE_FLAGS[:-1]) and SHAPE_FLAGS[-1] == "--compile"
+    assert [a for a in argv if a.startswith("--")] == list(SHAPE_FLAGS[:-1]) + ["--no-compile"]
     serve = build_parser().parse_args(["gpu-service", "serve", *argv])
-    assert serve.compile is False and shape_argv(serve) == argv
+    assert serve.compile is False and serve.expert_parallel and shape_argv(serve) == argv
     assert "--compile" in shape_argv(build_parser().parse_args(["up", "--compile"]))
-    assert "compile" not in " ".join(default), "unset: the service's own default"
+    for switch in ("compile", "expert-parallel"):
+        assert switch not in " ".join(default), "unset: the service's own default"
 
 
 def test_in_process_commands_take_the_services_threads() -> None:
