@@ -49,6 +49,7 @@ from gpu_service.sizing.plan_graphs import (
     split_workspace_bytes,
 )
 from gpu_service.sizing.plan_meta import by_dtype, meta_drafter, meta_model
+from gpu_service.sizing.plan_vision import vision_bytes
 from kernels.attention.format import KEY_BLOCK
 from protos.hub import model_name
 
@@ -59,6 +60,7 @@ AUTO_BLOCKS_SHARE = 0.95
 PARTS = {
     "weights_bytes": "weights",
     "dflash_weights_bytes": "DFlash drafter weights",
+    "vision_weights_bytes": "vision tower weights",
     "kv_cache_bytes": "attention KV cache",
     "gdn_state_bytes": "GDN live state",
     "conv_state_bytes": "GDN conv windows",
@@ -73,6 +75,7 @@ PARTS = {
     "rope_bytes": "RoPE table",
     "graphs_bytes": "captured graphs",
     "workspace_bytes": "activation workspace",
+    "vision_bytes": "vision tower activations",
     "other_state_bytes": "other device state",
 }
 # DeviceState's tensors by part; one this table does not name counts as other device state.
@@ -97,7 +100,7 @@ STATE_PARTS = {
     "snap_conv": "snapshot_bytes",
     "snap_carry": "snapshot_bytes",
     "verify_hidden": "stash_bytes",
-    "rope_shift": "rope_bytes",
+    "rope_shift": "stash_bytes",  # a slot's RoPE shift: as small as its carry, and beside it
 }
 
 
@@ -122,8 +125,6 @@ class MemoryPlan:
     seconds: float = 0.0
     quantization: str = ""  # the checkpoint's, as Capabilities names it; "" when none
     tensor_parallel_size: int = 1  # ranks; every part is one rank's
-    # The checkpoint's vision tower (Qwen3.5), in its dtype: recognised, never loaded.
-    vision_bytes: int = 0
     # The context the model was built for, where the plan lowered `svc.max_context` from it.
     model_context: int = 0
     expert_parallel: bool = False  # the routed experts placed on the ranks, not split
@@ -207,6 +208,8 @@ def slot_parts(
     out["score_bytes"] = max(prompt_scores, verify_scores)
     out["stash_bytes"] += padded_rows(svc.max_rows) * cfg.hidden_size * size
     out["penalty_bytes"], _ = device_bytes(model.vocab[1] - model.vocab[0], svc.num_slots, 0)
+    # A prefill's images: the tower's activations at the largest, the embeddings held.
+    out["vision_bytes"] = vision_bytes(cfg, svc, size)
     num_graphs, out["graphs_bytes"] = graph_parts(model, state, svc) if graphs else (0, 0)
     return out, num_graphs
 
@@ -368,6 +371,8 @@ def make_plan(
     cfg = model.cfg
     weights = by_dtype(model.held_tensors())
     fixed = _fixed_parts(model, svc, dtype, weights, drafter)
+    # The tower, whole on every rank, in the serving dtype (an FP8 one dequantized).
+    fixed["vision_weights_bytes"] = cfg.vision_params * dtype.itemsize
     if memory.bytes is not None:
         settle = Auto(auto, auto_blocks, auto_context)
         svc = _settled(model, svc, graphs, memory.bytes, sum(fixed.values()), settle, drafter)
@@ -385,7 +390,6 @@ def make_plan(
         time.perf_counter() - start,
         cfg.quantization.name if cfg.quantization else "",
         size,
-        cfg.vision_params * serving_dtype(cfg, None).itemsize,
         model_context if svc.max_context < model_context else 0,
         experts,
         len(model.experts),

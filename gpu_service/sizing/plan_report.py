@@ -72,6 +72,8 @@ def _notes(plan: MemoryPlan) -> dict[str, str]:
         f"logprobs) and {svc.max_rows} verify rows' alternatives (top_logprobs, sampling)",
         "workspace_bytes": f"the most of {svc.max_prefill_tokens} prefill rows, {svc.max_rows} "
         "verify rows with their split partials, or their penalties",
+        "vision_bytes": f"one image of {svc.max_image_pixels} pixels through the tower, and the "
+        "image embeddings the slots and a call may hold",
     }
 
 
@@ -96,9 +98,6 @@ def report(plan: MemoryPlan) -> str:
     if plan.expert_bytes:
         label = "of the weights, routed experts"
         lines.append(f"  {label:<30} {human(plan.expert_bytes):>10}  {_experts(plan)}")
-    if plan.vision_bytes:
-        label, note = "vision tower", "in the checkpoint, not loaded: this engine serves text"
-        lines.append(f"  {label:<30} {human(plan.vision_bytes):>10}  {note}")
     lines.append(verdict(plan))
     return "\n".join(lines)
 
@@ -151,7 +150,6 @@ def to_json(plan: MemoryPlan) -> dict:
         "expert_parallel": plan.expert_parallel,
         "experts_per_rank": plan.experts_per_rank,
         "routed_expert_bytes": plan.expert_bytes,
-        "vision_tower_bytes_not_loaded": plan.vision_bytes,
         "num_slots": svc.num_slots,
         "verify_tiers": svc.verify_tiers,
         "max_context": svc.max_context,

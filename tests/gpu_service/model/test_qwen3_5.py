@@ -251,7 +251,7 @@ def test_yarn_matches_transformers_past_the_original_context(family: str, tmp_pa
 
 def test_the_plan_names_the_tower_and_the_tensor_parallel_size_that_holds_it(capsys) -> None:
     """Qwen3.5-27B at its whole context on one H200: refused, and TP 2 named; the vision
-    tower's bf16 bytes beside the total."""
+    tower's bf16 bytes among the parts."""
     import json
 
     from tests.gpu_service.test_hf_config import MODELS
@@ -264,7 +264,7 @@ def test_the_plan_names_the_tower_and_the_tensor_parallel_size_that_holds_it(cap
     body = json.loads(capsys.readouterr().out)
     assert body["fits"] is False and body["tensor_parallel_size_that_fits"] == 2
     tower = ModelConfig.from_dict(json.loads(config.read_text())).vision_params
-    assert body["vision_tower_bytes_not_loaded"] == 2 * tower
+    assert body["vision_weights_bytes"] == 2 * tower
 
 
 def test_prefix_cache_paged_kv_and_penalties_change_no_greedy_token(made: dict) -> None:
