@@ -1,5 +1,8 @@
 """What every Triton kernel of the `triton` forward compiles to on a GPU, built on a CPU:
 `python -m tools.kernel_report --target sm_80,sm_90,sm_100 --shapes default,qwen3-next-80b`.
+With `--tensor-parallel-size N` (and `--expert-parallel`) the forward is rank 0's of N, its
+shapes those one rank runs: heads and intermediates divided, or under expert parallelism its
+share of the experts whole, their rows an even share of the pairs.
 
 At each shape set (a model's config.json) the forward runs on the `meta` device with the triton
 ops: a prefill, a verify, a decode and the drafter's pass, with logits, argmax and fold, at
@@ -40,6 +43,8 @@ SHAPE_SETS = {
     "qwen3.5-397b-a17b": MODELS / "qwen3.5-397b-a17b" / "config.json",
     "qwen3.5-35b-a3b-fp8": MODELS / "qwen3.5-35b-a3b-fp8" / "config.json",
     "qwen3.5-397b-a17b-fp8": MODELS / "qwen3.5-397b-a17b-fp8" / "config.json",
+    "qwen3.5-122b-a10b": MODELS / "qwen3.5-122b-a10b" / "config.json",
+    "qwen3.5-122b-a10b-fp8": MODELS / "qwen3.5-122b-a10b-fp8" / "config.json",
 }
 # The GPU each target stands for (an A100, an H100 or H200, a B200): its compute capability,
 # its streaming multiprocessors, and the shared memory one block may take (163 KB on Ampere,
@@ -64,14 +69,20 @@ KERNEL_MODULES = (
     "kernels.rmsnorm.triton",
 )
 BATCHES = (1, 8, 32)
+# Tensor-parallel ranks and whether the experts are placed (`--tensor-parallel-size`,
+# `--expert-parallel`): the report is rank 0's.
+Ranks = tuple[int, bool]
 PREFILL_ROWS = 64  # per sequence
 VERIFY_ROWS = 4  # per sequence: three drafts and the last accepted token
 CONTEXT = 32768  # keys before a verify or decode row
 # -- the forward, on the meta device ---------------------------------------------------------
 
 
-def drive(config: Path, batches: tuple[int, ...], catcher: Catcher) -> None:
-    """Every call of the serving path at each batch, on `meta` with the triton ops."""
+def drive(
+    config: Path, batches: tuple[int, ...], catcher: Catcher, ranks: Ranks | None = None
+) -> None:
+    """Every call of the serving path at each batch, on `meta` with the triton ops (rank 0's of
+    `ranks`, where given)."""
     from gpu_service.model.batch import Segment
     from gpu_service.model.config import ModelConfig, ServiceConfig
     from gpu_service.model.hybrid import PREFILL, VERIFY
@@ -79,6 +90,7 @@ def drive(config: Path, batches: tuple[int, ...], catcher: Catcher) -> None:
     from gpu_service.model.triton_forward import TRITON
     from gpu_service.sizing.plan_meta import META, meta_model
 
+    size, experts = (1, False) if ranks is None else ranks
     cfg = ModelConfig.from_dict(json.loads(config.read_text()))
     most = max(batches)
     context = -(-(CONTEXT + PREFILL_ROWS) // 64) * 64  # a multiple of the key block
@@ -90,9 +102,9 @@ def drive(config: Path, batches: tuple[int, ...], catcher: Catcher) -> None:
         max_prefill_tokens=most * PREFILL_ROWS,
         num_slots_override=most,
     )
-    model = meta_model(cfg, torch.bfloat16, context)
+    model = meta_model(cfg, torch.bfloat16, context, size, experts)
     model.ops = TRITON
-    state = DeviceState(cfg, svc, torch.bfloat16, META)
+    state = DeviceState(model.cfg, svc, torch.bfloat16, META)
     dflash = _meta_dflash(config.parent, model, state, context)
 
     def rows(n: int, start: int, count: int) -> tuple[torch.Tensor, list[Segment]]:
@@ -175,16 +187,24 @@ def shape_path(name: str) -> Path:
     return path
 
 
+def shape_key(name: str, ranks: Ranks | None) -> str:
+    """A shape set's name in the report: with its ranks, where rank 0's shapes are reported."""
+    if ranks is None:
+        return name
+    return f"{name}@tp{ranks[0]}" + ("-ep" if ranks[1] else "")
+
+
 def build(
     targets: list[str],
     shapes: list[str],
     batches: tuple[int, ...],
     processes: int,
     kernels: list[str] | None = None,
+    ranks: Ranks | None = None,
 ) -> dict[str, Any]:
     """The report as one JSON-able object: per shape set, each variant's figures per target
     and each launch's program count; with `kernels`, only those kernels' variants compile
-    (every launch is still listed)."""
+    (every launch is still listed); with `ranks` (size, expert parallel), rank 0's shapes."""
     report: dict[str, Any] = {
         "triton": importlib.metadata.version("triton"),
         "targets": {
@@ -197,14 +217,14 @@ def build(
     for name in shapes:
         path = shape_path(name)
         with catching() as catcher:
-            drive(path, batches, catcher)
+            drive(path, batches, catcher, ranks)
         variants = [v for v in catcher.variants.values() if not kernels or v.kernel in kernels]
         missing = sorted(set(kernels or ()) - {v.kernel for v in catcher.variants.values()})
         if missing:
             raise SystemExit(f"the forward at {name} launches no {', '.join(missing)}")
         jobs = [(v, TARGETS[t][0]) for v in variants for t in targets]
         figures = iter(compile_all(jobs, processes))
-        report["shapes"][name] = {
+        report["shapes"][shape_key(name, ranks)] = {
             "config": str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path),
             "variants": [
                 {
@@ -343,13 +363,31 @@ def main(argv: list[str] | None = None) -> int:
         type=lambda s: [k for k in s.split(",") if k],
         help="compile only these kernels' variants, by name (default: every kernel)",
     )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        "--tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="report rank 0's shapes of N tensor-parallel ranks (default %(default)s)",
+    )
+    parser.add_argument(
+        "--expert-parallel",
+        action="store_true",
+        help="with --tensor-parallel-size, the routed experts placed on the ranks, whole",
+    )
     parser.add_argument("--json", type=Path, help="also write the report as JSON here")
     parser.add_argument(
         "--check", action="store_true", help="exit 1 when a kernel spills or overflows shared"
     )
     args = parser.parse_args(argv)
     compiler_mode()
-    report = build(args.target, args.shapes, args.batches, args.jobs, args.kernels)
+    ranks = (args.tensor_parallel_size, args.expert_parallel)
+    placed = ranks if ranks != (1, False) else None
+    try:
+        report = build(args.target, args.shapes, args.batches, args.jobs, args.kernels, placed)
+    except ValueError as e:  # ranks that do not split (or place) a shape set's model
+        raise SystemExit(f"tools.kernel_report: {e}") from None
     print(tables(report))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

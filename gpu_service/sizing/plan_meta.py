@@ -12,7 +12,7 @@ from gpu_service.model.config import ModelConfig
 from gpu_service.model.hybrid import HybridModel, held_bytes
 from gpu_service.model.quantization import fp8_names, scale_name, scale_shape
 from gpu_service.model.shard import Shard, check_blocks, holds, part, rank_config
-from gpu_service.model.weights import weight_shapes
+from gpu_service.model.weights import PER_EXPERT, STACKED, weight_shapes
 from gpu_service.sizing.plan_graphs import META
 from gpu_service.tp.group import TpGroup
 from kernels.fp8.naive import FP8
@@ -38,11 +38,14 @@ class MetaGroup(TpGroup):
         return x.new_empty(sum(receive), *x.shape[1:])
 
 
-def rank_shapes(cfg: ModelConfig, size: int, experts: bool = False) -> dict[str, tuple[int, ...]]:
-    """Every checkpoint tensor of `cfg` that rank 0 of `size` reads, as it reads it
-    (`tp.shard.part`); with `experts`, its share of the routed experts only."""
+def rank_shapes(
+    cfg: ModelConfig, size: int, experts: bool = False, layout: str = PER_EXPERT
+) -> dict[str, tuple[int, ...]]:
+    """Every checkpoint tensor of `cfg` whose experts are laid out as `layout` that rank 0 of
+    `size` reads, as it reads it (`tp.shard.part`); with `experts`, its share of the routed
+    experts only."""
     shard, out = Shard(0, size, experts), {}
-    for name, shape in weight_shapes(cfg).items():
+    for name, shape in weight_shapes(cfg, layout).items():
         if not holds(cfg, shard, name):
             continue
         spec = part(cfg, shard, name, shape)
@@ -65,7 +68,10 @@ def meta_model(
     whole = weight_shapes(cfg)
     fp8 = fp8_names(cfg.quantization, whole)
     check_blocks(cfg, size, {n: s for n, s in whole.items() if n in fp8}, experts)
-    shapes = rank_shapes(cfg, size, experts)
+    # Experts in FP8 come one tensor each, with their scales; else stacked (`STACKED`): the
+    # same kept tensors from 2 tensors a layer rather than 3 E, a plan of the largest in seconds.
+    layout = PER_EXPERT if any(".experts." in n for n in fp8) else STACKED
+    shapes = rank_shapes(cfg, size, experts, layout)
     weights = {}
     for name, shape in shapes.items():
         if name in fp8:

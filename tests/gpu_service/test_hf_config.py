@@ -14,7 +14,7 @@ from gpu_service.model.config import ModelConfig
 
 MODELS = Path(__file__).resolve().parents[2] / "gpu_service/models"
 PUBLISHED = ["qwen3-next-80b-a3b", "qwen3-next-80b-a3b-fp8", "qwen3.5-27b", "qwen3.5-35b-a3b"]
-PUBLISHED.append("qwen3.5-397b-a17b")
+PUBLISHED += ["qwen3.5-397b-a17b", "qwen3.5-122b-a10b"]
 BARE = [{"model_type": t} for t in ("qwen3_next", "qwen3_5", "qwen3_5_moe")]
 BARE += [{"model_type": "qwen3_5", "text_config": {"num_hidden_layers": 6}}]
 BARE += [{"model_type": "qwen3_next", "num_hidden_layers": 5, "full_attention_interval": 2}]
