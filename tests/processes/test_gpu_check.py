@@ -103,6 +103,31 @@ def test_tp_is_skipped_with_fewer_than_two_gpus(monkeypatch: pytest.MonkeyPatch)
     assert " skip " in line("tp", {**section, "seconds": 0.0})
 
 
+def test_tp_runs_again_with_the_experts_placed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With two GPUs the section serves the bundled model at TP 2, then a routed-MoE
+    checkpoint at TP 2 with `--expert-parallel`, whose experts two ranks can place."""
+    from gpu_service.model import shard
+    from gpu_service.model.config import ModelConfig
+
+    runs = []
+
+    def served(settings, *flags: str) -> dict[str, dict]:
+        cfg = ModelConfig.load(settings.model)
+        if "--expert-parallel" in flags:
+            shard.check(cfg, 2, experts=True)
+        runs.append((cfg.num_experts, flags))
+        service = {"ok": True, "summary": "tokens match", "tensor_parallel_size": 2}
+        return {"service": service, "circuit_diff": {"ok": True, "summary": "PASS"}}
+
+    monkeypatch.setattr(tp_check, "_cuda_devices", lambda: 2)
+    monkeypatch.setattr(tp_check, "served_checks", served)
+    section = tp_check.check_tp(GPU)
+    flags = ("--tensor-parallel-size", "2")
+    assert runs == [(0, flags), (tp_check.MOE_EXPERTS, (*flags, "--expert-parallel"))]
+    assert section["ok"] and section["expert_parallel"]["ok"] and not section["skipped"]
+    assert "TP 2 + EP: tokens match; diff PASS" in section["summary"]
+
+
 def _pins(lines: list[str]) -> dict[str, str]:
     pairs = (line.split("==") for line in lines if "==" in line and not line.startswith("#"))
     # PEP 503 names: `prometheus_client` and `prometheus-client` are one project.
