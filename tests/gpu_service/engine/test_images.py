@@ -15,6 +15,7 @@ from transformers import PreTrainedModel
 
 from control_plane.cli.launch import start_gpu_service, stop
 from control_plane.replicas.client import GrpcModel
+from gpu_service.engine import graphs
 from gpu_service.engine.facade import Engine
 from gpu_service.model.config import ServiceConfig
 from protos.handles import ImageInput
@@ -178,6 +179,10 @@ def test_greedy_after_images_is_transformers_and_mtp_is_none(qwen3_5_made: dict)
     none, drafted_none = _greedy(engine, ids, images, 8, 0)
     mtp, drafted = _greedy(engine, ids, images, 8, 2)
     assert none == theirs and mtp == none and drafted > 0 == drafted_none
+    # The captured graphs' path (replayed eagerly on the CPU) reads each slot's RoPE shift too.
+    engine.use_graphs(graphs.replay_eagerly)
+    assert _greedy(engine, ids, images, 8, 2)[0] == theirs
+    assert engine.choice.graphs is not None and engine.choice.graphs.replays > 0
     gpu, target = start_gpu_service(directory, "--max-context", "256", "--dtype", "fp32")
     try:
         client = GrpcModel(target)
@@ -191,6 +196,31 @@ def test_greedy_after_images_is_transformers_and_mtp_is_none(qwen3_5_made: dict)
             client.close()
     finally:
         assert stop(gpu) == 0
+
+
+def test_a_batch_mixing_image_and_text_prompts_gives_each_its_own_bytes(
+    qwen3_5_made: dict,
+) -> None:
+    """A prefill and a verify of a prompt with images beside a text prompt: each sequence's
+    rows the bytes it gets alone (the circuit diff's batch invariance, with images)."""
+    directory, model = qwen3_5_made["moe"]
+    ids, images, _ = _prompt(model, GRIDS)
+    text = list(range(100, 117))
+    engine = Engine(directory, SERVICE, "fp32")
+
+    def run(prompts: list[list[int]], sent: list[list[ImageInput]]) -> list[bytes]:
+        seqs = [engine.alloc_sequence() for _ in prompts]
+        first = engine.prefill(seqs, prompts, images=sent).argmax
+        rows = logit_rows(engine)
+        engine.decode_verify_batched([t for f in first for t in (f, 7, 8)], [3] * len(seqs), seqs)
+        rows += logit_rows(engine)
+        for s in seqs:
+            engine.free_sequence(s)
+        return rows
+
+    image_alone, text_alone = run([ids], [images]), run([text], [[]])
+    together = run([ids, text], [images, []])
+    assert together == [image_alone[0], text_alone[0], *image_alone[1:], *text_alone[1:]]
 
 
 def test_a_snapshot_inside_an_image_goes_on_as_the_whole_prompt(qwen3_5_made: dict) -> None:
