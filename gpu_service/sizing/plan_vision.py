@@ -10,8 +10,9 @@ holds and the plan counts as it counts the text model's: what a prefill with ima
   kernel would make them: a large image wants a GPU).
 - The image embeddings the sequences hold ([tokens, text hidden] each image): between calls a
   sequence holds at most one image whose tokens are not all in (every slot, at the largest
-  image's tokens, up to its context); within a call, each of its sequences may start one more,
-  and the images it starts and ends hold no more rows than the call's tokens."""
+  image's tokens, up to its context), and so does a prefix snapshot taken inside an image;
+  within a call, each of its sequences may start one more, and the images it starts and ends
+  hold no more rows than the call's tokens."""
 
 from __future__ import annotations
 
@@ -37,11 +38,13 @@ def tower_activation_bytes(v: VisionConfig, patches: int, itemsize: int) -> int:
 
 
 def held_embedding_bytes(cfg: ModelConfig, svc: ServiceConfig, itemsize: int) -> int:
-    """The image embeddings sequences may hold at once: every slot's image cut by a chunk, one
-    more started by each sequence of a call, and the call's tokens of the images it ends."""
+    """The image embeddings held at once: every slot's and every prefix snapshot's image cut by
+    a chunk, one more started by each sequence of a call, and the call's tokens of the images
+    it ends."""
     assert cfg.vision is not None
     tokens = min(image_patches(cfg.vision, svc) // cfg.vision.merge_unit, svc.max_context)
-    rows = (svc.num_slots + svc.max_batch) * tokens + svc.max_prefill_tokens
+    cut = svc.num_slots + svc.prefix_snapshots + svc.max_batch
+    rows = cut * tokens + svc.max_prefill_tokens
     return rows * cfg.vision.out_hidden_size * itemsize
 
 

@@ -1,7 +1,7 @@
 """The memory plan of a model with a vision tower (gpu_service/sizing/plan_vision.py): the
 tower's weights as transformers counts its parameters, in the serving dtype, on every rank;
-its activations at the image bound the flags set, which grow with the image, the slots and
-the batch; none for a model without a tower."""
+its activations at the image bound the flags set, which grow with the image, the slots, the
+prefix snapshots and the batch; none for a model without a tower."""
 
 from __future__ import annotations
 
@@ -44,6 +44,9 @@ def test_the_tower_and_one_image_at_the_bound_are_planned() -> None:
     assert small.parts["vision_bytes"] < big.parts["vision_bytes"] / 10
     wider = _plan("qwen3.5-35b-a3b", *FLAGS[:-2], "--max-batch", "16")
     assert wider.parts["vision_bytes"] - big.parts["vision_bytes"] == 8 * 16384 * 2048 * 2
+    # A prefix snapshot taken inside an image keeps its embeddings.
+    cached = _plan("qwen3.5-35b-a3b", *FLAGS, "--prefix-snapshots", "4")
+    assert cached.parts["vision_bytes"] - big.parts["vision_bytes"] == 4 * 16384 * 2048 * 2
     assert big.total - small.total == big.parts["vision_bytes"] - small.parts["vision_bytes"]
 
 
