@@ -164,6 +164,11 @@ class Capabilities:
     dflash_block: int = 0
     compiled: bool = False  # the graphs are compiled on the CPU (`--compile`)
     compiles_pending: int = 0  # compiled keys still building in the background
+    # Whether it embeds images (a vision tower loaded: `prefill`'s `images`), and then its
+    # bounds: images one sequence's prompt may hold, pixels one image may cover (0 without).
+    vision_tower: bool = False
+    max_images_per_prompt: int = 0
+    max_image_pixels: int = 0
 
     @property
     def drafters(self) -> frozenset[str]:

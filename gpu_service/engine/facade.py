@@ -200,6 +200,9 @@ class Engine:
             dflash_block=0 if self.blocks is None else self.blocks.block_size,
             compiled=self.choice.graphs is not None and self.choice.graphs.compiled,
             compiles_pending=0 if self.choice.graphs is None else self.choice.graphs.pending,
+            vision_tower=self.model.vision is not None,
+            max_images_per_prompt=self.svc.max_images_per_prompt if self.model.vision else 0,
+            max_image_pixels=self.svc.max_image_pixels if self.model.vision else 0,
         )
 
     def tokenizer_files(self) -> dict[str, bytes]:

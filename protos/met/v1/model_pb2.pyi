@@ -23,7 +23,7 @@ class CapabilitiesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class CapabilitiesReply(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "num_slots", "free_slots", "slot_verify_drafts", "max_rows", "forwards", "current_forward", "device", "max_context", "dtype", "hidden_size", "eos_token_ids", "has_mtp", "max_batch", "max_prefill_tokens", "model_digest", "graphs", "quantization", "tensor_parallel_size", "kv_blocks", "kv_block_size", "kv_blocks_free", "prefix_snapshots", "dflash_block", "compiled", "compiles_pending")
+    __slots__ = ("model_name", "vocab_size", "num_slots", "free_slots", "slot_verify_drafts", "max_rows", "forwards", "current_forward", "device", "max_context", "dtype", "hidden_size", "eos_token_ids", "has_mtp", "max_batch", "max_prefill_tokens", "model_digest", "graphs", "quantization", "tensor_parallel_size", "kv_blocks", "kv_block_size", "kv_blocks_free", "prefix_snapshots", "dflash_block", "compiled", "compiles_pending", "vision_tower", "max_images_per_prompt", "max_image_pixels")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,9 @@ class CapabilitiesReply(_message.Message):
     DFLASH_BLOCK_FIELD_NUMBER: _ClassVar[int]
     COMPILED_FIELD_NUMBER: _ClassVar[int]
     COMPILES_PENDING_FIELD_NUMBER: _ClassVar[int]
+    VISION_TOWER_FIELD_NUMBER: _ClassVar[int]
+    MAX_IMAGES_PER_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    MAX_IMAGE_PIXELS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     num_slots: int
@@ -78,7 +81,10 @@ class CapabilitiesReply(_message.Message):
     dflash_block: int
     compiled: bool
     compiles_pending: int
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_slots: _Optional[int] = ..., free_slots: _Optional[int] = ..., slot_verify_drafts: _Optional[_Iterable[int]] = ..., max_rows: _Optional[int] = ..., forwards: _Optional[_Iterable[str]] = ..., current_forward: _Optional[str] = ..., device: _Optional[str] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., hidden_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_mtp: _Optional[bool] = ..., max_batch: _Optional[int] = ..., max_prefill_tokens: _Optional[int] = ..., model_digest: _Optional[str] = ..., graphs: _Optional[bool] = ..., quantization: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., prefix_snapshots: _Optional[int] = ..., dflash_block: _Optional[int] = ..., compiled: _Optional[bool] = ..., compiles_pending: _Optional[int] = ...) -> None: ...
+    vision_tower: bool
+    max_images_per_prompt: int
+    max_image_pixels: int
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_slots: _Optional[int] = ..., free_slots: _Optional[int] = ..., slot_verify_drafts: _Optional[_Iterable[int]] = ..., max_rows: _Optional[int] = ..., forwards: _Optional[_Iterable[str]] = ..., current_forward: _Optional[str] = ..., device: _Optional[str] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., hidden_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_mtp: _Optional[bool] = ..., max_batch: _Optional[int] = ..., max_prefill_tokens: _Optional[int] = ..., model_digest: _Optional[str] = ..., graphs: _Optional[bool] = ..., quantization: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., prefix_snapshots: _Optional[int] = ..., dflash_block: _Optional[int] = ..., compiled: _Optional[bool] = ..., compiles_pending: _Optional[int] = ..., vision_tower: _Optional[bool] = ..., max_images_per_prompt: _Optional[int] = ..., max_image_pixels: _Optional[int] = ...) -> None: ...
 
 class TokenizerFilesRequest(_message.Message):
     __slots__ = ()

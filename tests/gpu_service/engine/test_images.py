@@ -176,6 +176,8 @@ def test_greedy_after_images_is_transformers_and_mtp_is_none(qwen3_5_made: dict)
         )
     theirs = generated[0, len(ids) :].tolist()
     engine = Engine(directory, SERVICE, "fp32")
+    caps = engine.capabilities()
+    assert caps.vision_tower and caps.max_images_per_prompt == SERVICE.max_images_per_prompt
     none, drafted_none = _greedy(engine, ids, images, 8, 0)
     mtp, drafted = _greedy(engine, ids, images, 8, 2)
     assert none == theirs and mtp == none and drafted > 0 == drafted_none
@@ -187,6 +189,7 @@ def test_greedy_after_images_is_transformers_and_mtp_is_none(qwen3_5_made: dict)
     try:
         client = GrpcModel(target)
         try:
+            assert client.capabilities().max_image_pixels == SERVICE.max_image_pixels
             assert _grpc_greedy(client, ids, images, 8) == theirs
             seq = client.alloc_sequence()
             bad = ImageInput(images[0].pixels[:-4], GRIDS[0])
@@ -298,5 +301,6 @@ def test_bad_images_are_refused_naming_the_image(qwen3_5_made: dict, tiny_dir: P
         engine.decode_verify_batched([ids[9]], [1], [seq])
     engine.prefill([seq], [ids[9:]], images=[images[1:]])
     text = Engine(tiny_dir, ServiceConfig(max_context=256))
+    assert not text.capabilities().vision_tower
     with pytest.raises(InvalidArgument, match="no vision tower"):
         text.prefill([text.alloc_sequence()], [[1, 2]], images=[images[:1]])
