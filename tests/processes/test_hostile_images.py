@@ -178,6 +178,10 @@ def test_a_good_image_reaches_the_door_and_is_refused_until_the_service_takes_im
         reply = client.post("/v1/chat/completions", json=body)
     assert reply.status_code == 501, reply.text
     assert "does not yet hand images to the GPU service's prefill" in refused(reply)
+    with httpx.Client(base_url=pair.http, timeout=60) as client:
+        counted = client.post("/tokenize", json={k: body[k] for k in ("model", "messages")})
+    # 40 x 30 pixels: 40 x 32 resized, 10 x 8 patches of 4, 20 merged.
+    assert counted.status_code == 200 and counted.json()["tokens"].count(409) == 20
 
 
 def grpc_chat(*parts: pb.ContentPart) -> pb.GenerateRequest:

@@ -232,7 +232,9 @@ def test_text_parts_are_joined_and_served_beside_a_refused_image(
 
 def test_a_part_of_no_known_type_is_refused() -> None:
     for kind in ("audio_url", ["image_url"], None):
-        with pytest.raises(InvalidParam, match=r"^messages\[0\].content\[0\] is .*text and image_url parts"):
+        with pytest.raises(
+            InvalidParam, match=r"^messages\[0\].content\[0\] is .*text and image_url parts"
+        ):
             chat_request({"messages": [{"role": "user", "content": [{"type": kind}]}]})
 
 
