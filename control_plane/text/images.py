@@ -28,6 +28,7 @@ from PIL import Image as PILImage
 from PIL import ImageOps
 
 from control_plane.text.preprocessor import Preprocessor
+from protos.handles import ImageInput
 from protos.params import ImagePart
 
 # The formats taken, by MIME type as a data: URL or a part names them (image/jpg: what some
@@ -55,6 +56,11 @@ class Image:
     pixels: np.ndarray  # float32 [t*h*w, channels * temporal_patch_size * patch_size**2]
     grid_thw: tuple[int, int, int]  # patches in time, height and width
     digest: bytes  # sha256 of the image file's bytes: what the prefix cache keys it by
+
+    def to_input(self) -> ImageInput:
+        """As a prefill carries it to the GPU service (`protos.handles.ImageInput`)."""
+        rows = np.ascontiguousarray(self.pixels, dtype="<f4")
+        return ImageInput(rows.tobytes(), self.grid_thw, self.digest)
 
 
 @dataclass(frozen=True)
@@ -282,6 +288,15 @@ def spans(ids: Sequence[int], pre: Preprocessor, images: Sequence[Image]) -> tup
         out.append(ImageSpan(at, length, image.digest))
         at += length
     return tuple(out)
+
+
+def starting_in(
+    located: Sequence[ImageSpan], images: Sequence[Image], start: int, end: int
+) -> list[Image]:
+    """The images whose first placeholder lies in the prompt's tokens `start .. end - 1`: those
+    a prefill of that chunk carries (the service keeps an image's embeddings until its last
+    placeholder is in)."""
+    return [i for s, i in zip(located, images, strict=True) if start <= s.start < end]
 
 
 # A prompt's ids with each image's placeholders as its digest: how the prefix cache tells two

@@ -17,10 +17,13 @@ from PIL import ImageFile
 from control_plane.text.images import (
     DEFAULT_MAX_IMAGES,
     Image,
+    ImageSpan,
     MediaBounds,
     expanded,
     limit_per_prompt,
     read_image,
+    spans,
+    starting_in,
 )
 from control_plane.text.preprocessor import Preprocessor, preprocessor_of
 from protos.params import ImagePart
@@ -218,3 +221,21 @@ def test_the_limit_reads_as_vllm_writes_it() -> None:
     ]:
         with pytest.raises(ValueError, match=sentence):
             limit_per_prompt(text)
+
+
+def test_an_image_goes_to_the_service_as_float32_rows_with_the_chunk_of_its_first_token(
+    pre: Preprocessor,
+) -> None:
+    image = read_image(ImagePart(url=data_url(PNG)), WHERE, pre)
+    wire = image.to_input()
+    assert (wire.grid_thw, wire.digest) == (image.grid_thw, image.digest)
+    rows = np.frombuffer(wire.pixels, "<f4").reshape(image.pixels.shape)
+    assert np.array_equal(rows, image.pixels)
+    pad = pre.image_token_id
+    other = _image(pre, (1, 2, 2))
+    ids = expanded([1, pad, 2, pad, 3], pre, [image, other])
+    located = spans(ids, pre, [image, other])
+    assert located == (ImageSpan(1, 20, image.digest), ImageSpan(22, 1, b""))
+    assert starting_in(located, [image, other], 0, 16) == [image], "its tokens run on"
+    assert starting_in(located, [image, other], 16, 32) == [other]
+    assert starting_in(located, [image, other], 2, 22) == []
