@@ -257,7 +257,10 @@ def _rgb(picture: PILImage.Image) -> PILImage.Image:
 def expanded(ids: Sequence[int], pre: Preprocessor, images: Sequence[Image]) -> list[int]:
     """The prompt's ids with each image placeholder repeated once per merged patch of its
     image, in order; `ValueError` when the prompt's placeholders and its images differ in
-    number (a placeholder typed into the text), or it holds the video placeholder."""
+    number (a placeholder typed into a message's text). A prompt without images is left as it
+    is: its placeholders are text, as transformers reads them without pixels."""
+    if not images:
+        return list(ids)
     pad = pre.image_token_id
     held = sum(1 for t in ids if t == pad)
     if held != len(images):
@@ -265,11 +268,6 @@ def expanded(ids: Sequence[int], pre: Preprocessor, images: Sequence[Image]) -> 
         raise ValueError(
             f"the prompt holds {held} image placeholders (token {pad}) for {images_held}; the "
             "chat template writes one for each image part, and a message's text may hold none"
-        )
-    if pre.video_token_id in ids:
-        raise ValueError(
-            f"the prompt holds the video placeholder (token {pre.video_token_id}); this server "
-            "takes no video"
         )
     out: list[int] = []
     rest = iter(images)

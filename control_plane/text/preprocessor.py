@@ -24,10 +24,7 @@ CONFIG_FILE = "config.json"
 PREPROCESSOR_FILE = "preprocessor_config.json"
 # transformers' defaults of the model types this server serves with a vision tower
 # (Qwen3_5Config, Qwen3_5MoeConfig, Qwen3_5VisionConfig) for what config.json leaves out.
-MODEL_DEFAULTS = {
-    "qwen3_5": {"image_token_id": 248056, "video_token_id": 248057},
-    "qwen3_5_moe": {"image_token_id": 248056, "video_token_id": 248057},
-}
+MODEL_DEFAULTS = {"qwen3_5": {"image_token_id": 248056}, "qwen3_5_moe": {"image_token_id": 248056}}
 VISION_DEFAULTS = {"in_channels": 3, "patch_size": 16, "temporal_patch_size": 2}
 VISION_DEFAULTS["spatial_merge_size"] = 2
 # Qwen2VLImageProcessor's class defaults, for what preprocessor_config.json leaves out.
@@ -52,11 +49,10 @@ MAX_ASPECT = 200  # smart_resize refuses images longer than this many times thei
 
 @dataclass(frozen=True)
 class Preprocessor:
-    """What turns an image into the vision tower's input rows, and the placeholder tokens a
+    """What turns an image into the vision tower's input rows, and the placeholder token a
     chat's images take in its ids."""
 
     image_token_id: int
-    video_token_id: int
     patch_size: int
     temporal_patch_size: int
     merge_size: int
@@ -208,7 +204,6 @@ def _checked(config: dict, vision: dict, raw: dict) -> Preprocessor:
     _match(s, tower)
     return Preprocessor(
         int(tokens["image_token_id"]),
-        int(tokens["video_token_id"]),
         int(s["patch_size"]),
         int(s["temporal_patch_size"]),
         int(s["merge_size"]),
