@@ -180,3 +180,22 @@ def test_images_are_not_yet_carried_to_the_service(vision_dir: Path) -> None:
             r, tokenization.tokenizer, caps(), Admission(), "r", chat=chat, files=tokenization.files
         )
     assert caught.value.code.name == "UNIMPLEMENTED"
+
+
+def test_the_image_bounds_are_serve_flags(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from control_plane.cli.server import admission
+    from met.main import build_parser
+
+    base = ["control-plane", "serve", "--gpu-service", "x:1"]
+    flags = ["--limit-mm-per-prompt", '{"image": 2, "video": 0}', "--max-image-bytes", "100"]
+    flags += ["--max-image-pixels", "1000", "--allowed-local-media-path", str(tmp_path)]
+    args = build_parser().parse_args([*base, *flags])
+    assert admission(args).media == MediaBounds(2, 100, 1000, str(tmp_path.resolve()))
+    for bad, sentence in [
+        (["--limit-mm-per-prompt", '{"video": 1}'], "video cannot be taken"),
+        (["--max-image-pixels", str(10**12)], "more pixels than PIL opens"),
+        (["--allowed-local-media-path", str(tmp_path / "none")], "is not a directory"),
+    ]:
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([*base, *bad])
+        assert sentence in capsys.readouterr().err
