@@ -67,7 +67,7 @@ class Admission:
     # {"enable_thinking": false}); a request's own `chat_template_kwargs` override them by name.
     chat_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     # What a request's images may take (`--limit-mm-per-prompt`, `--max-image-bytes`,
-    # `--max-image-pixels`) and where `file://` URLs may read (`--allowed-local-media-path`).
+    # `--max-image-file-pixels`) and where `file://` URLs may read (`--allowed-local-media-path`).
     media: MediaBounds = MediaBounds()
 
 

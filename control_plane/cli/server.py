@@ -208,12 +208,13 @@ def add_media_args(parser: argparse.ArgumentParser) -> None:
         help="refuse an image whose file is larger (default: %(default)s)",
     )
     parser.add_argument(
-        "--max-image-pixels",
+        "--max-image-file-pixels",
         type=_pixels,
-        default=MediaBounds.max_image_pixels,
+        default=MediaBounds.max_image_file_pixels,
         metavar="N",
-        help="refuse an image of more pixels (width x height), read from its header before "
-        "any pixel is decoded (default: %(default)s)",
+        help="refuse an image file of more pixels (width x height), read from its header "
+        "before any pixel is decoded; the GPU service's --max-image-pixels bounds what the "
+        "tower takes after the preprocessor's resize (default: %(default)s)",
     )
     parser.add_argument(
         LOCAL_FLAG,
@@ -252,7 +253,7 @@ def media_bounds(args: argparse.Namespace) -> MediaBounds:
     return MediaBounds(
         args.limit_mm_per_prompt,
         args.max_image_bytes,
-        args.max_image_pixels,
+        args.max_image_file_pixels,
         args.allowed_local_media_path,
     )
 

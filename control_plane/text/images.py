@@ -38,9 +38,9 @@ FORMAT_NAMES = "PNG, JPEG or WebP"
 MIME_NAMES = "image/png, image/jpeg and image/webp"
 DEFAULT_MAX_IMAGES = 8  # a request's images (vLLM's --limit-mm-per-prompt)
 DEFAULT_MAX_IMAGE_BYTES = 20 << 20  # one image's file
-# One image's decoded pixels: 4096 x 4096, Qwen3.5's and Qwen3.6's own most (their
-# preprocessor's longest_edge); larger ones they would shrink to it.
-DEFAULT_MAX_IMAGE_PIXELS = 4096 * 4096
+# One image file's pixels, decoded: 4096 x 4096, Qwen3.5's and Qwen3.6's own most (their
+# preprocessor's longest_edge), to which they would shrink a larger one.
+DEFAULT_MAX_IMAGE_FILE_PIXELS = 4096 * 4096
 # PIL's own bound (twice its MAX_IMAGE_PIXELS), past which it refuses to open an image at all.
 PIL_MOST_PIXELS = 2 * (PILImage.MAX_IMAGE_PIXELS or 0)
 LIMIT_FLAG = "--limit-mm-per-prompt"
@@ -75,12 +75,13 @@ class ImageSpan:
 @dataclass(frozen=True)
 class MediaBounds:
     """What a request's images may take: `max_images` a request (vLLM's
-    `--limit-mm-per-prompt`), `max_image_bytes` and `max_image_pixels` each, and the directory
-    `file://` URLs may read under (None: none)."""
+    `--limit-mm-per-prompt`), `max_image_bytes` and `max_image_file_pixels` each (a file's,
+    before the preprocessor's resize), and the directory `file://` URLs may read under (None:
+    none)."""
 
     max_images: int = DEFAULT_MAX_IMAGES
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
-    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    max_image_file_pixels: int = DEFAULT_MAX_IMAGE_FILE_PIXELS
     allowed_local_path: str | None = None
 
 
@@ -210,7 +211,7 @@ def decoded(data: bytes, mime: str | None, where: str, bounds: MediaBounds) -> P
     except PILImage.DecompressionBombError:
         raise ValueError(
             f"{where} claims more than {PIL_MOST_PIXELS} pixels; this server takes images of at "
-            f"most {bounds.max_image_pixels}"
+            f"most {bounds.max_image_file_pixels}"
         ) from None
     except MemoryError:
         raise
@@ -230,10 +231,10 @@ def _check_header(picture: PILImage.Image, mime: str | None, where: str, b: Medi
     width, height = picture.size
     if width * height == 0:
         raise ValueError(f"{where} is {width}x{height} pixels; an image needs at least one")
-    if width * height > b.max_image_pixels:
+    if width * height > b.max_image_file_pixels:
         raise ValueError(
             f"{where} is {width}x{height} pixels; this server takes images of at most "
-            f"{b.max_image_pixels} pixels"
+            f"{b.max_image_file_pixels} pixels"
         )
     if mime is not None and FORMATS[mime] != picture.format:
         raise ValueError(

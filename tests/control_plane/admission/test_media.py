@@ -188,12 +188,12 @@ def test_the_image_bounds_are_serve_flags(tmp_path: Path, capsys: pytest.Capture
 
     base = ["control-plane", "serve", "--gpu-service", "x:1"]
     flags = ["--limit-mm-per-prompt", '{"image": 2, "video": 0}', "--max-image-bytes", "100"]
-    flags += ["--max-image-pixels", "1000", "--allowed-local-media-path", str(tmp_path)]
+    flags += ["--max-image-file-pixels", "1000", "--allowed-local-media-path", str(tmp_path)]
     args = build_parser().parse_args([*base, *flags])
     assert admission(args).media == MediaBounds(2, 100, 1000, str(tmp_path.resolve()))
     for bad, sentence in [
         (["--limit-mm-per-prompt", '{"video": 1}'], "video cannot be taken"),
-        (["--max-image-pixels", str(10**12)], "more pixels than PIL opens"),
+        (["--max-image-file-pixels", str(10**12)], "more pixels than PIL opens"),
         (["--allowed-local-media-path", str(tmp_path / "none")], "is not a directory"),
     ]:
         with pytest.raises(SystemExit):

@@ -124,7 +124,7 @@ BOUNDED = {
     "data-url": (ImagePart(url=data_url(PNG)), FEW_BYTES, f"is {len(PNG)} bytes; this server"),
     "pixels": (
         ImagePart(data=PNG),
-        MediaBounds(max_image_pixels=40 * 30 - 1),
+        MediaBounds(max_image_file_pixels=40 * 30 - 1),
         "is 40x30 pixels; this server takes images of at most 1199",
     ),
 }
