@@ -78,7 +78,7 @@ class _Worker:
         header = self._read(_HEADER.size, deadline)
         return pickle.loads(self._read(_HEADER.unpack(header)[0], deadline))
 
-    def _read(self, size: int, deadline: float) -> bytes:
+    def _read(self, size: int, deadline: float) -> bytearray:
         assert self.proc.stdout is not None
         # A job's result may hold images' rows: tens of MB, arriving in pipe-sized pieces.
         out = bytearray()
@@ -94,7 +94,7 @@ class _Worker:
                 out += piece
         except (OSError, ValueError):  # its pipe closed under the read: `close` ended it
             raise _Gone(self.proc.wait()) from None
-        return bytes(out)
+        return out
 
     def resident(self) -> int:
         try:

@@ -114,11 +114,8 @@ class Preprocessor:
                 f"does not cut into patches of {self.factor}"
             )
         pixels = np.asarray(image)  # [H, W, C] uint8
-        # [C, H, W] float32: every channel value through its table, the same float32 arithmetic
-        # transformers runs on the whole array.
-        table = self._table()
-        planes = np.stack([table[c][pixels[..., c]] for c in range(pixels.shape[-1])])
-        return self._patches(planes), (1, height // self.patch_size, width // self.patch_size)
+        grid = (1, height // self.patch_size, width // self.patch_size)
+        return self._patches(pixels, self._table()), grid
 
     def _table(self) -> np.ndarray:
         """[C, 256] float32: each uint8 value as transformers' rescale (float64, then float32)
@@ -136,18 +133,19 @@ class Preprocessor:
             table = ((table.T - mean) / std).T
         return np.ascontiguousarray(table, dtype=np.float32)
 
-    def _patches(self, planes: np.ndarray) -> np.ndarray:
-        # planes: [C, H, W] -> [gh*gw, C*T*P*P], rows in merge-window order (transformers'
-        # patchify): (gh/m, gw/m, m, m) over (C, T, P, P).
-        c, height, width = planes.shape
+    def _patches(self, pixels: np.ndarray, table: np.ndarray) -> np.ndarray:
+        """[H, W, C] uint8 -> [gh*gw, C*T*P*P] float32, rows in merge-window order as
+        transformers' patchify lays them ((gh/m, gw/m, m, m) over (C, T, P, P)); written a
+        channel at a time, so that no copy of the whole image in float32 is made beside it."""
+        height, width, channels = pixels.shape
         p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
         gh, gw = height // p, width // p
-        patches = planes.reshape(c, gh // m, m, p, gw // m, m, p)
-        patches = patches.transpose(1, 4, 2, 5, 0, 3, 6)
-        patches = np.broadcast_to(
-            patches[:, :, :, :, :, None], (*patches.shape[:5], t, *patches.shape[5:])
-        )
-        return np.ascontiguousarray(patches.reshape(gh * gw, c * t * p * p))
+        out = np.empty((gh // m, gw // m, m, m, channels, t, p, p), dtype=np.float32)
+        for c in range(channels):
+            plane = table[c][pixels[..., c]]  # [H, W] float32: the same values, elementwise
+            windows = plane.reshape(gh // m, m, p, gw // m, m, p).transpose(0, 3, 1, 4, 2, 5)
+            out[:, :, :, :, c] = windows[:, :, :, :, None]
+        return out.reshape(gh * gw, channels * t * p * p)
 
 
 def preprocessor_of(files: Mapping[str, bytes]) -> tuple[Preprocessor | None, str]:
