@@ -43,7 +43,9 @@ Moe = Callable[
 
 @dataclass(frozen=True)
 class Routes:
-    """Who computes and who combines each pair of a call, the same on every rank."""
+    """This rank's part of a call's exchange: the pairs it computes and where their outputs go,
+    and what it receives of the rows it adds up (every rank derives its own from the same
+    routing)."""
 
     mine: torch.Tensor  # [n] int64: the pairs (row * k + j) this rank's experts take, ascending
     send: list[int]  # rows of `mine`'s outputs for each rank, in `mine`'s order
