@@ -9,6 +9,7 @@ beside it (its worst latency under a second) and `/health` answers throughout.""
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -203,3 +204,42 @@ def test_hostile_images_over_grpc_are_invalid_argument(pair: Pair) -> None:
                 list(stub.Generate(request, timeout=30))
             assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert sentence in (caught.value.details() or "")
+
+
+def mutated(rng: random.Random, data: bytes) -> bytes:
+    """The file cut short, some bytes flipped, or garbage after a valid header."""
+    kind = rng.randrange(3)
+    if kind == 0:
+        return data[: rng.randrange(1, len(data))]
+    if kind == 1:
+        out = bytearray(data)
+        for _ in range(rng.randint(1, 8)):
+            out[rng.randrange(len(out))] = rng.randrange(256)
+        return bytes(out)
+    return data[:32] + rng.randbytes(rng.randrange(64, 2048))
+
+
+def test_mutated_image_files_are_refused_or_read_never_an_internal_error(pair: Pair) -> None:
+    """Seeded mutations of a PNG, a JPEG and a WebP over gRPC: each is refused as
+    INVALID_ARGUMENT, or decodes and reaches the door (UNIMPLEMENTED until the service takes
+    images); never UNKNOWN or INTERNAL, and the canary completes after them."""
+    rng = random.Random(65)
+    files = [encoded(picture(48, 40), fmt) for fmt in ("PNG", "JPEG", "WEBP")]
+    seen: dict[str, int] = {}
+    with grpc.insecure_channel(pair.grpc_target) as channel:
+        stub = pb_grpc.GenerationServiceStub(channel)
+        for i in range(36):
+            data = mutated(rng, files[i % 3])
+            request = grpc_chat(pb.ContentPart(image=pb.ImagePart(data=data)))
+            with pytest.raises(grpc.RpcError) as caught:
+                list(stub.Generate(request, timeout=30))
+            code = caught.value.code()
+            assert code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNIMPLEMENTED), (
+                i,
+                code,
+                caught.value.details(),
+            )
+            seen[code.name] = seen.get(code.name, 0) + 1
+        canary = pb.GenerateRequest(prompt_token_ids=[3, 4, 5], max_new_tokens=2, ignore_eos=True)
+        assert len([r for r in stub.Generate(canary, timeout=30)]) > 0
+    assert seen.get("INVALID_ARGUMENT", 0) > 12, seen
