@@ -199,3 +199,18 @@ def test_the_image_bounds_are_serve_flags(tmp_path: Path, capsys: pytest.Capture
         with pytest.raises(SystemExit):
             build_parser().parse_args([*base, *bad])
         assert sentence in capsys.readouterr().err
+
+
+def test_a_continued_message_with_an_image_ends_where_transformers_cuts_it(
+    vision_dir: Path,
+) -> None:
+    chat = (
+        ChatMessage("user", "What is it?"),
+        ChatMessage("assistant", "", parts=(image(FIRST), text("It is a"))),
+    )
+    r = dataclasses.replace(ours(*chat), continue_final_message=True, add_generation_prompt=False)
+    prepared = preparer(vision_dir).prepare(r, caps(), 1 << 20)
+    want = reference(vision_dir).apply_chat_template(
+        theirs(*chat), tokenize=True, return_dict=True, continue_final_message=True
+    )
+    assert list(prepared.ids) == list(want["input_ids"][0])
