@@ -122,9 +122,10 @@ def _source(part: ImagePart, where: str, bounds: MediaBounds) -> tuple[bytes, st
         return _local_file(part.url, where, bounds), None
     if scheme in ("http", "https"):
         raise ValueError(f"{where} is an {scheme} URL; this server fetches nothing: {NO_FETCH}")
+    kind = f"a URL of scheme {scheme!r}" if scheme.isalpha() and len(scheme) <= 16 else "no URL"
     raise ValueError(
-        f"{where} is a URL of scheme {scheme!r}; this server takes data: URLs and, under "
-        f"{LOCAL_FLAG}, file:// ones"
+        f"{where} is {kind}; this server takes data: URLs (data:image/png;base64,...) and, "
+        f"under {LOCAL_FLAG}, file:// ones"
     )
 
 

@@ -103,6 +103,7 @@ REFUSED = {
     "http": (ImagePart(url="http://example.com/a.png"), "is an http URL; this server fetches"),
     "https": (ImagePart(url="https://example.com/a.png"), "is an https URL; this server fetches"),
     "ftp": (ImagePart(url="ftp://example.com/a.png"), "of scheme 'ftp'"),
+    "raw-base64": (ImagePart(url=data_url(PNG).split(",")[1]), "is no URL; this server takes"),
     "file-not-allowed": (ImagePart(url="file:///etc/passwd"), "reads no local files unless"),
     "empty": (ImagePart(), "is an image with neither data nor a url"),
     "both": (ImagePart(data=PNG, url=data_url(PNG)), "gives both data and a url"),
