@@ -1,7 +1,8 @@
-"""A chat's images against the served model: refused where it has no vision tower, counted
-against the server's bound before any is read, then read and preprocessed in order and their
-placeholders expanded in the prompt's ids (`control_plane/text/images.py`). Each refusal is a
-`BadRequest` naming the part."""
+"""A chat's images against the served model: refused where it has no vision tower (or the GPU
+service embeds none), counted against the server's bound and the service's before any is
+read, then read and preprocessed in order (one the service would refuse for its size refused
+here) and their placeholders expanded in the prompt's ids (`control_plane/text/images.py`).
+Each refusal is a `BadRequest` naming the part."""
 
 from __future__ import annotations
 
@@ -19,9 +20,13 @@ from control_plane.text.images import (
     spans,
 )
 from control_plane.text.preprocessor import Preprocessor, preprocessor_of
+from protos.model import Capabilities
 from protos.params import ImagePart, RequestParams
 
 PARAM = "messages"  # the field image refusals blame
+NO_TOWER = "the GPU service does not embed images"
+# The GPU service's flags of its bounds, which its capabilities report.
+SERVICE_LIMIT_FLAG, SERVICE_PIXELS_FLAG = "--limit-images-per-prompt", "--max-image-pixels"
 
 
 @dataclass(frozen=True)
@@ -52,33 +57,52 @@ def image_parts(r: RequestParams) -> list[ImagePart]:
     return out
 
 
-def check_images(parts: Sequence[ImagePart], vision: Vision) -> None:
-    """Before the chat is rendered: the model takes images, and no more than the bound."""
+def check_images(parts: Sequence[ImagePart], vision: Vision, caps: Capabilities) -> None:
+    """Before the chat is rendered: the model takes images, the GPU service embeds them, and
+    there are no more than this server's bound and the service's."""
     if not parts:
         return
-    if vision.pre is None:
-        sentence = f"{parts[0].where} is an image; this server serves text only ({vision.why})"
+    why = vision.why if vision.pre is None else "" if caps.vision_tower else NO_TOWER
+    if why:
+        sentence = f"{parts[0].where} is an image; this server serves text only ({why})"
         raise BadRequest(INVALID, sentence, PARAM)
-    most = vision.bounds.max_images
+    most, flag = min(
+        (vision.bounds.max_images, LIMIT_FLAG),
+        (caps.max_images_per_prompt, f"the GPU service's {SERVICE_LIMIT_FLAG}"),
+    )
     if len(parts) > most:
         raise BadRequest(
             INVALID,
             f"the messages hold {len(parts)} images; this server takes at most {most} a request "
-            f"({LIMIT_FLAG})",
+            f"({flag})",
             PARAM,
         )
 
 
-def read_images(parts: Sequence[ImagePart], vision: Vision) -> tuple[Image, ...]:
-    """Each image read, decoded and preprocessed, in order."""
+def read_images(
+    parts: Sequence[ImagePart], vision: Vision, caps: Capabilities
+) -> tuple[Image, ...]:
+    """Each image read, decoded and preprocessed, in order; one the service would refuse for
+    its size after the preprocessor's resize refused here."""
     if not parts:
         return ()
     pre = vision.pre
     assert pre is not None, "check_images refuses images to a model without a vision tower"
+    out = []
     try:
-        return tuple(read_image(p, p.where, pre, vision.bounds) for p in parts)
+        for p in parts:
+            out.append(read_image(p, p.where, pre, vision.bounds))
+            t, h, w = out[-1].grid_thw
+            pixels = t * h * w * pre.patch_size**2
+            if pixels > caps.max_image_pixels:
+                raise ValueError(
+                    f"{p.where} is {pixels} pixels after the preprocessor's resize; the GPU "
+                    f"service takes images of at most {caps.max_image_pixels} "
+                    f"({SERVICE_PIXELS_FLAG})"
+                )
     except ValueError as e:
         raise BadRequest(INVALID, str(e), PARAM) from None
+    return tuple(out)
 
 
 def expander(vision: Vision, images: Sequence[Image]) -> Callable[[list[int]], list[int]]:

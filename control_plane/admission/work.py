@@ -151,14 +151,14 @@ class Preparer:
         stage("tools")
         tools = check_tools(r)
         parts = image_parts(r)
-        check_images(parts, self.vision)
+        check_images(parts, self.vision, caps)
         chat = self._template(r, stage)
         if r.messages:
             stage("messages")
         text = prompt_text(r, chat, max_prompt_bytes, self.chat_kwargs)
         if parts:
             stage("images")
-        images = read_images(parts, self.vision)
+        images = read_images(parts, self.vision, caps)
         stage("prompt")
         ids = prompt_ids(r, text, self.tokenizer, caps, expander(self.vision, images))
         located = check_kept(ids, self.vision, images)

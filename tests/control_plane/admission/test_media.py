@@ -36,8 +36,12 @@ def vision_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_vision_files(tmp_path_factory.mktemp("vision"))
 
 
-def caps() -> Capabilities:
-    return dataclasses.replace(FakeModel().capabilities(), vocab_size=512, max_context=4096)
+def caps(**served: Any) -> Capabilities:
+    """A service that embeds images, with its default bounds (`served` overrides)."""
+    fields = dict(vision_tower=True, max_images_per_prompt=999, max_image_pixels=4096 * 4096)
+    return dataclasses.replace(
+        FakeModel().capabilities(), vocab_size=512, max_context=4096, **{**fields, **served}
+    )
 
 
 def preparer(directory: Path, bounds: MediaBounds = BOUNDS) -> Preparer:
@@ -136,6 +140,35 @@ def test_refusals_name_the_part(
         prepare(vision_dir, *parts, bounds=bounds)
     assert str(caught.value) == sentence
     assert caught.value.param == "messages"
+
+
+SERVICE_REFUSED = {
+    "no-tower": (
+        {"vision_tower": False, "max_images_per_prompt": 0, "max_image_pixels": 0},
+        "messages[0].content[0] is an image; this server serves text only (the GPU service "
+        "does not embed images)",
+    ),
+    "count": (
+        {"max_images_per_prompt": 1},
+        "the messages hold 2 images; this server takes at most 1 a request (the GPU service's "
+        "--limit-images-per-prompt)",
+    ),
+    "pixels": (
+        {"max_image_pixels": 64 * 40 - 1},
+        "messages[0].content[0] is 2560 pixels after the preprocessor's resize; the GPU service "
+        "takes images of at most 2559 (--max-image-pixels)",
+    ),
+}
+
+
+@pytest.mark.parametrize(("served", "sentence"), SERVICE_REFUSED.values(), ids=SERVICE_REFUSED)
+def test_what_the_service_would_refuse_is_refused_here(
+    served: dict, sentence: str, vision_dir: Path
+) -> None:
+    r = ours(ChatMessage("user", "", parts=(image(FIRST), image(FIRST))))
+    with pytest.raises(BadRequest) as caught:
+        preparer(vision_dir).prepare(r, caps(**served), 1 << 20)
+    assert str(caught.value) == sentence
 
 
 def test_too_many_images_are_refused_before_any_is_read(
