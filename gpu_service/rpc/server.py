@@ -31,6 +31,7 @@ from protos.telemetry import ServerTracing, setup_tracing
 log = logging.getLogger("gpu_service")
 PROG = "met gpu-service serve"
 SERVICE_NAME = model_pb2.DESCRIPTOR.services_by_name["ModelService"].full_name
+MAX_MESSAGE_BYTES = 2**31 - 1  # protobuf's bound on one message
 
 
 def build_server(
@@ -57,6 +58,9 @@ def build_server(
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.max_pings_without_data", 0),  # a session stream carries no data
             ("grpc.http2.ping_timeout_ms", half_timeout_ms),  # gRPC core's keepalive bound
+            # A prefill carries its images' patch rows (402 MB of float32 for one image of
+            # 4096 x 4096 pixels): up to protobuf's bound, not gRPC's default 4 MB.
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             *ports.EXCLUSIVE,
         ],
     )

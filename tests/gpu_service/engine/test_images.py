@@ -158,7 +158,8 @@ def _grpc_greedy(model: GrpcModel, ids: list[int], images: list[ImageInput], n: 
 def test_greedy_after_images_is_transformers_and_mtp_is_none(qwen3_5_made: dict) -> None:
     """The MoE checkpoint, two images: 8 greedy tokens in process with `none` and with `mtp`,
     and through a GPU service process over gRPC (the control plane's client), each equal to
-    transformers' `generate`; a bad image over the wire is INVALID_ARGUMENT."""
+    transformers' `generate`; an image of more than 4 MB passes the wire; a bad image over the
+    wire is INVALID_ARGUMENT."""
     directory, model = qwen3_5_made["moe"]
     ids, images, rows = _prompt(model, GRIDS)
     tokens = torch.tensor([ids])
@@ -191,6 +192,12 @@ def test_greedy_after_images_is_transformers_and_mtp_is_none(qwen3_5_made: dict)
         try:
             assert client.capabilities().max_image_pixels == SERVICE.max_image_pixels
             assert _grpc_greedy(client, ids, images, 8) == theirs
+            seq = client.alloc_sequence()
+            # Four frames of 64 x 64 patches: 6.3 MB of rows, past gRPC's default 4 MB bound.
+            big, _ = _image((4, 64, 64), 9)
+            pads = [model.config.image_token_id] * 2
+            assert client.prefill([seq], [pads], images=[[big]]).argmax and seq.seq_len == 2
+            client.free_sequence(seq)
             seq = client.alloc_sequence()
             bad = ImageInput(images[0].pixels[:-4], GRIDS[0])
             with pytest.raises(InvalidArgument, match="image 0 of sequence .* bytes of pixels"):
