@@ -239,8 +239,14 @@ def test_the_start_up_queues_its_keys_at_every_longer_key_length(tiny_dir: Path)
     engine.use_graphs(replay_eagerly, compiled=True)
     g = engine.choice.graphs
     assert g is not None and g.later is not None
-    gate = threading.Event()
-    g.later.submit(("held",), gate.wait)
+    gate, holding = threading.Event(), threading.Event()
+
+    def held() -> None:
+        holding.set()
+        gate.wait()
+
+    g.later.submit(("held",), held)
+    assert holding.wait(30), "the worker took the held job off the queue"
     with torch.inference_mode():
         assert g.warm(2, True) == []
     queued = [key for key, _ in g.later._jobs]
