@@ -225,9 +225,9 @@ def one_device(checkpoints: dict[str, Path]) -> dict[str, list[list[int]]]:
 
 # (checkpoint, ranks, a drafter beside, the circuit diff): TP 4, whose collectives wait on
 # four processes sharing the CPU, runs the greedy streams alone. TP 2 of FP8 is served through
-# both processes, where the diff runs too (`test_through_the_pair_and_a_killed_rank`).
-CASES = {"bf16-2": ("bf16", 2, True, True), "bf16-4": ("bf16", 4, False, False)}
-CASES["fp8-4"] = ("fp8", 4, False, False)
+# both processes, where the diff runs too (`test_through_the_pair_and_a_killed_rank`), and TP 4
+# of bf16 (`test_tp4_bf16_through_the_pair`).
+CASES = {"bf16-2": ("bf16", 2, True, True), "fp8-4": ("fp8", 4, False, False)}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -310,3 +310,30 @@ def test_through_the_pair_and_a_killed_rank(
     finally:
         if gpu.poll() is None:
             assert stop(gpu) == 0
+
+
+# Slow: starts a service with three rank processes, and a control plane.
+@pytest.mark.slow
+def test_tp4_bf16_through_the_pair(
+    checkpoints: dict[str, Path], one_device: dict[str, list[list[int]]]
+) -> None:
+    """`--tp 4 --expert-parallel` on the bf16 checkpoint (an expert in four per rank) through
+    both processes: `mtp` and `none` stream one device's greedy tokens."""
+    gpu, target = start_gpu_service(
+        checkpoints["bf16"],
+        *("--tp", "4", "--expert-parallel", "--dtype", "fp32"),
+        *("--verify-tiers", "4:3,4:1", "--max-context", "256"),
+    )
+    try:
+        cp, cp_target = start_control_plane(target)
+        try:
+            with grpc.insecure_channel(cp_target) as channel:
+                stub = pb_grpc.GenerationServiceStub(channel)
+                mtp = [_generate(stub, p, pb.SPECULATIVE_METHOD_MTP) for p in PROMPTS]
+                none = [_generate(stub, p, pb.SPECULATIVE_METHOD_NONE) for p in PROMPTS]
+            assert [t for t, _ in mtp] == [t for t, _ in none] == one_device["bf16"]
+            assert sum(d for _, d in mtp) > 0
+        finally:
+            stop(cp)
+    finally:
+        assert stop(gpu) == 0
