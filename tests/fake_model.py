@@ -124,6 +124,9 @@ class FakeModel:
         self.next_id = 1
         self.snapshots: dict[int, list[int]] = {}  # snapshot id -> the tokens it holds
         self.calls: list[tuple] = []  # (name, details)
+        # Each prefill item that sent images: (sequence id, its length before the chunk, the
+        # images' digests).
+        self.images: list[tuple[int, int, list[bytes]]] = []
 
     def capabilities(self) -> Capabilities:
         return Capabilities(
@@ -180,9 +183,14 @@ class FakeModel:
         for h in seqs:
             self.seqs[h.seq_id].continuation = None
 
-    def prefill(self, seqs, prompts, masks=None, sampling=None, scores=None, top=None) -> list[int]:
+    def prefill(
+        self, seqs, prompts, masks=None, sampling=None, scores=None, top=None, images=None
+    ) -> list[int]:
         self.calls.append(("prefill", [len(p) for p in prompts]))
         self._moved(seqs)
+        for h, sent in zip(seqs, images or [()] * len(seqs), strict=True):
+            if sent:
+                self.images.append((h.seq_id, h.seq_len, [i.digest for i in sent]))
         _check_masks(dict(enumerate(masks or ())))
         out = []
         for h, p in zip(seqs, prompts, strict=True):

@@ -145,15 +145,6 @@ def finish(
     reasoning where the chat's template opens it (`marks`: the vocabulary's, given whenever
     `needs_compiler`)."""
     ids = prepared.ids
-    if prepared.images:
-        # Read, bounded and preprocessed (`Prepared.images`), but not yet carried to the
-        # GPU service's prefill.
-        raise BadRequest(
-            grpc.StatusCode.UNIMPLEMENTED,
-            "the chat's images are read and checked, but this server does not yet hand images "
-            "to the GPU service's prefill",
-            "messages",
-        )
     max_new = _max_new_tokens(r, len(ids), caps, admission.default_max_new)
     if r.min_new_tokens > max_new:
         raise BadRequest(
@@ -189,6 +180,7 @@ def finish(
         grammar=grammar,
         sampling=r.sampling,
         penalties=pen,
+        images=prepared.images,
         image_spans=prepared.image_spans,
     ), shape
 

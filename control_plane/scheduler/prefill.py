@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from opentelemetry.trace import Link
 
 from control_plane.scheduler.seq import ActiveSeq
-from protos.handles import ScoreAsk, Scores
+from control_plane.text.images import starting_in
+from protos.handles import ImageInput, ScoreAsk, Scores
 from protos.model import ModelError, Sampling, ServingModel
 from protos.telemetry import span, tracer
 
@@ -51,7 +52,8 @@ def prefill(
         asks = [_score_ask(a, c) for a, c in zip(batch, chunks, strict=True)]
         # The first generated token's alternatives come as every later token's do.
         tops = [a.req.top_logprobs if end else 0 for a, end in zip(batch, last, strict=True)]
-        rows = _rows(model, batch, chunks, Asks(masks, sampling, asks, tops))
+        images = [_images(a, len(c)) for a, c in zip(batch, chunks, strict=True)]
+        rows = _rows(model, batch, chunks, Asks(masks, sampling, asks, tops, images))
     done = []
     for a, c, row in zip(batch, chunks, rows, strict=True):
         if row is None:
@@ -89,6 +91,17 @@ def _score_ask(a: ActiveSeq, chunk: list[int]) -> ScoreAsk | None:
     return ScoreAsk(a.req.prompt_logprobs or 0, after)
 
 
+def _images(a: ActiveSeq, n: int) -> list[ImageInput]:
+    """The images whose first placeholder is in the sequence's next `n` tokens: the service
+    keeps an image's embeddings until its last placeholder is in, in this sequence or in the
+    prefix snapshot it was restored from, so no image is sent twice to one sequence (a
+    preempted one, prefilled again from its start, sends them again)."""
+    if not a.req.images:
+        return []
+    located = starting_in(a.req.image_spans, a.req.images, a.prefilled, a.prefilled + n)
+    return [i.to_input() for i in located]
+
+
 @dataclass(frozen=True)
 class Asks:
     """What a prefill call asks of each sequence besides its chunk."""
@@ -97,10 +110,13 @@ class Asks:
     sampling: list[Sampling | None]
     scores: list[ScoreAsk | None]
     tops: list[int]  # alternatives of its last row
+    images: list[list[ImageInput]]  # the images its chunk starts
 
     def one(self, i: int) -> Asks:
         at = slice(i, i + 1)
-        return Asks(self.masks[at], self.sampling[at], self.scores[at], self.tops[at])
+        return Asks(
+            self.masks[at], self.sampling[at], self.scores[at], self.tops[at], self.images[at]
+        )
 
 
 @dataclass(frozen=True)
@@ -123,8 +139,9 @@ def _rows(
     scores = asks.scores if any(s is not None for s in asks.scores) else None
     tops = asks.tops if any(asks.tops) else None
     handles = [a.live_handle for a in batch]
+    images = asks.images if any(asks.images) else None
     try:
-        done = model.prefill(handles, chunks, asks.masks, asks.sampling, scores, tops)
+        done = model.prefill(handles, chunks, asks.masks, asks.sampling, scores, tops, images)
     except ModelError as e:
         if len(batch) == 1:
             batch[0].refuse(e.code, str(e))

@@ -13,7 +13,7 @@ from opentelemetry.trace import SpanContext
 
 from control_plane.scheduler.methods import HEAD, PLAIN, Method, method
 from control_plane.text.detok import Detokenizer, Tokenizer
-from control_plane.text.images import ImageSpan, Keyed, keyed
+from control_plane.text.images import Image, ImageSpan, Keyed, keyed
 from protos import checks
 from protos.handles import Scores
 from protos.model import (
@@ -56,9 +56,10 @@ class GenRequest:
     grammar: Grammar | None = None  # a compiled grammar its tokens must follow
     sampling: SamplingParams = field(default_factory=SamplingParams)
     penalties: Penalties | None = None  # applied by the service to every row it judges
-    # Where the prompt's images' placeholders lie (`Prepared.image_spans`): what the prefix
-    # cache keys them by. The images' rows travel beside them once the service's prefill takes
-    # them (the door refuses a request with images until then).
+    # The prompt's images (`Prepared.images`, in the order of their placeholders), each sent
+    # with the prefill chunk that holds its first placeholder, again after a preemption; and
+    # where their placeholders lie (`Prepared.image_spans`), what the prefix cache keys them by.
+    images: tuple[Image, ...] = ()
     image_spans: tuple[ImageSpan, ...] = ()
 
     @property

@@ -203,16 +203,22 @@ def test_a_model_without_a_tower_refuses_images_with_a_sentence(vision_dir: Path
     )
 
 
-def test_images_are_not_yet_carried_to_the_service(vision_dir: Path) -> None:
-    """Read and checked, but refused at the door until the service's prefill takes them."""
+def test_the_admitted_request_carries_its_images_and_where_they_lie(vision_dir: Path) -> None:
+    """The door hands the scheduler the images as the worker prepared them, beside their spans
+    (the prefill sends each with the chunk holding its first placeholder)."""
     tokenization = Tokenization.from_dir(vision_dir)
     chat = ChatTemplate.from_files(tokenization.files)
-    r = ours(ChatMessage("user", "", parts=(image(FIRST),)))
-    with pytest.raises(BadRequest, match="does not yet hand images to the GPU service") as caught:
-        admit(
-            r, tokenization.tokenizer, caps(), Admission(), "r", chat=chat, files=tokenization.files
-        )
-    assert caught.value.code.name == "UNIMPLEMENTED"
+    r = ours(
+        ChatMessage("user", "", parts=(image(FIRST), text("and"), image(SECOND, "image/jpeg")))
+    )
+    req, _ = admit(
+        r, tokenization.tokenizer, caps(), Admission(), "r", chat=chat, files=tokenization.files
+    )
+    prepared = preparer(vision_dir).prepare(r, caps(), 1 << 20)
+    assert req.prompt_ids == prepared.ids and req.image_spans == prepared.image_spans
+    assert [i.digest for i in req.images] == [s.digest for s in req.image_spans]
+    assert [i.grid_thw for i in req.images] == [i.grid_thw for i in prepared.images]
+    assert len(req.images) == 2
 
 
 def test_the_image_bounds_are_serve_flags(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

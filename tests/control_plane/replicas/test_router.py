@@ -221,7 +221,9 @@ class LostOnPrefill(FakeModel):
 
     down = False
 
-    def prefill(self, seqs, prompts, masks=None, sampling=None, scores=None, top=None) -> list[int]:
+    def prefill(
+        self, seqs, prompts, masks=None, sampling=None, scores=None, top=None, images=None
+    ) -> list[int]:
         self.down = True
         raise OSError("connection reset")
 
