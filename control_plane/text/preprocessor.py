@@ -20,13 +20,13 @@ from typing import Any
 import numpy as np
 from PIL import Image as PILImage
 
+from protos.vision import TOKEN_DEFAULTS, VISION_DEFAULTS, VISION_MODEL_TYPES
+
 CONFIG_FILE = "config.json"
 PREPROCESSOR_FILE = "preprocessor_config.json"
-# transformers' defaults of the model types this server serves with a vision tower
-# (Qwen3_5Config, Qwen3_5MoeConfig, Qwen3_5VisionConfig) for what config.json leaves out.
-MODEL_DEFAULTS = {"qwen3_5": {"image_token_id": 248056}, "qwen3_5_moe": {"image_token_id": 248056}}
-VISION_DEFAULTS = {"in_channels": 3, "patch_size": 16, "temporal_patch_size": 2}
-VISION_DEFAULTS["spatial_merge_size"] = 2
+# The tower's fields the preprocessor must agree with (`protos.vision`'s defaults for what
+# config.json leaves out).
+TOWER_FIELDS = ("in_channels", "patch_size", "temporal_patch_size", "spatial_merge_size")
 # Qwen2VLImageProcessor's class defaults, for what preprocessor_config.json leaves out.
 PROCESSOR_DEFAULTS: dict[str, Any] = {
     "do_resize": True,
@@ -179,13 +179,13 @@ def _json(files: Mapping[str, bytes], name: str) -> dict[str, Any]:
 def _checked(config: dict, vision: dict, raw: dict) -> Preprocessor:
     """The preprocessor's settings, each one this server acts on, matching the tower's."""
     model_type = config.get("model_type")
-    if model_type not in MODEL_DEFAULTS:
+    if model_type not in VISION_MODEL_TYPES:
         raise ValueError(
             f"the checkpoint's model_type is {model_type!r}; this server reads images for "
-            f"{' and '.join(sorted(MODEL_DEFAULTS))}"
+            f"{' and '.join(sorted(VISION_MODEL_TYPES))}"
         )
-    tokens = {k: config.get(k, d) for k, d in MODEL_DEFAULTS[model_type].items()}
-    tower = {k: vision.get(k, d) for k, d in VISION_DEFAULTS.items()}
+    image_token_id = config.get("image_token_id", TOKEN_DEFAULTS["image_token_id"])
+    tower = {k: vision.get(k, VISION_DEFAULTS[k]) for k in TOWER_FIELDS}
     kind = raw.get("image_processor_type")
     if kind is not None and kind not in PROCESSOR_CLASSES:
         raise ValueError(
@@ -201,7 +201,7 @@ def _checked(config: dict, vision: dict, raw: dict) -> Preprocessor:
     low, high = _pixels(raw)
     _match(s, tower)
     return Preprocessor(
-        int(tokens["image_token_id"]),
+        int(image_token_id),
         int(s["patch_size"]),
         int(s["temporal_patch_size"]),
         int(s["merge_size"]),

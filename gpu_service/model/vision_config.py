@@ -10,27 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-# Qwen3_5VisionConfig's defaults.
-VISION_DEFAULTS: dict[str, Any] = dict(
-    depth=27,
-    hidden_size=1152,
-    hidden_act="gelu_pytorch_tanh",
-    intermediate_size=4304,
-    num_heads=16,
-    in_channels=3,
-    patch_size=16,
-    spatial_merge_size=2,
-    temporal_patch_size=2,
-    out_hidden_size=3584,
-    num_position_embeddings=2304,
-)
-# Qwen3_5Config's defaults of the vision token ids.
-TOKEN_DEFAULTS = dict(
-    image_token_id=248056,
-    video_token_id=248057,
-    vision_start_token_id=248053,
-    vision_end_token_id=248054,
-)
+from protos.vision import TOKEN_DEFAULTS, VISION_DEFAULTS
+
 # Qwen3_5TextRotaryEmbedding's `mrope_section` where rope_parameters gives none.
 MROPE_SECTION = (11, 11, 10)
 # The MLP activations the tower computes (transformers' ACT2FN names).
