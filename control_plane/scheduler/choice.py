@@ -29,14 +29,15 @@ new batch size does not explore at once what its neighbour found worse), else MT
 request naming no method gets by default), and it is served but for exploration: once it is
 measured, each other option is run until measured, then again when its wait has passed, at
 first `EXPLORE` steps, doubled (to `EXPLORE` times `BACKOFF`) each time it delivered less than
-the incumbent's `1 - MARGIN`, so what is clearly worse costs ever less to watch; two runs at
-a shape are half `EXPLORE` apart at least. An option measured `TIMED` times that delivered
-`MARGIN` more than the incumbent takes its place. So the choice starts from the fixed method
-that is best on most machines, and follows a machine that gets busier or quieter, or a
-drafter that does better than the head, once the evidence is clear. Widths are not options:
-exploring each width of each method (nine options on the bundled model) cost a fifth of the
-tokens at one request and a width's gain over its neighbour is within a step's noise here,
-while the cost model weighs the widths from tables measured once.
+the incumbent's `1 - MARGIN` and quadrupled below its `FAR` (a run of what delivers far less
+costs more, and what delivers far less is further from taking over), so what is clearly worse
+costs ever less to watch; two runs at a shape are half `EXPLORE` apart at least. An option
+measured `TIMED` times that delivered `MARGIN` more than the incumbent takes its place. So the
+choice starts from the fixed method that is best on most machines, and follows a machine that
+gets busier or quieter, or a drafter that does better than the head, once the evidence is
+clear. Widths are not options: exploring each width of each method (nine options on the bundled
+model) cost a fifth of the tokens at one request and a width's gain over its neighbour is
+within a step's noise here, while the cost model weighs the widths from tables measured once.
 
 The option is every choosing sequence's, but for one whose own record says it would give fewer
 tokens than its share of the step costs over `none`'s: it sits the step out (plain),
@@ -63,6 +64,9 @@ SETTLE = 2  # an option's steps in a row before one measures it
 EXPLORE = 48  # steps at a shape between two runs of an option other than its incumbent
 BACKOFF = 16  # the most an option's wait grows (in EXPLOREs) while it delivers less
 MARGIN = 0.1  # how much more an option must deliver to take the incumbent's place
+# Below this share of the incumbent's delivery an option's wait grows fourfold, not twofold: a
+# run of it costs more, and it is further from taking over.
+FAR = 0.75
 OWN_SEEN = 8  # drafts a sequence verified under a method before its own record counts
 PROBE = 32  # steps a sequence sits out before it tries the option again
 
@@ -208,7 +212,8 @@ class Chooser:
         """The option whose turn to be measured came, the longest overdue (None: none's):
         an option not measured yet at once, then one every `EXPLORE` steps, its wait doubled
         (to `EXPLORE` times `BACKOFF`) each time it delivered less than the incumbent's
-        `1 - MARGIN`, so what is clearly worse costs ever less to watch."""
+        `1 - MARGIN`, quadrupled below its `FAR`, so what is clearly worse costs ever less to
+        watch."""
 
         def overdue(o: Option) -> int:
             at = self.explored_at.get((self.at, o))
@@ -230,8 +235,10 @@ class Chooser:
         self.exploring = None
         key, wait = (shape, o), self.waits.get((shape, o), EXPLORE)
         mine, theirs = self._delivered(shape, o), self._delivered(shape, incumbent)
-        worse = mine is not None and theirs is not None and mine < (1 - MARGIN) * theirs
-        self.waits[key] = min(wait * 2, EXPLORE * BACKOFF) if worse else EXPLORE
+        if mine is None or theirs is None or mine >= (1 - MARGIN) * theirs:
+            self.waits[key] = EXPLORE
+            return
+        self.waits[key] = min(wait * (2 if mine >= FAR * theirs else 4), EXPLORE * BACKOFF)
 
     def _here(self) -> int:
         """Steps served at the step's shape: what an option's wait counts, so that a shape

@@ -255,8 +255,25 @@ def test_a_step_counts_once_the_verdicts_come_from_what_runs() -> None:
 def test_what_delivers_clearly_less_is_watched_ever_less_often() -> None:
     chooser, active = Chooser(), [seq("a"), seq("b")]
     costs = {"none": 1.0, "mtp": 1.0, "dflash": 20.0}  # mtp 6 tokens/ms, dflash 0.4
-    picks = served(chooser, active, costs, 24 * EXPLORE)
-    runs = [i for i, p in enumerate(picks) if p == "dflash" and picks[i - 1] != "dflash"]
-    gaps = [b - a for a, b in itertools.pairwise(runs)]
+    picks = served(chooser, active, costs, 40 * EXPLORE)
+    gaps = _dflash_gaps(picks)
     assert len(gaps) >= 3 and gaps == sorted(gaps) and gaps[-1] >= 3 * gaps[0], "its wait grew"
     assert gaps[-1] <= EXPLORE * BACKOFF + RUN * SETTLE, "and is bounded"
+
+
+def _dflash_gaps(picks: list[str]) -> list[int]:
+    runs = [i for i, p in enumerate(picks) if p == "dflash" and picks[i - 1] != "dflash"]
+    return [b - a for a, b in itertools.pairwise(runs)]
+
+
+def test_what_delivers_far_less_waits_longer_than_what_delivers_a_little_less() -> None:
+    """DFlash at 0.8 of mtp's tokens a millisecond waits twice EXPLORE after its first run; at
+    a fifteenth, four times."""
+
+    def first_gap(dflash_ms: float) -> int:
+        chooser, active = Chooser(), [seq("a"), seq("b")]
+        costs = {"none": 1.0, "mtp": 1.0, "dflash": dflash_ms}
+        return _dflash_gaps(served(chooser, active, costs, 8 * EXPLORE))[0]
+
+    near, far = first_gap(4 / (0.8 * 3)), first_gap(20.0)
+    assert 2 * EXPLORE <= near < 3 * EXPLORE and 4 * EXPLORE <= far < 5 * EXPLORE
