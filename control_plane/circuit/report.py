@@ -78,6 +78,19 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--fragment", action="store_true", help="hold a spare slot before sequence n/2"
     )
     _add_drafter_args(parser)
+    _add_prompt_args(parser)
+    parser.add_argument(
+        "--num-drafts",
+        default="3",
+        type=lambda t: _int_at_least(t, "--num-drafts", 1),
+        help="drafts per step: caps each verify at this many drafts, and the drafts per "
+        "propose with --mtp (default %(default)s)",
+    )
+    _add_target_args(parser)
+
+
+def _add_prompt_args(parser: argparse.ArgumentParser) -> None:
+    """What the diff's prompts hold and how they are prefilled."""
     parser.add_argument(
         "--long-prompt",
         default=0,
@@ -95,13 +108,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "holds a whole KV block and a token, and a service with --prefix-snapshots)",
     )
     parser.add_argument(
-        "--num-drafts",
-        default="3",
-        type=lambda t: _int_at_least(t, "--num-drafts", 1),
-        help="drafts per step: caps each verify at this many drafts, and the drafts per "
-        "propose with --mtp (default %(default)s)",
+        "--images",
+        action="store_true",
+        help="every other sequence's prompt holds an image (a fixed picture of its own through "
+        "the checkpoint's preprocessor, across the point --snapshot cuts the prompt at), sent "
+        "with its prefill: each batch mixes image and text prompts (needs a service with a "
+        "vision tower)",
     )
-    _add_target_args(parser)
 
 
 def _add_drafter_args(parser: argparse.ArgumentParser) -> None:
@@ -180,6 +193,7 @@ def build_report(model: CircuitModel, args: argparse.Namespace, shapes: list[Sha
         "long_prompt": args.long_prompt,
         "snapshot": args.snapshot,
         "mix": args.mix,
+        "images": args.images,
         "variants": [
             {"name": "reference", "forward": args.reference},
             *({"name": f, "forward": f} for f in args.forwards),
@@ -278,6 +292,7 @@ def run_diff(model: CircuitModel, args: argparse.Namespace) -> dict:
             snapshot=args.snapshot,
             dflash=args.dflash,
             mixed=args.mix,
+            images=args.images,
         )
     finally:
         model.set_forward(found)

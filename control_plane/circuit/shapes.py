@@ -3,7 +3,10 @@ the drafts taken from them."""
 
 from __future__ import annotations
 
-from protos.model import CircuitModel
+from collections.abc import Sequence
+
+from protos.handles import ImageInput
+from protos.model import CircuitModel, SequenceHandle
 
 
 def batch_shapes(n: int, ks: list[int]) -> list[list[int]]:
@@ -75,14 +78,31 @@ def drafts(greedy: list[int], pos: int, step: int, seq: int, k: int, vocab: int)
     return out
 
 
-def continuation(model: CircuitModel, prompt: list[int], length: int) -> list[int]:
-    """The greedy continuation of `prompt`, `length` tokens, one-token decodes."""
+def continuation(
+    model: CircuitModel, prompt: list[int], length: int, images: Sequence[ImageInput] = ()
+) -> list[int]:
+    """The greedy continuation of `prompt` (with its `images`), `length` tokens, one-token
+    decodes."""
     seq = model.alloc_sequence()
     try:
-        out = [model.prefill([seq], [prompt]).argmax[0]]
+        out = [prefill_one(model, seq, prompt, list(images))]
         while len(out) < length:
             out.append(model.decode_verify_batched([out[-1]], [1], [seq]).argmax[0])
             model.settle_verdict([seq], [1], [1], [], [], 0)
         return out
     finally:
         model.free_sequence(seq)
+
+
+def snapshot_prefix(prompt: list[int], block: int) -> int:
+    """The prefix a snapshot case restores: the prompt's whole blocks, leaving a token."""
+    return (len(prompt) - 1) // block * block
+
+
+def prefill_one(
+    model: CircuitModel, seq: SequenceHandle, tokens: list[int], images: list[ImageInput]
+) -> int:
+    """`tokens` prefilled into `seq` with the images they start -> the argmax."""
+    if images:
+        return model.prefill([seq], [tokens], images=[images]).argmax[0]
+    return model.prefill([seq], [tokens]).argmax[0]

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from control_plane.circuit import mix
 from control_plane.circuit.compare import Comparison, Run, Step, compare
+from control_plane.circuit.images import PromptImages, preprocessor, with_images
 from control_plane.circuit.shapes import (
     batch_prompts,
     batch_shapes,
@@ -33,10 +34,13 @@ from control_plane.circuit.shapes import (
     continuation,
     dedup,
     drafts,
+    prefill_one,
     slot_caps,
     slot_of,
+    snapshot_prefix,
 )
 from control_plane.scheduler.verdict import accepted, offsets
+from control_plane.text.preprocessor import Preprocessor
 from protos.model import DFLASH, MTP_HEAD, CircuitModel, SequenceHandle, fits_batch
 
 
@@ -62,6 +66,11 @@ class Setup:
     kind: str = MTP_HEAD  # the sequences' drafter (`alloc_sequence`): the MTP head or DFlash
     # Each sequence's role in a mixed batch (`mix.py`); empty: all alike, as `kind` says.
     roles: tuple[str, ...] = ()
+    # Each prompt's images (`images.py`, `--images`); empty: text prompts alone.
+    images: tuple[PromptImages, ...] = ()
+
+    def images_of(self, i: int) -> PromptImages:
+        return self.images[i] if self.images else PromptImages()
 
     def kinds(self) -> list[str]:
         """Each sequence's drafter, for `alloc_sequence`."""
@@ -203,35 +212,36 @@ class _Cursor:
 
 
 def _prefill_all(
-    model: CircuitModel,
-    seqs: list[SequenceHandle],
-    prompts: list[list[int]],
-    restored: bool = False,
+    model: CircuitModel, seqs: list[SequenceHandle], setup: Setup, restored: bool = False
 ) -> tuple[bytes, list[int], str]:
-    """Each prompt prefilled on its own; `restored`, its last whole block's prefix from a
-    snapshot of another sequence and only the rest prefilled. -> (the logits rows, the first
+    """Each prompt prefilled on its own, with its images; `restored`, its last whole block's
+    prefix from a snapshot of another sequence and only the rest prefilled (an image whose
+    first placeholder the snapshot holds is not sent again). -> (the logits rows, the first
     tokens, their dtype)"""
     data, first, dtype = b"", [], ""
-    for seq, prompt in zip(seqs, prompts, strict=True):
-        start = _restore(model, seq, prompt) if restored else 0
-        first.append(model.prefill([seq], [prompt[start:]]).argmax[0])
+    for i, (seq, prompt) in enumerate(zip(seqs, setup.prompts, strict=True)):
+        images = setup.images_of(i)
+        start = _restore(model, seq, prompt, images) if restored else 0
+        first.append(prefill_one(model, seq, prompt[start:], images.starting(start, len(prompt))))
         logits = model.read_logits()
         data, dtype = data + logits.data, logits.dtype
     return data, first, dtype
 
 
-def snapshot_prefix(prompt: list[int], block: int) -> int:
-    """The prefix a snapshot case restores: the prompt's whole blocks, leaving a token."""
-    return (len(prompt) - 1) // block * block
-
-
-def _restore(model: CircuitModel, seq: SequenceHandle, prompt: list[int]) -> int:
-    """`seq` made from a snapshot of another sequence that prefilled the prompt's start (then
-    freed, and the snapshot dropped: `seq` holds what it needs). -> the prefix's length"""
+def _restore(
+    model: CircuitModel,
+    seq: SequenceHandle,
+    prompt: list[int],
+    images: PromptImages | None = None,
+) -> int:
+    """`seq` made from a snapshot of another sequence that prefilled the prompt's start with
+    the images it starts (then freed, and the snapshot dropped: `seq` holds what it needs).
+    -> the prefix's length"""
     start = snapshot_prefix(prompt, model.capabilities().kv_block_size)
     donor = model.alloc_sequence()
     try:
-        model.prefill([donor], [prompt[:start]])
+        sent = images.starting(0, start) if images is not None else []
+        prefill_one(model, donor, prompt[:start], sent)
         (snap,) = model.snapshot_prefixes([donor])
     finally:
         model.free_sequence(donor)
@@ -318,7 +328,7 @@ def run_batch(
     n = len(setup.prompts)
     seqs, spare = _alloc(model, setup.kinds(), setup.fragment)
     try:
-        prefill, first, dtype = _prefill_all(model, seqs, setup.prompts, restored)
+        prefill, first, dtype = _prefill_all(model, seqs, setup, restored)
         run = Run(prefill, first, [], ks, dtype, [], [])
         cursor = _Cursor(list(first), [0] * n)
         log = [_step(model, setup, seqs, ks, s, feed, cursor, run) for s in range(steps)]
@@ -355,6 +365,7 @@ def diff_verify_batch(
     snapshot: bool = False,
     dflash: bool = False,
     mixed: bool = False,
+    images: bool = False,
 ) -> list[ShapeReport]:
     """The reference and every forward for every width at every shape; each sequence's width
     capped as the scheduler caps a step's drafts (`slot_caps`); with `long_prompt`, the first
@@ -362,18 +373,26 @@ def diff_verify_batch(
     prefix snapshots; with `dflash`, the sequences draft with the DFlash drafter and its
     batched block propose is diffed (as `mtp` diffs the MTP head's); with `mixed`, each batch
     mixes the roles of `mix.roles` (DFlash among them where the service has the drafter), and
-    every drafting sequence proposes with its own drafter."""
+    every drafting sequence proposes with its own drafter; with `images`, every other prompt
+    holds an image (`images.with_images`)."""
     caps = model.capabilities()
+    pre = _preprocessor(model) if images else None
     out = []
     for n in widths:
         prompts = batch_prompts(n, caps.vocab_size, long=long_prompt)
-        model.set_forward(reference)
-        greedy = [continuation(model, p, steps * max(ks) + 1) for p in prompts]
+        pictures: list[PromptImages] = []
+        if pre is not None:
+            prompts, pictures = with_images(prompts, pre, caps.kv_block_size or 1)
         cap = slot_caps(caps.slot_verify_drafts, n, fragment, num_drafts)
         kind = DFLASH if dflash and not mixed else MTP_HEAD
         roles = mix.roles(n, caps.dflash_block > 0) if mixed else ()
         drafter = num_drafts if mtp or dflash or mixed else None
-        setup = Setup(prompts, fragment, drafter, snapshot, kind, roles)
+        setup = Setup(prompts, fragment, drafter, snapshot, kind, roles, tuple(pictures))
+        model.set_forward(reference)
+        greedy = [
+            continuation(model, p, steps * max(ks) + 1, setup.images_of(i).starting(0, len(p)))
+            for i, p in enumerate(prompts)
+        ]
         feed = Drafted(greedy, caps.vocab_size, roles)
         shapes = [capped(s, cap) for s in batch_shapes(n, ks)]
         for shape in dedup([mix.widths(s, roles) if mixed else s for s in shapes]):
@@ -390,6 +409,13 @@ def diff_verify_batch(
             )
             out.append(report)
     return out
+
+
+def _preprocessor(model: CircuitModel) -> Preprocessor:
+    pre, why = preprocessor(model)
+    if pre is None:
+        raise DiffError(f"--images: {why}")
+    return pre
 
 
 def _diff_shape(
