@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
 import openai
 import pytest
 import torch
@@ -253,3 +254,32 @@ def test_the_same_image_hits_the_prefix_cache_past_it_and_another_never(pairs: d
     assert cached["first"] == 0 and cached["turn"] >= end, (cached, begin, end)
     assert begin < cached["third"] < end, (cached, begin, end)
     assert cached["other"] <= begin, (cached, begin, end)
+
+
+def test_the_anthropic_and_responses_fronts_answer_a_chat_with_an_image(pairs: dict) -> None:
+    """Both go through the same door: the image reaches the service's prefill."""
+    pair = pairs["dense"]
+    anthropic = {
+        "type": "image",
+        "source": {
+            "type": "base64",
+            "media_type": "image/png",
+            "data": data_url(CAT).split(",", 1)[1],
+        },
+    }
+    with httpx.Client(base_url=pair.http.removesuffix("/v1"), timeout=60) as client:
+        name = client.get("/v1/models").json()["data"][0]["id"]
+        content = [{"type": "text", "text": "What is in this picture?"}, anthropic]
+        body = {"model": name, "max_tokens": 2, "messages": [{"role": "user", "content": content}]}
+        reply = client.post("/v1/messages", json=body)
+        assert reply.status_code == 200 and reply.json()["usage"]["output_tokens"] > 0, reply.text
+        image = {"type": "input_image", "image_url": data_url(CAT)}
+        body = {
+            "model": name,
+            "max_output_tokens": 2,
+            "input": [
+                {"role": "user", "content": [{"type": "input_text", "text": "What?"}, image]}
+            ],
+        }
+        reply = client.post("/v1/responses", json=body)
+        assert reply.status_code == 200 and reply.json()["usage"]["output_tokens"] > 0, reply.text
