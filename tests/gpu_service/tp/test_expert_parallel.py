@@ -269,6 +269,23 @@ def _generate(stub: pb_grpc.GenerationServiceStub, prompt: tuple[int, ...], meth
     return tokens, drafted
 
 
+def _start(checkpoint: Path, size: int):
+    """`met gpu-service serve --tp SIZE --expert-parallel` on `checkpoint`, small."""
+    return start_gpu_service(
+        checkpoint,
+        *("--tp", str(size), "--expert-parallel", "--dtype", "fp32"),
+        *("--verify-tiers", "4:3,4:1", "--max-context", "256"),
+    )
+
+
+def _one_devices_tokens(stub: pb_grpc.GenerationServiceStub, expected: list[list[int]]) -> None:
+    """`mtp` (drafting) and `none` stream one device's greedy tokens of PROMPTS."""
+    mtp = [_generate(stub, p, pb.SPECULATIVE_METHOD_MTP) for p in PROMPTS]
+    none = [_generate(stub, p, pb.SPECULATIVE_METHOD_NONE) for p in PROMPTS]
+    assert [t for t, _ in mtp] == [t for t, _ in none] == expected
+    assert sum(d for _, d in mtp) > 0
+
+
 # Slow: starts a service with a rank process, and a control plane.
 @pytest.mark.slow
 def test_through_the_pair_and_a_killed_rank(
@@ -278,20 +295,13 @@ def test_through_the_pair_and_a_killed_rank(
     plane, over gRPC: `mtp` and `none` stream one device's greedy tokens, and
     `met circuit diff --verify-batch` PASSes against the service; then rank 1 is killed while a
     stream is under way: the service exits non-zero and the stream ends UNAVAILABLE."""
-    gpu, target = start_gpu_service(
-        checkpoints["fp8"],
-        *("--tp", "2", "--expert-parallel", "--dtype", "fp32"),
-        *("--verify-tiers", "4:3,4:1", "--max-context", "256"),
-    )
+    gpu, target = _start(checkpoints["fp8"], 2)
     try:
         cp, cp_target = start_control_plane(target)
         try:
             with grpc.insecure_channel(cp_target) as channel:
                 stub = pb_grpc.GenerationServiceStub(channel)
-                mtp = [_generate(stub, p, pb.SPECULATIVE_METHOD_MTP) for p in PROMPTS]
-                none = [_generate(stub, p, pb.SPECULATIVE_METHOD_NONE) for p in PROMPTS]
-                assert [t for t, _ in mtp] == [t for t, _ in none] == one_device["fp8"]
-                assert sum(d for _, d in mtp) > 0
+                _one_devices_tokens(stub, one_device["fp8"])
                 _diff_passes(target, tmp_path / "diff.json")
                 request = pb.GenerateRequest(
                     prompt_token_ids=PROMPTS[0], max_new_tokens=200, ignore_eos=True
@@ -319,20 +329,12 @@ def test_tp4_bf16_through_the_pair(
 ) -> None:
     """`--tp 4 --expert-parallel` on the bf16 checkpoint (an expert in four per rank) through
     both processes: `mtp` and `none` stream one device's greedy tokens."""
-    gpu, target = start_gpu_service(
-        checkpoints["bf16"],
-        *("--tp", "4", "--expert-parallel", "--dtype", "fp32"),
-        *("--verify-tiers", "4:3,4:1", "--max-context", "256"),
-    )
+    gpu, target = _start(checkpoints["bf16"], 4)
     try:
         cp, cp_target = start_control_plane(target)
         try:
             with grpc.insecure_channel(cp_target) as channel:
-                stub = pb_grpc.GenerationServiceStub(channel)
-                mtp = [_generate(stub, p, pb.SPECULATIVE_METHOD_MTP) for p in PROMPTS]
-                none = [_generate(stub, p, pb.SPECULATIVE_METHOD_NONE) for p in PROMPTS]
-            assert [t for t, _ in mtp] == [t for t, _ in none] == one_device["bf16"]
-            assert sum(d for _, d in mtp) > 0
+                _one_devices_tokens(pb_grpc.GenerationServiceStub(channel), one_device["bf16"])
         finally:
             stop(cp)
     finally:
