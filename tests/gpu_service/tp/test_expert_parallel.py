@@ -6,7 +6,6 @@ device's greedy tokens for `none`, `mtp` and (at TP 2) `dflash`, and the circuit
 
 from __future__ import annotations
 
-import signal
 import threading
 from dataclasses import replace
 from pathlib import Path
@@ -39,7 +38,7 @@ from tests.collect import run_all
 from tests.control_plane.circuit.test_verify_batch import args as diff_args
 from tests.flagship import MINI_FLAGSHIP
 from tests.gpu_service.dflash.drafter import write_drafter
-from tests.gpu_service.tp.test_tensor_parallel import _diff_passes, _rank_processes
+from tests.gpu_service.tp.test_tensor_parallel import _diff_passes, killed_rank_ends_the_stream
 from tests.qwen3_5_checkpoint import TEXT, make
 
 SERVICE = ServiceConfig(verify_tiers="4:3,4:2", max_context=256, prefix_snapshots=2)
@@ -306,15 +305,7 @@ def test_through_the_pair_and_a_killed_rank(
                 request = pb.GenerateRequest(
                     prompt_token_ids=PROMPTS[0], max_new_tokens=200, ignore_eos=True
                 )
-                stream = stub.Generate(request, timeout=60)
-                assert next(stream).token_ids  # under way
-                (rank1,) = _rank_processes(gpu)
-                rank1.send_signal(signal.SIGKILL)
-                with pytest.raises(grpc.RpcError) as ended:
-                    for _ in stream:
-                        pass
-                assert gpu.wait(timeout=10) != 0
-            assert ended.value.code() == grpc.StatusCode.UNAVAILABLE, ended.value.details()
+                killed_rank_ends_the_stream(stub, gpu, request)
         finally:
             stop(cp)
     finally:

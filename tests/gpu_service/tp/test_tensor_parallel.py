@@ -277,6 +277,22 @@ def _generate(stub: pb_grpc.GenerationServiceStub, prompt: list[int], method: in
     return tokens, drafted
 
 
+def killed_rank_ends_the_stream(
+    stub: pb_grpc.GenerationServiceStub, gpu: subprocess.Popen, request: pb.GenerateRequest
+) -> None:
+    """Rank 1 killed while `request` streams: the service exits non-zero and the stream ends
+    UNAVAILABLE."""
+    stream = stub.Generate(request, timeout=60)
+    assert next(stream).token_ids  # under way
+    (rank1,) = _rank_processes(gpu)
+    rank1.send_signal(signal.SIGKILL)
+    with pytest.raises(grpc.RpcError) as ended:
+        for _ in stream:
+            pass
+    assert gpu.wait(timeout=10) != 0
+    assert ended.value.code() == grpc.StatusCode.UNAVAILABLE, ended.value.details()
+
+
 def _rank_processes(service: subprocess.Popen) -> list[psutil.Process]:
     """The service's other ranks (not multiprocessing's resource tracker)."""
     children = psutil.Process(service.pid).children()
@@ -319,15 +335,7 @@ def test_through_the_pair(mini_dir: Path, tmp_path: Path, model: str, size: int)
                     ignore_eos=True,
                     speculative_method=pb.SPECULATIVE_METHOD_MTP,
                 )
-                stream = stub.Generate(request, timeout=60)
-                assert next(stream).token_ids  # under way
-                (rank1,) = _rank_processes(gpu)
-                rank1.send_signal(signal.SIGKILL)
-                with pytest.raises(grpc.RpcError) as ended:
-                    for _ in stream:
-                        pass
-                assert gpu.wait(timeout=10) != 0
-            assert ended.value.code() == grpc.StatusCode.UNAVAILABLE, ended.value.details()
+                killed_rank_ends_the_stream(stub, gpu, request)
         finally:
             stop(cp)
     finally:
