@@ -31,7 +31,11 @@ measured, each other option is run until measured, then again when its wait has 
 first `EXPLORE` steps, doubled (to `EXPLORE` times `BACKOFF`) each time it delivered less than
 the incumbent's `1 - MARGIN` and quadrupled below its `FAR` (a run of what delivers far less
 costs more, and what delivers far less is further from taking over), so what is clearly worse
-costs ever less to watch; two runs at a shape are half `EXPLORE` apart at least. An option
+costs ever less to watch; two runs at a shape are half `EXPLORE` apart at least; and a run
+comes only while what the runs at a shape cost (the milliseconds their steps took beyond what
+the incumbent would have taken for the same tokens) is within `BUDGET` of the time served
+there, so that watching what delivers far less never costs a shape more than that share (a
+short JSON answer at 8 requests paid 7% for a drafter it never chose). An option
 measured `TIMED` times that delivered `MARGIN` more than the incumbent takes its place. So the
 choice starts from the fixed method that is best on most machines, and follows a machine that
 gets busier or quieter, or a drafter that does better than the head, once the evidence is
@@ -67,6 +71,7 @@ MARGIN = 0.1  # how much more an option must deliver to take the incumbent's pla
 # Below this share of the incumbent's delivery an option's wait grows fourfold, not twofold: a
 # run of it costs more, and it is further from taking over.
 FAR = 0.75
+BUDGET = 0.02  # the most of a shape's time its exploring runs may cost over the incumbent
 OWN_SEEN = 8  # drafts a sequence verified under a method before its own record counts
 PROBE = 32  # steps a sequence sits out before it tries the option again
 
@@ -118,6 +123,9 @@ class Chooser:
     # Each option's last run's first step at a shape, in its steps (None: any option's).
     explored_at: dict[tuple[Shape, Option | None], int] = field(default_factory=dict)
     waits: dict[tuple[Shape, Option], int] = field(default_factory=dict)  # steps between runs
+    # Each shape's ms served, and what its exploring runs cost beyond the incumbent's rate.
+    spent: dict[Shape, float] = field(default_factory=dict)
+    lost: dict[Shape, float] = field(default_factory=dict)
     # An option run until measured: its shape, its samples and the step when it began.
     exploring: tuple[Shape, Option, int, int] | None = None
     streak: tuple[tuple[Shape, Option] | None, int] = (None, 0)  # the step's key, its run
@@ -222,6 +230,8 @@ class Chooser:
         due = max(others, key=overdue, default=None)
         if due is None or overdue(due) < 0:
             return None
+        if overdue(due) < 1 << 30 and self.lost.get(self.at, 0.0) > BUDGET * self._spent():
+            return None  # the shape's runs cost their share already
         last = self.explored_at.get((self.at, None), -EXPLORE)
         if overdue(due) < 1 << 30 and self._here() - last < EXPLORE // 2:
             return None  # two measured options' runs half EXPLORE apart at least
@@ -244,6 +254,9 @@ class Chooser:
         """Steps served at the step's shape: what an option's wait counts, so that a shape
         seldom reached is explored no more often, step for step, than a busy one."""
         return self.shape_steps.get(self.at, 0)
+
+    def _spent(self) -> float:
+        return self.spent.get(self.at, 0.0)
 
     def _own(self, o: Option) -> int:
         return len(self.served.get((self.at, o), ()))
@@ -322,14 +335,24 @@ class Chooser:
         # planned (a pipelined result comes back a step after it was sent, its drafts a step
         # before that), and the first verify after none's steps holds no drafts. Not a step a
         # request joined: it paid the prefill.
-        if self.current is None or mark is None or self.streak[1] < SETTLE:
+        if self.current is None or mark is None:
             return
-        if not set(self.batch) <= set(batch) or not self.ready:
+        ms, gained = (now - mark) * 1e3, sum(len(a.generated) - n for a, n in self.before)
+        self._spend(ms, gained)
+        if self.streak[1] < SETTLE or not set(self.batch) <= set(batch) or not self.ready:
             return
         key = (self.at, self.current)
-        gained = sum(len(a.generated) - n for a, n in self.before)
-        self.served.setdefault(key, deque(maxlen=SAMPLES)).append((gained, (now - mark) * 1e3))
+        self.served.setdefault(key, deque(maxlen=SAMPLES)).append((gained, ms))
         self.measured[key] = self.measured.get(key, 0) + 1
+
+    def _spend(self, ms: float, gained: int) -> None:
+        """The step's time to its shape's, and, for a step of a run other than the
+        incumbent's, what it took beyond the incumbent's rate for the same tokens."""
+        self.spent[self.at] = self._spent() + ms
+        incumbent = self.incumbent.get(self.at)
+        rate = self._rate(incumbent) if incumbent is not None else None
+        if self.current != incumbent and rate:
+            self.lost[self.at] = self.lost.get(self.at, 0.0) + max(0.0, ms - gained / rate)
 
     def observe(self, active: list[ActiveSeq]) -> None:
         """A step served: every verdict of its sequences, for the acceptance (each request's,

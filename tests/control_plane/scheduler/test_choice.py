@@ -12,6 +12,7 @@ import pytest
 
 from control_plane.scheduler.choice import (
     BACKOFF,
+    BUDGET,
     EXPLORE,
     PROBE,
     SAMPLES,
@@ -252,10 +253,14 @@ def test_a_step_counts_once_the_verdicts_come_from_what_runs() -> None:
     assert sum(chooser.measured.values()) >= 1
 
 
+# DFlash at 0.8 of mtp's tokens a millisecond: clearly less, its runs cheap enough that the
+# budget never holds them back.
+NEAR = {"none": 1.0, "mtp": 1.0, "dflash": 4 / (0.8 * 3)}
+
+
 def test_what_delivers_clearly_less_is_watched_ever_less_often() -> None:
     chooser, active = Chooser(), [seq("a"), seq("b")]
-    costs = {"none": 1.0, "mtp": 1.0, "dflash": 20.0}  # mtp 6 tokens/ms, dflash 0.4
-    picks = served(chooser, active, costs, 40 * EXPLORE)
+    picks = served(chooser, active, NEAR, 60 * EXPLORE)
     gaps = _dflash_gaps(picks)
     assert len(gaps) >= 3 and gaps == sorted(gaps) and gaps[-1] >= 3 * gaps[0], "its wait grew"
     assert gaps[-1] <= EXPLORE * BACKOFF + RUN * SETTLE, "and is bounded"
@@ -267,13 +272,28 @@ def _dflash_gaps(picks: list[str]) -> list[int]:
 
 
 def test_what_delivers_far_less_waits_longer_than_what_delivers_a_little_less() -> None:
-    """DFlash at 0.8 of mtp's tokens a millisecond waits twice EXPLORE after its first run; at
-    a fifteenth, four times."""
+    """After its first run, DFlash at 0.8 of mtp's tokens a millisecond waits twice EXPLORE;
+    at a fifteenth, four times."""
 
-    def first_gap(dflash_ms: float) -> int:
+    def wait(dflash_ms: float) -> int:
         chooser, active = Chooser(), [seq("a"), seq("b")]
-        costs = {"none": 1.0, "mtp": 1.0, "dflash": dflash_ms}
-        return _dflash_gaps(served(chooser, active, costs, 8 * EXPLORE))[0]
+        picks = served(chooser, active, {**NEAR, "dflash": dflash_ms}, 3 * EXPLORE)
+        assert picks.count("dflash") == RUN, "one run"
+        return chooser.waits[((2, False), Option(BLOCK))]
 
-    near, far = first_gap(4 / (0.8 * 3)), first_gap(20.0)
-    assert 2 * EXPLORE <= near < 3 * EXPLORE and 4 * EXPLORE <= far < 5 * EXPLORE
+    assert wait(NEAR["dflash"]) == 2 * EXPLORE and wait(20.0) == 4 * EXPLORE
+
+
+def test_watching_what_delivers_far_less_costs_at_most_the_budget() -> None:
+    """DFlash at a fifteenth of mtp's tokens a millisecond: measured at once, then watched at
+    four times EXPLORE or longer, what its runs cost beyond mtp's rate within BUDGET of the
+    time served (one run over at most)."""
+    chooser, active = Chooser(), [seq("a"), seq("b")]
+    costs = {"none": 1.0, "mtp": 1.0, "dflash": 20.0}
+    picks = served(chooser, active, costs, 200 * EXPLORE)
+    gaps = _dflash_gaps(picks)
+    assert "dflash" in picks[: 3 * EXPLORE] and gaps and gaps[0] >= 4 * EXPLORE
+    shape = (2, False)
+    run_cost = RUN * (costs["dflash"] - 2 * YIELDS["dflash"] / 6.0)
+    assert chooser.lost[shape] <= BUDGET * chooser.spent[shape] + 2 * run_cost
+    assert chooser.incumbent[shape] == Option(HEAD)
