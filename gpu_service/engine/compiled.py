@@ -108,6 +108,8 @@ def compile_run(run: Run) -> Run:
         # Inductor's own kernels on one thread: split over several, a reduction's order would
         # follow the bucket's shape (the products it calls still use torch's threads).
         graph = compile_fx(gm, inputs, config_patches={"cpp_wrapper": True, "cpp.threads": 1})
+        if not callable(graph):  # what an ahead-of-time export gives, never asked for here
+            raise RuntimeError(f"inductor gave {type(graph).__name__}, not a callable graph")
         built.append((graph, list(inputs)))
         return graph
 
@@ -119,7 +121,7 @@ def compile_run(run: Run) -> Run:
         compiled()
     if len(built) != 1:
         raise RuntimeError(f"dynamo made {len(built)} graphs of one step, not one")
-    (graph, inputs), broken = built[0], []
+    (graph, inputs), broken = built[0], list[str]()
 
     def replay() -> None:
         """The compiled graph; should it fail, `run` itself from then on: the call, and every
