@@ -173,9 +173,10 @@ def recording(t: trace.Tracer) -> bool:
     while no SDK is installed. Opening a no-op span still costs some microseconds (a context
     attached and detached), which a step's dozen spans add to every step of a service that
     exports nothing."""
-    if isinstance(t, trace.ProxyTracer):
-        return not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
-    return not isinstance(t, trace.NoOpTracer)
+    # The proxy's own delegate, as its spans ask it (the global provider's lookup reads the
+    # environment each call while none is set).
+    real = t._tracer if isinstance(t, trace.ProxyTracer) else t
+    return not isinstance(real, trace.NoOpTracer)
 
 
 @contextmanager
