@@ -14,6 +14,7 @@ from control_plane.scheduler.choice import (
     BACKOFF,
     BUDGET,
     EXPLORE,
+    NONE_OPTION,
     PROBE,
     SAMPLES,
     SETTLE,
@@ -147,7 +148,11 @@ def test_a_new_batch_size_starts_from_its_nearest_known_one() -> None:
     assert served(chooser, three, COSTS, RUN) == ["dflash"] * RUN, "the incumbent of two"
     constrained = seq("json")
     constrained.grammar = Forcing()  # type: ignore[assignment]
-    assert served(chooser, [*three, constrained], COSTS, 1) == ["mtp"], "no grammar's shape known"
+    picks = served(chooser, [*three, constrained], COSTS, 1)
+    assert picks == ["none"], "no grammar's shape known: none, which MTP must beat under a grammar"
+    constrained_two = Chooser()
+    picks = served(constrained_two, [seq("a"), constrained], COSTS, 3 * EXPLORE)
+    assert picks[0] == "none" and picks[-EXPLORE // 2 :].count("dflash") >= EXPLORE // 2 - SETTLE
 
 
 def test_a_sequence_whose_own_drafts_fall_sits_out_and_probes() -> None:
@@ -277,7 +282,7 @@ def test_what_delivers_far_less_waits_longer_than_what_delivers_a_little_less() 
 
     def wait(dflash_ms: float) -> int:
         chooser, active = Chooser(), [seq("a"), seq("b")]
-        picks = served(chooser, active, {**NEAR, "dflash": dflash_ms}, 3 * EXPLORE)
+        picks = served(chooser, active, {**NEAR, "dflash": dflash_ms}, 2 * EXPLORE)
         assert picks.count("dflash") == RUN, "one run"
         return chooser.waits[((2, False), Option(BLOCK))]
 
@@ -295,5 +300,6 @@ def test_watching_what_delivers_far_less_costs_at_most_the_budget() -> None:
     assert "dflash" in picks[: 3 * EXPLORE] and gaps and gaps[0] >= 4 * EXPLORE
     shape = (2, False)
     run_cost = RUN * (costs["dflash"] - 2 * YIELDS["dflash"] / 6.0)
-    assert chooser.lost[shape] <= BUDGET * chooser.spent[shape] + 2 * run_cost
+    assert chooser.lost[(shape, Option(BLOCK))] <= BUDGET * chooser.spent[shape] + 2 * run_cost
+    assert chooser.lost.get((shape, NONE_OPTION), 0.0) <= BUDGET * chooser.spent[shape], "none"
     assert chooser.incumbent[shape] == Option(HEAD)
