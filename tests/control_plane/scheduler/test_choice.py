@@ -155,6 +155,17 @@ def test_a_new_batch_size_starts_from_its_nearest_known_one() -> None:
     assert picks[0] == "none" and picks[-EXPLORE // 2 :].count("dflash") >= EXPLORE // 2 - SETTLE
 
 
+def test_a_shape_met_before_its_neighbours_ran_an_option_waits_as_they_found() -> None:
+    """One request alone first (too briefly to explore), then two, where dflash is found far
+    worse; alone again, dflash waits as the two's wait says instead of running at once."""
+    chooser, a, b = Chooser(), seq("a"), seq("b")
+    far = {"none": 1.0, "mtp": 1.0, "dflash": 20.0}
+    served(chooser, [a], far, SETTLE)
+    served(chooser, [a, b], far, 3 * EXPLORE)
+    assert chooser.waits[((2, False), Option(BLOCK))] >= 4 * EXPLORE
+    assert "dflash" not in served(chooser, [a], far, EXPLORE)
+
+
 def test_a_sequence_whose_own_drafts_fall_sits_out_and_probes() -> None:
     chooser, good, poor = Chooser(), seq("good"), seq("poor")
     # For two: none 2.0 tokens/ms, mtp 3.3 (2.2 with one sitting out), dflash 1.6.
