@@ -7,7 +7,6 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 
-import numpy as np
 import torch
 
 from gpu_service.engine import images as vision
@@ -132,7 +131,7 @@ class Verifier:
         placed = self._place(states, rows, sent)
         hidden = self._forward(states, rows, PREFILL, placed=placed)
         scored = self._score(hidden, rows, asks) if asks else []
-        (ends,) = upload(hidden.device, (np.cumsum([len(p) for p in rows]) - 1).tolist())
+        (ends,) = upload(hidden.device, [e - 1 for e in itertools.accumulate(map(len, rows))])
         for s, p in zip(states, rows, strict=True):
             s.tokens.extend(p)
         if placed is not None:
@@ -206,7 +205,7 @@ class Verifier:
         """Each asked prompt's rows scored: the model's raw log-softmax (fp32) of the token
         after each row, its rank, and each row's top alternatives; `SCORE_ROWS` rows at a
         time, so that a long prompt's scores cost a tile's logits, not the prompt's."""
-        starts = np.cumsum([0, *(len(r) for r in rows)]).tolist()
+        starts = list(itertools.accumulate(map(len, rows), initial=0))
         out: list[Scores | None] = [None] * len(rows)
         for i, ask in asks.items():
             after = rows[i][1:] + ([] if ask.next_token is None else [ask.next_token])
@@ -280,7 +279,7 @@ class Verifier:
     ) -> torch.Tensor:
         """The verify forward and its bookkeeping, results left on the device -> the
         processed logits [R, V] (`process_rows`), also kept in the buffer."""
-        starts = np.cumsum([0, *ks]).tolist()
+        starts = list(itertools.accumulate(ks, initial=0))
         rows = [tokens[a:b] for a, b in zip(starts, starts[1:], strict=False)]
         hidden = self._forward(states, rows, VERIFY, not write_on_accept)
         self.state.verify_hidden = hidden
@@ -420,7 +419,7 @@ class Verifier:
         nxt = [0.0] * n
         ids: list[list[int]] = [[] for _ in range(n)]
         values: list[list[float]] = [[] for _ in range(n)]
-        spans = list(itertools.pairwise(np.cumsum([0, *ks]).tolist()))
+        spans = list(itertools.pairwise(itertools.accumulate(ks, initial=0)))
         asked = [i for i in range(len(ks)) if i in sampling or tops[i]]
         if asked:
             rows = [r for i in asked for r in range(*spans[i])]
