@@ -27,27 +27,26 @@ one request's choice to none.
 Each shape has an incumbent, at first the nearest known shape's (its options' waits too, so a
 new batch size does not explore at once what its neighbour found worse; nor does a shape met
 before its neighbours ran an option: an option it never ran waits as long as the nearest shape
-that ran it found), else MTP (what a
-request naming no method gets by default), but none where a grammar constrains the batch (its
-masks cut drafts before the verify, and a drafter trained on free text guesses a forced format
-seldom: MTP delivered 0.86-0.93 of none on short JSON answers at 8, within the `MARGIN` that
-would keep it the incumbent there), and it is served but for exploration: once it is
-measured, each other option is run until measured, then again when its wait has passed, at
-first `EXPLORE` steps, doubled (to `EXPLORE` times `BACKOFF`) each time it delivered less than
-the incumbent's `1 - MARGIN` and quadrupled below its `FAR` (a run of what delivers far less
-costs more, and what delivers far less is further from taking over), so what is clearly worse
-costs ever less to watch; two runs at a shape are half `EXPLORE` apart at least; and a run
-of an option comes only while what its runs at a shape cost (the milliseconds their steps took
-beyond what the incumbent would have taken for the same tokens) is within `BUDGET` of the time
-served there, so that watching what delivers far less never costs a shape more than that share
-(a short JSON answer at 8 requests paid 7% for a drafter it never chose), while what delivers
-more costs nothing to watch. An option
-measured `TIMED` times that delivered `MARGIN` more than the incumbent takes its place. So the
-choice starts from the fixed method that is best on most machines, and follows a machine that
-gets busier or quieter, or a drafter that does better than the head, once the evidence is
-clear. Widths are not options: exploring each width of each method (nine options on the bundled
-model) cost a fifth of the tokens at one request and a width's gain over its neighbour is
-within a step's noise here, while the cost model weighs the widths from tables measured once.
+that ran it found), else MTP (the best fixed method on most machines), but none where a grammar
+constrains the batch (its masks cut drafts before the verify, and a drafter trained on free text
+seldom guesses a forced format: MTP delivered 0.86-0.93 of none on short JSON answers at 8,
+within the `MARGIN` that would keep it the incumbent there), and it is served but for
+exploration: once it is measured, each other option is run until measured, then again when its
+wait has passed, at first `EXPLORE` steps, doubled (to `EXPLORE` times `BACKOFF`) each time it
+delivered less than the incumbent's `1 - MARGIN` and quadrupled below its `FAR` (a run of what
+delivers far less costs more, and what delivers far less is further from taking over), so what
+is clearly worse costs ever less to watch; two runs at a shape are half `EXPLORE` apart at
+least; and a run of an option comes only while what its runs at a shape cost (the milliseconds
+their steps took beyond what the incumbent would have taken for the same tokens) is within
+`BUDGET` of the time served there, so that watching what delivers far less never costs a shape
+more than that share (a short JSON answer at 8 requests paid 7% for a drafter it never chose),
+while what delivers more costs nothing to watch. An option measured `TIMED` times that delivered
+`MARGIN` more than the incumbent takes its place. So the choice starts from the fixed method
+that is best on most machines, and follows a machine that gets busier or quieter, or a drafter
+that does better than the head, once the evidence is clear. Widths are not options: exploring
+each width of each method (nine options on the bundled model) cost a fifth of the tokens at one
+request and a width's gain over its neighbour is within a step's noise here, while the cost
+model weighs the widths from tables measured once.
 
 The option is every choosing sequence's, but for one whose own record says it would give fewer
 tokens than its share of the step costs over `none`'s: it sits the step out (plain),
