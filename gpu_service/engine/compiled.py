@@ -7,8 +7,8 @@ to the eager forward with its reason kept (`Graphs.failed`). Dynamo traces a key
 then calls what inductor built with the tensors dynamo handed it, as a captured CUDA graph
 replays over the addresses it captured: a key's buffers never change shape, dtype or place, nor
 are they bound anew, so dynamo's frame, its guards and its stance would check nothing at a
-replay, and they cost a third of the service's own work a step at one sequence (0.36 of 3.39
-ms, two replays).
+replay, and they cost a quarter of the service's own work a step at one sequence (0.36 ms of a
+3.39 ms step in process, two replays).
 
 Inductor's caches (its FX graph cache and AOT autograd cache) live in the directory
 `--compile-cache` names, so that a second start loads each compiled key instead of compiling
