@@ -35,13 +35,14 @@ from control_plane.text.tokenizer import TOKENIZER_FILE, Tokenization
 from protos import checks
 from protos.handles import MAX_TOP
 from protos.model import Capabilities, ModelError, Penalties
-from protos.params import MTP, RequestParams, penalties
+from protos.params import AUTO, RequestParams, penalties
 
 T = TypeVar("T")
-# For requests that leave the speculative method unspecified: the MTP head. The server's choice
-# (`auto`, `control_plane/scheduler/choice.py`) is served by name and by `--method auto`; it is
-# not the default while it delivers less than mtp on the bundled model (`tools/bench/choice.py`).
-DEFAULT_METHOD = MTP
+# For requests that leave the speculative method unspecified: the server's choice each step
+# (`control_plane/scheduler/choice.py`), which starts from the MTP head on free text and from
+# none under a grammar, and matches the best fixed method on the bundled model
+# (`tools/bench/choice.py`); `--method` names another.
+DEFAULT_METHOD = AUTO
 # For requests that leave max_new_tokens unset: None, the rest of the context (vLLM's).
 DEFAULT_MAX_NEW_TOKENS: int | None = None
 # UTF-8 bytes of a text prompt or a rendered chat, checked before tokenizing: a tokenizer's ids

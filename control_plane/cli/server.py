@@ -88,8 +88,8 @@ def add_serve_args(parser: argparse.ArgumentParser, gpu_service_required: bool =
         "--method",
         choices=list(METHODS),
         default=DEFAULT_METHOD,
-        help="speculative method of requests that leave it unspecified (default: mtp; auto: "
-        "the server's choice each step from what each option delivered)",
+        help="speculative method of requests that leave it unspecified (default: auto, the "
+        "server's choice each step from what each option delivered)",
     )
     parser.add_argument(
         "--max-new-tokens",

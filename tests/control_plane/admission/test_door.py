@@ -20,7 +20,7 @@ from gpu_service.model.config import ServiceConfig
 from met.main import build_parser
 from protos.met.v1 import generate_pb2 as pb
 from protos.met.v1 import generate_pb2_grpc as pb_grpc
-from protos.params import MTP, RequestParams
+from protos.params import AUTO, RequestParams
 from tests.servers import serving
 
 SERVICE = ServiceConfig(verify_tiers="4:3", max_context=256)  # drafts 1..3; tiny vocab: 320
@@ -194,4 +194,4 @@ def test_max_prompt_bytes_is_a_serve_flag() -> None:
     base = ["control-plane", "serve", "--gpu-service", "x:1"]
     assert admission(build_parser().parse_args(base)) == Admission()
     args = build_parser().parse_args([*base, "--max-prompt-bytes", "4096"])
-    assert admission(args) == Admission(MTP, Admission().default_max_new, 4096)
+    assert admission(args) == Admission(AUTO, Admission().default_max_new, 4096)
