@@ -19,7 +19,8 @@ request's, draft for draft, once it has verified `OWN_SEEN` of the method's.
 
 A step is measured only once it delivers its own option's tokens: the `SETTLE`th or later of
 a run of its option at its shape, no request joined it (that step paid a prefill), and every
-choosing sequence's last verdict with drafts came from what it runs now (after a switch the
+choosing sequence's last verdict on drafts (held, or all cut by its grammar) came from what it
+runs now (after a switch the
 pipeline returns what the option before planned for a step or two, and a drafter's first
 verify holds no drafts). Counting steps instead measured MTP at one token a step and handed
 one request's choice to none.
@@ -381,8 +382,8 @@ class Chooser:
         whichever method it names)."""
         for a in active:
             for name, drafted, accepted in a.verdicts:
-                # A verify a grammar or the room left without drafts says nothing of a switch.
-                if drafted or not a.method.drafts:
+                # A verify the room left without drafts says nothing of a switch.
+                if name != PLAIN.name or not a.method.drafts:
                     self.ran[a.req.request_id] = name
                 if drafted:
                     kind, self.last_width[name] = (name, a.constrained), drafted

@@ -252,6 +252,7 @@ class ActiveSeq:
         # The strategy it steps with: the one its request names, or the chooser's this step.
         self.method: Method = (HEAD if seeded else PLAIN) if named.chooses else named
         self.drafted_by = self.method.name  # the method whose drafts it holds
+        self.cut_all = False  # its grammar cut every draft its next verify was to hold
         # Its verdicts since the chooser last read them: (method, drafted, accepted).
         self.verdicts: deque[tuple[str, int, int]] = deque(maxlen=VERDICTS_KEPT)
         self.draft_stop = draft_stop  # --draft-confidence-stop, as a log-probability
@@ -291,6 +292,7 @@ class ActiveSeq:
         kept = self.grammar.valid_prefix(self.pending_drafts)
         if kept < len(self.pending_drafts):
             self.stats.grammar_truncations += 1
+            self.cut_all = kept == 0
             self.pending_drafts = self.pending_drafts[:kept]
             self.pending_conf = self.pending_conf[:kept]
 
@@ -439,7 +441,11 @@ class ActiveSeq:
         """A verify's verdict on the drafts it held (a plain one's counts under none)."""
         by = self.drafted_by if drafted else PLAIN.name
         self.stats.record(drafted, accepted, by)
-        self.verdicts.append((by, drafted, accepted))
+        # The chooser reads whose proposal a verify followed: one whose drafts a grammar cut
+        # all of still ran its drafter's step (counted as none's, it kept a run under a
+        # grammar from ever being measured).
+        self.verdicts.append((self.drafted_by if self.cut_all else by, drafted, accepted))
+        self.cut_all = False
         if self.observer is not None:
             self.observer.record_verify(drafted, accepted, by)
 

@@ -3,13 +3,13 @@
 
 Through both processes as a user runs them: a GPU service child with the checkpoint's DFlash
 drafter, a control plane child over it, and concurrent gRPC `Generate` calls. At each
-concurrency, rounds of requests naming each fixed method and requests naming `auto`,
-interleaved so that the machine's drift falls on all alike; greedy, a fixed token count; the
-first round warms both processes (and the choice's measurements) and is not counted. Each
-arm's tok/s is the median over the rounds, its ratios to none and to the best fixed method the
-medians of the per-round ratios; every arm's texts must equal none's. Then 8
-concurrent JSON-schema requests, none against the server's choice. `--load N` runs it all
-again beside N busy processes."""
+concurrency, rounds of requests naming each fixed method and requests naming none (`unnamed`:
+the server's default, its choice unless started with another `--method`), interleaved so that
+the machine's drift falls on all alike; greedy, a fixed token count; the first round warms both
+processes (and the choice's measurements) and is not counted. Each arm's tok/s is the median
+over the rounds, its ratios to none and to the best fixed method the medians of the per-round
+ratios; every arm's texts must equal none's. Then 8 concurrent JSON-schema requests, none and
+mtp against the unnamed. `--load N` runs it all again beside N busy processes."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ ARMS = {  # label -> the wire's method
     "none": pb.SPECULATIVE_METHOD_NONE,
     "mtp": pb.SPECULATIVE_METHOD_MTP,
     "dflash": pb.SPECULATIVE_METHOD_DFLASH,
-    "auto": pb.SPECULATIVE_METHOD_AUTO,
+    "unnamed": pb.SPECULATIVE_METHOD_UNSPECIFIED,
 }
 FIXED = ("none", "mtp", "dflash")
 SCHEMA = json.dumps(
@@ -120,7 +120,7 @@ def _ratio(mine: list[dict], theirs: list[dict]) -> float:
 def _schema_rows(stub, work: Workload, tokens: int, repeats: int) -> list[dict]:
     fmt = pb.ResponseFormat(json_schema=SCHEMA)
     prompts = [work.prompts[i % len(work.prompts)] for i in range(SCHEMA_REQUESTS)]
-    runs: dict[str, list[dict]] = {"none": [], "mtp": [], "auto": []}
+    runs: dict[str, list[dict]] = {"none": [], "mtp": [], "unnamed": []}
     for r in range(repeats + 1):
         for label in _rotated(list(runs), r):
             got = _round(stub, prompts, ARMS[label], tokens, fmt)
@@ -170,7 +170,7 @@ def choice(
 
 
 def choice_failures(rows: list[dict], speed: bool = True) -> list[str]:
-    """An arm whose texts differ from none's; with `speed`, the server's choice below none, or
+    """An arm whose texts differ from none's; with `speed`, the default below none, or
     below 0.95x the best fixed method, at a concurrency (a quick run's single round is noise)."""
     out = []
     for r in rows:
@@ -179,9 +179,9 @@ def choice_failures(rows: list[dict], speed: bool = True) -> list[str]:
             out.append(f"{at} differs from none")
         if not speed:
             continue
-        if r["method"].endswith("auto") and r["over_none"] < 1.0:
+        if r["method"].endswith("unnamed") and r["over_none"] < 1.0:
             out.append(f"{at} is {r['over_none']:.2f}x none")
-        if r["method"] == "auto" and r["over_best_fixed"] < 0.95:
+        if r["method"] == "unnamed" and r["over_best_fixed"] < 0.95:
             out.append(f"{at} is {r['over_best_fixed']:.2f}x the best fixed method")
     return out
 

@@ -25,6 +25,7 @@ from control_plane.scheduler.choice import (
 )
 from control_plane.scheduler.methods import BLOCK, HEAD, PLAIN
 from control_plane.scheduler.seq import ActiveSeq, GenRequest, ModelFacts
+from control_plane.text.grammar import GrammarCompiler
 from control_plane.text.tokenizer import ByteTokenizer
 from gpu_service.engine.facade import Engine
 from gpu_service.model.config import DFLASH_VERIFY_TIERS, ServiceConfig
@@ -267,6 +268,27 @@ def test_a_step_counts_once_the_verdicts_come_from_what_runs() -> None:
     for _ in range(SETTLE + 1):
         step(3)
     assert sum(chooser.measured.values()) >= 1
+
+
+def test_a_run_whose_drafts_a_grammar_cuts_all_of_is_measured() -> None:
+    """A verify whose drafts the grammar cut to none followed its drafter's step: read as
+    none's, no step of a run under a grammar counted, and the run came back at once."""
+    chooser, a = Chooser(), seq("a")
+    a.grammar = GrammarCompiler(TOK, 320, (257,)).compile("regex", "a+")
+    chooser.incumbent[(1, True)] = Option(HEAD)  # MTP serving the constrained shape
+    now = [0.0]
+    chooser.clock = lambda: now[0]
+    for _ in range(RUN + 1):
+        chooser.choose([a], caps(16), 3, 8)
+        if a.method.drafts:
+            a.pending_drafts, a.pending_conf, a.drafted_by = [ord("b")] * 3, [1.0] * 3, MTP_HEAD
+            a.cut_drafts()
+        a.generated.append(ord("a"))
+        a.record_verify(len(a.pending_drafts), 0)
+        chooser.observe([a])
+        now[0] += 1e-3
+    assert chooser.measured[((1, True), Option(HEAD))] == TIMED
+    assert a.stats.grammar_truncations == RUN  # then none's turn to be measured
 
 
 # DFlash at 0.8 of mtp's tokens a millisecond: clearly less, its runs cheap enough that the
