@@ -20,10 +20,9 @@ request's, draft for draft, once it has verified `OWN_SEEN` of the method's.
 A step is measured only once it delivers its own option's tokens: the `SETTLE`th or later of
 a run of its option at its shape, no request joined it (that step paid a prefill), and every
 choosing sequence's last verdict on drafts (held, or all cut by its grammar) came from what it
-runs now (after a switch the
-pipeline returns what the option before planned for a step or two, and a drafter's first
-verify holds no drafts). Counting steps instead measured MTP at one token a step and handed
-one request's choice to none.
+runs now (after a switch the pipeline returns what the option before planned for a step or
+two, and a drafter's first verify holds no drafts). Counting steps instead measured MTP at one
+token a step and handed one request's choice to none.
 
 Each shape has an incumbent, at first the nearest known shape's (its options' waits too, so a
 new batch size does not explore at once what its neighbour found worse; nor does a shape met
