@@ -85,6 +85,14 @@ PROBE = 32  # steps a sequence sits out before it tries the option again
 class Option:
     method: Method
 
+    # By the method's name, its registry key: a Method's generated hash and equality read
+    # every field, and the choice looks options up a dozen times a step.
+    def __hash__(self) -> int:
+        return hash(self.method.name)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Option) and other.method.name == self.method.name
+
     @property
     def drafts(self) -> bool:
         return self.method.drafts
@@ -113,6 +121,7 @@ class Chooser:
 
     # Each option's last steps at each shape: (tokens its choosing sequences gained, ms).
     served: dict[tuple[Shape, Option], deque[tuple[int, float]]] = field(default_factory=dict)
+    rates: dict[tuple[Shape, Option], float] = field(default_factory=dict)  # what `served` gave
     # By method and whether a grammar constrained the sequence, over every request.
     acceptance: dict[Kind, Calibration] = field(default_factory=dict)
     per_draft: dict[Kind, tuple[int, int]] = field(default_factory=dict)  # drafted, accepted
@@ -321,12 +330,7 @@ class Chooser:
         return self._delivered(self.at, o)
 
     def _delivered(self, shape: Shape, o: Option) -> float | None:
-        steps = self.served.get((shape, o))
-        if not steps:
-            return None
-        # Over the samples together: a pipelined step's results come back a step or more
-        # after it was sent, so one step alone may hold none of them, or several steps'.
-        return sum(t for t, _ in steps) / max(sum(ms for _, ms in steps), 1e-6)
+        return self.rates.get((shape, o))
 
     def _joins(self, a: ActiveSeq, pick: Option) -> bool:
         """Whether the sequence runs the step's option: unless its own record says it would
@@ -335,8 +339,10 @@ class Chooser:
         if not pick.drafts:
             return True  # a step of none (exploring it, say) keeps its count of steps out
         plain, rate = self._rate(NONE_OPTION), self._rate(pick)
-        own = self.tokens(a, pick) / self.tokens(a, pick, own=False)
-        # Only its own record sits it out: while the option is being timed, it runs it.
+        # Only its own record sits it out (an own acceptance at or above every request's
+        # gives at least the option's tokens): while the option is being timed, it runs it.
+        poorer = self._own_scale(a, pick.method.name) < 1.0
+        own = self.tokens(a, pick) / self.tokens(a, pick, own=False) if poorer else 1.0
         if not plain or not rate or own >= 1.0 or own * rate >= plain:
             self.sat_out.pop(a.req.request_id, None)
             return True
@@ -363,7 +369,11 @@ class Chooser:
         if self.streak[1] < SETTLE or not set(self.batch) <= set(batch) or not self.ready:
             return
         key = (self.at, self.current)
-        self.served.setdefault(key, deque(maxlen=SAMPLES)).append((gained, ms))
+        steps = self.served.setdefault(key, deque(maxlen=SAMPLES))
+        steps.append((gained, ms))
+        # Over the samples together: a pipelined step's results come back a step or more
+        # after it was sent, so one step alone may hold none of them, or several steps'.
+        self.rates[key] = sum(t for t, _ in steps) / max(sum(ms for _, ms in steps), 1e-6)
         self.measured[key] = self.measured.get(key, 0) + 1
 
     def _spend(self, ms: float, gained: int) -> None:
