@@ -103,14 +103,14 @@ def test_bench_quick(tmp_path: Path) -> None:
     _check_figures(report, result.stdout, table)
     choice = {(r["method"], r["concurrency"]): r for r in report["choice"]}
     assert set(choice) == {
-        *((m, 1) for m in ("none", "mtp", "dflash", "auto")),
+        *((m, 1) for m in ("none", "mtp", "dflash", "unnamed")),
         ("json_schema/none", 8),
         ("json_schema/mtp", 8),
-        ("json_schema/auto", 8),
+        ("json_schema/unnamed", 8),
     }
     assert all(r["identical"] for r in choice.values()), "through both processes, as none's"
-    assert choice[("auto", 1)]["ran"], "the response's stats name what the choice ran"
-    assert "json_schema/auto" in result.stdout and "json_schema/auto" in table
+    assert choice[("unnamed", 1)]["ran"], "the response's stats name what the choice ran"
+    assert "json_schema/unnamed" in result.stdout and "json_schema/unnamed" in table
     depth_arms = {r["arm"] for r in report["depth"]["rows"]}
     assert depth_arms == {"none", "fixed_3", "fixed_7", "measured_3", "measured_deep"}
     assert "draft depth (tiers 4:7," in result.stdout and "| measured_deep | 1 |" in table
