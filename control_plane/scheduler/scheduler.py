@@ -174,14 +174,17 @@ class Scheduler:
 
     def snapshot(self) -> dict:
         counters, spec = self.tally.copy()
-        blocks, blocks_free = self.link.kv_blocks()
         with self._lock:
-            return {
-                "kv_blocks": blocks,
-                "kv_blocks_free": blocks_free,
+            held = {
                 "counters": counters,
                 "spec": spec,
                 "active": self.loop.holding(),
                 "queued": self.queue.queued,
                 "free_slots": self.link.free_slots if self.link.ctx else 0,
             }
+        # The pool asked after the requests are read (and outside the lock: it is a call to
+        # the service): a request leaves `active` only once its sequence is freed, so a
+        # snapshot with none active shows every block of theirs free. Asked before, a free
+        # between the two reads showed none active beside a block still held.
+        blocks, blocks_free = self.link.kv_blocks()
+        return {"kv_blocks": blocks, "kv_blocks_free": blocks_free, **held}

@@ -170,6 +170,25 @@ def test_queue_bound_and_cancel() -> None:
         s.stop()
 
 
+def test_a_snapshot_with_no_request_active_shows_their_blocks_free(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """GetStats' figures: the service's pool is asked after the requests are read. A request
+    leaves `active` only once its sequence is freed, so a sequence freed between the two reads
+    shows as still active, never as none active beside its block held."""
+    s = Scheduler(lambda: FakeModel(), TOK, SchedulerOptions(), NO_ENV)
+    holding = [1]
+
+    def pool() -> tuple[int, int]:
+        holding[0] = 0  # the loop frees the last sequence right after the pool was asked
+        return 32, 31
+
+    monkeypatch.setattr(s.loop, "holding", lambda: holding[0])
+    monkeypatch.setattr(s.link, "kv_blocks", pool)
+    snap = s.snapshot()
+    assert snap["active"] > 0 or snap["kv_blocks_free"] == snap["kv_blocks"], snap
+
+
 def test_long_prompt_prefills_in_chunks() -> None:
     model = FakeModel()
     s = scheduler(model, prefill_chunk=16)
